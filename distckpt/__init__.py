@@ -1,0 +1,39 @@
+"""distckpt: distributed, asynchronous, reshardable checkpoints for PyTorch, built on DCP.
+
+Public API (every name below is re-exported here)::
+
+    ckpt = distckpt.Checkpointer(root, keep_last=None, storage_options=None)
+    ckpt.save(step, state, blocking=True)     # collective
+    step = ckpt.load(state, step=None, strict=True)  # collective
+    ckpt.steps(); ckpt.latest_step()          # any rank
+    ckpt.wait(); ckpt.close()                 # collective
+"""
+
+from ._version import __version__
+from .checkpointer import Checkpointer, LoadReport, SaveStats, read_manifest
+from .data import GlobalBatchSampler
+from .errors import (
+    CheckpointError,
+    IntegrityError,
+    StateMismatchError,
+    StepExistsError,
+    UnsafeCheckpointError,
+)
+from .manifest import Manifest
+from .storage import Storage
+
+__all__ = [
+    "__version__",
+    "Checkpointer",
+    "CheckpointError",
+    "GlobalBatchSampler",
+    "IntegrityError",
+    "LoadReport",
+    "Manifest",
+    "SaveStats",
+    "StateMismatchError",
+    "StepExistsError",
+    "Storage",
+    "UnsafeCheckpointError",
+    "read_manifest",
+]

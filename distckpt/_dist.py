@@ -1,0 +1,162 @@
+"""Thin collective helpers that also work without an initialized process group.
+
+The rule these helpers enforce: a failure on any rank becomes the same exception on every rank.
+Each rank runs its part, catches what it raises, and the outcomes are exchanged in one collective,
+so no rank waits forever on a peer that gave up.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Group:
+    """The process group distckpt talks on (``None`` = default group, or no distribution)."""
+
+    pg: dist.ProcessGroup | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.pg) if self.enabled else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.pg) if self.enabled else 1
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if self.enabled else 0
+
+    @property
+    def coordinator_global_rank(self) -> int:
+        """Global rank of the group's rank 0 (what ``broadcast_object_list`` wants as ``src``)."""
+        if not self.enabled or self.pg is None:
+            return 0
+        return dist.get_global_rank(self.pg, 0)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """(all ranks) Every rank's ``obj``, in rank order."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """(all ranks) The coordinator's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.pg)
+
+
+@dataclass
+class _Failure:
+    """A picklable description of an exception raised on one rank."""
+
+    type_name: str
+    message: str
+    trace: str
+    exc: BaseException | None = None  # kept only when it pickles
+
+
+def capture(exc: BaseException) -> _Failure:
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    keep: BaseException | None = exc
+    try:
+        import pickle
+
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        keep = None
+    return _Failure(type(exc).__name__, _one_line(exc), trace, keep)
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc).strip() or repr(exc)
+    return f"{type(exc).__name__}: {msg}"
+
+
+def raise_if_any(
+    outcomes: list[Any], what: str, *, reraise_single_type: bool = True
+) -> None:
+    """Raise the same exception on every rank if any entry of ``outcomes`` is a failure.
+
+    When the failing ranks all raised the same builtin type carrying the same message (the
+    usual case for caller mistakes such as a missing step), that exception is re-raised as is,
+    so ``except FileNotFoundError`` works on every rank. Otherwise a :class:`CheckpointError`
+    lists each rank's cause.
+    """
+    failures = {r: o for r, o in enumerate(outcomes) if isinstance(o, _Failure)}
+    if not failures:
+        return
+    first = failures[min(failures)]
+    same = len({(f.type_name, f.message) for f in failures.values()}) == 1
+    if reraise_single_type and same and first.exc is not None:
+        raise first.exc
+    raise CheckpointError(
+        f"{what} failed on {len(failures)} of {len(outcomes)} rank(s)",
+        {r: f.message for r, f in failures.items()},
+    ) from (first.exc if first.exc is not None else None)
+
+
+def all_ranks(group: Group, what: str, fn: Callable[[], T]) -> T:
+    """(all ranks) Run ``fn`` on every rank; if it fails anywhere, fail everywhere alike.
+
+    ``fn`` must not run collectives itself: a rank that failed before reaching one would pair
+    its error exchange with a peer's unrelated collective.
+    """
+    return exchange(group, what, lambda: (fn(), None))[0]
+
+
+def exchange(group: Group, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+    """(all ranks) Like :func:`all_ranks` for ``fn`` returning ``(result, shared)``.
+
+    Returns this rank's result and every rank's ``shared`` part, in rank order, gathered in the
+    same single collective that exchanges the outcomes.
+    """
+    try:
+        result, shared = fn()
+        outcome: Any = None
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
+        result, shared, outcome = None, None, capture(exc)
+    gathered = group.all_gather((outcome, shared))
+    raise_if_any([o for o, _ in gathered], what)
+    return result, [s for _, s in gathered]  # type: ignore[return-value]
+
+
+def on_coordinator(group: Group, what: str, fn: Callable[[], T]) -> T:
+    """(all ranks) Run ``fn`` on the coordinator only and hand its result or error to every rank."""
+    payload: Any = None
+    if group.is_coordinator:
+        try:
+            payload = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001
+            payload = ("err", capture(exc))
+    payload = group.broadcast(payload)
+    if payload[0] == "err":
+        raise_if_any([payload[1]], what)
+    return payload[1]

@@ -1,0 +1,675 @@
+"""The :class:`Checkpointer`: collective save/load of a whole training state, sync or async."""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+from . import rng
+from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
+from ._planner import SafeLoadPlanner
+from ._version import __version__
+from .errors import CheckpointError, StateMismatchError, StepExistsError
+from .integrity import ALGORITHMS, new_hasher
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, parse_step_dir, step_dir
+from .retention import steps_to_delete
+from .staging import Stager
+from .state import Entry, build_entries
+from .storage import Storage
+
+log = logging.getLogger("distckpt")
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+
+@dataclass
+class SaveStats:
+    """Timing of one save, as seen by this rank.
+
+    Attributes:
+        step: the step saved.
+        blocking_s: time ``save`` blocked the caller (staging only, for async saves).
+        total_s: time from the call until the checkpoint was committed.
+        bytes_written: bytes of all ranks' files (the checkpoint's size).
+    """
+
+    step: int
+    blocking_s: float
+    total_s: float | None = None
+    bytes_written: int | None = None
+
+    @property
+    def throughput_gbps(self) -> float | None:
+        if not self.total_s or not self.bytes_written:
+            return None
+        return self.bytes_written / self.total_s / 1e9
+
+
+@dataclass
+class LoadReport:
+    """What a ``strict=False`` load left out (identical on every rank)."""
+
+    step: int
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+class _InFlight:
+    """The background half of one asynchronous save."""
+
+    def __init__(self, step: int, started: float, blocking_s: float) -> None:
+        self.step = step
+        self.stats = SaveStats(step, blocking_s)
+        self.started = started
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+
+class Checkpointer:
+    """Save and resume the complete training state of a (``torchrun``) job.
+
+    Every rank constructs one with the same arguments. ``save``, ``load``, ``wait`` and ``close``
+    are collective: every rank of the job calls them, in the same order. ``steps`` and
+    ``latest_step`` only read storage, and any rank may call them alone.
+
+    Args:
+        root: directory of step checkpoints: a local path or any fsspec URL (``s3://b/prefix``).
+        keep_last: keep only the newest ``k`` committed checkpoints (``None``: keep all). Older
+            ones are deleted only after a newer one committed; the newest is never deleted.
+        storage_options: passed to the fsspec filesystem (endpoint_url, key, secret, ...).
+        process_group: ranks that checkpoint together (default: all). distckpt creates its own
+            group over them for its collectives, so they never interleave with training
+            collectives on the default group.
+        backend: backend of that group (``"gloo"``: CPU collectives, safe beside NCCL training).
+        timeout: timeout of distckpt's collectives; a rank that dies makes the others fail
+            after this long instead of hanging.
+        thread_count: writer threads per rank.
+        sync_files: fsync local files before committing (object stores commit on close).
+        checksum: ``"crc32"`` (default), ``"sha256"`` or ``None``; computed while writing.
+        save_rng: save every rank's RNG states with each checkpoint.
+        replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
+            to in the background; ``load`` falls back to it when no local copy exists.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        keep_last: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        backend: str | None = "gloo",
+        timeout: timedelta | float = timedelta(minutes=10),
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksum: str | None = "crc32",
+        save_rng: bool = True,
+        replicate_to: str | None = None,
+        replicate_storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        if checksum is not None and checksum not in ALGORITHMS:
+            raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {checksum!r}")
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.storage = Storage(root, dict(storage_options or {}))
+        self.keep_last = keep_last
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+        self.checksum = checksum
+        self.save_rng = save_rng
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self._user_pg = process_group
+        self._backend = backend
+        self._group: Group | None = None
+        self._stager: Stager | None = None
+        self._inflight: _InFlight | None = None
+        self._closed = False
+        self.last_save: SaveStats | None = None
+        self.last_load_report: LoadReport | None = None
+        self.replica = None
+        if replicate_to is not None:
+            from .replica import Replicator
+
+            self.replica = Replicator(self.storage, Storage(replicate_to, dict(replicate_storage_options or storage_options or {})), keep_last)
+        _live.add(self)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.storage.url!r}, keep_last={self.keep_last})"
+
+    # ---------------------------------------------------------------------------------------
+    # groups
+    def _ensure_group(self) -> Group:
+        if self._group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                self._group = Group(None)
+            else:
+                ranks = None if self._user_pg is None else dist.get_process_group_ranks(self._user_pg)
+                # A dedicated group: background saves run collectives while training runs its
+                # own on the default group; sharing one group deadlocks (torch 2.13).
+                pg = dist.new_group(ranks=ranks, backend=self._backend, timeout=self.timeout)
+                self._group = Group(pg)
+        return self._group
+
+    # ---------------------------------------------------------------------------------------
+    # listing (not collective)
+    def steps(self) -> list[int]:
+        """Committed steps under the root, ascending. Not collective."""
+        return _committed_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` if there is none (local or replica). Not collective."""
+        steps = self.steps()
+        if steps:
+            return steps[-1]
+        if self.replica is not None:
+            remote = _committed_steps(self.replica.remote)
+            return remote[-1] if remote else None
+        return None
+
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (default: newest). ``FileNotFoundError`` if not committed."""
+        storage, step = self._locate(step)
+        return read_manifest(storage, step)
+
+    # ---------------------------------------------------------------------------------------
+    # saving
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        blocking: bool = True,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """(all ranks) Save ``state`` as checkpoint ``step``.
+
+        Each rank writes its own shards; replicated tensors are written once, spread across
+        ranks. The checkpoint becomes visible only once every rank's data, DCP's metadata and
+        finally the manifest are written.
+
+        Args:
+            step: a non-negative int, the same on every rank; must not be committed already.
+            state: name -> module, optimizer, scheduler/scaler/any object with ``state_dict``,
+                tensor, or plain value (same names on every rank).
+            blocking: ``False`` returns once the state is copied to host memory and writes in
+                the background; ``wait()`` commits it. A previous in-flight save is waited for
+                first, and its error (if any) is raised here.
+            metadata: JSON values recorded in the manifest (``extra``).
+
+        Raises:
+            StepExistsError: ``step`` is already committed.
+            CheckpointError: writing failed on some rank (same error on every rank).
+        """
+        if self._closed:
+            raise RuntimeError("save() on a closed Checkpointer")
+        t0 = time.perf_counter()
+        self.wait()
+        group = self._ensure_group()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+        (entries, state_dict, described), views = exchange(
+            group, f"save of step {step}", lambda: self._prepare_save(step, state, group)
+        )
+        _check_ranks_agree(views)
+        on_coordinator(group, f"save of step {step}", lambda: self._prepare_dir(step))
+        extra = dict(metadata or {})
+
+        if blocking:
+            self._write_and_commit(group, step, state_dict, described, extra, t0)
+            self.last_save = SaveStats(step, time.perf_counter() - t0, time.perf_counter() - t0, self._last_bytes)
+            self._log_save(self.last_save)
+            if self.replica is not None:
+                self.replica.submit(step)
+            return
+
+        if self._stager is None:
+            self._stager = Stager()
+        staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict))  # type: ignore[union-attr]
+        blocked = time.perf_counter() - t0
+        job = _InFlight(step, t0, blocked)
+
+        def run() -> None:
+            try:
+                self._write_and_commit(group, step, staged, described, extra, t0)
+                job.stats.total_s = time.perf_counter() - t0
+                job.stats.bytes_written = self._last_bytes
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
+                job.error = exc
+
+        job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
+        self._inflight = job
+        job.thread.start()
+
+    def _prepare_save(self, step: int, state: Mapping[str, Any], group: Group) -> tuple[Any, Any]:
+        """(each rank, no collectives) What to save, and this rank's view for the agreement check."""
+        entries = build_entries(state)
+        state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
+        described = {e.name: e.describe() for e in entries}
+        if self.save_rng:
+            state_dict[rng.NAMESPACE] = {f"rank_{group.rank}": rng.capture()}
+            described[rng.NAMESPACE] = {"kind": "rng", "per_rank": True}
+        plain = sorted((k, v) for k, v in state_dict.items() if described[k]["kind"] == "value")
+        view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain])
+        return (entries, state_dict, described), view
+
+    def _prepare_dir(self, step: int) -> None:
+        """(coordinator) Refuse a committed step; remove leftovers of interrupted saves."""
+        storage = self.storage
+        if storage.exists(step_dir(step), MANIFEST_NAME):
+            raise StepExistsError(
+                f"step {step} is already committed at {storage.display(step_dir(step))}; "
+                "saving it again would mix two checkpoints (delete it first or use a new step)"
+            )
+        for name in storage.list_dirs():
+            s = parse_step_dir(name)
+            if s is not None and not storage.exists(name, MANIFEST_NAME):
+                log.info("removing incomplete checkpoint %s", storage.display(name))
+                storage.remove_tree(name)
+        storage.makedirs(step_dir(step))
+
+    def _write_and_commit(
+        self,
+        group: Group,
+        step: int,
+        state_dict: dict[str, Any],
+        described: dict[str, Any],
+        extra: dict[str, Any],
+        t0: float,
+    ) -> None:
+        """(all ranks) Write the data with DCP, then commit on the coordinator; errors everywhere."""
+        writer = self.storage.writer(step_dir(step), thread_count=self.thread_count, sync_files=self.sync_files)
+        if self.checksum:
+            writer.fs.algorithm = self.checksum
+        outcome: Any = None
+        try:
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=group.pg,
+                no_dist=not group.enabled,
+            )
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            outcome = capture(_as_checkpoint_error(exc, f"writing step {step} to {self.storage.display(step_dir(step))}"))
+        gathered = group.all_gather((outcome, writer.files))
+        raise_if_any([o for o, _ in gathered], f"save of step {step}")
+        files = [f for _, f in gathered]
+
+        def commit() -> int:
+            merged: dict[str, FileRecord] = {}
+            for per_rank in files:
+                for name, (size, digest) in per_rank.items():
+                    merged[name] = FileRecord(size, digest if self.checksum else None)
+            meta = self.storage.read_bytes(step_dir(step), ".metadata")
+            merged[".metadata"] = FileRecord(len(meta), _digest(meta, self.checksum))
+            manifest = Manifest(
+                step=step,
+                world_size=group.world_size,
+                entries=described,
+                files=merged,
+                checksum_algorithm=self.checksum,
+                torch_version=torch.__version__,
+                distckpt_version=__version__,
+                extra=extra,
+            )
+            self.storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME)
+            self._apply_retention()
+            return manifest.total_bytes
+
+        self._last_bytes = on_coordinator(group, f"commit of step {step}", commit)
+
+    _last_bytes: int | None = None
+
+    def _apply_retention(self) -> None:
+        """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors."""
+        for old in steps_to_delete(self.steps(), self.keep_last):
+            try:
+                # Manifest first: a crash mid-delete leaves an uncommitted dir, removed later.
+                self.storage.remove(step_dir(old), MANIFEST_NAME)
+                self.storage.remove_tree(step_dir(old))
+            except OSError as exc:
+                warnings.warn(f"distckpt: could not delete old checkpoint step {old}: {exc}", stacklevel=2)
+
+    def _log_save(self, stats: SaveStats) -> None:
+        if self._group is not None and self._group.rank == 0:
+            tp = stats.throughput_gbps
+            log.info(
+                "saved step %d: blocked %.3fs, committed after %.3fs%s",
+                stats.step,
+                stats.blocking_s,
+                stats.total_s or 0.0,
+                f", {tp:.2f} GB/s" if tp else "",
+            )
+
+    # ---------------------------------------------------------------------------------------
+    # async completion
+    def wait(self) -> SaveStats | None:
+        """(all ranks) Block until the in-flight save (if any) is committed.
+
+        Returns its stats, or ``None`` if nothing was in flight. Raises the background save's
+        error, identically on every rank.
+        """
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return None
+        assert job.thread is not None
+        job.thread.join()
+        if job.error is not None:
+            raise job.error
+        self.last_save = job.stats
+        self._log_save(job.stats)
+        if self.replica is not None:
+            self.replica.submit(job.step)
+        return job.stats
+
+    def close(self) -> None:
+        """(all ranks) Wait for the in-flight save and release staging buffers and threads."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            if self.replica is not None:
+                self.replica.close()
+        finally:
+            self._closed = True
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            _live.discard(self)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------------------
+    # loading
+    def _locate(self, step: int | None) -> tuple[Storage, int]:
+        """Which storage holds ``step`` (default newest): local first, then the replica."""
+        tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
+        if step is None:
+            for storage in tiers:
+                steps = _committed_steps(storage)
+                if steps:
+                    return storage, steps[-1]
+            if not any(s.root_exists() for s in tiers):
+                raise FileNotFoundError(f"checkpoint root {self.storage.display()} does not exist")
+            raise FileNotFoundError(f"no committed checkpoint under {' or '.join(s.display() for s in tiers)}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"step must be an int or None, got {step!r}")
+        for storage in tiers:
+            if storage.exists(step_dir(step), MANIFEST_NAME):
+                return storage, step
+        where = self.storage.display(step_dir(step))
+        if not any(s.root_exists() for s in tiers):
+            raise FileNotFoundError(f"checkpoint root {self.storage.display()} does not exist")
+        if self.storage.exists(step_dir(step)):
+            raise FileNotFoundError(f"checkpoint step {step} at {where} is incomplete (no {MANIFEST_NAME}); it was never committed")
+        raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {self.steps()})")
+
+    def load(
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None = None,
+        strict: bool = True,
+        *,
+        restore_rng: bool = True,
+    ) -> int:
+        """(all ranks) Load checkpoint ``step`` (default: newest committed) into ``state`` in place.
+
+        Works at any world size: each rank reads only what its objects hold (its shards, its
+        ZeRO partition). Plain values are replaced in ``state``; everything else is loaded into
+        the objects. See :mod:`distckpt.rng` for RNG states when the world size changed.
+
+        Args:
+            state: the same kind of mapping ``save`` took, with freshly built objects.
+            step: which step; ``None`` for the newest committed one.
+            strict: raise if keys or shapes differ; with ``False``, load what matches and record
+                the rest in :attr:`last_load_report` (and a warning).
+            restore_rng: restore the RNG states saved with the checkpoint.
+
+        Returns:
+            The loaded step.
+
+        Raises:
+            FileNotFoundError: no such root or committed step.
+            StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched
+                keys are listed).
+            CheckpointError: reading failed on some rank.
+        """
+        if self._closed:
+            raise RuntimeError("load() on a closed Checkpointer")
+        self.wait()
+        group = self._ensure_group()
+        tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
+        tier, manifest, index = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
+        storage = tiers[tier]
+        where = storage.display(step_dir(manifest.step))
+        plan, views = exchange(
+            group, f"load of {where}", lambda: self._plan_load(group, manifest, index, state, restore_rng)
+        )
+        report = _judge(manifest.step, index, views, None if strict else plan.names)
+        if strict and not report.clean:
+            raise StateMismatchError(report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}")
+
+        reader = storage.reader(step_dir(manifest.step))
+        try:
+            dcp.load(
+                plan.request,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=group.pg,
+                no_dist=not group.enabled,
+            )
+        except BaseException as exc:  # DCP raises the same CheckpointException on every rank
+            raise _as_checkpoint_error(exc, f"reading {where}") from None
+        all_ranks(group, f"load of {where}", lambda: self._apply_load(group, manifest, plan, state))
+
+        self.last_load_report = report
+        if not report.clean:
+            warnings.warn(
+                f"distckpt: partial load of {where}: "
+                + StateMismatchError(report.missing, report.unexpected, report.mismatched).describe(),
+                stacklevel=2,
+            )
+        return manifest.step
+
+    def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, dict[str, tuple[int, ...] | None]]:
+        """(coordinator) Tier, manifest and key -> global shape (None: non-tensor) of a step."""
+        storage, step = self._locate(step)
+        manifest = read_manifest(storage, step)
+        metadata = storage.reader(step_dir(step)).read_metadata()
+        index: dict[str, tuple[int, ...] | None] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            size = getattr(md, "size", None)
+            index[key] = tuple(size) if size is not None else None
+        return tiers.index(storage), manifest, index
+
+    def _plan_load(
+        self,
+        group: Group,
+        manifest: Manifest,
+        index: dict[str, tuple[int, ...] | None],
+        state: MutableMapping[str, Any],
+        restore_rng: bool,
+    ) -> tuple[_LoadPlan, Any]:
+        """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
+        entries = build_entries(state)
+        targets = {e.name: e.load_target(manifest.entries.get(e.name, {})) for e in entries}
+        rng_key = None
+        if restore_rng and rng.NAMESPACE in manifest.entries:
+            # Same world size: each rank its own states; otherwise rank 0's, to derive seeds.
+            rng_key = f"rank_{group.rank if manifest.world_size == group.world_size else 0}"
+            targets[rng.NAMESPACE] = {rng_key: rng.capture()}
+        flat, mappings = flatten_state_dict(targets)
+
+        missing: list[str] = []
+        mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for key, value in flat.items():
+            if key not in index:
+                if not key.startswith(rng.NAMESPACE + "."):  # e.g. no CUDA state saved: fine
+                    missing.append(key)
+                continue
+            saved = index[key]
+            if isinstance(value, torch.Tensor):
+                if saved is None or saved != tuple(value.shape):
+                    mismatched[key] = (saved or (), tuple(value.shape))
+            elif saved is not None:
+                mismatched[key] = (saved, ())
+        request = {k: v for k, v in flat.items() if k in index and k not in mismatched}
+        plan = _LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries})
+        return plan, (missing, mismatched, sorted(request))
+
+    def _apply_load(self, group: Group, manifest: Manifest, plan: _LoadPlan, state: MutableMapping[str, Any]) -> None:
+        """(each rank, no collectives) Hand what DCP read to the live objects."""
+        plan.flat.update(plan.request)  # DCP replaced non-tensor values in the request dict
+        nested = unflatten_state_dict(plan.flat, plan.mappings)
+        for e in plan.entries:
+            if e.name in nested:
+                e.apply(nested[e.name], state)
+        if plan.rng_key is not None and rng.NAMESPACE in nested:
+            saved = nested[rng.NAMESPACE][plan.rng_key]
+            if manifest.world_size == group.world_size:
+                rng.restore(saved)
+            else:
+                rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
+
+
+@dataclass
+class _LoadPlan:
+    entries: list[Entry]
+    flat: dict[str, Any]
+    mappings: dict[str, Any]
+    request: dict[str, Any]
+    rng_key: str | None
+    names: set[str]
+
+
+def _judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None) -> LoadReport:
+    """The load report from every rank's view (identical on every rank)."""
+    missing = sorted({k for m, _, _ in views for k in m})
+    mismatched: dict[str, Any] = {}
+    requested: set[str] = set()
+    for _, mm, req in views:
+        mismatched.update(mm)
+        requested.update(req)
+    # Strict: keys of entries the state does not name at all are unexpected too (the whole
+    # checkpoint must be taken). Non-strict (``names`` given): only leftovers of named entries
+    # are reported, so loading just the model for evaluation is quiet. distckpt's own RNG
+    # states are optional either way.
+    unexpected = sorted(
+        k
+        for k in index
+        if k not in requested
+        and k not in mismatched
+        and not k.startswith(rng.NAMESPACE + ".")
+        and (names is None or k.split(".", 1)[0] in names)
+    )
+    return LoadReport(step, missing, unexpected, mismatched)
+
+
+def _check_ranks_agree(views: list[Any]) -> None:
+    """Same step, same entry names and identical plain values on every rank, or a clear error
+    (raised identically everywhere: every rank judges the same gathered views)."""
+    if len({(s, tuple(n)) for s, n, _, _ in views}) > 1:
+        detail = "; ".join(f"rank {r}: step {s}, keys {n}" for r, (s, n, _, _) in enumerate(views))
+        raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
+    if len({d for _, _, d, _ in views}) > 1:
+        raise ValueError(
+            "ranks passed different plain values in state (plain values are global and stored "
+            f"once; keep per-rank data in tensors or stateful objects): keys {views[0][3]}"
+        )
+
+
+def _digest(data: bytes, algorithm: str | None) -> str | None:
+    if not algorithm:
+        return None
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
+def _as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    failures: dict[int, str] = {}
+    for rank, err in (getattr(exc, "failures", None) or {}).items():
+        failures[int(rank)] = _describe(err)
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    if not failures:
+        failures = {}
+        return CheckpointError(f"{what} failed: {_describe(exc)}")
+    return CheckpointError(f"{what} failed", failures)
+
+
+def _describe(err: Any) -> str:
+    if isinstance(err, BaseException):
+        inner = err
+        # DCP wraps causes in _WrappedException(exc, traceback)
+        inner = getattr(err, "exception", inner)
+        return f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
+    exc = getattr(err, "exception", None)
+    if exc is not None:
+        return _describe(exc)
+    return str(err)
+
+
+def _committed_steps(storage: Storage) -> list[int]:
+    out = []
+    for name in storage.list_dirs():
+        s = parse_step_dir(name)
+        if s is not None and storage.exists(name, MANIFEST_NAME):
+            out.append(s)
+    return sorted(out)
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The manifest of a committed ``step`` under ``storage``."""
+    path = storage.display(step_dir(step), MANIFEST_NAME)
+    try:
+        data = storage.read_bytes(step_dir(step), MANIFEST_NAME)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None
+    return Manifest.from_json(data, path)
+
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # An async save still in flight at interpreter exit is finished, not silently dropped.
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except BaseException as exc:  # noqa: BLE001
+            warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)

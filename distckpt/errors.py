@@ -1,0 +1,94 @@
+"""Domain errors of distckpt.
+
+Every error raised from a collective call (``save``, ``load``, ``wait``) is raised with the same
+message on every rank, so no rank is left waiting in a collective its peers abandoned. Errors
+subclass the builtin that fits the caller's mistake, so ``except ValueError`` and friends work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class CheckpointError(RuntimeError):
+    """A save or load failed on one or more ranks.
+
+    Unlike DCP's ``CheckpointException`` (a ``BaseException``), this is an ordinary ``Exception``.
+
+    Attributes:
+        failures: rank -> one-line description of the cause on that rank (empty when the
+            failure was not attributable to single ranks).
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        self.failures: dict[int, str] = dict(failures or {})
+        self._message = message
+        if self.failures:
+            lines = [f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items())]
+            message = message + "\n" + "\n".join(lines)
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        # Errors cross process boundaries (gathered to every rank): keep the per-rank causes.
+        return (self.__class__, (self._message, self.failures))
+
+
+class StepExistsError(ValueError):
+    """``save`` was asked to write a step that is already committed under the root."""
+
+
+class StateMismatchError(KeyError):
+    """The checkpoint and the state to load into disagree on keys or shapes (``strict=True``).
+
+    Attributes:
+        missing: keys the state expects that the checkpoint does not hold.
+        unexpected: keys the checkpoint holds that nothing in the state asked for.
+        mismatched: key -> (shape in checkpoint, shape in state).
+    """
+
+    def __init__(
+        self,
+        missing: Sequence[str],
+        unexpected: Sequence[str],
+        mismatched: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
+        where: str = "",
+    ) -> None:
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = dict(mismatched)
+        self.where = where
+        super().__init__(self.describe(where))
+
+    def __reduce__(self) -> tuple:
+        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where))
+
+    def describe(self, where: str = "") -> str:
+        parts = [f"state does not match checkpoint{(' ' + where) if where else ''}:"]
+        if self.missing:
+            parts.append(f"missing keys ({len(self.missing)}): {_clip(self.missing)}")
+        if self.unexpected:
+            parts.append(f"unexpected keys ({len(self.unexpected)}): {_clip(self.unexpected)}")
+        if self.mismatched:
+            shown = [
+                f"{k}: checkpoint {list(a)} vs state {list(b)}"
+                for k, (a, b) in sorted(self.mismatched.items())
+            ]
+            parts.append(f"shape mismatches ({len(shown)}): {_clip(shown)}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class IntegrityError(CheckpointError):
+    """A checkpoint file is missing, truncated or its checksum does not match the manifest."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds something that could run code when read, or a path escaping it."""
+
+
+def _clip(items: Sequence[str], limit: int = 20) -> str:
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")

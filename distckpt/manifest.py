@@ -1,0 +1,94 @@
+"""The manifest: the small JSON document whose presence commits a step.
+
+Layout of a root::
+
+    ROOT/step_000000100/            one directory per step
+        __0_0.distcp ...            DCP data files, written in parallel by the ranks
+        .metadata                   DCP metadata, written by the coordinator after all data
+        manifest.json               written last by the coordinator: the commit
+
+A step directory without ``manifest.json`` is invisible to ``steps()``/``load()`` and is removed
+by a later save.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of ``step`` (zero-padded so names sort like numbers)."""
+    return f"step_{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a directory name made by :func:`step_dir`, else ``None``."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class FileRecord:
+    """One file of a checkpoint: its size and checksum as written."""
+
+    size: int
+    checksum: str | None = None
+
+
+@dataclass
+class Manifest:
+    """What a committed step holds and how it was written.
+
+    Attributes:
+        step: the training step.
+        world_size: ranks that saved it.
+        entries: top-level state name -> {"kind": module|optimizer|stateful|tensor|value, ...}
+            with how it was parallelized (``"parallel": ddp|fsdp2|plain|zero``).
+        files: file name inside the step directory -> size and checksum.
+        checksum_algorithm: algorithm of ``files[...].checksum``.
+        torch_version, distckpt_version, created_unix: provenance.
+        extra: free-form user metadata (JSON values).
+    """
+
+    step: int
+    world_size: int
+    entries: dict[str, dict[str, Any]]
+    files: dict[str, FileRecord]
+    checksum_algorithm: str | None
+    torch_version: str
+    distckpt_version: str
+    created_unix: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, where: str = "manifest") -> Manifest:
+        """Parse a manifest, raising ``ValueError`` that names ``where`` if it is malformed."""
+        try:
+            raw = json.loads(data)
+            files = {str(k): FileRecord(**v) for k, v in raw.pop("files").items()}
+            version = raw.get("format_version", 1)
+            if version > FORMAT_VERSION:
+                raise ValueError(
+                    f"format_version {version} is newer than this distckpt understands "
+                    f"({FORMAT_VERSION}); upgrade distckpt"
+                )
+            known = {f for f in cls.__dataclass_fields__}
+            return cls(files=files, **{k: v for k, v in raw.items() if k in known})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"malformed manifest {where}: {exc}") from exc

@@ -1,0 +1,405 @@
+"""Where checkpoints live: a root on any fsspec filesystem, and DCP readers/writers for it.
+
+Local paths (and ``file://`` URLs) use plain file I/O with ``fsync`` and atomic renames. Any other
+URL (``s3://``, ``memory://``, ``gs://`` ...) goes through fsspec with the caller's
+``storage_options``; there is no rename on object stores, so the commit is a single object put.
+
+Credentials in ``storage_options`` are handed to fsspec only: they never appear in ``repr``,
+error messages or manifests.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import uuid
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecDcpFS
+from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+_REMOTE_BUFFER = 32 * 1024 * 1024  # fewer, larger object-store parts
+
+
+def _redact(url: str) -> str:
+    """The URL without user info or query string (where credentials hide)."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    rest = rest.split("?", 1)[0]
+    if "@" in rest.split("/", 1)[0]:
+        rest = rest.split("@", 1)[1]
+    return f"{scheme}://{rest}"
+
+
+class Storage:
+    """A checkpoint root on a local disk or any fsspec filesystem.
+
+    Args:
+        root: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/prefix``).
+        storage_options: passed to the fsspec filesystem (endpoint, credentials, region...).
+
+    Not collective: any rank may create one. The checkpointer lets only the coordinator list,
+    commit and delete.
+    """
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+        self.storage_options = dict(storage_options or {})
+        root = os.fspath(root)
+        protocol = fsspec.utils.get_protocol(root)
+        self.is_local = protocol in ("file", "local")
+        if self.is_local:
+            if "://" in root:
+                root = root.split("://", 1)[1]
+            self.path = os.path.abspath(os.path.expanduser(root))
+            self.url = self.path
+            self.fs = fsspec.filesystem("file")
+        else:
+            self.fs, path = url_to_fs(root, **self.storage_options)
+            self.path = path.rstrip("/")
+            self.url = _redact(root).rstrip("/")
+        self.protocol = protocol
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # paths -----------------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        """Absolute filesystem path of ``parts`` under the root."""
+        if self.is_local:
+            return os.path.join(self.path, *parts)
+        return "/".join([self.path, *[p.strip("/") for p in parts if p]])
+
+    def display(self, *parts: str) -> str:
+        """User-facing location (URL with scheme, no credentials) of ``parts``."""
+        if self.is_local:
+            return self.join(*parts)
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    # queries ---------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Forget cached listings (s3fs caches them; another rank or job may have written)."""
+        if not self.is_local:
+            self.fs.invalidate_cache()
+
+    def root_exists(self) -> bool:
+        self.refresh()
+        if self.is_local:
+            return os.path.isdir(self.path)
+        try:
+            return bool(self.fs.isdir(self.path)) or bool(self.fs.exists(self.path))
+        except FileNotFoundError:
+            return False
+
+    def exists(self, *parts: str) -> bool:
+        path = self.join(*parts)
+        if self.is_local:
+            return os.path.exists(path)
+        return bool(self.fs.exists(path))
+
+    def list_dirs(self) -> list[str]:
+        """Names of the sub-directories (prefixes) directly under the root; [] if none."""
+        self.refresh()
+        if self.is_local:
+            try:
+                return sorted(e.name for e in os.scandir(self.path) if e.is_dir())
+            except FileNotFoundError:
+                return []
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return []
+        names = []
+        for e in entries:
+            if e.get("type") == "directory":
+                names.append(e["name"].rstrip("/").rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def list_files(self, *parts: str) -> dict[str, int]:
+        """Relative name -> size of the files directly inside ``parts``."""
+        path = self.join(*parts)
+        if self.is_local:
+            try:
+                return {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file()}
+            except FileNotFoundError:
+                return {}
+        self.refresh()
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    def size(self, *parts: str) -> int:
+        path = self.join(*parts)
+        if self.is_local:
+            return os.path.getsize(path)
+        return int(self.fs.size(path))
+
+    # bytes -----------------------------------------------------------------------------------
+    def read_bytes(self, *parts: str) -> bytes:
+        path = self.join(*parts)
+        if self.is_local:
+            with open(path, "rb") as f:
+                return f.read()
+        return bytes(self.fs.cat_file(path))
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Write ``data`` so that readers see either nothing or all of it.
+
+        Local: temporary file, fsync, rename, fsync of the directory. Object stores: one put,
+        which is atomic there.
+        """
+        path = self.join(*parts)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
+        else:
+            self.fs.pipe_file(path, data)
+
+    def remove(self, *parts: str) -> None:
+        """Remove a file; missing is fine."""
+        path = self.join(*parts)
+        try:
+            if self.is_local:
+                os.remove(path)
+            else:
+                self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, *parts: str) -> None:
+        """Remove a directory and everything under it; missing is fine."""
+        path = self.join(*parts)
+        try:
+            if self.is_local:
+                import shutil
+
+                shutil.rmtree(path)
+            else:
+                self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.refresh()
+
+    def makedirs(self, *parts: str) -> None:
+        path = self.join(*parts)
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    @contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        path = self.join(rel)
+        if self.is_local:
+            with open(path, mode) as f:
+                yield f
+        else:
+            with self.fs.open(path, mode) as f:
+                yield f
+
+    # DCP -------------------------------------------------------------------------------------
+    def writer(self, *parts: str, thread_count: int = 2, sync_files: bool = True) -> CheckpointWriter:
+        """A DCP StorageWriter for the directory ``parts`` that records per-file checksums."""
+        return CheckpointWriter(self, self.join(*parts), thread_count=thread_count, sync_files=sync_files)
+
+    def reader(self, *parts: str) -> CheckpointReader:
+        """A DCP StorageReader for the directory ``parts``."""
+        return CheckpointReader(self, self.join(*parts))
+
+    def dcp_filesystem(self) -> FileSystemBase:
+        """The DCP filesystem object for this root (shares our fsspec instance and options)."""
+        if self.is_local:
+            return _LocalDcpFS()
+        fs = _FsspecDcpFS()
+        fs.fs = self.fs
+        return fs
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Write-through stream that hashes every byte on its way to the file.
+
+    The checksum is computed while the data is written, so integrity costs no second pass.
+    """
+
+    def __init__(self, raw: Any, on_close: Any, algorithm: str) -> None:
+        from .integrity import new_hasher
+
+        self._raw = raw
+        self._hasher = new_hasher(algorithm)
+        self._size = 0
+        self._on_close = on_close
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:  # type: ignore[override]
+        view = memoryview(b).cast("B")
+        self._hasher.update(view)
+        n = self._raw.write(view)
+        n = len(view) if n is None else n
+        self._size += n
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            # Explicit flush before close: some fsspec files drop unflushed data otherwise.
+            self._raw.flush()
+            self._on_close(self._size, self._hasher.hexdigest())
+        super().close()
+
+
+class _ChecksummingFS(FileSystemBase):
+    """A DCP filesystem that hashes every file it writes, recording ``name -> (size, digest)``."""
+
+    def __init__(self, inner: FileSystemBase, algorithm: str) -> None:
+        self.inner = inner
+        self.algorithm = algorithm
+        self.files: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        with self.inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            name = os.path.basename(os.fspath(path))
+
+            def record(size: int, digest: str) -> None:
+                with self._lock:
+                    self.files[name] = (size, digest)
+
+            stream = _ChecksumStream(raw, record, self.algorithm)
+            try:
+                yield stream  # type: ignore[misc]
+            finally:
+                stream.close()
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return self.inner.concat_path(path, suffix)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        with self._lock:
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
+        return self.inner.init_path(path) if isinstance(self.inner, _LocalDcpFS) else path
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+
+class CheckpointWriter(FileSystemWriter):
+    """DCP's file writer on a :class:`Storage`, recording a checksum of each file it writes.
+
+    Call order is DCP's (all ranks: ``set_up_storage_writer``, ``prepare_local_plan``,
+    ``write_data``; coordinator: ``prepare_global_plan``, ``finish``). After ``dcp.save``
+    returns, :attr:`files` maps each file this rank wrote to ``(size, digest)``.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        path: str,
+        *,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksum: str = "crc32",
+    ) -> None:
+        # Remote files have no fileno(); DCP would fall back to os.sync() per file. Closing an
+        # fsspec file is what commits it, and the stream wrapper flushes before closing.
+        super().__init__(
+            path if storage.is_local else "unused",
+            single_file_per_rank=True,
+            sync_files=sync_files and storage.is_local,
+            thread_count=thread_count,
+            overwrite=True,
+        )
+        self.storage = storage
+        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum)
+        self.path = Path(path) if storage.is_local else path
+
+    @property
+    def files(self) -> dict[str, tuple[int, str]]:
+        return dict(self.fs.files)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        # The directory is fixed at construction; a checkpoint_id must not silently redirect it.
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+class CheckpointReader(FileSystemReader):
+    """DCP's file reader on a :class:`Storage` (works for local paths and any fsspec URL)."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        super().__init__(path if storage.is_local else "unused")
+        self.storage = storage
+        self.fs = storage.dcp_filesystem()
+        self.path = Path(path) if storage.is_local else path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        self.load_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True

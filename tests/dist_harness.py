@@ -1,0 +1,97 @@
+"""Run a function on N real processes (gloo, CPU) from a pytest test.
+
+* Rendezvous through a FileStore under the test's tmp dir: no TCP ports, so parallel xdist
+  workers never collide.
+* Every rank writes its traceback to a file; a failure reports all of them (the first process
+  to die is often a peer complaining about a closed connection, not the culprit).
+* Bounded: a short process-group timeout and a join deadline after which every rank is killed,
+  so a hang fails one test instead of the CI run.
+
+The rank body must be a module-level function ``fn(rank, world_size, *args)``; its return value
+(picklable) comes back in a list indexed by rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import traceback
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, pg_timeout: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+        )
+        result = fn(rank, world_size, *args)
+        (out / f"result{rank}.pkl").write_bytes(pickle.dumps(result))
+    except BaseException:
+        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    tmp_path: Path,
+    *args: Any,
+    timeout: float = 150.0,
+    pg_timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+    run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
+    run_dir.mkdir(parents=True)
+    store = str(run_dir / "store")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errors = {r: (run_dir / f"error{r}.txt").read_text() for r in range(world_size) if (run_dir / f"error{r}.txt").exists()}
+    if hung or errors or any(p.exitcode != 0 for p in procs):
+        parts = [f"{fn.__name__} on {world_size} ranks failed"]
+        if hung:
+            parts.append(f"ranks {hung} still running after {timeout:.0f}s and were killed (hang)")
+        for r, p in enumerate(procs):
+            if p.exitcode not in (0, None) and r not in errors:
+                parts.append(f"rank {r} exited with code {p.exitcode} without a traceback")
+        for r, tb in sorted(errors.items()):
+            parts.append(f"--- rank {r} ---\n{tb}")
+        raise RanksFailed("\n".join(parts))
+    return [pickle.loads((run_dir / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
