@@ -24,7 +24,7 @@ from . import rng
 from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
 from ._planner import SafeLoadPlanner
 from ._version import __version__
-from .errors import CheckpointError, StateMismatchError, StepExistsError
+from .errors import CheckpointError, IntegrityError, StateMismatchError, StepExistsError
 from .integrity import ALGORITHMS, new_hasher
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, parse_step_dir, step_dir
 from .retention import steps_to_delete
@@ -110,6 +110,8 @@ class Checkpointer:
         sync_files: fsync local files before committing (object stores commit on close).
         checksum: ``"crc32"`` (default), ``"sha256"`` or ``None``; computed while writing.
         save_rng: save every rank's RNG states with each checkpoint.
+        verify: on load, check every file read against the manifest's size and checksum
+            (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
             to in the background; ``load`` falls back to it when no local copy exists.
     """
@@ -127,6 +129,7 @@ class Checkpointer:
         sync_files: bool = True,
         checksum: str | None = "crc32",
         save_rng: bool = True,
+        verify: bool = True,
         replicate_to: str | None = None,
         replicate_storage_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -142,6 +145,7 @@ class Checkpointer:
         self.sync_files = sync_files
         self.checksum = checksum
         self.save_rng = save_rng
+        self.verify = verify
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._user_pg = process_group
         self._backend = backend
@@ -479,7 +483,11 @@ class Checkpointer:
         if strict and not report.clean:
             raise StateMismatchError(report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}")
 
-        reader = storage.reader(step_dir(manifest.step))
+        reader = storage.reader(
+            step_dir(manifest.step),
+            files=manifest.files if self.verify else None,
+            checksum=manifest.checksum_algorithm if self.verify else None,
+        )
         try:
             dcp.load(
                 plan.request,
@@ -505,7 +513,7 @@ class Checkpointer:
         """(coordinator) Tier, manifest and key -> global shape (None: non-tensor) of a step."""
         storage, step = self._locate(step)
         manifest = read_manifest(storage, step)
-        metadata = storage.reader(step_dir(step)).read_metadata()
+        metadata = read_metadata(storage, manifest, verify=self.verify)
         index: dict[str, tuple[int, ...] | None] = {}
         for key, md in metadata.state_dict_metadata.items():
             size = getattr(md, "size", None)
@@ -617,30 +625,54 @@ def _digest(data: bytes, algorithm: str | None) -> str | None:
 
 
 def _as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    failures: dict[int, str] = {}
-    for rank, err in (getattr(exc, "failures", None) or {}).items():
-        failures[int(rank)] = _describe(err)
+    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error.
+
+    Keeps each failing rank's cause; if every cause is the same distckpt error type (say an
+    :class:`IntegrityError`), the result has that type.
+    """
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         raise exc
-    if not failures:
-        failures = {}
-        return CheckpointError(f"{what} failed: {_describe(exc)}")
-    return CheckpointError(f"{what} failed", failures)
+    if isinstance(exc, CheckpointError):
+        return exc
+    causes = {int(r): _unwrap(e) for r, e in (getattr(exc, "failures", None) or {}).items()}
+    if not causes:
+        return CheckpointError(f"{what} failed: {_one_line(exc)}")
+    kinds = {type(c) for c in causes.values()}
+    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    return cls(f"{what} failed", {r: _one_line(c) for r, c in causes.items()})
 
 
-def _describe(err: Any) -> str:
-    if isinstance(err, BaseException):
-        inner = err
-        # DCP wraps causes in _WrappedException(exc, traceback)
-        inner = getattr(err, "exception", inner)
-        return f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}"
-    exc = getattr(err, "exception", None)
-    if exc is not None:
-        return _describe(exc)
-    return str(err)
+def _unwrap(err: Any) -> BaseException:
+    # DCP wraps each rank's cause as a tuple (exception, traceback summary).
+    inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exception", err)
+    return inner if isinstance(inner, BaseException) else RuntimeError(str(err))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else repr(exc)}"
+
+
+def read_metadata(storage: Storage, manifest: Manifest, verify: bool = True) -> Any:
+    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the manifest."""
+    from .safe_pickle import load_metadata
+
+    directory = step_dir(manifest.step)
+    where = storage.display(directory, ".metadata")
+    try:
+        data = storage.read_bytes(directory, ".metadata")
+    except FileNotFoundError:
+        raise IntegrityError(f"{where}: missing") from None
+    record = manifest.files.get(".metadata")
+    if verify and record is not None:
+        if len(data) != record.size:
+            raise IntegrityError(f"{where}: {len(data)} bytes, manifest says {record.size} (truncated or overwritten)")
+        digest = _digest(data, manifest.checksum_algorithm)
+        if record.checksum and digest != record.checksum:
+            raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
+    return load_metadata(data, where)
 
 
 def _committed_steps(storage: Storage) -> list[int]:

@@ -38,3 +38,54 @@ def new_hasher(algorithm: str) -> Hasher:
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown checksum algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+CHUNK = 8 * 1024 * 1024
+
+
+def file_digest(stream: Any, algorithm: str, expected_size: int | None = None) -> tuple[int, str]:
+    """Size and digest of everything readable from ``stream`` (read in bounded chunks)."""
+    h = new_hasher(algorithm)
+    size = 0
+    while True:
+        chunk = stream.read(CHUNK)
+        if not chunk:
+            break
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def verify_checkpoint(storage: Any, step: int) -> list[str]:
+    """Problems of committed ``step`` under ``storage``: one line per bad file, [] if intact.
+
+    Checks every file the manifest lists for presence, size and (if recorded) checksum, and
+    that the step directory holds no data file the manifest does not know. Reads each file once,
+    streaming. Not collective.
+    """
+    from .checkpointer import read_manifest
+    from .manifest import step_dir
+
+    manifest = read_manifest(storage, step)
+    directory = step_dir(step)
+    present = storage.list_files(directory)
+    problems: list[str] = []
+    for name, record in sorted(manifest.files.items()):
+        where = storage.display(directory, name)
+        if name not in present:
+            problems.append(f"{where}: missing")
+            continue
+        if present[name] != record.size:
+            problems.append(f"{where}: size {present[name]} bytes, manifest says {record.size} (truncated or overwritten)")
+            continue
+        if record.checksum and manifest.checksum_algorithm:
+            with storage.open(f"{directory}/{name}", "rb") as f:
+                _, digest = file_digest(f, manifest.checksum_algorithm)
+            if digest != record.checksum:
+                problems.append(
+                    f"{where}: {manifest.checksum_algorithm} {digest} does not match manifest {record.checksum} (corrupted)"
+                )
+    for name in sorted(set(present) - set(manifest.files) - {"manifest.json"}):
+        if name.endswith(".distcp"):
+            problems.append(f"{storage.display(directory, name)}: not listed in the manifest")
+    return problems

@@ -89,6 +89,11 @@ class Manifest:
                     f"({FORMAT_VERSION}); upgrade distckpt"
                 )
             known = {f for f in cls.__dataclass_fields__}
-            return cls(files=files, **{k: v for k, v in raw.items() if k in known})
+            manifest = cls(files=files, **{k: v for k, v in raw.items() if k in known})
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"malformed manifest {where}: {exc}") from exc
+        from .safe_pickle import check_relative_name
+
+        for name in manifest.files:
+            check_relative_name(name, where)
+        return manifest

@@ -1,0 +1,82 @@
+"""Reading DCP's ``.metadata`` without running code from the checkpoint.
+
+DCP unpickles ``.metadata`` with plain ``pickle.load``: a crafted file (say, in a shared bucket)
+runs arbitrary code on load. :func:`load_metadata` uses an unpickler that admits only the classes
+DCP's metadata is made of, and refuses file paths that would leave the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from .errors import UnsafeCheckpointError
+
+_ALLOWED: set[tuple[str, str]] = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: io.BytesIO, where: str) -> None:
+        super().__init__(data)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"refusing to read {self.where}: it references {module}.{name}, which DCP metadata never "
+            "contains (a crafted file could run code through it)"
+        )
+
+
+def check_relative_name(name: Any, where: str) -> None:
+    """Refuse a file name recorded in a checkpoint that is not a plain name inside its directory."""
+    text = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
+    if (
+        not text
+        or text in (".", "..")
+        or "/" in text
+        or "\\" in text
+        or os.path.isabs(text)
+        or "\x00" in text
+    ):
+        raise UnsafeCheckpointError(f"{where} names file {name!r}, which is outside the checkpoint directory")
+
+
+def load_metadata(data: bytes, where: str) -> Any:
+    """Unpickle DCP ``Metadata`` safely and validate the file names it points at."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    for info in (metadata.storage_data or {}).values():
+        check_relative_name(getattr(info, "relative_path", None), where)
+    return metadata
