@@ -116,6 +116,8 @@ def raise_if_any(
     first = failures[min(failures)]
     same = len({(f.type_name, f.message) for f in failures.values()}) == 1
     if reraise_single_type and same and first.exc is not None:
+        if hasattr(first.exc, "add_note"):  # Python >= 3.11: keep where it happened
+            first.exc.add_note(f"(raised on rank {min(failures)}; original traceback:)\n{first.trace}")
         raise first.exc
     raise CheckpointError(
         f"{what} failed on {len(failures)} of {len(outcomes)} rank(s)",

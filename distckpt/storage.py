@@ -29,6 +29,36 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 _REMOTE_BUFFER = 32 * 1024 * 1024  # fewer, larger object-store parts
 
+# Object stores without real directories: fsspec's ``makedirs`` there creates a missing *bucket*
+# (so a typo in the bucket name would silently make a new one); we never create buckets.
+_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
+# Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
+_CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
+
+
+def _flat_namespace(fs: Any) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in _FLAT_PROTOCOLS for p in protocols)
+
+
+def _with_location(exc: BaseException, where: str) -> BaseException | None:
+    """``exc`` as the same OSError type with ``where`` (redacted URL) in its message, or None."""
+    is_client = type(exc).__module__.split(".", 1)[0] in _CLIENT_ERROR_MODULES
+    if not isinstance(exc, OSError) and not is_client:
+        return None
+    detail = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).strip() or type(exc).__name__
+    if where in detail:
+        return None
+    msg = f"{where}: {detail}"
+    if isinstance(exc, PermissionError):
+        msg += " (access denied: check the credentials in storage_options or the environment)"
+    if is_client and not isinstance(exc, OSError):
+        return ConnectionError(f"{msg} ({type(exc).__name__})")
+    try:
+        return type(exc)(msg)
+    except Exception:  # noqa: BLE001 - exotic constructor
+        return OSError(msg)
+
 
 def _redact(url: str) -> str:
     """The URL without user info or query string (where credentials hide)."""
@@ -68,6 +98,18 @@ class Storage:
             self.path = path.rstrip("/")
             self.url = _redact(root).rstrip("/")
         self.protocol = protocol
+        self.flat = not self.is_local and _flat_namespace(self.fs)
+
+    @contextmanager
+    def _at(self, *parts: str) -> Iterator[None]:
+        """Re-raise remote I/O errors with the (redacted) location in the message, same type."""
+        try:
+            yield
+        except Exception as exc:
+            located = _with_location(exc, self.display(*parts))
+            if located is None:
+                raise
+            raise located from exc
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -96,7 +138,8 @@ class Storage:
         if self.is_local:
             return os.path.isdir(self.path)
         try:
-            return bool(self.fs.isdir(self.path)) or bool(self.fs.exists(self.path))
+            with self._at():
+                return bool(self.fs.isdir(self.path)) or bool(self.fs.exists(self.path))
         except FileNotFoundError:
             return False
 
@@ -104,7 +147,11 @@ class Storage:
         path = self.join(*parts)
         if self.is_local:
             return os.path.exists(path)
-        return bool(self.fs.exists(path))
+        # s3fs answers from a cached parent listing if it has one: another process may have
+        # committed since (a manifest is the commit, so a stale "no" matters).
+        self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+        with self._at(*parts):
+            return bool(self.fs.exists(path))
 
     def list_dirs(self) -> list[str]:
         """Names of the sub-directories (prefixes) directly under the root; [] if none."""
@@ -115,7 +162,8 @@ class Storage:
             except FileNotFoundError:
                 return []
         try:
-            entries = self.fs.ls(self.path, detail=True)
+            with self._at():
+                entries = self.fs.ls(self.path, detail=True)
         except FileNotFoundError:
             return []
         names = []
@@ -134,7 +182,8 @@ class Storage:
                 return {}
         self.refresh()
         try:
-            entries = self.fs.ls(path, detail=True)
+            with self._at(*parts):
+                entries = self.fs.ls(path, detail=True)
         except FileNotFoundError:
             return {}
         return {
@@ -147,7 +196,8 @@ class Storage:
         path = self.join(*parts)
         if self.is_local:
             return os.path.getsize(path)
-        return int(self.fs.size(path))
+        with self._at(*parts):
+            return int(self.fs.size(path))
 
     # bytes -----------------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:
@@ -155,7 +205,8 @@ class Storage:
         if self.is_local:
             with open(path, "rb") as f:
                 return f.read()
-        return bytes(self.fs.cat_file(path))
+        with self._at(*parts):
+            return bytes(self.fs.cat_file(path))
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
         """Write ``data`` so that readers see either nothing or all of it.
@@ -174,7 +225,8 @@ class Storage:
             os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
         else:
-            self.fs.pipe_file(path, data)
+            with self._at(*parts):
+                self.fs.pipe_file(path, data)
 
     def remove(self, *parts: str) -> None:
         """Remove a file; missing is fine."""
@@ -183,7 +235,8 @@ class Storage:
             if self.is_local:
                 os.remove(path)
             else:
-                self.fs.rm_file(path)
+                with self._at(*parts):
+                    self.fs.rm_file(path)
         except FileNotFoundError:
             pass
 
@@ -196,17 +249,37 @@ class Storage:
 
                 shutil.rmtree(path)
             else:
-                self.fs.rm(path, recursive=True)
+                with self._at(*parts):
+                    self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
         self.refresh()
 
     def makedirs(self, *parts: str) -> None:
+        """Create the directory ``parts``. On object stores (no directories) this only checks
+        that the bucket exists and is reachable: buckets are never created."""
         path = self.join(*parts)
         if self.is_local:
             os.makedirs(path, exist_ok=True)
+        elif self.flat:
+            self.check_bucket()
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            with self._at(*parts):
+                self.fs.makedirs(path, exist_ok=True)
+
+    def check_bucket(self) -> None:
+        """Raise ``FileNotFoundError`` naming the URL if the root's bucket is missing or not
+        accessible with the given credentials. Object stores only; one request."""
+        if not self.flat:
+            return
+        bucket = self.path.split("/", 1)[0]
+        with self._at():
+            ok = bool(self.fs.exists(bucket))
+        if not ok:
+            raise FileNotFoundError(
+                f"{self.display()}: bucket {bucket!r} does not exist or is not accessible with the "
+                "given credentials (storage_options or the AWS environment); distckpt never creates buckets"
+            )
 
     @contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
@@ -231,9 +304,21 @@ class Storage:
         """The DCP filesystem object for this root (shares our fsspec instance and options)."""
         if self.is_local:
             return _LocalDcpFS()
-        fs = _FsspecDcpFS()
+        fs = _RemoteDcpFS(self.flat)
         fs.fs = self.fs
         return fs
+
+
+class _RemoteDcpFS(_FsspecDcpFS):
+    """DCP's fsspec filesystem that never creates buckets (DCP calls ``mkdir`` on every rank)."""
+
+    def __init__(self, flat: bool) -> None:
+        super().__init__()
+        self.flat = flat
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if not self.flat:  # object stores: prefixes need no creating
+            super().mkdir(path)
 
 
 def _fsync_dir(path: str) -> None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from .state import _FLAT_OPTIM, Entry, flat_param_groups, load_flat_param_groups
 
@@ -48,10 +45,6 @@ class ZeroOptimizerEntry(Entry):
             "initialized": bool(self.zero.optim.state),
         }
 
-    def _local_fqns(self) -> set[str]:
-        fqns = self.module.param_fqns()
-        return {fqns[id(p)] for g in self.zero.optim.param_groups for p in g["params"]}
-
     def _sync_wrapper_to_local(self) -> None:
         # ZeRO copies the wrapper's hyper-parameters (where LR schedulers write) into the local
         # optimizer at every step; do the same so the saved groups are current.
@@ -78,11 +71,17 @@ class ZeroOptimizerEntry(Entry):
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
         load_flat_param_groups(self.zero, fqns, loaded)
-        local_fqns = self._local_fqns()
-        # Keys are "<section>.<fqn>.<name>"; keep this rank's partition only.
-        local = {k: v for k, v in loaded.items() if k.split(".", 1)[1].rsplit(".", 1)[0] in local_fqns}
-        if any(k.startswith("state.") for k in local):
-            set_optimizer_state_dict(self.module.module, self.zero.optim, local, options=_FLAT_OPTIM)
-        else:
-            self.zero.optim.state.clear()
+        # Per-parameter state of this rank's partition, set directly: DCP's unflattening
+        # helper cannot handle the empty param groups a ZeRO partition may have.
+        per_param: dict[str, dict[str, Any]] = {}
+        for key, value in loaded.items():
+            if key.startswith("state."):
+                fqn, name = key[len("state."):].rsplit(".", 1)
+                per_param.setdefault(fqn, {})[name] = value
+        local = self.zero.optim
+        local.state.clear()
+        for group in local.param_groups:
+            for p in group["params"]:
+                if fqns[id(p)] in per_param:
+                    local.state[p] = per_param[fqns[id(p)]]
         self._sync_wrapper_to_local()

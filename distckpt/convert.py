@@ -1,0 +1,741 @@
+"""Streaming conversion between distckpt checkpoints and single files.
+
+* :func:`export_safetensors` / :func:`export_torch`: consolidate a sharded checkpoint (any world
+  size, no process group) into one ``.safetensors`` file or one ``torch.save``-format file.
+* :func:`import_torch_save`: turn a ``torch.save`` file into a distckpt checkpoint any world size
+  can load.
+
+Exports stream tensor by tensor: a tensor's shards are read straight from the ``.distcp`` files
+(DCP's metadata says where each one lies) and written out before the next tensor is read. Peak
+memory is about the largest tensor (for safetensors: the largest *shard*) plus one shard, never
+the whole checkpoint. The file headers are computed up front from DCP's metadata, so neither
+format needs the data in memory: safetensors is written by hand (8-byte header length, JSON
+header, raw bytes) and the torch file with ``torch._C.PyTorchFileWriter``, one storage record
+per tensor, exactly the zip layout ``torch.save`` writes (``torch.load(weights_only=True)`` reads
+it).
+
+Not collective: call from one process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from . import values
+from .catalog import Located
+from .storage import Storage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    getattr(torch, "float8_e4m3fn", None): "F8_E4M3",
+    getattr(torch, "float8_e5m2", None): "F8_E5M2",
+    getattr(torch, "uint16", None): "U16",
+    getattr(torch, "uint32", None): "U32",
+    getattr(torch, "uint64", None): "U64",
+}
+_INTERNAL = ("_rng",)  # distckpt's own namespaces: never exported
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+class SelectionError(ValueError):
+    """The requested part of the checkpoint (``key``/model-only) does not exist or is ambiguous."""
+
+
+# -------------------------------------------------------------------------------------------------
+# reading
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
+
+    def __init__(self, raw: Any, offset: int, length: int) -> None:
+        self._raw = raw
+        self._start = offset
+        self._len = length
+        self._pos = 0
+        raw.seek(offset)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        self._raw.seek(self._start + self._pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self._len - self._pos)
+        if n <= 0:
+            return 0
+        got = self._raw.readinto(view[:n]) if hasattr(self._raw, "readinto") else None
+        if got is None:
+            data = self._raw.read(n)
+            got = len(data)
+            view[:got] = data
+        self._pos += got
+        return got
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads the layout of the one tensor in a ``torch.save`` record without loading its data.
+
+    Admits only what ``torch.save`` writes for a plain tensor; anything else raises, and the
+    caller falls back to ``torch.load(weights_only=True)``.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        typename, storage_type, key, _location, numel = pid
+        if typename != "storage":
+            raise pickle.UnpicklingError(typename)
+        return (storage_type.dtype, str(key), int(numel))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+BLOCK = 16 * 1024 * 1024  # bytes read at a time when streaming a shard
+
+
+@dataclass
+class TensorInfo:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        return self.numel * torch.empty((), dtype=dtype or self.dtype).element_size()
+
+
+class CheckpointSource:
+    """A checkpoint opened for streaming reads, tensor by tensor, without a process group."""
+
+    def __init__(self, found: Located) -> None:
+        self.found = found
+        self.metadata = found.metadata()
+        self.tensors: dict[str, TensorInfo] = {}
+        self.values: list[str] = []
+        for key, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                self.tensors[key] = TensorInfo(key, md.properties.dtype, tuple(int(d) for d in md.size))
+            else:
+                self.values.append(key)
+
+    def _rel(self, name: str) -> str:
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise ValueError(f"refusing file name {name!r} recorded in {self.found.display('.metadata')}")
+        return f"{self.found.dirname}/{name}" if self.found.dirname else name
+
+    @contextmanager
+    def _slice(self, index: MetadataIndex) -> Iterator[_FileSlice]:
+        info = self.metadata.storage_data[index]
+        if getattr(info, "transform_descriptors", None):
+            raise NotImplementedError("storage transforms")
+        with self.found.storage.open(self._rel(os.fspath(info.relative_path)), "rb") as raw:
+            yield _FileSlice(raw, int(info.offset), int(info.length))
+
+    def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, numel: int) -> tuple[str, int] | None:
+        """(file, byte offset) of shard ``offsets`` of ``key`` stored as plain row-major bytes, else None."""
+        index = MetadataIndex(key, torch.Size(offsets))
+        info = self.metadata.storage_data.get(index)
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        try:
+            with self._slice(index) as f:
+                reader = torch._C.PyTorchFileReader(f)
+                records = reader.get_all_records()
+                pkl = next(r for r in records if r == "data.pkl" or r.endswith("/data.pkl"))
+                (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(reader.get_record(pkl))).load()
+                rec = next(r for r in records if r == f"data/{skey}" or r.endswith(f"/data/{skey}"))
+                start = int(reader.get_record_offset(rec))
+        except Exception:  # noqa: BLE001 - unusual layout: caller loads the shard instead
+            return None
+        n = 1
+        for d in size:
+            n *= d
+        if sdtype != dtype or n != numel or offset + n > snumel or (n > 1 and stride != _contiguous_strides(size)):
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return os.fspath(info.relative_path), int(info.offset) + start + offset * itemsize
+
+    def iter_shard_blocks(self, key: str, offsets: tuple[int, ...], numel: int, dtype: torch.dtype | None = None) -> Iterator[memoryview] | None:
+        """Bytes of one shard (cast to ``dtype``) in blocks of about :data:`BLOCK`, read straight
+        from the data file; ``None`` if the shard is not stored as plain row-major bytes."""
+        info = self.tensors[key]
+        span = self._raw_span(key, offsets, info.dtype, numel)
+        if span is None:
+            return None
+        rel, start = span
+        itemsize = torch.empty((), dtype=info.dtype).element_size()
+        total = numel * itemsize
+        step = max(itemsize, BLOCK // itemsize * itemsize)
+        out_dtype = dtype or info.dtype
+
+        def blocks() -> Iterator[memoryview]:
+            buf = bytearray(min(step, total))
+            with self.found.storage.open(self._rel(rel), "rb") as f:
+                f.seek(start)
+                done = 0
+                while done < total:
+                    n = min(step, total - done)
+                    view = memoryview(buf)[:n]
+                    got = 0
+                    while got < n:
+                        chunk = f.readinto(view[got:]) if hasattr(f, "readinto") else None
+                        if chunk is None:
+                            data = f.read(n - got)
+                            chunk = len(data)
+                            view[got:got + chunk] = data
+                        if not chunk:
+                            raise EOFError(f"{self.found.display(rel)} ends inside tensor {key}")
+                        got += chunk
+                    done += n
+                    if out_dtype == info.dtype:
+                        yield view
+                    else:
+                        cast = torch.frombuffer(view, dtype=info.dtype).to(out_dtype)
+                        yield memoryview(cast.view(torch.uint8).numpy())
+
+        return blocks()
+
+    def read_value(self, key: str) -> Any:
+        """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
+        with self._slice(MetadataIndex(key)) as f:
+            value = torch.load(io.BytesIO(f.read()), weights_only=True)
+        if isinstance(value, str) and value.startswith(values.PREFIX):
+            value = values.decode(value, key)
+        return value
+
+    def iter_shards(self, key: str) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+        """``(offsets, shard)`` of every stored shard of tensor ``key`` (one in memory at a time)."""
+        md = self.metadata.state_dict_metadata[key]
+        for chunk in md.chunks:  # type: ignore[union-attr]
+            offsets = tuple(int(o) for o in chunk.offsets)
+            with self._slice(MetadataIndex(key, torch.Size(offsets))) as f:
+                shard = torch.load(f, map_location="cpu", weights_only=True)
+            yield offsets, shard
+
+    def _row_chunks(self, key: str) -> list[Any] | None:
+        """The shards of ``key`` sorted, if they are row blocks (split along dim 0 only) that
+        tile the tensor, so that their bytes concatenated are the tensor's; else ``None``."""
+        info = self.tensors[key]
+        chunks = sorted(self.metadata.state_dict_metadata[key].chunks, key=lambda c: tuple(c.offsets))  # type: ignore[union-attr]
+        if not info.shape:
+            return chunks if len(chunks) == 1 else None
+        row = 0
+        for c in chunks:
+            offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(d) for d in c.sizes)
+            if offsets[0] != row or any(offsets[1:]) or sizes[1:] != info.shape[1:]:
+                return None
+            row += sizes[0]
+        return chunks if row == info.shape[0] else None
+
+    def read_tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor ``key`` (cast to ``dtype``), assembled from its shards.
+
+        Row-block shards are copied block by block from the data files into the result, so
+        memory is the result plus one block.
+        """
+        info = self.tensors[key]
+        dtype = dtype or info.dtype
+        chunks = self._row_chunks(key)
+        if chunks is not None:
+            out = torch.empty(info.shape, dtype=dtype)
+            flat = out.reshape(-1).view(torch.uint8)
+            row_bytes = (out.numel() // info.shape[0]) * out.element_size() if info.shape and info.shape[0] else 0
+            pos = 0
+            for c in chunks:
+                pos = int(c.offsets[0]) * row_bytes if info.shape else 0
+                numel = 1
+                for d in c.sizes:
+                    numel *= int(d)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype)
+                if blocks is None:
+                    break
+                for block in blocks:
+                    n = len(block)
+                    if n:
+                        flat[pos:pos + n].copy_(torch.frombuffer(block, dtype=torch.uint8))
+                    pos += n
+            else:
+                return out
+            del out, flat
+        try:
+            out = torch.empty(info.shape, dtype=dtype)
+            for offsets, shard in self.iter_shards(key):
+                view = out
+                for dim, (o, n) in enumerate(zip(offsets, shard.shape)):
+                    view = view.narrow(dim, o, n)
+                view.copy_(shard)
+                del shard
+            return out
+        except NotImplementedError:
+            return self._read_with_dcp(key, dtype)
+
+    def iter_bytes(self, key: str, dtype: torch.dtype | None = None) -> Iterator[memoryview]:
+        """Tensor ``key`` (cast to ``dtype``) as row-major bytes, in blocks.
+
+        Row-block shards (FSDP, or one shard) are streamed from the data files a block at a
+        time; other layouts are assembled in memory first.
+        """
+        chunks = self._row_chunks(key)
+        streams = []
+        if chunks is not None:
+            for c in chunks:
+                numel = 1
+                for d in c.sizes:
+                    numel *= int(d)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype)
+                if blocks is None:
+                    streams = []
+                    break
+                streams.append(blocks)
+        if chunks is not None and streams:
+            for blocks in streams:
+                yield from blocks
+            return
+        t = self.read_tensor(key, dtype)
+        if t.numel():
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+    def _read_with_dcp(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        from ._planner import SafeLoadPlanner
+
+        info = self.tensors[key]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        dcp.load({key: out}, storage_reader=self.found.storage.reader(self.found.dirname), planner=SafeLoadPlanner(), no_dist=True)
+        return out.to(dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# choosing what to export
+def _model_names(found: Located, source: CheckpointSource) -> list[str]:
+    entries = found.manifest.entries if found.manifest is not None else {}
+    modules = sorted(n for n, e in entries.items() if e.get("kind") == "module")
+    if modules:
+        return modules
+    # Imported checkpoints hold the model as a dict of tensors ("tree" entry).
+    return sorted(n for n, e in entries.items() if e.get("kind") == "tree")
+
+
+def select_tensors(
+    found: Located, source: CheckpointSource, *, model_only: bool, key: str | None
+) -> list[tuple[str, str]]:
+    """``(output name, checkpoint key)`` of the tensors to export, in checkpoint order.
+
+    ``key`` picks the tensors under one prefix (names relative to it); ``model_only`` picks the
+    single model (module entry) of the checkpoint. Otherwise every tensor under its full key.
+
+    Raises:
+        SelectionError: no tensor under ``key``, or no / several models for ``model_only``.
+    """
+    keys = [k for k in source.tensors if k.split(".", 1)[0] not in _INTERNAL]
+    prefix = key
+    if prefix is None and model_only:
+        names = _model_names(found, source)
+        if len(names) != 1:
+            tops = sorted({k.split(".", 1)[0] for k in keys})
+            if not names:
+                raise SelectionError(f"{found.display()} records no model; pick tensors with --key PREFIX (top-level names: {', '.join(tops)})")
+            raise SelectionError(f"{found.display()} holds several models ({', '.join(names)}); pick one with --key NAME")
+        prefix = names[0]
+    if prefix is None:
+        return [(k, k) for k in keys]
+    prefix = prefix.rstrip(".")
+    picked = [(k[len(prefix) + 1:], k) for k in keys if k.startswith(prefix + ".")]
+    if prefix in source.tensors:  # --key naming a single tensor
+        picked = [(prefix.rsplit(".", 1)[-1], prefix)]
+    if not picked:
+        tops = sorted({k.split(".", 1)[0] for k in keys})
+        raise SelectionError(f"no tensor under key prefix {prefix!r} in {found.display()} (top-level names: {', '.join(tops)})")
+    return picked
+
+
+def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+
+# -------------------------------------------------------------------------------------------------
+# output files
+@contextmanager
+def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
+
+    Local: written to a temporary name beside ``out`` and renamed. Object stores: one upload,
+    removed again if the block fails.
+    """
+    if "://" not in out or out.startswith("file://"):
+        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"output {path} is a directory")
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            f = open(tmp, "wb")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, path)
+        except BaseException:
+            f.close()
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        return
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(out, **dict(storage_options or {}))
+    f = fs.open(path, "wb")
+    try:
+        yield f
+        f.close()
+    except BaseException:
+        try:
+            f.close()
+            fs.rm_file(path)
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
+        raise
+
+
+def export_safetensors(
+    found: Located,
+    out: str,
+    *,
+    model_only: bool = True,
+    key: str | None = None,
+    dtype: torch.dtype | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write the selected tensors of ``found`` to one safetensors file, streaming.
+
+    Returns:
+        A summary: output, tensors, bytes.
+    """
+    source = CheckpointSource(found)
+    picked = select_tensors(found, source, model_only=model_only, key=key)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": found.display()}}
+    offset = 0
+    plan = []
+    for name, k in picked:
+        info = source.tensors[k]
+        odt = _out_dtype(info, dtype)
+        if odt not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {k} has dtype {odt}, which safetensors cannot store")
+        n = info.nbytes(odt)
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[odt], "shape": list(info.shape), "data_offsets": [offset, offset + n]}
+        plan.append((k, odt, n))
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    done = 0
+    with open_output(out, storage_options) as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for k, odt, n in plan:
+            written = 0
+            for block in source.iter_bytes(k, odt):
+                f.write(block)
+                written += len(block)
+            if written != n:
+                raise RuntimeError(f"tensor {k}: wrote {written} bytes, expected {n}")
+            done += n
+            if progress:
+                progress(done, offset)
+    return {"output": out, "format": "safetensors", "tensors": len(plan), "bytes": offset}
+
+
+# torch.save format ---------------------------------------------------------------------------------
+@dataclass
+class _Stub:
+    """A tensor not read yet: pickled as a reference to storage record ``index``."""
+
+    index: int
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _StorageRef:
+    def __init__(self, stub: _Stub) -> None:
+        self.stub = stub
+
+
+class _StubPickler(pickle.Pickler):
+    """Pickles :class:`_Stub` exactly as ``torch.save`` pickles a contiguous CPU tensor."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _Stub):
+            stride = []
+            acc = 1
+            for d in reversed(obj.shape):
+                stride.append(acc)
+                acc *= d
+            return (
+                torch._utils._rebuild_tensor_v2,
+                (_StorageRef(obj), 0, tuple(obj.shape), tuple(reversed(stride)), False, OrderedDict()),
+            )
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            from torch.storage import _dtype_to_storage_type_map
+
+            stub = obj.stub
+            storage_type = getattr(torch, _dtype_to_storage_type_map()[stub.dtype])
+            numel = 1
+            for d in stub.shape:
+                numel *= d
+            return ("storage", storage_type, str(stub.index), "cpu", numel)
+        return None
+
+
+def export_torch(
+    found: Located,
+    out: str,
+    *,
+    model_only: bool = False,
+    key: str | None = None,
+    dtype: torch.dtype | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Write ``found`` as one ``torch.save``-format file, streaming one tensor at a time.
+
+    With ``model_only`` or ``key``: a flat state dict for ``model.load_state_dict``. Otherwise
+    ``{top-level name: {rest of key: tensor or value}}`` with plain values (epoch, optimizer
+    hyper-parameters) included; distckpt's RNG states are left out.
+
+    Returns:
+        A summary: output, tensors, bytes, skipped values.
+    """
+    source = CheckpointSource(found)
+    stubs: list[_Stub] = []
+    skipped: list[str] = []
+
+    def stub(k: str) -> _Stub:
+        info = source.tensors[k]
+        s = _Stub(len(stubs), k, _out_dtype(info, dtype), info.shape)
+        stubs.append(s)
+        return s
+
+    obj: dict[str, Any]
+    if model_only or key is not None:
+        obj = {name: stub(k) for name, k in select_tensors(found, source, model_only=model_only, key=key)}
+    else:
+        obj = {}
+        entries = found.manifest.entries if found.manifest is not None else {}
+        all_keys = list(source.metadata.state_dict_metadata)
+        for k in all_keys:
+            top, _, rest = k.partition(".")
+            if top in _INTERNAL:
+                continue
+            if k in source.tensors:
+                item: Any = stub(k)
+            else:
+                try:
+                    item = source.read_value(k)
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                    skipped.append(f"{k} ({type(exc).__name__})")
+                    continue
+                if not values.is_plain(item):
+                    skipped.append(f"{k} (not a plain value)")
+                    continue
+            if not rest or entries.get(top, {}).get("kind") == "value":
+                obj[top] = item
+            else:
+                obj.setdefault(top, {})[rest] = item
+
+    buf = io.BytesIO()
+    _StubPickler(buf, protocol=2).dump(obj)
+    total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
+    done = 0
+    crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
+    align_fn = getattr(torch.serialization, "_get_storage_alignment", None)
+    with open_output(out, storage_options) as f:
+        writer = torch._C.PyTorchFileWriter(f, crc, align_fn()) if align_fn else torch._C.PyTorchFileWriter(f)
+        data = buf.getvalue()
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        if align_fn:
+            alignment = str(align_fn())
+            writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", "little", len("little"))
+        for s in stubs:
+            t = source.read_tensor(s.key, s.dtype)
+            n = t.untyped_storage().nbytes()
+            writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
+            del t
+            done += n
+            if progress:
+                progress(done, total)
+        writer.write_end_of_file()
+    return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped}
+
+
+# -------------------------------------------------------------------------------------------------
+# import
+_STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
+        isinstance(v, torch.Tensor) for v in obj.values()
+    )
+
+
+def strip_prefixes(name: str) -> str:
+    """``name`` without DDP's leading ``module.`` and ``torch.compile``'s ``_orig_mod.`` (anywhere)."""
+    while name.startswith(_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name.replace("._orig_mod.", ".")
+
+
+def import_torch_save(
+    src: str,
+    out_root: str,
+    *,
+    step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Import a ``torch.save`` file (a state dict, or a dict holding one) as a distckpt checkpoint.
+
+    The file is read with ``weights_only=True`` (memory-mapped when local). The model's state
+    dict (the file itself, or its ``model``/``state_dict``/``model_state_dict`` item) is saved as
+    entry ``model`` (keys ``model.<fqn>``, ``module.``/``_orig_mod.`` removed); other top-level
+    plain values (``epoch``, ``step``...) are kept; anything else (optimizer state keyed by
+    parameter index) is skipped and listed in the summary.
+
+    Returns:
+        A summary: output, step, tensors, skipped keys.
+    """
+    from .checkpointer import Checkpointer
+
+    opts = dict(storage_options or {})
+    with _local_copy(src, opts) as path:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"cannot read {src} with weights_only=True: {str(exc).splitlines()[0]}") from None
+        except RuntimeError as exc:
+            raise ValueError(f"{src} is not a torch.save file: {str(exc).splitlines()[0]}") from None
+        found_key = next((k for k in _STATE_DICT_KEYS if isinstance(obj, Mapping) and _is_tensor_dict(obj.get(k))), None)
+        if found_key is not None:
+            sd, rest = obj[found_key], {k: v for k, v in obj.items() if k != found_key}
+        elif _is_tensor_dict(obj):
+            sd, rest = obj, {}
+        else:
+            raise ValueError(f"{src} holds no model state dict (a dict of tensors, or one under {', '.join(_STATE_DICT_KEYS)})")
+        tensors: dict[str, torch.Tensor] = {}
+        skipped: list[str] = []
+        for name, value in sd.items():
+            if not isinstance(value, torch.Tensor):
+                skipped.append(f"model.{name}")
+                continue
+            clean = strip_prefixes(name)
+            if clean in tensors:
+                raise ValueError(f"{src}: keys {name!r} and another both become {clean!r} once prefixes are removed")
+            tensors[clean] = value
+        state: dict[str, Any] = {"model": tensors}
+        for k, v in rest.items():
+            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and values.is_plain(v):
+                state[k] = v
+            else:
+                skipped.append(str(k))
+        if step is None:
+            cand = next((rest.get(k) for k in ("step", "global_step", "epoch") if isinstance(rest.get(k), int)), 0)
+            step = int(cand) if not isinstance(cand, bool) and cand >= 0 else 0
+        ckpt = Checkpointer(out_root, storage_options=opts, save_rng=False)
+        try:
+            ckpt.save(step, state, metadata={"imported_from": os.path.basename(src.rstrip("/"))})
+        finally:
+            ckpt.close()
+    out = Storage(out_root, opts)
+    from .manifest import step_dir
+
+    return {
+        "output": out.display(step_dir(step)),
+        "step": step,
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "values": sorted(k for k in state if k != "model"),
+        "skipped": skipped,
+    }
+
+
+@contextmanager
+def _local_copy(src: str, storage_options: Mapping[str, Any]) -> Iterator[str]:
+    """A local path of ``src``: itself, or a temporary download of a URL."""
+    if "://" not in src or src.startswith("file://"):
+        path = os.path.abspath(os.path.expanduser(src.split("://", 1)[-1]))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist or is not a file")
+        yield path
+        return
+    import tempfile
+
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(src, **dict(storage_options))
+    with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
+        local = os.path.join(tmp, os.path.basename(path) or "checkpoint.pt")
+        fs.get_file(path, local)
+        yield local

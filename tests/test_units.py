@@ -1,0 +1,277 @@
+"""Single-process tests of the pure logic: values, manifest, retention, sampler, storage, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import values
+from distckpt.errors import CheckpointError, StateMismatchError
+from distckpt.manifest import FileRecord, Manifest, parse_step_dir, step_dir
+from distckpt.retention import steps_to_delete
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, -3, 1.5, float("inf"), "x", True, None, [1, "a"], (1, (2, 3)), {"a": {"b": [1, 2]}}, {1: "one", 2.5: "f"}, {"__distckpt_tuple__": 1}],
+)
+def test_plain_values_round_trip_exactly(value):
+    back = values.decode(values.encode(value))
+    assert back == value and type(back) is type(value)
+
+
+def test_nan_round_trips():
+    assert math.isnan(values.decode(values.encode(float("nan"))))
+
+
+def test_non_plain_value_is_refused_with_its_key():
+    with pytest.raises(TypeError, match=r"state\['extras'\].*object"):
+        values.encode({"a": object()}, "extras")
+
+
+def test_step_dir_names_sort_and_parse():
+    assert parse_step_dir(step_dir(42)) == 42
+    assert sorted([step_dir(100), step_dir(9)]) == [step_dir(9), step_dir(100)]
+    assert parse_step_dir("step_x") is None and parse_step_dir("other") is None
+
+
+def test_manifest_round_trip_and_malformed():
+    m = Manifest(3, 2, {"model": {"kind": "module"}}, {"a.distcp": FileRecord(10, "ff")}, "crc32", "2.13", "0.1")
+    back = Manifest.from_json(m.to_json())
+    assert back == m and back.total_bytes == 10
+    with pytest.raises(ValueError, match="malformed manifest X"):
+        Manifest.from_json(b"{}", "X")
+    raw = json.loads(m.to_json())
+    raw["files"] = {"../../etc/passwd": {"size": 1, "checksum": None}}
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="outside the checkpoint"):
+        Manifest.from_json(json.dumps(raw), "Y")
+
+
+def test_retention_keeps_newest():
+    assert steps_to_delete([1, 2, 3, 4], None) == []
+    assert steps_to_delete([4, 1, 3, 2], 2) == [1, 2]
+    assert steps_to_delete([7], 1) == []
+    with pytest.raises(ValueError):
+        steps_to_delete([1], 0)
+
+
+def test_errors_survive_pickling_with_their_details():
+    e = pickle.loads(pickle.dumps(CheckpointError("boom", {1: "OSError: disk full"})))
+    assert e.failures == {1: "OSError: disk full"} and "rank 1: OSError: disk full" in str(e)
+    m = pickle.loads(pickle.dumps(StateMismatchError(["a"], ["b"], {"c": ((1,), (2,))}, "here")))
+    assert m.missing == ["a"] and m.unexpected == ["b"] and "c: checkpoint [1] vs state [2]" in str(m)
+
+
+def test_sampler_position_is_world_size_independent():
+    ref = distckpt.GlobalBatchSampler(100, 12, rank=0, world_size=1, seed=3)
+    seen = [ref.next_batch() for _ in range(10)]
+    # 2 ranks for 4 batches, then resume at 3 ranks: union of ranks == the 1-rank batches.
+    two = [distckpt.GlobalBatchSampler(100, 12, rank=r, world_size=2, seed=3) for r in range(2)]
+    for b in range(4):
+        assert sum((s.next_batch() for s in two), []) == seen[b]
+    state = two[0].state_dict()
+    three = [distckpt.GlobalBatchSampler(100, 12, rank=r, world_size=3, seed=3) for r in range(3)]
+    for s in three:
+        s.load_state_dict(state)
+    for b in range(4, 10):  # crosses the epoch boundary (8 batches per epoch)
+        assert sum((s.next_batch() for s in three), []) == seen[b]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        distckpt.GlobalBatchSampler(100, 10, rank=0, world_size=3)
+    other = distckpt.GlobalBatchSampler(100, 24, rank=0, world_size=1, seed=3)
+    with pytest.raises(ValueError, match="global_batch_size=12"):
+        other.load_state_dict(state)
+
+
+def test_storage_redacts_credentials_in_urls():
+    s = distckpt.Storage("memory://user:secret@bucket/prefix?token=abc")
+    assert "secret" not in repr(s) and "abc" not in s.display("x")
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+def _state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    return model, opt, sched
+
+
+def test_single_process_round_trip_of_everything(tmp_path):
+    model, opt, sched = _state(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    counter = _Counter()
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    counter.n = 7
+    extras = {"ema": torch.arange(3.0), "count": 4}
+    state = {"model": model, "optim": opt, "sched": sched, "scaler": scaler, "counter": counter,
+             "step": 2, "data": {"samples": 24, "order": (1, 2)}, "extras": extras, "t": torch.ones(2)}
+    ckpt = distckpt.Checkpointer(tmp_path / "ck")
+    ckpt.save(2, state)
+    rng_next = torch.rand(3)  # what the generator gives right after the save
+
+    model2, opt2, sched2 = _state(1)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1.0)
+    counter2 = _Counter()
+    extras2 = {"ema": torch.zeros(3), "count": 0}
+    data2: dict = {}
+    state2 = {"model": model2, "optim": opt2, "sched": sched2, "scaler": scaler2, "counter": counter2,
+              "step": 0, "data": data2, "extras": extras2, "t": torch.zeros(2)}
+    torch.manual_seed(999)
+    assert ckpt.load(state2) == 2
+    assert torch.equal(torch.rand(3), rng_next), "torch RNG restored"
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for i in s1["state"]:
+        for k in s1["state"][i]:
+            assert torch.equal(s1["state"][i][k], s2["state"][i][k])
+    assert sched2.state_dict() == sched.state_dict()
+    assert scaler2.get_scale() == 1024.0
+    assert counter2.n == 7 and state2["step"] == 2
+    assert state2["data"] is data2 and data2 == {"samples": 24, "order": (1, 2)}
+    assert torch.equal(extras2["ema"], torch.arange(3.0)) and extras2["count"] == 4
+    assert torch.equal(state2["t"], torch.ones(2))
+
+
+def test_optimizer_that_never_stepped_is_not_changed_by_save(tmp_path):
+    model, opt, _ = _state(0)
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(0, {"model": model, "optim": opt})
+    assert not opt.state, "saving must not initialize optimizer state"
+    model2, opt2, _ = _state(1)
+    opt2.param_groups[0]["lr"] = 5.0
+    ckpt.load({"model": model2, "optim": opt2})
+    assert not opt2.state and opt2.param_groups[0]["lr"] == 0.1
+
+
+def test_optimizer_without_its_module_is_refused(tmp_path):
+    model, opt, _ = _state(0)
+    with pytest.raises(ValueError, match=r"optimizer state\['optim'\].*no single module"):
+        distckpt.Checkpointer(tmp_path).save(1, {"optim": opt})
+
+
+def test_gan_two_models_two_optimizers(tmp_path):
+    g, og, _ = _state(0)
+    d, od, _ = _state(1)
+    for m, o in ((g, og), (d, od)):
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"gen": g, "disc": d, "opt_g": og, "opt_d": od})
+    g2, og2, _ = _state(2)
+    d2, od2, _ = _state(3)
+    ckpt.load({"gen": g2, "disc": d2, "opt_g": og2, "opt_d": od2})
+    assert torch.equal(og2.state_dict()["state"][0]["exp_avg"], og.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(od2.state_dict()["state"][0]["exp_avg"], od.state_dict()["state"][0]["exp_avg"])
+
+
+def test_wrapper_prefixes_are_not_saved(tmp_path):
+    model, _, _ = _state(0)
+    compiled = torch.compile(model, backend="eager")
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": compiled})
+    keys = ckpt.manifest(1)  # manifest exists
+    assert keys.step == 1
+    from distckpt.checkpointer import read_metadata
+
+    md = read_metadata(ckpt.storage, ckpt.manifest(1))
+    assert "model.0.weight" in md.state_dict_metadata
+    assert not any("_orig_mod" in k or "module." in k for k in md.state_dict_metadata)
+    plain, _, _ = _state(5)
+    ckpt.load({"model": plain})  # loads into an uncompiled model
+    assert torch.equal(plain[0].weight, model[0].weight)
+
+
+def test_strict_mismatch_names_keys_and_shapes(tmp_path):
+    model, _, _ = _state(0)
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": model, "step": 1})
+    other = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2), nn.Linear(2, 2))
+    with pytest.raises(StateMismatchError) as info:
+        ckpt.load({"model": other})
+    err = info.value
+    assert err.missing == ["model.2.bias", "model.2.weight"]
+    assert err.unexpected == ["step"]
+    assert set(err.mismatched) == {"model.0.weight", "model.0.bias", "model.1.weight"}
+    assert err.mismatched["model.0.weight"] == ((3, 4), (5, 4))
+    before = other[1].bias.detach().clone()
+    with pytest.warns(UserWarning, match="partial load"):
+        ckpt.load({"model": other}, strict=False)
+    assert torch.equal(other[1].bias, model[1].bias) and not torch.equal(before, other[1].bias)
+    assert ckpt.last_load_report.missing == ["model.2.bias", "model.2.weight"]
+
+
+def test_missing_root_and_step_raise_file_not_found(tmp_path):
+    model, _, _ = _state(0)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        distckpt.Checkpointer(tmp_path / "nope").load({"model": model})
+    ckpt = distckpt.Checkpointer(tmp_path / "ck")
+    ckpt.save(3, {"model": model})
+    with pytest.raises(FileNotFoundError, match=r"step 4 not found .*committed steps: \[3\]"):
+        ckpt.load({"model": model}, step=4)
+    assert ckpt.latest_step() == 3 and distckpt.Checkpointer(tmp_path / "empty").latest_step() is None
+
+
+def test_commit_protocol_and_retention(tmp_path):
+    model, _, _ = _state(0)
+    root = tmp_path / "ck"
+    ckpt = distckpt.Checkpointer(root, keep_last=2)
+    ckpt.save(1, {"model": model})
+    # An interrupted save: data but no manifest. Invisible, then cleaned by the next save.
+    (root / step_dir(5)).mkdir()
+    (root / step_dir(5) / "__0_0.distcp").write_bytes(b"partial")
+    assert ckpt.steps() == [1] and ckpt.latest_step() == 1
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        ckpt.load({"model": model}, step=5)
+    ckpt.save(2, {"model": model})
+    assert not (root / step_dir(5)).exists()
+    with pytest.raises(distckpt.StepExistsError, match="step 2 is already committed"):
+        ckpt.save(2, {"model": model})
+    ckpt.save(3, {"model": model})
+    assert ckpt.steps() == [2, 3]
+    assert sorted(p.name for p in root.iterdir()) == [step_dir(2), step_dir(3)]
+
+
+def test_checkpoint_is_plain_dcp_loadable(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, _, _ = _state(0)
+    distckpt.Checkpointer(tmp_path).save(1, {"model": model})
+    other, _, _ = _state(1)
+    sd = {"model": other.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / step_dir(1)))
+    assert torch.equal(sd["model"]["0.weight"], model[0].weight)
+
+
+def test_bad_state_keys_are_refused(tmp_path):
+    ckpt = distckpt.Checkpointer(tmp_path)
+    for bad in ("", "a.b", "_rng"):
+        with pytest.raises(ValueError, match="state key"):
+            ckpt.save(1, {bad: 1})
+    with pytest.raises(ValueError, match="keep_last"):
+        distckpt.Checkpointer(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="step must be"):
+        ckpt.save(-1, {"x": 1})
