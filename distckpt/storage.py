@@ -383,6 +383,7 @@ class _ChecksummingFS(FileSystemBase):
         self.inner = inner
         self.algorithm = algorithm
         self.files: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
     @contextmanager
@@ -400,6 +401,11 @@ class _ChecksummingFS(FileSystemBase):
             stream = _ChecksumStream(raw, record, self.algorithm)
             try:
                 yield stream  # type: ignore[misc]
+            except BaseException as exc:
+                # DCP's extra writer threads drop their exceptions; remember them here.
+                with self._lock:
+                    self.errors.append(exc)
+                raise
             finally:
                 stream.close()
 
@@ -463,6 +469,17 @@ class CheckpointWriter(FileSystemWriter):
     @property
     def files(self) -> dict[str, tuple[int, str]]:
         return dict(self.fs.files)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        # DCP (2.13) runs writer threads whose exceptions are printed and lost: the save would
+        # commit without their items. Re-raise them, and check that every item was written.
+        fut = super().write_data(plan, planner)
+        results = fut.wait()
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        if len(results) != len(plan.items):
+            raise OSError(f"only {len(results)} of {len(plan.items)} items were written (a writer thread failed)")
+        return fut
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         # The directory is fixed at construction; a checkpoint_id must not silently redirect it.

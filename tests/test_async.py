@@ -1,0 +1,164 @@
+"""Asynchronous saves: staging semantics, own process group, retention, errors on every rank, memory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distckpt
+from dist_harness import run_ranks
+from distckpt.manifest import MANIFEST_NAME, step_dir
+from models import assert_same, full_model_state, make_model, make_optimizer, train_steps, wrap
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+class _DiskFull:
+    """Inject ENOSPC at the file layer of this rank's checkpoint writes (the real error type)."""
+
+    def __enter__(self):
+        from distckpt import storage
+
+        self._orig = storage._ChecksumStream.write
+
+        def write(stream, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        storage._ChecksumStream.write = write
+        return self
+
+    def __exit__(self, *exc):
+        from distckpt import storage
+
+        storage._ChecksumStream.write = self._orig
+
+
+def _async_body(rank: int, world: int, root: str) -> dict:
+    model = wrap(make_model(0), "ddp", world)
+    optim = make_optimizer(model, "ddp")
+    ckpt = distckpt.Checkpointer(root, keep_last=1)
+    state = {"model": model, "optim": optim}
+    train_steps(model, optim, range(2), rank, world)
+    ckpt.save(1, state)
+    train_steps(model, optim, range(2, 3), rank, world)
+    expected = full_model_state(model)
+
+    t0 = time.perf_counter()
+    ckpt.save(2, state, blocking=False)
+    returned_after = time.perf_counter() - t0
+    # Training goes on at once: parameters change in place, and collectives run on the default
+    # group while the background save runs its own (sharing one group deadlocks in torch 2.13).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    visible = []
+    t = torch.ones(4)
+    for _ in range(20):
+        dist.all_reduce(t)
+        visible.append(ckpt.steps())  # never empty: step 1 stays until step 2 committed
+    stats = ckpt.wait()
+    assert stats is not None and stats.step == 2 and stats.total_s >= stats.blocking_s
+    assert all(v in ([1], [2]) for v in visible), visible
+    assert ckpt.steps() == [2], ckpt.steps()
+
+    fresh = wrap(make_model(5), "ddp", world)
+    ckpt.load({"model": fresh, "optim": make_optimizer(fresh, "ddp")})
+    loaded = full_model_state(fresh)
+
+    # A full disk on one rank: every rank gets the error from wait(); nothing is committed.
+    with _DiskFull() if rank == 1 else _Nothing():
+        ckpt.save(3, state, blocking=False)
+        try:
+            ckpt.wait()
+            err3 = None
+        except distckpt.CheckpointError as exc:
+            err3 = str(exc)
+    committed_after_failure = ckpt.steps()
+    manifest3 = os.path.exists(os.path.join(root, step_dir(3), MANIFEST_NAME))
+
+    # A background error not waited for surfaces at the next save (which then saves nothing).
+    with _DiskFull() if rank == 0 else _Nothing():
+        ckpt.save(4, state, blocking=False)
+        try:
+            ckpt.save(5, state, blocking=False)
+            err4 = None
+        except distckpt.CheckpointError as exc:
+            err4 = str(exc)
+    ckpt.save(6, state, blocking=False)  # the fault is gone: saving works again
+    ckpt.close()
+    return {
+        "expected": expected,
+        "loaded": loaded,
+        "returned_after": returned_after,
+        "err3": err3,
+        "err4": err4,
+        "committed_after_failure": committed_after_failure,
+        "manifest3": manifest3,
+        "final_steps": ckpt.steps(),
+    }
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_async_save_semantics_and_errors(tmp_path):
+    root = str(tmp_path / "ck")
+    results = run_ranks(_async_body, 2, tmp_path, root)
+    for r, res in enumerate(results):
+        assert_same(res["expected"], res["loaded"], f"rank {r}: checkpoint holds the values as of save()")
+        assert res["err3"] is not None and "No space left on device" in res["err3"] and "rank 1" in res["err3"], res["err3"]
+        assert res["committed_after_failure"] == [2] and not res["manifest3"]
+        assert res["err4"] is not None and "rank 0" in res["err4"] and "No space left" in res["err4"]
+        assert res["final_steps"] == [6]
+    assert results[0]["err3"] == results[1]["err3"], "the same error on every rank"
+
+
+def _memory_body(rank: int, world: int, root: str, saves: int) -> list[int]:
+    import psutil
+
+    tensors = {f"w{i}": torch.randn(256, 1024) for i in range(20)}  # 20 MiB
+    ckpt = distckpt.Checkpointer(root, keep_last=2, sync_files=False)
+    proc = psutil.Process()
+    rss = []
+    for step in range(saves):
+        for t in tensors.values():
+            t.add_(1.0)
+        ckpt.save(step, {"weights": tensors}, blocking=False)
+        ckpt.wait()
+        rss.append(proc.memory_info().rss)
+    ckpt.close()
+    return rss
+
+
+def test_fifty_async_saves_keep_memory_flat(tmp_path):
+    rss = run_ranks(_memory_body, 1, tmp_path, str(tmp_path / "ck"), 50)[0]
+    # After warm-up (buffers allocated once), resident memory must not grow save after save.
+    base = rss[9]
+    assert max(rss[10:]) <= base * 1.05, [r // 2**20 for r in rss]
+
+
+def test_in_flight_save_is_finished_at_interpreter_exit(tmp_path):
+    root = tmp_path / "ck"
+    script = textwrap.dedent(
+        f"""
+        import torch, distckpt
+        ckpt = distckpt.Checkpointer({str(root)!r})
+        ckpt.save(7, {{"w": {{"a": torch.randn(512, 512)}}}}, blocking=False)
+        # no wait(), no close(): the atexit hook must commit it
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert distckpt.Checkpointer(root).steps() == [7]
