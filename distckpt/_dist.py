@@ -8,7 +8,8 @@ so no rank waits forever on a peer that gave up.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,7 +58,8 @@ class Group:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
+        with _peer_failures("all_gather"):
+            dist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -65,12 +67,26 @@ class Group:
         if not self.enabled:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
+        with _peer_failures("broadcast"):
+            dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
         return box[0]
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier(group=self.pg)
+            with _peer_failures("barrier"):
+                dist.barrier(group=self.pg)
+
+
+@contextmanager
+def _peer_failures(op: str) -> Iterator[None]:
+    """A collective that fails (a peer died, timed out, or the group broke) as a CheckpointError."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError and timeouts subclass it
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"distckpt {op} across ranks failed; a peer rank probably died or timed out: {first}"
+        ) from exc
 
 
 @dataclass

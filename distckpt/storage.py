@@ -565,10 +565,6 @@ class CheckpointReader(FileSystemReader):
 
     def _read_verified(self, name: str, record: Any, reqs: list[Any], planner: Any) -> None:
         """Stream ``name`` once: serve every request from it and check size and checksum."""
-        import torch
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
         from .errors import IntegrityError
         from .integrity import new_hasher
 
@@ -594,6 +590,7 @@ class CheckpointReader(FileSystemReader):
                 pos += len(data)
                 return data
 
+            failure: BaseException | None = None
             for (offset, length), item_reqs in sorted(by_item.items()):
                 if offset > pos:
                     _skip(consume, offset - pos)
@@ -602,26 +599,48 @@ class CheckpointReader(FileSystemReader):
                 data = consume(length)
                 if len(data) != length:
                     raise IntegrityError(f"{where}: truncated ({pos} bytes, manifest says {record.size})")
-                for req in item_reqs:
-                    info = self.storage_data[req.storage_index]
-                    raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(raw.read()))
-                        continue
-                    tensor = torch.load(raw if raw.seekable() else io.BytesIO(raw.read()), map_location="cpu", weights_only=True)
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise IntegrityError(f"{where}: item {req.storage_index.fqn} has shape {list(tensor.shape)}, expected {list(target.shape)}")
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+                try:
+                    self._serve(data, item_reqs, planner, where)
+                except Exception as exc:  # noqa: BLE001
+                    # Corrupt bytes often fail to deserialize before the checksum is known:
+                    # read on, and blame the file if its checksum is wrong.
+                    failure = exc
+                    break
             _skip(consume, None)
         finally:
             stream_cm.__exit__(None, None, None)
         if pos != record.size:
             raise IntegrityError(f"{where}: {pos} bytes, manifest says {record.size} (truncated or overwritten)")
         if hasher is not None and hasher.hexdigest() != record.checksum:
-            raise IntegrityError(f"{where}: {self.checksum} {hasher.hexdigest()} does not match the manifest's {record.checksum} (corrupted)")
+            raise IntegrityError(
+                f"{where}: {self.checksum} {hasher.hexdigest()} does not match the manifest's {record.checksum} (corrupted)"
+            ) from failure
+        if failure is not None:
+            raise failure
+
+    def _serve(self, data: bytes, item_reqs: list[Any], planner: Any, where: str) -> None:
+        """Deserialize one stored item and hand it to every request that reads from it."""
+        import torch
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        from .errors import IntegrityError
+
+        for req in item_reqs:
+            info = self.storage_data[req.storage_index]
+            raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(raw.read()))
+                continue
+            tensor = torch.load(raw if raw.seekable() else io.BytesIO(raw.read()), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise IntegrityError(
+                    f"{where}: item {req.storage_index.fqn} has shape {list(tensor.shape)}, expected {list(target.shape)}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
 
 
 def _skip(consume: Any, n: int | None) -> None:

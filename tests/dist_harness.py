@@ -61,8 +61,12 @@ def run_ranks(
     *args: Any,
     timeout: float = 150.0,
     pg_timeout: float = 60.0,
+    expect_dead: frozenset[int] = frozenset(),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+
+    Ranks in ``expect_dead`` are meant to die (a crash test); their result is ``None``.
+    """
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
     store = str(run_dir / "store")
@@ -83,15 +87,23 @@ def run_ranks(
         if p.is_alive():
             p.kill()
             p.join(5)
-    errors = {r: (run_dir / f"error{r}.txt").read_text() for r in range(world_size) if (run_dir / f"error{r}.txt").exists()}
-    if hung or errors or any(p.exitcode != 0 for p in procs):
+    errors = {
+        r: (run_dir / f"error{r}.txt").read_text()
+        for r in range(world_size)
+        if (run_dir / f"error{r}.txt").exists() and r not in expect_dead
+    }
+    bad_exit = any(p.exitcode != 0 for r, p in enumerate(procs) if r not in expect_dead)
+    if hung or errors or bad_exit:
         parts = [f"{fn.__name__} on {world_size} ranks failed"]
         if hung:
             parts.append(f"ranks {hung} still running after {timeout:.0f}s and were killed (hang)")
         for r, p in enumerate(procs):
-            if p.exitcode not in (0, None) and r not in errors:
+            if p.exitcode not in (0, None) and r not in errors and r not in expect_dead:
                 parts.append(f"rank {r} exited with code {p.exitcode} without a traceback")
         for r, tb in sorted(errors.items()):
             parts.append(f"--- rank {r} ---\n{tb}")
         raise RanksFailed("\n".join(parts))
-    return [pickle.loads((run_dir / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
+    return [
+        pickle.loads((run_dir / f"result{r}.pkl").read_bytes()) if (run_dir / f"result{r}.pkl").exists() else None
+        for r in range(world_size)
+    ]

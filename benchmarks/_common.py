@@ -1,0 +1,165 @@
+"""Helpers shared by the benchmark scripts: state generation, peak-memory probes, rank spawning.
+
+Not part of the library. Every rank body is a module-level function so it can be spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+# ------------------------------------------------------------------------------------------
+# peak resident memory
+def reset_peak_rss() -> int:
+    """Reset this process's VmHWM (Linux ``clear_refs`` 5) and return the current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return current_rss()
+
+
+def current_rss() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """Peak RSS since the last :func:`reset_peak_rss` (bytes)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# state
+def transformer_like_shapes(total_bytes: int, bytes_per_elem: int = 4) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor shapes of a GPT-like model of about ``total_bytes``: two embedding-size matrices,
+    per layer four matrices (qkv, out, mlp up/down) and eight vectors (biases, norms)."""
+    elems = total_bytes // bytes_per_elem
+    d = 1024 if total_bytes >= 512 * MiB else 512 if total_bytes >= 64 * MiB else 128
+    vocab = max(256, int(0.12 * elems / d))
+    shapes: list[tuple[str, tuple[int, ...]]] = [("tok_emb", (vocab, d)), ("lm_head", (vocab, d))]
+    used = 2 * vocab * d
+    per_layer = 12 * d * d + 13 * d
+    layer = 0
+    while used + per_layer <= elems or layer == 0:
+        p = f"layer{layer}"
+        shapes += [
+            (f"{p}_ln1_w", (d,)), (f"{p}_ln1_b", (d,)),
+            (f"{p}_qkv_w", (3 * d, d)), (f"{p}_qkv_b", (3 * d,)),
+            (f"{p}_out_w", (d, d)), (f"{p}_out_b", (d,)),
+            (f"{p}_ln2_w", (d,)), (f"{p}_ln2_b", (d,)),
+            (f"{p}_up_w", (4 * d, d)), (f"{p}_up_b", (4 * d,)),
+            (f"{p}_down_w", (d, 4 * d)), (f"{p}_down_b", (d,)),
+        ]
+        used += per_layer
+        layer += 1
+    rest = elems - used
+    if rest >= d:  # top up with one more matrix so the total is close to what was asked
+        shapes.append(("extra_w", (rest // d, d)))
+    shapes += [("ln_f_w", (d,)), ("ln_f_b", (d,))]
+    return shapes
+
+
+def make_tensors(shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes:
+        t = torch.empty(shape, dtype=torch.float32)
+        t.uniform_(-0.02, 0.02, generator=g)
+        out[name] = t
+    return out
+
+
+def nbytes(tensors: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def split_greedy(tensors: dict[str, Any], parts: int) -> list[list[str]]:
+    """Largest first to the least-loaded part (how DCP's dedup spreads replicated writes)."""
+    loads = [0] * parts
+    out: list[list[str]] = [[] for _ in range(parts)]
+    for name in sorted(tensors, key=lambda n: -tensors[n].numel()):
+        i = loads.index(min(loads))
+        out[i].append(name)
+        loads[i] += tensors[name].numel() * tensors[name].element_size()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# file helpers
+def drop_cache(path: str | os.PathLike) -> None:
+    """Evict the (clean) pages of every file under ``path`` from the page cache."""
+    p = Path(path)
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except Exception:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / GiB, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

@@ -1,0 +1,160 @@
+"""Peak memory of ``distckpt convert`` on a ~2 GiB checkpoint, against DCP's naive converter.
+
+Builds a ~2 GiB fp32 model checkpoint (29 tensors: a 256 MiB embedding and 28 x 64 MiB linear
+weights, plus biases) with :class:`distckpt.Checkpointer` under a temporary directory in /tmp,
+then converts it in a child process per case and reads the child's peak resident set size from
+``os.wait4`` (``ru_maxrss``). Cases:
+
+* ``distckpt convert --to safetensors`` and ``--to torch`` (streaming);
+* ``distckpt convert --to safetensors --dtype bf16``;
+* DCP's ``format_utils.dcp_to_torch_save`` (whole state in memory), with ``--naive``.
+
+Target (issue 7): peak RSS under 600 MB. A bare ``import torch`` plus DCP is ~280 MB here.
+
+    python benchmarks/convert_memory.py [--naive] [--gib 2]
+
+Prints a table and writes ``benchmarks/results/convert_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+TARGET_MB = 600
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_checkpoint(root: str, gib: float) -> tuple[int, int]:
+    """Save a model of about ``gib`` GiB; returns (bytes of tensors, bytes of largest tensor)."""
+    import torch
+    from torch import nn
+
+    from distckpt import Checkpointer
+
+    warnings.simplefilter("ignore")
+    n_linear = max(1, int(round((gib * 1024 - 256) / 64)))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(65536, 1024), *[nn.Linear(4096, 4096) for _ in range(n_linear)])
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05, generator=gen)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    ckpt = Checkpointer(root, save_rng=False)
+    ckpt.save(0, {"model": model})
+    ckpt.close()
+    return total, largest
+
+
+def run_child(cmd: list[str]) -> dict[str, float]:
+    """Run ``cmd``; its wall time and peak RSS (MB, from the kernel's accounting of that child)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err.strip()[-2000:]}")
+    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss * 1024 / 1e6, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size")
+    parser.add_argument("--naive", action="store_true", help="also run DCP's dcp_to_torch_save for contrast")
+    parser.add_argument("--dir", default="/tmp", help="where to put the temporary checkpoint (not /dev/shm)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "convert_memory.json"))
+    parser.add_argument("--build", metavar="ROOT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.build:
+        print(json.dumps(build_checkpoint(args.build, args.gib)))
+        return 0
+
+    py = sys.executable
+    work = tempfile.mkdtemp(prefix="distckpt-convert-bench-", dir=args.dir)
+    try:
+        root = os.path.join(work, "ckpt")
+        t0 = time.perf_counter()
+        # Built in a child: this process must stay small, since a forked child starts out with
+        # the parent's resident pages counted in its ru_maxrss.
+        built = subprocess.run([py, __file__, "--build", root, "--gib", str(args.gib)], check=True, capture_output=True, text=True)
+        total, largest = json.loads(built.stdout.strip().splitlines()[-1])
+        print(f"checkpoint: {total / 2**30:.2f} GiB of tensors, largest {largest / 2**20:.0f} MiB, saved in {time.perf_counter() - t0:.1f}s", flush=True)
+
+        baseline = run_child([py, "-c", "import torch, torch.distributed.checkpoint, distckpt.convert"])
+        cases: list[tuple[str, list[str], str]] = [
+            ("import torch + distckpt (baseline)", [], ""),
+            ("distckpt convert --to safetensors", ["--to", "safetensors"], "out.safetensors"),
+            ("distckpt convert --to safetensors --dtype bf16", ["--to", "safetensors", "--dtype", "bf16"], "out_bf16.safetensors"),
+            ("distckpt convert --to torch", ["--to", "torch", "--model-only"], "out.pt"),
+        ]
+        results = []
+        for name, extra, out_name in cases:
+            if not extra:
+                res = baseline
+            else:
+                out = os.path.join(work, out_name)
+                res = run_child([py, "-m", "distckpt", "convert", os.path.join(root, "step_000000000"), *extra, out, "--quiet"])
+                res["output_bytes"] = os.path.getsize(out)
+                os.remove(out)
+            res["case"] = name
+            results.append(res)
+            print(f"  {name}: {res}", flush=True)
+        if args.naive:
+            out = os.path.join(work, "naive.pt")
+            code = (
+                "import warnings; warnings.simplefilter('ignore');"
+                "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+                f"dcp_to_torch_save({os.path.join(root, 'step_000000000')!r}, {out!r})"
+            )
+            res = run_child([py, "-c", code])
+            res["output_bytes"] = os.path.getsize(out)
+            res["case"] = "DCP format_utils.dcp_to_torch_save (naive)"
+            os.remove(out)
+            results.append(res)
+            print(f"  naive: {res}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(f"{'case':48} {'peak RSS MB':>12} {'wall s':>8} {'GB/s':>6}  target <{TARGET_MB} MB")
+    for r in results:
+        gbps = f"{total / r['wall_s'] / 1e9:.2f}" if "output_bytes" in r else "-"
+        verdict = "" if "output_bytes" not in r else ("ok" if r["peak_rss_mb"] < TARGET_MB else "OVER")
+        if r["case"].endswith("(naive)"):
+            verdict = "(contrast)"
+        print(f"{r['case']:48} {r['peak_rss_mb']:12.1f} {r['wall_s']:8.2f} {gbps:>6}  {verdict}")
+
+    streaming = [r for r in results if r["case"].startswith("distckpt convert")]
+    report = {
+        "checkpoint_tensor_bytes": total,
+        "largest_tensor_bytes": largest,
+        "target_peak_rss_mb": TARGET_MB,
+        "all_streaming_under_target": all(r["peak_rss_mb"] < TARGET_MB for r in streaming),
+        "results": results,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    report["machine"]["torch"] = subprocess.run(
+        [py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0 if report["all_streaming_under_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

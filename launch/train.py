@@ -1,0 +1,278 @@
+"""Train a small GPT on synthetic tokens with DDP, ZeRO or FSDP2, checkpointing with distckpt.
+
+Every rank runs this file; ``torchrun`` sets RANK/LOCAL_RANK/WORLD_SIZE. NCCL and ``cuda:LOCAL_RANK``
+when CUDA is available, gloo and the CPU otherwise. Every rank calls save/load (they are
+collective); only rank 0 prints and writes ``--log-file``.
+
+One node, 2 processes (CPU or GPU)::
+
+    torchrun --standalone --nproc-per-node 2 launch/train.py --parallel fsdp --steps 200 \\
+        --global-batch 12 --ckpt-dir /tmp/run1 --save-every 50 --async --log-file /tmp/run1.jsonl
+
+Run the same command again with more ``--steps`` (or another ``--nproc-per-node`` dividing the
+global batch) and it resumes from the newest committed checkpoint in ``--ckpt-dir``.
+
+Two nodes (run on each, NODE_RANK 0 and 1, HOST:PORT reachable from both)::
+
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29400 --rdzv-id myjob \\
+        --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \\
+        launch/train.py --parallel zero --steps 1000 --global-batch 64 \\
+        --ckpt-dir s3://bucket/run1 --save-every 100 --async --keep-last 3
+
+Behaviour:
+
+* The global batch ``--global-batch`` is the same at every world size (split evenly across
+  ranks) and the sample order is global (:class:`distckpt.GlobalBatchSampler`), so a resumed job
+  sees exactly the data the uninterrupted job would have seen, at any world size.
+* Resuming at the same world size reproduces the uninterrupted losses bit for bit (dropout RNG
+  included); at another world size (``--dropout 0``) they agree to floating-point reduction order.
+* SIGTERM or SIGUSR1 on any rank: every rank finishes its step, saves synchronously and exits 0.
+  ``torchrun`` forwards SIGTERM; add SIGUSR1 to ``--signals-to-handle`` for SLURM's warning.
+* ``--log-file``: one JSON line per step from rank 0, ``{"step", "loss", "world_size"}`` (loss
+  averaged over all ranks), appended across restarts (after a crash, steps since the last
+  checkpoint appear again; the later line wins). Rank 0 prints steps/s and each save's blocking
+  time and throughput (an async save's once it is committed, at the next save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+# cuBLAS needs this before CUDA initializes to run deterministically.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # launch/model.py
+sys.path.append(os.path.dirname(_HERE))  # a source checkout's distckpt, if it is not installed
+import distckpt  # noqa: E402
+from model import GPT, GPTConfig, MarkovTokens  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp")
+    p.add_argument("--steps", type=int, required=True, help="train until this many optimizer steps in total")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
+    p.add_argument("--ckpt-dir", required=True, help="checkpoint root: local path or fsspec URL")
+    p.add_argument("--save-every", type=int, default=100, help="save every K steps (and always at the last)")
+    p.add_argument("--async", dest="async_save", action="store_true", help="save periodic checkpoints asynchronously")
+    p.add_argument("--keep-last", type=int, default=None, help="keep only the newest k checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--log-file", default=None, help="rank 0 appends one JSON line per step")
+    p.add_argument("--log-every", type=int, default=10, help="print progress every N steps")
+    m = p.add_argument_group("model and data (defaults: ~3.4M parameters)")
+    m.add_argument("--vocab", type=int, default=256)
+    m.add_argument("--seq-len", type=int, default=128)
+    m.add_argument("--d-model", type=int, default=256)
+    m.add_argument("--n-layers", type=int, default=4)
+    m.add_argument("--n-heads", type=int, default=4)
+    m.add_argument("--num-samples", type=int, default=8192, help="size of the synthetic dataset")
+    o = p.add_argument_group("optimizer")
+    o.add_argument("--lr", type=float, default=3e-3)
+    o.add_argument("--warmup", type=int, default=20)
+    o.add_argument("--decay-steps", type=int, default=2000, help="cosine length (independent of --steps)")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step (tests/demos of preemption)")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.save_every < 1 or args.global_batch < 1:
+        p.error("--steps must be >= 0, --save-every and --global-batch >= 1")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# distributed setup
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device) from the torchrun environment; plain ``python`` = 1 rank."""
+    if "RANK" not in os.environ:  # run without torchrun: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    return rank, local_rank, world, device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(args: argparse.Namespace, world: int, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    cfg = GPTConfig(args.vocab, args.seq_len, args.d_model, args.n_layers, args.n_heads, args.dropout)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model: nn.Module = GPT(cfg).to(device)
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if args.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.parallel == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    return ddp, torch.optim.AdamW(ddp.parameters(), **adamw)
+
+
+def lr_lambda(warmup: int, decay_steps: int):
+    """Linear warmup, then cosine down to 10% over ``decay_steps`` (then flat)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# preemption
+_preempted: list[str] = []
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _preempted.append(signal.Signals(signum).name)
+
+
+def install_preemption_handlers() -> None:
+    """SIGTERM (torchrun forwards it) and SIGUSR1 (SLURM's warning) only set a flag."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _on_signal)
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_preemption_handlers()
+    rank, _, world, device = init_distributed()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} must divide evenly across {world} ranks")
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(f"[train] {msg}", flush=True)
+
+    data = MarkovTokens(args.num_samples, args.seq_len, args.vocab, seed=args.seed)
+    model, optim = build(args, world, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup, args.decay_steps))
+    sampler = distckpt.GlobalBatchSampler(len(data), args.global_batch, rank, world, seed=args.seed)
+    torch.manual_seed(args.seed * 1_000_003 + 1 + rank)  # per-rank dropout stream (restored on resume)
+    state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}
+
+    ckpt = distckpt.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
+    try:
+        t = time.perf_counter()
+        step = ckpt.load(state)
+        say(f"resumed from step {step} of {args.ckpt_dir} at world size {world} in {time.perf_counter() - t:.2f}s")
+    except FileNotFoundError:
+        step = 0
+        say(f"no checkpoint in {args.ckpt_dir}: starting from scratch")
+    say(
+        f"{args.parallel} on {world} x {device.type}, ~{n_params / 1e6:.2f}M params, global batch "
+        f"{args.global_batch}, steps {step} -> {args.steps}, loss floor ~{data.entropy():.3f}"
+    )
+    log_file = open(args.log_file, "a") if rank == 0 and args.log_file else None
+
+    def log_save(stats: distckpt.SaveStats, mode: str) -> None:
+        tp = stats.throughput_gbps
+        say(
+            f"saved step {stats.step} ({mode}): blocked {stats.blocking_s:.3f}s, committed after "
+            f"{stats.total_s or 0.0:.3f}s, {(stats.bytes_written or 0) / 1e6:.1f} MB"
+            + (f", {tp * 1e3:.1f} MB/s" if tp else "")
+        )
+
+    def save(step: int, blocking: bool) -> None:
+        done = ckpt.wait()  # commit the previous async save (if any) and report it
+        if done is not None:
+            log_save(done, "async")
+        ckpt.save(step, state, blocking=blocking)
+        if blocking:
+            log_save(ckpt.last_save, "sync")  # type: ignore[arg-type]
+
+    flags = torch.zeros(2, dtype=torch.float64, device=device)
+    t_window, steps_window = time.perf_counter(), 0
+    stopped_by = None
+    while step < args.steps:
+        x, y = data.batch(sampler.next_batch())
+        model.train()
+        loss = model(x.to(device), y.to(device))  # mean over local tokens; DDP/FSDP average grads
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        sched.step()
+        step += 1
+        if args.step_delay:
+            time.sleep(args.step_delay)
+
+        # One collective per step: the global mean loss and "has any rank been signalled?".
+        flags[0] = loss.detach().double()
+        flags[1] = 1.0 if _preempted else 0.0
+        dist.all_reduce(flags)
+        mean_loss = float(flags[0].item() / world)
+        if math.isnan(mean_loss):
+            raise FloatingPointError(f"loss is NaN at step {step}")
+        stop = flags[1].item() > 0
+        if log_file is not None:
+            log_file.write(json.dumps({"step": step, "loss": mean_loss, "world_size": world}) + "\n")
+            log_file.flush()
+        steps_window += 1
+        if step % args.log_every == 0 or step == args.steps or stop:
+            now = time.perf_counter()
+            say(
+                f"step {step}/{args.steps} loss {mean_loss:.4f} lr {sched.get_last_lr()[0]:.2e} "
+                f"{steps_window / (now - t_window):.2f} steps/s"
+            )
+            t_window, steps_window = now, 0
+
+        last = step == args.steps or stop
+        if step % args.save_every == 0 or last:
+            save(step, blocking=last or not args.async_save)
+        if stop:
+            stopped_by = _preempted[0] if _preempted else "a signal on another rank"
+            break
+
+    if step >= args.steps and stopped_by is None and ckpt.latest_step() != step:
+        save(step, blocking=True)  # e.g. resumed past --steps without a checkpoint at the end
+    ckpt.close()
+    if stopped_by:
+        say(f"preempted by {stopped_by}: saved step {step}, exiting 0; relaunch to resume")
+    else:
+        say(f"done at step {step}")
+    if log_file is not None:
+        log_file.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

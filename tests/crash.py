@@ -1,0 +1,119 @@
+"""Crash trials: SIGKILL a process that is saving, then check nothing committed was lost.
+
+Used by tests/test_faults.py (a few seeded trials) and runnable as a soak script::
+
+    python tests/crash.py --trials 200 --seed 1
+
+Each trial forks a saver that writes steps 1, 2, 3 ... (alternating sync and async saves, with
+``keep_last=2``) of a state whose every value encodes its step, and kills it with SIGKILL after
+a random delay. The parent then checks: the newest committed step loads and holds exactly that
+step's values; no incomplete step is listed; the next save cleans up and commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import distckpt
+
+SHAPES = [(256, 1024), (1024, 7), (3, 5), (4096,)]
+
+
+def make_state(step: int) -> dict:
+    return {
+        "weights": {f"t{i}": torch.full(shape, float(step)) for i, shape in enumerate(SHAPES)},
+        "step": step,
+    }
+
+
+def _saver(root: str, start: int) -> None:
+    warnings.simplefilter("ignore")
+    ckpt = distckpt.Checkpointer(root, keep_last=2)
+    step = start
+    while True:
+        ckpt.save(step, make_state(step), blocking=bool(step % 2))
+        step += 1
+
+
+def check(root: str) -> int | None:
+    """Verify the root after a crash; returns the newest committed step (None if none)."""
+    ckpt = distckpt.Checkpointer(root, keep_last=2)
+    steps = ckpt.steps()
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        s = distckpt.manifest.parse_step_dir(name)
+        if s is not None and s not in steps:
+            assert not (Path(root) / name / "manifest.json").exists()
+    if not steps:
+        return None
+    latest = steps[-1]
+    state = make_state(-1)
+    assert ckpt.load(state) == latest
+    assert state["step"] == latest, (state["step"], latest)
+    for name, t in state["weights"].items():
+        assert torch.equal(t, torch.full_like(t, float(latest))), f"{name} of step {latest} is wrong"
+    return latest
+
+
+_CTX = None
+
+
+def _context():
+    # A fork server that imported torch but never ran an op forks savers in milliseconds; a
+    # plain fork of a process whose OpenMP pool is running can deadlock in the child.
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "distckpt", "crash"])
+    return _CTX
+
+
+def trial(root: str, rng: random.Random, max_delay: float) -> tuple[int | None, int | None]:
+    """One crash: returns (newest step before the kill, newest after recovery)."""
+    before = check(root)
+    ctx = _context()
+    proc = ctx.Process(target=_saver, args=(root, (before or 0) + 1), daemon=True)
+    proc.start()
+    time.sleep(rng.uniform(0.0, max_delay))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    after = check(root)
+    assert after is None or before is None or after >= before, "a committed checkpoint was lost"
+    # The next save works and removes what the killed one left behind.
+    ckpt = distckpt.Checkpointer(root, keep_last=2)
+    nxt = (after or 0) + 1000
+    ckpt.save(nxt, make_state(nxt))
+    leftovers = [n for n in os.listdir(root) if distckpt.manifest.parse_step_dir(n) not in ckpt.steps()]
+    assert not leftovers, f"incomplete checkpoints not cleaned up: {leftovers}"
+    return before, after
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-delay", type=float, default=1.5)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    import tempfile
+
+    root = args.dir or tempfile.mkdtemp(prefix="distckpt-soak-")
+    rng = random.Random(args.seed)
+    for i in range(args.trials):
+        before, after = trial(os.path.join(root, "ck"), rng, args.max_delay)
+        print(f"trial {i}: newest committed before the kill {before}, after it {after}", flush=True)
+    print(f"{args.trials} passed, 0 failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The benchmark scripts still run (``--quick``: tiny sizes) and write JSON with the expected fields."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+
+def _run(script: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(150)
+def test_save_throughput_quick(tmp_path: Path) -> None:
+    pytest.importorskip("moto")
+    pytest.importorskip("matplotlib")
+    res = _run("save_throughput.py", tmp_path, "--png", str(tmp_path / "st.png"), "--dir", str(tmp_path / "scratch"))
+    assert (tmp_path / "st.png").stat().st_size > 0
+    (ws,) = res["world_sizes"]
+    m = ws["methods"]
+    for name in ("raw_write", "torch_save", "dcp_save", "dcp_save_t2", "distckpt_sync", "distckpt_async",
+                 "staging_copy", "raw_read", "dcp_load", "distckpt_load", "train_baseline",
+                 "train_during_async", "s3_raw_put", "distckpt_s3_save", "s3_raw_get", "distckpt_s3_load"):
+        assert name in m, name
+        assert m[name]["time_s"] > 0
+        assert len(m[name]["peak_rss_growth_mib_per_rank"]) == 1
+    assert m["distckpt_sync"]["ratio_to_raw"] > 0
+    assert m["distckpt_async"]["blocking_s"] > 0 and m["distckpt_async"]["total_s"] > 0
+    assert {t["target"] for t in ws["targets"]} >= {"sync_save_vs_raw", "async_block_vs_copy", "load_vs_raw", "s3_save_vs_raw"}
+    assert res["machine"]["cores"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_plan_scaling_quick(tmp_path: Path) -> None:
+    res = _run("plan_scaling.py", tmp_path, "--png", "")
+    layouts = {(r["layout"], r["world_size"]) for r in res["rows"]}
+    assert layouts == {("replicated", 8), ("replicated", 32), ("sharded", 8), ("sharded", 32)}
+    for r in res["rows"]:
+        assert r["global_plan_s"] >= 0 and r["metadata_bytes"] > 0
+        if r["layout"] == "replicated":
+            assert r["items_written"] == r["tensors"]  # dedup keeps one copy of each tensor
+        else:
+            assert r["items_written"] == r["local_items_total"]
+
+
+@pytest.mark.timeout(120)
+def test_zero_memory_quick(tmp_path: Path) -> None:
+    res = _run("zero_memory.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    assert set(res["methods"]) == {"distckpt_save", "consolidate_save", "distckpt_load", "consolidate_load"}
+    assert res["full_opt_bytes"] > 0
+    for v in res["methods"].values():
+        assert len(v["peak_growth_mib_per_rank"]) == 2

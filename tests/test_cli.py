@@ -1,0 +1,337 @@
+"""The ``distckpt`` command and :mod:`distckpt.convert`, single process (no distributed init)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from distckpt import Checkpointer
+from distckpt.cli import main
+from distckpt.manifest import step_dir
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class TwoTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 5)
+        self.head = nn.Sequential(nn.Linear(5, 4), nn.LayerNorm(4))
+        self.register_buffer("scale", torch.arange(3, dtype=torch.float64))
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return TwoTower()
+
+
+def _same(sd_a, sd_b) -> bool:
+    return sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    """A root with committed steps 10 and 20 (model + optimizer + values) and an incomplete 30."""
+    root = str(tmp_path_factory.mktemp("root"))
+    model = _model(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = model.head(model.enc(torch.randn(2, 6))).sum()
+    out.backward()
+    optim.step()
+    ckpt = Checkpointer(root)
+    ckpt.save(10, {"model": model, "optim": optim, "epoch": 1})
+    ckpt.save(20, {"model": model, "optim": optim, "epoch": 2}, metadata={"run": "t"})
+    os.makedirs(os.path.join(root, step_dir(30)))
+    with open(os.path.join(root, step_dir(30), "__0_0.distcp"), "wb") as f:
+        f.write(b"x" * 100)
+    return root, model
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *words):
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("distckpt: error: "), err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+# ls / inspect / verify -----------------------------------------------------------------------------
+def test_ls_json_and_table(ckpt_root, capsys):
+    root, _ = ckpt_root
+    code, out, _ = run(["ls", root, "--json"], capsys)
+    assert code == 0
+    steps = {r["step"]: r for r in json.loads(out)["steps"]}
+    assert sorted(steps) == [10, 20, 30]
+    assert steps[20]["committed"] and steps[20]["world_size"] == 1 and steps[20]["bytes"] > 0
+    assert steps[20]["created_unix"] > 0
+    assert not steps[30]["committed"] and steps[30]["status"] == "incomplete" and steps[30]["bytes"] == 100
+    code, out, _ = run(["ls", root], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "WORLD", "CREATED"]
+    assert "incomplete" in lines[3] and "committed" in lines[2]
+
+
+def test_ls_subprocess_python_m(ckpt_root):
+    root, _ = ckpt_root
+    proc = subprocess.run([sys.executable, "-m", "distckpt", "ls", root, "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in json.loads(proc.stdout)["steps"]] == [10, 20, 30]
+
+
+def test_inspect_json(ckpt_root, capsys):
+    root, model = ckpt_root
+    code, out, _ = run(["inspect", root, "--json"], capsys)  # root: newest committed step (20)
+    assert code == 0
+    info = json.loads(out)
+    assert info["step"] == 20 and info["manifest"]["extra"] == {"run": "t"}
+    rows = {r["key"]: r for r in info["entries"]}
+    w = rows["model.enc.weight"]
+    assert (w["dtype"], w["shape"], w["bytes"], w["shards"]) == ("float32", [5, 6], 120, 1)
+    assert rows["model.scale"]["dtype"] == "float64" and rows["model.scale"]["bytes"] == 24
+    assert rows["optim.state.enc.weight.exp_avg"]["shape"] == [5, 6]
+    assert rows["epoch"]["kind"] == "value"
+    params = sum(t.numel() for t in model.state_dict().values())
+    model_rows = [r for k, r in rows.items() if k.startswith("model.")]
+    assert sum(r["bytes"] for r in model_rows) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert info["totals"]["parameters"] >= params and info["totals"]["file_bytes"] > 0
+    code, out, _ = run(["inspect", os.path.join(root, step_dir(10))], capsys)
+    assert code == 0 and "model.enc.weight" in out and "float32" in out and "[5, 6]" in out
+
+
+def test_verify_ok_and_corrupted(ckpt_root, tmp_path, capsys):
+    import shutil
+
+    root, _ = ckpt_root
+    code, out, _ = run(["verify", root], capsys)
+    assert code == 0 and out.startswith("OK")
+    bad_root = str(tmp_path / "bad")
+    shutil.copytree(os.path.join(root, step_dir(10)), os.path.join(bad_root, step_dir(10)))
+    data_file = sorted(n for n in os.listdir(os.path.join(bad_root, step_dir(10))) if n.endswith(".distcp"))[0]
+    path = os.path.join(bad_root, step_dir(10), data_file)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    code, out, err = run(["verify", os.path.join(bad_root, step_dir(10))], capsys)
+    assert code == 1
+    assert data_file in err and "Traceback" not in err
+    code, out, _ = run(["verify", bad_root, "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and any(data_file in p for p in report["problems"])
+
+
+# export ------------------------------------------------------------------------------------------
+def test_convert_torch_roundtrip(ckpt_root, tmp_path, capsys):
+    root, model = ckpt_root
+    out = str(tmp_path / "model.pt")
+    code, _, err = run(["convert", root, "--to", "torch", out, "--model-only", "-q"], capsys)
+    assert code == 0, err
+    sd = torch.load(out, weights_only=True)
+    fresh = _model(1)
+    fresh.load_state_dict(sd)
+    assert _same(fresh.state_dict(), model.state_dict())
+    # Full export: nested by top-level name, plain values decoded, no RNG states.
+    full = str(tmp_path / "full.pt")
+    assert run(["convert", os.path.join(root, step_dir(10)), "--to", "torch", full, "-q"], capsys)[0] == 0
+    obj = torch.load(full, weights_only=True)
+    assert set(obj) == {"model", "optim", "epoch"} and obj["epoch"] == 1
+    assert _same(obj["model"], model.state_dict())
+    assert obj["optim"]["state.enc.weight.exp_avg"].shape == (5, 6)
+    assert obj["optim"]["param_groups.enc.weight.lr"] == pytest.approx(1e-3)
+
+
+def test_convert_safetensors_roundtrip_and_bf16(ckpt_root, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    root, model = ckpt_root
+    out = str(tmp_path / "model.safetensors")
+    code, out_json, err = run(["convert", root, "--to", "safetensors", out, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out_json)["tensors"] == len(model.state_dict())
+    assert _same(load_file(out), model.state_dict())
+    out16 = str(tmp_path / "bf16.safetensors")
+    assert run(["convert", root, "--to", "safetensors", out16, "--dtype", "bf16", "-q"], capsys)[0] == 0
+    loaded = load_file(out16)
+    for k, v in model.state_dict().items():
+        assert loaded[k].dtype == torch.bfloat16
+        assert torch.equal(loaded[k], v.to(torch.bfloat16))
+    pt16 = str(tmp_path / "bf16.pt")
+    assert run(["convert", root, "--to", "torch", pt16, "--model-only", "--dtype", "bf16", "-q"], capsys)[0] == 0
+    assert _same(torch.load(pt16, weights_only=True), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+
+def test_convert_key_selects_one_of_two_models(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    a, b = _model(1), _model(2)
+    root = str(tmp_path / "two")
+    Checkpointer(root).save(1, {"student": a, "teacher": b})
+    out = str(tmp_path / "t.safetensors")
+    code, _, err = run(["convert", root, "--to", "safetensors", out], capsys)
+    assert_one_line_error(code, err, "several models", "--key")
+    assert run(["convert", root, "--to", "safetensors", out, "--key", "teacher", "-q"], capsys)[0] == 0
+    assert _same(load_file(out), b.state_dict())
+    pt = str(tmp_path / "s.pt")
+    assert run(["convert", root, "--to", "torch", pt, "--key", "student", "-q"], capsys)[0] == 0
+    assert _same(torch.load(pt, weights_only=True), a.state_dict())
+    # A deeper prefix picks a submodule.
+    assert run(["convert", root, "--to", "torch", pt, "--key", "student.head", "-q"], capsys)[0] == 0
+    assert _same(torch.load(pt, weights_only=True), a.head.state_dict())
+
+
+def _save_sharded(rank, world_size, root):
+    """(each rank) FSDP2 model (row shards, uneven) + a column-sharded DTensor, saved together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.models import make_model, wrap
+
+    model = wrap(make_model(0), "fsdp", world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    cols = distribute_tensor(torch.arange(35, dtype=torch.float32).reshape(5, 7), mesh, [Shard(1)])
+    Checkpointer(root).save(1, {"model": model, "extra": {"cols": cols}})
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # collective: every rank
+    return full if rank == 0 else None
+
+
+def test_export_sharded_checkpoint(tmp_path):
+    """Shards written by 2 ranks (FSDP2 row blocks, a column-sharded DTensor) are reassembled."""
+    from safetensors.torch import load_file
+
+    from distckpt.catalog import locate
+    from distckpt.convert import export_safetensors, export_torch
+    from tests.dist_harness import run_ranks
+
+    root = str(tmp_path / "sharded")
+    full = run_ranks(_save_sharded, 2, tmp_path, root)[0]
+    found = locate(root)
+    # FSDP row blocks are streamed straight from the data files (no whole-shard load).
+    from distckpt.convert import CheckpointSource
+
+    source = CheckpointSource(found)
+    chunks = source._row_chunks("model.0.weight")
+    assert chunks is not None and len(chunks) == 2
+    c = chunks[1]
+    assert source.iter_shard_blocks("model.0.weight", tuple(c.offsets), c.sizes.numel()) is not None
+    assert source._row_chunks("extra.cols") is None  # column shards: assembled instead
+    assert export_safetensors(found, str(tmp_path / "m.st"))["tensors"] == len(full)
+    assert _same(load_file(str(tmp_path / "m.st")), full)
+    export_torch(found, str(tmp_path / "m.pt"), model_only=True)
+    assert _same(torch.load(str(tmp_path / "m.pt"), weights_only=True), full)
+    export_safetensors(found, str(tmp_path / "c.st"), key="extra")
+    assert torch.equal(load_file(str(tmp_path / "c.st"))["cols"], torch.arange(35, dtype=torch.float32).reshape(5, 7))
+
+
+# import ------------------------------------------------------------------------------------------
+def test_import_torch_save_with_module_prefix(tmp_path, capsys):
+    model = _model(3)
+    sd = {f"module.{k}": v for k, v in model.state_dict().items()}
+    src = str(tmp_path / "old.pt")
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.head(model.enc(torch.randn(2, 6))).sum().backward()
+    optim.step()
+    torch.save({"model": sd, "optimizer": optim.state_dict(), "epoch": 7}, src)
+    out = str(tmp_path / "imported")
+    code, out_json, err = run(["convert", src, "--to", "dcp", out, "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(out_json)
+    assert summary["step"] == 7 and summary["tensors"] == len(sd) and "optimizer" in summary["skipped"]
+    fresh = _model(4)
+    state = {"model": fresh, "epoch": 0}
+    assert Checkpointer(out).load(state) == 7
+    assert _same(fresh.state_dict(), model.state_dict()) and state["epoch"] == 7
+    # And back out again: model-only export finds the imported model.
+    st = str(tmp_path / "back.safetensors")
+    assert run(["convert", out, "--to", "safetensors", st, "-q"], capsys)[0] == 0
+    from safetensors.torch import load_file
+
+    assert _same(load_file(st), model.state_dict())
+
+
+def test_import_bare_state_dict_step_option(tmp_path, capsys):
+    model = _model(5)
+    src = str(tmp_path / "bare.pt")
+    torch.save({f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, src)
+    out = str(tmp_path / "imp")
+    assert run(["convert", src, "--to", "dcp", out, "--step", "42", "-q"], capsys)[0] == 0
+    fresh = _model(6)
+    assert Checkpointer(out).load({"model": fresh}) == 42
+    assert _same(fresh.state_dict(), model.state_dict())
+
+
+# bad input ---------------------------------------------------------------------------------------
+def test_bad_inputs_one_line_errors(ckpt_root, tmp_path, capsys):
+    root, _ = ckpt_root
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(["inspect", str(empty)], capsys)
+    assert_one_line_error(code, err, "not a checkpoint")
+    code, _, err = run(["inspect", str(tmp_path / "missing")], capsys)
+    assert_one_line_error(code, err, "does not exist")
+    code, _, err = run(["verify", os.path.join(root, step_dir(30))], capsys)
+    assert_one_line_error(code, err, "incomplete")
+    code, _, err = run(["convert", root, "--to", "safetensors", str(tmp_path / "x.st"), "--key", "nosuch"], capsys)
+    assert_one_line_error(code, err, "nosuch")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # running as root: permissions do not apply
+            target = str(tmp_path / "no" / "such" / "dir" / "x.pt")
+        else:
+            target = str(locked / "x.pt")
+        code, _, err = run(["convert", root, "--to", "torch", target], capsys)
+        assert_one_line_error(code, err, "cannot write")
+    finally:
+        locked.chmod(0o700)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a torch file")
+    code, _, err = run(["convert", str(junk), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "junk.pt")
+    code, _, err = run(["convert", root, "--to", "zip", "x"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    code, _, err = run(["ls", root, "--storage-option", "novalue"], capsys)
+    assert code == 2 and "KEY=VALUE" in err
+
+
+# S3 ----------------------------------------------------------------------------------------------
+def test_s3_ls_verify_convert(tmp_path, capsys):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from safetensors.torch import load_file
+
+    from tests.s3_server import s3_server
+
+    model = _model(7)
+    with s3_server() as srv:
+        srv.make_bucket("cli-bucket")
+        url = "s3://cli-bucket/run"
+        Checkpointer(url, storage_options=srv.storage_options).save(5, {"model": model})
+        opts = [f"--storage-option={k}={json.dumps(v)}" for k, v in srv.storage_options.items()]
+        code, out, err = run(["ls", url, "--json", *opts], capsys)
+        assert code == 0, err
+        assert [r["step"] for r in json.loads(out)["steps"]] == [5]
+        assert run(["verify", f"{url}/{step_dir(5)}", *opts], capsys)[0] == 0
+        out_file = str(tmp_path / "m.safetensors")
+        code, _, err = run(["convert", url, "--to", "safetensors", out_file, "-q", *opts], capsys)
+        assert code == 0, err
+        assert _same(load_file(out_file), model.state_dict())
+        code, _, err = run(["convert", url, "--to", "torch", "s3://cli-bucket/out/m.pt", "--model-only", "-q", *opts], capsys)
+        assert code == 0, err

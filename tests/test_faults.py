@@ -1,0 +1,217 @@
+"""Integrity, untrusted checkpoints, crashes and faults: nothing committed is ever lost."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import crash
+import distckpt
+from dist_harness import run_ranks
+from distckpt.manifest import MANIFEST_NAME, step_dir
+from models import assert_same, full_model_state, make_model, make_optimizer, train_steps, wrap
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def test_sigkill_at_random_points_never_loses_a_committed_checkpoint(tmp_path):
+    rng = random.Random(20261121)
+    root = str(tmp_path / "ck")
+    progressed = 0
+    for _ in range(20):
+        before, after = crash.trial(root, rng, max_delay=0.8)
+        progressed += after is not None and after != before
+    assert progressed >= 5, "the kills should land after some saves committed, not only before"
+
+
+def _flip(path: str, offset: int = -100) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _corruption_body(rank: int, world: int, root: str, damage: str) -> str:
+    model = wrap(make_model(0), "fsdp", world)
+    ckpt = distckpt.Checkpointer(root)
+    if damage == "save":
+        ckpt.save(1, {"model": model})
+        return ""
+    try:
+        ckpt.load({"model": model})
+    except distckpt.IntegrityError as exc:
+        return str(exc)
+    return "loaded without error"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "metadata"])
+def test_damaged_file_is_named_on_every_rank(tmp_path, damage):
+    root = str(tmp_path / "ck")
+    if damage == "flip":  # single-process save is enough to make the files; load at 2
+        pass
+    run_ranks(_corruption_body, 2, tmp_path, root, "save")
+    victim = os.path.join(root, step_dir(1), "__1_0.distcp")
+    if damage == "flip":
+        _flip(victim)
+    elif damage == "truncate":
+        data = open(victim, "rb").read()
+        open(victim, "wb").write(data[:-10])
+    elif damage == "missing":
+        os.remove(victim)
+    else:
+        victim = os.path.join(root, step_dir(1), ".metadata")
+        _flip(victim, offset=len(open(victim, "rb").read()) // 2)
+    messages = run_ranks(_corruption_body, 2, tmp_path, root, damage)
+    for msg in messages:
+        assert os.path.basename(victim) in msg, msg
+    assert messages[0] == messages[1]
+
+
+def test_flipped_byte_is_silent_in_plain_dcp_but_caught_here(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = nn.Linear(64, 64)
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": model})
+    data_file = os.path.join(tmp_path, step_dir(1), "__0_0.distcp")
+    _flip(data_file, offset=-2000)
+    sd = {"model": nn.Linear(64, 64).state_dict()}
+    dcp.load(sd, checkpoint_id=os.path.join(tmp_path, step_dir(1)))  # DCP: no error
+    assert not torch.equal(sd["model"]["weight"], model.weight) or not torch.equal(sd["model"]["bias"], model.bias)
+    with pytest.raises(distckpt.IntegrityError, match="__0_0.distcp.*corrupted"):
+        ckpt.load({"model": nn.Linear(64, 64)})
+    ckpt_off = distckpt.Checkpointer(tmp_path, verify=False)
+    ckpt_off.load({"model": nn.Linear(64, 64)})  # switched off: loads (wrong) data, as DCP does
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _EvilStateful:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def state_dict(self):
+        return {"payload": _Evil(self.marker)}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def test_crafted_checkpoint_does_not_run_code(tmp_path):
+    marker = str(tmp_path / "pwned")
+    ckpt = distckpt.Checkpointer(tmp_path / "ck")
+    # A value whose unpickling would run a command (DCP stores it with torch.save).
+    ckpt.save(1, {"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="obj.payload"):
+        ckpt.load({"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
+    # A crafted .metadata.
+    ckpt.save(2, {"model": nn.Linear(2, 2)})
+    meta = os.path.join(tmp_path, "ck", step_dir(2), ".metadata")
+    open(meta, "wb").write(pickle.dumps(_Evil(marker)))
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="posix.system|os.system"):
+        distckpt.Checkpointer(tmp_path / "ck", verify=False).load({"model": nn.Linear(2, 2)}, step=2)
+    assert not os.path.exists(marker), "code from the checkpoint ran"
+
+
+def test_metadata_path_escaping_the_directory_is_refused(tmp_path):
+    from distckpt.safe_pickle import load_metadata
+
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"model": nn.Linear(2, 2)})
+    meta = os.path.join(tmp_path, step_dir(1), ".metadata")
+    md = load_metadata(open(meta, "rb").read(), meta)
+    for info in md.storage_data.values():
+        info.relative_path = "../../outside.distcp"
+    open(meta, "wb").write(pickle.dumps(md))
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="outside the checkpoint directory"):
+        distckpt.Checkpointer(tmp_path, verify=False).load({"model": nn.Linear(2, 2)})
+
+
+def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
+    from distckpt import storage
+
+    orig = storage._ChecksumStream.write
+    state = {"w": {f"t{i}": torch.randn(64, 64) for i in range(8)}}
+
+    def write(self, b):
+        if getattr(self._raw, "name", "").endswith("__0_1.distcp"):
+            raise OSError(28, "No space left on device")
+        return orig(self, b)
+
+    ckpt = distckpt.Checkpointer(tmp_path, thread_count=2)
+    ckpt.save(1, state)
+    monkeypatch.setattr(storage._ChecksumStream, "write", write)
+    with pytest.raises(distckpt.CheckpointError, match="No space left"):
+        ckpt.save(2, state)
+    monkeypatch.undo()
+    assert ckpt.steps() == [1]
+    ckpt.save(2, state)
+    assert ckpt.steps() == [1, 2]
+
+
+def _rank_dies_body(rank: int, world: int, root: str) -> dict:
+    from distckpt import storage
+
+    model = wrap(make_model(0), "ddp", world)
+    optim = make_optimizer(model, "ddp")
+    train_steps(model, optim, range(2), rank, world)
+    ckpt = distckpt.Checkpointer(root, timeout=20)
+    ckpt.save(1, {"model": model, "optim": optim})
+    expected = full_model_state(model)
+    train_steps(model, optim, range(2, 3), rank, world)
+    if rank == 1:
+        orig = storage._ChecksumStream.write
+
+        def die(self, b):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        storage._ChecksumStream.write = die
+    try:
+        ckpt.save(2, {"model": model, "optim": optim})
+        return {"error": None, "expected": expected}
+    except distckpt.CheckpointError as exc:
+        return {"error": str(exc), "expected": expected}
+
+
+def _check_body(rank: int, world: int, root: str) -> dict:
+    model = wrap(make_model(3), "fsdp", world)
+    ckpt = distckpt.Checkpointer(root)
+    step = ckpt.load({"model": model}, strict=False)
+    return {"steps": ckpt.steps(), "step": step, "model": full_model_state(model)}
+
+
+def test_rank_killed_mid_save_fails_the_others_and_keeps_the_last_commit(tmp_path):
+    root = str(tmp_path / "ck")
+    results = run_ranks(_rank_dies_body, 2, tmp_path, root, expect_dead=frozenset({1}), timeout=120)
+    assert results[1] is None
+    assert results[0]["error"] is not None, "rank 0 must get an error, not hang or succeed"
+    assert not os.path.exists(os.path.join(root, step_dir(2), MANIFEST_NAME))
+    after = run_ranks(_check_body, 1, tmp_path, root)[0]
+    assert after["steps"] == [1] and after["step"] == 1
+    assert_same(results[0]["expected"], after["model"], "step 1 intact")
+
+
+def _bad_state_on_one_rank(rank: int, world: int, root: str) -> str:
+    model = nn.Linear(2, 2)
+    state = {"model": model, "note": "ok" if rank == 0 else object()}
+    try:
+        distckpt.Checkpointer(root).save(1, state)
+    except (TypeError, ValueError, distckpt.CheckpointError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
+    out = run_ranks(_bad_state_on_one_rank, 2, tmp_path, str(tmp_path / "ck"))
+    assert out[0] == out[1] and "note" in out[0] and out[0] != "saved", out

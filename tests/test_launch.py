@@ -1,0 +1,241 @@
+"""End-to-end: ``torchrun launch/train.py`` in subprocesses (preemption, resume, resharding, 2 nodes).
+
+One reference run per scenario serves several comparisons (module-scoped fixtures), and the
+model is tiny: spawning torchrun and importing torch dominates the cost.
+
+* FSDP2, dropout 0: SIGTERM to torchrun mid-run -> every rank saves the step it finished and
+  exits 0; resuming at 2 ranks reproduces the reference bit for bit, at 3 and 1 within 1e-3;
+  resuming from one of the reference's asynchronous checkpoints is bit-identical too.
+* ZeRO, dropout 0.1: two torchrun agents rendezvous on 127.0.0.1 as two nodes; SIGUSR1 to one
+  worker stops both nodes cleanly (exit 0); the checkpoint resumes on one node, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "launch" / "train.py"
+STEPS = 16
+TINY = [
+    "--global-batch", "6", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
+    "--vocab", "32", "--num-samples", "192", "--log-every", "5", "--warmup", "4",
+]  # fmt: skip
+TIMEOUT = 180
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(launcher: list[str], args: list[str], out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(TRAIN), *TINY, *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out.open("w"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, out: Path, expect_rc: int | None = 0) -> str:
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail(f"torchrun hung for {TIMEOUT}s; output:\n{out.read_text()[-4000:]}")
+    text = out.read_text()
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, f"torchrun exited {proc.returncode}; output:\n{text[-4000:]}"
+    return text
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+    except psutil.NoSuchProcess:
+        pass
+    proc.kill()
+
+
+def run(nproc: int, args: list[str], out: Path) -> str:
+    """One single-node torchrun to completion (exit 0 expected); its output."""
+    return _finish(_torchrun(["--standalone", f"--nproc-per-node={nproc}"], args, out), out)
+
+
+def losses(log: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for rec in lines:
+        assert set(rec) == {"step", "loss", "world_size"}, rec
+    return {rec["step"]: rec["loss"] for rec in lines}
+
+
+def world_sizes(log: Path) -> set[int]:
+    return {json.loads(line)["world_size"] for line in log.read_text().splitlines()}
+
+
+def wait_for_steps(log: Path, n: int, procs: list[subprocess.Popen], out: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not (log.exists() and len(log.read_text().splitlines()) >= n):
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"training exited before step {n}:\n{out.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            for p in procs:
+                _kill_tree(p)
+            pytest.fail(f"no step {n} after {TIMEOUT}s:\n{out.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in ckpt_dir.glob("step_*/manifest.json"))
+
+
+def assert_continues(ref: dict[int, float], resumed: dict[int, float], start: int, rel: float) -> None:
+    assert sorted(resumed) == list(range(start + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        if rel == 0:
+            assert loss == ref[step], f"step {step}: {loss!r} != {ref[step]!r} (not bit-identical)"
+        else:
+            assert loss == pytest.approx(ref[step], rel=rel), f"step {step}"
+
+
+# ------------------------------------------------------------------------------------------
+# FSDP2: SIGTERM on 2 ranks, resume at 2, 3 and 1
+FSDP = ["--parallel", "fsdp", "--dropout", "0", "--save-every", "3", "--async"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted reference and, concurrently, a run SIGTERMed (at the torchrun agent)
+    after 4 steps. Both 2 ranks."""
+    d = tmp_path_factory.mktemp("fsdp")
+    ref_log, ref_out = d / "ref.jsonl", d / "ref.txt"
+    ref_proc = _torchrun(
+        ["--standalone", "--nproc-per-node=2"],
+        [*FSDP, "--steps", str(STEPS), "--ckpt-dir", str(d / "ref"), "--log-file", str(ref_log)],
+        ref_out,
+    )
+    log, out = d / "log.jsonl", d / "out.txt"
+    args = [*FSDP, "--steps", "1000", "--step-delay", "0.2", "--ckpt-dir", str(d / "ckpt"), "--log-file", str(log)]
+    proc = _torchrun(["--standalone", "--nproc-per-node=2"], args, out)
+    try:
+        wait_for_steps(log, 4, [proc], out)
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+        # torchrun re-raises the signal after its workers exited, so its own code is not 0.
+        text = _finish(proc, out, expect_rc=None)
+        _finish(ref_proc, ref_out)
+    finally:
+        for p in (proc, ref_proc):
+            if p.poll() is None:
+                _kill_tree(p)
+    ref = losses(ref_log)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    assert ref[STEPS] < ref[1]  # it learns
+    assert committed_steps(d / "ref")[-1] == STEPS  # always saves at the last step
+    return {"ref": ref, "ref_ckpt": d / "ref", "ckpt": d / "ckpt", "last": max(losses(log)), "text": text, "log": log}
+
+
+def test_sigterm_saves_interrupted_step_and_exits_zero(fsdp_runs) -> None:
+    ckpt, last, text, log = (fsdp_runs[k] for k in ("ckpt", "last", "text", "log"))
+    assert "preempted by SIGTERM" in text and "exiting 0" in text, text[-3000:]
+    assert "ChildFailedError" not in text and "exitcode" not in text, text[-3000:]
+    assert 4 <= last <= STEPS - 3, f"stopped at step {last}"
+    assert committed_steps(ckpt)[-1] == last  # the step it was in when signalled, saved synchronously
+    assert f"saved step {last} (sync)" in text
+    # Progress lines: steps/s and each save's blocking time and throughput.
+    assert "steps/s" in text and "blocked" in text and "MB/s" in text
+    # Same world size as the reference: bit-identical up to the interruption.
+    assert losses(log) == {s: fsdp_runs["ref"][s] for s in range(1, last + 1)}
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 1])
+def test_resume_after_sigterm(fsdp_runs, tmp_path: Path, nproc: int) -> None:
+    src, last = fsdp_runs["ckpt"], fsdp_runs["last"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    log = tmp_path / "log.jsonl"
+    text = run(nproc, [*FSDP, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--log-file", str(log)], tmp_path / "out.txt")
+    assert f"resumed from step {last}" in text
+    assert world_sizes(log) == {nproc}
+    # Same world size: bit for bit. Another one: same data, only the reduction order differs.
+    assert_continues(fsdp_runs["ref"], losses(log), last, rel=0 if nproc == 2 else 1e-3)
+    assert committed_steps(ckpt)[-1] == STEPS
+
+
+def test_resume_from_async_checkpoint_bit_identical(fsdp_runs, tmp_path: Path) -> None:
+    """Periodic saves of the reference were asynchronous (staged, written while training went on):
+    resuming from one must still reproduce the reference exactly."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fsdp_runs["ref_ckpt"], ckpt)
+    assert committed_steps(ckpt) == [3, 6, 9, 12, 15, 16]
+    for step in (12, 15, 16):
+        shutil.rmtree(ckpt / f"step_{step:09d}")
+    log = tmp_path / "log.jsonl"
+    text = run(2, [*FSDP, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--log-file", str(log)], tmp_path / "out.txt")
+    assert "resumed from step 9" in text
+    assert_continues(fsdp_runs["ref"], losses(log), 9, rel=0)
+
+
+# ------------------------------------------------------------------------------------------
+# ZeRO with dropout: two nodes by c10d rendezvous, SIGUSR1 to one worker, resume on one node
+ZERO = ["--parallel", "zero", "--dropout", "0.1", "--save-every", "4", "--async"]
+
+
+def test_two_node_rendezvous_sigusr1_then_one_node(tmp_path: Path) -> None:
+    ref_log, ref_out = tmp_path / "ref.jsonl", tmp_path / "ref.txt"
+    ref_proc = _torchrun(
+        ["--standalone", "--nproc-per-node=2"],
+        [*ZERO, "--steps", str(STEPS), "--ckpt-dir", str(tmp_path / "ref"), "--log-file", str(ref_log)],
+        ref_out,
+    )  # concurrently: the two-node run mostly sleeps (--step-delay)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    port = _free_port()
+    args = [*ZERO, "--steps", "1000", "--step-delay", "0.2", "--ckpt-dir", str(ckpt), "--log-file", str(log)]
+    outs = [tmp_path / f"node{n}.txt" for n in (0, 1)]
+    agents = [
+        _torchrun(
+            ["--nnodes=2", f"--node-rank={n}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-node-test"],
+            args, outs[n],
+        )  # fmt: skip
+        for n in (0, 1)
+    ]
+    try:
+        wait_for_steps(log, 4, agents, outs[0])
+        workers = psutil.Process(agents[1].pid).children()
+        assert len(workers) == 1, workers
+        workers[0].send_signal(signal.SIGUSR1)  # SLURM's warning, to one rank only
+        texts = [_finish(a, o) for a, o in zip(agents, outs)]  # both agents exit 0
+        _finish(ref_proc, ref_out)
+    finally:
+        for a in [*agents, ref_proc]:
+            if a.poll() is None:
+                _kill_tree(a)
+    ref = losses(ref_log)
+    text = "".join(texts)
+    assert "preempted by" in text and "exiting 0" in text
+    two_node = losses(log)
+    last = max(two_node)
+    assert world_sizes(log) == {2} and committed_steps(ckpt)[-1] == last <= STEPS - 3
+    assert two_node == {s: ref[s] for s in range(1, last + 1)}  # two nodes == one node, bit for bit
+
+    resumed_log = tmp_path / "resumed.jsonl"
+    text = run(2, [*ZERO, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--log-file", str(resumed_log)], tmp_path / "resumed.txt")
+    assert f"resumed from step {last}" in text
+    assert_continues(ref, losses(resumed_log), last, rel=0)  # dropout RNG restored per rank

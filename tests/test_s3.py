@@ -1,0 +1,352 @@
+"""Checkpoints on object storage, against a real S3-compatible server (moto, HTTP on 127.0.0.1).
+
+Nothing of s3fs is mocked: ranks are real processes talking HTTP through s3fs/botocore to the
+server the fixtures run in the pytest process. Also: ``memory://`` and ``file://`` roots, and
+tiered saving (local first, replicated to S3 in the background).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import distckpt
+from dist_harness import RanksFailed, run_ranks
+from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
+from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
+
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(180)]
+
+KIND = "fsdp"  # real shards: each rank writes its own files, and 2 -> 3 reshards them
+
+
+def _fresh(world: int):
+    model = wrap(make_model(seed=123), KIND, world)
+    return model, make_optimizer(model, KIND)
+
+
+# -------------------------------------------------------------------------------------------
+# 2 ranks save (sync and async) to S3, 3 ranks load
+
+
+def _save_body(rank: int, world: int, root: str, opts: dict) -> dict:
+    model = wrap(make_model(seed=0), KIND, world)
+    optim = make_optimizer(model, KIND)
+    ckpt = distckpt.Checkpointer(root, storage_options=opts)
+    train_steps(model, optim, range(2), rank, world)
+    ckpt.save(1, {"model": model, "optim": optim, "epoch": 1})
+    ref1 = (full_model_state(model), full_optim_state(model, optim))
+    train_steps(model, optim, range(2, 3), rank, world)
+    ref2 = (full_model_state(model), full_optim_state(model, optim))
+    ckpt.save(2, {"model": model, "optim": optim, "epoch": 2}, blocking=False)
+    # Training goes on while the upload runs: the checkpoint must hold the values at save().
+    train_steps(model, optim, range(3, 4), rank, world)
+    stats = ckpt.wait()
+    ckpt.close()
+    return {"ref": {1: ref1, 2: ref2}, "steps": ckpt.steps(), "async_total_s": stats.total_s}
+
+
+def _load_body(rank: int, world: int, root: str, opts: dict) -> dict:
+    ckpt = distckpt.Checkpointer(root, storage_options=opts)
+    out = {}
+    for step in (1, 2):
+        model, optim = _fresh(world)
+        state = {"model": model, "optim": optim, "epoch": 0}
+        assert ckpt.load(state, step=step) == step
+        out[step] = (full_model_state(model), full_optim_state(model, optim), state["epoch"])
+    ckpt.close()
+    return out
+
+
+def test_save_sync_and_async_at_2_ranks_to_s3_load_at_3(tmp_path, s3_server, s3_bucket):
+    root = f"s3://{s3_bucket}/run"
+    saved = run_ranks(_save_body, 2, tmp_path, root, s3_server.storage_options)
+    assert saved[0]["steps"] == [1, 2]
+    loaded = run_ranks(_load_body, 3, tmp_path, root, s3_server.storage_options)
+    for step in (1, 2):
+        ref_model, ref_optim = saved[0]["ref"][step]
+        for rank, got in enumerate(loaded):
+            model, optim, epoch = got[step]
+            assert_same(ref_model, model, f"model step {step} rank {rank}")
+            assert_same(ref_optim, optim, f"optim step {step} rank {rank}")
+            assert epoch == step
+    # The objects are really on the server: one data file per rank, metadata, manifest last.
+    storage = distckpt.Storage(root, s3_server.storage_options)
+    files = storage.list_files("step_000000002")
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"} <= set(files)
+    assert not [f for f in files if f.endswith(".tmp")]
+    manifest = distckpt.read_manifest(storage, 2)
+    assert {n: r.size for n, r in manifest.files.items()} == {n: s for n, s in files.items() if n != "manifest.json"}
+
+
+# -------------------------------------------------------------------------------------------
+# the server stops in the middle of an async save
+
+
+def _big_state(rank: int, fill: float) -> dict:
+    # ~48 MB in 6 replicated tensors: DCP spreads them over the ranks (~24 MB each).
+    return {f"t{i}": torch.full((2 << 20,), fill + i) for i in range(6)}
+
+
+def _interrupted_body(rank: int, world: int, root: str, opts: dict, flags: str) -> dict:
+    flag_dir = Path(flags)
+    ckpt = distckpt.Checkpointer(root, storage_options=opts, thread_count=1)
+    ckpt.save(1, _big_state(rank, 1.0))
+    ckpt.save(2, _big_state(rank, 2.0), blocking=False)
+    (flag_dir / f"writing{rank}").touch()  # the parent stops the server now
+    deadline = time.monotonic() + 60
+    while not (flag_dir / "stopped").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("parent never stopped the server")
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    try:
+        ckpt.wait()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        error = (type(exc).__name__, isinstance(exc, (distckpt.CheckpointError, OSError)), str(exc))
+    else:
+        error = None
+    wait_s = time.monotonic() - t0
+    # close() must not hang or raise again: the failed save is gone.
+    ckpt.close()
+    return {"error": error, "wait_s": wait_s}
+
+
+def _after_restart_body(rank: int, world: int, root: str, opts: dict) -> dict:
+    ckpt = distckpt.Checkpointer(root, storage_options=opts)
+    steps = ckpt.steps()
+    step2_manifest = ckpt.storage.exists("step_000000002", "manifest.json")
+    state = {f"t{i}": torch.zeros(2 << 20) for i in range(6)}
+    loaded = ckpt.load(state)
+    ok = all(torch.equal(state[f"t{i}"], torch.full((2 << 20,), 1.0 + i)) for i in range(6))
+    ckpt.save(2, _big_state(rank, 2.0))  # the interrupted step can be saved again
+    after = ckpt.steps()
+    ckpt.close()
+    return {"steps": steps, "step2_manifest": step2_manifest, "loaded": loaded, "ok": ok, "after": after}
+
+
+def test_server_stopped_during_async_save(tmp_path):
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = S3Server().start()  # its own server: this test stops it
+    try:
+        bucket = server.make_bucket(f"t-{uuid.uuid4().hex[:16]}")
+        root = f"s3://{bucket}/run"
+        flags = tmp_path / "flags"
+        flags.mkdir()
+        box: dict = {}
+
+        def ranks() -> None:
+            try:
+                box["result"] = run_ranks(_interrupted_body, 2, tmp_path, root, server.storage_options, str(flags), timeout=120)
+            except BaseException as exc:  # noqa: BLE001
+                box["error"] = exc
+
+        thread = threading.Thread(target=ranks, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 100
+        while not all((flags / f"writing{r}").exists() for r in range(2)):
+            assert thread.is_alive() and time.monotonic() < deadline, box.get("error", "ranks never started the save")
+            time.sleep(0.005)
+        t_stop = time.monotonic()
+        server.stop()
+        stop_s = time.monotonic() - t_stop
+        (flags / "stopped").touch()
+        thread.join(150)
+        assert not thread.is_alive()
+        if "error" in box:
+            raise box["error"]
+        results = box["result"]
+        errors = [r["error"] for r in results]
+        assert all(e is not None for e in errors), f"a rank's save succeeded although the server stopped (stop took {stop_s:.2f}s): {errors}"
+        assert all(e[1] for e in errors), errors  # CheckpointError or an OSError
+        assert len({e[2] for e in errors}) == 1, f"ranks got different errors: {errors}"
+        message = errors[0][2]
+        assert "step 2" in message and root in message and SECRET_KEY not in message, message
+        assert max(r["wait_s"] for r in results) < 60
+
+        server = S3Server(port=server.port).start()  # moto keeps the objects: same data again
+        after = run_ranks(_after_restart_body, 2, tmp_path, root, server.storage_options)
+        for r in after:
+            assert r["steps"] == [1] and not r["step2_manifest"], r
+            assert r["loaded"] == 1 and r["ok"], r
+            assert r["after"] == [1, 2], r
+    finally:
+        server.stop()
+
+
+# -------------------------------------------------------------------------------------------
+# wrong bucket / wrong credentials
+
+
+def _set_moto_auth(endpoint: str, on: bool) -> None:
+    """moto checks credentials only when told to (then every request is authenticated, the
+    fixture's dummy key too): switch it through moto's own HTTP API."""
+    import urllib.request
+
+    body = b"0" if on else b"inf"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=body, method="POST", headers={"Content-Type": "text/plain"}), timeout=10).read()
+
+
+def _misconfigured_body(rank: int, world: int, endpoint: str, cases: dict) -> dict:
+    out = {}
+    for name, (root, opts) in cases.items():
+        if name == "credentials":
+            torch.distributed.barrier()
+            if rank == 0:
+                _set_moto_auth(endpoint, True)
+            torch.distributed.barrier()
+        for op in ("save", "load"):
+            ckpt = distckpt.Checkpointer(root, storage_options=opts, timeout=30)
+            try:
+                if op == "save":
+                    ckpt.save(1, {"w": torch.ones(4), "epoch": 1})
+                else:
+                    ckpt.load({"w": torch.zeros(4), "epoch": 0})
+                out[(name, op)] = None
+            except Exception as exc:  # noqa: BLE001
+                out[(name, op)] = (type(exc).__name__, str(exc))
+            ckpt.close()
+    return out
+
+
+def test_wrong_bucket_or_credentials_fail_clearly_on_every_rank(tmp_path, s3_server, s3_bucket):
+    bad_secret = "wrong-secret-ABC123"
+    bad = dict(s3_server.storage_options, key="AKIAWRONGKEY000", secret=bad_secret)
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    cases = {
+        "bucket": (f"s3://{missing}/run", s3_server.storage_options),
+        "credentials": (f"s3://{s3_bucket}/run", bad),
+    }
+    t0 = time.monotonic()
+    try:
+        results = run_ranks(_misconfigured_body, 2, tmp_path, s3_server.endpoint, cases)
+    finally:
+        _set_moto_auth(s3_server.endpoint, False)
+    elapsed = time.monotonic() - t0
+    for key in results[0]:
+        got = [r[key] for r in results]
+        assert all(g is not None for g in got), f"{key}: no error: {got}"
+        assert len(set(got)) == 1, f"{key}: ranks got different errors: {got}"
+        kind, message = got[0]
+        assert bad_secret not in message and SECRET_KEY not in message and "AKIAWRONGKEY000" not in message, message
+        if key[0] == "bucket":
+            assert kind == "FileNotFoundError" and missing in message, got[0]
+        else:
+            assert kind == "PermissionError" and s3_bucket in message and "credentials" in message, got[0]
+    # The save did not create the misspelt bucket.
+    storage = distckpt.Storage(f"s3://{missing}", s3_server.storage_options)
+    assert not storage.fs.exists(missing)
+    assert elapsed < 60
+
+
+# -------------------------------------------------------------------------------------------
+# other fsspec roots, single process
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_memory_and_file_urls(tmp_path, scheme):
+    root = f"memory://distckpt-{uuid.uuid4().hex[:8]}/run" if scheme == "memory" else f"file://{tmp_path}/run"
+    model = make_model(seed=1)
+    optim = make_optimizer(model, "plain")
+    train_steps(model, optim, range(2), 0, 1)
+    with distckpt.Checkpointer(root, keep_last=1) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim, "epoch": 1})
+        ckpt.save(2, {"model": model, "optim": optim, "epoch": 2}, blocking=False)
+        ckpt.wait()
+        assert ckpt.steps() == [2]
+    fresh = make_model(seed=5)
+    fresh_optim = make_optimizer(fresh, "plain")
+    state = {"model": fresh, "optim": fresh_optim, "epoch": 0}
+    with distckpt.Checkpointer(root) as ckpt:
+        assert ckpt.load(state) == 2
+    assert state["epoch"] == 2
+    assert_same(model.state_dict(), fresh.state_dict(), "model")
+    if scheme == "file":
+        assert (tmp_path / "run" / "step_000000002" / "manifest.json").is_file()
+
+
+# -------------------------------------------------------------------------------------------
+# tiered: local first, replicated to S3; resume from S3 on a "new machine"
+
+
+def _tiered_body(rank: int, world: int, local: str, remote: str, opts: dict) -> dict:
+    model = wrap(make_model(seed=0), KIND, world)
+    optim = make_optimizer(model, KIND)
+    ckpt = distckpt.Checkpointer(local, keep_last=1, replicate_to=remote, replicate_storage_options=opts)
+    train_steps(model, optim, range(1), rank, world)
+    ckpt.save(1, {"model": model, "optim": optim, "epoch": 1})
+    train_steps(model, optim, range(1, 2), rank, world)
+    ckpt.save(2, {"model": model, "optim": optim, "epoch": 2}, blocking=False)
+    ref = (full_model_state(model), full_optim_state(model, optim))
+    ckpt.wait()
+    ckpt.close()  # waits for the uploads (coordinator)
+    replica = ckpt.replica
+    info = {"local_steps": ckpt.steps(), "failed": list(replica.failed), "uploaded": list(replica.uploaded)}
+    torch.distributed.barrier()
+
+    # A new machine: no local copy at all.
+    if rank == 0:
+        shutil.rmtree(local)
+    torch.distributed.barrier()
+    model2, optim2 = _fresh(world)
+    state = {"model": model2, "optim": optim2, "epoch": 0}
+    ckpt2 = distckpt.Checkpointer(local, keep_last=1, replicate_to=remote, replicate_storage_options=opts)
+    info["latest"] = ckpt2.latest_step()
+    info["loaded"] = ckpt2.load(state)
+    info["epoch"] = state["epoch"]
+    info["got"] = (full_model_state(model2), full_optim_state(model2, optim2))
+    info["ref"] = ref
+    ckpt2.close()
+    return info
+
+
+def test_tiered_local_then_s3_and_resume_from_s3(tmp_path, s3_server, s3_bucket):
+    local = str(tmp_path / "local")
+    remote = f"s3://{s3_bucket}/tiered"
+    opts = s3_server.storage_options
+    results = run_ranks(_tiered_body, 2, tmp_path, local, remote, opts)
+    coordinator = results[0]
+    assert coordinator["failed"] == [], coordinator["failed"]
+    assert 2 in coordinator["uploaded"]
+    for rank, r in enumerate(results):
+        assert r["local_steps"] == [2]
+        assert r["latest"] == 2 and r["loaded"] == 2 and r["epoch"] == 2
+        assert_same(r["ref"][0], r["got"][0], f"model rank {rank}")
+        assert_same(r["ref"][1], r["got"][1], f"optim rank {rank}")
+
+    storage = distckpt.Storage(remote, opts)
+    committed = [d for d in storage.list_dirs() if storage.exists(d, "manifest.json")]
+    assert committed == ["step_000000002"], storage.list_dirs()
+    assert storage.list_dirs() == ["step_000000002"]  # retention removed step 1 entirely
+    raw = storage.read_bytes("step_000000002", "manifest.json").decode()
+    manifest = json.loads(raw)
+    assert manifest["step"] == 2
+    for secret in (SECRET_KEY, ACCESS_KEY, s3_server.endpoint):
+        assert secret not in raw
+    files = storage.list_files("step_000000002")
+    assert {n: r["size"] for n, r in manifest["files"].items()} == {n: s for n, s in files.items() if n != "manifest.json"}
+    assert not os.path.exists(local) or not os.listdir(local)
+
+
+def test_tiered_upload_failure_warns_and_keeps_the_local_commit(tmp_path, s3_server):
+    from s3_server import _free_port
+
+    # Nothing listens on this port: every upload fails (fast, with the fixture's retry limits).
+    opts = dict(s3_server.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{_free_port()}", "region_name": "us-east-1"})
+    ckpt = distckpt.Checkpointer(str(tmp_path / "local"), replicate_to="s3://nowhere/run", replicate_storage_options=opts)
+    with pytest.warns(UserWarning, match="step 1 was committed locally .* upload to s3://nowhere/run/step_000000001 failed"):
+        ckpt.save(1, {"w": torch.ones(4), "epoch": 1})
+        ckpt.close()  # waits for the (failing) upload; does not raise
+    assert ckpt.steps() == [1]
+    assert [s for s, _ in ckpt.replica.failed] == [1] and ckpt.replica.uploaded == []
+    assert SECRET_KEY not in ckpt.replica.failed[0][1]
