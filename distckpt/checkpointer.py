@@ -159,7 +159,13 @@ class Checkpointer:
         if replicate_to is not None:
             from .replica import Replicator
 
-            self.replica = Replicator(self.storage, Storage(replicate_to, dict(replicate_storage_options or storage_options or {})), keep_last)
+            self.replica = Replicator(
+                self.storage,
+                Storage(replicate_to, dict(replicate_storage_options or storage_options or {})),
+                keep_last,
+                # Upload from distckpt's coordinator (the group exists by the first submit).
+                is_coordinator=lambda: self._group.is_coordinator if self._group is not None else True,
+            )
         _live.add(self)
 
     def __repr__(self) -> str:
@@ -398,10 +404,10 @@ class Checkpointer:
             return
         try:
             self.wait()
-            if self.replica is not None:
-                self.replica.close()
         finally:
             self._closed = True
+            if self.replica is not None:
+                self.replica.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

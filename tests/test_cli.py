@@ -36,6 +36,9 @@ def _same(sd_a, sd_b) -> bool:
     return sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
+
+pytestmark = pytest.mark.xdist_group('cli')
+
 @pytest.fixture(scope="module")
 def ckpt_root(tmp_path_factory):
     """A root with committed steps 10 and 20 (model + optimizer + values) and an incomplete 30."""

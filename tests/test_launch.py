@@ -120,6 +120,9 @@ def assert_continues(ref: dict[int, float], resumed: dict[int, float], start: in
 FSDP = ["--parallel", "fsdp", "--dropout", "0", "--save-every", "3", "--async"]
 
 
+
+pytestmark = pytest.mark.xdist_group('launch')
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted reference and, concurrently, a run SIGTERMed (at the torchrun agent)
