@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import hashlib
 import logging
 import threading
@@ -33,6 +34,10 @@ from .state import Entry, build_entries
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
+
+# distckpt runs DCP without a process group on purpose when torch.distributed is not initialized
+# (single-process use); DCP warns about that on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 try:
     from torch.distributed.tensor import DTensor
@@ -110,6 +115,8 @@ class Checkpointer:
         sync_files: fsync local files before committing (object stores commit on close).
         checksum: ``"crc32"`` (default), ``"sha256"`` or ``None``; computed while writing.
         save_rng: save every rank's RNG states with each checkpoint.
+        background_nice: niceness added to the threads of an async save (Linux), so that on a
+            busy machine training keeps the CPU and the save takes what is left (0: off).
         verify: on load, check every file read against the manifest's size and checksum
             (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
@@ -130,6 +137,7 @@ class Checkpointer:
         checksum: str | None = "crc32",
         save_rng: bool = True,
         verify: bool = True,
+        background_nice: int = 10,
         replicate_to: str | None = None,
         replicate_storage_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -146,6 +154,7 @@ class Checkpointer:
         self.checksum = checksum
         self.save_rng = save_rng
         self.verify = verify
+        self.background_nice = background_nice
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._user_pg = process_group
         self._backend = backend
@@ -265,6 +274,7 @@ class Checkpointer:
         job = _InFlight(step, t0, blocked)
 
         def run() -> None:
+            _lower_priority(self.background_nice)
             try:
                 self._write_and_commit(group, step, staged, described, extra, t0)
                 job.stats.total_s = time.perf_counter() - t0
@@ -607,6 +617,17 @@ def _judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str
         and (names is None or k.split(".", 1)[0] in names)
     )
     return LoadReport(step, missing, unexpected, mismatched)
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread (and the writer threads it starts, which inherit it) nicer."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 def _check_ranks_agree(views: list[Any]) -> None:

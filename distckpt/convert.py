@@ -60,82 +60,15 @@ _INTERNAL = ("_rng",)  # distckpt's own namespaces: never exported
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
+from ._torchfile import FileSlice, raw_layout  # noqa: E402
+
+
 class SelectionError(ValueError):
     """The requested part of the checkpoint (``key``/model-only) does not exist or is ambiguous."""
 
 
 # -------------------------------------------------------------------------------------------------
 # reading
-class _FileSlice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
-
-    def __init__(self, raw: Any, offset: int, length: int) -> None:
-        self._raw = raw
-        self._start = offset
-        self._len = length
-        self._pos = 0
-        raw.seek(offset)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        self._raw.seek(self._start + self._pos)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = min(len(view), self._len - self._pos)
-        if n <= 0:
-            return 0
-        got = self._raw.readinto(view[:n]) if hasattr(self._raw, "readinto") else None
-        if got is None:
-            data = self._raw.read(n)
-            got = len(data)
-            view[:got] = data
-        self._pos += got
-        return got
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads the layout of the one tensor in a ``torch.save`` record without loading its data.
-
-    Admits only what ``torch.save`` writes for a plain tensor; anything else raises, and the
-    caller falls back to ``torch.load(weights_only=True)``.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        typename, storage_type, key, _location, numel = pid
-        if typename != "storage":
-            raise pickle.UnpicklingError(typename)
-        return (storage_type.dtype, str(key), int(numel))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 BLOCK = 16 * 1024 * 1024  # bytes read at a time when streaming a shard
 
 
@@ -176,12 +109,12 @@ class CheckpointSource:
         return f"{self.found.dirname}/{name}" if self.found.dirname else name
 
     @contextmanager
-    def _slice(self, index: MetadataIndex) -> Iterator[_FileSlice]:
+    def _slice(self, index: MetadataIndex) -> Iterator[FileSlice]:
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise NotImplementedError("storage transforms")
         with self.found.storage.open(self._rel(os.fspath(info.relative_path)), "rb") as raw:
-            yield _FileSlice(raw, int(info.offset), int(info.length))
+            yield FileSlice(raw, int(info.offset), int(info.length))
 
     def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, numel: int) -> tuple[str, int] | None:
         """(file, byte offset) of shard ``offsets`` of ``key`` stored as plain row-major bytes, else None."""
@@ -189,23 +122,11 @@ class CheckpointSource:
         info = self.metadata.storage_data.get(index)
         if info is None or getattr(info, "transform_descriptors", None):
             return None
-        try:
-            with self._slice(index) as f:
-                reader = torch._C.PyTorchFileReader(f)
-                records = reader.get_all_records()
-                pkl = next(r for r in records if r == "data.pkl" or r.endswith("/data.pkl"))
-                (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(reader.get_record(pkl))).load()
-                rec = next(r for r in records if r == f"data/{skey}" or r.endswith(f"/data/{skey}"))
-                start = int(reader.get_record_offset(rec))
-        except Exception:  # noqa: BLE001 - unusual layout: caller loads the shard instead
+        with self._slice(index) as f:
+            layout = raw_layout(f)
+        if layout is None or layout.dtype != dtype or layout.nbytes != numel * layout.dtype.itemsize:
             return None
-        n = 1
-        for d in size:
-            n *= d
-        if sdtype != dtype or n != numel or offset + n > snumel or (n > 1 and stride != _contiguous_strides(size)):
-            return None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return os.fspath(info.relative_path), int(info.offset) + start + offset * itemsize
+        return os.fspath(info.relative_path), int(info.offset) + layout.data_offset
 
     def iter_shard_blocks(self, key: str, offsets: tuple[int, ...], numel: int, dtype: torch.dtype | None = None) -> Iterator[memoryview] | None:
         """Bytes of one shard (cast to ``dtype``) in blocks of about :data:`BLOCK`, read straight

@@ -15,14 +15,13 @@ import os
 import threading
 import uuid
 from collections.abc import Generator, Iterator, Mapping
-from torch.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
@@ -296,8 +295,10 @@ class Storage:
         """A DCP StorageWriter for the directory ``parts`` that records per-file checksums."""
         return CheckpointWriter(self, self.join(*parts), thread_count=thread_count, sync_files=sync_files)
 
-    def reader(self, *parts: str, files: Mapping[str, Any] | None = None, checksum: str | None = None) -> CheckpointReader:
+    def reader(self, *parts: str, files: Mapping[str, Any] | None = None, checksum: str | None = None) -> Any:
         """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given)."""
+        from ._reader import CheckpointReader
+
         return CheckpointReader(self, self.join(*parts), files=files, checksum=checksum)
 
     def dcp_filesystem(self) -> FileSystemBase:
@@ -488,168 +489,3 @@ class CheckpointWriter(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
-
-
-class CheckpointReader(FileSystemReader):
-    """DCP's file reader on a :class:`Storage`, made safe for untrusted checkpoints.
-
-    * ``.metadata`` is unpickled by an allow-list unpickler (:mod:`distckpt.safe_pickle`).
-    * With ``files`` (name -> :class:`~distckpt.manifest.FileRecord`) and ``checksum`` given, every
-      file this rank opens is read once, front to back, and its size and checksum are compared
-      with the manifest; a mismatch raises :class:`~distckpt.errors.IntegrityError` naming the
-      file. Resharded loads thus read whole files even where they need only part of one.
-
-    Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``, ``read_data``).
-    """
-
-    def __init__(
-        self,
-        storage: Storage,
-        path: str,
-        files: Mapping[str, Any] | None = None,
-        checksum: str | None = None,
-    ) -> None:
-        super().__init__(path if storage.is_local else "unused")
-        self.storage = storage
-        self.fs = storage.dcp_filesystem()
-        self.path = Path(path) if storage.is_local else path
-        self.files = dict(files) if files is not None else None
-        self.checksum = checksum
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self.storage_data = {}
-        self.load_id = uuid.uuid4().hex
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def _where(self, name: str) -> str:
-        return f"{self.storage.display(self._rel_dir(), name)}"
-
-    def _rel_dir(self) -> str:
-        path = os.fspath(self.path)
-        root = self.storage.path
-        return os.path.relpath(path, root) if self.storage.is_local else path[len(root):].strip("/")
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        from .safe_pickle import load_metadata
-
-        path = self.fs.concat_path(self.path, ".metadata")
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        metadata = load_metadata(data, self._where(".metadata"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        if self.files is None:
-            return super().read_data(plan, planner)
-        from .errors import IntegrityError
-
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, reqs in per_file.items():
-            record = self.files.get(name)
-            if record is None:
-                raise IntegrityError(f"{self._where(name)}: not listed in the manifest")
-            self._read_verified(name, record, reqs, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    def _read_verified(self, name: str, record: Any, reqs: list[Any], planner: Any) -> None:
-        """Stream ``name`` once: serve every request from it and check size and checksum."""
-        from .errors import IntegrityError
-        from .integrity import new_hasher
-
-        where = self._where(name)
-        by_item: dict[tuple[int, int], list[Any]] = {}
-        for req in reqs:
-            info = self.storage_data[req.storage_index]
-            by_item.setdefault((info.offset, info.length), []).append(req)
-        hasher = new_hasher(self.checksum) if self.checksum and record.checksum else None
-        pos = 0
-        try:
-            stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, name), "rb")
-            stream = stream_cm.__enter__()
-        except FileNotFoundError:
-            raise IntegrityError(f"{where}: missing") from None
-        try:
-
-            def consume(n: int) -> bytes:
-                nonlocal pos
-                data = stream.read(n)
-                if hasher is not None:
-                    hasher.update(data)
-                pos += len(data)
-                return data
-
-            failure: BaseException | None = None
-            for (offset, length), item_reqs in sorted(by_item.items()):
-                if offset > pos:
-                    _skip(consume, offset - pos)
-                if offset < pos:  # overlapping items: not produced by DCP's writer
-                    raise IntegrityError(f"{where}: overlapping items at offset {offset}")
-                data = consume(length)
-                if len(data) != length:
-                    raise IntegrityError(f"{where}: truncated ({pos} bytes, manifest says {record.size})")
-                try:
-                    self._serve(data, item_reqs, planner, where)
-                except Exception as exc:  # noqa: BLE001
-                    # Corrupt bytes often fail to deserialize before the checksum is known:
-                    # read on, and blame the file if its checksum is wrong.
-                    failure = exc
-                    break
-            _skip(consume, None)
-        finally:
-            stream_cm.__exit__(None, None, None)
-        if pos != record.size:
-            raise IntegrityError(f"{where}: {pos} bytes, manifest says {record.size} (truncated or overwritten)")
-        if hasher is not None and hasher.hexdigest() != record.checksum:
-            raise IntegrityError(
-                f"{where}: {self.checksum} {hasher.hexdigest()} does not match the manifest's {record.checksum} (corrupted)"
-            ) from failure
-        if failure is not None:
-            raise failure
-
-    def _serve(self, data: bytes, item_reqs: list[Any], planner: Any, where: str) -> None:
-        """Deserialize one stored item and hand it to every request that reads from it."""
-        import torch
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
-        from .errors import IntegrityError
-
-        for req in item_reqs:
-            info = self.storage_data[req.storage_index]
-            raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(raw.read()))
-                continue
-            tensor = torch.load(raw if raw.seekable() else io.BytesIO(raw.read()), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise IntegrityError(
-                    f"{where}: item {req.storage_index.fqn} has shape {list(tensor.shape)}, expected {list(target.shape)}"
-                )
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
-
-
-def _skip(consume: Any, n: int | None) -> None:
-    """Read (and hash) ``n`` bytes, or to the end with ``None``, in bounded chunks."""
-    from .integrity import CHUNK
-
-    while n is None or n > 0:
-        data = consume(CHUNK if n is None else min(CHUNK, n))
-        if not data:
-            return
-        if n is not None:
-            n -= len(data)

@@ -275,3 +275,21 @@ def test_bad_state_keys_are_refused(tmp_path):
         distckpt.Checkpointer(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="step must be"):
         ckpt.save(-1, {"x": 1})
+
+
+def test_tensors_are_read_straight_into_their_destination(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.checkpointer import read_manifest
+
+    tensors = {f"t{i}": torch.randn(100 + i, 33) for i in range(5)} | {"half": torch.randn(7).bfloat16()}
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"w": tensors})
+    manifest = read_manifest(ckpt.storage, 1)
+    for verify in (True, False):
+        dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
+        reader = ckpt.storage.reader(step_dir(1), files=manifest.files if verify else None, checksum="crc32")
+        dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
+        assert reader.fast_reads == len(tensors)
+        for k in tensors:
+            assert torch.equal(dest[k], tensors[k])
