@@ -68,15 +68,16 @@ class _LayoutUnpickler(pickle.Unpickler):
             return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
-            return getattr(torch, name)
+        if module == "torch" and name.endswith("Storage"):
+            # The dtype, not the (deprecated) TypedStorage class torch.save names.
+            return torch.storage._get_dtype_from_pickle_storage_type(name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        typename, storage_type, key, _location, numel = pid
-        if typename != "storage":
-            raise pickle.UnpicklingError(typename)
-        return (storage_type.dtype, str(key), int(numel))
+        typename, dtype, key, _location, numel = pid
+        if typename != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(str(typename))
+        return (dtype, str(key), int(numel))
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -323,9 +323,9 @@ class Checkpointer:
         t0: float,
     ) -> None:
         """(all ranks) Write the data with DCP, then commit on the coordinator; errors everywhere."""
-        writer = self.storage.writer(step_dir(step), thread_count=self.thread_count, sync_files=self.sync_files)
-        if self.checksum:
-            writer.fs.algorithm = self.checksum
+        writer = self.storage.writer(
+            step_dir(step), thread_count=self.thread_count, sync_files=self.sync_files, checksum=self.checksum
+        )
         outcome: Any = None
         try:
             dcp.save(
