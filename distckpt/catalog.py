@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
 from .storage import Storage
 
 
@@ -103,13 +103,6 @@ def _committed(storage: Storage, step: int) -> Located:
             raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
         raise CheckpointNotFound(f"checkpoint {storage.display(name)} does not exist")
     return Located(storage, name, step, read_manifest(storage, step))
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Committed steps under ``storage``, ascending."""
-    return sorted(
-        s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None and storage.exists(d, MANIFEST_NAME)
-    )
 
 
 # ls ----------------------------------------------------------------------------------------------

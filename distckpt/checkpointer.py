@@ -27,7 +27,7 @@ from ._planner import SafeLoadPlanner
 from ._version import __version__
 from .errors import CheckpointError, IntegrityError, StateMismatchError, StepExistsError
 from .integrity import ALGORITHMS, new_hasher
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, parse_step_dir, step_dir
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, committed_steps, parse_step_dir, step_dir
 from .retention import steps_to_delete
 from .staging import Stager
 from .state import Entry, build_entries
@@ -198,7 +198,7 @@ class Checkpointer:
     # listing (not collective)
     def steps(self) -> list[int]:
         """Committed steps under the root, ascending. Not collective."""
-        return _committed_steps(self.storage)
+        return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none (local or replica). Not collective."""
@@ -206,7 +206,7 @@ class Checkpointer:
         if steps:
             return steps[-1]
         if self.replica is not None:
-            remote = _committed_steps(self.replica.remote)
+            remote = committed_steps(self.replica.remote)
             return remote[-1] if remote else None
         return None
 
@@ -436,7 +436,7 @@ class Checkpointer:
         tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
         if step is None:
             for storage in tiers:
-                steps = _committed_steps(storage)
+                steps = committed_steps(storage)
                 if steps:
                     return storage, steps[-1]
             if not any(s.root_exists() for s in tiers):
@@ -700,15 +700,6 @@ def read_metadata(storage: Storage, manifest: Manifest, verify: bool = True) -> 
         if record.checksum and digest != record.checksum:
             raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
     return load_metadata(data, where)
-
-
-def _committed_steps(storage: Storage) -> list[int]:
-    out = []
-    for name in storage.list_dirs():
-        s = parse_step_dir(name)
-        if s is not None and storage.exists(name, MANIFEST_NAME):
-            out.append(s)
-    return sorted(out)
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:

@@ -29,6 +29,13 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def committed_steps(storage: Any) -> list[int]:
+    """Committed steps (directories holding a manifest) under a :class:`~distckpt.Storage`."""
+    return sorted(
+        s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None and storage.exists(d, MANIFEST_NAME)
+    )
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step of a directory name made by :func:`step_dir`, else ``None``."""
     m = _STEP_DIR.match(name)

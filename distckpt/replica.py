@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
 from .retention import steps_to_delete
 from .storage import Storage
 
@@ -208,7 +208,7 @@ class Replicator:
             warnings.warn(f"distckpt: retention on {self.remote.display()} failed: {exc}", stacklevel=1)
 
     def _newer_local(self, step: int) -> bool:
-        return any(s > step for s in _committed(self.local))
+        return any(s > step for s in committed_steps(self.local))
 
     def _upload(self, step: int) -> int:
         """Copy one committed step; the remote manifest is written last. Returns bytes copied."""
@@ -266,7 +266,7 @@ class Replicator:
 
     def _apply_retention(self) -> None:
         """Delete remote steps beyond ``keep_last`` (manifest first) and stale partial uploads."""
-        committed = _committed(self.remote)
+        committed = committed_steps(self.remote)
         if not committed:
             return
         newest = committed[-1]
@@ -277,12 +277,3 @@ class Replicator:
             s = parse_step_dir(dirname)
             if s is not None and s < newest and s not in committed:
                 self.remote.remove_tree(dirname)
-
-
-def _committed(storage: Storage) -> list[int]:
-    out = []
-    for name in storage.list_dirs():
-        s = parse_step_dir(name)
-        if s is not None and storage.exists(name, MANIFEST_NAME):
-            out.append(s)
-    return sorted(out)

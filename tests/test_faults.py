@@ -215,3 +215,32 @@ def _bad_state_on_one_rank(rank: int, world: int, root: str) -> str:
 def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
     out = run_ranks(_bad_state_on_one_rank, 2, tmp_path, str(tmp_path / "ck"))
     assert out[0] == out[1] and "note" in out[0] and out[0] != "saved", out
+
+
+def _planning_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    model = wrap(make_model(0), "ddp", world)
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, {"model": model})
+    orig = DefaultSavePlanner.create_local_plan
+    if rank == 1:
+        def broken(self):
+            raise RuntimeError("planner exploded on purpose")
+
+        DefaultSavePlanner.create_local_plan = broken
+    try:
+        ckpt.save(2, {"model": model})
+        err = None
+    except distckpt.CheckpointError as exc:
+        err = (type(exc).__name__, str(exc), dict(exc.failures))
+    DefaultSavePlanner.create_local_plan = orig
+    ckpt.save(3, {"model": model})  # the fault is gone: the next save works
+    return {"err": err, "steps": ckpt.steps()}
+
+
+def test_one_rank_failing_while_planning_fails_every_rank_alike(tmp_path):
+    out = run_ranks(_planning_fails_on_rank_1, 2, tmp_path, str(tmp_path / "ck"))
+    assert out[0]["err"] is not None and out[0]["err"] == out[1]["err"]
+    assert 1 in out[0]["err"][2] and "planner exploded" in out[0]["err"][2][1]
+    assert out[0]["steps"] == [1, 3]
