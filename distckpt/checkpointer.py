@@ -503,6 +503,7 @@ class Checkpointer:
             step_dir(manifest.step),
             files=manifest.files if self.verify else None,
             checksum=manifest.checksum_algorithm if self.verify else None,
+            thread_count=self.thread_count,
         )
         try:
             dcp.load(

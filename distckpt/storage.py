@@ -299,11 +299,13 @@ class Storage:
             self, self.join(*parts), thread_count=thread_count, sync_files=sync_files, checksum=checksum
         )
 
-    def reader(self, *parts: str, files: Mapping[str, Any] | None = None, checksum: str | None = None) -> Any:
+    def reader(
+        self, *parts: str, files: Mapping[str, Any] | None = None, checksum: str | None = None, thread_count: int = 2
+    ) -> Any:
         """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given)."""
         from ._reader import CheckpointReader
 
-        return CheckpointReader(self, self.join(*parts), files=files, checksum=checksum)
+        return CheckpointReader(self, self.join(*parts), files=files, checksum=checksum, thread_count=thread_count)
 
     def dcp_filesystem(self) -> FileSystemBase:
         """The DCP filesystem object for this root (shares our fsspec instance and options)."""

@@ -244,3 +244,42 @@ def test_one_rank_failing_while_planning_fails_every_rank_alike(tmp_path):
     assert out[0]["err"] is not None and out[0]["err"] == out[1]["err"]
     assert 1 in out[0]["err"][2] and "planner exploded" in out[0]["err"][2][1]
     assert out[0]["steps"] == [1, 3]
+
+
+def _mismatch_body(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = wrap(make_model(0), "fsdp", world)
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, {"model": model, "epoch": 1})
+    other = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 11), nn.Linear(11, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(other, mesh=mesh)
+    try:
+        ckpt.load({"model": other})
+        return {"err": None}
+    except distckpt.StateMismatchError as exc:
+        strict = (exc.missing, exc.unexpected, sorted(exc.mismatched.items()))
+    state = {"model": other, "epoch": 0}
+    ckpt.load(state, strict=False)
+    report = ckpt.last_load_report
+    return {
+        "err": strict,
+        "report": (report.missing, report.unexpected, sorted(report.mismatched)),
+        "epoch": state["epoch"],
+        "layer4": full_model_state(other)["4.weight"],
+        "saved4": full_model_state(model)["4.weight"],
+    }
+
+
+def test_shape_and_key_mismatch_reported_identically_on_every_rank(tmp_path):
+    out = run_ranks(_mismatch_body, 2, tmp_path, str(tmp_path / "ck"))
+    missing, unexpected, mismatched = out[0]["err"]
+    assert missing == ["model.5.bias", "model.5.weight"]
+    assert unexpected == ["epoch"]
+    assert dict(mismatched)["model.0.weight"] == ((7, 10), (8, 10))
+    assert out[0]["err"] == out[1]["err"]
+    assert out[0]["report"][0] == missing and "model.0.weight" in out[0]["report"][2]
+    assert out[0]["epoch"] == 1  # strict=False loaded what matched
+    assert torch.equal(out[0]["layer4"], out[0]["saved4"])  # same shape in both models: loaded
