@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,7 +52,6 @@ from _common import (  # noqa: E402
     GiB,
     MiB,
     REPO,
-    current_rss,
     drop_cache,
     machine_info,
     make_tensors,

@@ -10,7 +10,9 @@ Public API (every name below is re-exported here)::
 """
 
 from ._version import __version__
-from .checkpointer import Checkpointer, LoadReport, SaveStats, read_manifest
+from ._loading import LoadReport
+from .checkpointer import Checkpointer, SaveStats
+from .manifest import read_manifest
 from .data import GlobalBatchSampler
 from .errors import (
     CheckpointError,

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, one_line
 
 T = TypeVar("T")
 
@@ -108,12 +108,7 @@ def capture(exc: BaseException) -> _Failure:
         pickle.loads(pickle.dumps(exc))
     except Exception:
         keep = None
-    return _Failure(type(exc).__name__, _one_line(exc), trace, keep)
-
-
-def _one_line(exc: BaseException) -> str:
-    msg = str(exc).strip() or repr(exc)
-    return f"{type(exc).__name__}: {msg}"
+    return _Failure(type(exc).__name__, one_line(exc), trace, keep)
 
 
 def raise_if_any(

@@ -95,7 +95,7 @@ def locate(location: str, storage_options: dict[str, Any] | None = None, step: i
 
 
 def _committed(storage: Storage, step: int) -> Located:
-    from .checkpointer import read_manifest
+    from .manifest import read_manifest
 
     name = step_dir(step)
     if not storage.exists(name, MANIFEST_NAME):
@@ -112,7 +112,7 @@ def list_steps(storage: Storage) -> list[dict[str, Any]]:
     Raises:
         CheckpointNotFound: the root does not exist.
     """
-    from .checkpointer import read_manifest
+    from .manifest import read_manifest
 
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")

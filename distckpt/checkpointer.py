@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import atexit
-import os
 import hashlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -19,18 +19,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
 from . import rng
 from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
+from ._loading import LoadReport, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
 from ._version import __version__
-from .errors import CheckpointError, IntegrityError, StateMismatchError, StepExistsError
-from .integrity import ALGORITHMS, new_hasher
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, committed_steps, parse_step_dir, step_dir
+from .errors import StateMismatchError, StepExistsError, from_dcp
+from .integrity import ALGORITHMS
+from .manifest import (
+    MANIFEST_NAME,
+    FileRecord,
+    Manifest,
+    committed_steps,
+    digest_of,
+    parse_step_dir,
+    read_manifest,
+    read_metadata,
+    step_dir,
+)
 from .retention import steps_to_delete
 from .staging import Stager
-from .state import Entry, build_entries
+from .state import build_entries
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -38,11 +48,6 @@ log = logging.getLogger("distckpt")
 # distckpt runs DCP without a process group on purpose when torch.distributed is not initialized
 # (single-process use); DCP warns about that on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 
 @dataclass
@@ -66,20 +71,6 @@ class SaveStats:
         if not self.total_s or not self.bytes_written:
             return None
         return self.bytes_written / self.total_s / 1e9
-
-
-@dataclass
-class LoadReport:
-    """What a ``strict=False`` load left out (identical on every rank)."""
-
-    step: int
-    missing: list[str]
-    unexpected: list[str]
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-
-    @property
-    def clean(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched)
 
 
 class _InFlight:
@@ -336,7 +327,7 @@ class Checkpointer:
                 no_dist=not group.enabled,
             )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            outcome = capture(_as_checkpoint_error(exc, f"writing step {step} to {self.storage.display(step_dir(step))}"))
+            outcome = capture(from_dcp(exc, f"writing step {step} to {self.storage.display(step_dir(step))}"))
         gathered = group.all_gather((outcome, writer.files))
         raise_if_any([o for o, _ in gathered], f"save of step {step}")
         files = [f for _, f in gathered]
@@ -347,7 +338,7 @@ class Checkpointer:
                 for name, (size, digest) in per_rank.items():
                     merged[name] = FileRecord(size, digest if self.checksum else None)
             meta = self.storage.read_bytes(step_dir(step), ".metadata")
-            merged[".metadata"] = FileRecord(len(meta), _digest(meta, self.checksum))
+            merged[".metadata"] = FileRecord(len(meta), digest_of(meta, self.checksum))
             manifest = Manifest(
                 step=step,
                 world_size=group.world_size,
@@ -493,9 +484,9 @@ class Checkpointer:
         storage = tiers[tier]
         where = storage.display(step_dir(manifest.step))
         plan, views = exchange(
-            group, f"load of {where}", lambda: self._plan_load(group, manifest, index, state, restore_rng)
+            group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng)
         )
-        report = _judge(manifest.step, index, views, None if strict else plan.names)
+        report = judge(manifest.step, index, views, None if strict else plan.names)
         if strict and not report.clean:
             raise StateMismatchError(report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}")
 
@@ -514,8 +505,8 @@ class Checkpointer:
                 no_dist=not group.enabled,
             )
         except BaseException as exc:  # DCP raises the same CheckpointException on every rank
-            raise _as_checkpoint_error(exc, f"reading {where}") from None
-        all_ranks(group, f"load of {where}", lambda: self._apply_load(group, manifest, plan, state))
+            raise from_dcp(exc, f"reading {where}") from None
+        all_ranks(group, f"load of {where}", lambda: apply_load(group, manifest, plan, state))
 
         self.last_load_report = report
         if not report.clean:
@@ -536,89 +527,6 @@ class Checkpointer:
             size = getattr(md, "size", None)
             index[key] = tuple(size) if size is not None else None
         return tiers.index(storage), manifest, index
-
-    def _plan_load(
-        self,
-        group: Group,
-        manifest: Manifest,
-        index: dict[str, tuple[int, ...] | None],
-        state: MutableMapping[str, Any],
-        restore_rng: bool,
-    ) -> tuple[_LoadPlan, Any]:
-        """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
-        entries = build_entries(state)
-        targets = {e.name: e.load_target(manifest.entries.get(e.name, {})) for e in entries}
-        rng_key = None
-        if restore_rng and rng.NAMESPACE in manifest.entries:
-            # Same world size: each rank its own states; otherwise rank 0's, to derive seeds.
-            rng_key = f"rank_{group.rank if manifest.world_size == group.world_size else 0}"
-            targets[rng.NAMESPACE] = {rng_key: rng.capture()}
-        flat, mappings = flatten_state_dict(targets)
-
-        missing: list[str] = []
-        mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        for key, value in flat.items():
-            if key not in index:
-                if not key.startswith(rng.NAMESPACE + "."):  # e.g. no CUDA state saved: fine
-                    missing.append(key)
-                continue
-            saved = index[key]
-            if isinstance(value, torch.Tensor):
-                if saved is None or saved != tuple(value.shape):
-                    mismatched[key] = (saved or (), tuple(value.shape))
-            elif saved is not None:
-                mismatched[key] = (saved, ())
-        request = {k: v for k, v in flat.items() if k in index and k not in mismatched}
-        plan = _LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries})
-        return plan, (missing, mismatched, sorted(request))
-
-    def _apply_load(self, group: Group, manifest: Manifest, plan: _LoadPlan, state: MutableMapping[str, Any]) -> None:
-        """(each rank, no collectives) Hand what DCP read to the live objects."""
-        plan.flat.update(plan.request)  # DCP replaced non-tensor values in the request dict
-        nested = unflatten_state_dict(plan.flat, plan.mappings)
-        for e in plan.entries:
-            if e.name in nested:
-                e.apply(nested[e.name], state)
-        if plan.rng_key is not None and rng.NAMESPACE in nested:
-            saved = nested[rng.NAMESPACE][plan.rng_key]
-            if manifest.world_size == group.world_size:
-                rng.restore(saved)
-            else:
-                rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
-
-
-@dataclass
-class _LoadPlan:
-    entries: list[Entry]
-    flat: dict[str, Any]
-    mappings: dict[str, Any]
-    request: dict[str, Any]
-    rng_key: str | None
-    names: set[str]
-
-
-def _judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None) -> LoadReport:
-    """The load report from every rank's view (identical on every rank)."""
-    missing = sorted({k for m, _, _ in views for k in m})
-    mismatched: dict[str, Any] = {}
-    requested: set[str] = set()
-    for _, mm, req in views:
-        mismatched.update(mm)
-        requested.update(req)
-    # Strict: keys of entries the state does not name at all are unexpected too (the whole
-    # checkpoint must be taken). Non-strict (``names`` given): only leftovers of named entries
-    # are reported, so loading just the model for evaluation is quiet. distckpt's own RNG
-    # states are optional either way.
-    unexpected = sorted(
-        k
-        for k in index
-        if k not in requested
-        and k not in mismatched
-        and not k.startswith(rng.NAMESPACE + ".")
-        and (names is None or k.split(".", 1)[0] in names)
-    )
-    return LoadReport(step, missing, unexpected, mismatched)
-
 
 def _lower_priority(nice: int) -> None:
     """Make the calling thread (and the writer threads it starts, which inherit it) nicer."""
@@ -642,75 +550,6 @@ def _check_ranks_agree(views: list[Any]) -> None:
             "ranks passed different plain values in state (plain values are global and stored "
             f"once; keep per-rank data in tensors or stateful objects): keys {views[0][3]}"
         )
-
-
-def _digest(data: bytes, algorithm: str | None) -> str | None:
-    if not algorithm:
-        return None
-    h = new_hasher(algorithm)
-    h.update(data)
-    return h.hexdigest()
-
-
-def _as_checkpoint_error(exc: BaseException, what: str) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error.
-
-    Keeps each failing rank's cause; if every cause is the same distckpt error type (say an
-    :class:`IntegrityError`), the result has that type.
-    """
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        raise exc
-    if isinstance(exc, CheckpointError):
-        return exc
-    causes = {int(r): _unwrap(e) for r, e in (getattr(exc, "failures", None) or {}).items()}
-    if not causes:
-        return CheckpointError(f"{what} failed: {_one_line(exc)}")
-    kinds = {type(c) for c in causes.values()}
-    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = CheckpointError
-    return cls(f"{what} failed", {r: _one_line(c) for r, c in causes.items()})
-
-
-def _unwrap(err: Any) -> BaseException:
-    # DCP wraps each rank's cause as a tuple (exception, traceback summary).
-    inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exception", err)
-    return inner if isinstance(inner, BaseException) else RuntimeError(str(err))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else repr(exc)}"
-
-
-def read_metadata(storage: Storage, manifest: Manifest, verify: bool = True) -> Any:
-    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the manifest."""
-    from .safe_pickle import load_metadata
-
-    directory = step_dir(manifest.step)
-    where = storage.display(directory, ".metadata")
-    try:
-        data = storage.read_bytes(directory, ".metadata")
-    except FileNotFoundError:
-        raise IntegrityError(f"{where}: missing") from None
-    record = manifest.files.get(".metadata")
-    if verify and record is not None:
-        if len(data) != record.size:
-            raise IntegrityError(f"{where}: {len(data)} bytes, manifest says {record.size} (truncated or overwritten)")
-        digest = _digest(data, manifest.checksum_algorithm)
-        if record.checksum and digest != record.checksum:
-            raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
-    return load_metadata(data, where)
-
-
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """The manifest of a committed ``step`` under ``storage``."""
-    path = storage.display(step_dir(step), MANIFEST_NAME)
-    try:
-        data = storage.read_bytes(step_dir(step), MANIFEST_NAME)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None
-    return Manifest.from_json(data, path)
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

@@ -8,6 +8,7 @@ subclass the builtin that fits the caller's mistake, so ``except ValueError`` an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class CheckpointError(RuntimeError):
@@ -92,3 +93,34 @@ def _clip(items: Sequence[str], limit: int = 20) -> str:
     items = list(items)
     shown = ", ".join(items[:limit])
     return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def from_dcp(exc: BaseException, what: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error.
+
+    Keeps each failing rank's cause; if every cause is the same distckpt error type (say an
+    :class:`IntegrityError`), the result has that type.
+    """
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    if isinstance(exc, CheckpointError):
+        return exc
+    causes = {int(r): _unwrap(e) for r, e in (getattr(exc, "failures", None) or {}).items()}
+    if not causes:
+        return CheckpointError(f"{what} failed: {one_line(exc)}")
+    kinds = {type(c) for c in causes.values()}
+    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = CheckpointError
+    return cls(f"{what} failed", {r: one_line(c) for r, c in causes.items()})
+
+
+def _unwrap(err: Any) -> BaseException:
+    # DCP wraps each rank's cause as a tuple (exception, traceback summary).
+    inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exception", err)
+    return inner if isinstance(inner, BaseException) else RuntimeError(str(err))
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else repr(exc)}"

@@ -63,7 +63,7 @@ def verify_checkpoint(storage: Any, step: int) -> list[str]:
     that the step directory holds no data file the manifest does not know. Reads each file once,
     streaming. Not collective.
     """
-    from .checkpointer import read_manifest
+    from .manifest import read_manifest
     from .manifest import step_dir
 
     manifest = read_manifest(storage, step)

@@ -104,3 +104,45 @@ class Manifest:
         for name in manifest.files:
             check_relative_name(name, where)
         return manifest
+
+
+def digest_of(data: bytes, algorithm: str | None) -> str | None:
+    """Checksum of ``data`` with ``algorithm`` (None: no checksum)."""
+    if not algorithm:
+        return None
+    from .integrity import new_hasher
+
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
+def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
+    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the manifest."""
+    from .errors import IntegrityError
+    from .safe_pickle import load_metadata
+
+    directory = step_dir(manifest.step)
+    where = storage.display(directory, ".metadata")
+    try:
+        data = storage.read_bytes(directory, ".metadata")
+    except FileNotFoundError:
+        raise IntegrityError(f"{where}: missing") from None
+    record = manifest.files.get(".metadata")
+    if verify and record is not None:
+        if len(data) != record.size:
+            raise IntegrityError(f"{where}: {len(data)} bytes, manifest says {record.size} (truncated or overwritten)")
+        digest = digest_of(data, manifest.checksum_algorithm)
+        if record.checksum and digest != record.checksum:
+            raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
+    return load_metadata(data, where)
+
+
+def read_manifest(storage: Any, step: int) -> Manifest:
+    """The manifest of a committed ``step`` under ``storage``."""
+    path = storage.display(step_dir(step), MANIFEST_NAME)
+    try:
+        data = storage.read_bytes(step_dir(step), MANIFEST_NAME)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None
+    return Manifest.from_json(data, path)

@@ -171,7 +171,6 @@ def _rank_dies_body(rank: int, world: int, root: str) -> dict:
     expected = full_model_state(model)
     train_steps(model, optim, range(2, 3), rank, world)
     if rank == 1:
-        orig = storage._ChecksumStream.write
 
         def die(self, b):
             os.kill(os.getpid(), signal.SIGKILL)

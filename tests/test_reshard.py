@@ -8,7 +8,6 @@ step after the load must equal the step the uninterrupted job took.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import distckpt
 from dist_harness import run_ranks

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import distckpt
-from dist_harness import RanksFailed, run_ranks
+from dist_harness import run_ranks
 from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
 from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 
