@@ -200,14 +200,14 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    from . import convert
+    from . import convert, importer
 
     if args.model_only and args.all:
         raise _Usage("--model-only and --all exclude each other")
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all:
             raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
-        summary = convert.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
+        summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
     else:
         from .catalog import locate
 
