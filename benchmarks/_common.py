@@ -6,6 +6,7 @@ Not part of the library. Every rank body is a module-level function so it can be
 from __future__ import annotations
 
 import os
+import shutil
 import platform
 import statistics
 import sys
@@ -163,3 +164,23 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def remove_scratch(scratch: Path, own_parent: bool) -> None:
+    """Delete a benchmark's scratch dir (and its parent if the benchmark created that too)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    if own_parent:
+        try:
+            scratch.parent.rmdir()
+        except OSError:
+            pass
+
+
+def save_figure(fig: Any, png: Path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

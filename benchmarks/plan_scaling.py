@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine_info  # noqa: E402
+from _common import REPO, machine_info, save_figure  # noqa: E402
 
 
 def model_shapes(n_tensors: int, d: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -196,10 +196,7 @@ def _plot(rows: list[dict[str, Any]], png: Path, info: dict[str, Any]) -> None:
     a2.legend(fontsize=8)
     a2.grid(True, which="both", alpha=0.3)
     fig.suptitle(f"DCP save planning, {rows[0]['tensors']} tensors — {info['cpu']}, torch {info['torch']}", fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

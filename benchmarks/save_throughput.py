@@ -60,6 +60,8 @@ from _common import (  # noqa: E402
     peak_rss,
     reset_peak_rss,
     split_greedy,
+    remove_scratch,
+    save_figure,
     transformer_like_shapes,
 )
 
@@ -542,10 +544,7 @@ def _plot(result: dict[str, Any], png: Path) -> None:
         ax.invert_yaxis()
     info = result["machine"]
     fig.suptitle(f"distckpt save/load vs raw I/O — {info['cpu']}, {info['cores']} cores, torch {info['torch']}", fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -631,12 +630,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if server is not None:
             server.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
-        if own_dir:
-            try:
-                scratch.parent.rmdir()
-            except OSError:
-                pass
+        remove_scratch(scratch, own_dir)
     result = {
         "benchmark": "save_throughput",
         "machine": machine_info(),

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, MiB, machine_info, median, peak_rss, reset_peak_rss  # noqa: E402
+from _common import REPO, MiB, machine_info, median, peak_rss, remove_scratch, reset_peak_rss  # noqa: E402
 
 TARGET = 0.35
 
@@ -135,12 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         per_rank = run_ranks(_zero_rank, args.world_size, scratch / "harness", cfg, timeout=900, pg_timeout=600)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if own:
-            try:
-                scratch.parent.rmdir()
-            except OSError:
-                pass
+        remove_scratch(scratch, own)
     full = per_rank[0]["full_opt_bytes"]
     methods: dict[str, Any] = {}
     for m in ("distckpt_save", "consolidate_save", "distckpt_load", "consolidate_load"):
