@@ -96,10 +96,13 @@ class Checkpointer:
         keep_last: keep only the newest ``k`` committed checkpoints (``None``: keep all). Older
             ones are deleted only after a newer one committed; the newest is never deleted.
         storage_options: passed to the fsspec filesystem (endpoint_url, key, secret, ...).
-        process_group: ranks that checkpoint together (default: all). distckpt creates its own
-            group over them for its collectives, so they never interleave with training
-            collectives on the default group.
-        backend: backend of that group (``"gloo"``: CPU collectives, safe beside NCCL training).
+        process_group: the group whose ranks checkpoint together (default: all ranks). By
+            default distckpt creates its own group over all ranks, so that its collectives
+            (background ones too) never interleave with training collectives on the default
+            group. A group passed here is used as is: it must be one no training collective
+            runs on while an async save is in flight (e.g. ``new_group(ranks, backend="gloo")``).
+        backend: backend of distckpt's own group (``"gloo"``: CPU collectives, safe beside NCCL
+            training).
         timeout: timeout of distckpt's collectives; a rank that dies makes the others fail
             after this long instead of hanging.
         thread_count: writer threads per rank.
@@ -177,11 +180,14 @@ class Checkpointer:
         if self._group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 self._group = Group(None)
+            elif self._user_pg is not None:
+                # Used as given: creating a group over a subset would need every rank of the
+                # job, members or not, to call new_group, and non-members never get here.
+                self._group = Group(self._user_pg)
             else:
-                ranks = None if self._user_pg is None else dist.get_process_group_ranks(self._user_pg)
                 # A dedicated group: background saves run collectives while training runs its
                 # own on the default group; sharing one group deadlocks (torch 2.13).
-                pg = dist.new_group(ranks=ranks, backend=self._backend, timeout=self.timeout)
+                pg = dist.new_group(backend=self._backend, timeout=self.timeout)
                 self._group = Group(pg)
         return self._group
 

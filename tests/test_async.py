@@ -162,3 +162,18 @@ def test_in_flight_save_is_finished_at_interpreter_exit(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert distckpt.Checkpointer(root).steps() == [7]
+
+
+def _explicit_group_body(rank: int, world: int, root: str) -> bool:
+    group = dist.new_group(backend="gloo")
+    model = wrap(make_model(0), "ddp", world)
+    ckpt = distckpt.Checkpointer(root, process_group=group)
+    ckpt.save(1, {"model": model}, blocking=False)
+    ckpt.wait()
+    fresh = wrap(make_model(4), "ddp", world)
+    ckpt.load({"model": fresh})
+    return all(torch.equal(a, b) for a, b in zip(full_model_state(model).values(), full_model_state(fresh).values()))
+
+
+def test_checkpointer_on_a_given_process_group(tmp_path):
+    assert all(run_ranks(_explicit_group_body, 2, tmp_path, str(tmp_path / "ck")))

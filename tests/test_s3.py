@@ -350,3 +350,26 @@ def test_tiered_upload_failure_warns_and_keeps_the_local_commit(tmp_path, s3_ser
     assert ckpt.steps() == [1]
     assert [s for s, _ in ckpt.replica.failed] == [1] and ckpt.replica.uploaded == []
     assert SECRET_KEY not in ckpt.replica.failed[0][1]
+
+
+def test_aws_environment_variables_configure_s3_without_storage_options(tmp_path, s3_server, s3_bucket, monkeypatch):
+    """The usual AWS settings work: credentials and endpoint from the environment only."""
+    from s3_server import ACCESS_KEY, SECRET_KEY
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    model = make_model(seed=2)
+    root = f"s3://{s3_bucket}/env-run"
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(5, {"model": model})
+        assert ckpt.steps() == [5]
+        manifest = ckpt.storage.read_bytes("step_000000005", "manifest.json").decode()
+    assert SECRET_KEY not in manifest and ACCESS_KEY not in manifest
+    fresh = make_model(seed=3)
+    assert distckpt.Checkpointer(root).load({"model": fresh}) == 5
+    assert_same(model.state_dict(), fresh.state_dict(), "model")
