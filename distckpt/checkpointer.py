@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -76,10 +77,9 @@ class SaveStats:
 class _InFlight:
     """The background half of one asynchronous save."""
 
-    def __init__(self, step: int, started: float, blocking_s: float) -> None:
+    def __init__(self, step: int, blocking_s: float) -> None:
         self.step = step
         self.stats = SaveStats(step, blocking_s)
-        self.started = started
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -246,18 +246,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         group = self._ensure_group()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-
-        (entries, state_dict, described), views = exchange(
-            group, f"save of step {step}", lambda: self._prepare_save(step, state, group)
+        extra = dict(metadata or {})
+        (state_dict, described), views = exchange(
+            group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group)
         )
         _check_ranks_agree(views)
         on_coordinator(group, f"save of step {step}", lambda: self._prepare_dir(step))
-        extra = dict(metadata or {})
 
         if blocking:
-            self._write_and_commit(group, step, state_dict, described, extra, t0)
+            self._write_and_commit(group, step, state_dict, described, extra)
             self.last_save = SaveStats(step, time.perf_counter() - t0, time.perf_counter() - t0, self._last_bytes)
             self._log_save(self.last_save)
             if self.replica is not None:
@@ -268,12 +265,12 @@ class Checkpointer:
             self._stager = Stager()
         staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict))  # type: ignore[union-attr]
         blocked = time.perf_counter() - t0
-        job = _InFlight(step, t0, blocked)
+        job = _InFlight(step, blocked)
 
         def run() -> None:
             _lower_priority(self.background_nice)
             try:
-                self._write_and_commit(group, step, staged, described, extra, t0)
+                self._write_and_commit(group, step, staged, described, extra)
                 job.stats.total_s = time.perf_counter() - t0
                 job.stats.bytes_written = self._last_bytes
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
@@ -283,8 +280,18 @@ class Checkpointer:
         self._inflight = job
         job.thread.start()
 
-    def _prepare_save(self, step: int, state: Mapping[str, Any], group: Group) -> tuple[Any, Any]:
-        """(each rank, no collectives) What to save, and this rank's view for the agreement check."""
+    def _prepare_save(self, step: int, state: Mapping[str, Any], extra: dict[str, Any], group: Group) -> tuple[Any, Any]:
+        """(each rank, no collectives) What to save, and this rank's view for the agreement check.
+
+        Every check of the caller's input happens here, inside the exchange, so that bad input
+        on one rank fails every rank instead of leaving the others in a collective.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
         entries = build_entries(state)
         state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
         described = {e.name: e.describe() for e in entries}
@@ -293,7 +300,7 @@ class Checkpointer:
             described[rng.NAMESPACE] = {"kind": "rng", "per_rank": True}
         plain = sorted((k, v) for k, v in state_dict.items() if described[k]["kind"] == "value")
         view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain])
-        return (entries, state_dict, described), view
+        return (state_dict, described), view
 
     def _prepare_dir(self, step: int) -> None:
         """(coordinator) Refuse a committed step; remove leftovers of interrupted saves."""
@@ -317,7 +324,6 @@ class Checkpointer:
         state_dict: dict[str, Any],
         described: dict[str, Any],
         extra: dict[str, Any],
-        t0: float,
     ) -> None:
         """(all ranks) Write the data with DCP, then commit on the coordinator; errors everywhere."""
         writer = self.storage.writer(

@@ -282,3 +282,16 @@ def test_shape_and_key_mismatch_reported_identically_on_every_rank(tmp_path):
     assert out[0]["report"][0] == missing and "model.0.weight" in out[0]["report"][2]
     assert out[0]["epoch"] == 1  # strict=False loaded what matched
     assert torch.equal(out[0]["layer4"], out[0]["saved4"])  # same shape in both models: loaded
+
+
+def _bad_step_on_one_rank(rank: int, world: int, root: str) -> str:
+    try:
+        distckpt.Checkpointer(root).save(3 if rank == 0 else -1, {"model": nn.Linear(2, 2)})
+    except (ValueError, distckpt.CheckpointError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_bad_step_on_one_rank_raises_on_every_rank(tmp_path):
+    out = run_ranks(_bad_step_on_one_rank, 2, tmp_path, str(tmp_path / "ck"), timeout=60)
+    assert out[0] == out[1] and "step must be a non-negative int, got -1" in out[0], out
