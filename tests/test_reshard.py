@@ -74,3 +74,16 @@ def test_reshard_matrix(saved, world):
             assert_same(ref_after, after, what + " (one more step)")
         checked += 1
     assert checked == len(KINDS) * len(SAVE_WORLDS) * len(KINDS)
+
+
+def test_replicated_tensors_are_written_once_spread_over_ranks(saved):
+    root, _ = saved
+    manifest = distckpt.Checkpointer(f"{root}/ddp-4").manifest()
+    per_rank = {r: sum(f.size for n, f in manifest.files.items() if n.startswith(f"__{r}_")) for r in range(4)}
+    total = sum(per_rank.values())
+    # DDP state is replicated on all 4 ranks, yet each byte is written once (the checkpoint is no
+    # bigger than at world size 1) and every rank writes a share.
+    single = distckpt.Checkpointer(f"{root}/ddp-1").manifest()
+    single_total = sum(f.size for n, f in single.files.items() if n.endswith(".distcp"))
+    assert total < 1.5 * single_total, (total, single_total)
+    assert all(size > 0 for size in per_rank.values()), per_rank
