@@ -39,10 +39,6 @@ class Group:
         return dist.get_world_size(self.pg) if self.enabled else 1
 
     @property
-    def global_rank(self) -> int:
-        return dist.get_rank() if self.enabled else 0
-
-    @property
     def coordinator_global_rank(self) -> int:
         """Global rank of the group's rank 0 (what ``broadcast_object_list`` wants as ``src``)."""
         if not self.enabled or self.pg is None:

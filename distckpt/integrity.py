@@ -43,7 +43,7 @@ def new_hasher(algorithm: str) -> Hasher:
 CHUNK = 8 * 1024 * 1024
 
 
-def file_digest(stream: Any, algorithm: str, expected_size: int | None = None) -> tuple[int, str]:
+def file_digest(stream: Any, algorithm: str) -> tuple[int, str]:
     """Size and digest of everything readable from ``stream`` (read in bounded chunks)."""
     h = new_hasher(algorithm)
     size = 0

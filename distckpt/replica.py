@@ -125,11 +125,6 @@ class Replicator:
             self._thread.start()
         self._queue.put(step)
 
-    def in_use(self) -> set[int]:
-        """Steps queued or being uploaded: local retention must not delete them yet."""
-        with self._lock:
-            return set(self._pending)
-
     def wait(self) -> None:
         """Block until every submitted upload finished (or failed). No-op off the coordinator."""
         if self._thread is not None:

@@ -67,11 +67,6 @@ def restore(state: dict[str, Any]) -> None:
         np.random.set_state((meta["kind"], keys, meta["pos"], meta["has_gauss"], meta["gauss"]))
 
 
-def template(device_has_cuda: bool | None = None) -> dict[str, Any]:
-    """Buffers shaped like :func:`capture`'s output, for DCP to load into."""
-    return capture()
-
-
 def derived_seed(rank0_torch_state: torch.Tensor, step: int, rank: int) -> int:
     """The seed rank ``rank`` uses after a world-size change (see the module docstring)."""
     base = zlib.crc32(rank0_torch_state.numpy().tobytes())

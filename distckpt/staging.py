@@ -37,7 +37,6 @@ class Stager:
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
-        self.staged_bytes = 0
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -52,7 +51,6 @@ class Stager:
         flat, _ = flatten_state_dict(state_dict)
         staged: dict[str, Any] = {}
         needs_sync = False
-        total = 0
         seen: set[str] = set()
         for key, value in flat.items():
             seen.add(key)
@@ -68,12 +66,10 @@ class Stager:
                     shape=value.shape,
                     stride=value.stride(),
                 )
-                total += buf.numel() * buf.element_size()
             elif isinstance(value, torch.Tensor):
                 buf = self._copy(key, value)
                 needs_sync |= value.device.type != "cpu"
                 staged[key] = buf
-                total += buf.numel() * buf.element_size()
             else:
                 # Non-tensor leaves are small (hyper-parameters, JSON text); a deep copy
                 # freezes them against later mutation by the training loop.
@@ -83,7 +79,6 @@ class Stager:
                 del self._buffers[key]  # the state shrank: free what is no longer needed
         if needs_sync and torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.staged_bytes = total
         return staged
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:

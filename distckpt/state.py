@@ -53,8 +53,6 @@ class Entry:
     """One top-level item of ``state``. Subclasses are created by :func:`build_entries`."""
 
     kind = "entry"
-    #: True when ranks save/load different keys (so "unexpected" is judged on the union).
-    per_rank_keys = False
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -29,7 +29,6 @@ class ZeroOptimizerEntry(Entry):
     """A ``ZeroRedundancyOptimizer``: each rank saves and loads only its own partition."""
 
     kind = "optimizer"
-    per_rank_keys = True
 
     def __init__(self, name: str, zero: ZeroRedundancyOptimizer, module: ModuleEntry) -> None:
         super().__init__(name)
