@@ -305,8 +305,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 t_end = t1
                 for _ in range(n_during):
                     step_fn()
-                    job = ck._inflight
-                    if job is not None and job.thread is not None and job.thread.is_alive():
+                    if ck.in_flight:
                         done += 1
                         t_end = time.perf_counter()
                 stats = ck.wait()

@@ -392,6 +392,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------------------------
     # async completion
+    @property
+    def in_flight(self) -> bool:
+        """True while an async save is still writing on this rank. Not collective, never blocks
+        or raises: the save is committed (or its error raised) by the next ``wait``/``save``."""
+        job = self._inflight
+        return job is not None and job.thread is not None and job.thread.is_alive()
+
     def wait(self) -> SaveStats | None:
         """(all ranks) Block until the in-flight save (if any) is committed.
 

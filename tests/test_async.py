@@ -64,7 +64,10 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     for _ in range(20):
         dist.all_reduce(t)
         visible.append(ckpt.steps())  # never empty: step 1 stays until step 2 committed
+    while ckpt.in_flight:
+        time.sleep(0.01)
     stats = ckpt.wait()
+    assert not ckpt.in_flight
     assert stats is not None and stats.step == 2 and stats.total_s >= stats.blocking_s
     assert all(v in ([1], [2]) for v in visible), visible
     assert ckpt.steps() == [2], ckpt.steps()
