@@ -37,7 +37,8 @@ def _same(sd_a, sd_b) -> bool:
 
 
 
-pytestmark = pytest.mark.xdist_group('cli')
+pytestmark = pytest.mark.xdist_group("cli")
+
 
 @pytest.fixture(scope="module")
 def ckpt_root(tmp_path_factory):
@@ -338,3 +339,39 @@ def test_s3_ls_verify_convert(tmp_path, capsys):
         assert _same(load_file(out_file), model.state_dict())
         code, _, err = run(["convert", url, "--to", "torch", "s3://cli-bucket/out/m.pt", "--model-only", "-q", *opts], capsys)
         assert code == 0, err
+
+
+def test_progress_bar_on_a_terminal_and_not_with_quiet(ckpt_root, tmp_path):
+    """In a real pseudo-terminal the export draws a progress bar on stderr; --quiet silences it."""
+    import pty
+    import select
+
+    root, _ = ckpt_root
+
+    def run_in_pty(*extra):
+        master, slave = pty.openpty()
+        out = tmp_path / f"m{len(extra)}.safetensors"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "distckpt", "convert", root, "--to", "safetensors", str(out), *extra],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, close_fds=True,
+        )
+        os.close(slave)
+        chunks = []
+        while True:
+            ready, _, _ = select.select([master], [], [], 60)
+            if not ready:
+                break
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.close(master)
+        assert proc.wait(60) == 0
+        return b"".join(chunks).decode(errors="replace")
+
+    shown = run_in_pty()
+    assert "[" in shown and "100%" in shown, shown
+    assert "100%" not in run_in_pty("--quiet")
