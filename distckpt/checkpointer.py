@@ -40,7 +40,7 @@ from .manifest import (
     step_dir,
 )
 from .retention import steps_to_delete
-from .staging import Stager
+from .staging import Stager, replicated_layout, replicated_shares
 from .state import build_entries
 from .storage import Storage
 
@@ -247,7 +247,7 @@ class Checkpointer:
         self.wait()
         group = self._ensure_group()
         extra = dict(metadata or {})
-        (state_dict, described), views = exchange(
+        (state_dict, described, sizes), views = exchange(
             group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group)
         )
         _check_ranks_agree(views)
@@ -263,7 +263,9 @@ class Checkpointer:
 
         if self._stager is None:
             self._stager = Stager()
-        staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict))  # type: ignore[union-attr]
+        # Each rank stages only its share of replicated tensors (see distckpt.staging).
+        skip = replicated_shares([v[4] for v in views], sizes, group.rank)
+        staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
         blocked = time.perf_counter() - t0
         job = _InFlight(step, blocked)
 
@@ -299,8 +301,9 @@ class Checkpointer:
             state_dict[rng.NAMESPACE] = {f"rank_{group.rank}": rng.capture()}
             described[rng.NAMESPACE] = {"kind": "rng", "per_rank": True}
         plain = sorted((k, v) for k, v in state_dict.items() if described[k]["kind"] == "value")
-        view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain])
-        return (state_dict, described), view
+        digests, sizes = replicated_layout(state_dict)
+        view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain], digests)
+        return (state_dict, described, sizes), view
 
     def _prepare_dir(self, step: int) -> None:
         """(coordinator) Refuse a committed step; remove leftovers of interrupted saves."""
@@ -561,10 +564,10 @@ def _lower_priority(nice: int) -> None:
 def _check_ranks_agree(views: list[Any]) -> None:
     """Same step, same entry names and identical plain values on every rank, or a clear error
     (raised identically everywhere: every rank judges the same gathered views)."""
-    if len({(s, tuple(n)) for s, n, _, _ in views}) > 1:
-        detail = "; ".join(f"rank {r}: step {s}, keys {n}" for r, (s, n, _, _) in enumerate(views))
+    if len({(v[0], tuple(v[1])) for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: step {v[0]}, keys {v[1]}" for r, v in enumerate(views))
         raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
-    if len({d for _, _, d, _ in views}) > 1:
+    if len({v[2] for v in views}) > 1:
         raise ValueError(
             "ranks passed different plain values in state (plain values are global and stored "
             f"once; keep per-rank data in tensors or stateful objects): keys {views[0][3]}"

@@ -8,11 +8,19 @@ copies are issued non-blocking and synchronized once at the end.
 
 DTensors are staged shard by shard: the local shard is copied and re-wrapped with the same mesh
 and placements, so DCP still writes each shard from its owner.
+
+Replicated state (a DDP model: the same plain tensors under the same keys on every rank) is
+written once by DCP, each tensor by one rank. Staging all of it on every rank would copy, and
+hold in host memory, ``world_size`` times what is written. :func:`replicated_shares` splits the
+replicated tensors among the ranks (largest first, to the least-loaded rank, the same on every
+rank), and each rank stages only its share: DCP then finds the keys disjoint and writes each
+rank's share from that rank.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 import torch
@@ -46,13 +54,18 @@ class Stager:
             self._buffers[key] = buf
         return buf
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """(each rank) A flat copy of ``state_dict`` whose tensors live in host buffers."""
+    def stage(self, state_dict: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+        """(each rank) A flat copy of ``state_dict`` whose tensors live in host buffers.
+
+        Keys in ``skip`` (replicated tensors another rank writes) are left out.
+        """
         flat, _ = flatten_state_dict(state_dict)
         staged: dict[str, Any] = {}
         needs_sync = False
         seen: set[str] = set()
         for key, value in flat.items():
+            if key in skip:
+                continue
             seen.add(key)
             if isinstance(value, DTensor):
                 local = value.to_local()
@@ -87,6 +100,49 @@ class Stager:
         buf.copy_(src, non_blocking=src.device.type != "cpu" and buf.is_pinned())
         return buf
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory held in staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def close(self) -> None:
         """Release every buffer."""
         self._buffers.clear()
+
+
+def replicated_layout(state_dict: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, int]]]:
+    """Per top-level entry, a digest of its plain (non-DTensor) tensors' keys, shapes and dtypes;
+    and those tensors as ``(key, nbytes)``. Ranks whose digests agree hold the entry replicated."""
+    flat, _ = flatten_state_dict(state_dict)
+    per_entry: dict[str, list[str]] = {}
+    sizes: list[tuple[str, int]] = []
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            per_entry.setdefault(key.split(".", 1)[0], []).append(f"{key}:{tuple(value.shape)}:{value.dtype}")
+            sizes.append((key, value.numel() * value.element_size()))
+    digests = {name: hashlib.sha256("\n".join(items).encode()).hexdigest() for name, items in per_entry.items()}
+    return digests, sizes
+
+
+def replicated_shares(
+    digests_by_rank: list[dict[str, str]], sizes: list[tuple[str, int]], rank: int
+) -> frozenset[str]:
+    """Keys of replicated tensors that ranks other than ``rank`` stage and write.
+
+    An entry counts as replicated when every rank reported the same digest for it. Its tensors
+    go, largest first, to the rank with the fewest bytes so far (ties: the lowest rank): every
+    rank computes the same assignment from the same gathered digests.
+    """
+    world = len(digests_by_rank)
+    if world < 2:
+        return frozenset()
+    names = set(digests_by_rank[0])
+    replicated = {n for n in names if all(d.get(n) == digests_by_rank[0][n] for d in digests_by_rank[1:])}
+    load = [0] * world
+    others: set[str] = set()
+    for key, nbytes in sorted((kv for kv in sizes if kv[0].split(".", 1)[0] in replicated), key=lambda kv: (-kv[1], kv[0])):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += nbytes
+        if owner != rank:
+            others.add(key)
+    return frozenset(others)

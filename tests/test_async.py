@@ -16,7 +16,7 @@ import torch.distributed as dist
 import distckpt
 from dist_harness import run_ranks
 from distckpt.manifest import MANIFEST_NAME, step_dir
-from models import assert_same, full_model_state, make_model, make_optimizer, train_steps, wrap
+from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -68,6 +68,10 @@ def _async_body(rank: int, world: int, root: str) -> dict:
         time.sleep(0.01)
     stats = ckpt.wait()
     assert not ckpt.in_flight
+    # Replicated (DDP) state: each rank staged only the share it writes, not all of it.
+    replicated = sum(v.numel() * v.element_size() for v in expected.values())
+    staged = sum(b.numel() * b.element_size() for k, b in ckpt._stager._buffers.items() if not k.startswith("_rng."))
+    staged_share = staged / (replicated * 3)  # model + AdamW's two moments (+ small step tensors)
     assert stats is not None and stats.step == 2 and stats.total_s >= stats.blocking_s
     assert all(v in ([1], [2]) for v in visible), visible
     assert ckpt.steps() == [2], ckpt.steps()
@@ -98,6 +102,7 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     ckpt.save(6, state, blocking=False)  # the fault is gone: saving works again
     ckpt.close()
     return {
+        "staged_share": staged_share,
         "expected": expected,
         "loaded": loaded,
         "returned_after": returned_after,
@@ -122,6 +127,7 @@ def test_async_save_semantics_and_errors(tmp_path):
     results = run_ranks(_async_body, 2, tmp_path, root)
     for r, res in enumerate(results):
         assert_same(res["expected"], res["loaded"], f"rank {r}: checkpoint holds the values as of save()")
+        assert 0.2 < res["staged_share"] < 0.8, res["staged_share"]
         assert res["err3"] is not None and "No space left on device" in res["err3"] and "rank 1" in res["err3"], res["err3"]
         assert res["committed_after_failure"] == [2] and not res["manifest3"]
         assert res["err4"] is not None and "rank 0" in res["err4"] and "No space left" in res["err4"]
@@ -180,3 +186,24 @@ def _explicit_group_body(rank: int, world: int, root: str) -> bool:
 
 def test_checkpointer_on_a_given_process_group(tmp_path):
     assert all(run_ranks(_explicit_group_body, 2, tmp_path, str(tmp_path / "ck")))
+
+
+def _zero_async_body(rank: int, world: int, root: str) -> dict:
+    model = wrap(make_model(0), "zero", world)
+    optim = make_optimizer(model, "zero")
+    train_steps(model, optim, range(2), rank, world)
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(2, {"model": model, "optim": optim}, blocking=False)
+    ref = (full_model_state(model), full_optim_state(model, optim))
+    ckpt.wait()
+    fresh = wrap(make_model(7), "zero", world)
+    fresh_optim = make_optimizer(fresh, "zero")
+    ckpt.load({"model": fresh, "optim": fresh_optim})
+    return {"ref": ref, "got": (full_model_state(fresh), full_optim_state(fresh, fresh_optim))}
+
+
+def test_async_save_of_replicated_model_with_partitioned_zero_state(tmp_path):
+    """Model replicated (staged as shares), ZeRO optimizer partitioned (staged per rank): exact."""
+    for r, res in enumerate(run_ranks(_zero_async_body, 2, tmp_path, str(tmp_path / "ck"))):
+        assert_same(res["ref"][0], res["got"][0], f"rank {r} model")
+        assert_same(res["ref"][1], res["got"][1], f"rank {r} optimizer")

@@ -293,3 +293,17 @@ def test_tensors_are_read_straight_into_their_destination(tmp_path):
         assert reader.fast_reads == len(tensors)
         for k in tensors:
             assert torch.equal(dest[k], tensors[k])
+
+
+def test_replicated_shares_split_evenly_and_only_for_replicated_entries():
+    from distckpt.staging import replicated_shares
+
+    sizes = [("model.a", 100), ("model.b", 60), ("model.c", 50), ("optim.x", 10)]
+    same = {"model": "d1", "optim": "o"}
+    skips = [replicated_shares([same, dict(same, optim="other")], sizes, r) for r in range(2)]
+    # model.* is replicated: split so that each key is staged by exactly one rank.
+    assert skips[0] | skips[1] == {"model.a", "model.b", "model.c"} and not skips[0] & skips[1]
+    assert skips[0] == {"model.b", "model.c"}  # rank 0 takes the largest, rank 1 the next two
+    # optim differs between ranks (ZeRO partitions): every rank stages its own.
+    assert "optim.x" not in skips[0] | skips[1]
+    assert replicated_shares([same], sizes, 0) == frozenset()
