@@ -55,6 +55,18 @@ def _status_kib(field: str) -> int:
 
 # ------------------------------------------------------------------------------------------
 # state
+def layer_shapes(prefix: str, d: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One GPT block of width ``d``: four matrices (qkv, out, mlp up/down) and eight vectors."""
+    return [
+        (f"{prefix}.ln1.weight", (d,)), (f"{prefix}.ln1.bias", (d,)),
+        (f"{prefix}.attn.qkv.weight", (3 * d, d)), (f"{prefix}.attn.qkv.bias", (3 * d,)),
+        (f"{prefix}.attn.out.weight", (d, d)), (f"{prefix}.attn.out.bias", (d,)),
+        (f"{prefix}.ln2.weight", (d,)), (f"{prefix}.ln2.bias", (d,)),
+        (f"{prefix}.mlp.up.weight", (4 * d, d)), (f"{prefix}.mlp.up.bias", (4 * d,)),
+        (f"{prefix}.mlp.down.weight", (d, 4 * d)), (f"{prefix}.mlp.down.bias", (d,)),
+    ]
+
+
 def transformer_like_shapes(total_bytes: int, bytes_per_elem: int = 4) -> list[tuple[str, tuple[int, ...]]]:
     """Tensor shapes of a GPT-like model of about ``total_bytes``: two embedding-size matrices,
     per layer four matrices (qkv, out, mlp up/down) and eight vectors (biases, norms)."""
@@ -66,15 +78,7 @@ def transformer_like_shapes(total_bytes: int, bytes_per_elem: int = 4) -> list[t
     per_layer = 12 * d * d + 13 * d
     layer = 0
     while used + per_layer <= elems or layer == 0:
-        p = f"layer{layer}"
-        shapes += [
-            (f"{p}_ln1_w", (d,)), (f"{p}_ln1_b", (d,)),
-            (f"{p}_qkv_w", (3 * d, d)), (f"{p}_qkv_b", (3 * d,)),
-            (f"{p}_out_w", (d, d)), (f"{p}_out_b", (d,)),
-            (f"{p}_ln2_w", (d,)), (f"{p}_ln2_b", (d,)),
-            (f"{p}_up_w", (4 * d, d)), (f"{p}_up_b", (4 * d,)),
-            (f"{p}_down_w", (d, 4 * d)), (f"{p}_down_b", (d,)),
-        ]
+        shapes += layer_shapes(f"layers.{layer}", d)
         used += per_layer
         layer += 1
     rest = elems - used

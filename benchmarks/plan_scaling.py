@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, machine_info, save_figure  # noqa: E402
+from _common import REPO, layer_shapes, machine_info, save_figure  # noqa: E402
 
 
 def model_shapes(n_tensors: int, d: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -40,15 +40,7 @@ def model_shapes(n_tensors: int, d: int) -> list[tuple[str, tuple[int, ...]]]:
     shapes: list[tuple[str, tuple[int, ...]]] = [("tok_emb", (32000, d)), ("lm_head", (32000, d))]
     layer = 0
     while len(shapes) + 12 <= n_tensors - 2:
-        p = f"layers.{layer}"
-        shapes += [
-            (f"{p}.ln1.weight", (d,)), (f"{p}.ln1.bias", (d,)),
-            (f"{p}.attn.qkv.weight", (3 * d, d)), (f"{p}.attn.qkv.bias", (3 * d,)),
-            (f"{p}.attn.out.weight", (d, d)), (f"{p}.attn.out.bias", (d,)),
-            (f"{p}.ln2.weight", (d,)), (f"{p}.ln2.bias", (d,)),
-            (f"{p}.mlp.up.weight", (4 * d, d)), (f"{p}.mlp.up.bias", (4 * d,)),
-            (f"{p}.mlp.down.weight", (d, 4 * d)), (f"{p}.mlp.down.bias", (d,)),
-        ]
+        shapes += layer_shapes(f"layers.{layer}", d)
         layer += 1
     shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
     return shapes

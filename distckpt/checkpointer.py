@@ -248,14 +248,15 @@ class Checkpointer:
         group = self._ensure_group()
         extra = dict(metadata or {})
         (state_dict, described, sizes), views = exchange(
-            group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group)
+            group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group, blocking)
         )
         _check_ranks_agree(views)
         on_coordinator(group, f"save of step {step}", lambda: self._prepare_dir(step))
 
         if blocking:
             self._write_and_commit(group, step, state_dict, described, extra)
-            self.last_save = SaveStats(step, time.perf_counter() - t0, time.perf_counter() - t0, self._last_bytes)
+            elapsed = time.perf_counter() - t0
+            self.last_save = SaveStats(step, elapsed, elapsed, self._last_bytes)
             self._log_save(self.last_save)
             if self.replica is not None:
                 self.replica.submit(step)
@@ -282,7 +283,9 @@ class Checkpointer:
         self._inflight = job
         job.thread.start()
 
-    def _prepare_save(self, step: int, state: Mapping[str, Any], extra: dict[str, Any], group: Group) -> tuple[Any, Any]:
+    def _prepare_save(
+        self, step: int, state: Mapping[str, Any], extra: dict[str, Any], group: Group, blocking: bool
+    ) -> tuple[Any, Any]:
         """(each rank, no collectives) What to save, and this rank's view for the agreement check.
 
         Every check of the caller's input happens here, inside the exchange, so that bad input
@@ -301,7 +304,8 @@ class Checkpointer:
             state_dict[rng.NAMESPACE] = {f"rank_{group.rank}": rng.capture()}
             described[rng.NAMESPACE] = {"kind": "rng", "per_rank": True}
         plain = sorted((k, v) for k, v in state_dict.items() if described[k]["kind"] == "value")
-        digests, sizes = replicated_layout(state_dict)
+        # Only async saves stage, so only they need the replicated-tensor layout.
+        digests, sizes = ({}, []) if blocking else replicated_layout(state_dict)
         view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain], digests)
         return (state_dict, described, sizes), view
 
