@@ -5,9 +5,13 @@ Used by tests/test_faults.py (a few seeded trials) and runnable as a soak script
     python tests/crash.py --trials 200 --seed 1
 
 Each trial forks a saver that writes steps 1, 2, 3 ... (alternating sync and async saves, with
-``keep_last=2``) of a state whose every value encodes its step, and kills it with SIGKILL after
-a random delay. The parent then checks: the newest committed step loads and holds exactly that
-step's values; no incomplete step is listed; the next save cleans up and commits.
+``keep_last=2``) of a state whose every value encodes its step, and kills it with SIGKILL at a
+seeded random point of its progress: while step ``s`` writes its data files, once its
+``.metadata`` exists, or once it committed. The kill is timed by what the parent *observes* on
+disk, never by a wall-clock delay, so a slow or busy machine changes nothing. The parent then
+checks: the newest committed step loads and holds exactly that step's values, it is at least
+as new as the progress observed before the kill; no incomplete step is listed; the next save
+cleans up and commits.
 """
 
 from __future__ import annotations
@@ -77,16 +81,55 @@ def _context():
     return _CTX
 
 
-def trial(root: str, rng: random.Random, max_delay: float) -> tuple[int | None, int | None]:
-    """One crash: returns (newest step before the kill, newest after recovery)."""
+PHASES = ("data", "metadata", "committed")
+
+
+def _reached(root: str, step: int, phase: str) -> bool:
+    """Has the saver reached ``phase`` of ``step`` (or gone past the step altogether)?"""
+    here = Path(root) / distckpt.manifest.step_dir(step)
+    if phase == "data" and here.is_dir() and any(p.suffix == ".distcp" for p in here.iterdir()):
+        return True
+    if phase == "metadata" and (here / ".metadata").exists():
+        return True
+    if (here / "manifest.json").exists():
+        return True
+    # Retention may already have removed ``step``: a newer step directory means it is past it.
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return any((s := distckpt.manifest.parse_step_dir(n)) is not None and s > step for n in names)
+
+
+def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | None, int, int | None]:
+    """One crash: returns (newest step before the kill, step killed, newest step after recovery).
+
+    The saver starts at ``before + 1`` and is killed once it reached a random phase of a random
+    one of its first three steps (observed on disk; polling only decides *how soon* after that
+    point the kill lands, never whether the point was reached).
+    """
     before = check(root)
+    start = (before or 0) + 1
+    target, phase = start + rng.randrange(3), rng.choice(PHASES)
     ctx = _context()
-    proc = ctx.Process(target=_saver, args=(root, (before or 0) + 1), daemon=True)
+    proc = ctx.Process(target=_saver, args=(root, start), daemon=True)
     proc.start()
-    time.sleep(rng.uniform(0.0, max_delay))
+    deadline = time.monotonic() + timeout
+    while not _reached(root, target, phase):
+        if not proc.is_alive():
+            raise AssertionError(f"the saver died by itself (exit code {proc.exitcode}) before step {target}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the saver did not reach {phase} of step {target} within {timeout:.0f}s")
+        time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
     after = check(root)
+    # Step ``target`` began only after ``target - 1`` committed (async saves commit before the
+    # next save starts), and a "committed" kill came after ``target`` itself committed.
+    floor = target if phase == "committed" else target - 1
+    if floor >= start:
+        assert after is not None and after >= floor, (
+            f"killed at {phase} of step {target}: step {floor} had committed, but the newest "
+            f"committed step after the kill is {after} (a committed checkpoint was lost)"
+        )
     assert after is None or before is None or after >= before, "a committed checkpoint was lost"
     # The next save works and removes what the killed one left behind.
     ckpt = distckpt.Checkpointer(root, keep_last=2)
@@ -94,14 +137,13 @@ def trial(root: str, rng: random.Random, max_delay: float) -> tuple[int | None, 
     ckpt.save(nxt, make_state(nxt))
     leftovers = [n for n in os.listdir(root) if distckpt.manifest.parse_step_dir(n) not in ckpt.steps()]
     assert not leftovers, f"incomplete checkpoints not cleaned up: {leftovers}"
-    return before, after
+    return before, target, after
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-delay", type=float, default=1.5)
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     import tempfile
@@ -109,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="distckpt-soak-")
     rng = random.Random(args.seed)
     for i in range(args.trials):
-        before, after = trial(os.path.join(root, "ck"), rng, args.max_delay)
-        print(f"trial {i}: newest committed before the kill {before}, after it {after}", flush=True)
+        before, target, after = trial(os.path.join(root, "ck"), rng)
+        print(f"trial {i}: newest committed before {before}, killed in step {target}, after {after}", flush=True)
     print(f"{args.trials} passed, 0 failed")
     return 0
 

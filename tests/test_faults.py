@@ -21,13 +21,15 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def test_sigkill_at_random_points_never_loses_a_committed_checkpoint(tmp_path):
+    # Kill points are chosen by observed progress (see crash.trial), so every trial asserts
+    # that what had committed before the kill survives, whatever the machine's speed.
     rng = random.Random(20261121)
     root = str(tmp_path / "ck")
-    progressed = 0
+    phases = set()
     for _ in range(20):
-        before, after = crash.trial(root, rng, max_delay=0.8)
-        progressed += after is not None and after != before
-    assert progressed >= 5, "the kills should land after some saves committed, not only before"
+        before, target, after = crash.trial(root, rng)
+        phases.add((target - (before or 0) - 1, after is not None and after >= target))
+    assert len(phases) >= 3, f"the seeded trials should kill at varied points, got {sorted(phases)}"
 
 
 def _flip(path: str, offset: int = -100) -> None:
