@@ -230,10 +230,93 @@ def _many_runs_sum(bits: torch.Tensor, outer: list[int], run: int, base: int, st
 
 def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype) -> str:
     """The fingerprint recorded in a manifest, from the combined sum of all shards."""
-    text = f"distckpt-fp{VERSION}|{dtype}|{[int(d) for d in global_shape]}|{total & _MASK64}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _digest_named(total, global_shape, str(dtype))
 
 
 def of_tensor(t: torch.Tensor) -> str:
     """Fingerprint of a whole (non-distributed) tensor. Not collective."""
     return digest(partial_sum(t, t.shape, [0] * t.dim()), t.shape, t.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole state, across ranks
+Part = tuple  # (key, offsets, local shape, global shape, dtype name, partial sum)
+
+
+def local_parts(flat: dict) -> list[Part]:
+    """(each rank, not collective) The fingerprint parts of every tensor this rank holds.
+
+    ``flat`` maps flattened state-dict keys to values (DCP's flattening). A DTensor contributes
+    its local shard at the offsets DCP itself would write it at; a plain tensor is a whole
+    tensor (offsets 0). Values that are not tensors, and tensors that cannot be fingerprinted
+    (sparse, quantized, meta), are left out.
+    """
+    from torch.distributed.tensor import DTensor
+
+    parts: list[Part] = []
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            chunks = value.__create_chunk_list__()  # the chunk DCP writes for this rank
+            if len(chunks) != 1 or tuple(int(d) for d in chunks[0].sizes) != tuple(local.shape):
+                continue  # a layout DCP does not write as one block: not fingerprinted
+            offsets = tuple(int(o) for o in chunks[0].offsets)
+            global_shape = tuple(int(d) for d in value.shape)
+        elif isinstance(value, torch.Tensor):
+            local = value
+            offsets = (0,) * value.dim()
+            global_shape = tuple(int(d) for d in value.shape)
+        else:
+            continue
+        if not supported(local):
+            continue
+        total = partial_sum(local, global_shape, offsets)
+        parts.append((key, offsets, tuple(int(d) for d in local.shape), global_shape, str(local.dtype), total))
+    return parts
+
+
+def combine(parts_by_rank: Sequence[Sequence[Part]]) -> tuple[dict[str, str], dict[str, list[list[int]]]]:
+    """(any rank, not collective) Fingerprints from every rank's :func:`local_parts`.
+
+    Copies of the same block (replicas: DDP parameters, replicated DTensor dimensions, values
+    every rank holds) are counted once; copies that disagree are reported instead.
+
+    Returns:
+        ``(fingerprints, drifted)``: key -> fingerprint for every tensor whose blocks cover it
+        exactly; and key -> groups of ranks holding different values of the same block.
+    """
+    by_key: dict[str, dict[tuple[int, ...], dict[int, list[int]]]] = {}
+    meta: dict[str, set[tuple]] = {}
+    sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    for rank, parts in enumerate(parts_by_rank):
+        for key, offsets, shape, global_shape, dtype, total in parts:
+            by_key.setdefault(key, {}).setdefault(tuple(offsets), {}).setdefault(int(total), []).append(rank)
+            meta.setdefault(key, set()).add((tuple(global_shape), dtype))
+            sizes[(key, tuple(offsets))] = tuple(shape)
+    fingerprints: dict[str, str] = {}
+    drifted: dict[str, list[list[int]]] = {}
+    for key, blocks in by_key.items():
+        if len(meta[key]) > 1:
+            drifted[key] = [ranks for values in blocks.values() for ranks in values.values()]
+            continue
+        global_shape, dtype = next(iter(meta[key]))
+        total, covered = 0, 0
+        for offsets, values in blocks.items():
+            if len(values) > 1:
+                drifted[key] = sorted(values.values())
+            total = (total + next(iter(values))) & _MASK64
+            n = 1
+            for d in sizes[(key, offsets)]:
+                n *= d
+            covered += n
+        expected = 1
+        for d in global_shape:
+            expected *= d
+        if key not in drifted and covered == expected:
+            fingerprints[key] = _digest_named(total, global_shape, dtype)
+    return fingerprints, drifted
+
+
+def _digest_named(total: int, global_shape: Sequence[int], dtype_name: str) -> str:
+    text = f"distckpt-fp{VERSION}|{dtype_name}|{[int(d) for d in global_shape]}|{total & _MASK64}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

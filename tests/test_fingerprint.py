@@ -105,3 +105,24 @@ def test_non_contiguous_and_scalars():
 
 
 GOLDEN = "c7950f3456618ae8"
+
+
+def test_combine_counts_replicas_once_and_reports_drift():
+    t = torch.randn(10, 4)
+    u = torch.randn(6)
+    ref = fp.of_tensor(t)
+    # rank 0 and 1 both hold u whole (a DDP replica); t is split in rows between them
+    r0 = fp.local_parts({"u": u})
+    r1 = fp.local_parts({"u": u.clone()})
+    half0 = ("t", (0, 0), (4, 4), (10, 4), str(t.dtype), fp.partial_sum(t[:4], t.shape, (0, 0)))
+    half1 = ("t", (4, 0), (6, 4), (10, 4), str(t.dtype), fp.partial_sum(t[4:], t.shape, (4, 0)))
+    prints, drifted = fp.combine([[*r0, half0], [*r1, half1]])
+    assert prints == {"t": ref, "u": fp.of_tensor(u)} and drifted == {}
+    # one replica perturbed by one ulp: reported with the ranks on each side, no fingerprint
+    bumped = u.clone()
+    bumped[3] = torch.nextafter(bumped[3], torch.tensor(float("inf")))
+    prints, drifted = fp.combine([r0, fp.local_parts({"u": bumped}), r0])
+    assert "u" not in prints and sorted(drifted["u"]) == [[0, 2], [1]]
+    # a block missing (only part of t present): no fingerprint rather than a wrong one
+    prints, _ = fp.combine([[half0]])
+    assert "t" not in prints
