@@ -425,3 +425,73 @@ def _finish(storage: Storage, staging: str, overwrite: bool) -> None:
     else:
         os.makedirs(os.path.dirname(storage.path) or ".", exist_ok=True)
         os.replace(staging, storage.path)
+
+
+# --------------------------------------------------------------------------------------------------
+# offline import (``distckpt convert HF_DIR --to dcp OUT_ROOT``)
+def import_hf(
+    src: str,
+    out_root: str,
+    *,
+    step: int = 0,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Import a Hugging Face safetensors directory as entry ``model`` of a distckpt checkpoint.
+
+    Like the ``torch.save`` import (:func:`distckpt.importer.import_torch_save`): afterwards
+    ``Checkpointer(out_root).load({"model": model})`` works at any world size. Local files are
+    memory-mapped (copy-on-write, never modified) so that resident memory stays bounded by what
+    DCP writes at a time; a URL is downloaded to a temporary directory first. Not collective.
+
+    Returns:
+        A summary: output, step, tensors, bytes.
+    """
+    import mmap
+    import tempfile
+
+    from .checkpointer import Checkpointer
+
+    opts = dict(storage_options or {})
+    with tempfile.TemporaryDirectory(prefix="distckpt-hf-import-") as tmp:
+        source = Storage(src, opts)
+        index = SafetensorsIndex(source)
+        if source.is_local:
+            local = source.path
+        else:
+            local = tmp
+            for name in sorted({s.file for s in index.spans.values()}):
+                with source.open(name, "rb") as fin, open(os.path.join(tmp, name), "wb") as fout:
+                    while chunk := fin.read(16 << 20):
+                        fout.write(chunk)
+            index = SafetensorsIndex(Storage(tmp))  # re-validated against the downloaded bytes
+        maps: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            for key, span in index.spans.items():
+                if span.file not in maps:
+                    with open(os.path.join(local, span.file), "rb") as f:
+                        maps[span.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                raw = torch.frombuffer(maps[span.file], dtype=torch.uint8)
+                block = raw[span.start : span.start + span.nbytes]
+                itemsize = torch.empty((), dtype=span.dtype).element_size()
+                if span.start % itemsize:  # unaligned for its dtype: copy this one tensor
+                    block = block.clone()
+                tensors[key] = block.view(span.dtype).reshape(span.shape)
+            ckpt = Checkpointer(out_root, storage_options=opts, save_rng=False)
+            try:
+                ckpt.save(step, {"model": tensors}, metadata={"imported_from": source.display()})
+            finally:
+                ckpt.close()
+        finally:
+            tensors.clear()
+            for m in maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a view is still alive somewhere: the GC closes it
+                    pass
+    return {
+        "output": Storage(out_root, opts).display(),
+        "step": step,
+        "tensors": len(index.spans),
+        "bytes": sum(s.nbytes for s in index.spans.values()),
+    }

@@ -1,0 +1,191 @@
+"""Loading a Hugging Face checkpoint into an FSDP2 model: memory per rank and time vs a raw read.
+
+A sharded safetensors checkpoint of ``--size-gib`` (default 2 GiB, transformer-like tensor sizes,
+``--shard-mib`` per file) is written once; then ``--world-size`` ranks (default 2) build the model
+on the meta device, shard it with FSDP2 (``fully_shard``), allocate only their shards
+(``to_empty``) and call ``distckpt.hf.load_pretrained``. Measured per rank:
+
+* resident memory: peak RSS during the load minus RSS before the model existed, so the rank's
+  own shards are included; target **<= 0.6x the model size** (no rank materialises the model);
+* bytes read from the files (each rank should read only its shards);
+* load time (the first load, into fresh shards, and later ones), next to a raw sequential read of all files by one process (``readinto``, page cache
+  warm for both, since the load runs right after the files were written or read).
+
+Run ``python benchmarks/hf_load.py --help``; ``--quick`` is a small smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, GiB, MiB, current_rss, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, transformer_like_shapes  # noqa: E402
+
+TARGET_RSS = 0.6
+
+
+def _module(shapes: list[tuple[str, tuple[int, ...]]]) -> Any:
+    import torch
+    from torch import nn
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for i, (_, shape) in enumerate(shapes):
+                self.register_parameter(f"p{i:04d}", nn.Parameter(torch.empty(shape)))
+
+    return Flat()
+
+
+def _write_checkpoint(directory: Path, shapes: list[tuple[str, tuple[int, ...]]], shard_bytes: int) -> int:
+    """A Hugging Face style sharded checkpoint (safetensors + index) of random tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    files: list[dict[str, Any]] = [{}]
+    size = 0
+    for i, (_, shape) in enumerate(shapes):
+        t = torch.randn(shape, generator=g)
+        if files[-1] and size + t.numel() * 4 > shard_bytes:
+            files.append({})
+            size = 0
+        files[-1][f"p{i:04d}"] = t
+        size += t.numel() * 4
+    weight_map = {}
+    total = 0
+    for i, tensors in enumerate(files):
+        name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = name
+            total += t.numel() * 4
+        tensors.clear()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def _raw_read(directory: Path) -> float:
+    buf = bytearray(16 * MiB)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    for f in sorted(directory.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distckpt import hf
+
+    shapes = [tuple(s) for s in cfg["shapes"]]
+    before = current_rss()
+    with torch.device("meta"):
+        model = _module([("", s) for s in shapes])
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model.to_empty(device="cpu")
+    records = []
+    for rep in range(cfg["repeats"]):
+        dist.barrier()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        report = hf.load_pretrained(model, cfg["dir"])
+        dist.barrier()
+        records.append({"time_s": time.perf_counter() - t0, "peak_rss_over_start": peak_rss() - before, "bytes_read": report.bytes_read})
+    # Spot check: the loaded shards are the file's values.
+    local = next(iter(model.parameters())).to_local()
+    return {"rank": rank, "records": records, "local_numel": local.numel()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-gib", type=float, default=2.0)
+    p.add_argument("--shard-mib", type=int, default=512)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch)")
+    p.add_argument("--json", default=str(REPO / "benchmarks/results/hf_load.json"))
+    p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.shard_mib, args.repeats = 1 / 16, 16, 1
+    from dist_harness import run_ranks
+
+    own = args.dir is None
+    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"hf-{os.getpid()}"
+    shapes = transformer_like_shapes(int(args.size_gib * GiB))
+    t0 = time.perf_counter()
+    try:
+        model_bytes = _write_checkpoint(scratch / "hf", shapes, args.shard_mib * MiB)
+        raw = [_raw_read(scratch / "hf") for _ in range(args.repeats)]
+        cfg = {"dir": str(scratch / "hf"), "shapes": [list(s) for _, s in shapes], "repeats": args.repeats}
+        per_rank = run_ranks(_rank, args.world_size, scratch / "harness", cfg, timeout=1800, pg_timeout=900)
+    finally:
+        remove_scratch(scratch, own)
+    slowest = [max(pr["records"][i]["time_s"] for pr in per_rank) for i in range(args.repeats)]
+    first_s = slowest[0]  # into freshly allocated shards: page faults and one-time setup included
+    load_s = median(slowest[1:] or slowest)
+    rss = [median([r["peak_rss_over_start"] for r in pr["records"]]) for pr in per_rank]
+    read = [pr["records"][0]["bytes_read"] for pr in per_rank]
+    raw_s = median(raw)
+    worst = max(rss) / model_bytes
+    result = {
+        "benchmark": "hf_load",
+        "machine": machine_info(),
+        "config": {"size_gib": args.size_gib, "shard_mib": args.shard_mib, "world_size": args.world_size, "repeats": args.repeats},
+        "model_bytes": model_bytes,
+        "first_load_s": first_s,
+        "load_s": load_s,
+        "raw_read_s": raw_s,
+        "load_vs_raw_read": raw_s / load_s,
+        "peak_rss_per_rank_bytes": rss,
+        "bytes_read_per_rank": read,
+        "wall_s": time.perf_counter() - t0,
+        "targets": [
+            {
+                "target": "peak_rss_per_rank",
+                "value": worst,
+                "limit": TARGET_RSS,
+                "met": worst <= TARGET_RSS,
+                "what": "peak RSS per rank (own shards included) / model size (<=)",
+            }
+        ],
+    }
+    lines = [
+        f"load_pretrained: {model_bytes / GiB:.2f} GiB Hugging Face checkpoint into FSDP2 at {args.world_size} ranks",
+        "",
+        "| | value |",
+        "|---|---:|",
+        f"| first load (fresh shards: page faults, one-time setup) | {first_s:.2f} s |",
+        f"| later loads (slowest rank, median) | {load_s:.2f} s |",
+        f"| raw sequential read of all files, one process | {raw_s:.2f} s |",
+        f"| later loads vs raw read | {raw_s / load_s:.2f}x |",
+        f"| peak RSS per rank / model size | {', '.join(f'{r / model_bytes:.2f}' for r in rss)} |",
+        f"| bytes read per rank / model size | {', '.join(f'{b / model_bytes:.2f}' for b in read)} |",
+        "",
+        f"- peak RSS per rank <= {TARGET_RSS}x model: {worst:.2f} -> {'met' if worst <= TARGET_RSS else 'MISSED'}",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).with_suffix(".md").write_text(table + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
