@@ -32,7 +32,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"({str(exc).splitlines()[0]})"
             ) from None
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
+            from ._compat import set_element
 
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

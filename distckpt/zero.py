@@ -46,8 +46,18 @@ class ZeroOptimizerEntry(Entry):
 
     def _sync_wrapper_to_local(self) -> None:
         # ZeRO copies the wrapper's hyper-parameters (where LR schedulers write) into the local
-        # optimizer at every step; do the same so the saved groups are current.
-        self.zero._sync_param_groups(self.zero.param_groups, self.zero.optim.param_groups)
+        # optimizer at every step (its private _sync_param_groups); do the same so the saved
+        # groups are current. The wrapper and the local optimizer have one group per group.
+        wrapper, local = self.zero.param_groups, self.zero.optim.param_groups
+        if len(wrapper) != len(local):
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer has {len(wrapper)} parameter groups but its local "
+                f"optimizer {len(local)}; cannot tell which hyper-parameters belong where"
+            )
+        for src, dst in zip(wrapper, local):
+            for key, value in src.items():
+                if key != "params":
+                    dst[key] = value
 
     def save_state(self) -> Any:
         self._sync_wrapper_to_local()

@@ -1,0 +1,60 @@
+"""Every private torch API distckpt relies on, in one place.
+
+torch has no public equivalent for these in 2.13. Each may change in a torch release without
+notice; this module is what to check (and the import test in ``tests/test_compat.py`` is what
+fails) when pyproject's torch range moves. Small helpers that torch keeps private but that are
+trivial (narrowing a tensor by offsets, copying ZeRO's hyper-parameters) are written out in
+distckpt instead of imported.
+"""
+
+from __future__ import annotations
+
+# DCP's flattening of nested state dicts into dotted keys, and its inverse. DCP's planners do the
+# same internally (flatten_state_dict=True); distckpt needs the key mapping itself to stage async
+# saves in DCP's layout and to hand loaded values back to nested objects.
+from torch.distributed.checkpoint._nested_dict import (  # noqa: F401
+    flatten_state_dict,
+    unflatten_state_dict,
+)
+
+# Sets one value inside a nested state dict by its flattened path (the load planner's
+# load_bytes override puts safely-unpickled values where DCP's own planner would).
+from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
+
+# DCP's fsspec-backed FileSystem (its public FsspecWriter/FsspecReader wrap it but create their
+# own fsspec instance from a URL, losing the caller's storage_options; see GUIDE: "passing a
+# configured writer and checkpoint_id silently drops the storage options").
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecDcpFileSystem  # noqa: F401
+
+# The zip container torch.save writes. Readers find a tensor's raw bytes inside a DCP record
+# (to read it straight into its destination); the torch-format export writes records one
+# tensor at a time, which torch.save cannot do without holding everything in memory.
+import torch
+
+PyTorchFileReader = torch._C.PyTorchFileReader
+PyTorchFileWriter = torch._C.PyTorchFileWriter
+
+
+def storage_alignment() -> int | None:
+    """torch.save's storage alignment for new files (``None`` on torch versions without it)."""
+    import torch.serialization as ser
+
+    fn = getattr(ser, "_get_storage_alignment", None)
+    return fn() if fn is not None else None
+
+
+def dtype_from_storage_name(name: str) -> torch.dtype:
+    """The dtype of a ``torch.<X>Storage`` name as torch.save pickles it."""
+    return torch.storage._get_dtype_from_pickle_storage_type(name)
+
+
+def storage_name_of_dtype(dtype: torch.dtype) -> str:
+    """The ``<X>Storage`` class name torch.save pickles for ``dtype``."""
+    from torch.storage import _dtype_to_storage_type_map
+
+    return _dtype_to_storage_type_map()[dtype]
+
+
+# The function torch.save pickles to rebuild a tensor (its reference by name is part of the file
+# format, so exports must use exactly this one).
+rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
