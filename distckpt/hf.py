@@ -495,3 +495,78 @@ def import_hf(
         "tensors": len(index.spans),
         "bytes": sum(s.nbytes for s in index.spans.values()),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# offline export (``distckpt convert CKPT --to hf OUT_DIR``)
+def export_hf(
+    found: Any,
+    out: str,
+    *,
+    key: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Write a distckpt checkpoint's model as a Hugging Face directory (sharded safetensors + index).
+
+    Streams tensor by tensor from the checkpoint's data files (memory: about one block), like the
+    other exports. The model is the checkpoint's single module entry, or the entry/prefix
+    ``key`` (removed from the names, as for ``--to safetensors``). Written to a temporary
+    directory renamed into place (local) or with the index last (object stores). Not collective.
+
+    Args:
+        found: a located checkpoint (:func:`distckpt.catalog.locate`).
+        out: the directory to create (must not hold a checkpoint yet).
+        key, dtype, max_shard_size: what to export, cast and how to split it.
+        storage_options: fsspec options for ``out``.
+        progress: ``progress(bytes done, bytes total)``.
+
+    Returns:
+        A summary: output, files, tensors, bytes.
+    """
+    from .convert import CheckpointSource, select_tensors
+
+    source = CheckpointSource(found)
+    picked = select_tensors(found, source, model_only=key is None, key=key)
+    planned: list[_Planned] = []
+    for name, k in picked:
+        info = source.tensors[k]
+        odt = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        if odt not in NAMES:
+            raise TypeError(f"tensor {k} has dtype {odt}, which safetensors cannot store")
+        planned.append(_Planned(name, tuple(info.shape), odt, info.nbytes(odt)))
+    by_name = dict(picked)
+    files = _plan_files(planned, parse_size(max_shard_size))
+    names = _file_names(len(files))
+    storage = Storage(out, dict(storage_options or {}))
+    staging = _begin(storage, overwrite=False)
+    target = Storage(staging, dict(storage_options or {})) if staging != storage.url else storage
+    total = sum(t.nbytes for t in planned)
+    done = 0
+    try:
+        for i, entries in enumerate(files):
+            with target.open(names[i], "wb") as f:
+                f.write(_header(entries))
+                for t in entries:
+                    written = 0
+                    for block in source.iter_bytes(by_name[t.key], t.dtype):
+                        f.write(block)
+                        written += len(block)
+                    if written != t.nbytes:
+                        raise RuntimeError(f"tensor {by_name[t.key]}: wrote {written} bytes, expected {t.nbytes}")
+                    done += t.nbytes
+                    if progress:
+                        progress(done, total)
+        weight_map = {t.key: names[i] for i, entries in enumerate(files) for t in entries}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        target.write_bytes(json.dumps(index, indent=2, sort_keys=True).encode(), INDEX_NAME)
+        _finish(storage, staging, overwrite=False)
+    except BaseException:
+        if storage.is_local:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"output": storage.display(), "format": "hf", "files": names, "tensors": len(planned), "bytes": total}
