@@ -5,6 +5,7 @@ Not part of the library. Every rank body is a module-level function so it can be
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import platform
@@ -188,3 +189,14 @@ def save_figure(fig: Any, png: Path) -> None:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def publish(result: dict[str, Any], table: str, json_path: str | None) -> dict[str, Any]:
+    """Every benchmark's tail: print the table; write ``json_path`` and the table beside it (.md)."""
+    print(table)
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        path.with_suffix(".md").write_text(table + "\n")
+    return result

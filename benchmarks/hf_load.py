@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, GiB, MiB, current_rss, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, transformer_like_shapes  # noqa: E402
+from _common import REPO, GiB, MiB, current_rss, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, transformer_like_shapes, publish  # noqa: E402
 
 TARGET_RSS = 0.6
 
@@ -179,12 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"- peak RSS per rank <= {TARGET_RSS}x model: {worst:.2f} -> {'met' if worst <= TARGET_RSS else 'MISSED'}",
     ]
     table = "\n".join(lines)
-    print(table)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        Path(args.json).with_suffix(".md").write_text(table + "\n")
-    return result
+    return publish(result, table, args.json)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, layer_shapes, machine_info, save_figure  # noqa: E402
+from _common import REPO, layer_shapes, machine_info, save_figure, publish  # noqa: E402
 
 
 def model_shapes(n_tensors: int, d: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine_info()
     result = {"benchmark": "plan_scaling", "machine": info, "tensors": len(shapes), "wall_s": time.perf_counter() - t_start, "rows": rows}
     table = _table(rows)
-    print(table)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        Path(args.json).with_suffix(".md").write_text(table + "\n")
+    publish(result, table, args.json)
     if args.png:
         _plot(rows, Path(args.png), info)
     return result

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    publish,
     GiB,
     MiB,
     REPO,
@@ -647,12 +648,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "world_sizes": results,
     }
     table = _table(result)
-    print(table)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        result_md = Path(args.json).with_suffix(".md")
-        result_md.write_text(table + "\n")
+    publish(result, table, args.json)
     if args.png:
         _plot(result, Path(args.png))
     return result

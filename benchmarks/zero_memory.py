@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, MiB, machine_info, median, peak_rss, remove_scratch, reset_peak_rss  # noqa: E402
+from _common import REPO, MiB, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, publish  # noqa: E402
 
 TARGET = 0.35
 
@@ -182,12 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for t in targets:
         lines.append(f"- {t['what']}: {t['value']:.2f} (limit {t['limit']}) -> {'met' if t['met'] else 'MISSED'}")
     table = "\n".join(lines)
-    print(table)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        Path(args.json).with_suffix(".md").write_text(table + "\n")
-    return result
+    return publish(result, table, args.json)
 
 
 if __name__ == "__main__":

@@ -63,3 +63,15 @@ def test_zero_memory_quick(tmp_path: Path) -> None:
     assert res["full_opt_bytes"] > 0
     for v in res["methods"].values():
         assert len(v["peak_growth_mib_per_rank"]) == 2
+
+
+@pytest.mark.timeout(150)
+def test_hf_load_quick(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    res = _run("hf_load.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    assert res["model_bytes"] > 0 and res["load_s"] > 0 and res["raw_read_s"] > 0
+    # Each of the two FSDP2 ranks reads its own half of the model, not all of it.
+    assert len(res["bytes_read_per_rank"]) == 2
+    assert all(0.3 * res["model_bytes"] <= b <= 0.7 * res["model_bytes"] for b in res["bytes_read_per_rank"])
+    assert sum(res["bytes_read_per_rank"]) >= res["model_bytes"]
+    assert {t["target"] for t in res["targets"]} == {"peak_rss_per_rank"}
