@@ -50,6 +50,15 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: s
     os._exit(0)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for servers and c10d rendezvous in tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class RanksFailed(AssertionError):
     pass
 

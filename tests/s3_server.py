@@ -12,14 +12,10 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from dist_harness import free_port
+
 ACCESS_KEY = "testing-key"
 SECRET_KEY = "testing-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -32,7 +28,7 @@ class S3Server:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.running = False

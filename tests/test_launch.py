@@ -16,13 +16,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from dist_harness import free_port
 
 psutil = pytest.importorskip("psutil")
 
@@ -40,12 +40,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(launcher: list[str], args: list[str], out: Path) -> subprocess.Popen:
@@ -208,7 +202,7 @@ def test_two_node_rendezvous_sigusr1_then_one_node(tmp_path: Path) -> None:
         ref_out,
     )  # concurrently: the two-node run mostly sleeps (--step-delay)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    port = _free_port()
+    port = free_port()
     args = [*ZERO, "--steps", "1000", "--step-delay", "0.2", "--ckpt-dir", str(ckpt), "--log-file", str(log)]
     outs = [tmp_path / f"node{n}.txt" for n in (0, 1)]
     agents = [

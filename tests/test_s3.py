@@ -339,10 +339,10 @@ def test_tiered_local_then_s3_and_resume_from_s3(tmp_path, s3_server, s3_bucket)
 
 
 def test_tiered_upload_failure_warns_and_keeps_the_local_commit(tmp_path, s3_server):
-    from s3_server import _free_port
+    from dist_harness import free_port
 
     # Nothing listens on this port: every upload fails (fast, with the fixture's retry limits).
-    opts = dict(s3_server.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{_free_port()}", "region_name": "us-east-1"})
+    opts = dict(s3_server.storage_options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"})
     ckpt = distckpt.Checkpointer(str(tmp_path / "local"), replicate_to="s3://nowhere/run", replicate_storage_options=opts)
     with pytest.warns(UserWarning, match="step 1 was committed locally .* upload to s3://nowhere/run/step_000000001 failed"):
         ckpt.save(1, {"w": torch.ones(4), "epoch": 1})
