@@ -89,6 +89,24 @@ class ModuleEntry(Entry):
         # tensors are not the parameters themselves. Strictness was checked against metadata.
         set_model_state_dict(self.module, loaded, options=StateDictOptions(strict=False))
 
+    def settle(self) -> None:
+        """Bring FSDP2 parameters back to their sharded form before reading or writing state.
+
+        After an eval forward under ``no_grad`` (the root stays unsharded), ``unshard()`` or with
+        ``reshard_after_forward=False``, ``module.parameters()`` yields unsharded plain
+        Parameters while the optimizer holds the sharded DTensors: torch's optimizer state-dict
+        helpers then fail, and a load would fill the sharded parameters while the forward kept
+        using stale unsharded copies. ``FSDPModule.reshard()`` is local (no collective) and only
+        frees the unsharded copies; the next forward all-gathers them again. (Do not save
+        between a forward and its backward: that graph needs the unsharded copies.)
+        """
+        fsdp_module = _fsdp_module_class()
+        if fsdp_module is None:
+            return
+        for m in self.module.modules():
+            if isinstance(m, fsdp_module):
+                m.reshard()
+
     def param_ids(self) -> set[int]:
         return {id(p) for p in self.module.parameters()}
 
@@ -98,6 +116,14 @@ class ModuleEntry(Entry):
         for name, p in self.module.named_parameters(remove_duplicate=False):
             out.setdefault(id(p), clean_fqn(name))
         return out
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
 
 
 def clean_fqn(name: str) -> str:
@@ -305,7 +331,9 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
                 f"start with {RESERVED_PREFIX!r} (reserved for distckpt)"
             )
         if isinstance(obj, nn.Module):
-            modules.append(ModuleEntry(name, obj))
+            entry = ModuleEntry(name, obj)
+            entry.settle()
+            modules.append(entry)
         else:
             others.append((name, obj))
 
