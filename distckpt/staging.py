@@ -24,7 +24,7 @@ import hashlib
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from ._compat import flatten_state_dict, unflatten_state_dict
 
 try:
     from torch.distributed.tensor import DTensor
@@ -55,11 +55,13 @@ class Stager:
         return buf
 
     def stage(self, state_dict: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-        """(each rank) A flat copy of ``state_dict`` whose tensors live in host buffers.
+        """(each rank) A copy of ``state_dict`` whose tensors live in host buffers.
 
-        Keys in ``skip`` (replicated tensors another rank writes) are left out.
+        The copy has the caller's nesting (not DCP's flattened keys), so that an async save
+        records exactly the ``.metadata`` a sync save of the same state does. Keys in ``skip``
+        (flattened names of replicated tensors another rank writes) are left out.
         """
-        flat, _ = flatten_state_dict(state_dict)
+        flat, mappings = flatten_state_dict(state_dict)
         staged: dict[str, Any] = {}
         needs_sync = False
         seen: set[str] = set()
@@ -92,7 +94,7 @@ class Stager:
                 del self._buffers[key]  # the state shrank: free what is no longer needed
         if needs_sync and torch.cuda.is_available():
             torch.cuda.synchronize()
-        return staged
+        return unflatten_state_dict(staged, mappings)
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
