@@ -22,16 +22,19 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .manifest import Manifest
+from .scope import Global, PerRank
 from .storage import Storage
 
 __all__ = [
     "__version__",
     "Checkpointer",
     "CheckpointError",
+    "Global",
     "GlobalBatchSampler",
     "IntegrityError",
     "LoadReport",
     "Manifest",
+    "PerRank",
     "SaveStats",
     "StateMismatchError",
     "StepExistsError",

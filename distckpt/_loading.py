@@ -8,13 +8,13 @@ every rank) -> ``dcp.load`` -> ``apply_load`` (each rank, no collectives).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
-from . import rng
+from . import rng, scope
+from ._compat import flatten_state_dict, unflatten_state_dict
 from ._dist import Group
 from .manifest import Manifest
 from .state import Entry, build_entries
@@ -22,16 +22,26 @@ from .state import Entry, build_entries
 
 @dataclass
 class LoadReport:
-    """What a ``strict=False`` load left out (identical on every rank)."""
+    """What a ``strict=False`` load left out (identical on every rank).
+
+    Attributes:
+        step: the step loaded.
+        missing: keys the state expects that the checkpoint does not hold.
+        unexpected: keys the checkpoint holds that nothing in the state asked for.
+        mismatched: key -> (shape in checkpoint, shape in state).
+        skipped: entry -> why it was not loaded (per-rank state saved at another world size).
+    """
 
     step: int
     missing: list[str]
     unexpected: list[str]
     mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    skipped: dict[str, str] = field(default_factory=dict)
+    per_rank: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched)
+        return not (self.missing or self.unexpected or self.mismatched or self.skipped)
 
 
 def plan_load(
@@ -43,7 +53,17 @@ def plan_load(
 ) -> tuple[LoadPlan, Any]:
     """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
     entries = build_entries(state)
-    targets = {e.name: e.load_target(manifest.entries.get(e.name, {})) for e in entries}
+    targets: dict[str, Any] = {}
+    per_rank: dict[str, tuple[int, int]] = {}
+    for e in entries:
+        saved = manifest.entries.get(e.name, {})
+        target = e.load_target(saved)
+        if saved.get("scope") == scope.PER_RANK:
+            if manifest.world_size != group.world_size:
+                per_rank[e.name] = (manifest.world_size, group.world_size)
+                continue  # cannot be resharded: reported (strict) or skipped
+            target = {scope.rank_key(group.rank): target}
+        targets[e.name] = target
     rng_key = None
     if restore_rng and rng.NAMESPACE in manifest.entries:
         # Same world size: each rank its own states; otherwise rank 0's, to derive seeds.
@@ -65,8 +85,8 @@ def plan_load(
         elif saved is not None:
             mismatched[key] = (saved, ())
     request = {k: v for k, v in flat.items() if k in index and k not in mismatched}
-    plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries})
-    return plan, (missing, mismatched, sorted(request))
+    plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
+    return plan, (missing, mismatched, sorted(request), per_rank)
 
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""
@@ -74,7 +94,10 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
     nested = unflatten_state_dict(plan.flat, plan.mappings)
     for e in plan.entries:
         if e.name in nested:
-            e.apply(nested[e.name], state)
+            loaded = nested[e.name]
+            if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
+                loaded = loaded[scope.rank_key(group.rank)]
+            e.apply(loaded, state)
     if plan.rng_key is not None and rng.NAMESPACE in nested:
         saved = nested[rng.NAMESPACE][plan.rng_key]
         if manifest.world_size == group.world_size:
@@ -93,16 +116,19 @@ class LoadPlan:
     request: dict[str, Any]
     rng_key: str | None
     names: set[str]
+    per_rank: dict[str, tuple[int, int]]
 
 
 def judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None) -> LoadReport:
     """The load report from every rank's view (identical on every rank)."""
-    missing = sorted({k for m, _, _ in views for k in m})
+    missing = sorted({k for m, _, _, _ in views for k in m})
     mismatched: dict[str, Any] = {}
     requested: set[str] = set()
-    for _, mm, req in views:
+    per_rank: dict[str, tuple[int, int]] = {}
+    for _, mm, req, pr in views:
         mismatched.update(mm)
         requested.update(req)
+        per_rank.update(pr)
     # Strict: keys of entries the state does not name at all are unexpected too (the whole
     # checkpoint must be taken). Non-strict (``names`` given): only leftovers of named entries
     # are reported, so loading just the model for evaluation is quiet. distckpt's own RNG
@@ -113,6 +139,10 @@ def judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str]
         if k not in requested
         and k not in mismatched
         and not k.startswith(rng.NAMESPACE + ".")
+        and k.split(".", 1)[0] not in per_rank
         and (names is None or k.split(".", 1)[0] in names)
     )
-    return LoadReport(step, missing, unexpected, mismatched)
+    skipped = {
+        name: f"per-rank state saved at world size {saved}, loading at {now}" for name, (saved, now) in sorted(per_rank.items())
+    }
+    return LoadReport(step, missing, unexpected, mismatched, skipped, per_rank)

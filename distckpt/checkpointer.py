@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from . import rng
+from . import rng, scope
 from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
 from ._loading import LoadReport, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
@@ -251,6 +250,12 @@ class Checkpointer:
             group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group, blocking)
         )
         _check_ranks_agree(views)
+        # Identical on every rank (same gathered views), so a Global() mismatch fails everywhere.
+        for name, declared in views[0].declared.items():
+            kind = scope.classify(name, declared, [v.digests[name] for v in views])
+            described[name]["scope"] = kind
+            if kind == scope.PER_RANK:
+                state_dict[name] = {scope.rank_key(group.rank): state_dict[name]}
         on_coordinator(group, f"save of step {step}", lambda: self._prepare_dir(step))
 
         if blocking:
@@ -265,7 +270,7 @@ class Checkpointer:
         if self._stager is None:
             self._stager = Stager()
         # Each rank stages only its share of replicated tensors (see distckpt.staging).
-        skip = replicated_shares([v[4] for v in views], sizes, group.rank)
+        skip = replicated_shares([v.layout for v in views], sizes, group.rank)
         staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
         blocked = time.perf_counter() - t0
         job = _InFlight(step, blocked)
@@ -301,12 +306,22 @@ class Checkpointer:
         state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
         described = {e.name: e.describe() for e in entries}
         if self.save_rng:
-            state_dict[rng.NAMESPACE] = {f"rank_{group.rank}": rng.capture()}
-            described[rng.NAMESPACE] = {"kind": "rng", "per_rank": True}
-        plain = sorted((k, v) for k, v in state_dict.items() if described[k]["kind"] == "value")
-        # Only async saves stage, so only they need the replicated-tensor layout.
-        digests, sizes = ({}, []) if blocking else replicated_layout(state_dict)
-        view = (step, sorted(described), hashlib.sha256(repr(plain).encode()).hexdigest(), [k for k, _ in plain], digests)
+            state_dict[rng.NAMESPACE] = {scope.rank_key(group.rank): rng.capture()}
+            described[rng.NAMESPACE] = {"kind": "rng", "scope": scope.PER_RANK}
+        # Entries that are not modules/optimizers get a scope from every rank's digest (after the
+        # exchange); sharded DTensor state is written shard by shard and needs none.
+        scoped = [e for e in entries if e.scoped and not _holds_dtensor(state_dict[e.name])]
+        # Only async saves stage, so only they need the replicated-tensor layout; it covers
+        # modules and optimizers, which are replicated or sharded by construction.
+        unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
+        digests, sizes = ({}, []) if blocking else replicated_layout(unscoped)
+        view = _SaveView(
+            step=step,
+            names=sorted(described),
+            digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
+            declared={e.name: e.declared for e in scoped},
+            layout=digests,
+        )
         return (state_dict, described, sizes), view
 
     def _prepare_dir(self, step: int) -> None:
@@ -514,7 +529,9 @@ class Checkpointer:
         )
         report = judge(manifest.step, index, views, None if strict else plan.names)
         if strict and not report.clean:
-            raise StateMismatchError(report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}")
+            raise StateMismatchError(
+                report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
+            )
 
         reader = storage.reader(
             step_dir(manifest.step),
@@ -538,7 +555,7 @@ class Checkpointer:
         if not report.clean:
             warnings.warn(
                 f"distckpt: partial load of {where}: "
-                + StateMismatchError(report.missing, report.unexpected, report.mismatched).describe(),
+                + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank).describe(),
                 stacklevel=2,
             )
         return manifest.step
@@ -565,17 +582,47 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
-def _check_ranks_agree(views: list[Any]) -> None:
-    """Same step, same entry names and identical plain values on every rank, or a clear error
-    (raised identically everywhere: every rank judges the same gathered views)."""
-    if len({(v[0], tuple(v[1])) for v in views}) > 1:
-        detail = "; ".join(f"rank {r}: step {v[0]}, keys {v[1]}" for r, v in enumerate(views))
+@dataclass
+class _SaveView:
+    """What one rank says about the save it was asked for (exchanged in one collective).
+
+    Attributes:
+        step, names: the step and the state's entry names (must agree across ranks).
+        digests: scoped entry -> digest of its value on this rank (decides global/per-rank).
+        declared: scoped entry -> scope declared by the user or the object's kind, or None.
+        layout: per module/optimizer entry, a digest of its plain tensors' keys, shapes and
+            dtypes (async saves: ranks agreeing hold the entry replicated, see staging).
+    """
+
+    step: int
+    names: list[str]
+    digests: dict[str, str]
+    declared: dict[str, str | None]
+    layout: dict[str, str]
+
+
+def _holds_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return False
+
+
+def _check_ranks_agree(views: list[_SaveView]) -> None:
+    """Same step and entry names on every rank, or a clear error (raised identically
+    everywhere: every rank judges the same gathered views). Values may differ: that makes an
+    entry per-rank (see distckpt.scope)."""
+    if len({(v.step, tuple(v.names)) for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
         raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
-    if len({v[2] for v in views}) > 1:
-        raise ValueError(
-            "ranks passed different plain values in state (plain values are global and stored "
-            f"once; keep per-rank data in tensors or stateful objects): keys {views[0][3]}"
-        )
+    if len({tuple(sorted(v.digests)) for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
+        raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

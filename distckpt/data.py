@@ -29,6 +29,9 @@ class GlobalBatchSampler:
         shuffle: permute each epoch (else sequential order).
     """
 
+    #: its position is world-size independent: stored once, loads at any world size
+    distckpt_scope = "global"
+
     def __init__(
         self,
         num_samples: int,

@@ -45,6 +45,8 @@ class StateMismatchError(KeyError):
         missing: keys the state expects that the checkpoint does not hold.
         unexpected: keys the checkpoint holds that nothing in the state asked for.
         mismatched: key -> (shape in checkpoint, shape in state).
+        per_rank: per-rank entry -> (world size it was saved at, world size now): per-rank state
+            (see :mod:`distckpt.scope`) cannot be resharded to another world size.
     """
 
     def __init__(
@@ -53,15 +55,17 @@ class StateMismatchError(KeyError):
         unexpected: Sequence[str],
         mismatched: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
         where: str = "",
+        per_rank: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = dict(mismatched)
+        self.per_rank = dict(per_rank or {})
         self.where = where
         super().__init__(self.describe(where))
 
     def __reduce__(self) -> tuple:
-        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where))
+        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank))
 
     def describe(self, where: str = "") -> str:
         parts = [f"state does not match checkpoint{(' ' + where) if where else ''}:"]
@@ -75,6 +79,12 @@ class StateMismatchError(KeyError):
                 for k, (a, b) in sorted(self.mismatched.items())
             ]
             parts.append(f"shape mismatches ({len(shown)}): {_clip(shown)}")
+        if self.per_rank:
+            shown = [
+                f"{k} (saved by {a} ranks, loading at {b}: each rank's own state cannot be mapped to another world size)"
+                for k, (a, b) in sorted(self.per_rank.items())
+            ]
+            parts.append(f"per-rank state ({len(shown)}): {_clip(shown)}; load with strict=False to skip it")
         return " ".join(parts)
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -50,12 +50,23 @@ def parallel_kind(module: nn.Module) -> str:
 
 
 class Entry:
-    """One top-level item of ``state``. Subclasses are created by :func:`build_entries`."""
+    """One top-level item of ``state``. Subclasses are created by :func:`build_entries`.
+
+    Attributes:
+        declared: the scope the user or the object's kind declared (see :mod:`distckpt.scope`),
+            ``None`` when it is to be detected.
+        holder: the ``PerRank``/``Global`` wrapper the value came in, if any.
+    """
 
     kind = "entry"
+    #: whether the entry gets a global/per-rank scope (modules and optimizers do not: they are
+    #: replicated or sharded by construction)
+    scoped = True
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.declared: str | None = None
+        self.holder: Any = None
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind}
@@ -73,6 +84,7 @@ class Entry:
 
 class ModuleEntry(Entry):
     kind = "module"
+    scoped = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__(name)
@@ -165,6 +177,7 @@ class OptimizerEntry(Entry):
     """A regular optimizer (also over FSDP2 DTensor parameters)."""
 
     kind = "optimizer"
+    scoped = False
 
     def __init__(self, name: str, optim: torch.optim.Optimizer, module: ModuleEntry) -> None:
         super().__init__(name)
@@ -288,12 +301,14 @@ class ValueEntry(Entry):
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         value = values.decode(loaded, self.name)
-        live = state.get(self.name)
+        live = self.value
         if isinstance(live, dict) and isinstance(value, dict):
             live.clear()
             live.update(value)
         elif isinstance(live, list) and isinstance(value, list):
             live[:] = value
+        elif self.holder is not None:
+            self.holder.obj = value  # a PerRank/Global wrapper stays in state
         else:
             state[self.name] = value
 
@@ -322,15 +337,22 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
 
     from .zero import ZeroOptimizerEntry
 
+    from .scope import unwrap
+
     modules: list[ModuleEntry] = []
     others: list[tuple[str, Any]] = []
+    declared: dict[str, tuple[str | None, Any]] = {}
     for name, obj in state.items():
         if not isinstance(name, str) or not name or "." in name or name.startswith(RESERVED_PREFIX):
             raise ValueError(
                 f"state key {name!r} is invalid: use non-empty strings without '.' that do not "
                 f"start with {RESERVED_PREFIX!r} (reserved for distckpt)"
             )
+        obj, scope, holder = unwrap(obj)
+        declared[name] = (scope, holder)
         if isinstance(obj, nn.Module):
+            if holder is not None:
+                raise TypeError(f"state[{name!r}]: modules are replicated or sharded; they take no PerRank/Global")
             entry = ModuleEntry(name, obj)
             entry.settle()
             modules.append(entry)
@@ -339,6 +361,8 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
 
     entries: list[Entry] = list(modules)
     for name, obj in others:
+        if isinstance(obj, torch.optim.Optimizer) and declared[name][1] is not None:
+            raise TypeError(f"state[{name!r}]: optimizers follow their module; they take no PerRank/Global")
         if isinstance(obj, torch.optim.Optimizer):
             owner = _owner_of(name, obj, modules)
             if isinstance(obj, ZeroRedundancyOptimizer):
@@ -354,6 +378,8 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
         else:
             values.encode(obj, name)  # raises TypeError naming the key if not plain
             entries.append(ValueEntry(name, obj))
+    for entry in entries:
+        entry.declared, entry.holder = declared[entry.name]
     return entries
 
 

@@ -29,6 +29,7 @@ class ZeroOptimizerEntry(Entry):
     """A ``ZeroRedundancyOptimizer``: each rank saves and loads only its own partition."""
 
     kind = "optimizer"
+    scoped = False
 
     def __init__(self, name: str, zero: ZeroRedundancyOptimizer, module: ModuleEntry) -> None:
         super().__init__(name)

@@ -1,0 +1,136 @@
+"""Global vs per-rank state (distckpt.scope): state that differs between ranks is never merged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distckpt
+from dist_harness import run_ranks
+from distckpt import scope
+
+
+class Counter:
+    """A stateful object whose state differs per rank (like a data loader's position)."""
+
+    def __init__(self, t: int, pos: int) -> None:
+        self.t, self.pos = t, pos
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t, self.pos = sd["t"], sd["pos"]
+
+
+def _state(rank: int, world: int, fill: int | None = None) -> dict:
+    v = rank if fill is None else fill
+    return {
+        # the issue's example: rank 0 {"t": 10, "pos": 100}, rank 1 {"t": 20, "pos": 200}
+        "counter": Counter(10 * (v + 1), 100 * (v + 1)),
+        "value": {"seen": [v, v + 1]},
+        "tree": {"a": torch.full((3,), float(v)), "n": v},
+        "loose": torch.full((4,), float(v)),
+        "declared": distckpt.PerRank({"x": 1 if fill is None else -1}),  # equal on all ranks, yet per rank
+        "same": 5 if fill is None else 0,
+        "sampler": distckpt.GlobalBatchSampler(48, 12, rank, world, seed=3),
+    }
+
+
+def _snapshot(state: dict) -> dict:
+    return {
+        "counter": state["counter"].state_dict(),
+        "value": state["value"],
+        "tree": (state["tree"]["a"].tolist(), state["tree"]["n"]),
+        "loose": state["loose"].tolist(),
+        "declared": state["declared"].obj,
+        "same": state["same"],
+        "sampler": state["sampler"].batches_consumed,
+    }
+
+
+def _save_body(rank: int, world: int, root: str) -> dict:
+    state = _state(rank, world)
+    for _ in range(3):
+        state["sampler"].next_batch()
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, state)
+    ckpt.save(2, state, blocking=False)
+    ckpt.wait()
+    expected = _snapshot(state)
+    out: dict = {"expected": expected, "scopes": {k: v.get("scope") for k, v in ckpt.manifest(1).entries.items()}}
+    for step in (1, 2):
+        fresh = _state(rank, world, fill=9)
+        ckpt.load(fresh, step=step)
+        out[f"loaded{step}"] = _snapshot(fresh)
+    try:
+        ckpt.save(3, {"g": distckpt.Global(rank % 2), "h": 1})
+        out["global_error"] = None
+    except ValueError as exc:
+        out["global_error"] = str(exc)
+    ckpt.close()
+    return out
+
+
+def _other_world_body(rank: int, world: int, root: str) -> dict:
+    ckpt = distckpt.Checkpointer(root)
+    out: dict = {}
+    try:
+        ckpt.load(_state(rank, world, fill=9), step=1)
+        out["strict"] = None
+    except distckpt.StateMismatchError as exc:
+        out["strict"] = (str(exc), exc.per_rank)
+    fresh = _state(rank, world, fill=9)
+    with pytest.warns(UserWarning, match="per-rank state"):
+        ckpt.load(fresh, step=1, strict=False)
+    out["loaded"] = _snapshot(fresh)
+    out["skipped"] = ckpt.last_load_report.skipped
+    ckpt.close()
+    return out
+
+
+PER_RANK_ENTRIES = {"counter", "value", "tree", "loose", "declared"}
+
+
+def test_per_rank_state_round_trips_and_refuses_another_world_size(tmp_path):
+    root = str(tmp_path / "ck")
+    saved = run_ranks(_save_body, 2, tmp_path, root)
+    for r, res in enumerate(saved):
+        assert res["expected"]["counter"] == {"t": 10 * (r + 1), "pos": 100 * (r + 1)}
+        for step in (1, 2):  # sync and async
+            assert res[f"loaded{step}"] == res["expected"], f"rank {r}, step {step}"
+        assert {k for k, v in res["scopes"].items() if v == scope.PER_RANK} == PER_RANK_ENTRIES | {"_rng"}
+        assert res["scopes"]["same"] == res["scopes"]["sampler"] == scope.GLOBAL
+        assert res["global_error"] is not None and "'g'" in res["global_error"] and "[0] vs [1]" in res["global_error"]
+    assert saved[0]["global_error"] == saved[1]["global_error"]
+    assert distckpt.Checkpointer(root).steps() == [1, 2], "a refused save commits nothing"
+
+    other = run_ranks(_other_world_body, 3, tmp_path, root)
+    for r, res in enumerate(other):
+        message, per_rank = res["strict"]
+        assert set(per_rank) == PER_RANK_ENTRIES and all(v == (2, 3) for v in per_rank.values())
+        assert "counter (saved by 2 ranks, loading at 3" in message
+        assert set(res["skipped"]) == PER_RANK_ENTRIES
+        # World-size independent state still loads; per-rank entries keep their own values.
+        assert res["loaded"]["same"] == 5 and res["loaded"]["sampler"] == 3
+        assert res["loaded"]["counter"] == {"t": 100, "pos": 1000}
+    assert other[0]["strict"] == other[2]["strict"]
+
+
+def test_scope_rules():
+    from distckpt.scope import GLOBAL, PER_RANK, classify, digest, unwrap
+
+    assert classify("a", None, ["x", "x"]) == GLOBAL
+    assert classify("a", None, ["x", "y"]) == PER_RANK
+    assert classify("a", PER_RANK, ["x", "x"]) == PER_RANK
+    with pytest.raises(ValueError, match=r"ranks \[0, 2\] vs \[1\]"):
+        classify("a", GLOBAL, ["x", "y", "x"])
+    assert digest({"a": torch.ones(3), "b": [1, 2.5]}) == digest({"b": [1, 2.5], "a": torch.ones(3)})
+    assert digest(torch.ones(3)) != digest(torch.ones(3, dtype=torch.float64))
+    assert digest(1) != digest(True) and digest(1.0) != digest(1)
+    assert unwrap(distckpt.GlobalBatchSampler(8, 4, 0, 1))[1] == GLOBAL
+    from torch.utils.data import DistributedSampler
+
+    assert unwrap(DistributedSampler(range(8), num_replicas=2, rank=0))[1] == PER_RANK
+    with pytest.raises(TypeError):
+        distckpt.PerRank(distckpt.Global(1))
