@@ -80,8 +80,10 @@ def run_ranks(
     run_dir.mkdir(parents=True)
     store = str(run_dir / "store")
     ctx = mp.get_context("spawn")
+    # Not daemonic: ranks may start processes of their own (DataLoader workers). They are killed
+    # at the deadline below instead.
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
