@@ -43,8 +43,10 @@ class CheckpointReader(FileSystemReader):
         files: Mapping[str, Any] | None = None,
         checksum: str | None = None,
         thread_count: int = 2,
+        metadata: Any = None,
     ) -> None:
         super().__init__(path if storage.is_local else "unused")
+        self.metadata = metadata
         self.thread_count = max(1, thread_count)
         self.storage = storage
         self.fs = storage.dcp_filesystem()
@@ -62,21 +64,28 @@ class CheckpointReader(FileSystemReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
 
-    def _where(self, name: str) -> str:
+    def _rel(self, name: str) -> str:
+        """``name`` relative to the storage root (what :meth:`Storage.open` takes)."""
         path = os.fspath(self.path)
         root = self.storage.path
-        rel = os.path.relpath(path, root) if self.storage.is_local else path[len(root) :].strip("/")
-        return self.storage.display(rel, name)
+        base = os.path.relpath(path, root) if self.storage.is_local else path[len(root) :].strip("/")
+        return name if base in ("", ".") else f"{base}/{name}"
+
+    def _where(self, name: str) -> str:
+        return self.storage.display(self._rel(name))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         from .safe_pickle import load_metadata
 
-        path = self.fs.concat_path(self.path, ".metadata")
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        metadata = load_metadata(data, self._where(".metadata"))
+        if self.metadata is not None:
+            # Read and verified once already (by the coordinator, against the manifest).
+            metadata = self.metadata
+        else:
+            with self.storage.open(self._rel(".metadata"), "rb") as f:
+                data = f.read()
+            metadata = load_metadata(data, self._where(".metadata"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -118,7 +127,7 @@ class CheckpointReader(FileSystemReader):
         verify = record is not None
         hasher = new_hasher(self.checksum) if verify and self.checksum and record.checksum else None
         try:
-            cm = self.fs.create_stream(self.fs.concat_path(self.path, name), "rb")
+            cm = self.storage.open(self._rel(name), "rb")
             stream = cm.__enter__()
         except FileNotFoundError:
             raise IntegrityError(f"{where}: missing") from None
@@ -201,7 +210,7 @@ class CheckpointReader(FileSystemReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(raw.read()))
                 continue
-            tensor = torch.load(raw if raw.seekable() else io.BytesIO(raw.read()), map_location="cpu", weights_only=True)
+            tensor = _load_record(raw if raw.seekable() else io.BytesIO(raw.read()), req.storage_index.fqn, where)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -210,6 +219,20 @@ class CheckpointReader(FileSystemReader):
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _load_record(stream: Any, key: str, where: str) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item; a refusal names the key."""
+    import pickle
+
+    from .errors import UnsafeCheckpointError
+
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"
+        ) from None
 
 
 class _HashingReader:

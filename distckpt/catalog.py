@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
 from .storage import Storage
 
@@ -125,7 +126,7 @@ def list_steps(storage: Storage) -> list[dict[str, Any]]:
         if storage.exists(name, MANIFEST_NAME):
             try:
                 manifest = read_manifest(storage, step)
-            except ValueError as exc:
+            except (ValueError, CheckpointError) as exc:
                 row.update(status="bad manifest", error=str(exc), bytes=sum(storage.list_files(name).values()))
                 rows.append(row)
                 continue

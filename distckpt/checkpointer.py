@@ -521,7 +521,7 @@ class Checkpointer:
         self.wait()
         group = self._ensure_group()
         tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
-        tier, manifest, index = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
+        tier, manifest, index, metadata = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
         storage = tiers[tier]
         where = storage.display(step_dir(manifest.step))
         plan, views = exchange(
@@ -537,6 +537,7 @@ class Checkpointer:
             step_dir(manifest.step),
             files=manifest.files if self.verify else None,
             checksum=manifest.checksum_algorithm if self.verify else None,
+            metadata=metadata,
             thread_count=self.thread_count,
         )
         try:
@@ -560,8 +561,9 @@ class Checkpointer:
             )
         return manifest.step
 
-    def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, dict[str, tuple[int, ...] | None]]:
-        """(coordinator) Tier, manifest and key -> global shape (None: non-tensor) of a step."""
+    def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, dict[str, tuple[int, ...] | None], Any]:
+        """(coordinator) Tier, manifest, key -> global shape (None: non-tensor) and the verified
+        DCP metadata of a step (handed to every rank, so no rank reads it unverified)."""
         storage, step = self._locate(step)
         manifest = read_manifest(storage, step)
         metadata = read_metadata(storage, manifest, verify=self.verify)
@@ -569,7 +571,8 @@ class Checkpointer:
         for key, md in metadata.state_dict_metadata.items():
             size = getattr(md, "size", None)
             index[key] = tuple(size) if size is not None else None
-        return tiers.index(storage), manifest, index
+        return tiers.index(storage), manifest, index, metadata
+
 
 def _lower_priority(nice: int) -> None:
     """Make the calling thread (and the writer threads it starts, which inherit it) nicer."""

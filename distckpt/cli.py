@@ -186,15 +186,31 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         except Exception as exc:  # noqa: BLE001 - reported as a problem
             problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
     files = found.manifest.files
+    # Checksums that are not there verify nothing: say so instead of "OK".
+    unverified = []
+    if not found.manifest.checksum_algorithm:
+        unverified.append("the manifest records no checksum algorithm")
+    else:
+        unverified += [f"{name} has no checksum" for name, r in sorted(files.items()) if not r.checksum]
+    if ".metadata" not in files:
+        unverified.append(".metadata is not listed in the manifest")
+    if unverified and not args.allow_unverified:
+        problems += [f"{found.display()}: UNVERIFIED: {u}" for u in unverified]
     if args.json:
-        json.dump({"checkpoint": found.display(), "ok": not problems, "files": len(files), "bytes": found.manifest.total_bytes, "problems": problems}, sys.stdout, indent=1)
+        json.dump(
+            {"checkpoint": found.display(), "ok": not problems, "verified": not unverified, "files": len(files),
+             "bytes": found.manifest.total_bytes, "problems": problems, "unverified": unverified},
+            sys.stdout, indent=1,
+        )  # fmt: skip
         print()
     elif problems:
         for line in problems:
             print(f"FAILED {line}", file=sys.stderr)
         print(f"{PROG}: error: {found.display()}: {len(problems)} of {len(files)} files failed verification", file=sys.stderr)
+    elif unverified:
+        print(f"WARNING {found.display()}: unverified ({'; '.join(unverified)}); only sizes were checked", file=sys.stderr)
     elif not args.quiet:
-        how = f"sizes and {found.manifest.checksum_algorithm} checksums" if found.manifest.checksum_algorithm else "sizes only (no checksums recorded)"
+        how = f"sizes and {found.manifest.checksum_algorithm} checksums"
         print(f"OK {found.display()}: {len(files)} files, {_human_bytes(found.manifest.total_bytes)} ({how})")
     return 1 if problems else 0
 
@@ -268,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="step directory or root (newest step)")
     p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="exit 0 (with a warning) when the manifest records no checksums to verify against")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("convert", parents=[common], help="export to one torch/safetensors file, or import a torch.save file")

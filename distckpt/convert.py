@@ -59,6 +59,7 @@ _INTERNAL = ("_rng",)  # distckpt's own namespaces: never exported
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
+from ._reader import _load_record  # noqa: E402
 from ._torchfile import FileSlice, raw_layout  # noqa: E402
 
 
@@ -170,7 +171,7 @@ class CheckpointSource:
     def read_value(self, key: str) -> Any:
         """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
         with self._slice(MetadataIndex(key)) as f:
-            value = torch.load(io.BytesIO(f.read()), weights_only=True)
+            value = _load_record(io.BytesIO(f.read()), key, self.found.display(".metadata"))
         if isinstance(value, str) and value.startswith(values.PREFIX):
             value = values.decode(value, key)
         return value
@@ -181,7 +182,7 @@ class CheckpointSource:
         for chunk in md.chunks:  # type: ignore[union-attr]
             offsets = tuple(int(o) for o in chunk.offsets)
             with self._slice(MetadataIndex(key, torch.Size(offsets))) as f:
-                shard = torch.load(f, map_location="cpu", weights_only=True)
+                shard = _load_record(f, key, self.found.display())
             yield offsets, shard
 
     def _row_chunks(self, key: str) -> list[Any] | None:

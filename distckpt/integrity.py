@@ -70,21 +70,27 @@ def verify_checkpoint(storage: Any, step: int) -> list[str]:
     directory = step_dir(step)
     present = storage.list_files(directory)
     problems: list[str] = []
+    from .errors import UnsafeCheckpointError
+
     for name, record in sorted(manifest.files.items()):
         where = storage.display(directory, name)
         if name not in present:
             problems.append(f"{where}: missing")
             continue
-        if present[name] != record.size:
-            problems.append(f"{where}: size {present[name]} bytes, manifest says {record.size} (truncated or overwritten)")
-            continue
-        if record.checksum and manifest.checksum_algorithm:
+        try:
+            # Opened the way loads open it: a symbolic link is refused, never followed.
             with storage.open(f"{directory}/{name}", "rb") as f:
-                _, digest = file_digest(f, manifest.checksum_algorithm)
-            if digest != record.checksum:
-                problems.append(
-                    f"{where}: {manifest.checksum_algorithm} {digest} does not match manifest {record.checksum} (corrupted)"
-                )
+                size, digest = file_digest(f, manifest.checksum_algorithm or "crc32")
+        except UnsafeCheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if size != record.size:
+            problems.append(f"{where}: size {size} bytes, manifest says {record.size} (truncated or overwritten)")
+            continue
+        if record.checksum and manifest.checksum_algorithm and digest != record.checksum:
+            problems.append(
+                f"{where}: {manifest.checksum_algorithm} {digest} does not match manifest {record.checksum} (corrupted)"
+            )
     for name in sorted(set(present) - set(manifest.files) - {"manifest.json"}):
         if name.endswith(".distcp"):
             problems.append(f"{storage.display(directory, name)}: not listed in the manifest")

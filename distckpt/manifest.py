@@ -63,6 +63,8 @@ class Manifest:
         checksum_algorithm: algorithm of ``files[...].checksum``.
         torch_version, distckpt_version, created_unix: provenance.
         extra: free-form user metadata (JSON values).
+        fingerprints: tensor key -> sharding-independent fingerprint of the saved values
+            (:mod:`distckpt.fingerprint`), checked after loads (:mod:`distckpt.statecheck`).
     """
 
     step: int
@@ -75,6 +77,7 @@ class Manifest:
     created_unix: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -85,25 +88,74 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes | str, where: str = "manifest") -> Manifest:
-        """Parse a manifest, raising ``ValueError`` that names ``where`` if it is malformed."""
+        """Parse a manifest, raising ``ValueError`` that names ``where`` and the bad field."""
         try:
             raw = json.loads(data)
-            files = {str(k): FileRecord(**v) for k, v in raw.pop("files").items()}
-            version = raw.get("format_version", 1)
-            if version > FORMAT_VERSION:
-                raise ValueError(
-                    f"format_version {version} is newer than this distckpt understands "
-                    f"({FORMAT_VERSION}); upgrade distckpt"
-                )
-            known = {f for f in cls.__dataclass_fields__}
-            manifest = cls(files=files, **{k: v for k, v in raw.items() if k in known})
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"malformed manifest {where}: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"malformed manifest {where}: not valid JSON ({type(exc).__name__})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"malformed manifest {where}: a {type(raw).__name__}, not an object")
+        _check_fields(raw, where)
+        version = raw.get("format_version", 1)
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: format_version {version} is newer than this distckpt understands "
+                f"({FORMAT_VERSION}); upgrade distckpt"
+            )
+        files = {k: FileRecord(v["size"], v.get("checksum")) for k, v in raw["files"].items()}
+        known = {f for f in cls.__dataclass_fields__} - {"files"}
+        manifest = cls(files=files, **{k: v for k, v in raw.items() if k in known})
         from .safe_pickle import check_relative_name
 
         for name in manifest.files:
             check_relative_name(name, where)
         return manifest
+
+
+def _check_fields(raw: dict[str, Any], where: str) -> None:
+    """Every field of a manifest has the type it must have, or ``ValueError`` naming it."""
+
+    def bad(field: str, want: str) -> ValueError:
+        value = raw.get(field)
+        return ValueError(f"malformed manifest {where}: field {field!r} must be {want}, got {type(value).__name__} {value!r:.60}")
+
+    def is_int(v: Any, low: int) -> bool:
+        return type(v) is int and v >= low
+
+    for field in ("step", "world_size", "entries", "files", "checksum_algorithm", "torch_version", "distckpt_version"):
+        if field not in raw:
+            raise ValueError(f"malformed manifest {where}: field {field!r} is missing")
+    if not is_int(raw["step"], 0):
+        raise bad("step", "a non-negative int")
+    if not is_int(raw["world_size"], 1):
+        raise bad("world_size", "a positive int")
+    if "format_version" in raw and not is_int(raw["format_version"], 1):
+        raise bad("format_version", "a positive int")
+    if not isinstance(raw["entries"], dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in raw["entries"].items()):
+        raise bad("entries", "an object of objects")
+    files = raw["files"]
+    if not isinstance(files, dict):
+        raise bad("files", "an object")
+    for name, record in files.items():
+        if not isinstance(record, dict) or not is_int(record.get("size"), 0):
+            raise ValueError(f"malformed manifest {where}: files[{name!r}].size must be a non-negative int, got {record!r:.60}")
+        if record.get("checksum") is not None and not isinstance(record["checksum"], str):
+            raise ValueError(f"malformed manifest {where}: files[{name!r}].checksum must be a string or null")
+    from .integrity import ALGORITHMS
+
+    if raw["checksum_algorithm"] is not None and raw["checksum_algorithm"] not in ALGORITHMS:
+        raise bad("checksum_algorithm", f"one of {ALGORITHMS} or null")
+    for field in ("torch_version", "distckpt_version"):
+        if not isinstance(raw[field], str):
+            raise bad(field, "a string")
+    created = raw.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created or abs(created) > 1e12:
+        raise bad("created_unix", "a number of seconds")
+    if not isinstance(raw.get("extra", {}), dict):
+        raise bad("extra", "an object")
+    prints = raw.get("fingerprints", {})
+    if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
+        raise bad("fingerprints", "an object of strings")
 
 
 def digest_of(data: bytes, algorithm: str | None) -> str | None:
@@ -135,14 +187,33 @@ def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
         digest = digest_of(data, manifest.checksum_algorithm)
         if record.checksum and digest != record.checksum:
             raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
-    return load_metadata(data, where)
+    metadata = load_metadata(data, where)
+    if verify:
+        from .metadata_check import validate_metadata
+
+        validate_metadata(metadata, where, {name: r.size for name, r in manifest.files.items()})
+    return metadata
 
 
 def read_manifest(storage: Any, step: int) -> Manifest:
-    """The manifest of a committed ``step`` under ``storage``."""
+    """The manifest of a committed ``step`` under ``storage``, bound to its directory.
+
+    Raises:
+        FileNotFoundError: not committed.
+        IntegrityError: malformed, or written for another step (a manifest copied into another
+            step's directory would otherwise load that step's neighbour's data).
+    """
+    from .errors import IntegrityError
+
     path = storage.display(step_dir(step), MANIFEST_NAME)
     try:
         data = storage.read_bytes(step_dir(step), MANIFEST_NAME)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None
-    return Manifest.from_json(data, path)
+    try:
+        manifest = Manifest.from_json(data, path)
+    except ValueError as exc:
+        raise IntegrityError(str(exc)) from None
+    if manifest.step != step:
+        raise IntegrityError(f"{path}: field 'step' is {manifest.step}, but the manifest is in the directory of step {step}")
+    return manifest

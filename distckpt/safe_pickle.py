@@ -41,6 +41,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if name == "getattr" and module in ("builtins", "__builtin__"):  # protocol 2 says __builtin__
+            return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -48,6 +50,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(
             f"refusing to read {self.where}: it references {module}.{name}, which DCP metadata never "
             "contains (a crafted file could run code through it)"
+        )
+
+
+    def _member_of_mem_format(self, owner: Any, name: Any) -> Any:
+        """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
+        admitted only for the memory-format enum of DCP's ``TensorProperties`` and its members."""
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+        if owner is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in _MEM_FORMAT_ENCODING.__members__:
+            return _MEM_FORMAT_ENCODING[name]
+        raise UnsafeCheckpointError(
+            f"refusing to read {self.where}: it calls getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r:.40}); "
+            "DCP metadata only ever names members of its memory-format enum that way"
         )
 
 
@@ -79,4 +94,7 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     for info in (metadata.storage_data or {}).values():
         check_relative_name(getattr(info, "relative_path", None), where)
+    from .metadata_check import validate_metadata
+
+    validate_metadata(metadata, where)
     return metadata

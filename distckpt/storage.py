@@ -10,10 +10,13 @@ error messages or manifests.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import stat
 import threading
 import uuid
+import warnings
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,9 +160,18 @@ class Storage:
         self.refresh()
         if self.is_local:
             try:
-                return sorted(e.name for e in os.scandir(self.path) if e.is_dir())
+                entries = list(os.scandir(self.path))
             except FileNotFoundError:
                 return []
+            links = sorted(e.name for e in entries if e.is_symlink())
+            if links:
+                # A link may point at another run's checkpoints: never list, clean up or delete
+                # through it (that would delete outside the root).
+                warnings.warn(
+                    f"distckpt: ignoring symbolic link(s) in checkpoint root {self.path}: {', '.join(links)}",
+                    stacklevel=3,
+                )
+            return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
         try:
             with self._at():
                 entries = self.fs.ls(self.path, detail=True)
@@ -202,7 +214,7 @@ class Storage:
     def read_bytes(self, *parts: str) -> bytes:
         path = self.join(*parts)
         if self.is_local:
-            with open(path, "rb") as f:
+            with self._open_local_read(parts) as f:
                 return f.read()
         with self._at(*parts):
             return bytes(self.fs.cat_file(path))
@@ -282,13 +294,40 @@ class Storage:
 
     @contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        """A file under the root. Local reads refuse symbolic links and non-regular files
+        (:class:`~distckpt.errors.UnsafeCheckpointError` naming the file)."""
         path = self.join(rel)
-        if self.is_local:
+        if self.is_local and "r" in mode and "+" not in mode:
+            with self._open_local_read(tuple(p for p in rel.split("/") if p)) as f:
+                yield f
+        elif self.is_local:
             with open(path, mode) as f:
                 yield f
         else:
             with self.fs.open(path, mode) as f:
                 yield f
+
+    def _open_local_read(self, parts: tuple[str, ...]) -> Any:
+        """Open ``parts`` under the (local) root for reading without following any symbolic link
+        below the root: every file a load, verify, inspect or convert reads stays inside it."""
+        from .errors import UnsafeCheckpointError
+
+        where = self.join(*parts)
+        current = self.path
+        for part in parts[:-1]:
+            current = os.path.join(current, part)
+            if os.path.islink(current):
+                raise UnsafeCheckpointError(f"{current} is a symbolic link; refusing to read checkpoint files through it")
+        try:
+            fd = os.open(where, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeCheckpointError(f"{where} is a symbolic link; refusing to read a checkpoint file through it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafeCheckpointError(f"{where} is not a regular file")
+        return os.fdopen(fd, "rb")
 
     # DCP -------------------------------------------------------------------------------------
     def writer(
@@ -300,12 +339,20 @@ class Storage:
         )
 
     def reader(
-        self, *parts: str, files: Mapping[str, Any] | None = None, checksum: str | None = None, thread_count: int = 2
+        self,
+        *parts: str,
+        files: Mapping[str, Any] | None = None,
+        checksum: str | None = None,
+        thread_count: int = 2,
+        metadata: Any = None,
     ) -> Any:
-        """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given)."""
+        """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given; serving
+        ``metadata`` if it was read and verified already)."""
         from ._reader import CheckpointReader
 
-        return CheckpointReader(self, self.join(*parts), files=files, checksum=checksum, thread_count=thread_count)
+        return CheckpointReader(
+            self, self.join(*parts), files=files, checksum=checksum, thread_count=thread_count, metadata=metadata
+        )
 
     def dcp_filesystem(self) -> FileSystemBase:
         """The DCP filesystem object for this root (shares our fsspec instance and options)."""

@@ -1,0 +1,243 @@
+"""Hostile and careless input: a checkpoint root that is tampered with or symlinked never loses data,
+never escapes the root, and always gives a named error."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt.manifest import MANIFEST_NAME, step_dir
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+
+
+def _save(root: Path, step: int, seed: int, **kw) -> nn.Module:
+    model = _model(seed)
+    distckpt.Checkpointer(root, **kw).save(step, {"model": model})
+    return model
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distckpt", *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+# symlinks -----------------------------------------------------------------------------------------
+def test_retention_and_cleanup_never_follow_symlinks_out_of_the_root(tmp_path):
+    other, root = tmp_path / "other", tmp_path / "root"
+    _save(other, 1, 0)
+    (other / step_dir(7)).mkdir()  # another run's directory without a manifest
+    root.mkdir()
+    os.symlink(other / step_dir(1), root / step_dir(1))  # a committed step of another run
+    os.symlink(other / step_dir(7), root / step_dir(5))  # an "incomplete" one
+    ckpt = distckpt.Checkpointer(root, keep_last=1)
+    with pytest.warns(UserWarning, match="symbolic link"):
+        for step in (2, 3, 4):
+            ckpt.save(step, {"model": _model(step)})
+        assert ckpt.steps() == [4]
+    assert (other / step_dir(1) / MANIFEST_NAME).exists(), "retention deleted outside the root"
+    assert (other / step_dir(7)).is_dir(), "cleanup deleted outside the root"
+    assert os.path.islink(root / step_dir(1)) and os.path.islink(root / step_dir(5))
+
+
+def test_loads_refuse_symlinked_files_and_step_directories(tmp_path):
+    foreign = _save(tmp_path / "foreign", 1, 0)
+    root = tmp_path / "root"
+    _save(root, 1, 1, checksum=None)
+    _save(root, 2, 2, checksum=None)
+    d = root / step_dir(1)
+    for name in os.listdir(d):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(d / name)
+            os.symlink(tmp_path / "foreign" / step_dir(1) / name, d / name)
+    ckpt = distckpt.Checkpointer(root)
+    with pytest.raises(distckpt.UnsafeCheckpointError, match=r"symbolic link"):
+        ckpt.load({"model": _model(5)}, step=1)
+    done = _cli("verify", str(d))
+    assert done.returncode != 0 and "symbolic link" in done.stderr and "OK" not in done.stdout
+    for cmd in (["inspect", str(d)], ["convert", str(d), "--to", "safetensors", str(tmp_path / "x.safetensors")]):
+        done = _cli(*cmd)
+        assert done.returncode == 1 and "symbolic link" in done.stderr, (cmd, done.stderr)
+    # the step directory itself a link to another run's committed step
+    shutil.rmtree(root / step_dir(2))
+    os.symlink(tmp_path / "foreign" / step_dir(1), root / step_dir(2))
+    with pytest.raises(distckpt.UnsafeCheckpointError, match=r"symbolic link"):
+        ckpt.load({"model": _model(5)}, step=2)
+    assert foreign is not None
+
+
+# manifest -----------------------------------------------------------------------------------------
+def test_manifest_is_bound_to_its_directory(tmp_path):
+    _save(tmp_path, 1, 1)
+    _save(tmp_path, 2, 2)
+    shutil.copy(tmp_path / step_dir(1) / MANIFEST_NAME, tmp_path / step_dir(2) / MANIFEST_NAME)
+    with pytest.raises(distckpt.IntegrityError, match=r"step_000000002.*'step' is 1"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)}, step=2)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("files", []), ("step", "1"), ("world_size", 0), ("entries", [1]), ("created_unix", "yesterday"),
+     ("checksum_algorithm", "md5"), ("extra", 3)],
+)  # fmt: skip
+def test_wrong_typed_manifest_fields_are_named(tmp_path, field, value):
+    _save(tmp_path, 1, 1)
+    _save(tmp_path, 2, 2)
+    path = tmp_path / step_dir(2) / MANIFEST_NAME
+    raw = json.loads(path.read_text())
+    raw[field] = value
+    path.write_text(json.dumps(raw))
+    with pytest.raises(distckpt.IntegrityError, match=rf"manifest.json.*{field}"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)}, step=2)
+    done = _cli("ls", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {r["step"]: r for r in json.loads(done.stdout)["steps"]}
+    assert rows[1]["status"] == "committed" and rows[2]["status"] == "bad manifest" and field in rows[2]["error"]
+
+
+def test_deeply_nested_manifest_is_an_integrity_error(tmp_path):
+    _save(tmp_path, 1, 1)
+    path = tmp_path / step_dir(1) / MANIFEST_NAME
+    path.write_text('{"extra": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(distckpt.IntegrityError, match="manifest.json"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)})
+
+
+# .metadata ----------------------------------------------------------------------------------------
+def _reseal(step_path: Path, metadata) -> None:
+    """Rewrite .metadata and its size/checksum in the manifest, as an attacker would."""
+    from distckpt.manifest import digest_of
+
+    data = pickle.dumps(metadata)
+    (step_path / ".metadata").write_bytes(data)
+    raw = json.loads((step_path / MANIFEST_NAME).read_text())
+    raw["files"][".metadata"] = {"size": len(data), "checksum": digest_of(data, raw["checksum_algorithm"])}
+    (step_path / MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("fault", ["outside", "gap", "overlap"])
+def test_chunks_must_cover_each_tensor_exactly_once(tmp_path, fault):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    _save(tmp_path, 1, 1)
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    key = "model.0.weight"
+    tmd = md.state_dict_metadata[key]
+    (chunk,) = tmd.chunks
+    if fault == "outside":  # an offset moved outside the tensor
+        moved = ChunkStorageMetadata(torch.Size([100, 0]), chunk.sizes)
+        md.storage_data[MetadataIndex(key, moved.offsets)] = md.storage_data.pop(MetadataIndex(key, chunk.offsets))
+        tmd.chunks = [moved]
+    elif fault == "gap":  # a larger tensor declared than the chunks cover
+        tmd.size = torch.Size([16, 6])
+    else:
+        tmd.chunks = [chunk, ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([4, 6]))]
+        tmd.size = torch.Size([12, 6])
+        md.storage_data[MetadataIndex(key, torch.Size([4, 0]))] = md.storage_data[MetadataIndex(key, chunk.offsets)]
+    _reseal(d, md)
+    with pytest.raises(distckpt.IntegrityError, match=key):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)})
+    for cmd in (["verify", str(d)], ["convert", str(d), "--to", "torch", str(tmp_path / "o.pt")]):
+        done = _cli(*cmd)
+        assert done.returncode == 1 and key in done.stderr, (cmd, done.stderr)
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_dcp_metadata_pickled_by_python_3_11_2_loads(tmp_path):
+    """CPython 3.11.0-3.11.2 pickle enum members as getattr(cls, name); later versions as cls(value)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from distckpt.safe_pickle import load_metadata
+
+    _save(tmp_path, 1, 1)
+    md = pickle.loads((tmp_path / step_dir(1) / ".metadata").read_bytes())
+
+    class GetattrForm(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, _MEM_FORMAT_ENCODING):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    for protocol in (2, 4, 5):
+        buf = io.BytesIO()
+        GetattrForm(buf, protocol=protocol).dump(md)
+        assert b"getattr" in buf.getvalue()
+        loaded = load_metadata(buf.getvalue(), "test")
+        assert loaded.state_dict_metadata.keys() == md.state_dict_metadata.keys()
+        loaded = load_metadata(pickle.dumps(md, protocol=protocol), "test")  # the value form
+        assert loaded.state_dict_metadata.keys() == md.state_dict_metadata.keys()
+
+    # getattr on anything else (another class, or a non-member attribute) is refused
+    for owner, name in ((torch.Size, "__reduce__"), (_MEM_FORMAT_ENCODING, "__class__"), (_MEM_FORMAT_ENCODING, "_missing_")):
+
+        class Evil(pickle.Pickler):
+            def reducer_override(self, obj):
+                if isinstance(obj, _MEM_FORMAT_ENCODING):
+                    return getattr, (owner, name)
+                return NotImplemented
+
+        buf = io.BytesIO()
+        Evil(buf, protocol=2).dump(md)
+        with pytest.raises(distckpt.UnsafeCheckpointError, match="getattr"):
+            load_metadata(buf.getvalue(), "test")
+
+
+def test_weights_only_refusal_is_an_unsafe_checkpoint_error(tmp_path):
+    """A tensor record whose pickle needs arbitrary globals is refused, naming the key."""
+    _save(tmp_path, 1, 1, checksum=None)
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = md.storage_data[MetadataIndex("model.1.bias", torch.Size([0]))]
+    data = bytearray((d / info.relative_path).read_bytes())
+    record = io.BytesIO()
+    torch.save(torch.nn.Linear(1, 1), record)  # needs torch.nn classes: refused by weights_only
+    blob = record.getvalue()
+    new = bytes(data[: info.offset]) + blob + bytes(data[info.offset + info.length :])
+    (d / info.relative_path).write_bytes(new)
+    delta = len(blob) - info.length
+    for i in md.storage_data.values():
+        if i.relative_path == info.relative_path and i.offset > info.offset:
+            i.offset += delta
+    info.length = len(blob)
+    _reseal(d, md)
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    raw["files"][info.relative_path]["size"] = len(new)
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="model.1.bias"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)})
+
+
+def test_verify_says_when_there_is_nothing_to_verify(tmp_path):
+    _save(tmp_path, 1, 1, checksum=None)
+    d = str(tmp_path / step_dir(1))
+    done = _cli("verify", d)
+    assert done.returncode == 1 and "UNVERIFIED" in done.stderr and "OK" not in done.stdout
+    done = _cli("verify", d, "--allow-unverified")
+    assert done.returncode == 0 and "WARNING" in done.stderr and "unverified" in done.stderr and "OK" not in done.stdout
+    raw = json.loads((tmp_path / step_dir(1) / MANIFEST_NAME).read_text())
+    _save(tmp_path, 2, 2)
+    raw2 = json.loads((tmp_path / step_dir(2) / MANIFEST_NAME).read_text())
+    del raw2["files"][".metadata"]
+    (tmp_path / step_dir(2) / MANIFEST_NAME).write_text(json.dumps(raw2))
+    done = _cli("verify", str(tmp_path / step_dir(2)))
+    assert done.returncode == 1 and ".metadata is not listed" in done.stderr
+    assert raw["checksum_algorithm"] is None
