@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from . import rng, scope
+from . import fingerprint, ownership, rng, scope, statecheck
+from ._compat import flatten_state_dict
 from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
 from ._loading import LoadReport, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
@@ -41,7 +42,7 @@ from .manifest import (
 from .retention import steps_to_delete
 from .staging import Stager, replicated_layout, replicated_shares
 from .state import build_entries
-from .storage import Storage
+from .storage import NEW_DIR_PREFIX, Storage
 
 log = logging.getLogger("distckpt")
 
@@ -114,6 +115,16 @@ class Checkpointer:
             (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
             to in the background; ``load`` falls back to it when no local copy exists.
+        fingerprint: record a sharding-independent fingerprint of every saved tensor in the
+            manifest (:mod:`distckpt.statecheck`), so that loads can prove what they loaded.
+        on_replica_drift: at save, copies of a tensor that should be identical on every rank
+            (DDP replicas, global values) but differ: ``"warn"``, ``"error"`` or ``"ignore"``.
+        verify_state: after a load, recompute the fingerprints of the loaded state and compare
+            them with the saved ones (:class:`~distckpt.statecheck.StateDivergedError` on every
+            rank if any differ). ``None`` (default): when the world size or any entry's
+            parallelism differs from the save's; ``True``/``False``: always/never.
+        lease_s: how long an incomplete step directory stays protected from other writers'
+            cleanup without a refresh (:mod:`distckpt.ownership`).
     """
 
     def __init__(
@@ -133,6 +144,10 @@ class Checkpointer:
         background_nice: int = 10,
         replicate_to: str | None = None,
         replicate_storage_options: Mapping[str, Any] | None = None,
+        fingerprint: bool = True,
+        on_replica_drift: str = "warn",
+        verify_state: bool | None = None,
+        lease_s: float = ownership.DEFAULT_LEASE_S,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -140,6 +155,15 @@ class Checkpointer:
             raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {checksum!r}")
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if on_replica_drift not in statecheck.DRIFT_POLICIES:
+            raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {on_replica_drift!r}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+        self.fingerprint = fingerprint
+        self.on_replica_drift = on_replica_drift
+        self.verify_state = verify_state
+        self.lease_s = float(lease_s)
+        self._lease: ownership.Lease | None = None
         self.storage = Storage(root, dict(storage_options or {}))
         self.keep_last = keep_last
         self.thread_count = thread_count
@@ -325,19 +349,43 @@ class Checkpointer:
         return (state_dict, described, sizes), view
 
     def _prepare_dir(self, step: int) -> None:
-        """(coordinator) Refuse a committed step; remove leftovers of interrupted saves."""
+        """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves and
+        create the step directory exclusively, under a lease (see :mod:`distckpt.ownership`)."""
         storage = self.storage
+        where = storage.display(step_dir(step))
         if storage.exists(step_dir(step), MANIFEST_NAME):
             raise StepExistsError(
-                f"step {step} is already committed at {storage.display(step_dir(step))}; "
+                f"step {step} is already committed at {where}; "
                 "saving it again would mix two checkpoints (delete it first or use a new step)"
             )
         for name in storage.list_dirs():
             s = parse_step_dir(name)
-            if s is not None and not storage.exists(name, MANIFEST_NAME):
+            if name.startswith(NEW_DIR_PREFIX):
+                # A step directory being built (local roots only): removable once its record is
+                # stale, or with no record yet only after a whole lease without change.
+                if not storage.exists(name, ownership.OWNER_NAME):
+                    try:
+                        age = time.time() - os.lstat(storage.join(name)).st_mtime
+                    except OSError:
+                        continue
+                    if age <= self.lease_s:
+                        continue
+            elif s is None or storage.exists(name, MANIFEST_NAME):
+                continue
+            if ownership.is_stale(storage, name, self.lease_s):
                 log.info("removing incomplete checkpoint %s", storage.display(name))
                 storage.remove_tree(name)
-        storage.makedirs(step_dir(step))
+            else:
+                log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
+        lease = ownership.Lease(storage, step_dir(step), self.lease_s)
+        try:
+            lease.acquire()
+        except FileExistsError:
+            raise StepExistsError(
+                f"step {step} at {where} is being written by another writer (its lease is live); "
+                "two jobs must not save the same step to one root"
+            ) from None
+        self._lease = lease
 
     def _write_and_commit(
         self,
@@ -352,7 +400,11 @@ class Checkpointer:
             step_dir(step), thread_count=self.thread_count, sync_files=self.sync_files, checksum=self.checksum
         )
         outcome: Any = None
+        parts: list[Any] = []
         try:
+            if self.fingerprint:
+                # What this rank writes (its shards, its share of replicas), in DCP's keys.
+                parts = fingerprint.local_parts(flatten_state_dict(state_dict)[0])
             dcp.save(
                 state_dict,
                 storage_writer=writer,
@@ -362,9 +414,14 @@ class Checkpointer:
             )
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             outcome = capture(from_dcp(exc, f"writing step {step} to {self.storage.display(step_dir(step))}"))
-        gathered = group.all_gather((outcome, writer.files))
-        raise_if_any([o for o, _ in gathered], f"save of step {step}")
-        files = [f for _, f in gathered]
+        gathered = group.all_gather((outcome, writer.files, parts))
+        try:
+            raise_if_any([o for o, _, _ in gathered], f"save of step {step}")
+        except BaseException:
+            self._release_lease(committed=False)
+            raise
+        files = [f for _, f, _ in gathered]
+        parts_by_rank = [p for _, _, p in gathered]
 
         def commit() -> int:
             merged: dict[str, FileRecord] = {}
@@ -382,12 +439,28 @@ class Checkpointer:
                 torch_version=torch.__version__,
                 distckpt_version=__version__,
                 extra=extra,
+                fingerprints=statecheck.record(parts_by_rank, self.on_replica_drift, step) if self.fingerprint else {},
             )
-            self.storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME)
+            lease = self._lease
+            if lease is not None and not lease.still_mine():
+                raise StepExistsError(f"step {step} at {self.storage.display(step_dir(step))}: another writer took it over")
+            try:
+                self.storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME, exclusive=True)
+            except FileExistsError:
+                raise StepExistsError(f"step {step} at {self.storage.display(step_dir(step))} was committed by another writer") from None
+            self._release_lease(committed=True)
             self._apply_retention()
             return manifest.total_bytes
 
-        self._last_bytes = on_coordinator(group, f"commit of step {step}", commit)
+        try:
+            self._last_bytes = on_coordinator(group, f"commit of step {step}", commit)
+        finally:
+            self._release_lease(committed=False)
+
+    def _release_lease(self, committed: bool) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release(committed)
 
     _last_bytes: int | None = None
 

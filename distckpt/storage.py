@@ -33,6 +33,8 @@ _REMOTE_BUFFER = 32 * 1024 * 1024  # fewer, larger object-store parts
 
 # Object stores without real directories: fsspec's ``makedirs`` there creates a missing *bucket*
 # (so a typo in the bucket name would silently make a new one); we never create buckets.
+# Temporary directories a step directory is built in before it is renamed into place.
+NEW_DIR_PREFIX = ".distckpt-new-"
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
 # Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
 _CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
@@ -219,11 +221,15 @@ class Storage:
         with self._at(*parts):
             return bytes(self.fs.cat_file(path))
 
-    def write_bytes(self, data: bytes, *parts: str) -> None:
+    def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
         """Write ``data`` so that readers see either nothing or all of it.
 
-        Local: temporary file, fsync, rename, fsync of the directory. Object stores: one put,
-        which is atomic there.
+        Local: temporary file, fsync, rename (or, ``exclusive``, a hard link that fails if the
+        file exists), fsync of the directory. Object stores: one put, which is atomic there
+        (``exclusive``: a conditional put where the store supports it).
+
+        Raises:
+            FileExistsError: ``exclusive`` and the file exists.
         """
         path = self.join(*parts)
         if self.is_local:
@@ -233,11 +239,56 @@ class Storage:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                finally:
+                    os.remove(tmp)
+            else:
+                os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
+        elif exclusive:
+            try:
+                with self._at(*parts):
+                    self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                raise
+            except Exception:
+                if self.exists(*parts):  # the store refused because it exists (HTTP 412)
+                    raise FileExistsError(f"{self.display(*parts)} exists") from None
+                raise
         else:
             with self._at(*parts):
                 self.fs.pipe_file(path, data)
+
+    def create_exclusive(self, dirname: str, name: str, data: bytes) -> None:
+        """Create directory ``dirname`` holding file ``name``, failing if ``dirname`` exists
+        (local: ``mkdir``) or ``name`` in it exists (object stores: a conditional put).
+
+        Raises:
+            FileExistsError: someone created it first.
+        """
+        if self.is_local:
+            # Built under a temporary name and renamed into place, so the directory never exists
+            # without its file (a writer killed in between leaves only a temporary directory).
+            # rename() refuses a non-empty target: the first writer wins.
+            os.makedirs(self.path, exist_ok=True)
+            tmp = f"{NEW_DIR_PREFIX}{uuid.uuid4().hex[:12]}"
+            os.mkdir(self.join(tmp))
+            try:
+                self.write_bytes(data, tmp, name)
+                os.rename(self.join(tmp), self.join(dirname))
+            except OSError as exc:
+                import shutil
+
+                shutil.rmtree(self.join(tmp), ignore_errors=True)
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                    raise FileExistsError(f"{self.display(dirname)} exists") from None
+                raise
+            _fsync_dir(self.path)
+        else:
+            self.makedirs(dirname)
+            self.write_bytes(data, dirname, name, exclusive=True)
 
     def remove(self, *parts: str) -> None:
         """Remove a file; missing is fine."""

@@ -240,14 +240,33 @@ def test_commit_protocol_and_retention(tmp_path):
     root = tmp_path / "ck"
     ckpt = distckpt.Checkpointer(root, keep_last=2)
     ckpt.save(1, {"model": model})
-    # An interrupted save: data but no manifest. Invisible, then cleaned by the next save.
-    (root / step_dir(5)).mkdir()
-    (root / step_dir(5) / "__0_0.distcp").write_bytes(b"partial")
+    # Interrupted saves: data but no manifest. Invisible, then cleaned by the next save once
+    # their lease is stale: the writer died (a dead pid on this host), released it after a
+    # failure, or there is no record at all.
+    import json
+    import socket
+    import subprocess
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = {
+        5: {"writer": "x", "host": socket.gethostname(), "pid": dead.pid, "time": time.time(), "released": False},
+        6: {"writer": "y", "host": "elsewhere", "pid": 1, "time": time.time(), "released": True},
+        7: None,
+        8: None,
+    }
+    for s, record in leftovers.items():
+        (root / step_dir(s)).mkdir()
+        (root / step_dir(s) / "__0_0.distcp").write_bytes(b"partial")
+        if record is not None:
+            (root / step_dir(s) / ".owner").write_text(json.dumps(record))
     assert ckpt.steps() == [1] and ckpt.latest_step() == 1
     with pytest.raises(FileNotFoundError, match="incomplete"):
         ckpt.load({"model": model}, step=5)
     ckpt.save(2, {"model": model})
-    assert not (root / step_dir(5)).exists()
+    # (a step directory appears with its record inside, so one without a record is a leftover)
+    assert not any((root / step_dir(s)).exists() for s in (5, 6, 7, 8))
     with pytest.raises(distckpt.StepExistsError, match="step 2 is already committed"):
         ckpt.save(2, {"model": model})
     ckpt.save(3, {"model": model})
