@@ -566,6 +566,7 @@ class Checkpointer:
         strict: bool = True,
         *,
         restore_rng: bool = True,
+        verify_state: bool | None = None,
     ) -> int:
         """(all ranks) Load checkpoint ``step`` (default: newest committed) into ``state`` in place.
 
@@ -579,6 +580,9 @@ class Checkpointer:
             strict: raise if keys or shapes differ; with ``False``, load what matches and record
                 the rest in :attr:`last_load_report` (and a warning).
             restore_rng: restore the RNG states saved with the checkpoint.
+            verify_state: prove the loaded state equals the saved one (fingerprints, see
+                :mod:`distckpt.statecheck`); ``None``: the Checkpointer's setting (default: when
+                the world size or a module's parallelism changed since the save).
 
         Returns:
             The loaded step.
@@ -624,6 +628,12 @@ class Checkpointer:
         except BaseException as exc:  # DCP raises the same CheckpointException on every rank
             raise from_dcp(exc, f"reading {where}") from None
         all_ranks(group, f"load of {where}", lambda: apply_load(group, manifest, plan, state))
+        check = verify_state if verify_state is not None else self.verify_state
+        if check is None:  # by default where the risk is highest: the layout changed
+            check = manifest.world_size != group.world_size or _parallelism_changed(manifest, plan.entries)
+        if check and manifest.fingerprints:
+            requested = sorted({k for v in views for k in v[2]})
+            self._verify_loaded(group, manifest, plan, requested, where)
 
         self.last_load_report = report
         if not report.clean:
@@ -633,6 +643,30 @@ class Checkpointer:
                 stacklevel=2,
             )
         return manifest.step
+
+    def _verify_loaded(self, group: Group, manifest: Manifest, plan: Any, requested: list[str], where: str) -> None:
+        """(all ranks) Fingerprints of what the objects hold now against the saved ones; the
+        same :class:`~distckpt.statecheck.StateDivergedError` on every rank if any differ."""
+
+        def parts() -> tuple[None, Any]:
+            # Re-extracted through the same functions a save uses, so a wrong mapping between
+            # what DCP read and what the objects hold shows up too.
+            current: dict[str, Any] = {}
+            for e in plan.entries:
+                if e.name in plan.per_rank:
+                    continue
+                value = e.save_state()
+                if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
+                    value = {scope.rank_key(group.rank): value}
+                current[e.name] = value
+            return None, fingerprint.local_parts(flatten_state_dict(current)[0])
+
+        _, parts_by_rank = exchange(group, f"state check of {where}", parts)
+        # RNG states are reseeded, not restored, at another world size.
+        judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
+        bad = statecheck.diverged(parts_by_rank, manifest.fingerprints, judged)
+        if bad:
+            raise statecheck.StateDivergedError(bad, f"step {manifest.step} at {where}")
 
     def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, dict[str, tuple[int, ...] | None], Any]:
         """(coordinator) Tier, manifest, key -> global shape (None: non-tensor) and the verified
@@ -656,6 +690,15 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass
+
+
+def _parallelism_changed(manifest: Manifest, entries: list[Any]) -> bool:
+    for e in entries:
+        saved = manifest.entries.get(e.name, {}).get("parallel")
+        now = e.describe().get("parallel")
+        if saved is not None and now is not None and saved != now:
+            return True
+    return False
 
 
 @dataclass
