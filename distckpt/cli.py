@@ -185,6 +185,17 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
             found.metadata()
         except Exception as exc:  # noqa: BLE001 - reported as a problem
             problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
+    checked_state = None
+    if args.state and not problems:
+        # Recompute every tensor's fingerprint from the files, as the saving ranks did.
+        from .convert import CheckpointSource
+        from .statecheck import compare_files
+
+        if not found.manifest.fingerprints:
+            problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
+        else:
+            bad, checked_state = compare_files(CheckpointSource(found), found.manifest.fingerprints)
+            problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
     files = found.manifest.files
     # Checksums that are not there verify nothing: say so instead of "OK".
     unverified = []
@@ -211,6 +222,8 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         print(f"WARNING {found.display()}: unverified ({'; '.join(unverified)}); only sizes were checked", file=sys.stderr)
     elif not args.quiet:
         how = f"sizes and {found.manifest.checksum_algorithm} checksums"
+        if checked_state is not None:
+            how += f"; fingerprints of {checked_state} tensors"
         print(f"OK {found.display()}: {len(files)} files, {_human_bytes(found.manifest.total_bytes)} ({how})")
     return 1 if problems else 0
 
@@ -284,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="step directory or root (newest step)")
     p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--state", action="store_true",
+                   help="also recompute every tensor's fingerprint from the files and compare it with the manifest")
     p.add_argument("--allow-unverified", action="store_true",
                    help="exit 0 (with a warning) when the manifest records no checksums to verify against")
     p.set_defaults(func=_cmd_verify)

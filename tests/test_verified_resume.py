@@ -127,3 +127,43 @@ def test_verification_is_on_by_default_only_when_the_layout_changes(tmp_path, mo
     assert off.manifest(1).fingerprints == {}
     with pytest.raises(ValueError, match="on_replica_drift"):
         distckpt.Checkpointer(tmp_path, on_replica_drift="maybe")
+
+
+def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from distckpt.manifest import MANIFEST_NAME, step_dir
+
+    model = make_model(0)
+    distckpt.Checkpointer(tmp_path).save(1, {"model": model})
+
+    def verify() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "distckpt", "verify", str(tmp_path), "--state"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    done = verify()
+    assert done.returncode == 0 and "fingerprints of" in done.stdout, done.stderr
+    # Flip one float inside a tensor record and re-seal the file's checksum (checksums then pass).
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    info = md.storage_data[MetadataIndex("model.0.weight", torch.Size([0, 0]))]
+    path = d / info.relative_path
+    from distckpt._torchfile import FileSlice, raw_layout
+
+    with open(path, "rb") as f:
+        layout = raw_layout(FileSlice(f, info.offset, info.length))
+    data = bytearray(path.read_bytes())
+    data[info.offset + layout.data_offset + 5] ^= 0x40  # inside the tensor's bytes
+    path.write_bytes(bytes(data))
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    from distckpt.manifest import digest_of
+
+    raw["files"][info.relative_path]["checksum"] = digest_of(bytes(data), raw["checksum_algorithm"])
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    done = verify()
+    assert done.returncode == 1 and "model.0.weight" in done.stderr, done.stderr
