@@ -7,6 +7,8 @@ Public API (every name below is re-exported here)::
     step = ckpt.load(state, step=None, strict=True)  # collective
     ckpt.steps(); ckpt.latest_step()          # any rank
     ckpt.wait(); ckpt.close()                 # collective
+    distckpt.load_pretrained(model, hf_dir)   # collective: Hugging Face weights, any world size
+    distckpt.save_pretrained(model, out_dir)  # collective: publish Hugging Face weights
 """
 
 from ._version import __version__
@@ -23,6 +25,8 @@ from .errors import (
 )
 from .manifest import Manifest
 from .scope import Global, PerRank
+from .hf import load_pretrained, save_pretrained
+from .statecheck import ReplicaDriftError, StateDivergedError
 from .storage import Storage
 
 __all__ = [
@@ -35,10 +39,14 @@ __all__ = [
     "LoadReport",
     "Manifest",
     "PerRank",
+    "ReplicaDriftError",
     "SaveStats",
+    "StateDivergedError",
     "StateMismatchError",
     "StepExistsError",
     "Storage",
     "UnsafeCheckpointError",
+    "load_pretrained",
     "read_manifest",
+    "save_pretrained",
 ]

@@ -50,9 +50,13 @@ def plan_load(
     index: dict[str, tuple[int, ...] | None],
     state: MutableMapping[str, Any],
     restore_rng: bool,
+    selection: Selection | None = None,
 ) -> tuple[LoadPlan, Any]:
     """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
-    entries = build_entries(state)
+    selection = selection or Selection()
+    entries = [e for e in build_entries(state) if selection.entry(e.name)]
+    if not selection.entry(rng.NAMESPACE):
+        restore_rng = False
     targets: dict[str, Any] = {}
     per_rank: dict[str, tuple[int, int]] = {}
     for e in entries:
@@ -73,8 +77,13 @@ def plan_load(
 
     missing: list[str] = []
     mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    tied = _tied(flat)
     for key, value in flat.items():
+        if not selection.key(key):
+            continue
         if key not in index:
+            if key in tied and tied[key] in index:
+                continue  # tied weights (e.g. lm_head = embeddings): filled through the partner
             if not key.startswith(rng.NAMESPACE + "."):  # e.g. no CUDA state saved: fine
                 missing.append(key)
             continue
@@ -84,9 +93,30 @@ def plan_load(
                 mismatched[key] = (saved or (), tuple(value.shape))
         elif saved is not None:
             mismatched[key] = (saved, ())
-    request = {k: v for k, v in flat.items() if k in index and k not in mismatched}
+    request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, sorted(request), per_rank)
+
+def _tied(flat: Mapping[str, Any]) -> dict[str, str]:
+    """Key -> another key holding the very same tensor (tied weights), both directions."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0 or local.device.type == "meta":
+            continue
+        sid = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
+        if sid in seen:
+            out[key] = seen[sid]
+            out.setdefault(seen[sid], key)
+        else:
+            seen[sid] = key
+    return out
+
 
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""
@@ -107,6 +137,34 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
 
 
 @dataclass
+class Selection:
+    """Which parts of a checkpoint a load takes: ``only`` / ``exclude`` patterns (``fnmatch``
+    style, e.g. ``"model"``, ``"optim"``, ``"model.layers.0.*"``), matched against entry names
+    and full keys. Everything by default."""
+
+    only: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @staticmethod
+    def _hit(name: str, patterns: tuple[str, ...]) -> bool:
+        from fnmatch import fnmatchcase
+
+        return any(fnmatchcase(name, p) for p in patterns)
+
+    def entry(self, name: str) -> bool:
+        """Whether entry ``name`` takes part (some of its keys may still be left out)."""
+        if self.only and not (self._hit(name, self.only) or any(p.startswith(name + ".") for p in self.only)):
+            return False
+        return not self._hit(name, self.exclude)
+
+    def key(self, key: str) -> bool:
+        entry = key.split(".", 1)[0]
+        if self.only and not (self._hit(entry, self.only) or self._hit(key, self.only)):
+            return False
+        return not (self._hit(entry, self.exclude) or self._hit(key, self.exclude))
+
+
+@dataclass
 class LoadPlan:
     """What one rank asks DCP for, and how to hand the result back."""
 
@@ -119,8 +177,12 @@ class LoadPlan:
     per_rank: dict[str, tuple[int, int]]
 
 
-def judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None) -> LoadReport:
-    """The load report from every rank's view (identical on every rank)."""
+def judge(
+    step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None, selection: Selection | None = None
+) -> LoadReport:
+    """The load report from every rank's view (identical on every rank); keys outside
+    ``selection`` are neither missing nor unexpected."""
+    selection = selection or Selection()
     missing = sorted({k for m, _, _, _ in views for k in m})
     mismatched: dict[str, Any] = {}
     requested: set[str] = set()
@@ -136,7 +198,8 @@ def judge(step: int, index: Mapping[str, Any], views: list[Any], names: set[str]
     unexpected = sorted(
         k
         for k in index
-        if k not in requested
+        if selection.key(k)
+        and k not in requested
         and k not in mismatched
         and not k.startswith(rng.NAMESPACE + ".")
         and k.split(".", 1)[0] not in per_rank

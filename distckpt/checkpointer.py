@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from . import fingerprint, ownership, rng, scope, statecheck
 from ._compat import flatten_state_dict
 from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
-from ._loading import LoadReport, apply_load, judge, plan_load
+from ._loading import LoadReport, Selection, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
 from ._version import __version__
 from .errors import StateMismatchError, StepExistsError, from_dcp
@@ -567,6 +567,8 @@ class Checkpointer:
         *,
         restore_rng: bool = True,
         verify_state: bool | None = None,
+        only: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
     ) -> int:
         """(all ranks) Load checkpoint ``step`` (default: newest committed) into ``state`` in place.
 
@@ -580,6 +582,10 @@ class Checkpointer:
             strict: raise if keys or shapes differ; with ``False``, load what matches and record
                 the rest in :attr:`last_load_report` (and a warning).
             restore_rng: restore the RNG states saved with the checkpoint.
+            only / exclude: load only part of the checkpoint: entry names or key patterns
+                (``fnmatch``), e.g. ``only="model"`` to start a new fine-tuning run from a
+                checkpoint's weights, or ``exclude=["loader", "_rng"]``. Strictness applies to
+                what is selected; entries of ``state`` outside the selection are left untouched.
             verify_state: prove the loaded state equals the saved one (fingerprints, see
                 :mod:`distckpt.statecheck`); ``None``: the Checkpointer's setting (default: when
                 the world size or a module's parallelism changed since the save).
@@ -601,10 +607,14 @@ class Checkpointer:
         tier, manifest, index, metadata = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
         storage = tiers[tier]
         where = storage.display(step_dir(manifest.step))
+        selection = Selection(_patterns(only, "only"), _patterns(exclude, "exclude"))
         plan, views = exchange(
-            group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng)
+            group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng, selection)
         )
-        report = judge(manifest.step, index, views, None if strict else plan.names)
+        report = judge(manifest.step, index, views, None if strict else plan.names, selection)
+        if (only or exclude) and not any(selection.key(k) for k in index):
+            entries = sorted({k.split(".", 1)[0] for k in index})
+            raise ValueError(f"load(only={only!r}, exclude={exclude!r}) selects nothing in {where} (entries: {entries})")
         if strict and not report.clean:
             raise StateMismatchError(
                 report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
@@ -690,6 +700,15 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass
+
+
+def _patterns(value: str | list[str] | None, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    if not items or not all(isinstance(p, str) and p for p in items):
+        raise ValueError(f"load({what}=...) takes a non-empty pattern or list of patterns, got {value!r}")
+    return tuple(items)
 
 
 def _parallelism_changed(manifest: Manifest, entries: list[Any]) -> bool:

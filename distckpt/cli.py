@@ -8,6 +8,8 @@ Examples::
     distckpt convert /ckpt/run1 --to safetensors model.safetensors --dtype bf16
     distckpt convert /ckpt/run1 --to torch full.pt
     distckpt convert old.pt --to dcp /ckpt/imported
+    distckpt convert /ckpt/run1 --to hf /models/run1-hf --key model --dtype bf16 --max-shard-size 5GB
+    distckpt convert /models/llama-hf --to dcp /ckpt/from-hf
 
 ``CKPT`` is a step directory, a root (newest committed step, or ``--step N``) or a plain DCP
 directory. Errors are one line on stderr (``distckpt: error: ...``); exit status 0 on success,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -236,7 +239,31 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all:
             raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
-        summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
+        from .storage import Storage
+
+        source = Storage(args.src, opts)
+        if not source.is_local or os.path.isdir(source.path):
+            # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
+            from .hf import import_hf
+
+            summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
+        else:
+            summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
+    elif args.to == "hf":
+        from .catalog import locate
+        from .hf import export_hf
+
+        if args.model_only or args.all:
+            raise _Usage("--to hf exports one model: pick it with --key NAME (default: the checkpoint's module)")
+        found = locate(args.src, opts, args.step)
+        bar = _Progress("hf ", not args.quiet)
+        try:
+            summary = export_hf(
+                found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
+                max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
+            )  # fmt: skip
+        finally:
+            bar.close()
     else:
         from .catalog import locate
 
@@ -305,8 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", parents=[common], help="export to one torch/safetensors file, or import a torch.save file")
     p.add_argument("src", help="checkpoint (for --to torch/safetensors) or torch.save file (for --to dcp)")
-    p.add_argument("--to", required=True, choices=("torch", "safetensors", "dcp"), help="output format")
-    p.add_argument("out", help="output file (torch, safetensors) or checkpoint root (dcp)")
+    p.add_argument("--to", required=True, choices=("torch", "safetensors", "hf", "dcp"),
+                   help="output format: one torch/safetensors file, a Hugging Face directory (sharded "
+                        "safetensors + index), or a distckpt checkpoint (from a torch.save file or a "
+                        "Hugging Face directory)")
+    p.add_argument("out", help="output file (torch, safetensors), directory (hf) or checkpoint root (dcp)")
+    p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file (default 5GB)")
     p.add_argument("--model-only", action="store_true", help="only the model's tensors, flat (default for safetensors)")
     p.add_argument("--all", action="store_true", help="every tensor under its full key (default for torch, with values)")
     p.add_argument("--key", metavar="PREFIX", help="only tensors under PREFIX (e.g. the name of one model), prefix removed")

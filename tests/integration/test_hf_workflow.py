@@ -155,3 +155,32 @@ def test_hf_from_and_to_s3(tmp_path, s3_server, s3_bucket):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         assert torch.equal(loaded(_tokens(1)).logits, ref(_tokens(1)).logits)
+
+
+def test_cli_hf_export_and_import(tmp_path):
+    import subprocess
+    import sys
+
+    model = _model(0)  # tied embeddings
+    root = str(tmp_path / "ck")
+    distckpt.Checkpointer(root).save(4, {"model": model, "optim": torch.optim.AdamW(model.parameters())})
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "distckpt", *args, "-q"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    out = tmp_path / "hf"
+    cli("convert", root, "--to", "hf", str(out), "--key", "model", "--max-shard-size", "40KB")
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    _config().save_pretrained(str(out))
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert torch.equal(loaded(_tokens(3)).logits, model(_tokens(3)).logits)
+    # Back: a Hugging Face directory (saved by transformers, tied: no lm_head.weight in it)
+    model.save_pretrained(str(tmp_path / "hf2"), safe_serialization=True)
+    cli("convert", str(tmp_path / "hf2"), "--to", "dcp", str(tmp_path / "imported"))
+    fresh = _model(9)
+    assert distckpt.Checkpointer(str(tmp_path / "imported")).load({"model": fresh}) == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
