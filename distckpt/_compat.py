@@ -58,3 +58,11 @@ def storage_name_of_dtype(dtype: torch.dtype) -> str:
 # The function torch.save pickles to rebuild a tensor (its reference by name is part of the file
 # format, so exports must use exactly this one).
 rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
+
+
+def group_is_registered(pg: object) -> bool:
+    """Whether ``pg`` is still one of torch.distributed's live groups (destroy_process_group()
+    of the default group unregisters every group)."""
+    from torch.distributed import distributed_c10d
+
+    return pg in distributed_c10d._world.pg_map

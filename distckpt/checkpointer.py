@@ -526,7 +526,30 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            self._release_group()
             _live.discard(self)
+
+    def _release_group(self) -> None:
+        """Destroy distckpt's own process group while Python still runs.
+
+        A group that lives on into interpreter finalisation (a module-level Checkpointer, an
+        error kept in a variable) has its backend threads torn down there, where one that needs
+        the GIL aborts the process (SIGABRT) although the job succeeded. A group the caller
+        passed in is the caller's to destroy.
+        """
+        group, self._group = self._group, None
+        if group is None or group.pg is None or self._user_pg is not None:
+            return
+        pg, group.pg = group.pg, None  # frames and errors that still hold the Group lose the pg
+        try:
+            from ._compat import group_is_registered
+
+            if dist.is_initialized() and group_is_registered(pg):
+                dist.destroy_process_group(pg)
+            else:
+                pg.shutdown()  # destroy_process_group() already ran: make sure its threads end
+        except Exception as exc:  # noqa: BLE001 - never fail a close over this
+            log.debug("releasing distckpt's process group: %s", exc)
 
     def __enter__(self) -> Checkpointer:
         return self
