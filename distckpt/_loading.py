@@ -17,7 +17,7 @@ from . import rng, scope
 from ._compat import flatten_state_dict, unflatten_state_dict
 from ._dist import Group
 from .manifest import Manifest
-from .state import Entry, build_entries
+from .state import Entry, build_entries, tied_duplicates
 
 
 @dataclass
@@ -77,7 +77,8 @@ def plan_load(
 
     missing: list[str] = []
     mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    tied = _tied(flat)
+    later = tied_duplicates(flat)
+    tied = {**later, **{first: dup for dup, first in later.items()}}  # both directions
     for key, value in flat.items():
         if not selection.key(key):
             continue
@@ -96,27 +97,6 @@ def plan_load(
     request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, sorted(request), per_rank)
-
-def _tied(flat: Mapping[str, Any]) -> dict[str, str]:
-    """Key -> another key holding the very same tensor (tied weights), both directions."""
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[tuple, str] = {}
-    out: dict[str, str] = {}
-    for key, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if local.numel() == 0 or local.device.type == "meta":
-            continue
-        sid = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
-        if sid in seen:
-            out[key] = seen[sid]
-            out.setdefault(seen[sid], key)
-        else:
-            seen[sid] = key
-    return out
-
 
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from . import fingerprint, ownership, rng, scope, statecheck
@@ -41,7 +42,7 @@ from .manifest import (
 )
 from .retention import steps_to_delete
 from .staging import Stager, replicated_layout, replicated_shares
-from .state import build_entries
+from .state import build_entries, contains
 from .storage import NEW_DIR_PREFIX, Storage
 
 log = logging.getLogger("distckpt")
@@ -334,7 +335,7 @@ class Checkpointer:
             described[rng.NAMESPACE] = {"kind": "rng", "scope": scope.PER_RANK}
         # Entries that are not modules/optimizers get a scope from every rank's digest (after the
         # exchange); sharded DTensor state is written shard by shard and needs none.
-        scoped = [e for e in entries if e.scoped and not _holds_dtensor(state_dict[e.name])]
+        scoped = [e for e in entries if e.scoped and not contains(state_dict[e.name], DTensor)]
         # Only async saves stage, so only they need the replicated-tensor layout; it covers
         # modules and optimizers, which are replicated or sharded by construction.
         unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
@@ -760,18 +761,6 @@ class _SaveView:
     digests: dict[str, str]
     declared: dict[str, str | None]
     layout: dict[str, str]
-
-
-def _holds_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, Mapping):
-        return any(_holds_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_dtensor(v) for v in value)
-    return False
 
 
 def _check_ranks_agree(views: list[_SaveView]) -> None:

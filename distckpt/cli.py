@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -239,10 +238,10 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all:
             raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
-        from .storage import Storage
+        from fsspec.core import url_to_fs
 
-        source = Storage(args.src, opts)
-        if not source.is_local or os.path.isdir(source.path):
+        fs, path = url_to_fs(args.src, **opts)
+        if fs.isdir(path):
             # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
             from .hf import import_hf
 

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from .errors import StateMismatchError, from_dcp
 from .safetensors_io import INDEX_NAME, NAMES, SafetensorsIndex, SafetensorsReader
+from .state import tied_duplicates
 from .storage import Storage
 
 try:
@@ -81,30 +82,6 @@ def _map_key(name: str, strip_prefix: str | None, add_prefix: str | None, key_ma
     return f"{add_prefix}{name}" if add_prefix else name
 
 
-def _storage_id(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]] | None:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    if local.device.type == "meta" or local.numel() == 0:
-        return None
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
-
-
-def _aliases(sd: Mapping[str, Any]) -> dict[str, str]:
-    """Keys whose tensor is the same tensor as an earlier key's (tied weights) -> that key."""
-    first: dict[Any, str] = {}
-    out: dict[str, str] = {}
-    for key, value in sd.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        sid = _storage_id(value)
-        if sid is None:
-            continue
-        if sid in first:
-            out[key] = first[sid]
-        else:
-            first[sid] = key
-    return out
-
-
 def load_pretrained(
     module: nn.Module,
     path: str,
@@ -147,7 +124,7 @@ def load_pretrained(
     def plan() -> tuple[tuple[dict[str, Any], dict[str, str], SafetensorsIndex, dict[str, str]], Any]:
         index = SafetensorsIndex(storage)
         sd = get_model_state_dict(module)
-        aliases = _aliases(sd)
+        aliases = tied_duplicates(sd)
         rename: dict[str, str] = {}  # model key -> checkpoint key
         unexpected: list[str] = []
         for ckpt_key in index.spans:
@@ -302,7 +279,7 @@ def save_pretrained(
 
     def prepare() -> tuple[tuple[dict[str, Any], list[list[_Planned]]], Any]:
         sd = get_model_state_dict(module)
-        tied = _aliases(sd)
+        tied = tied_duplicates(sd)
         planned: list[_Planned] = []
         tensors: dict[str, Any] = {}
         for key, value in sd.items():

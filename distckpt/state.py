@@ -313,14 +313,36 @@ class ValueEntry(Entry):
             state[self.name] = value
 
 
-def _contains_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+def contains(value: Any, kind: type = torch.Tensor) -> bool:
+    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere."""
+    if isinstance(value, kind):
         return True
     if isinstance(value, Mapping):
-        return any(_contains_tensor(v) for v in value.values())
+        return any(contains(v, kind) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_contains_tensor(v) for v in value)
+        return any(contains(v, kind) for v in value)
     return False
+
+
+def tied_duplicates(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Key -> the earlier key whose value is the very same tensor (tied weights, e.g. a language
+    model's ``lm_head.weight`` and its input embeddings); DTensors compared by local shard."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0 or local.device.type == "meta":
+            continue
+        sid = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
+        if sid in first:
+            out[key] = first[sid]
+        else:
+            first[sid] = key
+    return out
 
 
 RESERVED_PREFIX = "_"
@@ -373,7 +395,7 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
             entries.append(TensorEntry(name, obj))
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             entries.append(StatefulEntry(name, obj))
-        elif _contains_tensor(obj):
+        elif contains(obj):
             entries.append(TreeEntry(name, obj))
         else:
             values.encode(obj, name)  # raises TypeError naming the key if not plain

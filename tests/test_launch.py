@@ -117,7 +117,7 @@ FSDP = ["--parallel", "fsdp", "--dropout", "0", "--save-every", "3", "--async"]
 
 pytestmark = pytest.mark.xdist_group('launch')
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted reference and, concurrently, a run SIGTERMed (at the torchrun agent)
     after 4 steps. Both 2 ranks."""

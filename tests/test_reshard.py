@@ -50,7 +50,7 @@ def _load_body(rank: int, world: int, root: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     refs = {}

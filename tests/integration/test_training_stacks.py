@@ -147,7 +147,7 @@ def _job(rank: int, world: int, root: str, parallel: str, mode: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stacks")
     root = str(tmp / "ck")
