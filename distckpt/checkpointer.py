@@ -296,7 +296,11 @@ class Checkpointer:
             self._stager = Stager()
         # Each rank stages only its share of replicated tensors (see distckpt.staging).
         skip = replicated_shares([v.layout for v in views], sizes, group.rank)
-        staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
+        try:
+            staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
+        except BaseException:
+            self._release_lease(committed=False)  # the step directory is left for cleanup
+            raise
         blocked = time.perf_counter() - t0
         job = _InFlight(step, blocked)
 

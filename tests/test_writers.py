@@ -86,3 +86,25 @@ def test_two_writers_of_the_same_steps_never_both_commit(tmp_path):
     for w, done in ((1, done1), (2, done2)):
         for step in done:
             _check_committed(root, step, w)
+
+
+def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch):
+    # The step directory is created (under a lease) before staging; a staging failure must
+    # release the lease, so the next save cleans the directory up and works.
+    import pytest
+
+    from distckpt import staging
+    from distckpt.manifest import step_dir
+
+    def fail(self, state_dict, skip=frozenset()):
+        raise RuntimeError("staging failed")
+
+    ckpt = distckpt.Checkpointer(tmp_path)
+    monkeypatch.setattr(staging.Stager, "stage", fail)
+    with pytest.raises(RuntimeError, match="staging failed"):
+        ckpt.save(1, {"w": torch.ones(3)}, blocking=False)
+    assert ckpt._lease is None and (tmp_path / step_dir(1)).is_dir()
+    monkeypatch.undo()
+    ckpt.save(2, {"w": torch.ones(3)})
+    assert ckpt.steps() == [2] and not (tmp_path / step_dir(1)).exists()
+    ckpt.close()
