@@ -251,18 +251,19 @@ class SafetensorsReader(StorageReader):
             per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
         jobs = list(per_file.items())
         if self.thread_count <= 1 or len(jobs) <= 1:
-            for name, items in jobs:
-                self._read_file(name, items, planner)
+            counts = [self._read_file(name, items, planner) for name, items in jobs]
         else:
             with ThreadPoolExecutor(min(self.thread_count, len(jobs)), thread_name_prefix="distckpt-hf") as pool:
-                for fut in [pool.submit(self._read_file, name, items, planner) for name, items in jobs]:
-                    fut.result()
+                counts = [fut.result() for fut in [pool.submit(self._read_file, name, items, planner) for name, items in jobs]]
+        self.bytes_read += sum(counts)  # summed here: threads updating one counter lose updates
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> int:
+        """Serve ``items`` from file ``name``; returns the bytes read."""
         where = self.index.storage.display(name)
+        nbytes = 0
         with self.index.storage.open(name, "rb") as f:
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].start):
                 span: TensorSpan = self.storage_data[item.storage_index]
@@ -271,7 +272,8 @@ class SafetensorsReader(StorageReader):
                 if block is not target:
                     target.copy_(block)
                 planner.commit_tensor(item, target)
-                self.bytes_read += _numel(item.lengths) * _itemsize(span.dtype)
+                nbytes += _numel(item.lengths) * _itemsize(span.dtype)
+        return nbytes
 
 
 def _numel(shape: Any) -> int:
