@@ -167,3 +167,9 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
     (d / MANIFEST_NAME).write_text(json.dumps(raw))
     done = verify()
     assert done.returncode == 1 and "model.0.weight" in done.stderr, done.stderr
+
+
+def test_state_diverged_error_is_a_full_state_mismatch_error():
+    err = StateDivergedError(["k"], "here")  # usable wherever a StateMismatchError is handled
+    assert isinstance(err, distckpt.StateMismatchError)
+    assert err.per_rank == {} and err.missing == [] and "state does not match" in err.describe()
