@@ -48,7 +48,15 @@ class Located:
         return self.storage.display(*[p for p in (self.dirname, *parts) if p])
 
     def metadata(self) -> Metadata:
-        """DCP's metadata of the checkpoint (read with distckpt's safe reader)."""
+        """DCP's metadata of the checkpoint (read with distckpt's safe reader).
+
+        For a distckpt step, ``.metadata`` is checked against the manifest (size, checksum) and
+        its byte ranges against the data files' recorded sizes, as a load checks it.
+        """
+        if self.manifest is not None:
+            from .manifest import read_metadata
+
+            return read_metadata(self.storage, self.manifest)
         return self.storage.reader(self.dirname).read_metadata()
 
 

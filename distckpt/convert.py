@@ -92,9 +92,12 @@ class TensorInfo:
 class CheckpointSource:
     """A checkpoint opened for streaming reads, tensor by tensor, without a process group."""
 
-    def __init__(self, found: Located) -> None:
+    def __init__(self, found: Located, verify: bool = True) -> None:
         self.found = found
         self.metadata = found.metadata()
+        # Files whose size and checksum were checked against the manifest (each once, on first use).
+        self._verified: set[str] = set()
+        self._verify = verify and found.manifest is not None
         self.tensors: dict[str, TensorInfo] = {}
         self.values: list[str] = []
         for key, md in self.metadata.state_dict_metadata.items():
@@ -113,8 +116,37 @@ class CheckpointSource:
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise NotImplementedError("storage transforms")
-        with self.found.storage.open(self._rel(os.fspath(info.relative_path)), "rb") as raw:
+        name = os.fspath(info.relative_path)
+        self._check_file(name)
+        with self.found.storage.open(self._rel(name), "rb") as raw:
             yield FileSlice(raw, int(info.offset), int(info.length))
+
+    def _check_file(self, name: str) -> None:
+        """Size and checksum of data file ``name`` against the manifest, the first time it is used.
+
+        Exports read through the same checks as loads: a flipped byte or a file the manifest
+        does not list is an :class:`~distckpt.errors.IntegrityError`, never exported.
+        """
+        if not self._verify or name in self._verified:
+            return
+        from .errors import IntegrityError
+        from .integrity import file_digest
+
+        manifest = self.found.manifest
+        assert manifest is not None  # _verify implies a manifest
+        where = self.found.display(name)
+        record = manifest.files.get(name)
+        if record is None:
+            raise IntegrityError(f"{where}: referenced by .metadata but not listed in the manifest")
+        with self.found.storage.open(self._rel(name), "rb") as f:
+            size, digest = file_digest(f, manifest.checksum_algorithm or "crc32")
+        if size != record.size:
+            raise IntegrityError(f"{where}: {size} bytes, manifest says {record.size} (truncated or overwritten)")
+        if record.checksum and manifest.checksum_algorithm and digest != record.checksum:
+            raise IntegrityError(
+                f"{where}: {manifest.checksum_algorithm} {digest} does not match the manifest's {record.checksum} (corrupted)"
+            )
+        self._verified.add(name)
 
     def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, numel: int) -> tuple[str, int] | None:
         """(file, byte offset) of shard ``offsets`` of ``key`` stored as plain row-major bytes, else None."""
@@ -274,6 +306,10 @@ class CheckpointSource:
         from ._planner import SafeLoadPlanner
 
         info = self.tensors[key]
+        for chunk in self.metadata.state_dict_metadata[key].chunks:  # type: ignore[union-attr]
+            stored = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if stored is not None:
+                self._check_file(os.fspath(stored.relative_path))
         out = torch.empty(info.shape, dtype=info.dtype)
         dcp.load({key: out}, storage_reader=self.found.storage.reader(self.found.dirname), planner=SafeLoadPlanner(), no_dist=True)
         return out.to(dtype)
@@ -351,12 +387,19 @@ def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> I
             os.fsync(f.fileno())
             f.close()
             os.replace(tmp, path)
-        except BaseException:
-            f.close()
+        except BaseException as exc:
+            try:
+                f.close()  # flushes what is buffered: on a full disk this fails again
+            except OSError:
+                pass
             try:
                 os.remove(tmp)
             except OSError:
                 pass
+            if isinstance(exc, OSError):
+                from .storage import named_os_error
+
+                raise named_os_error(exc, path) from exc
             raise
         return
     from fsspec.core import url_to_fs
@@ -367,9 +410,15 @@ def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> I
         yield f
         f.close()
     except BaseException:
+        # Object stores publish a file only when its upload completes (close). Discarding the
+        # upload leaves any earlier object at ``out`` untouched and publishes nothing partial.
+        discard = getattr(f, "discard", None)
         try:
-            f.close()
-            fs.rm_file(path)
+            if discard is not None:
+                discard()
+            else:  # a filesystem without uploads: remove what was written
+                f.close()
+                fs.rm_file(path)
         except Exception:  # noqa: BLE001 - best effort cleanup
             pass
         raise
@@ -527,28 +576,91 @@ def export_torch(
     buf = io.BytesIO()
     _StubPickler(buf, protocol=2).dump(obj)
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
-    done = 0
     crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
     align_fn = getattr(torch.serialization, "_get_storage_alignment", None)
     with open_output(out, storage_options) as f:
-        writer = torch._C.PyTorchFileWriter(f, crc, align_fn()) if align_fn else torch._C.PyTorchFileWriter(f)
-        data = buf.getvalue()
-        writer.write_record("data.pkl", data, len(data))
-        writer.write_record(".format_version", "1", 1)
-        if align_fn:
-            alignment = str(align_fn())
-            writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", "little", len("little"))
-        for s in stubs:
-            t = source.read_tensor(s.key, s.dtype)
-            n = t.untyped_storage().nbytes()
-            writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
-            del t
-            done += n
-            if progress:
-                progress(done, total)
-        writer.write_end_of_file()
+        sink = _Sink(f, out)
+        writer = torch._C.PyTorchFileWriter(sink, crc, align_fn()) if align_fn else torch._C.PyTorchFileWriter(sink)
+        try:
+            _write_torch_records(writer, buf.getvalue(), stubs, source, align_fn, total, progress, sink)
+            sink.raise_error()
+        except BaseException:
+            # The C++ writer finishes its zip in its destructor, writing to ``sink``; if that write
+            # failed (closed file, failed upload) inside a destructor, the process would abort
+            # with "terminate called". Disarm the sink and drop the writer while Python runs.
+            sink.disarm()
+            del writer
+            raise
     return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped}
+
+
+class _Sink:
+    """The file ``PyTorchFileWriter`` writes to.
+
+    A write error (a full disk) is recorded in :attr:`error`, not raised into the C++ writer:
+    a Python exception there leaves the writer's byte count wrong, and its destructor then
+    aborts the process ("terminate called ... unexpected pos"). After an error or
+    :meth:`disarm`, writes are counted and dropped, so the writer can always finish.
+    """
+
+    def __init__(self, f: Any, where: str) -> None:
+        self._f: Any = f
+        self._where = where
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if self._f is not None:
+            try:
+                self._f.write(data)
+            except OSError as exc:
+                from .storage import named_os_error
+
+                self.error = named_os_error(exc, self._where)
+                self._f = None
+        return n
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def disarm(self) -> None:
+        self._f = None
+
+
+def _write_torch_records(
+    writer: Any,
+    data: bytes,
+    stubs: list[_Stub],
+    source: CheckpointSource,
+    align_fn: Any,
+    total: int,
+    progress: Progress | None,
+    sink: _Sink,
+) -> int:
+    """The records of a ``torch.save`` zip, one storage per tensor; returns the bytes written."""
+    done = 0
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    if align_fn:
+        alignment = str(align_fn())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", "little", len("little"))
+    for s in stubs:
+        t = source.read_tensor(s.key, s.dtype)
+        n = t.untyped_storage().nbytes()
+        writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
+        del t
+        sink.raise_error()  # stop at the first failed write instead of reading on
+        done += n
+        if progress:
+            progress(done, total)
+    writer.write_end_of_file()
+    return done
 
 
 # -------------------------------------------------------------------------------------------------
