@@ -103,15 +103,28 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def _message(exc: BaseException) -> str:
+def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
-        text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-    else:
-        text = str(exc).strip() or type(exc).__name__
-        if isinstance(exc, KeyError) and text.startswith(("'", '"')):
-            text = text[1:-1]
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, KeyError) and text.startswith(("'", '"')):
+        text = text[1:-1]
+    return text
+
+
+def _message(exc: BaseException) -> str:
+    """The error for the user: its text (per-rank lines included, tracebacks left out) and its
+    root cause (e.g. "No space left on device: PATH") when the text does not already say it."""
+    text = _one_line(exc).split("\n(raised on rank", 1)[0].rstrip()
+    cause, seen = exc, set()
+    while (cause.__cause__ or cause.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    if cause is not exc:
+        why = _one_line(cause).splitlines()[0] if _one_line(cause) else type(cause).__name__
+        if why not in text:
+            text = f"{text} (caused by {type(cause).__name__}: {why})"
+    return text
 
 
 # -------------------------------------------------------------------------------------------------

@@ -95,8 +95,10 @@ class Lease:
             return False
 
     def release(self, committed: bool) -> None:
-        """Stop refreshing. After a commit the record goes; after a failure it is marked
-        released, so that the next save's cleanup may remove the directory at once."""
+        """Stop refreshing. After a commit the record goes. After a failure (every rank has
+        stopped writing by then) the owner removes the directory it still owns, so a failed save
+        on a full disk gives its space back; if that fails, the record is marked released so
+        that the next save's cleanup removes it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -104,7 +106,10 @@ class Lease:
             if committed:
                 self.storage.remove(self.dirname, OWNER_NAME)
             elif self.still_mine():
-                self.storage.write_bytes(_record(self.writer, released=True), self.dirname, OWNER_NAME)
+                try:
+                    self.storage.remove_tree(self.dirname)
+                except Exception:  # noqa: BLE001 - fall back to marking it for cleanup
+                    self.storage.write_bytes(_record(self.writer, released=True), self.dirname, OWNER_NAME)
         except Exception:  # noqa: BLE001 - best effort: a stale lease expires anyway
             pass
 

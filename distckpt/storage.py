@@ -10,6 +10,7 @@ error messages or manifests.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -235,10 +236,15 @@ class Storage:
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:  # e.g. a full disk: no temporary file left, the path named
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise named_os_error(exc, path) from exc
             if exclusive:
                 try:
                     os.link(tmp, path)
@@ -352,8 +358,11 @@ class Storage:
             with self._open_local_read(tuple(p for p in rel.split("/") if p)) as f:
                 yield f
         elif self.is_local:
-            with open(path, mode) as f:
-                yield f
+            try:
+                with open(path, mode) as f:
+                    yield f
+            except OSError as exc:  # a full disk: say which file
+                raise named_os_error(exc, path) from exc
         else:
             with self.fs.open(path, mode) as f:
                 yield f
@@ -473,81 +482,140 @@ def _without_torch_record_crc() -> Iterator[None]:
                 ser.set_crc32_options(_crc_saved)
 
 
+def named_os_error(exc: OSError, where: str) -> OSError:
+    """``exc`` with ``where`` as its file name, so that its message says which file failed."""
+    if exc.errno is None or exc.filename:
+        return exc
+    named = OSError(exc.errno, exc.strerror or os.strerror(exc.errno), where)
+    named.__cause__ = exc
+    return named
+
+
 class _ChecksumStream(io.RawIOBase):
     """Write-through stream that hashes every byte on its way to the file.
 
     The checksum is computed while the data is written, so integrity costs no second pass.
+    An ``OSError`` from the file (a full disk, a failed upload) is handed to ``on_error`` and
+    the rest of the file is dropped instead of raised: DCP writes from threads of its own that
+    print an exception and lose it, and ``torch.save`` would replace ENOSPC with
+    "enforce fail ... unexpected pos". :meth:`CheckpointWriter.write_data` raises the recorded
+    error once DCP returns, with its errno and the file's path.
     """
 
-    def __init__(self, raw: Any, on_close: Any, algorithm: str | None) -> None:
+    def __init__(self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: bool) -> None:
         from .integrity import new_hasher
 
         self._raw = raw
         self._hasher = new_hasher(algorithm) if algorithm else None
         self._size = 0
         self._on_close = on_close
+        self._on_error = on_error
+        self._sync = sync
+        self.failed = raw is None
 
     def writable(self) -> bool:
         return True
 
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = True
+        self._on_error(exc)
+
     def write(self, b: Any) -> int:  # type: ignore[override]
         view = memoryview(b).cast("B")
+        if self.failed:
+            return len(view)
         if self._hasher is not None:
             self._hasher.update(view)
-        n = self._raw.write(view)
+        try:
+            n = self._raw.write(view)
+        except OSError as exc:
+            self._fail(exc)
+            return len(view)
         n = len(view) if n is None else n
         self._size += n
         return n
 
     def tell(self) -> int:
-        return self._raw.tell()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
+        return self._size if self.failed else self._raw.tell()
 
     def flush(self) -> None:
-        self._raw.flush()
+        if not self.failed:
+            try:
+                self._raw.flush()
+            except OSError as exc:
+                self._fail(exc)
 
     def close(self) -> None:
         if not self.closed:
             # Explicit flush before close: some fsspec files drop unflushed data otherwise.
-            self._raw.flush()
-            self._on_close(self._size, self._hasher.hexdigest() if self._hasher is not None else None)
+            self.flush()
+            if self._sync and not self.failed:
+                try:
+                    os.fsync(self._raw.fileno())
+                except OSError as exc:
+                    self._fail(exc)
+            if not self.failed:
+                self._on_close(self._size, self._hasher.hexdigest() if self._hasher is not None else None)
         super().close()
 
 
 class _ChecksummingFS(FileSystemBase):
-    """A DCP filesystem that hashes every file it writes, recording ``name -> (size, digest)``."""
+    """A DCP filesystem that hashes every file it writes, recording ``name -> (size, digest)``.
 
-    def __init__(self, inner: FileSystemBase, algorithm: str | None) -> None:
+    Write errors of the files are recorded in :attr:`errors` (with the file's path) rather than
+    raised inside DCP's writer threads; see :class:`_ChecksumStream`.
+    """
+
+    def __init__(self, inner: FileSystemBase, algorithm: str | None, sync_files: bool = False) -> None:
         self.inner = inner
         self.algorithm = algorithm
+        self.sync_files = sync_files
         self.files: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
+    def _record_error(self, exc: BaseException, where: str) -> None:
+        if isinstance(exc, OSError):
+            exc = named_os_error(exc, where)
+        with self._lock:
+            self.errors.append(exc)
+
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        with self.inner.create_stream(path, mode) as raw:
-            if "w" not in mode:
+        if "w" not in mode:
+            with self.inner.create_stream(path, mode) as raw:
                 yield raw
-                return
-            name = os.path.basename(os.fspath(path))
+            return
+        name = os.path.basename(os.fspath(path))
+        where = os.fspath(path)
 
-            def record(size: int, digest: str) -> None:
-                with self._lock:
-                    self.files[name] = (size, digest)
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self.files[name] = (size, digest)
 
-            stream = _ChecksumStream(raw, record, self.algorithm)
-            try:
-                yield stream  # type: ignore[misc]
-            except BaseException as exc:
-                # DCP's extra writer threads drop their exceptions; remember them here.
-                with self._lock:
-                    self.errors.append(exc)
-                raise
-            finally:
-                stream.close()
+        def on_error(exc: BaseException) -> None:
+            self._record_error(exc, where)
+
+        cm = self.inner.create_stream(path, mode)
+        try:
+            raw = cm.__enter__()
+        except OSError as exc:  # cannot even create the file: nothing written, error recorded
+            on_error(exc)
+            cm, raw = None, None
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync_files)
+        try:
+            yield stream  # type: ignore[misc]
+        except BaseException as exc:
+            # DCP's extra writer threads drop their exceptions; remember them here.
+            on_error(exc)
+            raise
+        finally:
+            stream.close()
+            if cm is not None:
+                try:
+                    cm.__exit__(None, None, None)
+                except OSError as exc:  # closing commits remote files: a failed upload lands here
+                    on_error(exc)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
         return self.inner.concat_path(path, suffix)
@@ -598,12 +666,14 @@ class CheckpointWriter(FileSystemWriter):
         super().__init__(
             path if storage.is_local else "unused",
             single_file_per_rank=True,
-            sync_files=sync_files and storage.is_local,
+            # Each file is fsynced by its stream (so a failed fsync is recorded, not raised in a
+            # DCP writer thread), not by DCP.
+            sync_files=False,
             thread_count=thread_count,
             overwrite=True,
         )
         self.storage = storage
-        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum)
+        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync_files=sync_files and storage.is_local)
         self.path = Path(path) if storage.is_local else path
 
     @property
