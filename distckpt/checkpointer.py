@@ -27,7 +27,7 @@ from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if
 from ._loading import LoadReport, Selection, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
 from ._version import __version__
-from .errors import StateMismatchError, StepExistsError, from_dcp
+from .errors import CheckpointError, StateMismatchError, StepExistsError, from_dcp
 from .integrity import ALGORITHMS
 from .manifest import (
     MANIFEST_NAME,
@@ -41,7 +41,7 @@ from .manifest import (
     step_dir,
 )
 from .retention import steps_to_delete
-from .staging import Stager, replicated_layout, replicated_shares
+from .staging import Stager, check_saveable, replicated_layout, replicated_shares
 from .state import build_entries, contains
 from .storage import NEW_DIR_PREFIX, Storage
 
@@ -211,7 +211,13 @@ class Checkpointer:
             else:
                 # A dedicated group: background saves run collectives while training runs its
                 # own on the default group; sharing one group deadlocks (torch 2.13).
-                pg = dist.new_group(backend=self._backend, timeout=self.timeout)
+                try:
+                    pg = dist.new_group(backend=self._backend, timeout=self.timeout)
+                except Exception as exc:  # e.g. "Wait timeout": a peer died or never called us
+                    raise CheckpointError(
+                        f"creating distckpt's process group (rank {dist.get_rank()} of {dist.get_world_size()}) failed: "
+                        f"a peer rank died or did not call save/load within {self.timeout} ({type(exc).__name__}: {exc})"
+                    ) from exc
                 self._group = Group(pg)
         return self._group
 
@@ -299,7 +305,7 @@ class Checkpointer:
         try:
             staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
         except BaseException:
-            self._release_lease(committed=False)  # the step directory is left for cleanup
+            self._release_lease(committed=False)  # the owner removes its step directory
             raise
         blocked = time.perf_counter() - t0
         job = _InFlight(step, blocked)
@@ -333,6 +339,7 @@ class Checkpointer:
             raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
         entries = build_entries(state)
         state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
+        check_saveable(state_dict)
         described = {e.name: e.describe() for e in entries}
         if self.save_rng:
             state_dict[rng.NAMESPACE] = {scope.rank_key(group.rank): rng.capture()}

@@ -32,6 +32,23 @@ except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 
+def check_saveable(state_dict: dict[str, Any]) -> None:
+    """Refuse tensors DCP cannot write, naming the key (sync and async saves alike).
+
+    Raises:
+        TypeError: a sparse tensor (any non-strided layout) or a meta tensor (it has no data).
+    """
+    flat, _ = flatten_state_dict(state_dict)
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.layout != torch.strided:
+            raise TypeError(f"cannot save {key!r}: {local.layout} tensors are not supported; save t.to_dense() instead")
+        if local.device.type == "meta":
+            raise TypeError(f"cannot save {key!r}: it is a meta tensor (no data); materialize it first (to_empty + init)")
+
+
 class Stager:
     """Copies state dicts into reused host buffers.
 
@@ -98,6 +115,11 @@ class Stager:
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
+        if src.is_quantized:
+            # A quantized tensor carries its quantizer; an empty buffer cannot hold one, so it
+            # is copied afresh (quantized state is small: observers, a few weights).
+            self._buffers.pop(key, None)
+            return src.to("cpu", copy=True)
         buf = self._buffer(key, src)
         buf.copy_(src, non_blocking=src.device.type != "cpu" and buf.is_pinned())
         return buf

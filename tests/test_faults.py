@@ -297,3 +297,19 @@ def _bad_step_on_one_rank(rank: int, world: int, root: str) -> str:
 def test_bad_step_on_one_rank_raises_on_every_rank(tmp_path):
     out = run_ranks(_bad_step_on_one_rank, 2, tmp_path, str(tmp_path / "ck"), timeout=60)
     assert out[0] == out[1] and "step must be a non-negative int, got -1" in out[0], out
+
+
+def _peer_gone_before_the_group_body(rank: int, world: int, root: str) -> str:
+    if rank == 1:
+        os._exit(0)  # leaves right after joining the job, before distckpt's group exists
+    try:
+        distckpt.Checkpointer(root, timeout=3).save(1, {"model": nn.Linear(2, 2)})
+    except distckpt.CheckpointError as exc:
+        return f"CheckpointError: {exc}"
+    return "saved"
+
+
+def test_peer_dead_before_distckpts_group_exists_is_a_checkpoint_error(tmp_path):
+    """A raw ``RuntimeError: Wait timeout`` from new_group used to reach the user."""
+    out = run_ranks(_peer_gone_before_the_group_body, 2, tmp_path, str(tmp_path / "ck"), expect_dead=frozenset({1}), timeout=90)
+    assert out[0].startswith("CheckpointError: creating distckpt's process group (rank 0 of 2) failed"), out[0]
