@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import rng, scope
+from . import rng, scope, values
 from ._compat import flatten_state_dict, unflatten_state_dict
 from ._dist import Group
 from .manifest import Manifest
@@ -105,15 +105,27 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
     for e in plan.entries:
         if e.name in nested:
             loaded = nested[e.name]
-            if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
+            saved = manifest.entries.get(e.name, {})
+            if saved.get("scope") == scope.PER_RANK:
                 loaded = loaded[scope.rank_key(group.rank)]
+            if saved.get("kind") == "value":
+                values.check_digest(loaded, saved, e.name)
             e.apply(loaded, state)
     if plan.rng_key is not None and rng.NAMESPACE in nested:
         saved = nested[rng.NAMESPACE][plan.rng_key]
-        if manifest.world_size == group.world_size:
-            rng.restore(saved)
-        else:
-            rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
+        try:
+            if manifest.world_size == group.world_size:
+                rng.restore(saved)
+            else:
+                rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
+        except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+            # Written by distckpt itself, so a state that does not fit is a damaged checkpoint.
+            from .errors import IntegrityError
+
+            raise IntegrityError(
+                f"step {manifest.step}: the saved random-number-generator state ({rng.NAMESPACE}.{plan.rng_key}) "
+                f"is malformed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 @dataclass

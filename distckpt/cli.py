@@ -209,8 +209,15 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         if not found.manifest.fingerprints:
             problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
         else:
-            bad, checked_state = compare_files(CheckpointSource(found), found.manifest.fingerprints)
+            source = CheckpointSource(found)
+            bad, checked_state = compare_files(source, found.manifest.fingerprints)
             problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
+            # Values carry no fingerprint; each must at least read back as a load would read it.
+            for key in source.values:
+                try:
+                    source.read_value(key)
+                except Exception as exc:  # noqa: BLE001 - reported as a problem
+                    problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
     files = found.manifest.files
     # Checksums that are not there verify nothing: say so instead of "OK".
     unverified = []

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from . import values
+from . import fingerprint, values
 from .catalog import Located
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,8 +89,39 @@ class TensorInfo:
         return self.numel * torch.empty((), dtype=dtype or self.dtype).element_size()
 
 
+class _Tally:
+    """The fingerprint sum of one tensor, accumulated while its blocks or shards stream past."""
+
+    def __init__(self, info: TensorInfo, expected: str | None) -> None:
+        self.info = info
+        self.expected = expected
+        self.total = 0
+
+    def run(self, values: torch.Tensor, start: int) -> None:
+        if self.expected is not None and values.numel():
+            self.total = fingerprint.add(self.total, fingerprint.run_sum(values, start))
+
+    def shard(self, shard: torch.Tensor, offsets: tuple[int, ...]) -> None:
+        if self.expected is not None:
+            self.total = fingerprint.add(self.total, fingerprint.partial_sum(shard, self.info.shape, offsets))
+
+    def check(self, where: str) -> None:
+        from .errors import IntegrityError
+
+        if self.expected is not None and fingerprint.digest(self.total, self.info.shape, self.info.dtype) != self.expected:
+            raise IntegrityError(
+                f"{where}: the stored values of {self.info.key} do not match the fingerprint recorded when "
+                "it was saved (its .metadata or data were altered)"
+            )
+
+
 class CheckpointSource:
-    """A checkpoint opened for streaming reads, tensor by tensor, without a process group."""
+    """A checkpoint opened for streaming reads, tensor by tensor, without a process group.
+
+    With ``verify`` (default) every data file is checked against the manifest before its first
+    use, and every tensor read whole (``read_tensor``, ``iter_bytes``) against the fingerprint
+    the manifest recorded at save: a checkpoint that was altered is an ``IntegrityError``.
+    """
 
     def __init__(self, found: Located, verify: bool = True) -> None:
         self.found = found
@@ -98,6 +129,7 @@ class CheckpointSource:
         # Files whose size and checksum were checked against the manifest (each once, on first use).
         self._verified: set[str] = set()
         self._verify = verify and found.manifest is not None
+        self._fingerprints = dict(found.manifest.fingerprints) if self._verify and found.manifest else {}
         self.tensors: dict[str, TensorInfo] = {}
         self.values: list[str] = []
         for key, md in self.metadata.state_dict_metadata.items():
@@ -105,6 +137,13 @@ class CheckpointSource:
                 self.tensors[key] = TensorInfo(key, md.properties.dtype, tuple(int(d) for d in md.size))
             else:
                 self.values.append(key)
+        lost = sorted(set(self._fingerprints) - set(self.tensors))
+        if lost:
+            # The manifest recorded these tensors at save; a .metadata without them was altered.
+            from .errors import IntegrityError
+
+            shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+            raise IntegrityError(f"{found.display('.metadata')}: tensors saved in this step are missing from it: {shown}")
 
     def _rel(self, name: str) -> str:
         if "/" in name or "\\" in name or name in ("", ".", ".."):
@@ -120,6 +159,25 @@ class CheckpointSource:
         self._check_file(name)
         with self.found.storage.open(self._rel(name), "rb") as raw:
             yield FileSlice(raw, int(info.offset), int(info.length))
+
+    def _record(self, stream: Any, key: str) -> Any:
+        """One stored item, unpickled safely; a record that does not parse is an IntegrityError."""
+        from .errors import CheckpointError, IntegrityError
+
+        try:
+            return _load_record(stream, key, self.found.display())
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sizes and checksums passed, so .metadata points wrong
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise IntegrityError(f"{self.found.display()}: the record stored for {key} cannot be read ({type(exc).__name__}: {first})") from exc
+
+    def _tally(self, key: str) -> _Tally:
+        info = self.tensors[key]
+        expected = self._fingerprints.get(key)
+        if expected is not None and not fingerprint.supported(torch.empty((), dtype=info.dtype)):
+            expected = None
+        return _Tally(info, expected)
 
     def _check_file(self, name: str) -> None:
         """Size and checksum of data file ``name`` against the manifest, the first time it is used.
@@ -160,9 +218,19 @@ class CheckpointSource:
             return None
         return os.fspath(info.relative_path), int(info.offset) + layout.data_offset
 
-    def iter_shard_blocks(self, key: str, offsets: tuple[int, ...], numel: int, dtype: torch.dtype | None = None) -> Iterator[memoryview] | None:
+    def iter_shard_blocks(
+        self,
+        key: str,
+        offsets: tuple[int, ...],
+        numel: int,
+        dtype: torch.dtype | None = None,
+        tally: _Tally | None = None,
+    ) -> Iterator[memoryview] | None:
         """Bytes of one shard (cast to ``dtype``) in blocks of about :data:`BLOCK`, read straight
-        from the data file; ``None`` if the shard is not stored as plain row-major bytes."""
+        from the data file; ``None`` if the shard is not stored as plain row-major bytes.
+
+        ``tally``: for a row block (offsets ``(r, 0, ...)``), adds its values to the tensor's
+        fingerprint sum."""
         info = self.tensors[key]
         span = self._raw_span(key, offsets, info.dtype, numel)
         if span is None:
@@ -172,9 +240,14 @@ class CheckpointSource:
         total = numel * itemsize
         step = max(itemsize, BLOCK // itemsize * itemsize)
         out_dtype = dtype or info.dtype
+        row = 1
+        for d in info.shape[1:]:
+            row *= d
+        flat0 = offsets[0] * row if offsets else 0
 
         def blocks() -> Iterator[memoryview]:
-            buf = bytearray(min(step, total))
+            # A tensor, not a bytearray: views of it may outlive an abandoned generator.
+            buf = torch.empty(min(step, total), dtype=torch.uint8).numpy()
             with self.found.storage.open(self._rel(rel), "rb") as f:
                 f.seek(start)
                 done = 0
@@ -191,6 +264,8 @@ class CheckpointSource:
                         if not chunk:
                             raise EOFError(f"{self.found.display(rel)} ends inside tensor {key}")
                         got += chunk
+                    if tally is not None:
+                        tally.run(torch.frombuffer(view, dtype=info.dtype), flat0 + done // itemsize)
                     done += n
                     if out_dtype == info.dtype:
                         yield view
@@ -203,7 +278,10 @@ class CheckpointSource:
     def read_value(self, key: str) -> Any:
         """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
         with self._slice(MetadataIndex(key)) as f:
-            value = _load_record(io.BytesIO(f.read()), key, self.found.display(".metadata"))
+            value = self._record(io.BytesIO(f.read()), key)
+        entry = self.found.manifest.entries.get(key) if self._verify and self.found.manifest else None
+        if isinstance(entry, dict) and entry.get("kind") == "value":
+            values.check_digest(value, entry, key)
         if isinstance(value, str) and value.startswith(values.PREFIX):
             value = values.decode(value, key)
         return value
@@ -214,7 +292,16 @@ class CheckpointSource:
         for chunk in md.chunks:  # type: ignore[union-attr]
             offsets = tuple(int(o) for o in chunk.offsets)
             with self._slice(MetadataIndex(key, torch.Size(offsets))) as f:
-                shard = _load_record(f, key, self.found.display())
+                shard = self._record(f, key)
+            sizes = tuple(int(d) for d in chunk.sizes)
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != sizes or shard.dtype != self.tensors[key].dtype:
+                from .errors import IntegrityError
+
+                got = f"{shard.dtype} tensor of shape {tuple(shard.shape)}" if isinstance(shard, torch.Tensor) else type(shard).__name__
+                raise IntegrityError(
+                    f"{self.found.display()}: the record stored for {key} at offsets {offsets} holds a {got}, "
+                    f".metadata says a {self.tensors[key].dtype} tensor of shape {sizes}"
+                )
             yield offsets, shard
 
     def _row_chunks(self, key: str) -> list[Any] | None:
@@ -233,7 +320,8 @@ class CheckpointSource:
         return chunks if row == info.shape[0] else None
 
     def read_tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor ``key`` (cast to ``dtype``), assembled from its shards.
+        """The whole tensor ``key`` (cast to ``dtype``), assembled from its shards and checked
+        against its recorded fingerprint.
 
         Row-block shards are copied block by block from the data files into the result, so
         memory is the result plus one block.
@@ -242,6 +330,7 @@ class CheckpointSource:
         dtype = dtype or info.dtype
         chunks = self._row_chunks(key)
         if chunks is not None:
+            tally = self._tally(key)
             out = torch.empty(info.shape, dtype=dtype)
             flat = out.reshape(-1).view(torch.uint8)
             row_bytes = (out.numel() // info.shape[0]) * out.element_size() if info.shape and info.shape[0] else 0
@@ -251,7 +340,7 @@ class CheckpointSource:
                 numel = 1
                 for d in c.sizes:
                     numel *= int(d)
-                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype, tally)
                 if blocks is None:
                     break
                 for block in blocks:
@@ -260,16 +349,20 @@ class CheckpointSource:
                         flat[pos:pos + n].copy_(torch.frombuffer(block, dtype=torch.uint8))
                     pos += n
             else:
+                tally.check(self.found.display())
                 return out
             del out, flat
         try:
+            tally = self._tally(key)
             out = torch.empty(info.shape, dtype=dtype)
             for offsets, shard in self.iter_shards(key):
+                tally.shard(shard, offsets)
                 view = out
                 for dim, (o, n) in enumerate(zip(offsets, shard.shape)):
                     view = view.narrow(dim, o, n)
                 view.copy_(shard)
                 del shard
+            tally.check(self.found.display())
             return out
         except NotImplementedError:
             return self._read_with_dcp(key, dtype)
@@ -282,12 +375,13 @@ class CheckpointSource:
         """
         chunks = self._row_chunks(key)
         streams = []
+        tally = self._tally(key)
         if chunks is not None:
             for c in chunks:
                 numel = 1
                 for d in c.sizes:
                     numel *= int(d)
-                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype, tally)
                 if blocks is None:
                     streams = []
                     break
@@ -295,6 +389,8 @@ class CheckpointSource:
         if chunks is not None and streams:
             for blocks in streams:
                 yield from blocks
+            # Raised before the caller finishes its output, so an altered tensor is never published.
+            tally.check(self.found.display())
             return
         t = self.read_tensor(key, dtype)
         if t.numel():
@@ -312,6 +408,9 @@ class CheckpointSource:
                 self._check_file(os.fspath(stored.relative_path))
         out = torch.empty(info.shape, dtype=info.dtype)
         dcp.load({key: out}, storage_reader=self.found.storage.reader(self.found.dirname), planner=SafeLoadPlanner(), no_dist=True)
+        tally = self._tally(key)
+        tally.shard(out, (0,) * out.dim())
+        tally.check(self.found.display())
         return out.to(dtype)
 
 

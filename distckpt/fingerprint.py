@@ -233,6 +233,18 @@ def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype) -> str:
     return _digest_named(total, global_shape, str(dtype))
 
 
+def run_sum(values: torch.Tensor, start: int) -> int:
+    """(not collective) The sum over a contiguous run of a tensor's elements in row-major order,
+    ``values`` (any shape) sitting at flat index ``start`` of the whole tensor. Lets a reader
+    that streams a tensor in blocks (``convert``) check it without holding it whole."""
+    return _run_sum(_bits(values), start)
+
+
+def add(total: int, part: int) -> int:
+    """Partial sums combine by addition modulo 2**64 (any order)."""
+    return (total + part) & _MASK64
+
+
 def of_tensor(t: torch.Tensor) -> str:
     """Fingerprint of a whole (non-distributed) tensor. Not collective."""
     return digest(partial_sum(t, t.shape, [0] * t.dim()), t.shape, t.dtype)

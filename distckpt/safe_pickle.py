@@ -92,9 +92,9 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {exc}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
-    for info in (metadata.storage_data or {}).values():
-        check_relative_name(getattr(info, "relative_path", None), where)
     from .metadata_check import validate_metadata
 
-    validate_metadata(metadata, where)
+    validate_metadata(metadata, where)  # types first: the loop below relies on them
+    for info in metadata.storage_data.values():
+        check_relative_name(getattr(info, "relative_path", None), where)
     return metadata

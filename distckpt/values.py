@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 PREFIX = "distckpt-json:"
@@ -84,7 +85,40 @@ def encode(value: Any, name: str = "value") -> str:
 
 
 def decode(text: Any, name: str = "value") -> Any:
-    """The value :func:`encode` stored; ``ValueError`` naming ``name`` if ``text`` is not one."""
+    """The value :func:`encode` stored.
+
+    Raises:
+        IntegrityError: naming ``name``, if ``text`` is not one (the manifest says this entry
+            is a plain value, so the checkpoint was damaged or altered).
+    """
+    from .errors import IntegrityError
+
     if not isinstance(text, str) or not text.startswith(PREFIX):
-        raise ValueError(f"checkpoint entry {name!r} is not a distckpt plain value")
-    return _untag(json.loads(text[len(PREFIX):]))
+        raise IntegrityError(f"checkpoint entry {name!r} is not a distckpt plain value ({type(text).__name__} stored)")
+    try:
+        return _untag(json.loads(text[len(PREFIX):]))
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise IntegrityError(f"checkpoint entry {name!r}: its stored plain value is malformed ({exc})") from None
+
+
+def digest(text: str) -> str:
+    """What the manifest records of a plain value's stored text (``entries[name]["sha256"]``)."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_digest(text: Any, entry: Mapping[str, Any], name: str) -> None:
+    """Raise :class:`IntegrityError` if ``text`` (as read) is not the value the manifest recorded.
+
+    Plain values carry no tensor fingerprint; without this a ``.metadata`` pointed at another
+    record (re-sealed by an attacker) would load another value silently. Entries saved per rank
+    hold one value per rank, and the manifest records rank 0's: those are not checked.
+    """
+    from .errors import IntegrityError
+
+    expected = entry.get("sha256")
+    if not isinstance(expected, str) or entry.get("scope") == "per_rank":
+        return
+    if not isinstance(text, str) or digest(text) != expected:
+        raise IntegrityError(f"checkpoint entry {name!r}: the stored value is not the one saved (its sha256 does not match the manifest)")

@@ -393,3 +393,25 @@ def test_unusual_tensors_save_or_fail_the_same_sync_and_async(tmp_path, blocking
     out = {"q": torch.quantize_per_tensor(torch.zeros(6), 0.1, 3, torch.quint8)}
     ckpt.load(out)
     assert torch.equal(out["q"].int_repr(), q.int_repr()) and out["q"].q_zero_point() == 3
+
+
+def test_resealed_metadata_pointing_one_tensor_at_anothers_bytes_is_caught_everywhere(tmp_path):
+    """Two tensors of one shape with their storage entries swapped and .metadata re-sealed: sizes,
+    checksums and coverage are all fine, only the fingerprints recorded at save can tell."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    distckpt.Checkpointer(tmp_path).save(1, {"model": model})
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    a, b = MetadataIndex("model.0.weight", torch.Size([0, 0])), MetadataIndex("model.1.weight", torch.Size([0, 0]))
+    md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]
+    _reseal(d, md)
+    with pytest.raises(distckpt.StateDivergedError, match="model.0.weight, model.1.weight"):
+        distckpt.Checkpointer(tmp_path, verify_state=True).load({"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))})
+    for to in ("torch", "safetensors", "hf"):
+        out = tmp_path / f"out-{to}"
+        done = _cli("convert", str(d), "--to", to, str(out))
+        assert done.returncode == 1 and "fingerprint" in done.stderr and "model.0.weight" in done.stderr, (to, done.stderr)
+        assert not out.exists()
