@@ -13,7 +13,8 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
 * ``dcp_save``   plain ``torch.distributed.checkpoint.save`` with the default FileSystemWriter
   (1 thread, fsync); ``dcp_save_t2`` the same with ``thread_count=2`` (distckpt's default).
 * ``distckpt_sync``  ``Checkpointer(...).save(step, state)`` with the library defaults
-  (2 threads, fsync, crc32 checksums, manifest commit, RNG states).
+  (2 threads, fsync, crc32 checksums, manifest commit, RNG states); ``distckpt_sync_nocrc``
+  the same with ``skip_torch_record_crc=True`` (torch.save's per-record CRC off, process-wide).
 * ``distckpt_async`` ``save(blocking=False)``: ``blocking`` (time until training may go on) and
   ``total`` (until committed), on a fresh Checkpointer (``cold``: buffers allocated on that
   save) and on its second save (``warm``: buffers reused, the steady state of a training job).
@@ -208,6 +209,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     only_reshard = cfg.get("only_reshard", False)
     rootdir = b.base / "distckpt"
     sync_ck = distckpt.Checkpointer(str(rootdir / "sync"))
+    nocrc_ck = distckpt.Checkpointer(str(rootdir / "nocrc"), keep_last=1, skip_torch_record_crc=True)
     reshard_ck = distckpt.Checkpointer(other) if other else None
     s3 = cfg.get("s3")
     if s3 is not None:
@@ -247,6 +249,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         b.timed(rep, "dcp_save", lambda: b.dcp_save(rep, 1))
         b.timed(rep, "dcp_save_t2", lambda: b.dcp_save(rep, 2))
         b.timed(rep, "distckpt_sync", lambda: sync_ck.save(rep, b.state))
+        b.timed(rep, "distckpt_sync_nocrc", lambda: nocrc_ck.save(rep, b.state))
 
         def async_save() -> dict[str, Any]:
             ck = distckpt.Checkpointer(str(rootdir / f"async{rep}"))
@@ -431,7 +434,7 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
 
     raw_of = {
         "raw_write": "raw_write", "torch_save": "raw_write", "dcp_save": "raw_write",
-        "dcp_save_t2": "raw_write", "distckpt_sync": "raw_write", "distckpt_async": "raw_write",
+        "dcp_save_t2": "raw_write", "distckpt_sync": "raw_write", "distckpt_sync_nocrc": "raw_write", "distckpt_async": "raw_write",
         "staging_copy": "raw_write", "raw_read": "raw_read", "dcp_load": "raw_read",
         "distckpt_load": "raw_read", "distckpt_load_resharded": "raw_read",
         "s3_raw_put": "s3_raw_put", "distckpt_s3_save": "s3_raw_put",

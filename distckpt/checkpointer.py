@@ -126,6 +126,11 @@ class Checkpointer:
             parallelism differs from the save's; ``True``/``False``: always/never.
         lease_s: how long an incomplete step directory stays protected from other writers'
             cleanup without a refresh (:mod:`distckpt.ownership`).
+        skip_torch_record_crc: while this checkpointer writes, turn off the CRC-32 that
+            ``torch.save`` computes for every record (most of its CPU time; distckpt's own
+            ``checksum`` covers every byte, and ``torch.load`` does not check it). torch has only
+            a process-wide switch, so other ``torch.save`` calls in the process during a save also
+            write records without CRC (still readable). Off by default.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Checkpointer:
         on_replica_drift: str = "warn",
         verify_state: bool | None = None,
         lease_s: float = ownership.DEFAULT_LEASE_S,
+        skip_torch_record_crc: bool = False,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -169,6 +175,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.thread_count = thread_count
         self.sync_files = sync_files
+        self.skip_torch_record_crc = skip_torch_record_crc
         self.checksum = checksum
         self.save_rng = save_rng
         self.verify = verify
@@ -409,7 +416,11 @@ class Checkpointer:
     ) -> None:
         """(all ranks) Write the data with DCP, then commit on the coordinator; errors everywhere."""
         writer = self.storage.writer(
-            step_dir(step), thread_count=self.thread_count, sync_files=self.sync_files, checksum=self.checksum
+            step_dir(step),
+            thread_count=self.thread_count,
+            sync_files=self.sync_files,
+            checksum=self.checksum,
+            skip_record_crc=self.skip_torch_record_crc,
         )
         outcome: Any = None
         parts: list[Any] = []

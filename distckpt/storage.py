@@ -391,11 +391,21 @@ class Storage:
 
     # DCP -------------------------------------------------------------------------------------
     def writer(
-        self, *parts: str, thread_count: int = 2, sync_files: bool = True, checksum: str | None = "crc32"
+        self,
+        *parts: str,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksum: str | None = "crc32",
+        skip_record_crc: bool = False,
     ) -> CheckpointWriter:
         """A DCP StorageWriter for the directory ``parts`` that records per-file checksums."""
         return CheckpointWriter(
-            self, self.join(*parts), thread_count=thread_count, sync_files=sync_files, checksum=checksum
+            self,
+            self.join(*parts),
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksum=checksum,
+            skip_record_crc=skip_record_crc,
         )
 
     def reader(
@@ -660,6 +670,7 @@ class CheckpointWriter(FileSystemWriter):
         thread_count: int = 2,
         sync_files: bool = True,
         checksum: str | None = "crc32",
+        skip_record_crc: bool = False,
     ) -> None:
         # Remote files have no fileno(); DCP would fall back to os.sync() per file. Closing an
         # fsspec file is what commits it, and the stream wrapper flushes before closing.
@@ -673,6 +684,7 @@ class CheckpointWriter(FileSystemWriter):
             overwrite=True,
         )
         self.storage = storage
+        self.skip_record_crc = skip_record_crc
         self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync_files=sync_files and storage.is_local)
         self.path = Path(path) if storage.is_local else path
 
@@ -683,7 +695,7 @@ class CheckpointWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         # DCP (2.13) runs writer threads whose exceptions are printed and lost: the save would
         # commit without their items. Re-raise them, and check that every item was written.
-        if self.fs.algorithm:
+        if self.skip_record_crc and self.fs.algorithm:  # opt-in: the switch is process-wide
             with _without_torch_record_crc():
                 fut = super().write_data(plan, planner)
         else:

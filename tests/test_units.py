@@ -326,3 +326,19 @@ def test_replicated_shares_split_evenly_and_only_for_replicated_entries():
     # optim differs between ranks (ZeRO partitions): every rank stages its own.
     assert "optim.x" not in skips[0] | skips[1]
     assert replicated_shares([same], sizes, 0) == frozenset()
+
+
+def test_torch_record_crc_switch_is_opt_in(tmp_path, monkeypatch):
+    """torch.save's record CRC is a process-wide setting: a default save must not touch it."""
+    import torch.serialization as ser
+
+    calls: list[bool] = []
+    real = ser.set_crc32_options
+    monkeypatch.setattr(ser, "set_crc32_options", lambda on: (calls.append(on), real(on))[1])
+    distckpt.Checkpointer(tmp_path / "default").save(1, {"w": torch.ones(4)})
+    assert calls == []
+    distckpt.Checkpointer(tmp_path / "opt-in", skip_torch_record_crc=True).save(1, {"w": torch.ones(4)})
+    assert calls == [False, True] and ser.get_crc32_options()
+    loaded = {"w": torch.zeros(4)}
+    distckpt.Checkpointer(tmp_path / "opt-in").load(loaded)
+    assert torch.equal(loaded["w"], torch.ones(4))
