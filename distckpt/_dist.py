@@ -67,11 +67,6 @@ class Group:
             dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.enabled:
-            with _peer_failures("barrier"):
-                dist.barrier(group=self.pg)
-
 
 @contextmanager
 def _peer_failures(op: str) -> Iterator[None]:

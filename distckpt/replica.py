@@ -125,11 +125,6 @@ class Replicator:
             self._thread.start()
         self._queue.put(step)
 
-    def wait(self) -> None:
-        """Block until every submitted upload finished (or failed). No-op off the coordinator."""
-        if self._thread is not None:
-            self._queue.join()
-
     def close(self) -> None:
         """(all ranks, not collective) Wait for pending uploads, then stop the thread.
 

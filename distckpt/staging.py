@@ -54,13 +54,12 @@ class Stager:
 
     Not collective: each rank stages its own state. One stager serves one checkpointer; it is not
     thread-safe, and the checkpointer never stages while a staged dict is still being written.
-
-    Args:
-        pin_memory: pin buffers of accelerator tensors (``None``: when CUDA is available).
+    Buffers of accelerator tensors are pinned (when CUDA is available), so that their copies
+    are issued without blocking.
     """
 
-    def __init__(self, pin_memory: bool | None = None) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+    def __init__(self) -> None:
+        self.pin_memory = torch.cuda.is_available()
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:

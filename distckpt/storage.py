@@ -30,7 +30,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _Fsspe
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-_REMOTE_BUFFER = 32 * 1024 * 1024  # fewer, larger object-store parts
 
 # Object stores without real directories: fsspec's ``makedirs`` there creates a missing *bucket*
 # (so a typo in the bucket name would silently make a new one); we never create buckets.
@@ -102,7 +101,6 @@ class Storage:
             self.fs, path = url_to_fs(root, **self.storage_options)
             self.path = path.rstrip("/")
             self.url = _redact(root).rstrip("/")
-        self.protocol = protocol
         self.flat = not self.is_local and _flat_namespace(self.fs)
 
     @contextmanager
@@ -205,13 +203,6 @@ class Storage:
             for e in entries
             if e.get("type") == "file"
         }
-
-    def size(self, *parts: str) -> int:
-        path = self.join(*parts)
-        if self.is_local:
-            return os.path.getsize(path)
-        with self._at(*parts):
-            return int(self.fs.size(path))
 
     # bytes -----------------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:
