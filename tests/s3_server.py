@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from dist_harness import free_port
 
@@ -73,12 +72,3 @@ class S3Server:
         )
         client.create_bucket(Bucket=name)
         return name
-
-
-@contextmanager
-def s3_server() -> Iterator[S3Server]:
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()

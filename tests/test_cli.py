@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -316,29 +317,44 @@ def test_bad_inputs_one_line_errors(ckpt_root, tmp_path, capsys):
 
 
 # S3 ----------------------------------------------------------------------------------------------
-def test_s3_ls_verify_convert(tmp_path, capsys):
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
+def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucket):
+    import fsspec
     from safetensors.torch import load_file
 
-    from tests.s3_server import s3_server
+    from distckpt import convert
+    from distckpt.catalog import locate
 
     model = _model(7)
-    with s3_server() as srv:
-        srv.make_bucket("cli-bucket")
-        url = "s3://cli-bucket/run"
-        Checkpointer(url, storage_options=srv.storage_options).save(5, {"model": model})
-        opts = [f"--storage-option={k}={json.dumps(v)}" for k, v in srv.storage_options.items()]
-        code, out, err = run(["ls", url, "--json", *opts], capsys)
-        assert code == 0, err
-        assert [r["step"] for r in json.loads(out)["steps"]] == [5]
-        assert run(["verify", f"{url}/{step_dir(5)}", *opts], capsys)[0] == 0
-        out_file = str(tmp_path / "m.safetensors")
-        code, _, err = run(["convert", url, "--to", "safetensors", out_file, "-q", *opts], capsys)
-        assert code == 0, err
-        assert _same(load_file(out_file), model.state_dict())
-        code, _, err = run(["convert", url, "--to", "torch", "s3://cli-bucket/out/m.pt", "--model-only", "-q", *opts], capsys)
-        assert code == 0, err
+    url = f"s3://{s3_bucket}/run"
+    Checkpointer(url, storage_options=s3_server.storage_options).save(5, {"model": model})
+    opts = [f"--storage-option={k}={json.dumps(v)}" for k, v in s3_server.storage_options.items()]
+    code, out, err = run(["ls", url, "--json", *opts], capsys)
+    assert code == 0, err
+    assert [r["step"] for r in json.loads(out)["steps"]] == [5]
+    assert run(["verify", f"{url}/{step_dir(5)}", *opts], capsys)[0] == 0
+    out_file = str(tmp_path / "m.safetensors")
+    code, _, err = run(["convert", url, "--to", "safetensors", out_file, "-q", *opts], capsys)
+    assert code == 0, err
+    assert _same(load_file(out_file), model.state_dict())
+    exported = f"s3://{s3_bucket}/out/m.pt"
+    code, _, err = run(["convert", url, "--to", "torch", exported, "--model-only", "-q", *opts], capsys)
+    assert code == 0, err
+    fs = fsspec.filesystem("s3", **s3_server.storage_options)
+    with fs.open(exported, "rb") as f:
+        assert _same(torch.load(io.BytesIO(f.read()), weights_only=True), model.state_dict())
+    # A failed export publishes nothing: the upload is discarded, the earlier object stays.
+    before = fs.cat_file(exported)
+
+    def failing(self, key, dtype=None):
+        raise OSError(5, "Input/output error", key)
+
+    monkeypatch.setattr(convert.CheckpointSource, "read_tensor", failing)
+    with pytest.raises(OSError):
+        convert.export_torch(locate(url, s3_server.storage_options), exported, model_only=True, storage_options=s3_server.storage_options)
+    with pytest.raises(OSError):
+        convert.export_torch(locate(url, s3_server.storage_options), f"s3://{s3_bucket}/out/new.pt", storage_options=s3_server.storage_options)
+    fs.invalidate_cache()
+    assert fs.cat_file(exported) == before and not fs.exists(f"s3://{s3_bucket}/out/new.pt")
 
 
 def test_progress_bar_on_a_terminal_and_not_with_quiet(ckpt_root, tmp_path):
