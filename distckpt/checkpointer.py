@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -15,35 +14,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint import DefaultSavePlanner
 
-from . import fingerprint, ownership, rng, scope, statecheck
+from . import _saving, fingerprint, ownership, rng, scope, statecheck
 from ._compat import flatten_state_dict
-from ._dist import Group, all_ranks, capture, exchange, on_coordinator, raise_if_any
+from ._dist import Group, all_ranks, exchange, on_coordinator
 from ._loading import LoadReport, Selection, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
-from ._version import __version__
-from .errors import CheckpointError, StateMismatchError, StepExistsError, from_dcp
+from .errors import CheckpointError, StateMismatchError, from_dcp
 from .integrity import ALGORITHMS
-from .manifest import (
-    MANIFEST_NAME,
-    FileRecord,
-    Manifest,
-    committed_steps,
-    digest_of,
-    parse_step_dir,
-    read_manifest,
-    read_metadata,
-    step_dir,
-)
-from .retention import steps_to_delete
-from .staging import Stager, check_saveable, replicated_layout, replicated_shares
-from .state import build_entries, contains
-from .storage import NEW_DIR_PREFIX, Storage
+from .manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
+from .staging import Stager, replicated_shares
+from .storage import Storage
 
 log = logging.getLogger("distckpt")
 
@@ -61,12 +44,15 @@ class SaveStats:
         blocking_s: time ``save`` blocked the caller (staging only, for async saves).
         total_s: time from the call until the checkpoint was committed.
         bytes_written: bytes of all ranks' files (the checkpoint's size).
+        staged_bytes: host memory this rank's staging buffers hold after an async save (each
+            rank stages only its share of replicated state); 0 for a blocking save.
     """
 
     step: int
     blocking_s: float
     total_s: float | None = None
     bytes_written: int | None = None
+    staged_bytes: int = 0
 
     @property
     def throughput_gbps(self) -> float | None:
@@ -283,46 +269,47 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         group = self._ensure_group()
-        extra = dict(metadata or {})
-        (state_dict, described, sizes), views = exchange(
-            group, f"save of step {step}", lambda: self._prepare_save(step, state, extra, group, blocking)
+        opts = self._save_options()
+        # Phases 1-3 (see distckpt._saving): prepare and agree on every rank, claim on the coordinator.
+        prepared, views = exchange(
+            group,
+            f"save of step {step}",
+            lambda: _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking),
         )
-        _check_ranks_agree(views)
-        # Identical on every rank (same gathered views), so a Global() mismatch fails everywhere.
-        for name, declared in views[0].declared.items():
-            kind = scope.classify(name, declared, [v.digests[name] for v in views])
-            described[name]["scope"] = kind
-            if kind == scope.PER_RANK:
-                state_dict[name] = {scope.rank_key(group.rank): state_dict[name]}
-        on_coordinator(group, f"save of step {step}", lambda: self._prepare_dir(step))
+        _saving.agree(prepared, views, group.rank)
+
+        def claim() -> None:
+            self._lease = _saving.claim(opts, step)
+
+        on_coordinator(group, f"save of step {step}", claim)
 
         if blocking:
-            self._write_and_commit(group, step, state_dict, described, extra)
+            committed = self._write_and_commit(group, opts, prepared)
             elapsed = time.perf_counter() - t0
-            self.last_save = SaveStats(step, elapsed, elapsed, self._last_bytes)
+            self.last_save = SaveStats(step, elapsed, elapsed, committed)
             self._log_save(self.last_save)
             if self.replica is not None:
                 self.replica.submit(step)
             return
 
+        # 4. staging. Each rank stages only its share of replicated tensors (see distckpt.staging).
         if self._stager is None:
             self._stager = Stager()
-        # Each rank stages only its share of replicated tensors (see distckpt.staging).
-        skip = replicated_shares([v.layout for v in views], sizes, group.rank)
+        stager = self._stager
+        skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
         try:
-            staged = all_ranks(group, f"staging of step {step}", lambda: self._stager.stage(state_dict, skip))  # type: ignore[union-attr]
+            prepared.state_dict = all_ranks(group, f"staging of step {step}", lambda: stager.stage(prepared.state_dict, skip))
         except BaseException:
             self._release_lease(committed=False)  # the owner removes its step directory
             raise
-        blocked = time.perf_counter() - t0
-        job = _InFlight(step, blocked)
+        job = _InFlight(step, time.perf_counter() - t0)
+        job.stats.staged_bytes = stager.nbytes
 
         def run() -> None:
             _lower_priority(self.background_nice)
             try:
-                self._write_and_commit(group, step, staged, described, extra)
+                job.stats.bytes_written = self._write_and_commit(group, opts, prepared)
                 job.stats.total_s = time.perf_counter() - t0
-                job.stats.bytes_written = self._last_bytes
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
                 job.error = exc
 
@@ -330,172 +317,43 @@ class Checkpointer:
         self._inflight = job
         job.thread.start()
 
-    def _prepare_save(
-        self, step: int, state: Mapping[str, Any], extra: dict[str, Any], group: Group, blocking: bool
-    ) -> tuple[Any, Any]:
-        """(each rank, no collectives) What to save, and this rank's view for the agreement check.
-
-        Every check of the caller's input happens here, inside the exchange, so that bad input
-        on one rank fails every rank instead of leaving the others in a collective.
-        """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
-        entries = build_entries(state)
-        state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
-        check_saveable(state_dict)
-        described = {e.name: e.describe() for e in entries}
-        if self.save_rng:
-            state_dict[rng.NAMESPACE] = {scope.rank_key(group.rank): rng.capture()}
-            described[rng.NAMESPACE] = {"kind": "rng", "scope": scope.PER_RANK}
-        # Entries that are not modules/optimizers get a scope from every rank's digest (after the
-        # exchange); sharded DTensor state is written shard by shard and needs none.
-        scoped = [e for e in entries if e.scoped and not contains(state_dict[e.name], DTensor)]
-        # Only async saves stage, so only they need the replicated-tensor layout; it covers
-        # modules and optimizers, which are replicated or sharded by construction.
-        unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
-        digests, sizes = ({}, []) if blocking else replicated_layout(unscoped)
-        view = _SaveView(
-            step=step,
-            names=sorted(described),
-            digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
-            declared={e.name: e.declared for e in scoped},
-            layout=digests,
-        )
-        return (state_dict, described, sizes), view
-
-    def _prepare_dir(self, step: int) -> None:
-        """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves and
-        create the step directory exclusively, under a lease (see :mod:`distckpt.ownership`)."""
-        storage = self.storage
-        where = storage.display(step_dir(step))
-        if storage.exists(step_dir(step), MANIFEST_NAME):
-            raise StepExistsError(
-                f"step {step} is already committed at {where}; "
-                "saving it again would mix two checkpoints (delete it first or use a new step)"
-            )
-        for name in storage.list_dirs():
-            s = parse_step_dir(name)
-            if name.startswith(NEW_DIR_PREFIX):
-                # A step directory being built (local roots only): removable once its record is
-                # stale, or with no record yet only after a whole lease without change.
-                if not storage.exists(name, ownership.OWNER_NAME):
-                    try:
-                        age = time.time() - os.lstat(storage.join(name)).st_mtime
-                    except OSError:
-                        continue
-                    if age <= self.lease_s:
-                        continue
-            elif s is None or storage.exists(name, MANIFEST_NAME):
-                continue
-            if ownership.is_stale(storage, name, self.lease_s):
-                log.info("removing incomplete checkpoint %s", storage.display(name))
-                storage.remove_tree(name)
-            else:
-                log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
-        lease = ownership.Lease(storage, step_dir(step), self.lease_s)
-        try:
-            lease.acquire()
-        except FileExistsError:
-            raise StepExistsError(
-                f"step {step} at {where} is being written by another writer (its lease is live); "
-                "two jobs must not save the same step to one root"
-            ) from None
-        self._lease = lease
-
-    def _write_and_commit(
-        self,
-        group: Group,
-        step: int,
-        state_dict: dict[str, Any],
-        described: dict[str, Any],
-        extra: dict[str, Any],
-    ) -> None:
-        """(all ranks) Write the data with DCP, then commit on the coordinator; errors everywhere."""
-        writer = self.storage.writer(
-            step_dir(step),
+    def _save_options(self) -> _saving.SaveOptions:
+        return _saving.SaveOptions(
+            storage=self.storage,
+            keep_last=self.keep_last,
             thread_count=self.thread_count,
             sync_files=self.sync_files,
             checksum=self.checksum,
             skip_record_crc=self.skip_torch_record_crc,
+            save_rng=self.save_rng,
+            fingerprint=self.fingerprint,
+            on_replica_drift=self.on_replica_drift,
+            lease_s=self.lease_s,
         )
-        outcome: Any = None
-        parts: list[Any] = []
-        try:
-            if self.fingerprint:
-                # What this rank writes (its shards, its share of replicas), in DCP's keys.
-                parts = fingerprint.local_parts(flatten_state_dict(state_dict)[0])
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                process_group=group.pg,
-                no_dist=not group.enabled,
-            )
-        except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            outcome = capture(from_dcp(exc, f"writing step {step} to {self.storage.display(step_dir(step))}"))
-        gathered = group.all_gather((outcome, writer.files, parts))
-        try:
-            raise_if_any([o for o, _, _ in gathered], f"save of step {step}")
-        except BaseException:
-            self._release_lease(committed=False)
-            raise
-        files = [f for _, f, _ in gathered]
-        parts_by_rank = [p for _, _, p in gathered]
 
-        def commit() -> int:
-            merged: dict[str, FileRecord] = {}
-            for per_rank in files:
-                for name, (size, digest) in per_rank.items():
-                    merged[name] = FileRecord(size, digest if self.checksum else None)
-            meta = self.storage.read_bytes(step_dir(step), ".metadata")
-            merged[".metadata"] = FileRecord(len(meta), digest_of(meta, self.checksum))
-            manifest = Manifest(
-                step=step,
-                world_size=group.world_size,
-                entries=described,
-                files=merged,
-                checksum_algorithm=self.checksum,
-                torch_version=torch.__version__,
-                distckpt_version=__version__,
-                extra=extra,
-                fingerprints=statecheck.record(parts_by_rank, self.on_replica_drift, step) if self.fingerprint else {},
-            )
-            lease = self._lease
-            if lease is not None and not lease.still_mine():
-                raise StepExistsError(f"step {step} at {self.storage.display(step_dir(step))}: another writer took it over")
-            try:
-                self.storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME, exclusive=True)
-            except FileExistsError:
-                raise StepExistsError(f"step {step} at {self.storage.display(step_dir(step))} was committed by another writer") from None
-            self._release_lease(committed=True)
-            self._apply_retention()
-            return manifest.total_bytes
+    def _write_and_commit(self, group: Group, opts: _saving.SaveOptions, prepared: _saving.Prepared) -> int:
+        """(all ranks) Phases 5-7: write, commit, retention; returns the checkpoint's bytes.
 
+        Errors are raised on every rank; on any, the lease is released (the coordinator then
+        removes the step directory it created).
+        """
         try:
-            self._last_bytes = on_coordinator(group, f"commit of step {step}", commit)
+            written = _saving.write(opts, group, prepared)
+
+            def commit() -> int:
+                manifest = _saving.commit(opts, group.world_size, prepared, written, self._lease)
+                self._release_lease(committed=True)
+                _saving.apply_retention(opts)
+                return manifest.total_bytes
+
+            return on_coordinator(group, f"commit of step {prepared.step}", commit)
         finally:
-            self._release_lease(committed=False)
+            self._release_lease(committed=False)  # no-op after a commit
 
     def _release_lease(self, committed: bool) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release(committed)
-
-    _last_bytes: int | None = None
-
-    def _apply_retention(self) -> None:
-        """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors."""
-        for old in steps_to_delete(self.steps(), self.keep_last):
-            try:
-                # Manifest first: a crash mid-delete leaves an uncommitted dir, removed later.
-                self.storage.remove(step_dir(old), MANIFEST_NAME)
-                self.storage.remove_tree(step_dir(old))
-            except OSError as exc:
-                warnings.warn(f"distckpt: could not delete old checkpoint step {old}: {exc}", stacklevel=2)
 
     def _log_save(self, stats: SaveStats) -> None:
         if self._group is not None and self._group.rank == 0:
@@ -764,37 +622,6 @@ def _parallelism_changed(manifest: Manifest, entries: list[Any]) -> bool:
         if saved is not None and now is not None and saved != now:
             return True
     return False
-
-
-@dataclass
-class _SaveView:
-    """What one rank says about the save it was asked for (exchanged in one collective).
-
-    Attributes:
-        step, names: the step and the state's entry names (must agree across ranks).
-        digests: scoped entry -> digest of its value on this rank (decides global/per-rank).
-        declared: scoped entry -> scope declared by the user or the object's kind, or None.
-        layout: per module/optimizer entry, a digest of its plain tensors' keys, shapes and
-            dtypes (async saves: ranks agreeing hold the entry replicated, see staging).
-    """
-
-    step: int
-    names: list[str]
-    digests: dict[str, str]
-    declared: dict[str, str | None]
-    layout: dict[str, str]
-
-
-def _check_ranks_agree(views: list[_SaveView]) -> None:
-    """Same step and entry names on every rank, or a clear error (raised identically
-    everywhere: every rank judges the same gathered views). Values may differ: that makes an
-    entry per-rank (see distckpt.scope)."""
-    if len({(v.step, tuple(v.names)) for v in views}) > 1:
-        detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
-        raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
-    if len({tuple(sorted(v.digests)) for v in views}) > 1:
-        detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
-        raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
