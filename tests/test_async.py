@@ -25,20 +25,20 @@ class _DiskFull:
     """Inject ENOSPC at the file layer of this rank's checkpoint writes (the real error type)."""
 
     def __enter__(self):
-        from distckpt import storage
+        from distckpt import _writer
 
-        self._orig = storage._ChecksumStream.write
+        self._orig = _writer._ChecksumStream.write
 
         def write(stream, b):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        storage._ChecksumStream.write = write
+        _writer._ChecksumStream.write = write
         return self
 
     def __exit__(self, *exc):
-        from distckpt import storage
+        from distckpt import _writer
 
-        storage._ChecksumStream.write = self._orig
+        _writer._ChecksumStream.write = self._orig
 
 
 def _async_body(rank: int, world: int, root: str) -> dict:

@@ -141,9 +141,9 @@ def test_metadata_path_escaping_the_directory_is_refused(tmp_path):
 
 
 def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
-    from distckpt import storage
+    from distckpt import _writer
 
-    orig = storage._ChecksumStream.write
+    orig = _writer._ChecksumStream.write
     state = {"w": {f"t{i}": torch.randn(64, 64) for i in range(8)}}
 
     def write(self, b):
@@ -153,7 +153,7 @@ def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
 
     ckpt = distckpt.Checkpointer(tmp_path, thread_count=2)
     ckpt.save(1, state)
-    monkeypatch.setattr(storage._ChecksumStream, "write", write)
+    monkeypatch.setattr(_writer._ChecksumStream, "write", write)
     with pytest.raises(distckpt.CheckpointError, match="No space left"):
         ckpt.save(2, state)
     monkeypatch.undo()
@@ -163,7 +163,7 @@ def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
 
 
 def _rank_dies_body(rank: int, world: int, root: str) -> dict:
-    from distckpt import storage
+    from distckpt import _writer
 
     model = wrap(make_model(0), "ddp", world)
     optim = make_optimizer(model, "ddp")
@@ -177,7 +177,7 @@ def _rank_dies_body(rank: int, world: int, root: str) -> dict:
         def die(self, b):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        storage._ChecksumStream.write = die
+        _writer._ChecksumStream.write = die
     try:
         ckpt.save(2, {"model": model, "optim": optim})
         return {"error": None, "expected": expected}
