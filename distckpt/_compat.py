@@ -60,6 +60,11 @@ def storage_name_of_dtype(dtype: torch.dtype) -> str:
 rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
 
 
+# The enum DCP pickles a tensor's memory format as (the allow-list unpickler admits it, and
+# Python 3.11.0-3.11.2 pickle its members as getattr(enum, name)).
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MEM_FORMAT_ENCODING  # noqa: E402,F401
+
+
 def group_is_registered(pg: object) -> bool:
     """Whether ``pg`` is still one of torch.distributed's live groups (destroy_process_group()
     of the default group unregisters every group)."""

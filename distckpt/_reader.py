@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
@@ -211,7 +210,7 @@ class CheckpointReader(FileSystemReader):
                 planner.load_bytes(req, io.BytesIO(raw.read()))
                 continue
             tensor = _load_record(raw if raw.seekable() else io.BytesIO(raw.read()), req.storage_index.fqn, where)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise IntegrityError(
@@ -219,6 +218,16 @@ class CheckpointReader(FileSystemReader):
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
+    """The part of a stored shard a request reads: ``lengths`` elements from ``offsets`` per dim."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor  # the shape check below reports it
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, int(start), int(length))
+    return tensor
 
 
 def _load_record(stream: Any, key: str, where: str) -> Any:

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from ._compat import FsspecDcpFileSystem as _FsspecDcpFS
 from .storage import Storage, _flat_namespace, _redact
 
 

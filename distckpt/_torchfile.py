@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ._compat import PyTorchFileReader, dtype_from_storage_name
+
 
 class FileSlice(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
@@ -70,7 +72,7 @@ class _LayoutUnpickler(pickle.Unpickler):
             return OrderedDict
         if module == "torch" and name.endswith("Storage"):
             # The dtype, not the (deprecated) TypedStorage class torch.save names.
-            return torch.storage._get_dtype_from_pickle_storage_type(name)
+            return dtype_from_storage_name(name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -102,7 +104,7 @@ class RawLayout:
 def raw_layout(record: Any) -> RawLayout | None:
     """Layout of the single tensor saved in ``record`` (a seekable file-like of one record)."""
     try:
-        reader = torch._C.PyTorchFileReader(record)
+        reader = PyTorchFileReader(record)
         records = reader.get_all_records()
         pkl = next(r for r in records if r == "data.pkl" or r.endswith("/data.pkl"))
         (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(reader.get_record(pkl))).load()

@@ -60,6 +60,7 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 from ._reader import _load_record  # noqa: E402
+from ._compat import PyTorchFileWriter, rebuild_tensor_v2, storage_alignment, storage_name_of_dtype  # noqa: E402
 from ._torchfile import FileSlice, raw_layout  # noqa: E402
 
 
@@ -598,17 +599,15 @@ class _StubPickler(pickle.Pickler):
                 stride.append(acc)
                 acc *= d
             return (
-                torch._utils._rebuild_tensor_v2,
+                rebuild_tensor_v2,
                 (_StorageRef(obj), 0, tuple(obj.shape), tuple(reversed(stride)), False, OrderedDict()),
             )
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):
-            from torch.storage import _dtype_to_storage_type_map
-
             stub = obj.stub
-            storage_type = getattr(torch, _dtype_to_storage_type_map()[stub.dtype])
+            storage_type = getattr(torch, storage_name_of_dtype(stub.dtype))
             numel = 1
             for d in stub.shape:
                 numel *= d
@@ -676,12 +675,12 @@ def export_torch(
     _StubPickler(buf, protocol=2).dump(obj)
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
     crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    align_fn = getattr(torch.serialization, "_get_storage_alignment", None)
+    alignment = storage_alignment()
     with open_output(out, storage_options) as f:
         sink = _Sink(f, out)
-        writer = torch._C.PyTorchFileWriter(sink, crc, align_fn()) if align_fn else torch._C.PyTorchFileWriter(sink)
+        writer = PyTorchFileWriter(sink, crc, alignment) if alignment is not None else PyTorchFileWriter(sink)
         try:
-            _write_torch_records(writer, buf.getvalue(), stubs, source, align_fn, total, progress, sink)
+            _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink)
             sink.raise_error()
         except BaseException:
             # The C++ writer finishes its zip in its destructor, writing to ``sink``; if that write
@@ -736,7 +735,7 @@ def _write_torch_records(
     data: bytes,
     stubs: list[_Stub],
     source: CheckpointSource,
-    align_fn: Any,
+    alignment: int | None,
     total: int,
     progress: Progress | None,
     sink: _Sink,
@@ -745,9 +744,9 @@ def _write_torch_records(
     done = 0
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
-    if align_fn:
-        alignment = str(align_fn())
-        writer.write_record(".storage_alignment", alignment, len(alignment))
+    if alignment is not None:
+        text = str(alignment)
+        writer.write_record(".storage_alignment", text, len(text))
     writer.write_record("byteorder", "little", len("little"))
     for s in stubs:
         t = source.read_tensor(s.key, s.dtype)

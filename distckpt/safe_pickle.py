@@ -56,7 +56,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def _member_of_mem_format(self, owner: Any, name: Any) -> Any:
         """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
         admitted only for the memory-format enum of DCP's ``TensorProperties`` and its members."""
-        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+        from ._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
         if owner is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in _MEM_FORMAT_ENCODING.__members__:
             return _MEM_FORMAT_ENCODING[name]
