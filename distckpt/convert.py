@@ -189,22 +189,14 @@ class CheckpointSource:
         if not self._verify or name in self._verified:
             return
         from .errors import IntegrityError
-        from .integrity import file_digest
+        from .integrity import check_file
 
         manifest = self.found.manifest
         assert manifest is not None  # _verify implies a manifest
-        where = self.found.display(name)
         record = manifest.files.get(name)
         if record is None:
-            raise IntegrityError(f"{where}: referenced by .metadata but not listed in the manifest")
-        with self.found.storage.open(self._rel(name), "rb") as f:
-            size, digest = file_digest(f, manifest.checksum_algorithm or "crc32")
-        if size != record.size:
-            raise IntegrityError(f"{where}: {size} bytes, manifest says {record.size} (truncated or overwritten)")
-        if record.checksum and manifest.checksum_algorithm and digest != record.checksum:
-            raise IntegrityError(
-                f"{where}: {manifest.checksum_algorithm} {digest} does not match the manifest's {record.checksum} (corrupted)"
-            )
+            raise IntegrityError(f"{self.found.display(name)}: referenced by .metadata but not listed in the manifest")
+        check_file(self.found.storage, self.found.dirname, name, record, manifest.checksum_algorithm)
         self._verified.add(name)
 
     def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, numel: int) -> tuple[str, int] | None:

@@ -56,41 +56,52 @@ def file_digest(stream: Any, algorithm: str) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def check_file(storage: Any, directory: str, name: str, record: Any, algorithm: str | None) -> None:
+    """Check one file of a step against its manifest record (size, and checksum if recorded),
+    reading it once, streaming; opened the way loads open it (a symbolic link is refused).
+
+    The one whole-file check behind ``verify`` and ``convert`` (loads check the same while they
+    read, in :mod:`distckpt._reader`).
+
+    Raises:
+        IntegrityError: missing, wrong size or wrong checksum, naming the file.
+        UnsafeCheckpointError: the file is a symbolic link or not a regular file.
+    """
+    from .errors import IntegrityError
+
+    where = storage.display(directory, name)
+    try:
+        with storage.open(f"{directory}/{name}" if directory else name, "rb") as f:
+            size, digest = file_digest(f, algorithm or "crc32")
+    except FileNotFoundError:
+        raise IntegrityError(f"{where}: missing") from None
+    if size != record.size:
+        raise IntegrityError(f"{where}: size {size} bytes, manifest says {record.size} (truncated or overwritten)")
+    if record.checksum and algorithm and digest != record.checksum:
+        raise IntegrityError(f"{where}: {algorithm} {digest} does not match the manifest's {record.checksum} (corrupted)")
+
+
 def verify_checkpoint(storage: Any, step: int) -> list[str]:
     """Problems of committed ``step`` under ``storage``: one line per bad file, [] if intact.
 
-    Checks every file the manifest lists for presence, size and (if recorded) checksum, and
-    that the step directory holds no data file the manifest does not know. Reads each file once,
-    streaming. Not collective.
+    Checks every file the manifest lists (:func:`check_file`), and that the step directory
+    holds no data file the manifest does not know. Not collective.
     """
-    from .manifest import read_manifest
-    from .manifest import step_dir
+    from .errors import IntegrityError, UnsafeCheckpointError
+    from .manifest import read_manifest, step_dir
 
     manifest = read_manifest(storage, step)
     directory = step_dir(step)
     present = storage.list_files(directory)
     problems: list[str] = []
-    from .errors import UnsafeCheckpointError
-
     for name, record in sorted(manifest.files.items()):
-        where = storage.display(directory, name)
         if name not in present:
-            problems.append(f"{where}: missing")
+            problems.append(f"{storage.display(directory, name)}: missing")
             continue
         try:
-            # Opened the way loads open it: a symbolic link is refused, never followed.
-            with storage.open(f"{directory}/{name}", "rb") as f:
-                size, digest = file_digest(f, manifest.checksum_algorithm or "crc32")
-        except UnsafeCheckpointError as exc:
+            check_file(storage, directory, name, record, manifest.checksum_algorithm)
+        except (IntegrityError, UnsafeCheckpointError) as exc:
             problems.append(str(exc))
-            continue
-        if size != record.size:
-            problems.append(f"{where}: size {size} bytes, manifest says {record.size} (truncated or overwritten)")
-            continue
-        if record.checksum and manifest.checksum_algorithm and digest != record.checksum:
-            problems.append(
-                f"{where}: {manifest.checksum_algorithm} {digest} does not match manifest {record.checksum} (corrupted)"
-            )
     for name in sorted(set(present) - set(manifest.files) - {"manifest.json"}):
         if name.endswith(".distcp"):
             problems.append(f"{storage.display(directory, name)}: not listed in the manifest")
