@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +44,8 @@ from ._compat import flatten_state_dict
 from ._dist import Group, capture, raise_if_any
 from ._version import __version__
 from .errors import StepExistsError, from_dcp
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, committed_steps, digest_of, parse_step_dir, step_dir
-from .retention import steps_to_delete
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, parse_step_dir, step_dir
+from .retention import delete_old_steps
 from .staging import check_saveable, replicated_layout
 from .state import build_entries, contains
 from .storage import NEW_DIR_PREFIX, Storage
@@ -295,10 +294,4 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
 # 7. retention ------------------------------------------------------------------------------------
 def apply_retention(opts: SaveOptions) -> None:
     """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors."""
-    for old in steps_to_delete(committed_steps(opts.storage), opts.keep_last):
-        try:
-            # Manifest first: a crash mid-delete leaves an uncommitted dir, removed later.
-            opts.storage.remove(step_dir(old), MANIFEST_NAME)
-            opts.storage.remove_tree(step_dir(old))
-        except OSError as exc:
-            warnings.warn(f"distckpt: could not delete old checkpoint step {old}: {exc}", stacklevel=2)
+    delete_old_steps(opts.storage, opts.keep_last)

@@ -37,7 +37,7 @@ _crc_saved = True
 def _without_torch_record_crc() -> Iterator[None]:
     """Skip the CRC-32 ``torch.save`` computes for every zip record while distckpt writes.
 
-    That CRC is most of torch.save's CPU time (5 vs 21 GB/s here) and torch.load never checks
+    That CRC is most of torch.save's CPU time (see benchmarks/README.md) and torch.load never checks
     it; distckpt's own checksum covers every byte of the file instead. The switch is global in
     torch, so it is reference-counted across concurrent saves; a ``torch.save`` elsewhere in the
     process meanwhile writes records without CRC, which ``torch.load`` reads as usual.

@@ -25,6 +25,7 @@ from ._planner import SafeLoadPlanner
 from .errors import CheckpointError, StateMismatchError, from_dcp
 from .integrity import ALGORITHMS
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
+from .retention import check_keep_last
 from .staging import Stager, replicated_shares
 from .storage import Storage
 
@@ -142,8 +143,7 @@ class Checkpointer:
         lease_s: float = ownership.DEFAULT_LEASE_S,
         skip_torch_record_crc: bool = False,
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        check_keep_last(keep_last)
         if checksum is not None and checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {checksum!r}")
         if thread_count < 1:

@@ -1,7 +1,7 @@
 """Checksums of checkpoint files: computed while writing, recorded in the manifest, verified on read.
 
-``crc32`` (zlib, ~7 GB/s here) is the default: it detects flipped bytes and truncation at a cost
-well under the disk's speed. ``sha256`` (~2 GB/s with SHA-NI) is there for users who want a
+``crc32`` (zlib) is the default: it detects flipped bytes and truncation at a cost well under
+a disk's speed (figures in benchmarks/README.md). ``sha256`` is there for users who want a
 cryptographic digest. Neither protects against an attacker who can also rewrite the manifest.
 """
 

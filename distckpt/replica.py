@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
-from .retention import steps_to_delete
+from .retention import check_keep_last, delete_old_steps
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -83,8 +83,7 @@ class Replicator:
         max_concurrency: int = 4,
         is_coordinator: Callable[[], bool] | None = None,
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        check_keep_last(keep_last)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.local = local
@@ -260,9 +259,8 @@ class Replicator:
         if not committed:
             return
         newest = committed[-1]
-        for old in steps_to_delete(committed, self.keep_last):
-            self.remote.remove(step_dir(old), MANIFEST_NAME)
-            self.remote.remove_tree(step_dir(old))
+        for old in delete_old_steps(self.remote, self.keep_last):
+            committed.remove(old)
         for dirname in self.remote.list_dirs():
             s = parse_step_dir(dirname)
             if s is not None and s < newest and s not in committed:
