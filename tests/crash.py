@@ -41,7 +41,7 @@ def make_state(step: int) -> dict:
 
 
 def _saver(root: str, start: int) -> None:
-    warnings.simplefilter("ignore")
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
     ckpt = distckpt.Checkpointer(root, keep_last=2)
     step = start
     while True:

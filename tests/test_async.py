@@ -18,7 +18,7 @@ from dist_harness import run_ranks
 from distckpt.manifest import MANIFEST_NAME, step_dir
 from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
 
 class _DiskFull:

@@ -17,7 +17,7 @@ from dist_harness import run_ranks
 from distckpt.manifest import MANIFEST_NAME, step_dir
 from models import assert_same, full_model_state, make_model, make_optimizer, train_steps, wrap
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
 
 def test_sigkill_at_random_points_never_loses_a_committed_checkpoint(tmp_path):

@@ -10,9 +10,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import warnings
 
+import pytest
 import torch
 
 import distckpt
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
 ROUNDS = 12
 
@@ -22,7 +25,7 @@ def _values(writer: int, step: int) -> dict:
 
 
 def _writer(writer: int, root: str, steps: list[int], out: mp.Queue) -> None:
-    warnings.simplefilter("ignore")
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
     ckpt = distckpt.Checkpointer(root)
     done, refused, other = [], [], []
     for i, step in enumerate(steps):
