@@ -36,6 +36,7 @@ device (no per-element Python): about the speed of a memory copy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -45,8 +46,8 @@ VERSION = 1
 _TABLE_BITS = 20
 _TABLE = 1 << _TABLE_BITS
 _MASK64 = (1 << 64) - 1
-# Rows handled per vectorised batch on the general (many runs) path: bounds temporary memory.
-_BATCH_ELEMENTS = 1 << 22
+# Elements per vectorised step: bounds temporary memory and keeps products in cache.
+_CHUNK = 1 << 18
 
 _tables: dict[torch.device, torch.Tensor] = {}
 
@@ -83,10 +84,22 @@ def _table(device: torch.device) -> torch.Tensor:
     return table
 
 
+@functools.lru_cache(maxsize=4096)
 def _block_multiplier(q: int) -> int:
-    """``M[q]``: odd 32-bit multiplier of block ``q`` (2**20 elements), as a Python int."""
-    z = _splitmix64(torch.tensor([q + (1 << 40)], dtype=torch.int64))
-    return int(_odd32(z)[0]) & 0xFFFFFFFF
+    """``M[q]``: odd 32-bit multiplier of block ``q`` (2**20 elements), as a Python int.
+
+    The same splitmix64 as :func:`_splitmix64`, in Python ints: it is called once per block,
+    where a tensor round trip would cost more than the block's arithmetic."""
+    z = (q + (1 << 40) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z & 0xFFFFFFFF) | 1
+
+
+def _block_multipliers(blocks: torch.Tensor) -> torch.Tensor:
+    """``M[q]`` for a tensor of block numbers (int64, values in ``[0, 2**32)``)."""
+    return _odd32(_splitmix64(blocks + (1 << 40))).to(torch.int64) & 0xFFFFFFFF
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -121,20 +134,15 @@ def _run_sum(bits: torch.Tensor, start: int) -> int:
     total = 0
     pos = 0
     n = bits.numel()
-    # Narrow elements are widened into one reused buffer (copy_ + in-place multiply is twice as
-    # fast as a promoting multiply here).
-    buf = None if wide or bits.dtype == torch.int32 else torch.empty(min(n, _TABLE), dtype=torch.int32, device=bits.device)
+    # One reused product buffer of _CHUNK elements: small enough to stay in cache between the
+    # multiply and the sum, large enough that the per-chunk Python cost is negligible.
+    buf = torch.empty(min(n, _CHUNK), dtype=table.dtype, device=bits.device)
     while pos < n:
         g = start + pos
         lo = g & (_TABLE - 1)
-        take = min(n - pos, _TABLE - lo)
-        piece = bits[pos : pos + take]
-        if buf is None:
-            prod = torch.mul(piece, table[lo : lo + take])
-        else:
-            prod = buf[:take]
-            prod.copy_(piece)
-            prod.mul_(table[lo : lo + take])
+        take = min(n - pos, _TABLE - lo, _CHUNK)
+        prod = buf[:take]
+        torch.mul(bits[pos : pos + take], table[lo : lo + take], out=prod)
         s = int(prod.sum(dtype=torch.int64))
         total = (total + _block_multiplier(g >> _TABLE_BITS) * s) & _MASK64
         pos += take
@@ -206,26 +214,41 @@ def partial_sum(local: torch.Tensor, global_shape: Sequence[int], offsets: Seque
 
 
 def _many_runs_sum(bits: torch.Tensor, outer: list[int], run: int, base: int, strides: list[int]) -> int:
-    """General path: many short runs (e.g. a column-split 2-D shard), vectorised over runs."""
+    """General path: many runs of ``run`` elements (e.g. a column-split 2-D shard), vectorised.
+
+    Row ``r`` of the shard covers global indices ``[s_r, s_r + run)``. Its weights are the
+    table slice starting at ``s_r mod 2**20``: row ``lo`` of an unfolded view of the table
+    (extended by ``run`` entries so that no slice wraps), gathered row by row, so no per-element
+    index is ever built. A row inside one 2**20 block has one block multiplier; the few rows that
+    cross a block boundary are summed on the contiguous path instead.
+    """
     device = bits.device
     starts = torch.full((1,), base, dtype=torch.int64, device=device)
     for d, n in enumerate(outer):
         starts = (starts[:, None] + torch.arange(n, dtype=torch.int64, device=device)[None, :] * strides[d]).reshape(-1)
-    table = _table(device)
-    wide = bits.dtype == torch.int64
-    col = torch.arange(run, dtype=torch.int64, device=device)
-    rows_per_batch = max(1, _BATCH_ELEMENTS // max(run, 1))
-    blocks = ((int(starts[-1]) + run) >> _TABLE_BITS) + 1
-    mult = torch.tensor([_block_multiplier(q) for q in range(blocks)], dtype=torch.int64, device=device)
     values = bits.view(-1, run)
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for r0 in range(0, values.shape[0], rows_per_batch):
-        g = starts[r0 : r0 + rows_per_batch, None] + col[None, :]
-        w = table[g & (_TABLE - 1)]
-        v = values[r0 : r0 + rows_per_batch]
-        prod = torch.mul(v, w.to(torch.int64)) if wide else torch.mul(v.to(torch.int32), w).to(torch.int64)
-        total += (prod * mult[g >> _TABLE_BITS]).sum()
-    return int(total) & _MASK64
+    if run > _TABLE // 2:  # long rows: few of them, and most cross a block boundary
+        total = 0
+        for r, s in enumerate(starts.tolist()):
+            total = (total + _run_sum(values[r], s)) & _MASK64
+        return total
+    table = _table(device)
+    windows = torch.cat([table, table[:run]]).unfold(0, run, 1)  # windows[j] = T[j : j + run]
+    lo = starts & (_TABLE - 1)
+    cross = (lo + run) > _TABLE
+    mult = _block_multipliers(starts >> _TABLE_BITS).masked_fill(cross, 0)
+    wide = bits.dtype == torch.int64
+    rows = max(1, _CHUNK // run)
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    for r0 in range(0, values.shape[0], rows):
+        w = windows[lo[r0 : r0 + rows]]  # a fresh (rows, run) int32 copy
+        v = values[r0 : r0 + rows]
+        prod = v * w.to(torch.int64) if wide else w.mul_(v if v.dtype == torch.int32 else v.to(torch.int32))
+        acc += (prod.sum(1, dtype=torch.int64) * mult[r0 : r0 + rows]).sum()
+    total = int(acc)
+    for r in cross.nonzero().flatten().tolist():
+        total += _run_sum(values[r], int(starts[r]))
+    return total & _MASK64
 
 
 def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype) -> str:

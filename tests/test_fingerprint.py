@@ -62,6 +62,25 @@ def test_long_runs_cross_table_blocks():
     assert parts == _whole(t)
 
 
+def test_column_split_rows_that_cross_table_blocks():
+    # The vectorised many-runs path: rows of a column split that straddle a 2**20 block boundary
+    # (summed on the contiguous path), and rows longer than half the table (run by run).
+    t = (torch.randn(1100, 2000) * 50).to(torch.int16)
+    left = fp.partial_sum(t[:, :700].clone(), t.shape, [0, 0])
+    right = fp.partial_sum(t[:, 700:].clone(), t.shape, [0, 700])
+    assert (left + right) & MASK == _whole(t)
+    wide = (torch.randn(70, 600_000) * 50).to(torch.int8)
+    parts = (fp.partial_sum(wide[:, :100].clone(), wide.shape, [0, 0]) + fp.partial_sum(wide[:, 100:].clone(), wide.shape, [0, 100])) & MASK
+    assert parts == _whole(wide)
+
+
+def test_block_multipliers_agree_between_python_and_torch():
+    qs = [0, 1, 2, 3, 1000, 123456, (1 << 32) - 1]
+    vectorised = fp._block_multipliers(torch.tensor(qs, dtype=torch.int64)).tolist()
+    assert [fp._block_multiplier(q) for q in qs] == vectorised
+    assert all(m % 2 == 1 and 0 < m < 1 << 32 for m in vectorised)
+
+
 def test_every_single_element_change_is_seen():
     t = torch.randn(64, 64)
     ref = fp.of_tensor(t)
