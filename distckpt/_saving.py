@@ -12,8 +12,8 @@ ranks call each is part of the protocol:
 3. :func:`claim`     (coordinator, via ``on_coordinator``) refuses a committed step, removes
    stale leftovers of interrupted saves and creates the step directory exclusively, under a
    lease (:mod:`distckpt.ownership`).
-4. staging           (async saves only; each rank, :class:`~distckpt.staging.Stager`) copies the
-   state into host buffers; training resumes after it.
+4. :func:`stage`     (async saves only; each rank) copies the state into host buffers
+   (:class:`~distckpt.staging.Stager`); training resumes after it.
 5. :func:`write`     (all ranks, collective) DCP writes the data files and ``.metadata``; every
    rank's outcome, file records and fingerprint parts are gathered, so that a failure on one
    rank is raised on all of them.
@@ -46,7 +46,7 @@ from ._version import __version__
 from .errors import StepExistsError, from_dcp
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, parse_step_dir, step_dir
 from .retention import delete_old_steps
-from .staging import check_saveable, replicated_layout
+from .staging import Stager, check_saveable, replicated_layout
 from .state import build_entries, contains
 from .storage import NEW_DIR_PREFIX, Storage
 
@@ -99,6 +99,9 @@ class Prepared:
         sizes: ``(flattened key, bytes)`` of plain tensors of modules/optimizers (async only:
             used to split replicated state among the ranks' stagers).
         extra: the caller's JSON metadata for the manifest.
+        replica_parts: fingerprint parts of replicated tensors this rank holds but another
+            rank stages and writes (async saves, see :func:`stage`), so that replicas are
+            compared across ranks even though each rank stages only its share.
     """
 
     step: int
@@ -106,6 +109,7 @@ class Prepared:
     described: dict[str, Any]
     sizes: list[tuple[str, int]]
     extra: dict[str, Any]
+    replica_parts: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +225,23 @@ def _remove_stale_leftovers(storage: Storage, lease_s: float) -> None:
             log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
 
 
+# 4. stage ----------------------------------------------------------------------------------------
+def stage(opts: SaveOptions, stager: Stager, prepared: Prepared, skip: frozenset[str]) -> None:
+    """(each rank, async saves; training is blocked meanwhile) Copy the state into ``stager``'s
+    host buffers, leaving out ``skip``: replicated tensors another rank stages and writes.
+
+    Those left-out replicas are still fingerprinted here, from the live tensors before training
+    changes them, so that replicas that drifted apart are reported as in a blocking save. It
+    reads each of them once (cheaper than the copy it replaces); ``on_replica_drift="ignore"``
+    or ``fingerprint=False`` skips it.
+    """
+    live = prepared.state_dict
+    prepared.state_dict = stager.stage(live, skip)
+    if skip and opts.fingerprint and opts.on_replica_drift != "ignore":
+        flat = flatten_state_dict(live)[0]
+        prepared.replica_parts = fingerprint.local_parts({k: flat[k] for k in skip if k in flat})
+
+
 # 5. write ----------------------------------------------------------------------------------------
 def write(opts: SaveOptions, group: Group, prepared: Prepared) -> Written:
     """(all ranks) DCP writes this rank's data and the coordinator ``.metadata``.
@@ -240,8 +261,9 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared) -> Written:
     parts: list[Any] = []
     try:
         if opts.fingerprint:
-            # What this rank writes (its shards, its share of replicas), in DCP's keys.
-            parts = fingerprint.local_parts(flatten_state_dict(prepared.state_dict)[0])
+            # What this rank writes (its shards, its share of replicas), in DCP's keys, and
+            # (async) the replicas it holds but another rank writes, for the drift comparison.
+            parts = fingerprint.local_parts(flatten_state_dict(prepared.state_dict)[0]) + prepared.replica_parts
         dcp.save(
             prepared.state_dict,
             storage_writer=writer,

@@ -298,7 +298,7 @@ class Checkpointer:
         stager = self._stager
         skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
         try:
-            prepared.state_dict = all_ranks(group, f"staging of step {step}", lambda: stager.stage(prepared.state_dict, skip))
+            all_ranks(group, f"staging of step {step}", lambda: _saving.stage(opts, stager, prepared, skip))
         except BaseException:
             self._release_lease(committed=False)  # the owner removes its step directory
             raise

@@ -81,6 +81,14 @@ def _fault_body(rank: int, world: int, root: str) -> dict:
         out["drift"] = None
     except ReplicaDriftError as exc:
         out["drift"] = str(exc)
+    # The same from an async save, where each rank stages only its share of the replicas.
+    try:
+        strict.save(2, {"model": ddp}, blocking=False)
+        strict.wait()
+        out["drift_async"] = None
+    except ReplicaDriftError as exc:
+        out["drift_async"] = str(exc)
+    strict.close()
     ckpt.close()
     return out
 
@@ -103,7 +111,8 @@ def test_injected_divergences_are_caught_and_named(tmp_path):
             else:
                 assert {"mine.rank_0", "mine.rank_1"} <= set(diverged), diverged
             assert "differs from the state saved" in message
-        assert res["drift"] is not None and "model.0.weight" in res["drift"] and "[0] vs [1]" in res["drift"]
+        for mode in ("drift", "drift_async"):
+            assert res[mode] is not None and "model.0.weight" in res[mode] and "[0] vs [1]" in res[mode], (mode, res[mode])
     for fault in expected:
         assert results[0][fault] == results[1][fault], f"{fault}: the same error on every rank"
 
