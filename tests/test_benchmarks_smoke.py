@@ -75,3 +75,16 @@ def test_hf_load_quick(tmp_path: Path) -> None:
     assert all(0.3 * res["model_bytes"] <= b <= 0.7 * res["model_bytes"] for b in res["bytes_read_per_rank"])
     assert sum(res["bytes_read_per_rank"]) >= res["model_bytes"]
     assert {t["target"] for t in res["targets"]} == {"peak_rss_per_rank"}
+
+
+@pytest.mark.timeout(150)
+def test_verify_cost_quick(tmp_path: Path) -> None:
+    res = _run("verify_cost.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    assert [ws["world_size"] for ws in res["world_sizes"]] == [1, 2]
+    for ws in res["world_sizes"]:
+        m = ws["median_s"]
+        assert {"load", "load_verified", "fingerprint"} <= m.keys()
+        assert all(t > 0 for t in m.values())
+        assert ws["verified_over_plain"] == pytest.approx(m["load_verified"] / m["load"])
+        assert ws["target_met"] == (ws["verified_over_plain"] <= 1.30)
+    assert "fingerprint_colsplit" in res["world_sizes"][1]["median_s"]
