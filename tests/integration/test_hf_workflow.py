@@ -112,6 +112,38 @@ def test_hf_weights_fsdp2_train_resume_publish(tmp_path):
         assert not any(p.name.startswith("pub") and ".tmp-" in p.name for p in tmp_path.iterdir())
 
 
+def _ddp_job(rank: int, world: int, hf_dir: str, pub: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model(100 + rank))  # DDP broadcasts rank 0's init; the load must overwrite it
+    report = hf.load_pretrained(model, hf_dir)
+    loaded = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(_tokens(rank), labels=_tokens(rank)).loss  # each rank its own batch
+    loss.backward()  # DDP averages the gradients: the replicas stay equal
+    optim.step()
+    published = hf.save_pretrained(model, pub, config=model.module.config)
+    with torch.no_grad():
+        logits = model.module(_tokens(99)).logits
+    return {"report": (report.missing, report.unexpected, report.tied), "loaded": loaded, "logits": logits, "files": published["files"]}
+
+
+def test_hf_weights_into_ddp_and_published_from_ddp(tmp_path):
+    hf_dir, pub = str(tmp_path / "hf"), str(tmp_path / "pub")
+    ref = _model(0)
+    ref.save_pretrained(hf_dir, max_shard_size="40KB", safe_serialization=True)
+    results = run_ranks(_ddp_job, 2, tmp_path, hf_dir, pub)
+    for r, res in enumerate(results):
+        assert res["report"] == ([], [], {"lm_head.weight": "model.embed_tokens.weight"}), (r, res["report"])
+        for k, v in ref.state_dict().items():
+            assert torch.equal(res["loaded"][k], v), f"rank {r}: {k} after load_pretrained through DDP"
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(pub, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # no "module." prefixes
+    with torch.no_grad():
+        assert torch.allclose(loaded(_tokens(99)).logits, results[0]["logits"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[0]["logits"], results[1]["logits"])
+
+
 def test_key_mapping_strict_and_dtype(tmp_path):
     untied_config = transformers.LlamaConfig(**{**_config().to_dict(), "tie_word_embeddings": False})
     torch.manual_seed(0)
