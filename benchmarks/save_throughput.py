@@ -13,7 +13,7 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
 * ``dcp_save``   plain ``torch.distributed.checkpoint.save`` with the default FileSystemWriter
   (1 thread, fsync); ``dcp_save_t2`` the same with ``thread_count=2`` (distckpt's default).
 * ``distckpt_sync``  ``Checkpointer(...).save(step, state)`` with the library defaults
-  (2 threads, fsync, crc32 checksums, manifest commit, RNG states); ``distckpt_sync_nocrc``
+  (2 threads, fsync, crc32c checksums, manifest commit, RNG states); ``distckpt_sync_nocrc``
   the same with ``skip_torch_record_crc=True`` (torch.save's per-record CRC off, process-wide).
 * ``distckpt_async`` ``save(blocking=False)``: ``blocking`` (time until training may go on) and
   ``total`` (until committed), on a fresh Checkpointer (``cold``: buffers allocated on that

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from .integrity import DEFAULT as DEFAULT_CHECKSUM
 from .storage import Storage, named_os_error
 
 
@@ -230,7 +231,7 @@ class CheckpointWriter(FileSystemWriter):
         *,
         thread_count: int = 2,
         sync_files: bool = True,
-        checksum: str | None = "crc32",
+        checksum: str | None = DEFAULT_CHECKSUM,
         skip_record_crc: bool = False,
     ) -> None:
         # Remote files have no fileno(); DCP would fall back to os.sync() per file. Closing an

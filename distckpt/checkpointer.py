@@ -24,6 +24,7 @@ from ._loading import LoadReport, Selection, apply_load, judge, plan_load
 from ._planner import SafeLoadPlanner
 from .errors import CheckpointError, StateMismatchError, from_dcp
 from .integrity import ALGORITHMS
+from .integrity import DEFAULT as DEFAULT_CHECKSUM
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
 from .retention import check_keep_last
 from .staging import Stager, replicated_shares
@@ -95,7 +96,8 @@ class Checkpointer:
             after this long instead of hanging.
         thread_count: writer threads per rank.
         sync_files: fsync local files before committing (object stores commit on close).
-        checksum: ``"crc32"`` (default), ``"sha256"`` or ``None``; computed while writing.
+        checksum: ``"crc32c"`` (default, hardware CRC-32C), ``"crc32"`` (zlib), ``"sha256"`` or
+            ``None``; computed while writing, recorded in the manifest (see :mod:`distckpt.integrity`).
         save_rng: save every rank's RNG states with each checkpoint.
         background_nice: niceness added to the threads of an async save (Linux), so that on a
             busy machine training keeps the CPU and the save takes what is left (0: off).
@@ -131,7 +133,7 @@ class Checkpointer:
         timeout: timedelta | float = timedelta(minutes=10),
         thread_count: int = 2,
         sync_files: bool = True,
-        checksum: str | None = "crc32",
+        checksum: str | None = DEFAULT_CHECKSUM,
         save_rng: bool = True,
         verify: bool = True,
         background_nice: int = 10,

@@ -26,6 +26,8 @@ from typing import Any
 import fsspec
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from .integrity import DEFAULT as DEFAULT_CHECKSUM
+
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
@@ -221,7 +223,7 @@ class Storage:
         *parts: str,
         thread_count: int = 2,
         sync_files: bool = True,
-        checksum: str | None = "crc32",
+        checksum: str | None = DEFAULT_CHECKSUM,
         skip_record_crc: bool = False,
     ) -> Any:
         """A DCP StorageWriter for the directory ``parts`` that records per-file checksums

@@ -37,15 +37,30 @@ def _model(seed: int) -> nn.Module:
 
 
 # checksums ----------------------------------------------------------------------------------------
-def test_checksum_sha256_is_recorded_and_verified(tmp_path):
+def _reference_digest(algorithm: str, data: bytes) -> str:
+    import zlib
+
+    import crc32c
+
+    if algorithm == "crc32c":
+        return f"{crc32c.crc32c(data):08x}"
+    if algorithm == "crc32":
+        return f"{zlib.crc32(data):08x}"
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("algorithm", [None, "crc32", "sha256"])  # None: the default, crc32c
+def test_checksum_is_recorded_and_verified(tmp_path, algorithm):
     model = _model(0)
-    ckpt = distckpt.Checkpointer(tmp_path, checksum="sha256")
+    ckpt = distckpt.Checkpointer(tmp_path, **({"checksum": algorithm} if algorithm else {}))
     ckpt.save(1, {"model": model})
     manifest = ckpt.manifest(1)
-    assert manifest.checksum_algorithm == "sha256"
+    algorithm = algorithm or "crc32c"
+    assert manifest.checksum_algorithm == algorithm
     directory = tmp_path / step_dir(1)
     for name, record in manifest.files.items():
-        assert record.checksum == hashlib.sha256((directory / name).read_bytes()).hexdigest(), name
+        assert record.checksum == _reference_digest(algorithm, (directory / name).read_bytes()), name
+    assert set(manifest.files) >= {".metadata"} and len(manifest.files) >= 2
     fresh = _model(1)
     ckpt.load({"model": fresh})
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_tensors_are_read_straight_into_their_destination(tmp_path):
     manifest = read_manifest(ckpt.storage, 1)
     for verify in (True, False):
         dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
-        reader = ckpt.storage.reader(step_dir(1), files=manifest.files if verify else None, checksum="crc32")
+        reader = ckpt.storage.reader(step_dir(1), files=manifest.files if verify else None, checksum=manifest.checksum_algorithm)
         dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
         assert reader.fast_reads == len(tensors)
         for k in tensors:
@@ -340,3 +341,20 @@ def test_torch_record_crc_switch_is_opt_in(tmp_path, monkeypatch):
     loaded = {"w": torch.zeros(4)}
     distckpt.Checkpointer(tmp_path / "opt-in").load(loaded)
     assert torch.equal(loaded["w"], torch.ones(4))
+
+
+def test_crc32c_without_hardware_path_warns_once(monkeypatch):
+    import crc32c
+
+    from distckpt import integrity
+
+    monkeypatch.setattr(integrity, "_crc32c", None)
+    monkeypatch.setattr(crc32c, "hardware_based", False)
+    with pytest.warns(RuntimeWarning, match="no CRC32C instruction"):
+        h = integrity.new_hasher("crc32c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second hasher says nothing
+        h2 = integrity.new_hasher("crc32c")
+    h.update(b"123456789")
+    h2.update(memoryview(bytearray(b"123456789")))  # writable buffers too, without a copy
+    assert h.hexdigest() == h2.hexdigest() == "e3069283"  # the CRC-32C check value
