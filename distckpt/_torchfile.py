@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _shape
 from ._compat import PyTorchFileReader, dtype_from_storage_name
 
 
@@ -82,15 +83,6 @@ class _LayoutUnpickler(pickle.Unpickler):
         return (dtype, str(key), int(numel))
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-
 @dataclass
 class RawLayout:
     """A tensor stored as plain row-major bytes at ``data_offset`` inside its record."""
@@ -112,10 +104,8 @@ def raw_layout(record: Any) -> RawLayout | None:
         start = int(reader.get_record_offset(rec))
     except Exception:  # noqa: BLE001 - unusual layout: the caller loads the record instead
         return None
-    numel = 1
-    for d in size:
-        numel *= d
-    if offset + numel > snumel or (numel > 1 and stride != contiguous_strides(size)):
+    numel = _shape.numel(size)
+    if offset + numel > snumel or (numel > 1 and stride != _shape.contiguous_strides(size)):
         return None
     itemsize = torch.empty((), dtype=sdtype).element_size()
     return RawLayout(sdtype, tuple(size), start + offset * itemsize, numel * itemsize)

@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ._shape import numel
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
 from .storage import Storage
@@ -162,16 +162,13 @@ def entry_rows(metadata: Metadata) -> list[dict[str, Any]]:
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             dtype = md.properties.dtype
-            numel = 1
-            for d in md.size:
-                numel *= int(d)
             rows.append(
                 {
                     "key": key,
                     "kind": "tensor",
                     "dtype": str(dtype).removeprefix("torch."),
                     "shape": [int(d) for d in md.size],
-                    "bytes": numel * torch.empty((), dtype=dtype).element_size(),
+                    "bytes": numel(md.size) * dtype.itemsize,
                     "shards": len(md.chunks),
                 }
             )
@@ -192,7 +189,7 @@ def describe(found: Located) -> dict[str, Any]:
         "tensors": len(tensors),
         "values": len(rows) - len(tensors),
         "tensor_bytes": sum(r["bytes"] for r in tensors),
-        "parameters": sum(_numel(r["shape"]) for r in tensors),
+        "parameters": sum(numel(r["shape"]) for r in tensors),
         "file_bytes": sum(files.values()),
         "files": len(files),
     }
@@ -203,10 +200,3 @@ def describe(found: Located) -> dict[str, Any]:
         "totals": totals,
         "manifest": asdict(found.manifest) if found.manifest is not None else None,
     }
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

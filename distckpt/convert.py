@@ -61,6 +61,7 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 from ._reader import _load_record  # noqa: E402
 from ._compat import PyTorchFileWriter, rebuild_tensor_v2, storage_alignment, storage_name_of_dtype  # noqa: E402
+from ._shape import contiguous_strides, numel  # noqa: E402
 from ._torchfile import FileSlice, raw_layout  # noqa: E402
 
 
@@ -81,13 +82,10 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        return self.numel * torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.numel * (dtype or self.dtype).itemsize
 
 
 class _Tally:
@@ -330,10 +328,7 @@ class CheckpointSource:
             pos = 0
             for c in chunks:
                 pos = int(c.offsets[0]) * row_bytes if info.shape else 0
-                numel = 1
-                for d in c.sizes:
-                    numel *= int(d)
-                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype, tally)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel(c.sizes), dtype, tally)
                 if blocks is None:
                     break
                 for block in blocks:
@@ -371,10 +366,7 @@ class CheckpointSource:
         tally = self._tally(key)
         if chunks is not None:
             for c in chunks:
-                numel = 1
-                for d in c.sizes:
-                    numel *= int(d)
-                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel, dtype, tally)
+                blocks = self.iter_shard_blocks(key, tuple(int(o) for o in c.offsets), numel(c.sizes), dtype, tally)
                 if blocks is None:
                     streams = []
                     break
@@ -585,14 +577,9 @@ class _StubPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _Stub):
-            stride = []
-            acc = 1
-            for d in reversed(obj.shape):
-                stride.append(acc)
-                acc *= d
             return (
                 rebuild_tensor_v2,
-                (_StorageRef(obj), 0, tuple(obj.shape), tuple(reversed(stride)), False, OrderedDict()),
+                (_StorageRef(obj), 0, tuple(obj.shape), contiguous_strides(obj.shape), False, OrderedDict()),
             )
         return NotImplemented
 
@@ -600,10 +587,7 @@ class _StubPickler(pickle.Pickler):
         if isinstance(obj, _StorageRef):
             stub = obj.stub
             storage_type = getattr(torch, storage_name_of_dtype(stub.dtype))
-            numel = 1
-            for d in stub.shape:
-                numel *= d
-            return ("storage", storage_type, str(stub.index), "cpu", numel)
+            return ("storage", storage_type, str(stub.index), "cpu", numel(stub.shape))
         return None
 
 

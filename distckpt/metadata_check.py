@@ -11,23 +11,17 @@ and the key. Not collective.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ._shape import numel
 from .errors import IntegrityError
 
 
 def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list, torch.Size)) and all(type(v) is int and v >= 0 for v in value)
-
-
-def _volume(sizes: Sequence[int]) -> int:
-    n = 1
-    for d in sizes:
-        n *= d
-    return n
 
 
 def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] | None = None) -> None:
@@ -95,16 +89,16 @@ def _check_coverage(key: str, size: tuple[int, ...], chunks: list[Any], where: s
                 f"{where}: tensor {key!r}: chunk at {list(offsets)} of size {list(sizes)} lies outside its shape {list(size)}"
             )
         boxes.append((offsets, sizes))
-    covered = sum(_volume(s) for _, s in boxes)
-    if covered != _volume(size):
+    covered = sum(numel(s) for _, s in boxes)
+    if covered != numel(size):
         raise IntegrityError(
-            f"{where}: tensor {key!r}: its chunks cover {covered} of {_volume(size)} elements (gaps or overlaps)"
+            f"{where}: tensor {key!r}: its chunks cover {covered} of {numel(size)} elements (gaps or overlaps)"
         )
     if not size:
         return
     # Sweep along dimension 0: only chunks whose dim-0 ranges overlap can intersect, so the
     # check stays near-linear for FSDP row blocks and grid layouts alike.
-    boxes = [b for b in boxes if _volume(b[1])]
+    boxes = [b for b in boxes if numel(b[1])]
     boxes.sort(key=lambda b: b[0][0])
     active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for box in boxes:
