@@ -5,7 +5,10 @@ a chunk moved outside its tensor leaves the tensor untouched by a load (and ``co
 uninitialised memory), two overlapping chunks make the result depend on read order. Every load
 and every export therefore checks, per tensor, that its chunks lie inside it, do not overlap and
 cover it exactly (their volumes add up to its size), and that each chunk has a stored item whose
-byte range is sane. Violations raise :class:`~distckpt.errors.IntegrityError` naming the file
+byte range is sane: inside its file, disjoint from every other item, and long enough to hold the
+chunk's bytes. The last bound means that a consistent but oversized declaration (a tensor and its
+chunk both declared 2^40 elements) is refused here, before any reader allocates the tensor: what
+a reader allocates is at most the bytes the files hold. Violations raise :class:`~distckpt.errors.IntegrityError` naming the file
 and the key. Not collective.
 """
 
@@ -43,12 +46,14 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise IntegrityError(f"{where}: state_dict_metadata and storage_data must be dicts")
+    per_file: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise IntegrityError(f"{where}: storage_data key {index!r:.80} is not a MetadataIndex")
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise IntegrityError(f"{where}: item {index.fqn!r}: offset/length must be non-negative ints, got {offset!r}/{length!r}")
+        per_file.setdefault(str(getattr(info, "relative_path", "")), []).append((offset, length, index.fqn))
         if file_sizes is not None:
             name = str(getattr(info, "relative_path", ""))
             size = file_sizes.get(name)
@@ -56,6 +61,12 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
                 raise IntegrityError(f"{where}: item {index.fqn!r} is stored in {name!r}, which the manifest does not list")
             if offset + length > size:
                 raise IntegrityError(f"{where}: item {index.fqn!r}: bytes [{offset}, {offset + length}) lie outside {name} ({size} bytes)")
+    for name, items in per_file.items():
+        # DCP writes each item once, one after another: items sharing bytes were put there.
+        items.sort()
+        for (o1, n1, k1), (o2, _, k2) in zip(items, items[1:]):
+            if o2 < o1 + n1:
+                raise IntegrityError(f"{where}: items {k1!r} and {k2!r} share bytes of {name} (at {o2}); stored items never overlap")
     for key, md in sdm.items():
         if not isinstance(key, str):
             raise IntegrityError(f"{where}: state_dict_metadata key {key!r:.80} is not a string")
@@ -73,8 +84,17 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
             raise IntegrityError(f"{where}: tensor {key!r}: chunks must be a list of ChunkStorageMetadata")
         _check_coverage(key, tuple(size), md.chunks, where)
         for chunk in md.chunks:
-            if MetadataIndex(key, chunk.offsets) not in storage:
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
                 raise IntegrityError(f"{where}: tensor {key!r}: chunk at {list(chunk.offsets)} has no stored item")
+            need = numel(chunk.sizes) * dtype.itemsize
+            if need > info.length and not getattr(info, "transform_descriptors", None):
+                # A stored item holds the chunk's raw bytes plus a small header (transformed,
+                # e.g. compressed, items excepted).
+                raise IntegrityError(
+                    f"{where}: tensor {key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} needs "
+                    f"{need} bytes of {dtype}, but its stored item holds only {info.length}"
+                )
 
 
 def _check_coverage(key: str, size: tuple[int, ...], chunks: list[Any], where: str) -> None:

@@ -415,3 +415,55 @@ def test_resealed_metadata_pointing_one_tensor_at_anothers_bytes_is_caught_every
         done = _cli("convert", str(d), "--to", to, str(out))
         assert done.returncode == 1 and "fingerprint" in done.stderr and "model.0.weight" in done.stderr, (to, done.stderr)
         assert not out.exists()
+
+
+@pytest.mark.parametrize("elements", [2**40, 2**26])
+def test_an_oversized_consistent_declaration_is_refused_before_anything_is_allocated(tmp_path, elements):
+    """A tensor and its one chunk both declared larger (consistent, so coverage holds), re-sealed:
+    the stored item cannot hold that many bytes, which is an IntegrityError before any reader
+    allocates the declared shape (2^40 elements used to reach the allocator; 2^26 allocated
+    256 MiB first)."""
+    model = _save(tmp_path, 1, 1)
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    key = "model.1.bias"
+    tmd = md.state_dict_metadata[key]
+    tmd.size = torch.Size([elements])
+    tmd.chunks[0].sizes = torch.Size([elements])
+    _reseal(d, md)
+    from distckpt.catalog import locate
+    from distckpt.convert import export_safetensors, export_torch
+
+    calls = {
+        "load": lambda: distckpt.Checkpointer(tmp_path).load({"model": model}),
+        "torch": lambda: export_torch(locate(str(d)), str(tmp_path / "o.pt")),
+        "safetensors": lambda: export_safetensors(locate(str(d)), str(tmp_path / "o.st")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(distckpt.IntegrityError, match=f"{key}.*stored item holds only") as info:
+            call()
+        assert ".metadata" in str(info.value), name
+    done = _cli("verify", "--state", str(d))
+    assert done.returncode == 1 and key in done.stderr and "stored item" in done.stderr, done.stderr
+    assert not list(tmp_path.glob("o.*"))
+
+
+def test_two_stored_items_sharing_bytes_are_refused(tmp_path):
+    """One tensor's storage entry pointed at another's bytes (re-sealed): DCP writes every item
+    once, so items that overlap in a file are an IntegrityError before anything is read."""
+    import copy
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    distckpt.Checkpointer(tmp_path).save(1, {"model": model})
+    d = tmp_path / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    a, b = MetadataIndex("model.0.weight", torch.Size([0, 0])), MetadataIndex("model.1.weight", torch.Size([0, 0]))
+    md.storage_data[b] = copy.copy(md.storage_data[a])
+    _reseal(d, md)
+    with pytest.raises(distckpt.IntegrityError, match="share bytes"):
+        distckpt.Checkpointer(tmp_path).load({"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))})
+    done = _cli("convert", str(d), "--to", "safetensors", str(tmp_path / "o.st"))
+    assert done.returncode == 1 and "share bytes" in done.stderr and "model.0.weight" in done.stderr, done.stderr
