@@ -634,11 +634,10 @@ def export_torch(
             if k in source.tensors:
                 item: Any = stub(k)
             else:
-                try:
-                    item = source.read_value(k)
-                except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                    skipped.append(f"{k} ({type(exc).__name__})")
-                    continue
+                # A value that cannot be read (damaged, altered, or needing code to unpickle)
+                # fails the export like a tensor would; only a readable value that is not plain
+                # data (a torch.save file holds no custom classes) is left out and reported.
+                item = source.read_value(k)
                 if not values.is_plain(item):
                     skipped.append(f"{k} (not a plain value)")
                     continue

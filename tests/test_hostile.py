@@ -467,3 +467,54 @@ def test_two_stored_items_sharing_bytes_are_refused(tmp_path):
         distckpt.Checkpointer(tmp_path).load({"model": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))})
     done = _cli("convert", str(d), "--to", "safetensors", str(tmp_path / "o.st"))
     assert done.returncode == 1 and "share bytes" in done.stderr and "model.0.weight" in done.stderr, done.stderr
+
+
+def _value_only_file(d: Path) -> Path:
+    """A data file of step directory ``d`` that holds plain values and no tensor."""
+    md = pickle.loads((d / ".metadata").read_bytes())
+    files: dict[str, set[bool]] = {}
+    for index, info in md.storage_data.items():
+        files.setdefault(info.relative_path, set()).add(index.fqn in md.state_dict_metadata and index.offset is None)
+    (name,) = [n for n, kinds in sorted(files.items()) if kinds == {True}][:1]
+    return d / name
+
+
+@pytest.mark.parametrize("damage", ["flip", "resealed"])
+def test_full_torch_export_fails_on_a_damaged_or_altered_value(tmp_path, damage):
+    """``convert --to torch`` (values included) used to list an unreadable value under "skipped"
+    and exit 0; a value that fails its checks must fail the export, as it fails a load."""
+    from distckpt.manifest import digest_of
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)  # two tensors for four files: two files hold only values
+    state = {"model": model, "epoch": 3, "note": "hello world", "a": 1, "b": 2, "c": [1, 2]}
+    distckpt.Checkpointer(tmp_path, thread_count=4, save_rng=False).save(1, state)
+    d = tmp_path / step_dir(1)
+    if damage == "flip":  # a file holding only values (thread_count=4 writes such files)
+        victim = _value_only_file(d)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 1
+        victim.write_bytes(bytes(data))
+        expected = [victim.name, "corrupted"]
+    else:  # a value changed in place and its file re-sealed in the manifest: load refuses it
+        raw = json.loads((d / MANIFEST_NAME).read_text())
+        for victim in d.glob("*.distcp"):
+            data = victim.read_bytes()
+            if b"distckpt-json:3" in data:
+                data = data.replace(b"distckpt-json:3", b"distckpt-json:7")
+                victim.write_bytes(data)
+                raw["files"][victim.name]["checksum"] = digest_of(data, raw["checksum_algorithm"])
+        (d / MANIFEST_NAME).write_text(json.dumps(raw))
+        expected = ["epoch", "sha256"]
+        with pytest.raises(distckpt.IntegrityError, match="epoch"):
+            distckpt.Checkpointer(tmp_path).load(dict(state, model=nn.Linear(4, 4)))
+    out = tmp_path / "o.pt"
+    done = _cli("convert", str(d), "--to", "torch", str(out))
+    assert done.returncode == 1 and all(e in done.stderr for e in expected), done.stderr
+    assert "skipped" not in done.stderr and not out.exists() and not list(tmp_path.glob("o.pt*"))
+    # The same checkpoint undamaged exports every value (nothing skipped).
+    distckpt.Checkpointer(tmp_path / "good", thread_count=4, save_rng=False).save(1, state)
+    done = _cli("convert", str(tmp_path / "good" / step_dir(1)), "--to", "torch", str(out), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["skipped"] == [], done.stdout
+    got = torch.load(out, weights_only=True)
+    assert {k: got[k] for k in ("epoch", "note", "a", "b", "c")} == {"epoch": 3, "note": "hello world", "a": 1, "b": 2, "c": [1, 2]}
