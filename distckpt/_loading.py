@@ -131,11 +131,17 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
 @dataclass
 class Selection:
     """Which parts of a checkpoint a load takes: ``only`` / ``exclude`` patterns (``fnmatch``
-    style, e.g. ``"model"``, ``"optim"``, ``"model.layers.0.*"``), matched against entry names
-    and full keys. Everything by default."""
+    style, e.g. ``"model"``, ``"optim"``, ``"model.layers.0.*"``, ``"*.weight"``), matched against
+    entry names and full keys. Everything by default.
+
+    ``keys``: the checkpoint's keys. With them, an entry the checkpoint holds takes part exactly
+    when some of its keys are selected, so a key pattern selects keys across entries
+    (``only="*.weight"``) and an entry whose keys are all excluded is left untouched.
+    """
 
     only: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    keys: frozenset[str] | None = None
 
     @staticmethod
     def _hit(name: str, patterns: tuple[str, ...]) -> bool:
@@ -145,9 +151,14 @@ class Selection:
 
     def entry(self, name: str) -> bool:
         """Whether entry ``name`` takes part (some of its keys may still be left out)."""
-        if self.only and not (self._hit(name, self.only) or any(p.startswith(name + ".") for p in self.only)):
+        if self._hit(name, self.exclude):
             return False
-        return not self._hit(name, self.exclude)
+        if self.keys is not None:
+            own = [k for k in self.keys if k == name or k.startswith(name + ".")]
+            if own:
+                return any(self.key(k) for k in own)
+        # Not in the checkpoint (or its keys unknown): by name, so strictness still reports it.
+        return not self.only or self._hit(name, self.only) or any(p.startswith(name + ".") for p in self.only)
 
     def key(self, key: str) -> bool:
         entry = key.split(".", 1)[0]

@@ -49,6 +49,27 @@ def parallel_kind(module: nn.Module) -> str:
     return "plain" + suffix
 
 
+def dtensor_layout(module: nn.Module) -> str | None:
+    """A digest of how ``module``'s DTensor parameters are laid out, or ``None`` if it has none.
+
+    Covers each parameter's FQN, mesh shape and placements, so that FSDP2 on a 1-D mesh, HSDP
+    or a 2-D mesh, or other placements at the same world size give different digests (the
+    manifest records it; a load compares it to decide whether to verify the state).
+    """
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    items = [
+        f"{clean_fqn(name)}|{tuple(p.device_mesh.shape)}|{tuple(repr(pl) for pl in p.placements)}"
+        for name, p in module.named_parameters()
+        if isinstance(p, DTensor)
+    ]
+    if not items:
+        return None
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
+
+
 class Entry:
     """One top-level item of ``state``. Subclasses are created by :func:`build_entries`.
 
@@ -91,7 +112,11 @@ class ModuleEntry(Entry):
         self.module = module
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "parallel": parallel_kind(self.module)}
+        out = {"kind": self.kind, "parallel": parallel_kind(self.module)}
+        layout = dtensor_layout(self.module)
+        if layout is not None:
+            out["layout"] = layout
+        return out
 
     def save_state(self) -> Any:
         return get_model_state_dict(self.module)

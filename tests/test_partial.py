@@ -55,3 +55,76 @@ def test_exclude_an_entry_and_key_patterns(tmp_path):
         ckpt.load({"model": make_model(1)}, only=["model", "loader"])
     with pytest.raises(ValueError, match="selects nothing"):
         ckpt.load({"model": make_model(1)}, only="modle")
+
+
+def test_key_patterns_select_keys_across_entries(tmp_path):
+    ckpt, model = _saved(tmp_path)
+    saved = model.state_dict()
+    for strict in (True, False):
+        fresh = make_model(5)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        optim = make_optimizer(fresh, "plain")
+        ckpt.load({"model": fresh, "optim": optim, "loader": Position(0)}, only="*.weight", strict=strict)
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, saved[k] if k.endswith(".weight") else before[k]), (strict, k)
+        assert not optim.state, "no optimizer key matches '*.weight': the optimizer is left untouched"
+        assert ckpt.last_load_report.clean
+    # Every key of an entry excluded: the entry is left alone (no optimizer state is created).
+    fresh = make_model(5)
+    state = {"model": fresh, "optim": make_optimizer(fresh, "plain"), "loader": Position(0), "step": 0}
+    ckpt.load(state, exclude="optim.*")
+    assert not state["optim"].state and state["step"] == 1 and state["loader"].n == 7
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="selects nothing"):
+            ckpt.load({"model": make_model(1)}, only="*.nothing", strict=strict)
+
+
+def _partial_body(rank: int, world: int, root: str) -> dict:
+    from models import full_model_state, full_optim_state
+
+    model = wrap(make_model(0), "fsdp", world)
+    optim = make_optimizer(model, "fsdp")
+    train_steps(model, optim, range(2), rank, world)
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(2, {"model": model, "optim": optim, "step": 2})
+    saved = full_model_state(model)
+    out: dict = {}
+    for only in ("model", "*.weight"):
+        fresh = wrap(make_model(5), "fsdp", world)
+        new_optim = make_optimizer(fresh, "fsdp")
+        train_steps(fresh, new_optim, range(7, 8), rank, world)  # its own state, to be kept
+        before_model, before_optim = full_model_state(fresh), full_optim_state(fresh, new_optim)
+        ckpt.load({"model": fresh, "optim": new_optim}, only=only)
+        after = full_model_state(fresh)
+        out[only] = {
+            "model": {k: torch.equal(v, saved[k] if only == "model" or k.endswith(".weight") else before_model[k]) for k, v in after.items()},
+            "optim_untouched": _same(before_optim, full_optim_state(fresh, new_optim)),
+            "clean": ckpt.last_load_report.clean,
+        }
+    try:
+        ckpt.load({"model": wrap(make_model(1), "fsdp", world)}, only="*.nothing")
+        out["nothing"] = None
+    except ValueError as exc:
+        out["nothing"] = str(exc)
+    ckpt.close()
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+def test_partial_loads_at_two_fsdp2_ranks(tmp_path):
+    from dist_harness import run_ranks
+
+    results = run_ranks(_partial_body, 2, tmp_path, str(tmp_path / "ck"))
+    for r, res in enumerate(results):
+        for only in ("model", "*.weight"):
+            assert all(res[only]["model"].values()), (r, only, res[only]["model"])
+            assert res[only]["optim_untouched"], f"rank {r}: only={only!r} changed the optimizer"
+            assert res[only]["clean"], (r, only)
+        assert res["nothing"] is not None and "selects nothing" in res["nothing"], (r, res["nothing"])
+    assert results[0]["nothing"] == results[1]["nothing"]

@@ -2,7 +2,8 @@
 
 Weights and every optimizer state entry (exp_avg, exp_avg_sq, step, param-group hyper-parameters)
 must equal what was saved, exactly; at the same world size and parallelism, one more training
-step after the load must equal the step the uninterrupted job took.
+step after the load must equal the step the uninterrupted job took. Every load runs the state
+check (``verify_state=True``): no layout change may raise a false alarm.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _load_body(rank: int, world: int, root: str) -> dict:
                 model = wrap(make_model(seed=1), kind, world)
                 optim = make_optimizer(model, kind)
                 state = {"model": model, "optim": optim, "step": 0}
-                step = distckpt.Checkpointer(f"{root}/{saved_kind}-{saved_world}").load(state)
+                # Verified: every N -> M, kind -> kind load proves it holds what was saved (no false alarm).
+                step = distckpt.Checkpointer(f"{root}/{saved_kind}-{saved_world}").load(state, verify_state=True)
                 assert step == 3 and state["step"] == 3
                 model_sd, optim_sd, after = full_model_state(model), full_optim_state(model, optim), None
                 if kind == saved_kind and world == saved_world:

@@ -17,7 +17,112 @@ from distckpt.statecheck import ReplicaDriftError, StateDivergedError
 from models import make_model, make_optimizer, train_steps, wrap
 
 
-def _fault_body(rank: int, world: int, root: str) -> dict:
+def _fsdp_layout(model, world: int, layout: str):
+    """FSDP2 on a 1-D mesh (``fsdp``), HSDP on a (1, world) mesh (``hsdp``) or with columns
+    sharded instead of rows (``cols``): the same world size, other layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    if layout == "fsdp":
+        return wrap(model, "fsdp", world)
+    kwargs: dict = {"mesh": init_device_mesh("cpu", (world,))}
+    if layout == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    elif layout == "cols":
+        # FSDP2 shards dim 1 only evenly: the first layer's 10 columns
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else Shard(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _default_check_cases(rank: int, world: int, root: str, root_w1: str) -> dict:
+    """Loads with the default ``verify_state=None`` and a fault injected after the real load
+    path: the check must run (and catch it) when the world size or the layout changed, not when
+    nothing changed. ``root_w1`` was saved by one process (a plain model)."""
+    from torch.distributed.tensor import DTensor
+
+    import distckpt._loading as loading
+    import distckpt.checkpointer as ck
+
+    def corrupt(model) -> None:
+        p = next(model.parameters())
+        local = p.to_local() if isinstance(p, DTensor) else p
+        with torch.no_grad():
+            local.view(-1)[:1] += 1.0
+
+    def load(root_: str, state: dict, fault: bool):
+        original = loading.apply_load
+
+        def apply(group, manifest, plan, st):
+            original(group, manifest, plan, st)
+            if fault:
+                corrupt(st["model"])
+
+        ck.apply_load = apply
+        try:
+            distckpt.Checkpointer(root_).load(state)
+            return None
+        except StateDivergedError as exc:
+            return exc.diverged
+        finally:
+            ck.apply_load = original
+
+    # Saved at this world size: FSDP2 rows on a 1-D mesh; DDP with a plain optimizer; DDP with ZeRO.
+    fsdp = wrap(make_model(0), "fsdp", world)
+    distckpt.Checkpointer(root + "-dflt-fsdp").save(1, {"model": fsdp})
+    for kind in ("ddp", "zero"):
+        model = wrap(make_model(0), kind, world)
+        optim = make_optimizer(model, kind)
+        train_steps(model, optim, range(1), rank, world)
+        distckpt.Checkpointer(f"{root}-dflt-{kind}").save(1, {"model": model, "optim": optim})
+
+    def fresh(kind: str) -> dict:
+        if kind in ("fsdp", "hsdp", "cols"):
+            return {"model": _fsdp_layout(make_model(3), world, kind)}
+        if kind == "plain":
+            return {"model": make_model(3)}
+        model = wrap(make_model(3), kind, world)
+        return {"model": model, "optim": make_optimizer(model, kind)}
+
+    cases = {
+        "world_size": (root_w1, "plain"),  # 1 process -> 2 ranks, plain both times
+        "ddp_to_zero": (root + "-dflt-ddp", "zero"),
+        "zero_to_ddp": (root + "-dflt-zero", "ddp"),
+        "fsdp_to_hsdp": (root + "-dflt-fsdp", "hsdp"),
+        "fsdp_rows_to_cols": (root + "-dflt-fsdp", "cols"),
+        "unchanged": (root + "-dflt-fsdp", "fsdp"),
+    }
+    out = {}
+    for name, (source, kind) in cases.items():
+        out[name] = (load(source, fresh(kind), fault=True), load(source, fresh(kind), fault=False))
+
+    # Saved without fingerprints: the default skips the due check with one warning (per root);
+    # verify_state=True refuses before reading, with the same error on every rank.
+    distckpt.Checkpointer(root + "-nofp", fingerprint=False).save(1, {"model": fsdp})
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            distckpt.Checkpointer(root + "-nofp").load(fresh("hsdp"))
+    unverified = [str(w.message) for w in caught if "not verified" in str(w.message)]
+    target = fresh("hsdp")
+    before = target["model"][0].weight.to_local().clone()
+    try:
+        distckpt.Checkpointer(root + "-nofp").load(target, verify_state=True)
+        refused = None
+    except distckpt.CheckpointError as exc:
+        refused = str(exc)
+    untouched = torch.equal(target["model"][0].weight.to_local(), before)
+    out["no_fingerprints"] = (unverified, refused, untouched)
+    return out
+
+
+def _fault_body(rank: int, world: int, root: str, root_w1: str | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
     import distckpt._loading as loading
@@ -90,11 +195,32 @@ def _fault_body(rank: int, world: int, root: str) -> dict:
         out["drift_async"] = str(exc)
     strict.close()
     ckpt.close()
+    if root_w1 is not None:
+        out["default"] = _default_check_cases(rank, world, root, root_w1)
     return out
 
 
 def test_injected_divergences_are_caught_and_named(tmp_path):
-    results = run_ranks(_fault_body, 2, tmp_path, str(tmp_path / "ck"))
+    root_w1 = str(tmp_path / "w1")
+    distckpt.Checkpointer(root_w1).save(1, {"model": make_model(0)})
+    results = run_ranks(_fault_body, 2, tmp_path, str(tmp_path / "ck"), root_w1)
+    # The default (verify_state=None) checks loads that change the world size or the layout at
+    # the same world size (DDP <-> ZeRO, FSDP2 1-D -> HSDP, other placements), and only those.
+    for r, res in enumerate(results):
+        for case, outcome in res["default"].items():
+            if case == "no_fingerprints":
+                continue
+            with_fault, clean = outcome
+            assert clean is None, f"rank {r}: {case}: false alarm on a clean load: {clean}"
+            if case == "unchanged":
+                assert with_fault is None, f"rank {r}: the default checked a load that changed nothing"
+            else:
+                assert with_fault == ["model.0.weight"], f"rank {r}: {case}: the default check did not run ({with_fault})"
+        unverified, refused, untouched = res["default"]["no_fingerprints"]
+        assert len(unverified) == 1 and "step 1" in unverified[0], (r, unverified)
+        assert refused is not None and "step 1" in refused and "verify_state=False" in refused, (r, refused)
+        assert untouched, f"rank {r}: a refused verified load must not change the state"
+    assert results[0]["default"]["no_fingerprints"][1] == results[1]["default"]["no_fingerprints"][1]
     expected = {
         "row_off_by_one": "model.0.weight",
         "bf16_round_trip": "model.2.bias",
@@ -136,6 +262,35 @@ def test_verification_is_on_by_default_only_when_the_layout_changes(tmp_path, mo
     assert off.manifest(1).fingerprints == {}
     with pytest.raises(ValueError, match="on_replica_drift"):
         distckpt.Checkpointer(tmp_path, on_replica_drift="maybe")
+
+
+def test_verify_state_true_refuses_what_it_cannot_prove(tmp_path):
+    import json
+
+    from distckpt.manifest import MANIFEST_NAME, step_dir
+
+    model = make_model(0)
+    off = distckpt.Checkpointer(tmp_path / "off", fingerprint=False)
+    off.save(3, {"model": model})
+    fresh = make_model(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(distckpt.CheckpointError, match=r"step 3 .*no state fingerprints.*verify_state=False"):
+        off.load({"model": fresh}, verify_state=True)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()), "refused before reading"
+    with pytest.raises(distckpt.CheckpointError, match="no state fingerprints"):
+        distckpt.Checkpointer(tmp_path / "off", verify_state=True).load({"model": fresh})
+    assert off.load({"model": fresh}) == 3  # the default: nothing changed, nothing to check, quiet
+    # Some requested tensors without a fingerprint (e.g. replicas that drifted at save): named.
+    ckpt = distckpt.Checkpointer(tmp_path / "on")
+    ckpt.save(1, {"model": model})
+    path = tmp_path / "on" / step_dir(1) / MANIFEST_NAME
+    raw = json.loads(path.read_text())
+    del raw["fingerprints"]["model.2.weight"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(distckpt.CheckpointError, match=r"1 requested tensor\(s\) have no recorded fingerprint.*model\.2\.weight"):
+        ckpt.load({"model": make_model(1)}, verify_state=True)
+    # Not requested: not judged (a partial load of the other keys still proves what it loads).
+    ckpt.load({"model": make_model(1)}, verify_state=True, exclude="model.2.*")
 
 
 def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
