@@ -1,39 +1,73 @@
-"""Who is writing a step directory: exclusive creation, a lease, and an exclusive commit.
+"""Who is writing a step directory: exclusive creation, a lease, an exclusive commit, and a
+cleanup that can never remove a committed step.
 
 Several writers may share a root (two jobs started by mistake, a restarted job whose old
-incarnation still runs). Rules, all enforced by the coordinator of each job:
+incarnation still runs, two jobs replicating to one remote root). Rules, all enforced by the
+coordinator of each job (and by the replica's uploader, :mod:`distckpt.replica`):
 
-* **Creating a step is exclusive.** Local disks: ``mkdir`` without ``exist_ok``; object stores:
-  a conditional put of the step's owner record (S3's ``If-None-Match``). A second writer of the
-  same step gets :class:`~distckpt.StepExistsError`, never a mixed checkpoint.
+* **Creating a step is exclusive.** Local disks: a directory prepared under a temporary name
+  with its owner record inside, then renamed into place (``rename`` fails if the step exists);
+  object stores: a conditional put of the step's owner record (S3's ``If-None-Match``). A second
+  writer of the same step gets :class:`~distckpt.StepExistsError`, never a mixed checkpoint.
 * **A lease protects an incomplete step.** The owner record (``.owner`` in the step directory:
-  writer id, host, pid, time) is refreshed every ``lease_s / 4`` seconds while the save runs.
-  Cleanup of incomplete directories removes one only when its lease is *stale*: its writer is a
-  dead process on this host, or its record is older than ``lease_s`` (default 10 minutes), or it
-  was released by a failed save. A directory with no record yet is given ``lease_s`` from its
-  creation time, so a writer between ``mkdir`` and its first record is safe.
+  writer id, host, pid, time) is refreshed every ``lease_s / 4`` seconds while the save runs; a
+  refresh rewrites the record inside the existing directory and never re-creates a directory
+  that is gone. Cleanup of incomplete directories removes one only when its lease is *stale*:
+  its writer is a dead process on this host, or its record is older than ``lease_s`` (default
+  10 minutes), or it was released (a failed save, or retention deleting the step). A directory
+  with **no record** gets ``lease_s`` of grace from its last change (the newest time of the
+  directory and the files directly inside it): on fsspec stores with real directories the
+  directory exists before its record is put, and a committed step's record is removed after its
+  commit.
 * **The commit is exclusive.** Right before writing ``manifest.json`` the writer checks that the
   owner record is still its own, and writes the manifest with a no-replace primitive (local:
-  ``link``; object stores: a conditional put). A save that returned is therefore never deleted
-  or overwritten by another writer; only retention (``keep_last``) deletes committed steps.
+  ``link`` into the existing directory, which never creates it; object stores: a conditional
+  put). A save that returned is therefore never overwritten by another writer; only retention
+  (``keep_last``) deletes committed steps.
+* **Cleanup never removes a committed step** (:func:`remove_uncommitted`). The staleness verdict
+  and the removal are not atomic, so a writer may commit after cleanup listed its directory or
+  judged its lease. Cleanup therefore re-checks the manifest right before removing, and on local
+  disks removes in two steps: it first renames the directory to a unique tombstone
+  (``.distckpt-removing-<dir>-<id>``), then checks the *tombstone* for a manifest. A rename is
+  atomic, and a commit links the manifest into the directory by its path: either the link
+  happened before the rename (the tombstone holds the manifest, so it is renamed back, never
+  deleted) or after it (the path no longer exists, so the commit fails and the writer's save
+  raises instead of returning). A tombstone without a manifest is garbage whoever made it, so a
+  removal interrupted by a crash is finished by the next cleanup; one with a manifest is kept
+  and warned about. This holds whatever the timing of the two processes.
 
-Object stores: the guarantees hold where the store implements conditional puts (AWS S3 does,
-through s3fs). Elsewhere fsspec falls back to check-then-write, which narrows but does not close
-the race between two writers of the *same* step; writers of different steps never interfere.
+Object stores have no rename: cleanup re-checks the manifest immediately before its recursive
+delete, which leaves one narrow window: a writer whose lease *looks* stale (it stalled longer
+than ``lease_s``, or its clock is off by that much) commits in the milliseconds between that
+check and the delete. A live writer refreshing its lease is never at risk. Exclusive creation
+and commit hold where the store implements conditional puts (AWS S3 does, through s3fs);
+elsewhere fsspec falls back to check-then-write, which narrows but does not close the race
+between two writers of the *same* step; writers of different steps never interfere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
+
+from .manifest import MANIFEST_NAME, parse_step_dir
+from .storage import NEW_DIR_PREFIX
+
+log = logging.getLogger("distckpt")
 
 OWNER_NAME = ".owner"
 DEFAULT_LEASE_S = 600.0
+# Directories being removed (local roots): renamed to this prefix first, see the module doc.
+TOMBSTONE_PREFIX = ".distckpt-removing-"
 
 
 def _record(writer: str, released: bool = False) -> bytes:
@@ -50,6 +84,34 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _write_record(storage: Any, dirname: str, data: bytes) -> None:
+    """Replace the owner record of ``dirname`` without ever creating the directory (a directory
+    moved away by cleanup must stay gone). Object stores have no directories to re-create."""
+    if not storage.is_local:
+        storage.write_bytes(data, dirname, OWNER_NAME)
+        return
+    path = storage.join(dirname, OWNER_NAME)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o644)  # FileNotFoundError if the directory is gone
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def mark_released(storage: Any, dirname: str) -> None:
+    """Write a released owner record into ``dirname`` (retention does before uncommitting a
+    step, so that a crash half-way leaves a directory the next cleanup removes at once)."""
+    _write_record(storage, dirname, _record("released", released=True))
 
 
 class Lease:
@@ -82,10 +144,14 @@ class Lease:
     def _refresh(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
             try:
-                if self.still_mine():
-                    self.storage.write_bytes(_record(self.writer), self.dirname, OWNER_NAME)
+                self.renew()
             except Exception:  # noqa: BLE001 - a missed refresh only shortens the lease
                 pass
+
+    def renew(self) -> None:
+        """Refresh the record if it is still this writer's; never re-creates the directory."""
+        if self.still_mine():
+            _write_record(self.storage, self.dirname, _record(self.writer))
 
     def still_mine(self) -> bool:
         """Whether the owner record is still this writer's (checked right before committing)."""
@@ -98,7 +164,8 @@ class Lease:
         """Stop refreshing. After a commit the record goes. After a failure (every rank has
         stopped writing by then) the owner removes the directory it still owns, so a failed save
         on a full disk gives its space back; if that fails, the record is marked released so
-        that the next save's cleanup removes it."""
+        that the next save's cleanup removes it. A directory that holds a manifest (another
+        writer committed it) is never removed: only this writer's record goes."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -106,25 +173,86 @@ class Lease:
             if committed:
                 self.storage.remove(self.dirname, OWNER_NAME)
             elif self.still_mine():
+                if self.storage.exists(self.dirname, MANIFEST_NAME):
+                    self.storage.remove(self.dirname, OWNER_NAME)
+                    return
                 try:
-                    self.storage.remove_tree(self.dirname)
+                    remove_uncommitted(self.storage, self.dirname)
                 except Exception:  # noqa: BLE001 - fall back to marking it for cleanup
-                    self.storage.write_bytes(_record(self.writer, released=True), self.dirname, OWNER_NAME)
+                    _write_record(self.storage, self.dirname, _record(self.writer, released=True))
         except Exception:  # noqa: BLE001 - best effort: a stale lease expires anyway
             pass
 
 
+def _stamp(value: Any) -> float | None:
+    """A listing's time field (float seconds, ``datetime`` or ISO string) as a Unix time."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    return None
+
+
+def last_change(storage: Any, dirname: str) -> tuple[float | None, int]:
+    """Newest modification time of ``dirname`` and the files directly inside it (``None`` if the
+    store reports no times), and how many files it holds."""
+    times: list[float] = []
+    count = 0
+    if storage.is_local:
+        path = storage.join(dirname)
+        with contextlib.suppress(OSError):
+            times.append(os.lstat(path).st_mtime)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(path):
+                count += 1
+                with contextlib.suppress(OSError):
+                    times.append(entry.stat(follow_symlinks=False).st_mtime)
+        return (max(times) if times else None), count
+    storage.refresh()
+    try:
+        entries = storage.fs.ls(storage.join(dirname), detail=True)
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        count += 1
+        for key in ("mtime", "LastModified", "last_modified", "updated", "created", "timeCreated"):
+            stamp = _stamp(entry.get(key))
+            if stamp is not None:
+                times.append(stamp)
+                break
+    return (max(times) if times else None), count
+
+
 def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> bool:
-    """(coordinator) Whether an incomplete step directory may be removed (see the module doc)."""
+    """(coordinator) Whether an incomplete step directory may be removed (see the module doc).
+
+    A directory without a record is stale only ``lease_s`` after its last change (or at once if
+    it is empty and its store reports no times). A record that cannot be read for another
+    reason than its absence (an I/O error) leaves the directory alone.
+    """
     now = time.time() if now is None else now
     try:
-        record = json.loads(storage.read_bytes(dirname, OWNER_NAME))
+        raw = storage.read_bytes(dirname, OWNER_NAME)
+    except FileNotFoundError:
+        changed, count = last_change(storage, dirname)
+        if changed is None:
+            return count == 0
+        return now - changed > lease_s
+    except OSError:
+        return False
+    except Exception:  # noqa: BLE001 - e.g. a record that is a symbolic link: no claim
+        return True
+    try:
+        record = json.loads(raw)
         if not isinstance(record, dict):
             raise ValueError("not a record")
-    except FileNotFoundError:
-        # Step directories appear with their record already inside (built under a temporary
-        # name, then renamed): one without a record was left by an older version or another tool.
-        return True
     except Exception:  # noqa: BLE001 - a garbled record is no claim
         return True
     if record.get("released"):
@@ -134,3 +262,82 @@ def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: 
             return True
     stamp = record.get("time")
     return not isinstance(stamp, (int, float)) or now - stamp > lease_s
+
+
+def _tombstone(storage: Any, dirname: str) -> str | None:
+    """(local roots) Atomically move ``dirname`` to a unique tombstone name; ``None`` if gone."""
+    tomb = f"{TOMBSTONE_PREFIX}{dirname}-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(storage.join(dirname), storage.join(tomb))
+    except FileNotFoundError:
+        return None
+    return tomb
+
+
+def _restore(storage: Any, tomb: str, dirname: str) -> None:
+    """Move a tombstone that turned out to hold a commit back to its name (or keep it, warned)."""
+    try:
+        os.rename(storage.join(tomb), storage.join(dirname))
+    except OSError as exc:
+        warnings.warn(
+            f"distckpt: {storage.display(dirname)} was committed while it was being cleaned up and "
+            f"could not be moved back ({exc}); its checkpoint is kept at {storage.display(tomb)}",
+            stacklevel=3,
+        )
+        return
+    warnings.warn(
+        f"distckpt: {storage.display(dirname)} was committed while it was being cleaned up; kept",
+        stacklevel=3,
+    )
+
+
+def remove_uncommitted(storage: Any, dirname: str) -> bool:
+    """(one process) Remove ``dirname`` unless it holds a manifest, even one written meanwhile.
+
+    Local roots: re-check, rename to a tombstone, check the tombstone, then delete it (or move it
+    back if a commit landed first). Object stores: re-check, then delete (see the module doc for
+    the window this leaves). Returns whether the directory was removed.
+    """
+    if storage.exists(dirname, MANIFEST_NAME):
+        return False
+    if not storage.is_local:
+        storage.remove_tree(dirname)
+        return True
+    tomb = _tombstone(storage, dirname)
+    if tomb is None:
+        return False
+    if storage.exists(tomb, MANIFEST_NAME):
+        _restore(storage, tomb, dirname)
+        return False
+    storage.remove_tree(tomb)
+    return True
+
+
+def remove_stale_leftovers(storage: Any, lease_s: float = DEFAULT_LEASE_S) -> None:
+    """(coordinator, or the replica's uploader) Remove what interrupted saves left under the
+    root: step directories without a manifest whose lease is stale, temporary directories of a
+    step being created once stale, and tombstones of interrupted removals. Never a committed
+    step or a live writer's directory; a failed removal is logged, never raised."""
+    for name in storage.list_dirs():
+        try:
+            if name.startswith(TOMBSTONE_PREFIX):
+                if storage.exists(name, MANIFEST_NAME):
+                    warnings.warn(
+                        f"distckpt: {storage.display(name)} holds a committed checkpoint that cleanup "
+                        "could not move back to its step directory; kept (move it back by hand)",
+                        stacklevel=2,
+                    )
+                else:
+                    storage.remove_tree(name)  # a removal decided before, interrupted
+                continue
+            if not name.startswith(NEW_DIR_PREFIX) and parse_step_dir(name) is None:
+                continue
+            if storage.exists(name, MANIFEST_NAME):
+                continue
+            if not is_stale(storage, name, lease_s):
+                log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
+                continue
+            if remove_uncommitted(storage, name):
+                log.info("removed incomplete checkpoint %s", storage.display(name))
+        except OSError as exc:
+            log.warning("could not remove incomplete checkpoint %s: %s", storage.display(name), exc)

@@ -2,16 +2,24 @@
 
 ``Checkpointer(local_root, replicate_to="s3://bucket/run")`` commits every save on the fast local
 root first, then hands the step to a :class:`Replicator`, which copies the step directory to the
-remote root on a background thread of the coordinator:
+remote root on a background thread of the coordinator, under the same rules as a save to the main
+root (:mod:`distckpt.ownership`), so that several writers may replicate to one remote root:
 
-1. the DCP data files, several at a time (fsspec ``put_file``);
-2. ``.metadata``;
-3. after checking every remote size against the local manifest, ``manifest.json`` LAST, in a
-   single put. Object stores have no rename, so that put is the remote commit: a remote step
-   without its manifest is invisible to ``load`` and is removed by a later upload.
+1. if the remote step is committed already: done when its manifest is this one, otherwise the
+   upload fails with :class:`~distckpt.StepExistsError` (another writer's checkpoint is never
+   un-committed, replaced or deleted);
+2. stale leftovers of interrupted uploads are removed (never a live writer's, never a committed
+   step), and the remote step is created exclusively, under a lease (an owner record refreshed
+   while the upload runs; a second uploader of the step gets ``StepExistsError``);
+3. the DCP data files, several at a time, then ``.metadata``, each read from the local root
+   through its no-follow open (a symbolic link there is refused, never followed);
+4. after checking every remote size against the local manifest and that the lease is still
+   this uploader's, ``manifest.json`` LAST, with the storage's exclusive write (a conditional
+   put on S3): the remote commit. A manifest that appeared meanwhile is never replaced: the
+   upload fails with ``StepExistsError``. A failed upload removes the remote directory it owns.
 
-Then ``keep_last`` retention runs on the remote root (manifest deleted first, then the rest;
-the newest committed step is never deleted).
+Then ``keep_last`` retention runs on the remote root (committed steps beyond the newest
+``keep_last``, manifest first; the newest committed step is never deleted), as on the main root.
 
 Only the coordinator uploads, so the local root must be visible to it: one node, or a shared
 filesystem. A step whose files are missing locally (written on another node's disk) fails with
@@ -35,7 +43,9 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
+from . import ownership
+from .errors import StepExistsError
+from .manifest import MANIFEST_NAME, Manifest, committed_steps, step_dir
 from .retention import check_keep_last, delete_old_steps
 from .storage import Storage
 
@@ -66,6 +76,8 @@ class Replicator:
         max_concurrency: files uploaded at the same time.
         is_coordinator: whether this process uploads (evaluated at the first ``submit``);
             default: global rank 0, or a single process without ``torch.distributed``.
+        lease_s: how long a remote step being uploaded stays protected from other writers'
+            cleanup without a refresh (:mod:`distckpt.ownership`).
 
     Attributes:
         remote: the remote :class:`~distckpt.storage.Storage` (``load`` falls back to it).
@@ -82,10 +94,14 @@ class Replicator:
         *,
         max_concurrency: int = 4,
         is_coordinator: Callable[[], bool] | None = None,
+        lease_s: float = ownership.DEFAULT_LEASE_S,
     ) -> None:
         check_keep_last(keep_last)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+        self.lease_s = float(lease_s)
         self.local = local
         self.remote = remote
         self.keep_last = keep_last
@@ -216,20 +232,58 @@ class Replicator:
                 "coordinator (single node or a shared filesystem) for replicate_to"
             )
 
-        if self.remote.exists(name, MANIFEST_NAME):
-            if self.remote.read_bytes(name, MANIFEST_NAME) == manifest_bytes:
-                return 0  # already there (e.g. submitted twice)
-            self.remote.remove(name, MANIFEST_NAME)  # uncommit the stale copy before overwriting
-        self.remote.remove_tree(name)  # leftovers of an interrupted upload
-        self.remote.makedirs(name)  # object stores: checks the bucket only
+        remote_where = self.remote.display(name)
+        if self._committed_remotely(name, manifest_bytes, remote_where):
+            return 0  # already there (e.g. submitted twice)
+        ownership.remove_stale_leftovers(self.remote, self.lease_s)
+        lease = ownership.Lease(self.remote, name, self.lease_s)
+        try:
+            lease.acquire()
+        except FileExistsError:
+            if self._committed_remotely(name, manifest_bytes, remote_where):
+                return 0
+            raise StepExistsError(
+                f"step {step} at {remote_where} is being uploaded by another writer (its lease is live); not replaced"
+            ) from None
+        committed = False
+        try:
+            self._put_all(name, manifest)
+            if not lease.still_mine():
+                raise StepExistsError(f"step {step} at {remote_where}: another writer took the upload over")
+            try:
+                self.remote.write_bytes(manifest_bytes, name, MANIFEST_NAME, exclusive=True)  # the remote commit
+            except FileExistsError:
+                raise StepExistsError(
+                    f"step {step} at {remote_where} was committed by another writer meanwhile; not replaced"
+                ) from None
+            committed = True
+        finally:
+            lease.release(committed)  # on failure: removes the remote directory it owns
+        return manifest.total_bytes
 
+    def _committed_remotely(self, name: str, manifest_bytes: bytes, where: str) -> bool:
+        """Whether the remote step is committed with this very manifest.
+
+        Raises:
+            StepExistsError: it is committed with another manifest (another writer's checkpoint).
+        """
+        if not self.remote.exists(name, MANIFEST_NAME):
+            return False
+        if self.remote.read_bytes(name, MANIFEST_NAME) == manifest_bytes:
+            return True
+        raise StepExistsError(
+            f"{where} is already committed with a different checkpoint (another writer's); "
+            "it is not replaced: give each job its own remote root"
+        )
+
+    def _put_all(self, name: str, manifest: Manifest) -> None:
+        """Upload the data files, then ``.metadata``, and check every remote size."""
         data = sorted(f for f in manifest.files if f != _METADATA)
         with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="distckpt-put") as pool:
             for future in [pool.submit(self._put, name, f) for f in data]:
                 future.result()
         if _METADATA in manifest.files:
             self._put(name, _METADATA)
-
         remote_files = self.remote.list_files(name)
         wrong = {
             f: (rec.size, remote_files.get(f))
@@ -238,30 +292,18 @@ class Replicator:
         }
         if wrong:
             raise OSError(f"{self.remote.display(name)}: uploaded sizes differ from the manifest (expected, got): {wrong}")
-        self.remote.write_bytes(manifest_bytes, name, MANIFEST_NAME)  # the remote commit
-        return manifest.total_bytes
 
     def _put(self, name: str, filename: str) -> None:
-        src = self.local.join(name, filename)
-        if self.remote.is_local:
-            dst = self.remote.join(name, filename)
-            with open(src, "rb") as fi, open(dst, "wb") as fo:
-                shutil.copyfileobj(fi, fo, 16 << 20)
+        """Copy one file; the local side is read through the local Storage's no-follow open."""
+        rel = f"{name}/{filename}"
+        with self.local.open(rel, "rb") as fi, self.remote._at(name, filename), self.remote.open(rel, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 16 << 20)
+            if self.remote.is_local:
                 fo.flush()
                 os.fsync(fo.fileno())
-            return
-        with self.remote._at(name, filename):
-            self.remote.fs.put_file(src, self.remote.join(name, filename))
 
     def _apply_retention(self) -> None:
-        """Delete remote steps beyond ``keep_last`` (manifest first) and stale partial uploads."""
-        committed = committed_steps(self.remote)
-        if not committed:
-            return
-        newest = committed[-1]
-        for old in delete_old_steps(self.remote, self.keep_last):
-            committed.remove(old)
-        for dirname in self.remote.list_dirs():
-            s = parse_step_dir(dirname)
-            if s is not None and s < newest and s not in committed:
-                self.remote.remove_tree(dirname)
+        """Delete remote steps beyond ``keep_last`` (manifest first), then stale leftovers of
+        interrupted uploads (never a live writer's, see :mod:`distckpt.ownership`)."""
+        delete_old_steps(self.remote, self.keep_last)
+        ownership.remove_stale_leftovers(self.remote, self.lease_s)

@@ -30,17 +30,25 @@ def steps_to_delete(committed: Iterable[int], keep_last: int | None) -> list[int
 def delete_old_steps(storage: Any, keep_last: int | None) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
 
-    The manifest goes first: a crash mid-delete leaves an uncommitted directory, which the
-    next save's cleanup removes. Errors are warned about, never raised: a committed save must
-    not fail over retention.
+    Each step is first marked released (a released owner record), then un-committed (manifest
+    removed), then removed like any incomplete directory (:func:`distckpt.ownership.remove_uncommitted`:
+    on local roots through a tombstone). A crash at any point leaves a directory the next save's
+    cleanup removes at once. Errors are warned about, never raised: a committed save must not fail
+    over retention.
     """
     from .manifest import MANIFEST_NAME, committed_steps, step_dir
+    from .ownership import mark_released, remove_uncommitted
 
     deleted = []
     for old in steps_to_delete(committed_steps(storage), keep_last):
         try:
+            try:
+                mark_released(storage, step_dir(old))
+            except FileNotFoundError:  # deleted meanwhile by another writer's retention
+                deleted.append(old)
+                continue
             storage.remove(step_dir(old), MANIFEST_NAME)
-            storage.remove_tree(step_dir(old))
+            remove_uncommitted(storage, step_dir(old))
             deleted.append(old)
         except OSError as exc:
             warnings.warn(f"distckpt: could not delete old checkpoint {storage.display(step_dir(old))}: {exc}", stacklevel=2)

@@ -241,8 +241,9 @@ def test_commit_protocol_and_retention(tmp_path):
     ckpt.save(1, {"model": model})
     # Interrupted saves: data but no manifest. Invisible, then cleaned by the next save once
     # their lease is stale: the writer died (a dead pid on this host), released it after a
-    # failure, or there is no record at all.
+    # failure, or there is no record at all (and no change for a lease).
     import json
+    import os
     import socket
     import subprocess
     import time
@@ -260,11 +261,14 @@ def test_commit_protocol_and_retention(tmp_path):
         (root / step_dir(s) / "__0_0.distcp").write_bytes(b"partial")
         if record is not None:
             (root / step_dir(s) / ".owner").write_text(json.dumps(record))
+        else:  # no record: stale once unchanged for a whole lease
+            for p in (root / step_dir(s) / "__0_0.distcp", root / step_dir(s)):
+                os.utime(p, (time.time() - 3600,) * 2)
     assert ckpt.steps() == [1] and ckpt.latest_step() == 1
     with pytest.raises(FileNotFoundError, match="incomplete"):
         ckpt.load({"model": model}, step=5)
     ckpt.save(2, {"model": model})
-    # (a step directory appears with its record inside, so one without a record is a leftover)
+    # (a step directory appears with its record inside; one without a record is a leftover)
     assert not any((root / step_dir(s)).exists() for s in (5, 6, 7, 8))
     with pytest.raises(distckpt.StepExistsError, match="step 2 is already committed"):
         ckpt.save(2, {"model": model})

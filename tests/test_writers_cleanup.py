@@ -1,0 +1,194 @@
+"""Cleanup of incomplete step directories never removes a committed step, whatever the timing.
+
+Writer A saves step 1 on a local root; writer B's cleanup (what ``claim`` runs before every
+save) runs *inside* A's commit phase, and A's real commit is driven at the exact point of B's
+cleanup that loses data without the fix. One process, no sleeps: the interleaving is fixed by
+hooks at function boundaries (``_saving.commit``, ``ownership.is_stale``,
+``ownership._tombstone``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import _saving, ownership
+from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.storage import Storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((8, 8), v), "epoch": int(v)}
+
+
+def _assert_loads(root, step: int, v: float) -> None:
+    got = _state(-1.0)
+    assert distckpt.Checkpointer(root).load(got, step=step) == step
+    assert torch.equal(got["w"], _state(v)["w"]) and got["epoch"] == int(v)
+
+
+def _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup):
+    """A saves step 1; once A's data is written, ``b_cleanup(commit_a)`` runs B's cleanup, where
+    ``commit_a()`` is A's real commit followed by A's lease release (its record goes)."""
+    a = distckpt.Checkpointer(root)
+    real_commit = _saving.commit
+    outcome: dict = {}
+
+    def commit_a_then(opts, world_size, prepared, written, lease):
+        def commit_a():
+            try:
+                outcome["manifest"] = real_commit(opts, world_size, prepared, written, lease)
+            except BaseException as exc:  # noqa: BLE001 - handed to A's save below
+                outcome["error"] = exc
+                raise
+            a._release_lease(committed=True)
+
+        b_cleanup(commit_a)
+        assert outcome, "the hook never ran A's commit"
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["manifest"]
+
+    monkeypatch.setattr(_saving, "commit", commit_a_then)
+    return a, outcome
+
+
+def test_a_step_committed_while_cleanup_judges_it_is_kept(tmp_path, monkeypatch):
+    # B lists step 1 (no manifest yet), A commits and drops its owner record, then B asks
+    # whether step 1's lease is stale: no record must not mean "stale" for it.
+    root = tmp_path / "ck"
+    real_is_stale = ownership.is_stale
+
+    def b_cleanup(commit_a):
+        def is_stale(storage, name, *args, **kwargs):
+            if name == step_dir(1):
+                commit_a()
+            return real_is_stale(storage, name, *args, **kwargs)
+
+        monkeypatch.setattr(ownership, "is_stale", is_stale)
+        _saving._remove_stale_leftovers(Storage(root), 600.0)
+
+    a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
+    a.save(1, _state(1.0))
+    assert "manifest" in outcome and a.steps() == [1], "a committed step was removed by cleanup"
+    _assert_loads(root, 1, 1.0)
+
+
+def test_a_step_committed_after_cleanup_judged_it_stale_is_kept(tmp_path, monkeypatch):
+    # B judged A's lease stale (A had stalled past lease_s), then A committed before B removed
+    # the directory: the removal must see the manifest and leave the step alone.
+    root = tmp_path / "ck"
+
+    def b_cleanup(commit_a):
+        def is_stale(storage, name, *args, **kwargs):
+            if name == step_dir(1):
+                commit_a()
+                return True  # B's verdict was reached before A's commit
+            return False
+
+        monkeypatch.setattr(ownership, "is_stale", is_stale)
+        _saving._remove_stale_leftovers(Storage(root), 600.0)
+
+    a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
+    a.save(1, _state(1.0))
+    assert "manifest" in outcome and a.steps() == [1], "a committed step was removed by cleanup"
+    _assert_loads(root, 1, 1.0)
+
+
+def test_a_commit_between_the_last_check_and_the_removal_is_kept(tmp_path, monkeypatch):
+    # The narrowest window: A commits after B's last manifest check, just before B moves the
+    # directory away. B then finds the manifest in its tombstone and moves it back.
+    root = tmp_path / "ck"
+    real_tombstone = ownership._tombstone
+
+    def b_cleanup(commit_a):
+        def tombstone(storage, name):
+            if name == step_dir(1):
+                commit_a()
+            return real_tombstone(storage, name)
+
+        monkeypatch.setattr(ownership, "is_stale", lambda storage, name, *a, **k: name == step_dir(1))
+        monkeypatch.setattr(ownership, "_tombstone", tombstone)
+        with pytest.warns(UserWarning, match="committed while it was being cleaned up"):
+            _saving._remove_stale_leftovers(Storage(root), 600.0)
+
+    a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
+    a.save(1, _state(1.0))
+    assert "manifest" in outcome and a.steps() == [1], "a committed step was removed by cleanup"
+    assert sorted(os.listdir(root)) == [step_dir(1)]
+    _assert_loads(root, 1, 1.0)
+
+
+def test_a_commit_after_the_directory_was_moved_away_fails(tmp_path, monkeypatch):
+    # A passed its ownership check and is about to write its manifest when B (to which A's
+    # lease looked stale) moves A's directory away and deletes it. A's lease refresh and A's
+    # manifest write must fail, not re-create an empty step directory and report success.
+    root = tmp_path / "ck"
+    a = distckpt.Checkpointer(root)
+    real_write = a.storage.write_bytes
+    seen: dict = {}
+
+    def write_bytes(data, *parts, exclusive=False):
+        if parts[-1] == MANIFEST_NAME and not seen:
+            monkeypatch.setattr(ownership, "is_stale", lambda storage, name, *args, **kw: name == step_dir(1))
+            _saving._remove_stale_leftovers(Storage(root), 600.0)  # B
+            seen["gone"] = not os.path.exists(root / step_dir(1))
+            a._lease.renew()  # A's refresh thread, at this moment
+            try:  # ... even had it passed its ownership check just before the move
+                ownership._write_record(a.storage, step_dir(1), b"{}")
+            except FileNotFoundError:
+                pass
+            seen["recreated_by_renew"] = os.path.exists(root / step_dir(1))
+        return real_write(data, *parts, exclusive=exclusive)
+
+    monkeypatch.setattr(a.storage, "write_bytes", write_bytes)
+    with pytest.raises(Exception, match="step_000000001"):
+        a.save(1, _state(1.0))
+    assert seen == {"gone": True, "recreated_by_renew": False}
+    assert a.steps() == [] and os.listdir(root) == [], "a save reported success for a step without its data"
+    monkeypatch.undo()
+    a.save(2, _state(2.0))  # the root keeps working
+    _assert_loads(root, 2, 2.0)
+
+
+def test_a_directory_without_a_record_gets_a_lease_of_grace(tmp_path):
+    # A writer's directory may exist before its owner record (fsspec stores create the
+    # directory, then put the record): cleanup leaves it for lease_s after its last change.
+    storage = Storage(f"memory://{tmp_path.name}-grace/root")
+    storage.makedirs(step_dir(3))
+    storage.write_bytes(b"partial", step_dir(3), "__0_0.distcp")
+    ownership.remove_stale_leftovers(storage, lease_s=600.0)
+    assert storage.list_dirs() == [step_dir(3)]
+    assert not ownership.is_stale(storage, step_dir(3), 600.0)
+    assert ownership.is_stale(storage, step_dir(3), 600.0, now=__import__("time").time() + 601)
+    ownership.remove_stale_leftovers(storage, lease_s=1e-9)
+    assert storage.list_dirs() == []
+
+    local = Storage(tmp_path / "local")
+    (tmp_path / "local" / step_dir(4)).mkdir(parents=True)
+    (tmp_path / "local" / step_dir(4) / "__0_0.distcp").write_bytes(b"partial")
+    ownership.remove_stale_leftovers(local, lease_s=600.0)
+    assert local.list_dirs() == [step_dir(4)]
+    old = os.stat(tmp_path / "local" / step_dir(4)).st_mtime - 700
+    for p in (tmp_path / "local" / step_dir(4), tmp_path / "local" / step_dir(4) / "__0_0.distcp"):
+        os.utime(p, (old, old))
+    ownership.remove_stale_leftovers(local, lease_s=600.0)
+    assert local.list_dirs() == []
+
+
+def test_an_interrupted_removal_is_finished_by_the_next_cleanup(tmp_path):
+    # A tombstone without a manifest is a removal already decided; one with a manifest (a step
+    # committed during cleanup that could not be moved back) is kept, with a warning.
+    root = tmp_path / "ck"
+    distckpt.Checkpointer(root).save(1, _state(1.0))
+    os.rename(root / step_dir(1), root / f"{ownership.TOMBSTONE_PREFIX}{step_dir(1)}-x")
+    (root / f"{ownership.TOMBSTONE_PREFIX}{step_dir(2)}-y").mkdir()
+    (root / f"{ownership.TOMBSTONE_PREFIX}{step_dir(2)}-y" / "__0_0.distcp").write_bytes(b"partial")
+    with pytest.warns(UserWarning, match="kept"):
+        ownership.remove_stale_leftovers(Storage(root), 600.0)
+    assert sorted(os.listdir(root)) == [f"{ownership.TOMBSTONE_PREFIX}{step_dir(1)}-x"]

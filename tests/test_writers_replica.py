@@ -1,0 +1,159 @@
+"""Several writers replicating to one remote root (the real S3 server fixture): the replica obeys
+the rules of the main root. A committed remote step is never un-committed, replaced or deleted by
+another writer's upload or cleanup; a live upload's directory is never cleaned up; the commit is a
+conditional put; local files are read without following symbolic links.
+
+Uploads run synchronously (``Replicator._handle``, what the background thread runs per step) and
+the interleavings are fixed by hooks on ``_put`` (called per file, ``.metadata`` last), not by
+timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.replica import Replicator
+from distckpt.storage import Storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _state(writer: int, step: int) -> dict:
+    return {"w": torch.full((16, 16), float(writer * 1000 + step)), "who": writer}
+
+
+def _local(tmp_path, writer: int, steps: list[int]) -> Storage:
+    root = tmp_path / f"local{writer}"
+    with distckpt.Checkpointer(root) as ckpt:
+        for step in steps:
+            ckpt.save(step, _state(writer, step))
+    return Storage(root)
+
+
+def _replicator(local: Storage, remote: str, opts: dict, **kw) -> Replicator:
+    return Replicator(local, Storage(remote, opts), is_coordinator=lambda: True, **kw)
+
+
+def _assert_remote(remote: str, opts: dict, step: int, writer: int) -> None:
+    got = {"w": torch.zeros(16, 16), "who": -1}
+    assert distckpt.Checkpointer(remote, storage_options=opts).load(got, step=step) == step
+    assert got["who"] == writer and torch.equal(got["w"], _state(writer, step)["w"]), (step, writer)
+
+
+def test_two_writers_keep_each_others_steps(tmp_path, s3_server, s3_bucket):
+    # Writer 2 is uploading step 2 when writer 1 commits step 3 and runs its retention and
+    # cleanup on the shared remote root: writer 2's live upload must survive it.
+    opts = s3_server.storage_options
+    remote = f"s3://{s3_bucket}/shared"
+    rep1 = _replicator(_local(tmp_path, 1, [1, 3]), remote, opts)
+    rep2 = _replicator(_local(tmp_path, 2, [2]), remote, opts)
+    rep1._handle(1)
+
+    real_put = rep2._put
+    interleaved = []
+
+    def put(name, filename):
+        if filename == ".metadata" and not interleaved:
+            interleaved.append(name)
+            rep1._handle(3)  # writer 1 commits a newer step meanwhile
+        real_put(name, filename)
+
+    rep2._put = put
+    rep2._handle(2)
+    assert interleaved == [step_dir(2)]
+    assert rep1.failed == [] and rep2.failed == [], (rep1.failed, rep2.failed)
+    assert rep1.uploaded == [1, 3] and rep2.uploaded == [2]
+    assert distckpt.Checkpointer(remote, storage_options=opts).steps() == [1, 2, 3]
+    for step, writer in ((1, 1), (2, 2), (3, 1)):
+        _assert_remote(remote, opts, step, writer)
+    assert Storage(remote, opts).list_dirs() == [step_dir(1), step_dir(2), step_dir(3)]
+
+
+def test_a_committed_remote_step_of_another_writer_is_never_replaced(tmp_path, s3_server, s3_bucket):
+    opts = s3_server.storage_options
+    remote = f"s3://{s3_bucket}/same-step"
+    rep1 = _replicator(_local(tmp_path, 1, [5]), remote, opts)
+    rep2 = _replicator(_local(tmp_path, 2, [5]), remote, opts)
+    rep1._handle(5)
+    before = Storage(remote, opts).read_bytes(step_dir(5), MANIFEST_NAME)
+    with pytest.warns(UserWarning, match="StepExistsError: .*step_000000005 is already committed"):
+        rep2._handle(5)
+    assert [s for s, _ in rep2.failed] == [5] and "StepExistsError" in rep2.failed[0][1]
+    assert Storage(remote, opts).read_bytes(step_dir(5), MANIFEST_NAME) == before
+    _assert_remote(remote, opts, 5, 1)
+    rep1._handle(5)  # the same checkpoint again: nothing to do
+    assert rep1.failed == [] and rep1.uploaded == [5, 5]
+
+
+def test_the_remote_commit_is_a_conditional_put(tmp_path, s3_server, s3_bucket):
+    # A manifest appears at the remote step while writer 2 uploads it (a writer that committed
+    # there first): writer 2's commit must fail and report it, never replace that manifest, and
+    # its failure must not remove the directory now committed by the other writer.
+    opts = s3_server.storage_options
+    remote = f"s3://{s3_bucket}/conditional"
+    other = _local(tmp_path, 1, [7])
+    theirs = other.read_bytes(step_dir(7), MANIFEST_NAME)
+    rep2 = _replicator(_local(tmp_path, 2, [7]), remote, opts)
+    storage = Storage(remote, opts)
+    real_put = rep2._put
+
+    def put(name, filename):
+        real_put(name, filename)
+        if filename == ".metadata":
+            storage.write_bytes(theirs, name, MANIFEST_NAME)
+
+    rep2._put = put
+    with pytest.warns(UserWarning, match="StepExistsError: .*committed by another writer meanwhile"):
+        rep2._handle(7)
+    assert [s for s, _ in rep2.failed] == [7] and rep2.uploaded == []
+    assert storage.read_bytes(step_dir(7), MANIFEST_NAME) == theirs
+    assert ".metadata" in storage.list_files(step_dir(7))
+    assert ".owner" not in storage.list_files(step_dir(7))  # writer 2 took only its record back
+
+
+def test_replica_cleanup_leaves_a_live_upload_alone(tmp_path, s3_server, s3_bucket):
+    opts = s3_server.storage_options
+    remote = f"s3://{s3_bucket}/live"
+    storage = Storage(remote, opts)
+    live = {"writer": "other", "host": "elsewhere", "pid": 1, "time": time.time(), "released": False}
+    storage.write_bytes(json.dumps(live).encode(), step_dir(1), ".owner")
+    storage.write_bytes(b"partial", step_dir(1), "__0_0.distcp")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = {"writer": "gone", "host": socket.gethostname(), "pid": gone.pid, "time": time.time(), "released": False}
+    storage.write_bytes(json.dumps(dead).encode(), step_dir(4), ".owner")
+    storage.write_bytes(b"partial", step_dir(4), "__0_0.distcp")
+    rep = _replicator(_local(tmp_path, 1, [2, 3]), remote, opts, keep_last=1)
+    rep._handle(2)
+    rep._handle(3)
+    assert rep.failed == [] and rep.uploaded == [2, 3]
+    # step 2 went by retention; the live upload of step 1 stays; the dead writer's step 4 went
+    assert storage.list_dirs() == [step_dir(1), step_dir(3)]
+    assert storage.list_files(step_dir(1)) == {".owner": len(json.dumps(live)), "__0_0.distcp": 7}
+
+
+def test_replica_reads_local_files_without_following_links(tmp_path):
+    # A data file of the local step replaced by a symbolic link (same size, other bytes): the
+    # upload is refused, nothing is committed remotely.
+    local = _local(tmp_path, 1, [1])
+    data = sorted(n for n in os.listdir(local.join(step_dir(1))) if n.endswith(".distcp"))[0]
+    path = local.join(step_dir(1), data)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(os.urandom(os.path.getsize(path)))
+    os.remove(path)
+    os.symlink(outside, path)
+    remote = tmp_path / "remote"
+    rep = Replicator(local, Storage(remote), is_coordinator=lambda: True)
+    with pytest.warns(UserWarning, match="symbolic link"):
+        rep._handle(1)
+    assert [s for s, _ in rep.failed] == [1] and "UnsafeCheckpointError" in rep.failed[0][1]
+    assert distckpt.Checkpointer(remote).steps() == [] and os.listdir(remote) == []
