@@ -10,7 +10,8 @@
   file has one writer rank; the blocks of each tensor are gathered to that rank one tensor at a
   time (memory: the largest tensor). The directory is committed like a step: written under a
   temporary name and renamed (local), or completed by writing the index last (object stores,
-  which have no rename: a directory without its index is incomplete).
+  which have no rename: a directory without its index is incomplete, and a reader refuses
+  several shard files without an index). A publish that fails removes what it wrote.
 
 Both are collective over the given process group (default: every rank): all ranks call them
 with the same arguments, and an error on any rank is raised on every rank.
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from .errors import StateMismatchError, from_dcp
 from .safetensors_io import INDEX_NAME, NAMES, SafetensorsIndex, SafetensorsReader
-from .state import tied_duplicates
+from .state import ModuleEntry, tied_duplicates
 from .storage import Storage
 
 try:
@@ -97,7 +98,8 @@ def load_pretrained(
     """(all ranks, collective) Load Hugging Face safetensors weights into ``module`` in place.
 
     Args:
-        module: plain, DDP or FSDP2 model, already wrapped/sharded.
+        module: plain, DDP or FSDP2 model, already wrapped/sharded (FSDP2 parameters an eval
+            forward left unsharded are resharded first, as :meth:`Checkpointer.load` does).
         path: directory with ``model.safetensors`` or shards + ``model.safetensors.index.json``
             (local path or fsspec URL).
         strict: raise :class:`StateMismatchError` (on every rank) if keys or shapes differ;
@@ -123,6 +125,9 @@ def load_pretrained(
 
     def plan() -> tuple[tuple[dict[str, Any], dict[str, str], SafetensorsIndex, dict[str, str]], Any]:
         index = SafetensorsIndex(storage)
+        # FSDP2 parameters left unsharded (after a no_grad forward) would keep serving the old
+        # values to the next forward: reshard first (local), as Checkpointer.load does.
+        ModuleEntry("model", module).settle()
         sd = get_model_state_dict(module)
         aliases = tied_duplicates(sd)
         rename: dict[str, str] = {}  # model key -> checkpoint key
@@ -319,7 +324,29 @@ def save_pretrained(
 
     staging = on_coordinator(group, "save_pretrained", lambda: _begin(storage, overwrite))
     target = Storage(staging, dict(storage_options or {})) if staging != storage.url else storage
+    try:
+        total = _write_and_commit(group, storage, target, staging, overwrite, files, names, owner, tensors, config)
+    except BaseException:
+        if group.is_coordinator:
+            _abandon(storage, staging, names)
+        raise
+    return {"output": storage.display(), "files": names, "tensors": sum(len(e) for e in files), "bytes": total}
 
+
+def _write_and_commit(
+    group: Group,
+    storage: Storage,
+    target: Storage,
+    staging: str,
+    overwrite: bool,
+    files: list[list[_Planned]],
+    names: list[str],
+    owner: dict[int, int],
+    tensors: dict[str, Any],
+    config: Any,
+) -> int:
+    """(all ranks) Write each rank's shard files into ``target``, then commit on the coordinator
+    (config, index, rename or stale-shard removal); returns the tensor bytes published."""
     # Every rank walks the same tensors in the same order, since gathering a DTensor is
     # collective. An I/O error on an owner must not leave the others inside a gather: it is
     # recorded, the rank stops writing but keeps gathering, and errors are exchanged at the end.
@@ -365,10 +392,10 @@ def save_pretrained(
         if config is not None:
             target.write_bytes(config.to_json_string().encode(), "config.json")
         target.write_bytes(json.dumps(index, indent=2, sort_keys=True).encode(), INDEX_NAME)
-        _finish(storage, staging, overwrite)
+        _finish(storage, staging, overwrite, names)
 
     on_coordinator(group, f"commit of {storage.display()}", commit)
-    return {"output": storage.display(), "files": names, "tensors": len(weight_map), "bytes": total}
+    return total
 
 
 def _begin(storage: Storage, overwrite: bool) -> str:
@@ -385,23 +412,59 @@ def _begin(storage: Storage, overwrite: bool) -> str:
     return storage.url
 
 
-def _finish(storage: Storage, staging: str, overwrite: bool) -> None:
-    """(coordinator) Local: move the finished directory into place (atomic rename)."""
-    if not storage.is_local:
-        return
+_SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def _finish(storage: Storage, staging: str, overwrite: bool, names: list[str] | None = None) -> None:
+    """(coordinator) Local: move the finished directory into place (atomic rename). Object
+    stores (committed by the index just written): remove an overwritten checkpoint's shard files
+    that the new index does not name."""
     import shutil
 
+    if not storage.is_local:
+        if overwrite and names is not None:
+            try:  # best effort: the new checkpoint is committed already
+                for name in storage.list_files():
+                    if _SHARD_NAME.match(name) and name not in names:
+                        storage.remove(name)
+            except Exception as exc:  # noqa: BLE001
+                import warnings
+
+                warnings.warn(f"distckpt: {storage.display()}: could not remove the previous checkpoint's shards: {exc}", stacklevel=2)
+        return
     if os.path.exists(storage.path):
         if not overwrite and os.listdir(storage.path):
             shutil.rmtree(staging, ignore_errors=True)
             raise FileExistsError(f"{storage.display()} exists and is not empty (pass overwrite=True)")
         old = f"{storage.path}.old-{uuid.uuid4().hex[:8]}"
         os.replace(storage.path, old)
-        os.replace(staging, storage.path)
+        try:
+            os.replace(staging, storage.path)
+        except BaseException:
+            os.replace(old, storage.path)  # the previous checkpoint stays in place
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.makedirs(os.path.dirname(storage.path) or ".", exist_ok=True)
         os.replace(staging, storage.path)
+
+
+def _abandon(storage: Storage, staging: str, names: list[str]) -> None:
+    """(coordinator, after a failed publish) Remove what it wrote: the local temporary directory
+    (the previous checkpoint, if any, was never touched), or on an object store the shard files
+    of this publish (without its index they are no checkpoint; a previous one was uncommitted
+    first). Best effort: the publish's own error is what the caller sees."""
+    import shutil
+
+    if storage.is_local:
+        if staging != storage.path:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
+    for name in names:
+        try:
+            storage.remove(name)
+        except Exception:  # noqa: BLE001 - best effort, see above
+            pass
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Reading Hugging Face safetensors checkpoints by byte range, on any storage, without pickle.
 
 A safetensors file is ``u64 header length | JSON header | raw tensor bytes``; a sharded checkpoint
-adds ``model.safetensors.index.json`` (``weight_map``: tensor name -> file). This module parses
-and validates the headers (offsets inside the file, sizes matching dtype x shape, no overlaps)
-and exposes the files to DCP as a ``StorageReader``, so that ``dcp.load`` reshards them like any
-distckpt checkpoint: each rank reads exactly the byte ranges of the blocks it owns (one range
-per row block for FSDP2 dim-0 shards), straight into its destination tensor when the dtype
-matches. Nothing is unpickled and no rank reads the whole model.
+adds ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), without which
+several files are refused (an unfinished publish). This module parses and validates the headers
+(offsets inside the file, sizes matching dtype x shape, tensors tiling the data bytes without
+overlaps or holes) and exposes the files to DCP as a ``StorageReader``, so that ``dcp.load``
+reshards them like any distckpt checkpoint: each rank reads exactly the byte ranges of the
+blocks it owns (one range per row block for FSDP2 dim-0 shards), straight into its destination
+tensor when the dtype matches. Nothing is unpickled and no rank reads the whole model.
 
 Not collective by itself: DCP's ``load`` drives it on every rank.
 """
@@ -37,6 +38,7 @@ from .errors import IntegrityError, UnsafeCheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_DIMS = 64  # more than any real tensor has; bounds the size arithmetic on hostile headers
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -110,29 +112,38 @@ def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, wh
         if key == "__metadata__":
             continue
         if not isinstance(info, dict):
-            raise IntegrityError(f"{where}: tensor {key!r}: entry is not an object")
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: entry is not an object")
         dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
         shape = info.get("shape")
         offsets = info.get("data_offsets")
         if dtype is None:
-            raise IntegrityError(f"{where}: tensor {key!r}: unknown dtype {info.get('dtype')!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise IntegrityError(f"{where}: tensor {key!r}: shape {shape!r} is not a list of non-negative ints")
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: unknown dtype {info.get('dtype')!r:.40}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: shape {shape!r:.80} is not a list of at most {MAX_DIMS} non-negative int64s")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise IntegrityError(f"{where}: tensor {key!r}: data_offsets {offsets!r} are not two ints")
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: data_offsets {offsets!r:.80} are not two ints")
         begin, end = offsets
         span = TensorSpan(name, data_start + begin, dtype, tuple(shape))
         if not 0 <= begin <= end <= data_len or end - begin != span.nbytes:
             raise IntegrityError(
-                f"{where}: tensor {key!r}: bytes [{begin}, {end}) do not hold {dtype} {list(shape)} "
+                f"{where}: tensor {key!r:.100}: bytes [{begin}, {end}) do not hold {dtype} {list(shape)!s:.80} "
                 f"({span.nbytes} bytes) inside the {data_len} data bytes"
             )
         spans[key] = span
         ranges.append((begin, end, key))
+    # As the safetensors format requires: the tensors tile the data bytes exactly, without
+    # overlaps or holes. (A header whose length prefix was shortened into its padding would
+    # otherwise shift every tensor onto its neighbours' bytes and still pass the checks above.)
     ranges.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
-        if b1 < e0:
-            raise IntegrityError(f"{where}: tensors {n0!r} and {n1!r} overlap")
+    covered, last = 0, None
+    for begin, end, key in ranges:
+        if begin < covered:
+            raise IntegrityError(f"{where}: tensors {last!r:.100} and {key!r:.100} overlap")
+        if begin > covered:
+            raise IntegrityError(f"{where}: data bytes [{covered}, {begin}) belong to no tensor")
+        covered, last = end, key
+    if covered != data_len:
+        raise IntegrityError(f"{where}: data bytes [{covered}, {data_len}) belong to no tensor (header and data disagree)")
     return spans
 
 
@@ -150,6 +161,8 @@ class SafetensorsIndex:
         files = storage.list_files()
         if INDEX_NAME in files:
             where = storage.display(INDEX_NAME)
+            if files[INDEX_NAME] > MAX_HEADER:
+                raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
             try:
                 index = json.loads(storage.read_bytes(INDEX_NAME))
             except (ValueError, RecursionError) as exc:
@@ -158,27 +171,35 @@ class SafetensorsIndex:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
-        elif SINGLE_NAME in files:
-            weight_map, names = None, [SINGLE_NAME]
         else:
-            names = sorted(f for f in files if f.endswith(".safetensors"))
+            # Without an index only a single file is a checkpoint: shards without their index
+            # are an unfinished publish (possibly new shards beside old ones), never guessed at.
             weight_map = None
+            names = sorted(f for f in files if f.endswith(".safetensors"))
             if not names:
                 raise FileNotFoundError(f"{storage.display()}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors files")
+            if len(names) > 1:
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise IntegrityError(
+                    f"{storage.display()}: {len(names)} safetensors files ({shown}) but no {INDEX_NAME}: a sharded "
+                    "checkpoint is complete only with its index (an unfinished or failed publish leaves shards without it)"
+                )
         self.spans: dict[str, TensorSpan] = {}
         for name in names:
             if "/" in name or "\\" in name or name in (".", ".."):
-                raise UnsafeCheckpointError(f"{storage.display(INDEX_NAME)} names file {name!r} outside the directory")
+                raise UnsafeCheckpointError(f"{storage.display(INDEX_NAME)} names file {name!r:.100} outside the directory")
+            if not name.endswith(".safetensors"):
+                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which is not a .safetensors file")
             if name not in files:
-                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name}, which does not exist")
+                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which does not exist")
             where = storage.display(name)
             with storage.open(name, "rb") as f:
                 spans = parse_header(f.read(8), f.read, files[name], name, where)
             for key, span in spans.items():
                 if key in self.spans:
-                    raise IntegrityError(f"{where}: tensor {key!r} is also in {self.spans[key].file}")
+                    raise IntegrityError(f"{where}: tensor {key!r:.100} is also in {self.spans[key].file}")
                 if weight_map is not None and weight_map.get(key) != name:
-                    raise IntegrityError(f"{where}: holds {key!r}, which the index puts in {weight_map.get(key)!r}")
+                    raise IntegrityError(f"{where}: holds {key!r:.100}, which the index puts in {weight_map.get(key)!r:.100}")
                 self.spans[key] = span
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self.spans))

@@ -1,5 +1,6 @@
 """The fine-tuning workflow with a real ``transformers`` model (built from a config, no downloads):
-Hugging Face weights -> FSDP2 at 2 ranks -> train -> distckpt save -> resume at 3 ranks ->
+Hugging Face weights -> FSDP2 at 2 ranks -> train -> distckpt save -> resume at 3 ranks (which
+also loads the Hugging Face weights at 3 ranks, into a model an eval forward left unsharded) ->
 publish Hugging Face weights from the job -> ``from_pretrained`` gives equal logits.
 """
 
@@ -71,6 +72,15 @@ def _job(rank: int, world: int, hf_dir: str, root: str, pub: str, phase: str) ->
             optim.zero_grad()
         ckpt.save(2, {"model": model, "optim": optim})
     else:
+        # Hugging Face weights at 3 ranks (uneven shards), into a model an eval forward left
+        # unsharded: load_pretrained must reshard first, or the next forward uses stale weights.
+        with torch.no_grad():
+            model(_tokens(98))
+        report = hf.load_pretrained(model, hf_dir)
+        out["report"] = (report.loaded, report.missing, report.unexpected, report.tied, report.bytes_read)
+        out["loaded"] = _full(model)
+        with torch.no_grad():
+            out["pretrained_logits"] = model(_tokens(99)).logits
         assert ckpt.load({"model": model, "optim": optim}) == 2
     out["trained"] = _full(model)
     with torch.no_grad():
@@ -98,6 +108,16 @@ def test_hf_weights_fsdp2_train_resume_publish(tmp_path):
     assert sum(res["report"][4] for res in started) >= model_bytes
 
     resumed = run_ranks(_job, 3, tmp_path, hf_dir, root, str(tmp_path / "pub3"), "resume")
+    with torch.no_grad():
+        ref_logits = ref(_tokens(99)).logits
+    for r, res in enumerate(resumed):
+        loaded, missing, unexpected, tied, bytes_read = res["report"]
+        assert (missing, unexpected) == ([], []) and tied == {"lm_head.weight": "model.embed_tokens.weight"}
+        for k, v in expected.items():
+            assert torch.equal(res["loaded"][k], v), f"rank {r} of 3: {k} after load_pretrained"
+        assert torch.allclose(res["pretrained_logits"], ref_logits, rtol=1e-5, atol=1e-6), f"rank {r}: stale weights in the forward"
+        assert bytes_read <= 0.45 * model_bytes, (r, bytes_read, model_bytes)
+    assert sum(res["report"][4] for res in resumed) >= model_bytes
     for k, v in started[0]["trained"].items():
         assert torch.equal(resumed[0]["trained"][k], v), f"resumed at 3 ranks: {k}"
 
