@@ -17,6 +17,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -167,3 +168,11 @@ class LocalStorage(Storage):
 
     def dcp_filesystem(self) -> FileSystemBase:
         return _LocalDcpFS()
+
+    def dcp_path(self, *parts: str) -> Any:
+        return Path(self.join(*parts))
+
+    def sync_file(self, f: Any) -> None:
+        os.fsync(f.fileno())
+
+    cheap_seeks = True

@@ -18,7 +18,6 @@ import threading
 import uuid
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
@@ -74,7 +73,7 @@ class _ChecksumStream(io.RawIOBase):
     error once DCP returns, with its errno and the file's path.
     """
 
-    def __init__(self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: bool) -> None:
+    def __init__(self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any) -> None:
         from .integrity import new_hasher
 
         self._raw = raw
@@ -121,9 +120,9 @@ class _ChecksumStream(io.RawIOBase):
         if not self.closed:
             # Explicit flush before close: some fsspec files drop unflushed data otherwise.
             self.flush()
-            if self._sync and not self.failed:
+            if self._sync is not None and not self.failed:
                 try:
-                    os.fsync(self._raw.fileno())
+                    self._sync(self._raw)
                 except OSError as exc:
                     self._fail(exc)
             if not self.failed:
@@ -138,10 +137,10 @@ class _ChecksummingFS(FileSystemBase):
     raised inside DCP's writer threads; see :class:`_ChecksumStream`.
     """
 
-    def __init__(self, inner: FileSystemBase, algorithm: str | None, sync_files: bool = False) -> None:
+    def __init__(self, inner: FileSystemBase, algorithm: str | None, sync: Any = None) -> None:
         self.inner = inner
         self.algorithm = algorithm
-        self.sync_files = sync_files
+        self.sync = sync  # makes a written file durable (Storage.sync_file), or None
         self.files: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -174,7 +173,7 @@ class _ChecksummingFS(FileSystemBase):
         except OSError as exc:  # cannot even create the file: nothing written, error recorded
             on_error(exc)
             cm, raw = None, None
-        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync_files)
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync)
         try:
             yield stream  # type: ignore[misc]
         except BaseException as exc:
@@ -234,10 +233,11 @@ class CheckpointWriter(FileSystemWriter):
         checksum: str | None = DEFAULT_CHECKSUM,
         skip_record_crc: bool = False,
     ) -> None:
-        # Remote files have no fileno(); DCP would fall back to os.sync() per file. Closing an
-        # fsspec file is what commits it, and the stream wrapper flushes before closing.
+        # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
+        # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
+        # to os.sync() per file; closing an fsspec file is what commits it).
         super().__init__(
-            path if storage.is_local else "unused",
+            path,
             single_file_per_rank=True,
             # Each file is fsynced by its stream (so a failed fsync is recorded, not raised in a
             # DCP writer thread), not by DCP.
@@ -247,8 +247,8 @@ class CheckpointWriter(FileSystemWriter):
         )
         self.storage = storage
         self.skip_record_crc = skip_record_crc
-        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync_files=sync_files and storage.is_local)
-        self.path = Path(path) if storage.is_local else path
+        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None)
+        self.path = path
 
     @property
     def files(self) -> dict[str, tuple[int, str]]:

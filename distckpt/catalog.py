@@ -5,22 +5,24 @@ storage may call these functions.
 
 A checkpoint location (``CKPT`` on the command line) is one of:
 
-* a step directory ``ROOT/step_000000100`` (committed: it holds ``manifest.json``);
+* a step directory ``ROOT/step_000000100`` (committed: it holds ``manifest.json``), or a
+  committed step directory copied or renamed to another name (``best/``);
 * a root holding step directories (then the newest committed step, or ``step=N``);
-* a plain DCP checkpoint directory (``.metadata`` but no manifest), for inspect and convert.
+* a plain DCP checkpoint directory (``.metadata`` but no manifest), for inspect and convert,
+  which read it unverified and say so.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ._shape import numel
+from ._stepfiles import StepFiles
 from .errors import CheckpointError
-from .manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, step_dir
+from .manifest import MANIFEST_NAME, committed_steps, parse_step_dir, step_dir
 from .storage import Storage
 
 
@@ -28,36 +30,8 @@ class CheckpointNotFound(FileNotFoundError):
     """The location is not a (complete) checkpoint; the message names the problem."""
 
 
-@dataclass
-class Located:
-    """A checkpoint found at a user-given location.
-
-    Attributes:
-        storage: the root the step directory lives in (or the plain DCP directory itself).
-        dirname: the step directory's name under ``storage`` ("" for a plain DCP directory).
-        step: the step (``None`` for a plain DCP directory).
-        manifest: the manifest (``None`` for a plain DCP directory).
-    """
-
-    storage: Storage
-    dirname: str
-    step: int | None
-    manifest: Manifest | None
-
-    def display(self, *parts: str) -> str:
-        return self.storage.display(*[p for p in (self.dirname, *parts) if p])
-
-    def metadata(self) -> Metadata:
-        """DCP's metadata of the checkpoint (read with distckpt's safe reader).
-
-        For a distckpt step, ``.metadata`` is checked against the manifest (size, checksum) and
-        its byte ranges against the data files' recorded sizes, as a load checks it.
-        """
-        if self.manifest is not None:
-            from .manifest import read_metadata
-
-            return read_metadata(self.storage, self.manifest)
-        return self.storage.reader(self.dirname).read_metadata()
+# A located checkpoint is a step directory opened for verified reads.
+Located = StepFiles
 
 
 def _split_parent(location: str) -> tuple[str, str]:
@@ -72,12 +46,19 @@ def _split_parent(location: str) -> tuple[str, str]:
     return os.path.dirname(text), os.path.basename(text)
 
 
-def locate(location: str, storage_options: dict[str, Any] | None = None, step: int | None = None) -> Located:
-    """Resolve ``location`` (step directory, root or plain DCP directory) to one checkpoint.
+def locate(location: str, storage_options: dict[str, Any] | None = None, step: int | None = None) -> StepFiles:
+    """Resolve ``location`` (step directory, root or plain DCP directory) to one checkpoint,
+    opened for verified reads (:class:`~distckpt._stepfiles.StepFiles`).
+
+    A directory holding ``manifest.json`` is a committed step whatever its name: one named
+    ``step_N`` must hold step N's manifest; one copied or renamed (e.g. ``best``) takes its step
+    from the manifest, and its files are verified against it all the same. A directory with
+    ``.metadata`` and no manifest is a plain DCP checkpoint, read unverified.
 
     Raises:
         CheckpointNotFound: nothing there, no committed step, an incomplete step, or not a checkpoint.
-        ValueError: ``step`` contradicts a step directory given as ``location``.
+        IntegrityError: the manifest is malformed or belongs to another step's directory.
+        ValueError: ``step`` contradicts the step directory given as ``location``.
     """
     options = dict(storage_options or {})
     parent, name = _split_parent(location)
@@ -91,27 +72,30 @@ def locate(location: str, storage_options: dict[str, Any] | None = None, step: i
     storage = Storage(location, options)
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")
+    if storage.exists(MANIFEST_NAME):  # a committed step directory under another name
+        found = StepFiles.open(storage, "")
+        if step is not None and step != found.step:
+            raise ValueError(f"--step {step} contradicts {storage.display()}, which holds step {found.step}")
+        return found
     if step is not None:
         return _committed(storage, step)
     steps = committed_steps(storage)
     if steps:
         return _committed(storage, steps[-1])
     if storage.exists(".metadata"):  # a plain DCP checkpoint directory
-        return Located(storage, "", None, None)
+        return StepFiles(storage, "")
     if any(parse_step_dir(d) is not None for d in storage.list_dirs()):
         raise CheckpointNotFound(f"no committed checkpoint under {storage.display()} (only incomplete step directories)")
     raise CheckpointNotFound(f"{storage.display()} is not a checkpoint (no step_* directories, no .metadata)")
 
 
-def _committed(storage: Storage, step: int) -> Located:
-    from .manifest import read_manifest
-
+def _committed(storage: Storage, step: int) -> StepFiles:
     name = step_dir(step)
     if not storage.exists(name, MANIFEST_NAME):
         if storage.exists(name):
             raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
         raise CheckpointNotFound(f"checkpoint {storage.display(name)} does not exist")
-    return Located(storage, name, step, read_manifest(storage, step))
+    return StepFiles.open(storage, name)
 
 
 # ls ----------------------------------------------------------------------------------------------
@@ -177,8 +161,9 @@ def entry_rows(metadata: Metadata) -> list[dict[str, Any]]:
     return rows
 
 
-def describe(found: Located) -> dict[str, Any]:
-    """Everything ``inspect`` shows: location, entries, totals and the manifest (JSON-ready)."""
+def describe(found: StepFiles) -> dict[str, Any]:
+    """Everything ``inspect`` shows: location, entries, totals, the manifest and, if reads of it
+    are not verified, why (JSON-ready)."""
     from dataclasses import asdict
 
     rows = entry_rows(found.metadata())
@@ -199,4 +184,6 @@ def describe(found: Located) -> dict[str, Any]:
         "entries": rows,
         "totals": totals,
         "manifest": asdict(found.manifest) if found.manifest is not None else None,
+        "verified": not found.unverified,
+        "unverified": found.unverified,
     }

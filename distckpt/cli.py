@@ -172,6 +172,8 @@ def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
             print(f"extra       {json.dumps(m['extra'], sort_keys=True)}", file=out)
     else:
         print("manifest    none (a plain DCP checkpoint)", file=out)
+    if info["unverified"]:
+        print(f"UNVERIFIED  {'; '.join(info['unverified'])}", file=out)
     print(file=out)
     table = [["KEY", "DTYPE", "SHAPE", "BYTES", "SHARDS"]]
     for r in info["entries"]:
@@ -189,12 +191,11 @@ def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
 
 def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     from .catalog import locate
-    from .integrity import verify_checkpoint
 
     found = locate(args.ckpt, opts, args.step)
-    if found.manifest is None or found.step is None:
+    if found.manifest is None:
         raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
-    problems = list(verify_checkpoint(found.storage, found.step))
+    problems = found.problems()
     if not problems:
         try:
             found.metadata()
@@ -218,15 +219,13 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
                     source.read_value(key)
                 except Exception as exc:  # noqa: BLE001 - reported as a problem
                     problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
+            try:
+                source.finish()  # what was read for the fingerprints is what the checksums cover
+            except Exception as exc:  # noqa: BLE001 - reported as a problem
+                problems.append(_message(exc))
     files = found.manifest.files
     # Checksums that are not there verify nothing: say so instead of "OK".
-    unverified = []
-    if not found.manifest.checksum_algorithm:
-        unverified.append("the manifest records no checksum algorithm")
-    else:
-        unverified += [f"{name} has no checksum" for name, r in sorted(files.items()) if not r.checksum]
-    if ".metadata" not in files:
-        unverified.append(".metadata is not listed in the manifest")
+    unverified = found.unverified
     if unverified and not args.allow_unverified:
         problems += [f"{found.display()}: UNVERIFIED: {u}" for u in unverified]
     if args.json:
@@ -281,6 +280,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
                 found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
                 max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
             )  # fmt: skip
+            summary.setdefault("unverified", found.unverified)
         finally:
             bar.close()
     else:
@@ -302,6 +302,9 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
                 )
         finally:
             bar.close()
+    unverified = summary.get("unverified") or []
+    if unverified:  # exported as read: say so even with --quiet
+        print(f"WARNING {args.src}: unverified ({'; '.join(unverified)}); exported as read", file=sys.stderr)
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()

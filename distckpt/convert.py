@@ -34,7 +34,12 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from . import fingerprint, values
-from .catalog import Located
+from ._compat import PyTorchFileWriter, rebuild_tensor_v2, storage_alignment, storage_name_of_dtype
+from ._reader import _load_record
+from ._shape import contiguous_strides, numel
+from ._stepfiles import StepFiles, VerifiedFile
+from ._torchfile import raw_layout
+from .errors import IntegrityError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {
@@ -57,12 +62,6 @@ _SAFETENSORS_DTYPES = {
 _INTERNAL = ("_rng",)  # distckpt's own namespaces: never exported
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-
-
-from ._reader import _load_record  # noqa: E402
-from ._compat import PyTorchFileWriter, rebuild_tensor_v2, storage_alignment, storage_name_of_dtype  # noqa: E402
-from ._shape import contiguous_strides, numel  # noqa: E402
-from ._torchfile import FileSlice, raw_layout  # noqa: E402
 
 
 class SelectionError(ValueError):
@@ -105,8 +104,6 @@ class _Tally:
             self.total = fingerprint.add(self.total, fingerprint.partial_sum(shard, self.info.shape, offsets))
 
     def check(self, where: str) -> None:
-        from .errors import IntegrityError
-
         if self.expected is not None and fingerprint.digest(self.total, self.info.shape, self.info.dtype) != self.expected:
             raise IntegrityError(
                 f"{where}: the stored values of {self.info.key} do not match the fingerprint recorded when "
@@ -117,18 +114,22 @@ class _Tally:
 class CheckpointSource:
     """A checkpoint opened for streaming reads, tensor by tensor, without a process group.
 
-    With ``verify`` (default) every data file is checked against the manifest before its first
-    use, and every tensor read whole (``read_tensor``, ``iter_bytes``) against the fingerprint
-    the manifest recorded at save: a checkpoint that was altered is an ``IntegrityError``.
+    Every byte is read through the step's verified files (:meth:`StepFiles.file`): one pass per
+    data file, hashed as it goes (no check first and read again). A file's size and checksum
+    are compared with the manifest by :meth:`finish`, which callers call before they publish
+    anything, or earlier, as soon as the last of the entries announced with :meth:`expect` that
+    it holds was read. Every tensor read whole (``read_tensor``, ``iter_bytes``) is also checked
+    against the fingerprint the manifest recorded at save. An altered checkpoint is an
+    ``IntegrityError``; a plain DCP directory (no manifest) is read unverified
+    (``found.unverified`` says so).
     """
 
-    def __init__(self, found: Located, verify: bool = True) -> None:
+    def __init__(self, found: StepFiles) -> None:
         self.found = found
         self.metadata = found.metadata()
-        # Files whose size and checksum were checked against the manifest (each once, on first use).
-        self._verified: set[str] = set()
-        self._verify = verify and found.manifest is not None
-        self._fingerprints = dict(found.manifest.fingerprints) if self._verify and found.manifest else {}
+        self._fingerprints = dict(found.manifest.fingerprints) if found.verifying and found.manifest else {}
+        self._files: dict[str, VerifiedFile] = {}
+        self._todo: dict[str, set[MetadataIndex]] | None = None
         self.tensors: dict[str, TensorInfo] = {}
         self.values: list[str] = []
         for key, md in self.metadata.state_dict_metadata.items():
@@ -139,35 +140,104 @@ class CheckpointSource:
         lost = sorted(set(self._fingerprints) - set(self.tensors))
         if lost:
             # The manifest recorded these tensors at save; a .metadata without them was altered.
-            from .errors import IntegrityError
-
             shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
             raise IntegrityError(f"{found.display('.metadata')}: tensors saved in this step are missing from it: {shown}")
 
-    def _rel(self, name: str) -> str:
-        if "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise ValueError(f"refusing file name {name!r} recorded in {self.found.display('.metadata')}")
-        return f"{self.found.dirname}/{name}" if self.found.dirname else name
+    # files ---------------------------------------------------------------------------------------
+    def _indexes(self, key: str) -> list[MetadataIndex]:
+        md = self.metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            return [MetadataIndex(key, torch.Size(c.offsets)) for c in md.chunks]
+        return [MetadataIndex(key)]
 
-    @contextmanager
-    def _slice(self, index: MetadataIndex) -> Iterator[FileSlice]:
+    def _item(self, index: MetadataIndex) -> tuple[VerifiedFile, int, int]:
+        """The verified file holding stored item ``index`` and the item's byte range in it."""
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise NotImplementedError("storage transforms")
         name = os.fspath(info.relative_path)
-        self._check_file(name)
-        with self.found.storage.open(self._rel(name), "rb") as raw:
-            yield FileSlice(raw, int(info.offset), int(info.length))
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = self.found.file(name)
+        return f, int(info.offset), int(info.length)
 
-    def _record(self, stream: Any, key: str) -> Any:
+    def position(self, key: str) -> tuple[str, int]:
+        """Where ``key``'s first stored byte lies (file, offset): reading entries in this order
+        reads each file front to back."""
+        stored = [self.metadata.storage_data[i] for i in self._indexes(key)]
+        return min((os.fspath(info.relative_path), int(info.offset)) for info in stored)
+
+    def expect(self, keys: list[str]) -> None:
+        """Announce the entries that will be read: each file is then checked whole as soon as the
+        last of them it holds has been read (before the read of that entry returns)."""
+        todo: dict[str, set[MetadataIndex]] = {}
+        for key in keys:
+            for index in self._indexes(key):
+                todo.setdefault(os.fspath(self.metadata.storage_data[index].relative_path), set()).add(index)
+        self._todo = todo
+
+    def _done(self, key: str) -> None:
+        """Entry ``key`` was read: release the handles, check files nothing more is expected from."""
+        for f in self._files.values():
+            f.close()
+        if self._todo is None:
+            return
+        for index in self._indexes(key):
+            name = os.fspath(self.metadata.storage_data[index].relative_path)
+            left = self._todo.get(name)
+            if left is not None:
+                left.discard(index)
+                if not left:
+                    del self._todo[name]
+                    self._item(index)[0].finish()
+
+    @contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """Blame a damaged file for a failed read of ``key`` where its checksum says so: corrupt
+        bytes usually fail to parse, or fail a fingerprint, before their file's end is reached."""
+        try:
+            yield
+        except IntegrityError as exc:
+            for index in self._indexes(key):
+                try:
+                    f = self._item(index)[0]
+                except NotImplementedError:
+                    continue
+                try:
+                    f.finish()
+                except IntegrityError as damaged:
+                    if damaged is exc:
+                        raise
+                    raise damaged from exc
+            raise
+
+    def finish(self) -> None:
+        """Check every data file read so far whole (size and checksum against the manifest).
+        Call it before publishing what was made from the reads.
+
+        Raises:
+            IntegrityError: a file differs from the manifest or changed while it was read.
+        """
+        for f in self._files.values():
+            f.finish()
+
+    # records -------------------------------------------------------------------------------------
+    def _record_bytes(self, index: MetadataIndex) -> bytes:
+        f, offset, length = self._item(index)
+        data = f.read_range(offset, length)
+        if len(data) != length:
+            raise IntegrityError(f"{f.where}: truncated (ends inside the item of {index.fqn})")
+        return data
+
+    def _record(self, data: bytes, key: str) -> Any:
         """One stored item, unpickled safely; a record that does not parse is an IntegrityError."""
-        from .errors import CheckpointError, IntegrityError
+        from .errors import CheckpointError
 
         try:
-            return _load_record(stream, key, self.found.display())
+            return _load_record(io.BytesIO(data), key, self.found.display())
         except CheckpointError:
             raise
-        except Exception as exc:  # noqa: BLE001 - sizes and checksums passed, so .metadata points wrong
+        except Exception as exc:  # noqa: BLE001 - .metadata points at something that is no record
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise IntegrityError(f"{self.found.display()}: the record stored for {key} cannot be read ({type(exc).__name__}: {first})") from exc
 
@@ -178,122 +248,105 @@ class CheckpointSource:
             expected = None
         return _Tally(info, expected)
 
-    def _check_file(self, name: str) -> None:
-        """Size and checksum of data file ``name`` against the manifest, the first time it is used.
-
-        Exports read through the same checks as loads: a flipped byte or a file the manifest
-        does not list is an :class:`~distckpt.errors.IntegrityError`, never exported.
-        """
-        if not self._verify or name in self._verified:
-            return
-        from .errors import IntegrityError
-        from .integrity import check_file
-
-        manifest = self.found.manifest
-        assert manifest is not None  # _verify implies a manifest
-        record = manifest.files.get(name)
-        if record is None:
-            raise IntegrityError(f"{self.found.display(name)}: referenced by .metadata but not listed in the manifest")
-        check_file(self.found.storage, self.found.dirname, name, record, manifest.checksum_algorithm)
-        self._verified.add(name)
-
-    def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, numel: int) -> tuple[str, int] | None:
+    def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, count: int) -> tuple[VerifiedFile, int] | None:
         """(file, byte offset) of shard ``offsets`` of ``key`` stored as plain row-major bytes, else None."""
         index = MetadataIndex(key, torch.Size(offsets))
-        info = self.metadata.storage_data.get(index)
-        if info is None or getattr(info, "transform_descriptors", None):
+        if index not in self.metadata.storage_data:
             return None
-        with self._slice(index) as f:
-            layout = raw_layout(f)
-        if layout is None or layout.dtype != dtype or layout.nbytes != numel * layout.dtype.itemsize:
+        try:
+            f, offset, length = self._item(index)
+        except NotImplementedError:
             return None
-        return os.fspath(info.relative_path), int(info.offset) + layout.data_offset
+        layout = raw_layout(f.peek(offset, length))
+        if (
+            layout is None
+            or layout.dtype != dtype
+            or layout.nbytes != count * dtype.itemsize
+            or layout.data_offset + layout.nbytes > length
+        ):
+            return None
+        return f, offset + layout.data_offset
 
     def iter_shard_blocks(
         self,
         key: str,
         offsets: tuple[int, ...],
-        numel: int,
+        count: int,
         dtype: torch.dtype | None = None,
         tally: _Tally | None = None,
     ) -> Iterator[memoryview] | None:
-        """Bytes of one shard (cast to ``dtype``) in blocks of about :data:`BLOCK`, read straight
-        from the data file; ``None`` if the shard is not stored as plain row-major bytes.
+        """Bytes of one shard of ``count`` elements (cast to ``dtype``) in blocks of about
+        :data:`BLOCK`, read straight from the data file; ``None`` if the shard is not stored as
+        plain row-major bytes.
 
         ``tally``: for a row block (offsets ``(r, 0, ...)``), adds its values to the tensor's
         fingerprint sum."""
         info = self.tensors[key]
-        span = self._raw_span(key, offsets, info.dtype, numel)
+        span = self._raw_span(key, offsets, info.dtype, count)
         if span is None:
             return None
-        rel, start = span
-        itemsize = torch.empty((), dtype=info.dtype).element_size()
-        total = numel * itemsize
-        step = max(itemsize, BLOCK // itemsize * itemsize)
+        f, start = span
+        itemsize = info.dtype.itemsize
+        total = count * itemsize
         out_dtype = dtype or info.dtype
-        row = 1
-        for d in info.shape[1:]:
-            row *= d
-        flat0 = offsets[0] * row if offsets else 0
+        flat0 = offsets[0] * numel(info.shape[1:]) if offsets else 0
 
         def blocks() -> Iterator[memoryview]:
-            # A tensor, not a bytearray: views of it may outlive an abandoned generator.
-            buf = torch.empty(min(step, total), dtype=torch.uint8).numpy()
-            with self.found.storage.open(self._rel(rel), "rb") as f:
-                f.seek(start)
-                done = 0
-                while done < total:
-                    n = min(step, total - done)
-                    view = memoryview(buf)[:n]
-                    got = 0
-                    while got < n:
-                        chunk = f.readinto(view[got:]) if hasattr(f, "readinto") else None
-                        if chunk is None:
-                            data = f.read(n - got)
-                            chunk = len(data)
-                            view[got:got + chunk] = data
-                        if not chunk:
-                            raise EOFError(f"{self.found.display(rel)} ends inside tensor {key}")
-                        got += chunk
-                    if tally is not None:
-                        tally.run(torch.frombuffer(view, dtype=info.dtype), flat0 + done // itemsize)
-                    done += n
-                    if out_dtype == info.dtype:
-                        yield view
-                    else:
-                        cast = torch.frombuffer(view, dtype=info.dtype).to(out_dtype)
-                        yield memoryview(cast.view(torch.uint8).numpy())
+            done = 0
+            for view in f.blocks(start, total, max(itemsize, BLOCK // itemsize * itemsize)):
+                if tally is not None:
+                    tally.run(torch.frombuffer(view, dtype=info.dtype), flat0 + done // itemsize)
+                done += len(view)
+                if out_dtype == info.dtype:
+                    yield view
+                else:
+                    cast = torch.frombuffer(view, dtype=info.dtype).to(out_dtype)
+                    yield memoryview(cast.view(torch.uint8).numpy())
+            if done != total:
+                raise IntegrityError(f"{f.where} ends inside tensor {key}")
 
         return blocks()
 
     def read_value(self, key: str) -> Any:
         """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
-        with self._slice(MetadataIndex(key)) as f:
-            value = self._record(io.BytesIO(f.read()), key)
-        entry = self.found.manifest.entries.get(key) if self._verify and self.found.manifest else None
-        if isinstance(entry, dict) and entry.get("kind") == "value":
-            values.check_digest(value, entry, key)
-        if isinstance(value, str) and value.startswith(values.PREFIX):
-            value = values.decode(value, key)
+        with self._reading(key):
+            value = self._record(self._record_bytes(MetadataIndex(key)), key)
+            entry = self.found.manifest.entries.get(key) if self.found.verifying and self.found.manifest else None
+            if isinstance(entry, dict) and entry.get("kind") == "value":
+                values.check_digest(value, entry, key)
+            if isinstance(value, str) and value.startswith(values.PREFIX):
+                value = values.decode(value, key)
+            self._done(key)
         return value
 
     def iter_shards(self, key: str) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
         """``(offsets, shard)`` of every stored shard of tensor ``key`` (one in memory at a time)."""
-        md = self.metadata.state_dict_metadata[key]
-        for chunk in md.chunks:  # type: ignore[union-attr]
-            offsets = tuple(int(o) for o in chunk.offsets)
-            with self._slice(MetadataIndex(key, torch.Size(offsets))) as f:
-                shard = self._record(f, key)
-            sizes = tuple(int(d) for d in chunk.sizes)
-            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != sizes or shard.dtype != self.tensors[key].dtype:
-                from .errors import IntegrityError
+        with self._reading(key):
+            yield from self._iter_shards(key)
 
+    def _iter_shards(self, key: str) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+        info = self.tensors[key]
+        for chunk in self.metadata.state_dict_metadata[key].chunks:  # type: ignore[union-attr]
+            offsets = tuple(int(o) for o in chunk.offsets)
+            sizes = tuple(int(d) for d in chunk.sizes)
+            span = self._raw_span(key, offsets, info.dtype, numel(sizes))
+            if span is not None:  # straight into the shard's memory
+                f, start = span
+                shard = torch.empty(sizes, dtype=info.dtype)
+                if shard.numel():
+                    view = memoryview(shard.view(-1).view(torch.uint8).numpy())
+                    if f.readinto(start, view) != len(view):
+                        raise IntegrityError(f"{f.where} ends inside tensor {key}")
+            else:
+                shard = self._record(self._record_bytes(MetadataIndex(key, torch.Size(offsets))), key)
+            if not isinstance(shard, torch.Tensor) or tuple(shard.shape) != sizes or shard.dtype != info.dtype:
                 got = f"{shard.dtype} tensor of shape {tuple(shard.shape)}" if isinstance(shard, torch.Tensor) else type(shard).__name__
                 raise IntegrityError(
                     f"{self.found.display()}: the record stored for {key} at offsets {offsets} holds a {got}, "
-                    f".metadata says a {self.tensors[key].dtype} tensor of shape {sizes}"
+                    f".metadata says a {info.dtype} tensor of shape {sizes}"
                 )
             yield offsets, shard
+        self._done(key)
 
     def _row_chunks(self, key: str) -> list[Any] | None:
         """The shards of ``key`` sorted, if they are row blocks (split along dim 0 only) that
@@ -315,8 +368,14 @@ class CheckpointSource:
         against its recorded fingerprint.
 
         Row-block shards are copied block by block from the data files into the result, so
-        memory is the result plus one block.
+        memory is the result plus one block. The result's size was bounded by the stored items'
+        lengths when ``.metadata`` was validated, so a declared shape never allocates more than
+        the files hold.
         """
+        with self._reading(key):
+            return self._read_tensor(key, dtype)
+
+    def _read_tensor(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         info = self.tensors[key]
         dtype = dtype or info.dtype
         chunks = self._row_chunks(key)
@@ -324,7 +383,7 @@ class CheckpointSource:
             tally = self._tally(key)
             out = torch.empty(info.shape, dtype=dtype)
             flat = out.reshape(-1).view(torch.uint8)
-            row_bytes = (out.numel() // info.shape[0]) * out.element_size() if info.shape and info.shape[0] else 0
+            row_bytes = numel(info.shape[1:]) * out.element_size() if info.shape else 0
             pos = 0
             for c in chunks:
                 pos = int(c.offsets[0]) * row_bytes if info.shape else 0
@@ -338,12 +397,13 @@ class CheckpointSource:
                     pos += n
             else:
                 tally.check(self.found.display())
+                self._done(key)
                 return out
             del out, flat
         try:
             tally = self._tally(key)
             out = torch.empty(info.shape, dtype=dtype)
-            for offsets, shard in self.iter_shards(key):
+            for offsets, shard in self._iter_shards(key):
                 tally.shard(shard, offsets)
                 view = out
                 for dim, (o, n) in enumerate(zip(offsets, shard.shape)):
@@ -351,6 +411,7 @@ class CheckpointSource:
                 view.copy_(shard)
                 del shard
             tally.check(self.found.display())
+            self._done(key)
             return out
         except NotImplementedError:
             return self._read_with_dcp(key, dtype)
@@ -361,6 +422,10 @@ class CheckpointSource:
         Row-block shards (FSDP, or one shard) are streamed from the data files a block at a
         time; other layouts are assembled in memory first.
         """
+        with self._reading(key):
+            yield from self._iter_bytes(key, dtype)
+
+    def _iter_bytes(self, key: str, dtype: torch.dtype | None) -> Iterator[memoryview]:
         chunks = self._row_chunks(key)
         streams = []
         tally = self._tally(key)
@@ -376,32 +441,32 @@ class CheckpointSource:
                 yield from blocks
             # Raised before the caller finishes its output, so an altered tensor is never published.
             tally.check(self.found.display())
+            self._done(key)
             return
-        t = self.read_tensor(key, dtype)
+        t = self._read_tensor(key, dtype)
         if t.numel():
             yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
     def _read_with_dcp(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``key`` read by DCP (stored items with transforms), through the same verified
+        reader as a load (:meth:`StepFiles.reader`)."""
         import torch.distributed.checkpoint as dcp
 
         from ._planner import SafeLoadPlanner
 
         info = self.tensors[key]
-        for chunk in self.metadata.state_dict_metadata[key].chunks:  # type: ignore[union-attr]
-            stored = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-            if stored is not None:
-                self._check_file(os.fspath(stored.relative_path))
         out = torch.empty(info.shape, dtype=info.dtype)
-        dcp.load({key: out}, storage_reader=self.found.storage.reader(self.found.dirname), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load({key: out}, storage_reader=self.found.reader(), planner=SafeLoadPlanner(), no_dist=True)
         tally = self._tally(key)
         tally.shard(out, (0,) * out.dim())
         tally.check(self.found.display())
+        self._done(key)
         return out.to(dtype)
 
 
 # -------------------------------------------------------------------------------------------------
 # choosing what to export
-def _model_names(found: Located, source: CheckpointSource) -> list[str]:
+def _model_names(found: StepFiles, source: CheckpointSource) -> list[str]:
     entries = found.manifest.entries if found.manifest is not None else {}
     modules = sorted(n for n, e in entries.items() if e.get("kind") == "module")
     if modules:
@@ -411,16 +476,25 @@ def _model_names(found: Located, source: CheckpointSource) -> list[str]:
 
 
 def select_tensors(
-    found: Located, source: CheckpointSource, *, model_only: bool, key: str | None
+    found: StepFiles, source: CheckpointSource, *, model_only: bool, key: str | None
 ) -> list[tuple[str, str]]:
     """``(output name, checkpoint key)`` of the tensors to export, in checkpoint order.
 
     ``key`` picks the tensors under one prefix (names relative to it); ``model_only`` picks the
     single model (module entry) of the checkpoint. Otherwise every tensor under its full key.
 
+    The selection is announced to ``source`` (:meth:`CheckpointSource.expect`): each data file
+    is then checked whole as soon as the last selected tensor it holds has been read.
+
     Raises:
         SelectionError: no tensor under ``key``, or no / several models for ``model_only``.
     """
+    picked = _select(found, source, model_only=model_only, key=key)
+    source.expect([k for _, k in picked])  # each file is checked once the last of these it holds is read
+    return picked
+
+
+def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key: str | None) -> list[tuple[str, str]]:
     keys = [k for k in source.tensors if k.split(".", 1)[0] not in _INTERNAL]
     prefix = key
     if prefix is None and model_only:
@@ -509,7 +583,7 @@ def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> I
 
 
 def export_safetensors(
-    found: Located,
+    found: StepFiles,
     out: str,
     *,
     model_only: bool = True,
@@ -525,17 +599,21 @@ def export_safetensors(
     """
     source = CheckpointSource(found)
     picked = select_tensors(found, source, model_only=model_only, key=key)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": found.display()}}
-    offset = 0
-    plan = []
-    for name, k in picked:
-        info = source.tensors[k]
-        odt = _out_dtype(info, dtype)
+    for _, k in picked:
+        odt = _out_dtype(source.tensors[k], dtype)
         if odt not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {k} has dtype {odt}, which safetensors cannot store")
+    # The header lists the tensors in checkpoint order; their bytes follow in the order they lie
+    # in the checkpoint's files, so that each data file is read once, front to back.
+    plan = sorted(picked, key=lambda p: source.position(p[1]))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": found.display()}}
+    header.update({name: {} for name, _ in picked})
+    offset = 0
+    for name, k in plan:
+        info = source.tensors[k]
+        odt = _out_dtype(info, dtype)
         n = info.nbytes(odt)
         header[name] = {"dtype": _SAFETENSORS_DTYPES[odt], "shape": list(info.shape), "data_offsets": [offset, offset + n]}
-        plan.append((k, odt, n))
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -543,7 +621,9 @@ def export_safetensors(
     with open_output(out, storage_options) as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
-        for k, odt, n in plan:
+        for name, k in plan:
+            odt = _out_dtype(source.tensors[k], dtype)
+            n = source.tensors[k].nbytes(odt)
             written = 0
             for block in source.iter_bytes(k, odt):
                 f.write(block)
@@ -553,7 +633,8 @@ def export_safetensors(
             done += n
             if progress:
                 progress(done, offset)
-    return {"output": out, "format": "safetensors", "tensors": len(plan), "bytes": offset}
+        source.finish()  # every file read checked whole before the output appears
+    return {"output": out, "format": "safetensors", "tensors": len(plan), "bytes": offset, "unverified": found.unverified}
 
 
 # torch.save format ---------------------------------------------------------------------------------
@@ -592,7 +673,7 @@ class _StubPickler(pickle.Pickler):
 
 
 def export_torch(
-    found: Located,
+    found: StepFiles,
     out: str,
     *,
     model_only: bool = False,
@@ -626,11 +707,10 @@ def export_torch(
     else:
         obj = {}
         entries = found.manifest.entries if found.manifest is not None else {}
-        all_keys = list(source.metadata.state_dict_metadata)
+        all_keys = [k for k in source.metadata.state_dict_metadata if k.partition(".")[0] not in _INTERNAL]
+        source.expect(all_keys)
         for k in all_keys:
             top, _, rest = k.partition(".")
-            if top in _INTERNAL:
-                continue
             if k in source.tensors:
                 item: Any = stub(k)
             else:
@@ -657,6 +737,7 @@ def export_torch(
         try:
             _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink)
             sink.raise_error()
+            source.finish()  # every file read checked whole before the output appears
         except BaseException:
             # The C++ writer finishes its zip in its destructor, writing to ``sink``; if that write
             # failed (closed file, failed upload) inside a destructor, the process would abort
@@ -664,7 +745,7 @@ def export_torch(
             sink.disarm()
             del writer
             raise
-    return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped}
+    return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped, "unverified": found.unverified}
 
 
 class _Sink:
@@ -723,7 +804,9 @@ def _write_torch_records(
         text = str(alignment)
         writer.write_record(".storage_alignment", text, len(text))
     writer.write_record("byteorder", "little", len("little"))
-    for s in stubs:
+    # Records in the order the tensors lie in the checkpoint's files (each file read once, front
+    # to back); the pickled object refers to them by index, so its order is the checkpoint's.
+    for s in sorted(stubs, key=lambda s: source.position(s.key)):
         t = source.read_tensor(s.key, s.dtype)
         n = t.untyped_storage().nbytes()
         writer.write_record(f"data/{s.index}", t.untyped_storage(), n)

@@ -1,4 +1,6 @@
-"""Checksums of checkpoint files: computed while writing, recorded in the manifest, verified on read.
+"""Checksums of checkpoint files: computed while writing (:mod:`distckpt._writer`), recorded in
+the manifest, verified while reading (:class:`distckpt._stepfiles.VerifiedFile`, the one read path
+of load, verify, inspect and convert).
 
 ``crc32c`` is the default. Every byte saved or loaded passes through the checksum once, so its
 speed bounds both. CRC-32C (Castagnoli) has a CPU instruction on x86-64 (SSE4.2) and ARMv8,
@@ -90,68 +92,3 @@ def new_hasher(algorithm: str) -> Hasher:
 
 
 CHUNK = 8 * 1024 * 1024
-
-
-def file_digest(stream: Any, algorithm: str) -> tuple[int, str]:
-    """Size and digest of everything readable from ``stream`` (read in bounded chunks)."""
-    h = new_hasher(algorithm)
-    size = 0
-    while True:
-        chunk = stream.read(CHUNK)
-        if not chunk:
-            break
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
-
-
-def check_file(storage: Any, directory: str, name: str, record: Any, algorithm: str | None) -> None:
-    """Check one file of a step against its manifest record (size, and checksum if recorded),
-    reading it once, streaming; opened the way loads open it (a symbolic link is refused).
-
-    The one whole-file check behind ``verify`` and ``convert`` (loads check the same while they
-    read, in :mod:`distckpt._reader`).
-
-    Raises:
-        IntegrityError: missing, wrong size or wrong checksum, naming the file.
-        UnsafeCheckpointError: the file is a symbolic link or not a regular file.
-    """
-    from .errors import IntegrityError
-
-    where = storage.display(directory, name)
-    try:
-        with storage.open(f"{directory}/{name}" if directory else name, "rb") as f:
-            size, digest = file_digest(f, algorithm or DEFAULT)
-    except FileNotFoundError:
-        raise IntegrityError(f"{where}: missing") from None
-    if size != record.size:
-        raise IntegrityError(f"{where}: size {size} bytes, manifest says {record.size} (truncated or overwritten)")
-    if record.checksum and algorithm and digest != record.checksum:
-        raise IntegrityError(f"{where}: {algorithm} {digest} does not match the manifest's {record.checksum} (corrupted)")
-
-
-def verify_checkpoint(storage: Any, step: int) -> list[str]:
-    """Problems of committed ``step`` under ``storage``: one line per bad file, [] if intact.
-
-    Checks every file the manifest lists (:func:`check_file`), and that the step directory
-    holds no data file the manifest does not know. Not collective.
-    """
-    from .errors import IntegrityError, UnsafeCheckpointError
-    from .manifest import read_manifest, step_dir
-
-    manifest = read_manifest(storage, step)
-    directory = step_dir(step)
-    present = storage.list_files(directory)
-    problems: list[str] = []
-    for name, record in sorted(manifest.files.items()):
-        if name not in present:
-            problems.append(f"{storage.display(directory, name)}: missing")
-            continue
-        try:
-            check_file(storage, directory, name, record, manifest.checksum_algorithm)
-        except (IntegrityError, UnsafeCheckpointError) as exc:
-            problems.append(str(exc))
-    for name in sorted(set(present) - set(manifest.files) - {"manifest.json"}):
-        if name.endswith(".distcp"):
-            problems.append(f"{storage.display(directory, name)}: not listed in the manifest")
-    return problems

@@ -170,50 +170,52 @@ def digest_of(data: bytes, algorithm: str | None) -> str | None:
 
 
 def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
-    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the manifest."""
-    from .errors import IntegrityError
-    from .safe_pickle import load_metadata
+    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the
+    manifest: read through :class:`distckpt._stepfiles.StepFiles`, the one read path."""
+    from ._stepfiles import StepFiles
 
-    directory = step_dir(manifest.step)
-    where = storage.display(directory, ".metadata")
-    try:
-        data = storage.read_bytes(directory, ".metadata")
-    except FileNotFoundError:
-        raise IntegrityError(f"{where}: missing") from None
-    record = manifest.files.get(".metadata")
-    if verify and record is not None:
-        if len(data) != record.size:
-            raise IntegrityError(f"{where}: {len(data)} bytes, manifest says {record.size} (truncated or overwritten)")
-        digest = digest_of(data, manifest.checksum_algorithm)
-        if record.checksum and digest != record.checksum:
-            raise IntegrityError(f"{where}: checksum {digest} does not match the manifest's {record.checksum} (corrupted)")
-    metadata = load_metadata(data, where)
-    if verify:
-        from .metadata_check import validate_metadata
-
-        validate_metadata(metadata, where, {name: r.size for name, r in manifest.files.items()})
-    return metadata
+    return StepFiles(storage, step_dir(manifest.step), manifest=manifest, verify=verify).metadata()
 
 
-def read_manifest(storage: Any, step: int) -> Manifest:
-    """The manifest of a committed ``step`` under ``storage``, bound to its directory.
+def load_manifest(storage: Any, dirname: str) -> Manifest:
+    """The manifest in directory ``dirname`` under ``storage``, bound to that directory.
+
+    A directory named ``step_N`` must hold step N's manifest (a manifest copied into another
+    step's directory would otherwise load that neighbour's data); a directory under any other
+    name (copied or renamed, e.g. ``best``) takes its step from the manifest.
 
     Raises:
-        FileNotFoundError: not committed.
-        IntegrityError: malformed, or written for another step (a manifest copied into another
-            step's directory would otherwise load that step's neighbour's data).
+        FileNotFoundError: the directory holds no manifest (not committed).
+        IntegrityError: malformed, or written for another step than the directory's name says.
     """
     from .errors import IntegrityError
 
-    path = storage.display(step_dir(step), MANIFEST_NAME)
+    parts = [p for p in (dirname, MANIFEST_NAME) if p]
+    path = storage.display(*parts)
     try:
-        data = storage.read_bytes(step_dir(step), MANIFEST_NAME)
+        data = storage.read_bytes(*parts)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None
+        raise FileNotFoundError(f"{path} does not exist") from None
     try:
         manifest = Manifest.from_json(data, path)
     except ValueError as exc:
         raise IntegrityError(str(exc)) from None
-    if manifest.step != step:
-        raise IntegrityError(f"{path}: field 'step' is {manifest.step}, but the manifest is in the directory of step {step}")
+    named = parse_step_dir(dirname.rstrip("/").rsplit("/", 1)[-1]) if dirname else None
+    if named is not None and manifest.step != named:
+        raise IntegrityError(f"{path}: field 'step' is {manifest.step}, but the manifest is in the directory of step {named}")
     return manifest
+
+
+def read_manifest(storage: Any, step: int) -> Manifest:
+    """The manifest of a committed ``step`` under ``storage``, bound to its directory
+    (:func:`load_manifest`).
+
+    Raises:
+        FileNotFoundError: not committed.
+        IntegrityError: malformed, or written for another step.
+    """
+    try:
+        return load_manifest(storage, step_dir(step))
+    except FileNotFoundError:
+        path = storage.display(step_dir(step), MANIFEST_NAME)
+        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None

@@ -5,11 +5,12 @@ a chunk moved outside its tensor leaves the tensor untouched by a load (and ``co
 uninitialised memory), two overlapping chunks make the result depend on read order. Every load
 and every export therefore checks, per tensor, that its chunks lie inside it, do not overlap and
 cover it exactly (their volumes add up to its size), and that each chunk has a stored item whose
-byte range is sane: inside its file, disjoint from every other item, and long enough to hold the
-chunk's bytes. The last bound means that a consistent but oversized declaration (a tensor and its
-chunk both declared 2^40 elements) is refused here, before any reader allocates the tensor: what
-a reader allocates is at most the bytes the files hold. Violations raise :class:`~distckpt.errors.IntegrityError` naming the file
-and the key. Not collective.
+byte range is sane: in a file of the step directory (a plain name, else
+:class:`~distckpt.errors.UnsafeCheckpointError`), inside that file, disjoint from every other
+item, and long enough to hold the chunk's bytes. The last bound refuses a consistent but
+oversized declaration (a tensor and its chunk both declared 2^40 elements) before any reader
+allocates the tensor: what a reader allocates is at most the bytes the files hold. Violations
+raise :class:`~distckpt.errors.IntegrityError` naming the file and the key. Not collective.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ._shape import numel
 from .errors import IntegrityError
+from .safe_pickle import check_relative_name
 
 
 def _ints(value: Any) -> bool:
@@ -39,6 +41,7 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
         BytesStorageMetadata,
         ChunkStorageMetadata,
         MetadataIndex,
+        StorageMeta,
         TensorStorageMetadata,
     )
 
@@ -46,6 +49,9 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise IntegrityError(f"{where}: state_dict_metadata and storage_data must be dicts")
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        raise IntegrityError(f"{where}: storage_meta is a {type(storage_meta).__name__}, not StorageMeta")
     per_file: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
@@ -53,7 +59,9 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise IntegrityError(f"{where}: item {index.fqn!r}: offset/length must be non-negative ints, got {offset!r}/{length!r}")
-        per_file.setdefault(str(getattr(info, "relative_path", "")), []).append((offset, length, index.fqn))
+        name = getattr(info, "relative_path", None)
+        check_relative_name(name, where)  # a file outside the step directory: UnsafeCheckpointError
+        per_file.setdefault(str(name), []).append((offset, length, index.fqn))
         if file_sizes is not None:
             name = str(getattr(info, "relative_path", ""))
             size = file_sizes.get(name)

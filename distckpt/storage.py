@@ -217,6 +217,18 @@ class Storage:
         """The DCP filesystem object for this root (shares our fsspec instance and options)."""
         raise NotImplementedError
 
+    def dcp_path(self, *parts: str) -> Any:
+        """``parts`` as the path type :meth:`dcp_filesystem` takes."""
+        return self.join(*parts)
+
+    def sync_file(self, f: Any) -> None:
+        """Make a written file durable before it is closed (local disks: ``fsync``; object
+        stores: nothing, closing the file is what commits it)."""
+
+    #: Whether a seek costs nothing (no request): readers may then parse a stored record's
+    #: layout in place and read its bytes straight into their destination.
+    cheap_seeks = False
+
     # DCP -------------------------------------------------------------------------------------
     def writer(
         self,
@@ -232,7 +244,7 @@ class Storage:
 
         return CheckpointWriter(
             self,
-            self.join(*parts),
+            self.dcp_path(*parts),
             thread_count=thread_count,
             sync_files=sync_files,
             checksum=checksum,
@@ -249,8 +261,7 @@ class Storage:
     ) -> Any:
         """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given; serving
         ``metadata`` if it was read and verified already)."""
-        from ._reader import CheckpointReader
+        from ._stepfiles import StepFiles
 
-        return CheckpointReader(
-            self, self.join(*parts), files=files, checksum=checksum, thread_count=thread_count, metadata=metadata
-        )
+        step = StepFiles(self, "/".join(p.strip("/") for p in parts if p), files=files, algorithm=checksum, metadata=metadata)
+        return step.reader(thread_count)

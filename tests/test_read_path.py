@@ -1,0 +1,216 @@
+"""The one verified read path (distckpt._stepfiles): load, verify, inspect and convert open a step
+the same way, read each file once, and check what they read, wherever the directory lies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt.manifest import MANIFEST_NAME, step_dir
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "distckpt", *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _largest_data_file(d: Path) -> Path:
+    return max(d.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+# a committed step under another name (G3) ---------------------------------------------------------
+def test_a_step_directory_copied_under_another_name_is_verified_against_its_manifest(tmp_path):
+    model = _model(1)
+    distckpt.Checkpointer(tmp_path / "run").save(7, {"model": model, "epoch": 3})
+    best = tmp_path / "best"
+    shutil.copytree(tmp_path / "run" / step_dir(7), best)
+    from distckpt.catalog import locate
+
+    found = locate(str(best))
+    assert found.step == 7 and found.manifest is not None and not found.unverified
+    with pytest.raises(ValueError, match="contradicts"):
+        locate(str(best), step=8)
+
+    done = _cli("verify", str(best))
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+    done = _cli("inspect", str(best), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["step"] == 7 and json.loads(done.stdout)["verified"]
+    out = tmp_path / "ok.pt"
+    assert _cli("convert", str(best), "--to", "torch", str(out), "--model-only").returncode == 0
+    got = torch.load(out, weights_only=True)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+    victim = _largest_data_file(best)
+    _flip(victim)
+    done = _cli("verify", str(best))
+    assert done.returncode == 1 and victim.name in done.stderr and "corrupted" in done.stderr, done.stderr
+    assert "no distckpt manifest" not in done.stderr
+    for to in ("torch", "safetensors"):
+        out = tmp_path / f"bad.{to}"
+        done = _cli("convert", str(best), "--to", to, str(out))
+        assert done.returncode == 1 and victim.name in done.stderr and "corrupted" in done.stderr, done.stderr
+        assert not out.exists()
+
+
+def test_the_manifest_still_binds_a_step_named_directory(tmp_path):
+    """The step comes from the manifest only for directories not named step_N."""
+    from distckpt.catalog import locate
+
+    distckpt.Checkpointer(tmp_path).save(1, {"model": _model(1)})
+    shutil.copytree(tmp_path / step_dir(1), tmp_path / step_dir(2))
+    with pytest.raises(distckpt.IntegrityError, match="directory of step 2"):
+        locate(str(tmp_path / step_dir(2)))
+    done = _cli("convert", str(tmp_path / step_dir(2)), "--to", "torch", str(tmp_path / "o.pt"))
+    assert done.returncode == 1 and "directory of step 2" in done.stderr
+
+
+def test_a_plain_dcp_directory_is_readable_and_reported_unverified(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    done = _cli("inspect", str(tmp_path / "plain"))
+    assert done.returncode == 0 and "UNVERIFIED" in done.stdout, done.stdout
+    out = tmp_path / "o.pt"
+    done = _cli("convert", str(tmp_path / "plain"), "--to", "torch", str(out), "--json")
+    assert done.returncode == 0 and "unverified" in done.stderr and json.loads(done.stdout)["unverified"], done.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["w"], state["w"])
+    done = _cli("verify", str(tmp_path / "plain"))
+    assert done.returncode == 1 and "no distckpt manifest" in done.stderr
+
+
+# one read, checked as read -------------------------------------------------------------------------
+def test_convert_reads_each_data_file_once(tmp_path, monkeypatch):
+    """Exports used to check every file whole and then read it again unverified; now each byte
+    is read once, hashed on its way, and every file is checked before the output appears."""
+    from distckpt import _stepfiles
+    from distckpt.catalog import locate
+    from distckpt.convert import export_safetensors, export_torch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": model, "epoch": 3})
+    d = tmp_path / step_dir(1)
+    sizes = {p.name: p.stat().st_size for p in d.iterdir() if p.name != MANIFEST_NAME}
+    File = _stepfiles.VerifiedFile
+    passes: dict[str, int] = {}
+    extra: list[str] = []
+    real_consumed = File._consumed
+
+    def consumed(self, view, start):  # every byte the pass reads goes by here
+        name = self.rel.rsplit("/", 1)[-1]
+        passes[name] = passes.get(name, 0) + len(view)
+        return real_consumed(self, view, start)
+
+    monkeypatch.setattr(File, "_consumed", consumed)
+    monkeypatch.setattr(File, "_read_aside", lambda self, *a: extra.append(self.rel) or pytest.fail("read aside"))
+    monkeypatch.setattr(File, "_second_pass", lambda self: extra.append(self.rel) or pytest.fail("second pass"))
+    for export in (lambda: export_torch(locate(str(d)), str(tmp_path / "o.pt")),
+                   lambda: export_safetensors(locate(str(d)), str(tmp_path / "o.st"))):  # fmt: skip
+        passes.clear()
+        export()
+        # Every file read whole, once, in one front-to-back pass (the model-only safetensors
+        # export reads the value's file too: it shares files with tensors).
+        assert passes == sizes and not extra, (passes, sizes, extra)
+    got = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert all(torch.equal(got["model"][k], v) for k, v in model.state_dict().items()) and got["epoch"] == 3
+
+
+def test_a_file_changed_between_two_reads_is_caught(tmp_path):
+    """A read served out of order is confirmed by the pass over the file: if the bytes differ
+    (the file was replaced in between), it is an IntegrityError, even though the file the pass
+    saw matches the manifest."""
+    from distckpt._stepfiles import StepFiles
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
+    step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
+    name = _largest_data_file(tmp_path / step_dir(1)).name
+    path = tmp_path / step_dir(1) / name
+    good = path.read_bytes()
+
+    f = step.file(name)
+    assert f.read_range(100, 50) == good[100:150]  # the pass is now at 150
+    bad = bytearray(good)
+    bad[20] ^= 1
+    path.write_bytes(bytes(bad))
+    assert f.read_range(10, 20) == bytes(bad[10:30])  # behind the pass: read aside, remembered
+    path.write_bytes(good)  # put back: the pass and the second pass see intact bytes
+    with pytest.raises(distckpt.IntegrityError, match=r"bytes \[10, 30\) changed while being read"):
+        f.finish()
+
+    f = step.file(name)  # the same reads with nothing changed pass
+    assert f.read_range(100, 50) == good[100:150] and f.read_range(10, 20) == good[10:30]
+    f.finish()
+
+
+def test_a_peek_ahead_is_confirmed_by_the_pass(tmp_path):
+    from distckpt._stepfiles import StepFiles
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
+    step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
+    name = _largest_data_file(tmp_path / step_dir(1)).name
+    path = tmp_path / step_dir(1) / name
+    good = path.read_bytes()
+    f = step.file(name)
+    peek = f.peek(200, 100)
+    peek.seek(10)
+    assert peek.read(5) == good[210:215]
+    bad = bytearray(good)
+    bad[212] ^= 1
+    path.write_bytes(bytes(bad))  # the pass reads the changed byte; the checksum alone would say
+    f.close()  # "corrupted", the confirmation names the bytes that were read twice
+    with pytest.raises(distckpt.IntegrityError, match=r"bytes \[210, 215\) changed"):
+        f.finish()
+
+
+def test_load_and_verify_use_the_same_reader(tmp_path):
+    """A load is served by CheckpointReader over StepFiles, and a corrupted file is named alike
+    by load and verify."""
+    model = _model(1)
+    distckpt.Checkpointer(tmp_path).save(1, {"model": model})
+    victim = _largest_data_file(tmp_path / step_dir(1))
+    _flip(victim)
+    with pytest.raises(distckpt.CheckpointError, match=f"{victim.name}.*corrupted"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(0)})
+    done = _cli("verify", str(tmp_path))
+    assert done.returncode == 1 and f"{victim.name}: crc32c" in done.stderr and "corrupted" in done.stderr
+
+
+def test_reads_after_a_file_was_checked_are_checked_again(tmp_path):
+    """A file checked whole (its last expected entry read) and read again starts a new pass:
+    the next finish() checks what that read used."""
+    from distckpt._stepfiles import StepFiles
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
+    step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
+    name = _largest_data_file(tmp_path / step_dir(1)).name
+    path = tmp_path / step_dir(1) / name
+    f = step.file(name)
+    f.read_range(0, 10)
+    f.finish()
+    _flip(path)
+    f.read_range(0, 10)
+    with pytest.raises(distckpt.IntegrityError, match="corrupted"):
+        f.finish()
