@@ -11,9 +11,10 @@ then converts it in a child process per case and reads the child's peak resident
 
 Target (issue 7): peak RSS under 600 MB. A bare ``import torch`` plus DCP is ~280 MB here.
 
-    python benchmarks/convert_memory.py [--naive] [--gib 2]
+    python benchmarks/convert_memory.py [--naive] [--gib 2]     # --quick: a 64 MiB smoke run
 
-Prints a table and writes ``benchmarks/results/convert_memory.json``.
+Prints a table and writes ``benchmarks/results/convert_memory.json`` (and ``.md``), like the
+other benchmarks (``--json PATH`` elsewhere).
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, publish  # noqa: E402
 
 TARGET_MB = 600
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,9 +45,10 @@ def build_checkpoint(root: str, gib: float) -> tuple[int, int]:
     from distckpt import Checkpointer
 
     warnings.simplefilter("ignore")
-    n_linear = max(1, int(round((gib * 1024 - 256) / 64)))
+    vocab = min(65536, max(1024, int(gib * 32768)))  # a 256 MiB embedding from 2 GiB on
+    n_linear = max(1, int(round((gib * 1024 - vocab / 256) / 64)))
     with torch.device("meta"):
-        model = nn.Sequential(nn.Embedding(65536, 1024), *[nn.Linear(4096, 4096) for _ in range(n_linear)])
+        model = nn.Sequential(nn.Embedding(vocab, 1024), *[nn.Linear(4096, 4096) for _ in range(n_linear)])
     model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -73,11 +78,14 @@ def run_child(cmd: list[str]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size")
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (--gib 0.0625)")
     parser.add_argument("--naive", action="store_true", help="also run DCP's dcp_to_torch_save for contrast")
     parser.add_argument("--dir", default="/tmp", help="where to put the temporary checkpoint (not /dev/shm)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "convert_memory.json"))
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "convert_memory.json"), help="where to write the results")
     parser.add_argument("--build", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.gib = 0.0625
     if args.build:
         print(json.dumps(build_checkpoint(args.build, args.gib)))
         return 0
@@ -128,32 +136,31 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print()
-    print(f"{'case':48} {'peak RSS MB':>12} {'wall s':>8} {'GB/s':>6}  target <{TARGET_MB} MB")
+    lines = [
+        f"Converting a {total / 2**30:.2f} GiB checkpoint (largest tensor {largest / 2**20:.0f} MiB); target: peak RSS under {TARGET_MB} MB",
+        "",
+        "| case | peak RSS MB | wall s | GB/s | |",
+        "|---|---:|---:|---:|---|",
+    ]
     for r in results:
         gbps = f"{total / r['wall_s'] / 1e9:.2f}" if "output_bytes" in r else "-"
         verdict = "" if "output_bytes" not in r else ("ok" if r["peak_rss_mb"] < TARGET_MB else "OVER")
         if r["case"].endswith("(naive)"):
             verdict = "(contrast)"
-        print(f"{r['case']:48} {r['peak_rss_mb']:12.1f} {r['wall_s']:8.2f} {gbps:>6}  {verdict}")
-
+        lines.append(f"| {r['case']} | {r['peak_rss_mb']:.1f} | {r['wall_s']:.2f} | {gbps} | {verdict} |")
     streaming = [r for r in results if r["case"].startswith("distckpt convert")]
-    report = {
+    result = {
+        "benchmark": "convert_memory",
+        "machine": machine_info(),
+        "config": {"gib": args.gib, "naive": args.naive, "dir": args.dir},
         "checkpoint_tensor_bytes": total,
         "largest_tensor_bytes": largest,
         "target_peak_rss_mb": TARGET_MB,
         "all_streaming_under_target": all(r["peak_rss_mb"] < TARGET_MB for r in streaming),
         "results": results,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
     }
-    report["machine"]["torch"] = subprocess.run(
-        [py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
-    ).stdout.strip()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {args.out}")
-    return 0 if report["all_streaming_under_target"] else 1
+    publish(result, "\n".join(lines), args.json)
+    return 0 if result["all_streaming_under_target"] else 1
 
 
 if __name__ == "__main__":
