@@ -41,6 +41,35 @@ class _DiskFull:
         _writer._ChecksumStream.write = self._orig
 
 
+class _CommitGate:
+    """Hold the commit of this rank's async saves (``_saving.commit``, which the coordinator runs
+    in the training process in every async mode) until :attr:`opened` is set, so that what a
+    caller sees while a save is in flight is observed, not raced."""
+
+    def __enter__(self):
+        import threading
+
+        from distckpt import _saving
+
+        self.opened, self.reached = threading.Event(), threading.Event()
+        self._orig = orig = _saving.commit
+
+        def commit(*args, **kwargs):
+            self.reached.set()
+            if not self.opened.wait(120):
+                raise TimeoutError("the test never opened the commit gate")
+            return orig(*args, **kwargs)
+
+        _saving.commit = commit
+        return self
+
+    def __exit__(self, *exc):
+        from distckpt import _saving
+
+        self.opened.set()
+        _saving.commit = self._orig
+
+
 def _async_body(rank: int, world: int, root: str) -> dict:
     model = wrap(make_model(0), "ddp", world)
     optim = make_optimizer(model, "ddp")
@@ -51,28 +80,31 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     train_steps(model, optim, range(2, 3), rank, world)
     expected = full_model_state(model)
 
-    ckpt.save(2, state, blocking=False)
-    # Training goes on at once: parameters change in place, and collectives run on the default
-    # group while the background save runs its own (sharing one group deadlocks in torch 2.13).
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    visible = []
-    t = torch.ones(4)
-    for _ in range(20):
-        dist.all_reduce(t)
-        visible.append(ckpt.steps())  # never empty: step 1 stays until step 2 committed
-    while ckpt.in_flight:
-        time.sleep(0.01)
-    stats = ckpt.wait()
+    with _CommitGate() as gate:
+        ckpt.save(2, state, blocking=False)
+        # save() returned while its commit cannot have happened: the save is still in flight.
+        in_flight_at_return = ckpt.in_flight
+        # Training goes on at once: parameters change in place, and collectives run on the default
+        # group while the background save runs its own (sharing one group deadlocks in torch 2.13).
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        visible = []
+        t = torch.ones(4)
+        for _ in range(20):
+            dist.all_reduce(t)
+            visible.append(ckpt.steps())  # step 1 stays until step 2 is committed
+        gate.opened.set()  # every rank has passed the loop above: let step 2 commit
+        while ckpt.in_flight:
+            time.sleep(0.01)
+        stats = ckpt.wait()
     assert not ckpt.in_flight
     # Replicated (DDP) state: each rank staged only the share it writes, not all of it.
     replicated = sum(v.numel() * v.element_size() for v in expected.values())
-    assert stats is not None and stats.step == 2 and stats.total_s >= stats.blocking_s > 0
+    assert stats is not None and stats.step == 2 and stats.blocking_s > 0
     # model + AdamW's two moments (+ small step tensors); every rank stages its own RNG states
     rng_bytes = sum(t.numel() * t.element_size() for t in distckpt.rng.capture().values() if isinstance(t, torch.Tensor))
     staged_share = (stats.staged_bytes - rng_bytes) / (replicated * 3)
-    assert all(v in ([1], [2]) for v in visible), visible
     assert ckpt.steps() == [2], ckpt.steps()
 
     fresh = wrap(make_model(5), "ddp", world)
@@ -101,6 +133,9 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     ckpt.save(6, state, blocking=False)  # the fault is gone: saving works again
     ckpt.close()
     return {
+        "in_flight_at_return": in_flight_at_return,
+        "visible": visible,
+        "gate_reached": gate.reached.is_set(),
         "staged_share": staged_share,
         "expected": expected,
         "loaded": loaded,
@@ -124,6 +159,8 @@ def test_async_save_semantics_and_errors(tmp_path):
     root = str(tmp_path / "ck")
     results = run_ranks(_async_body, 2, tmp_path, root)
     for r, res in enumerate(results):
+        assert res["in_flight_at_return"], f"rank {r}: save(blocking=False) returned after its commit"
+        assert res["visible"] == [[1]] * 20, res["visible"]  # nothing half-committed is listed
         assert_same(res["expected"], res["loaded"], f"rank {r}: checkpoint holds the values as of save()")
         assert 0.2 < res["staged_share"] < 0.8, res["staged_share"]
         assert res["err3"] is not None and "No space left on device" in res["err3"] and "rank 1" in res["err3"], res["err3"]
@@ -131,6 +168,7 @@ def test_async_save_semantics_and_errors(tmp_path):
         assert res["err4"] is not None and "rank 0" in res["err4"] and "No space left" in res["err4"]
         assert res["final_steps"] == [6]
     assert results[0]["err3"] == results[1]["err3"], "the same error on every rank"
+    assert results[0]["gate_reached"], "the coordinator's commit was not held by the gate"
 
 
 def _memory_body(rank: int, world: int, root: str, saves: int) -> list[int]:
