@@ -9,8 +9,10 @@ invalidates the cache first, since another process may have written since.
 
 from __future__ import annotations
 
+import datetime
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -117,6 +119,53 @@ class FsspecStorage(Storage):
             pass
         self.refresh()
 
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        self.write_bytes(data, *parts)  # no directories to re-create
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        return False  # no atomic rename on object stores
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        times: list[float] = []
+        entries = self._ls(*parts)
+        for entry in entries:
+            for key in ("mtime", "LastModified", "last_modified", "updated", "created", "timeCreated"):
+                stamp = _stamp(entry.get(key))
+                if stamp is not None:
+                    times.append(stamp)
+                    break
+        return (max(times) if times else None), len(entries)
+
+    # a directory published as a whole: written in place, committed by its last file -----------
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        if uncommit is not None:
+            self.remove(uncommit)  # readers never see the old index over a mix of files
+        return self.url
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        if not overwrite or stale is None:
+            return
+        try:  # best effort: the new directory is committed already
+            for name in self.list_files():
+                if stale(name):
+                    self.remove(name)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"distckpt: {self.display()}: could not remove the replaced directory's files: {exc}", stacklevel=3)
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        for name in written:
+            try:
+                self.remove(name)
+            except Exception:  # noqa: BLE001 - best effort: the publish's own error is what counts
+                pass
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        for name in names:
+            with self.open(name, "rb") as fin, open(os.path.join(scratch, name), "wb") as fout:
+                while chunk := fin.read(16 << 20):
+                    fout.write(chunk)
+        return scratch
+
     def makedirs(self, *parts: str) -> None:
         # fsspec's makedirs on an object store creates a missing *bucket* (a typo in its name
         # would silently make a new one): there, only check that the bucket exists.
@@ -148,6 +197,22 @@ class FsspecStorage(Storage):
         fs = _RemoteDcpFS(self.flat)
         fs.fs = self.fs
         return fs
+
+
+def _stamp(value: Any) -> float | None:
+    """A listing's time field (float seconds, ``datetime`` or ISO string) as a Unix time."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    return None
 
 
 class _RemoteDcpFS(_FsspecDcpFS):

@@ -15,7 +15,7 @@ import shutil
 import stat
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,71 @@ class LocalStorage(Storage):
     def makedirs(self, *parts: str) -> None:
         os.makedirs(self.join(*parts), exist_ok=True)
 
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        path = self.join(*parts)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(tmp, flags, 0o644)  # FileNotFoundError if the directory is gone
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        os.rename(self.join(src), self.join(dst))
+        return True
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        path = self.join(*parts)
+        times: list[float] = []
+        count = 0
+        with contextlib.suppress(OSError):
+            times.append(os.lstat(path).st_mtime)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(path):
+                count += 1
+                with contextlib.suppress(OSError):
+                    times.append(entry.stat(follow_symlinks=False).st_mtime)
+        return (max(times) if times else None), count
+
+    # a directory published as a whole: built under a temporary name, renamed into place ------
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        # ``uncommit`` is not needed: the directory in place is untouched until the rename.
+        staged = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(staged)
+        return staged
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        # ``stale`` is not needed: the rename replaces the old directory with all its files.
+        if os.path.exists(self.path):
+            if not overwrite and os.listdir(self.path):
+                shutil.rmtree(staged, ignore_errors=True)
+                raise FileExistsError(f"{self.display()} exists and is not empty (pass overwrite=True)")
+            old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.path, old)
+            try:
+                os.replace(staged, self.path)
+            except BaseException:
+                os.replace(old, self.path)  # the previous directory stays in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            os.replace(staged, self.path)
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        if staged != self.path:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        return self.path
+
     # files ------------------------------------------------------------------------------------
     @contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
@@ -173,6 +238,7 @@ class LocalStorage(Storage):
         return Path(self.join(*parts))
 
     def sync_file(self, f: Any) -> None:
+        f.flush()
         os.fsync(f.fileno())
 
     cheap_seeks = True

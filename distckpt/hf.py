@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ._dist import Group, capture, exchange, on_coordinator, raise_if_any
+from ._shape import numel
 from .errors import StateMismatchError, from_dcp
 from .safetensors_io import INDEX_NAME, NAMES, SafetensorsIndex, SafetensorsReader
 from .state import ModuleEntry, tied_duplicates
@@ -299,10 +299,7 @@ def save_pretrained(
             if odt not in NAMES:
                 raise TypeError(f"tensor {key!r} has dtype {odt}, which safetensors cannot store")
             shape = tuple(int(d) for d in value.shape)
-            n = 1
-            for d in shape:
-                n *= d
-            planned.append(_Planned(name, shape, odt, n * torch.empty((), dtype=odt).element_size()))
+            planned.append(_Planned(name, shape, odt, numel(shape) * torch.empty((), dtype=odt).element_size()))
             tensors[name] = value
         if not planned:
             raise ValueError("the model has no tensors to publish")
@@ -328,7 +325,9 @@ def save_pretrained(
         total = _write_and_commit(group, storage, target, staging, overwrite, files, names, owner, tensors, config)
     except BaseException:
         if group.is_coordinator:
-            _abandon(storage, staging, names)
+            # The temporary directory (local), or this publish's shards (object stores: without
+            # their index they are no checkpoint; a previous one was uncommitted first).
+            storage.abandon_directory(staging, names)
         raise
     return {"output": storage.display(), "files": names, "tensors": sum(len(e) for e in files), "bytes": total}
 
@@ -392,79 +391,24 @@ def _write_and_commit(
         if config is not None:
             target.write_bytes(config.to_json_string().encode(), "config.json")
         target.write_bytes(json.dumps(index, indent=2, sort_keys=True).encode(), INDEX_NAME)
-        _finish(storage, staging, overwrite, names)
+        # Object stores: an overwritten checkpoint's shard files the new index does not name go.
+        storage.commit_directory(staging, overwrite=overwrite, stale=lambda n: bool(_SHARD_NAME.match(n)) and n not in names)
 
     on_coordinator(group, f"commit of {storage.display()}", commit)
     return total
 
 
 def _begin(storage: Storage, overwrite: bool) -> str:
-    """(coordinator) Where to write: a temporary sibling directory (local) or ``out`` itself."""
+    """(coordinator) Refuse to replace a checkpoint without ``overwrite``; return where to write
+    (:meth:`Storage.stage_directory`: a temporary sibling directory, or ``out`` itself with its
+    index removed first)."""
     if storage.exists(INDEX_NAME) or storage.exists("model.safetensors"):
         if not overwrite:
             raise FileExistsError(f"{storage.display()} already holds a Hugging Face checkpoint (pass overwrite=True)")
-    if storage.is_local:
-        staging = f"{storage.path}.tmp-{uuid.uuid4().hex[:8]}"
-        os.makedirs(staging)
-        return staging
-    if overwrite:
-        storage.remove(INDEX_NAME)  # uncommit first: readers never see a mix of two checkpoints
-    return storage.url
+    return storage.stage_directory(uncommit=INDEX_NAME if overwrite else None)
 
 
 _SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-
-
-def _finish(storage: Storage, staging: str, overwrite: bool, names: list[str] | None = None) -> None:
-    """(coordinator) Local: move the finished directory into place (atomic rename). Object
-    stores (committed by the index just written): remove an overwritten checkpoint's shard files
-    that the new index does not name."""
-    import shutil
-
-    if not storage.is_local:
-        if overwrite and names is not None:
-            try:  # best effort: the new checkpoint is committed already
-                for name in storage.list_files():
-                    if _SHARD_NAME.match(name) and name not in names:
-                        storage.remove(name)
-            except Exception as exc:  # noqa: BLE001
-                import warnings
-
-                warnings.warn(f"distckpt: {storage.display()}: could not remove the previous checkpoint's shards: {exc}", stacklevel=2)
-        return
-    if os.path.exists(storage.path):
-        if not overwrite and os.listdir(storage.path):
-            shutil.rmtree(staging, ignore_errors=True)
-            raise FileExistsError(f"{storage.display()} exists and is not empty (pass overwrite=True)")
-        old = f"{storage.path}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(storage.path, old)
-        try:
-            os.replace(staging, storage.path)
-        except BaseException:
-            os.replace(old, storage.path)  # the previous checkpoint stays in place
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.makedirs(os.path.dirname(storage.path) or ".", exist_ok=True)
-        os.replace(staging, storage.path)
-
-
-def _abandon(storage: Storage, staging: str, names: list[str]) -> None:
-    """(coordinator, after a failed publish) Remove what it wrote: the local temporary directory
-    (the previous checkpoint, if any, was never touched), or on an object store the shard files
-    of this publish (without its index they are no checkpoint; a previous one was uncommitted
-    first). Best effort: the publish's own error is what the caller sees."""
-    import shutil
-
-    if storage.is_local:
-        if staging != storage.path:
-            shutil.rmtree(staging, ignore_errors=True)
-        return
-    for name in names:
-        try:
-            storage.remove(name)
-        except Exception:  # noqa: BLE001 - best effort, see above
-            pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,15 +439,9 @@ def import_hf(
     with tempfile.TemporaryDirectory(prefix="distckpt-hf-import-") as tmp:
         source = Storage(src, opts)
         index = SafetensorsIndex(source)
-        if source.is_local:
-            local = source.path
-        else:
-            local = tmp
-            for name in sorted({s.file for s in index.spans.values()}):
-                with source.open(name, "rb") as fin, open(os.path.join(tmp, name), "wb") as fout:
-                    while chunk := fin.read(16 << 20):
-                        fout.write(chunk)
-            index = SafetensorsIndex(Storage(tmp))  # re-validated against the downloaded bytes
+        # The files themselves (local), or a download of them; re-validated against those bytes.
+        local = source.local_dir(sorted({s.file for s in index.spans.values()}), tmp)
+        index = SafetensorsIndex(Storage(local))
         maps: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         try:
@@ -553,8 +491,10 @@ def export_hf(
 
     Streams tensor by tensor from the checkpoint's data files (memory: about one block), like the
     other exports. The model is the checkpoint's single module entry, or the entry/prefix
-    ``key`` (removed from the names, as for ``--to safetensors``). Written to a temporary
-    directory renamed into place (local) or with the index last (object stores). Not collective.
+    ``key`` (removed from the names, as for ``--to safetensors``). Each data file of the
+    checkpoint is read once, in on-disk order, and checked against the manifest before the
+    output is committed: written to a temporary directory renamed into place (local) or with
+    the index last (object stores); a failed export removes what it wrote. Not collective.
 
     Args:
         found: a located checkpoint (:func:`distckpt.catalog.locate`).
@@ -570,8 +510,11 @@ def export_hf(
 
     source = CheckpointSource(found)
     picked = select_tensors(found, source, model_only=key is None, key=key)
+    # Tensors in the order their bytes lie in the checkpoint's data files (as the other exports
+    # read them): writing the shard files one after another then reads each data file once,
+    # front to back, hashed as it goes. Shards are cut from this order; the index maps names.
     planned: list[_Planned] = []
-    for name, k in picked:
+    for name, k in sorted(picked, key=lambda p: source.position(p[1])):
         info = source.tensors[k]
         odt = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
         if odt not in NAMES:
@@ -585,8 +528,10 @@ def export_hf(
     target = Storage(staging, dict(storage_options or {})) if staging != storage.url else storage
     total = sum(t.nbytes for t in planned)
     done = 0
+    opened: list[str] = []
     try:
         for i, entries in enumerate(files):
+            opened.append(names[i])
             with target.open(names[i], "wb") as f:
                 f.write(_header(entries))
                 for t in entries:
@@ -599,14 +544,15 @@ def export_hf(
                     done += t.nbytes
                     if progress:
                         progress(done, total)
+                if i == len(files) - 1:
+                    # Every data file read is checked whole before the last shard closes (an
+                    # object store publishes a file when it closes; one shard needs no index).
+                    source.finish()
         weight_map = {t.key: names[i] for i, entries in enumerate(files) for t in entries}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         target.write_bytes(json.dumps(index, indent=2, sort_keys=True).encode(), INDEX_NAME)
-        _finish(storage, staging, overwrite=False)
+        storage.commit_directory(staging, overwrite=False)
     except BaseException:
-        if storage.is_local:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+        storage.abandon_directory(staging, opened)  # nothing unverified or partial stays behind
         raise
     return {"output": storage.display(), "format": "hf", "files": names, "tensors": len(planned), "bytes": total}

@@ -47,8 +47,6 @@ between two writers of the *same* step; writers of different steps never interfe
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import logging
 import os
@@ -88,24 +86,8 @@ def _pid_alive(pid: int) -> bool:
 
 def _write_record(storage: Any, dirname: str, data: bytes) -> None:
     """Replace the owner record of ``dirname`` without ever creating the directory (a directory
-    moved away by cleanup must stay gone). Object stores have no directories to re-create."""
-    if not storage.is_local:
-        storage.write_bytes(data, dirname, OWNER_NAME)
-        return
-    path = storage.join(dirname, OWNER_NAME)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, 0o644)  # FileNotFoundError if the directory is gone
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    moved away by cleanup must stay gone): :meth:`~distckpt.storage.Storage.rewrite_bytes`."""
+    storage.rewrite_bytes(data, dirname, OWNER_NAME)
 
 
 def mark_released(storage: Any, dirname: str) -> None:
@@ -184,52 +166,6 @@ class Lease:
             pass
 
 
-def _stamp(value: Any) -> float | None:
-    """A listing's time field (float seconds, ``datetime`` or ISO string) as a Unix time."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-    if isinstance(value, datetime.datetime):
-        return value.timestamp()
-    return None
-
-
-def last_change(storage: Any, dirname: str) -> tuple[float | None, int]:
-    """Newest modification time of ``dirname`` and the files directly inside it (``None`` if the
-    store reports no times), and how many files it holds."""
-    times: list[float] = []
-    count = 0
-    if storage.is_local:
-        path = storage.join(dirname)
-        with contextlib.suppress(OSError):
-            times.append(os.lstat(path).st_mtime)
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(path):
-                count += 1
-                with contextlib.suppress(OSError):
-                    times.append(entry.stat(follow_symlinks=False).st_mtime)
-        return (max(times) if times else None), count
-    storage.refresh()
-    try:
-        entries = storage.fs.ls(storage.join(dirname), detail=True)
-    except FileNotFoundError:
-        entries = []
-    for entry in entries:
-        count += 1
-        for key in ("mtime", "LastModified", "last_modified", "updated", "created", "timeCreated"):
-            stamp = _stamp(entry.get(key))
-            if stamp is not None:
-                times.append(stamp)
-                break
-    return (max(times) if times else None), count
-
-
 def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> bool:
     """(coordinator) Whether an incomplete step directory may be removed (see the module doc).
 
@@ -241,7 +177,7 @@ def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: 
     try:
         raw = storage.read_bytes(dirname, OWNER_NAME)
     except FileNotFoundError:
-        changed, count = last_change(storage, dirname)
+        changed, count = storage.last_change(dirname)
         if changed is None:
             return count == 0
         return now - changed > lease_s
@@ -265,19 +201,21 @@ def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: 
 
 
 def _tombstone(storage: Any, dirname: str) -> str | None:
-    """(local roots) Atomically move ``dirname`` to a unique tombstone name; ``None`` if gone."""
+    """Atomically move ``dirname`` to a unique tombstone name and return that name; ``dirname``
+    itself where the storage has no atomic rename (object stores: nothing moves); ``None`` if
+    it is gone."""
     tomb = f"{TOMBSTONE_PREFIX}{dirname}-{uuid.uuid4().hex[:12]}"
     try:
-        os.rename(storage.join(dirname), storage.join(tomb))
+        moved = storage.move_dir(dirname, tomb)
     except FileNotFoundError:
         return None
-    return tomb
+    return tomb if moved else dirname
 
 
 def _restore(storage: Any, tomb: str, dirname: str) -> None:
     """Move a tombstone that turned out to hold a commit back to its name (or keep it, warned)."""
     try:
-        os.rename(storage.join(tomb), storage.join(dirname))
+        storage.move_dir(tomb, dirname)
     except OSError as exc:
         warnings.warn(
             f"distckpt: {storage.display(dirname)} was committed while it was being cleaned up and "
@@ -294,22 +232,20 @@ def _restore(storage: Any, tomb: str, dirname: str) -> None:
 def remove_uncommitted(storage: Any, dirname: str) -> bool:
     """(one process) Remove ``dirname`` unless it holds a manifest, even one written meanwhile.
 
-    Local roots: re-check, rename to a tombstone, check the tombstone, then delete it (or move it
-    back if a commit landed first). Object stores: re-check, then delete (see the module doc for
-    the window this leaves). Returns whether the directory was removed.
+    Where the storage can rename atomically (local roots): re-check, move to a tombstone, check
+    the tombstone, then delete it (or move it back if a commit landed first). Object stores:
+    re-check, then delete (see the module doc for the window this leaves). Returns whether the
+    directory was removed.
     """
     if storage.exists(dirname, MANIFEST_NAME):
         return False
-    if not storage.is_local:
-        storage.remove_tree(dirname)
-        return True
-    tomb = _tombstone(storage, dirname)
-    if tomb is None:
+    where = _tombstone(storage, dirname)
+    if where is None:
         return False
-    if storage.exists(tomb, MANIFEST_NAME):
-        _restore(storage, tomb, dirname)
+    if where != dirname and storage.exists(where, MANIFEST_NAME):
+        _restore(storage, where, dirname)
         return False
-    storage.remove_tree(tomb)
+    storage.remove_tree(where)
     return True
 
 

@@ -34,7 +34,6 @@ a collective it abandoned; the local checkpoint is committed either way.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -298,9 +297,7 @@ class Replicator:
         rel = f"{name}/{filename}"
         with self.local.open(rel, "rb") as fi, self.remote._at(name, filename), self.remote.open(rel, "wb") as fo:
             shutil.copyfileobj(fi, fo, 16 << 20)
-            if self.remote.is_local:
-                fo.flush()
-                os.fsync(fo.fileno())
+            self.remote.sync_file(fo)  # durable before the manifest commits it (local disks: fsync)
 
     def _apply_retention(self) -> None:
         """Delete remote steps beyond ``keep_last`` (manifest first), then stale leftovers of

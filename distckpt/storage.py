@@ -19,7 +19,7 @@ error messages or manifests.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,7 +101,8 @@ class Storage:
         storage_options: passed to the fsspec filesystem (endpoint, credentials, region...).
 
     Attributes:
-        is_local: whether the root is a local directory.
+        is_local: whether the root is a local directory (informational: what differs between
+            the two kinds of storage is in their methods, not in callers' branches).
         flat: whether the root is on an object store without real directories.
         url: the root for messages (no credentials); ``path``: the root for the filesystem.
 
@@ -198,6 +199,85 @@ class Storage:
         """Remove a directory and everything under it; missing is fine."""
         raise NotImplementedError
 
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        """Replace a file like :meth:`write_bytes`, but never create its directory.
+
+        Local disks: a temporary file in the existing directory, ``fsync``, rename; the
+        directory is never re-created, so one that cleanup moved away stays gone. Object stores
+        have no directories: one put, as :meth:`write_bytes`.
+
+        Raises:
+            FileNotFoundError: the directory does not exist (local disks).
+        """
+        raise NotImplementedError
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        """Rename directory ``src`` (under the root) to ``dst`` in one atomic step, so that
+        nothing can be written into it through its old path afterwards; returns True.
+
+        Returns False, moving nothing, where the storage has no atomic rename (object stores:
+        a copy would not be atomic); callers then act on ``src`` in place.
+
+        Raises:
+            FileNotFoundError: ``src`` does not exist (local disks).
+        """
+        raise NotImplementedError
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        """Newest modification time (Unix seconds) of directory ``parts`` and of the entries
+        directly inside it (``None`` if the store reports no times), and how many entries it
+        holds (0 if it is missing). Local disks never follow a symbolic link."""
+        raise NotImplementedError
+
+    # a directory of several files published as a whole ------------------------------------------
+    # The protocol (one process; Hugging Face publishing and export use it):
+    #   1. ``staged = storage.stage_directory(...)``; write the files into ``Storage(staged)``,
+    #      the file that commits the directory (an index) last;
+    #   2. ``storage.commit_directory(staged, ...)``;
+    #   on failure: ``storage.abandon_directory(staged, written)``.
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        """Where to write the files of a directory that should appear at this root as a whole:
+        a root (path or URL) to open with ``Storage(...)``.
+
+        Local disks: a new, empty temporary sibling directory, renamed into place by
+        :meth:`commit_directory`. Object stores (no rename): this root itself; the caller writes
+        the file that commits the directory last, and readers take a directory without it as
+        incomplete.
+
+        Args:
+            uncommit: the name of that committing file (an index). Where files are written in
+                place, an existing one is removed first, so that no reader sees the old index
+                over a mix of old and new files.
+        """
+        raise NotImplementedError
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        """Make the directory written at ``staged`` (:meth:`stage_directory`) this root's.
+
+        Local disks: renamed into place. An existing directory is moved aside first and moved
+        back if the rename fails; without ``overwrite``, a non-empty one is an error (and
+        ``staged`` is removed). Object stores: the committing file written last already did it;
+        with ``overwrite``, the files of the replaced directory that ``stale(name)`` names are
+        then removed, best effort (a warning if that fails).
+
+        Raises:
+            FileExistsError: the root is a non-empty directory and ``overwrite`` is False.
+        """
+        raise NotImplementedError
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        """After a failed publish, remove what it wrote, best effort: the temporary directory
+        (local disks; an existing directory at the root was never touched), or on object stores
+        the files ``written`` (they were written in place; without their committing file they
+        were never a directory)."""
+        raise NotImplementedError
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        """A local directory holding the files ``names`` of this root, for what needs real
+        files (``mmap``): the root itself on a local disk; elsewhere ``scratch``, into which
+        they are downloaded."""
+        raise NotImplementedError
+
     def makedirs(self, *parts: str) -> None:
         """Create the directory ``parts`` (object stores: only check that the bucket exists)."""
         raise NotImplementedError
@@ -222,8 +302,8 @@ class Storage:
         return self.join(*parts)
 
     def sync_file(self, f: Any) -> None:
-        """Make a written file durable before it is closed (local disks: ``fsync``; object
-        stores: nothing, closing the file is what commits it)."""
+        """Make a written file durable before it is closed (local disks: flush Python's buffer,
+        then ``fsync``; object stores: nothing, closing the file is what commits it)."""
 
     #: Whether a seek costs nothing (no request): readers may then parse a stored record's
     #: layout in place and read its bytes straight into their destination.

@@ -112,3 +112,70 @@ def test_shards_without_their_index_are_refused(tmp_path):
     fresh = _model(5)
     hf.load_pretrained(fresh, str(tmp_path / "single"))
     assert _equal(fresh, model)
+
+
+# offline export (``distckpt convert CKPT --to hf``) ------------------------------------------------
+def _mixed_sizes(seed: int) -> nn.Module:
+    # Tensors of very different sizes: DCP stores them largest first, not in key order.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(64, 64), nn.Linear(8, 8), nn.Linear(32, 48), nn.Linear(48, 2))
+
+
+def test_export_hf_reads_each_data_file_once_in_disk_order(tmp_path, monkeypatch):
+    from distckpt import _stepfiles
+    from distckpt.catalog import locate
+    from distckpt.manifest import MANIFEST_NAME, step_dir
+
+    model = _mixed_sizes(0)
+    distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model, "epoch": 3})
+    d = tmp_path / "ck" / step_dir(1)
+    sizes = {p.name: p.stat().st_size for p in d.iterdir() if p.name != MANIFEST_NAME}
+    File = _stepfiles.VerifiedFile
+    passes: dict[str, int] = {}
+    extra: list[str] = []
+    real_consumed = File._consumed
+
+    def consumed(self, view, start):  # every byte the pass reads goes by here
+        name = self.rel.rsplit("/", 1)[-1]
+        passes[name] = passes.get(name, 0) + len(view)
+        return real_consumed(self, view, start)
+
+    monkeypatch.setattr(File, "_consumed", consumed)
+    monkeypatch.setattr(File, "_read_aside", lambda self, *a: extra.append(self.rel) or pytest.fail("read aside"))
+    monkeypatch.setattr(File, "_second_pass", lambda self: extra.append(self.rel) or pytest.fail("second pass"))
+    summary = hf.export_hf(locate(str(d)), str(tmp_path / "hf"), max_shard_size=8000)
+    # Every file read whole, once, in one front-to-back pass, whatever order the keys have.
+    assert passes == sizes and not extra, (passes, sizes, extra)
+    assert len(summary["files"]) > 1
+    monkeypatch.undo()
+    fresh = _mixed_sizes(5)
+    hf.load_pretrained(fresh, str(tmp_path / "hf"))
+    assert _equal(fresh, model)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_export_hf_of_a_damaged_checkpoint_publishes_nothing(tmp_path, where):
+    """A checkpoint whose data fails its checksum is refused before the export commits, and the
+    shards already written are removed (locally the temporary directory, in place on object
+    stores, where a single shard would otherwise load without its index)."""
+    import fsspec
+
+    from distckpt.catalog import locate
+    from distckpt.manifest import step_dir
+
+    model = _mixed_sizes(1)
+    distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model, "epoch": 3})
+    d = tmp_path / "ck" / step_dir(1)
+    data = max(d.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x40  # the last bytes: past every tensor the export reads first
+    data.write_bytes(bytes(raw))
+    out = str(tmp_path / "hf") if where == "local" else f"memory://{tmp_path.name}-hf/out"
+    for shard in (8000, "1GB"):  # several shard files, and one (which needs no index)
+        with pytest.raises(distckpt.IntegrityError):
+            hf.export_hf(locate(str(d)), out, max_shard_size=shard)
+        if where == "local":
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "no output or temporary directory left"
+        else:
+            fs = fsspec.filesystem("memory")
+            assert not fs.exists(out) or fs.ls(out) == [], fs.ls(out)
