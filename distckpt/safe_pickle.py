@@ -2,7 +2,8 @@
 
 DCP unpickles ``.metadata`` with plain ``pickle.load``: a crafted file (say, in a shared bucket)
 runs arbitrary code on load. :func:`load_metadata` uses an unpickler that admits only the classes
-DCP's metadata is made of, and refuses file paths that would leave the checkpoint directory.
+DCP's metadata is made of; :func:`check_relative_name` refuses file paths that would leave the
+checkpoint directory (applied to every stored item by :mod:`distckpt.metadata_check`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,16 @@ def check_relative_name(name: Any, where: str) -> None:
 
 
 def load_metadata(data: bytes, where: str) -> Any:
-    """Unpickle DCP ``Metadata`` safely and validate the file names it points at."""
+    """Unpickle DCP ``Metadata`` safely (only the classes it is made of).
+
+    This only unpickles: the values are validated (types, file names inside the directory,
+    byte ranges, chunk coverage) by :func:`distckpt.metadata_check.validate_metadata`, which
+    :meth:`distckpt._stepfiles.StepFiles.metadata`, the one reader of ``.metadata``, applies
+    to every result, with the manifest's file sizes where it has them.
+
+    Raises:
+        UnsafeCheckpointError: it would run code to unpickle, or is not DCP ``Metadata``.
+    """
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
@@ -92,9 +102,4 @@ def load_metadata(data: bytes, where: str) -> Any:
         raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {exc}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
-    from .metadata_check import validate_metadata
-
-    validate_metadata(metadata, where)  # types first: the loop below relies on them
-    for info in metadata.storage_data.values():
-        check_relative_name(getattr(info, "relative_path", None), where)
     return metadata

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ._shape import numel
 from .errors import IntegrityError, UnsafeCheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -69,10 +70,7 @@ class TensorSpan:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _itemsize(self.dtype)
+        return numel(self.shape) * _itemsize(self.dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -293,15 +291,8 @@ class SafetensorsReader(StorageReader):
                 if block is not target:
                     target.copy_(block)
                 planner.commit_tensor(item, target)
-                nbytes += _numel(item.lengths) * _itemsize(span.dtype)
+                nbytes += numel(item.lengths) * _itemsize(span.dtype)
         return nbytes
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _read_block(f: Any, span: TensorSpan, offsets: tuple, lengths: tuple, target: torch.Tensor, where: str, key: str) -> torch.Tensor:
@@ -313,7 +304,7 @@ def _read_block(f: Any, span: TensorSpan, offsets: tuple, lengths: tuple, target
     """
     shape = span.shape
     item = _itemsize(span.dtype)
-    row = _numel(shape[1:]) * item if shape else item
+    row = numel(shape[1:]) * item if shape else item
     first, count = (int(offsets[0]), int(lengths[0])) if shape else (0, 1)
     whole_rows = all(int(o) == 0 for o in offsets[1:]) and tuple(int(n) for n in lengths[1:]) == tuple(shape[1:])
     f.seek(span.start + first * row)
