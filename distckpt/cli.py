@@ -27,6 +27,8 @@ import warnings
 from typing import Any, NoReturn, TextIO
 
 PROG = "distckpt"
+# The start of the warning DCP gives on each single-process call (a regex, for warnings.filterwarnings).
+_DCP_NO_PROCESS_GROUP = r"torch\.distributed is disabled, unavailable or uninitialized"
 
 
 class _Usage(Exception):
@@ -381,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             return int(exc.code or 0)
         with warnings.catch_warnings():
             if not debug:
-                warnings.simplefilter("ignore")  # DCP's single-process and TypedStorage notices
+                # DCP warns on every call without a process group, which the CLI never has.
+                # Only that notice is hidden: every other warning still reaches stderr.
+                warnings.filterwarnings("ignore", message=_DCP_NO_PROCESS_GROUP, category=UserWarning)
             opts = _storage_options(args.storage_option)
             return int(args.func(args, opts))
     except _Usage as exc:

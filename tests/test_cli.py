@@ -16,9 +16,6 @@ from distckpt import Checkpointer
 from distckpt.cli import main
 from distckpt.manifest import step_dir
 
-# DCP warns on every single-process call; only that warning is ignored, and only in these tests.
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
-
 
 class TwoTower(nn.Module):
     def __init__(self) -> None:
@@ -37,8 +34,8 @@ def _same(sd_a, sd_b) -> bool:
     return sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
-
-pytestmark = pytest.mark.xdist_group("cli")
+# DCP warns on every single-process call; only that warning is ignored, and only in these tests.
+pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"), pytest.mark.xdist_group("cli")]
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +89,35 @@ def test_ls_json_and_table(ckpt_root, capsys):
     assert "incomplete" in lines[3] and "committed" in lines[2]
 
 
-def test_ls_subprocess_python_m(ckpt_root):
+def test_ls_subprocess_python_m(ckpt_root, tmp_path):
     root, _ = ckpt_root
     proc = subprocess.run([sys.executable, "-m", "distckpt", "ls", root, "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in json.loads(proc.stdout)["steps"]] == [10, 20, 30]
+    # Real warnings reach stderr (here: a symbolic link in the root, which is never followed).
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(os.path.join(root, step_dir(20)), linked / step_dir(20))
+    proc = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(linked)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ignoring symbolic link(s) in checkpoint root" in proc.stderr, proc.stderr
+
+
+def test_only_dcps_single_process_warning_is_hidden(monkeypatch):
+    import warnings
+
+    from distckpt import cli
+
+    def command(args, opts):
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single process.")
+        warnings.warn("distckpt: something the user should see")
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_ls", command)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["ls", "anywhere"]) == 0
+    assert [str(w.message) for w in seen] == ["distckpt: something the user should see"]
 
 
 def test_inspect_json(ckpt_root, capsys):
