@@ -67,6 +67,47 @@ class Group:
             dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """(all ranks) Every rank's ``obj`` in rank order on the coordinator; ``None`` elsewhere.
+
+        Unlike :meth:`all_gather`, only the coordinator receives: the bytes moved grow with the
+        sum of the objects, not with the world size times it.
+        """
+        if not self.enabled:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        with _peer_failures("gather"):
+            dist.gather_object(obj, out, dst=self.coordinator_global_rank, group=self.pg)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """(all ranks) Rank ``r`` receives ``objs[r]`` (``objs`` is read on the coordinator only)."""
+        if not self.enabled:
+            assert objs is not None
+            return objs[0]
+        box: list[Any] = [None]
+        with _peer_failures("scatter"):
+            dist.scatter_object_list(
+                box, objs if self.is_coordinator else None, src=self.coordinator_global_rank, group=self.pg
+            )
+        return box[0]
+
+    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+        """(all ranks) ``tensor`` (an int64/uint8 CPU tensor) reduced elementwise over all ranks
+        with ``op`` (``"sum"`` or ``"max"``); returns a CPU tensor. Moves it to the current CUDA
+        device first when the group's backend is NCCL."""
+        if not self.enabled:
+            return tensor
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        work = tensor
+        if dist.get_backend(self.pg) == "nccl":
+            import torch
+
+            work = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        with _peer_failures("all_reduce"):
+            dist.all_reduce(work, op=reduce_op, group=self.pg)
+        return work.cpu()
+
 
 @contextmanager
 def _peer_failures(op: str) -> Iterator[None]:

@@ -355,3 +355,18 @@ def combine(parts_by_rank: Sequence[Sequence[Part]]) -> tuple[dict[str, str], di
 def _digest_named(total: int, global_shape: Sequence[int], dtype_name: str) -> str:
     text = f"distckpt-fp{VERSION}|{dtype_name}|{[int(d) for d in global_shape]}|{total & _MASK64}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def mix(part: Part) -> int:
+    """A 64-bit hash of a part's partial sum (splitmix64's finalizer; a bijection).
+
+    Replica checks add these up across ranks (:func:`distckpt.statecheck.replica_vector`):
+    because the hash is not linear, copies that differ cannot cancel out in the sum (two
+    replicas off by ``+d`` and ``-d`` would, with the raw partial sums), except by a 2**-64
+    accident. Shape and dtype are not mixed in: ranks compare a key's copies only after agreeing
+    on its shape and dtype.
+    """
+    z = (int(part[5]) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

@@ -1,11 +1,19 @@
 """Verified resume: the state a job holds after a load is the state that was saved.
 
-At save, every rank computes :mod:`distckpt.fingerprint` parts of the tensors it writes; the parts
-travel with the write results the coordinator gathers anyway, and the manifest records one
-fingerprint per tensor key (``Manifest.fingerprints``). Copies of a tensor that should be
-identical (DDP replicas, replicated DTensor dimensions, global values) are compared on the way:
+At save, every rank computes :mod:`distckpt.fingerprint` parts of the tensors it holds; the parts
+of what it *writes* travel with the write results the coordinator gathers anyway, and the manifest
+records one fingerprint per tensor key (``Manifest.fingerprints``). Copies of a tensor that should
+be identical (DDP replicas, replicated DTensor dimensions, global values) are compared on the way:
 copies that differ are reported (``on_drift="warn"`` or ``"error"``), naming the key and the ranks
-on each side, and get no fingerprint, since DCP writes only one of them.
+on each side, and get no fingerprint, since only one of them is written.
+
+The comparison costs O(items) per rank, not O(world x items) (:func:`replica_vector`): every rank
+adds, per replicated key, a hash of its copy's partial sum to one slot and, if it writes that
+copy, to a second slot; one all-reduce sums the slots; a key whose first sum is not ``R`` times
+its second (``R`` copies) has copies that differ. Only then are the copies' parts of the
+drifted keys gathered, to name the ranks on each side (:func:`parts_to_send`). Items held by
+some ranks only (ZeRO partitions, per-rank entries) send every copy they hold, so copies held
+twice are compared by :func:`record` as before.
 
 After a load, the same parts are computed over what the objects now hold (re-extracted through
 the same state-dict functions a save uses), gathered once on distckpt's group, and compared
@@ -18,6 +26,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+
+import torch
 
 from . import fingerprint
 from .errors import StateMismatchError
@@ -120,3 +130,89 @@ def compare_files(source: object, saved: Mapping[str, str]) -> tuple[list[str], 
     checked = [k for k in saved if k in recomputed]
     bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
     return bad, len(checked)
+
+
+_LOW32 = (1 << 32) - 1
+
+
+def replica_vector(
+    held: Sequence[fingerprint.Part],
+    checked: Sequence[str],
+    dchecked: Sequence[tuple[str, int]],
+    written: set[str] | frozenset[str],
+) -> torch.Tensor:
+    """(each rank, not collective) This rank's slots for the replica check, to be summed over
+    ranks (``all_reduce``) and judged by :func:`replica_mismatches`.
+
+    Args:
+        held: fingerprint parts of every copy this rank holds (written or not).
+        checked: replicated plain tensors (every rank holds one copy), sorted, the same list on
+            every rank.
+        dchecked: DTensors with replicated mesh dimensions and their replication factor.
+        written: keys this rank writes.
+
+    Returns:
+        int64 tensor ``[all_hi, all_lo, written_hi, written_lo]``, each ``n`` long: 32-bit
+        halves of the slot sums, so that a sum over any number of ranks fits without overflow.
+    """
+    index = {k: i for i, k in enumerate(checked)}
+    for k, _ in dchecked:
+        index.setdefault(k, len(index))
+    n = len(index)
+    every = [0] * n
+    mine = [0] * n
+    mask = (1 << 64) - 1
+    for part in held:
+        i = index.get(part[0])
+        if i is None:
+            continue
+        h = fingerprint.mix(part)
+        every[i] = (every[i] + h) & mask
+        if part[0] in written:
+            mine[i] = (mine[i] + h) & mask
+    return torch.tensor(
+        [v >> 32 for v in every] + [v & _LOW32 for v in every] + [v >> 32 for v in mine] + [v & _LOW32 for v in mine],
+        dtype=torch.int64,
+    )
+
+
+def replica_mismatches(
+    summed: torch.Tensor, checked: Sequence[str], dchecked: Sequence[tuple[str, int]], world_size: int
+) -> list[str]:
+    """(any rank, pure) Keys whose copies differ, from the summed :func:`replica_vector`: those
+    whose hash sum over all copies is not the number of copies times the written copies' sum."""
+    factor = {k: world_size for k in checked}
+    for k, r in dchecked:
+        factor.setdefault(k, r)
+    keys = list(factor)
+    n = len(keys)
+    values = summed.tolist()
+    mask = (1 << 64) - 1
+    out = []
+    for i, key in enumerate(keys):
+        every = ((values[i] << 32) + values[n + i]) & mask
+        mine = ((values[2 * n + i] << 32) + values[3 * n + i]) & mask
+        if every != (factor[key] * mine) & mask:
+            out.append(key)
+    return out
+
+
+def parts_to_send(
+    held: Sequence[fingerprint.Part],
+    written: set[str] | frozenset[str],
+    replicated: Mapping[str, int] | set[str],
+    dchecked: Sequence[tuple[str, int]] | None,
+    drifted: Iterable[str] = (),
+) -> list[fingerprint.Part]:
+    """(each rank) The parts this rank hands the coordinator for :func:`record`: those of what it
+    writes; every copy of items that only some ranks hold (their duplicates are compared there)
+    and of DTensor replicas the ranks could not compare by slots; and, for keys that drifted,
+    every copy, so the report can name the ranks on each side."""
+    compared = {k for k, _ in dchecked} if dchecked is not None else set()
+    drift = set(drifted)
+    out = []
+    for part in held:
+        key = part[0]
+        if key in written or key in drift or (key not in replicated and key not in compared):
+            out.append(part)
+    return out

@@ -219,23 +219,24 @@ def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 def _planning_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
-    from torch.distributed.checkpoint import DefaultSavePlanner
+    from distckpt._save_plan import DistckptSavePlanner
 
     model = wrap(make_model(0), "ddp", world)
     ckpt = distckpt.Checkpointer(root)
     ckpt.save(1, {"model": model})
-    orig = DefaultSavePlanner.create_local_plan
+    orig = DistckptSavePlanner.create_local_plan
     if rank == 1:
         def broken(self):
             raise RuntimeError("planner exploded on purpose")
 
-        DefaultSavePlanner.create_local_plan = broken
+        DistckptSavePlanner.create_local_plan = broken
     try:
-        ckpt.save(2, {"model": model})
+        # A new entry changes the structure: step 2 plans again (an unchanged one reuses step 1's plans).
+        ckpt.save(2, {"model": model, "epoch": 2})
         err = None
     except distckpt.CheckpointError as exc:
         err = (type(exc).__name__, str(exc), dict(exc.failures))
-    DefaultSavePlanner.create_local_plan = orig
+    DistckptSavePlanner.create_local_plan = orig
     ckpt.save(3, {"model": model})  # the fault is gone: the next save works
     return {"err": err, "steps": ckpt.steps()}
 
