@@ -71,3 +71,15 @@ def group_is_registered(pg: object) -> bool:
     from torch.distributed import distributed_c10d
 
     return pg in distributed_c10d._world.pg_map
+
+
+def mesh_without_groups(mesh: list, dim_names: tuple[str, ...] | None, rank: int) -> object:
+    """A CPU ``DeviceMesh`` of the given global ranks, seen from global ``rank``, that creates no
+    process groups (``_init_backend=False``, ``_rank``: private keywords of torch 2.13).
+
+    distckpt's background writer process rebuilds the DTensors a rank staged with it: DCP needs
+    only each DTensor's mesh shape, coordinate and placements to write a shard, and the writer
+    process has no groups of the training job."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", mesh, mesh_dim_names=dim_names, _init_backend=False, _rank=rank)

@@ -1,8 +1,16 @@
 """Load planning: what each rank asks DCP for, what does not match, and handing results back.
 
 The checkpointer runs these in phases so that every collective is reached by every rank:
-``plan_load`` (each rank, no collectives) -> one exchange of the views -> ``judge`` (identical on
-every rank) -> ``dcp.load`` -> ``apply_load`` (each rank, no collectives).
+``plan_load`` (each rank, no collectives) -> one exchange of the views -> ``requested_keys``
+(all ranks) -> ``judge`` (identical on every rank) -> ``dcp.load`` -> ``apply_load`` (each rank,
+no collectives).
+
+The views are O(1) per rank when the state matches: a digest and a count of the keys a rank
+requests instead of the keys themselves (missing and mismatched keys are listed, to be named in
+the error). Whether the checkpoint holds keys nobody asked for needs the union of the requested
+keys: when every rank requests the same set (DDP, FSDP) it is this rank's own; otherwise (ZeRO
+partitions, per-rank entries) one all-reduce of a bitmap over the checkpoint's sorted keys gives
+it, O(keys) per rank instead of O(world x keys).
 """
 
 from __future__ import annotations
@@ -96,7 +104,42 @@ def plan_load(
             mismatched[key] = (saved, ())
     request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
-    return plan, (missing, mismatched, sorted(request), per_rank)
+    return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
+
+
+def _keys_digest(keys: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:32]
+
+
+def metadata_index(metadata: Any) -> dict[str, tuple[int, ...] | None]:
+    """(any rank, not collective) key -> global shape (``None``: a non-tensor value) of a DCP
+    ``Metadata``: built by every rank from the metadata the coordinator read and verified, so
+    it need not travel beside it."""
+    index: dict[str, tuple[int, ...] | None] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        size = getattr(md, "size", None)
+        index[key] = tuple(size) if size is not None else None
+    return index
+
+
+def requested_keys(group: Group, index: Mapping[str, Any], plan: LoadPlan, views: list[Any]) -> set[str]:
+    """(all ranks, identical result) The keys some rank requests.
+
+    One collective, only when the ranks' request digests differ: a max-reduce of a byte per
+    checkpoint key. Every rank decides from the same gathered views whether to take part.
+    """
+    if all(v[2] == views[0][2] for v in views[1:]):
+        return set(plan.request)
+    keys = sorted(index)
+    bits = torch.zeros(len(keys), dtype=torch.uint8)
+    position = {k: i for i, k in enumerate(keys)}
+    mine = [position[k] for k in plan.request]
+    if mine:
+        bits[torch.tensor(mine, dtype=torch.int64)] = 1
+    union = group.all_reduce(bits, "max")
+    return {keys[i] for i in union.nonzero().flatten().tolist()}
 
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""
@@ -181,19 +224,24 @@ class LoadPlan:
 
 
 def judge(
-    step: int, index: Mapping[str, Any], views: list[Any], names: set[str] | None, selection: Selection | None = None
+    step: int,
+    index: Mapping[str, Any],
+    views: list[Any],
+    names: set[str] | None,
+    selection: Selection | None = None,
+    requested: set[str] | None = None,
 ) -> LoadReport:
-    """The load report from every rank's view (identical on every rank); keys outside
-    ``selection`` are neither missing nor unexpected."""
+    """The load report from every rank's view and the union of requested keys
+    (:func:`requested_keys`), identical on every rank; keys outside ``selection`` are neither
+    missing nor unexpected."""
     selection = selection or Selection()
-    missing = sorted({k for m, _, _, _ in views for k in m})
+    missing = sorted({k for v in views for k in v[0]})
     mismatched: dict[str, Any] = {}
-    requested: set[str] = set()
     per_rank: dict[str, tuple[int, int]] = {}
-    for _, mm, req, pr in views:
-        mismatched.update(mm)
-        requested.update(req)
-        per_rank.update(pr)
+    for v in views:
+        mismatched.update(v[1])
+        per_rank.update(v[3])
+    requested = requested or set()
     # Strict: keys of entries the state does not name at all are unexpected too (the whole
     # checkpoint must be taken). Non-strict (``names`` given): only leftovers of named entries
     # are reported, so loading just the model for evaluation is quiet. distckpt's own RNG

@@ -559,6 +559,16 @@ class PlanCache:
     def invalidate(self) -> None:
         self.entry = None
 
+    def stamp(self) -> tuple[int, str, str] | None:
+        """What identifies the cached plans (generation, key, own structure), without them."""
+        e = self.entry
+        return (e.generation, e.key, e.own) if e is not None else None
+
+    def mirror(self, stamp: tuple[int, str, str] | None) -> None:
+        """Hold only ``stamp`` of another process's cache (a writer process's: its plans stay
+        there), so that :meth:`token` reports what that cache holds. Never used to write."""
+        self.entry = None if stamp is None else CachedPlan(stamp[0], stamp[1], stamp[2], None, None)  # type: ignore[arg-type]
+
 
 # -------------------------------------------------------------------------------------------------
 # DCP's protocol on distckpt's collectives

@@ -14,9 +14,11 @@ ranks call each is part of the protocol:
    lease (:mod:`distckpt.ownership`).
 4. :func:`stage`     (async saves only; each rank) copies the state into host buffers
    (:class:`~distckpt.staging.Stager`); training resumes after it.
-5. :func:`write`     (all ranks, collective) DCP writes the data files and ``.metadata``; every
-   rank's outcome, file records and fingerprint parts are gathered, so that a failure on one
-   rank is raised on all of them.
+5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt._save_plan`:
+   each rank plans only what it writes (or reuses the previous save's plans), replicas are
+   compared with O(items) traffic, the data files and ``.metadata`` are written; every rank's
+   outcome, file records and fingerprint parts are gathered on the coordinator, and a failure
+   on one rank is raised on all of them.
 6. :func:`commit`    (coordinator) writes the manifest with a no-replace primitive: from then
    on the step exists; then
 7. :func:`apply_retention` (coordinator) deletes committed steps beyond ``keep_last``.
@@ -28,27 +30,25 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from . import fingerprint, ownership, rng, scope, statecheck
+from . import _save_plan, fingerprint, ownership, rng, scope, statecheck
 from ._compat import flatten_state_dict
-from ._dist import Group, capture, raise_if_any
+from ._dist import Group
+from ._save_plan import PlanCache, PlanInput, PlanStats
 from ._version import __version__
-from .errors import StepExistsError, from_dcp
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, parse_step_dir, step_dir
+from .errors import StepExistsError
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
 from .retention import delete_old_steps
 from .staging import Stager, check_saveable, replicated_layout
 from .state import build_entries, contains
-from .storage import NEW_DIR_PREFIX, Storage
+from .storage import Storage
 
 log = logging.getLogger("distckpt")
 
@@ -78,7 +78,14 @@ class SaveView:
         digests: scoped entry -> digest of its value on this rank (decides global/per-rank).
         declared: scoped entry -> scope declared by the user or the object's kind, or None.
         layout: per module/optimizer entry, a digest of its plain tensors' keys, shapes and
-            dtypes (async saves: ranks agreeing hold the entry replicated, see staging).
+            dtypes (ranks agreeing hold the entry replicated: each of its tensors gets one
+            writer, and async saves stage only their share, see staging).
+        plain: per entry, a digest of all its plain (non-DTensor) leaves' keys, shapes and
+            dtypes (ranks agreeing hold them replicated; see :mod:`distckpt._save_plan`).
+        replicas: digest of this rank's DTensors with replicated mesh dimensions.
+        cache: the plan cache's token for this rank's current structure, or None.
+
+    Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
 
     step: int
@@ -86,6 +93,9 @@ class SaveView:
     digests: dict[str, str]
     declared: dict[str, str | None]
     layout: dict[str, str]
+    plain: dict[str, str] = field(default_factory=dict)
+    replicas: str = ""
+    cache: tuple[int, str] | None = None
 
 
 @dataclass
@@ -96,12 +106,15 @@ class Prepared:
         step: the step.
         state_dict: what DCP writes (per-rank entries re-keyed by :func:`agree`).
         described: entry name -> its manifest description (kind, scope, ...).
-        sizes: ``(flattened key, bytes)`` of plain tensors of modules/optimizers (async only:
-            used to split replicated state among the ranks' stagers).
+        sizes: ``(flattened key, bytes)`` of plain tensors of modules/optimizers (who writes
+            each replicated one; async saves split them among the ranks' stagers alike).
         extra: the caller's JSON metadata for the manifest.
         replica_parts: fingerprint parts of replicated tensors this rank holds but another
             rank stages and writes (async saves, see :func:`stage`), so that replicas are
             compared across ranks even though each rank stages only its share.
+        structure: this rank's state structure (:func:`distckpt._save_plan.describe`).
+        unscoped: the module/optimizer entries.
+        plan: what :func:`write` plans from (set by :func:`agree`; picklable).
     """
 
     step: int
@@ -110,26 +123,50 @@ class Prepared:
     sizes: list[tuple[str, int]]
     extra: dict[str, Any]
     replica_parts: list[Any] = field(default_factory=list)
+    structure: _save_plan.Structure | None = None
+    unscoped: list[str] = field(default_factory=list)
+    plan: PlanInput | None = None
 
 
 @dataclass
 class Written:
-    """Every rank's share of a completed :func:`write` (the same on every rank).
+    """A completed :func:`write`: what :func:`commit` (coordinator) needs.
 
     Attributes:
-        files: per rank, file name -> ``(size, digest)`` of the files that rank wrote.
-        parts: per rank, the fingerprint parts of what that rank wrote.
+        files: per rank, file name -> ``(size, digest)`` of the files that rank wrote
+            (coordinator only; empty elsewhere).
+        parts: per rank, the fingerprint parts it handed in (what it wrote, plus every copy of
+            drifted replicas; see :func:`distckpt.statecheck.parts_to_send`; coordinator only).
+        plan: how the save planned (every rank).
+        phases: this rank's seconds per part of the write phase: ``fingerprint``, ``plan``,
+            ``replicas`` (drift check), ``write`` (wall time of writing the data files),
+            ``metadata`` (gathering results; ``.metadata`` on the coordinator), and inside
+            ``write`` the writer threads' ``serialize``, ``checksum``, ``io_write`` and
+            ``fsync`` (thread-seconds, see :class:`distckpt._writer.WriteTimings`).
     """
 
     files: list[dict[str, tuple[int, str]]] = field(default_factory=list)
     parts: list[list[Any]] = field(default_factory=list)
+    plan: PlanStats = field(default_factory=PlanStats)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 # 1. prepare --------------------------------------------------------------------------------------
 def prepare(
-    opts: SaveOptions, step: int, state: Mapping[str, Any], extra: dict[str, Any], rank: int, blocking: bool
+    opts: SaveOptions,
+    step: int,
+    state: Mapping[str, Any],
+    extra: dict[str, Any],
+    rank: int,
+    blocking: bool,
+    cache: PlanCache | None = None,
 ) -> tuple[Prepared, SaveView]:
-    """(each rank, no collectives) What to save, and this rank's view for the agreement check."""
+    """(each rank, no collectives) What to save, and this rank's view for the agreement check.
+
+    ``cache`` (the checkpointer's :class:`~distckpt._save_plan.PlanCache`, also handed to
+    :func:`write`) contributes its token, so that :func:`agree` can tell on every rank alike
+    whether the previous save's plans still hold.
+    """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     try:
@@ -146,26 +183,34 @@ def prepare(
     # Entries that are not modules/optimizers get a scope from every rank's digest (after the
     # exchange); sharded DTensor state is written shard by shard and needs none.
     scoped = [e for e in entries if e.scoped and not contains(state_dict[e.name], DTensor)]
-    # Only async saves stage, so only they need the replicated-tensor layout; it covers
-    # modules and optimizers, which are replicated or sharded by construction.
+    # Modules and optimizers are replicated or sharded by construction: the layout digests say
+    # which are replicated (each tensor then gets one writer; async saves stage only their share).
     unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
-    digests, sizes = ({}, []) if blocking else replicated_layout(unscoped)
+    digests, sizes = replicated_layout(unscoped)
+    structure = _save_plan.describe(flatten_state_dict(state_dict)[0])
     view = SaveView(
         step=step,
         names=sorted(described),
         digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
         declared={e.name: e.declared for e in scoped},
         layout=digests,
+        plain=structure.plain,
+        replicas=structure.replicas_digest,
+        cache=cache.token(structure.own) if cache is not None else None,
     )
-    return Prepared(step, state_dict, described, sizes, extra), view
+    prepared = Prepared(step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped))
+    return prepared, view
 
 
 # 2. agree ----------------------------------------------------------------------------------------
 def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
-    """(each rank, pure) Check the gathered views agree and settle every scoped entry's scope.
+    """(each rank, pure) Check the gathered views agree, settle every scoped entry's scope and
+    decide who writes each replicated item and whether the cached plans hold
+    (:func:`distckpt._save_plan.decide`, into ``prepared.plan``).
 
     Every rank judges the same gathered views, so an error (different steps or entries, a
-    ``Global`` entry that differs) is raised identically everywhere.
+    ``Global`` entry that differs) is raised identically everywhere, and every rank takes the
+    same planning path.
     """
     if len({(v.step, tuple(v.names)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
@@ -173,11 +218,16 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
     if len({tuple(sorted(v.digests)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
         raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
+    scopes: dict[str, str] = {}
     for name, declared in views[0].declared.items():
         kind = scope.classify(name, declared, [v.digests[name] for v in views])
         prepared.described[name]["scope"] = kind
+        scopes[name] = kind
         if kind == scope.PER_RANK:
             prepared.state_dict[name] = {scope.rank_key(rank): prepared.state_dict[name]}
+    if prepared.structure is not None:
+        prepared.plan = _save_plan.decide(views, prepared.structure, prepared.unscoped, scopes, prepared.sizes, rank)
+        prepared.structure = None  # decided; not needed by write (keeps the job small)
 
 
 # 3. claim ----------------------------------------------------------------------------------------
@@ -204,25 +254,9 @@ def claim(opts: SaveOptions, step: int) -> ownership.Lease:
 
 
 def _remove_stale_leftovers(storage: Storage, lease_s: float) -> None:
-    for name in storage.list_dirs():
-        s = parse_step_dir(name)
-        if name.startswith(NEW_DIR_PREFIX):
-            # A step directory being built (local roots only): removable once its record is
-            # stale, or with no record yet only after a whole lease without change.
-            if not storage.exists(name, ownership.OWNER_NAME):
-                try:
-                    age = time.time() - os.lstat(storage.join(name)).st_mtime
-                except OSError:
-                    continue
-                if age <= lease_s:
-                    continue
-        elif s is None or storage.exists(name, MANIFEST_NAME):
-            continue
-        if ownership.is_stale(storage, name, lease_s):
-            log.info("removing incomplete checkpoint %s", storage.display(name))
-            storage.remove_tree(name)
-        else:
-            log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
+    """Remove incomplete directories whose lease is stale, never a committed step, even one
+    committed while this runs (see :func:`distckpt.ownership.remove_stale_leftovers`)."""
+    ownership.remove_stale_leftovers(storage, lease_s)
 
 
 # 4. stage ----------------------------------------------------------------------------------------
@@ -243,13 +277,24 @@ def stage(opts: SaveOptions, stager: Stager, prepared: Prepared, skip: frozenset
 
 
 # 5. write ----------------------------------------------------------------------------------------
-def write(opts: SaveOptions, group: Group, prepared: Prepared) -> Written:
-    """(all ranks) DCP writes this rank's data and the coordinator ``.metadata``.
+def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache | None = None) -> Written:
+    """(all ranks) Plan, compare replicas, write this rank's data; the coordinator ``.metadata``.
+
+    Collectives (all ranks, in order): the plan gather and scatter, unless every rank reuses
+    ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); one all-reduce of the
+    replica check when replicas are compared; the gather of outcomes, write results and
+    fingerprint parts; the broadcast of the outcome. See :mod:`distckpt._save_plan`.
+
+    Args:
+        cache: the plans of the previous save on this rank (the checkpointer's; read and
+            replaced here, emptied on failure). ``None``: plan from scratch and keep nothing;
+            every rank must pass one, or every rank none.
 
     Raises:
         CheckpointError: on every rank, naming each failed rank's cause.
     """
     step = prepared.step
+    where = opts.storage.display(step_dir(step))
     writer = opts.storage.writer(
         step_dir(step),
         thread_count=opts.thread_count,
@@ -257,25 +302,53 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared) -> Written:
         checksum=opts.checksum,
         skip_record_crc=opts.skip_record_crc,
     )
-    outcome: Any = None
+    plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
+    run = _save_plan.SaveRun(group, writer, plan, cache, f"writing step {step} to {where}")
+    phases: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - clock
+        clock = now
+
+    held: list[Any] = []
+    if opts.fingerprint:
+        # Every copy this rank holds, in DCP's keys: what it writes (its shards, its share of
+        # replicas) and (async) the replicas it holds but another rank writes.
+        held = run.attempt(
+            lambda: fingerprint.local_parts(flatten_state_dict(prepared.state_dict)[0]) + list(prepared.replica_parts)
+        ) or []
+    lap("fingerprint")
+    run.plan(prepared.state_dict)
+    lap("plan")
+    written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
+    drifted: list[str] = []
+    dchecked = plan.dchecked or []
+    if opts.fingerprint and opts.on_replica_drift != "ignore" and (plan.checked or dchecked):
+        # Every rank contributes a vector of the same length, even one that failed (empty slots).
+        vector = run.attempt(lambda: statecheck.replica_vector(held, plan.checked, dchecked, written_keys))
+        if vector is None:
+            vector = statecheck.replica_vector([], plan.checked, dchecked, set())
+        summed = group.all_reduce(vector)
+        run.stats.collectives += 1
+        drifted = statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
+    lap("replicas")
+    run.write()
+    lap("write")
+    phases.update(writer.fs.timings.breakdown())
     parts: list[Any] = []
-    try:
-        if opts.fingerprint:
-            # What this rank writes (its shards, its share of replicas), in DCP's keys, and
-            # (async) the replicas it holds but another rank writes, for the drift comparison.
-            parts = fingerprint.local_parts(flatten_state_dict(prepared.state_dict)[0]) + prepared.replica_parts
-        dcp.save(
-            prepared.state_dict,
-            storage_writer=writer,
-            planner=DefaultSavePlanner(),
-            process_group=group.pg,
-            no_dist=not group.enabled,
-        )
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        outcome = capture(from_dcp(exc, f"writing step {step} to {opts.storage.display(step_dir(step))}"))
-    gathered = group.all_gather((outcome, writer.files, parts))
-    raise_if_any([o for o, _, _ in gathered], f"save of step {step}")
-    return Written(files=[f for _, f, _ in gathered], parts=[p for _, _, p in gathered])
+    if opts.fingerprint:
+        parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked, drifted)) or []
+    lap("fingerprint")
+    gathered = run.finish((writer.files, parts))
+    lap("metadata")
+    if gathered is None:
+        return Written(plan=run.stats, phases=phases)
+    files = [f for f, _ in gathered]
+    files[0] = writer.files  # the coordinator's, now with .metadata
+    return Written(files=files, parts=[p for _, p in gathered], plan=run.stats, phases=phases)
 
 
 # 6. commit ---------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ class LocalStorage(Storage):
 
     def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
         path = self.join(*parts)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not exclusive:  # a commit never re-creates a step directory cleanup moved away
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 import uuid
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -62,6 +63,29 @@ def _without_torch_record_crc() -> Iterator[None]:
                 ser.set_crc32_options(_crc_saved)
 
 
+class WriteTimings:
+    """Seconds the writer threads spent in each part of writing files (summed over threads).
+
+    ``files``: from opening each file to closing it (all of the work for it); ``checksum``,
+    ``io_write`` and ``fsync`` are the parts distckpt can see; the rest of ``files`` is DCP's
+    serialization (``torch.save`` of each item). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {"files": 0.0, "checksum": 0.0, "io_write": 0.0, "fsync": 0.0}
+
+    def add(self, part: str, dt: float) -> None:
+        with self._lock:
+            self.seconds[part] += dt
+
+    def breakdown(self) -> dict[str, float]:
+        """``serialize``, ``checksum``, ``io_write``, ``fsync`` (thread-seconds)."""
+        s = dict(self.seconds)
+        seen = s["checksum"] + s["io_write"] + s["fsync"]
+        return {"serialize": max(0.0, s["files"] - seen), "checksum": s["checksum"], "io_write": s["io_write"], "fsync": s["fsync"]}
+
+
 class _ChecksumStream(io.RawIOBase):
     """Write-through stream that hashes every byte on its way to the file.
 
@@ -73,9 +97,12 @@ class _ChecksumStream(io.RawIOBase):
     error once DCP returns, with its errno and the file's path.
     """
 
-    def __init__(self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any) -> None:
+    def __init__(
+        self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any, timings: WriteTimings
+    ) -> None:
         from .integrity import new_hasher
 
+        self._timings = timings
         self._raw = raw
         self._hasher = new_hasher(algorithm) if algorithm else None
         self._size = 0
@@ -95,13 +122,19 @@ class _ChecksumStream(io.RawIOBase):
         view = memoryview(b).cast("B")
         if self.failed:
             return len(view)
+        t0 = time.perf_counter()
         if self._hasher is not None:
             self._hasher.update(view)
+        t1 = time.perf_counter()
         try:
             n = self._raw.write(view)
         except OSError as exc:
             self._fail(exc)
             return len(view)
+        finally:
+            t2 = time.perf_counter()
+            self._timings.add("checksum", t1 - t0)
+            self._timings.add("io_write", t2 - t1)
         n = len(view) if n is None else n
         self._size += n
         return n
@@ -121,10 +154,12 @@ class _ChecksumStream(io.RawIOBase):
             # Explicit flush before close: some fsspec files drop unflushed data otherwise.
             self.flush()
             if self._sync is not None and not self.failed:
+                t0 = time.perf_counter()
                 try:
                     self._sync(self._raw)
                 except OSError as exc:
                     self._fail(exc)
+                self._timings.add("fsync", time.perf_counter() - t0)
             if not self.failed:
                 self._on_close(self._size, self._hasher.hexdigest() if self._hasher is not None else None)
         super().close()
@@ -143,6 +178,7 @@ class _ChecksummingFS(FileSystemBase):
         self.sync = sync  # makes a written file durable (Storage.sync_file), or None
         self.files: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
+        self.timings = WriteTimings()
         self._lock = threading.Lock()
 
     def _record_error(self, exc: BaseException, where: str) -> None:
@@ -167,13 +203,14 @@ class _ChecksummingFS(FileSystemBase):
         def on_error(exc: BaseException) -> None:
             self._record_error(exc, where)
 
+        opened = time.perf_counter()
         cm = self.inner.create_stream(path, mode)
         try:
             raw = cm.__enter__()
         except OSError as exc:  # cannot even create the file: nothing written, error recorded
             on_error(exc)
             cm, raw = None, None
-        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync)
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings)
         try:
             yield stream  # type: ignore[misc]
         except BaseException as exc:
@@ -183,10 +220,13 @@ class _ChecksummingFS(FileSystemBase):
         finally:
             stream.close()
             if cm is not None:
+                closing = time.perf_counter()
                 try:
                     cm.__exit__(None, None, None)
                 except OSError as exc:  # closing commits remote files: a failed upload lands here
                     on_error(exc)
+                self.timings.add("io_write", time.perf_counter() - closing)  # an upload happens here
+            self.timings.add("files", time.perf_counter() - opened)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
         return self.inner.concat_path(path, suffix)

@@ -9,8 +9,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -20,17 +20,21 @@ import torch.distributed.checkpoint as dcp
 from . import _saving, fingerprint, ownership, rng, scope, statecheck
 from ._compat import flatten_state_dict
 from ._dist import Group, all_ranks, exchange, on_coordinator
-from ._loading import LoadReport, Selection, apply_load, judge, plan_load
+from ._loading import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
 from ._planner import SafeLoadPlanner
+from ._save_plan import PlanCache, PlanStats
 from .errors import CheckpointError, StateMismatchError, from_dcp
 from .integrity import ALGORITHMS
 from .integrity import DEFAULT as DEFAULT_CHECKSUM
 from .manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
 from .retention import check_keep_last
+from ._background import Job, WriterProcess, encode
 from .staging import Stager, replicated_shares
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
+
+ASYNC_MODES = ("process", "thread")
 
 # distckpt runs DCP without a process group on purpose when torch.distributed is not initialized
 # (single-process use); DCP warns about that on every call.
@@ -48,6 +52,13 @@ class SaveStats:
         bytes_written: bytes of all ranks' files (the checkpoint's size).
         staged_bytes: host memory this rank's staging buffers hold after an async save (each
             rank stages only its share of replicated state); 0 for a blocking save.
+        plan: how the save planned (:class:`~distckpt._save_plan.PlanStats`: whether it reused
+            the previous save's plans, the bytes of plans gathered, the coordinator's time).
+        phases: seconds per phase on this rank: ``prepare`` (state dict, views, agreement),
+            ``claim`` (the step directory), ``stage`` (async), then the write phase's parts
+            (``fingerprint``, ``plan``, ``replicas``, ``write`` and inside it the writer threads'
+            ``serialize``/``checksum``/``io_write``/``fsync`` thread-seconds, ``metadata``; for an
+            async save measured in its writer) and ``commit`` (manifest and retention).
     """
 
     step: int
@@ -55,6 +66,8 @@ class SaveStats:
     total_s: float | None = None
     bytes_written: int | None = None
     staged_bytes: int = 0
+    plan: PlanStats | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def throughput_gbps(self) -> float | None:
@@ -66,9 +79,9 @@ class SaveStats:
 class _InFlight:
     """The background half of one asynchronous save."""
 
-    def __init__(self, step: int, blocking_s: float) -> None:
+    def __init__(self, step: int, stats: SaveStats) -> None:
         self.step = step
-        self.stats = SaveStats(step, blocking_s)
+        self.stats = stats
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -99,8 +112,14 @@ class Checkpointer:
         checksum: ``"crc32c"`` (default, hardware CRC-32C), ``"crc32"`` (zlib), ``"sha256"`` or
             ``None``; computed while writing, recorded in the manifest (see :mod:`distckpt.integrity`).
         save_rng: save every rank's RNG states with each checkpoint.
-        background_nice: niceness added to the threads of an async save (Linux), so that on a
-            busy machine training keeps the CPU and the save takes what is left (0: off).
+        background_nice: niceness added to an async save's writer process (or threads), so
+            that on a busy machine training keeps the CPU and the save takes what is left (0: off).
+        async_mode: where async saves are written. ``"process"`` (default): a writer process per
+            rank, fed through shared memory, so serialization, checksums and I/O never take the
+            training process's GIL or cores (:mod:`distckpt._background`); it starts on the
+            first async save. ``"thread"``: a thread of the training process. In-memory
+            filesystems (``memory://``), which another process cannot see, and a
+            ``process_group`` that is not the whole job use threads.
         verify: on load, check every file read against the manifest's size and checksum
             (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
@@ -144,8 +163,11 @@ class Checkpointer:
         verify_state: bool | None = None,
         lease_s: float = ownership.DEFAULT_LEASE_S,
         skip_torch_record_crc: bool = False,
+        async_mode: str = "process",
     ) -> None:
         check_keep_last(keep_last)
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if checksum is not None and checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {checksum!r}")
         if thread_count < 1:
@@ -172,7 +194,12 @@ class Checkpointer:
         self._user_pg = process_group
         self._backend = backend
         self._group: Group | None = None
+        self.async_mode = async_mode
         self._stager: Stager | None = None
+        self._writer: WriterProcess | None = None
+        # The plans of the last successful save (see distckpt._save_plan): repeated saves of an
+        # unchanged structure skip planning.
+        self._plan_cache = PlanCache()
         self._inflight: _InFlight | None = None
         self._closed = False
         self.last_save: SaveStats | None = None
@@ -272,23 +299,36 @@ class Checkpointer:
         self.wait()
         group = self._ensure_group()
         opts = self._save_options()
+        in_process = not blocking and self._writes_in_process(group)
+        if in_process and self._writer is None:
+            self._writer = WriterProcess.start(
+                group, timeout=self.timeout, nice=self.background_nice, threads=self.thread_count
+            )
+            # A checkpointer dropped without close() must not leave its writer running until exit.
+            weakref.finalize(self, self._writer.detach)
+        # The plans of whoever writes this save: this process, or the writer process.
+        plans = self._writer.plans if in_process and self._writer is not None else self._plan_cache
+        stats = SaveStats(step, 0.0)
+        t1 = time.perf_counter()
         # Phases 1-3 (see distckpt._saving): prepare and agree on every rank, claim on the coordinator.
         prepared, views = exchange(
             group,
             f"save of step {step}",
-            lambda: _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking),
+            lambda: _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans),
         )
         _saving.agree(prepared, views, group.rank)
+        t2 = time.perf_counter()
 
         def claim() -> None:
             self._lease = _saving.claim(opts, step)
 
         on_coordinator(group, f"save of step {step}", claim)
+        stats.phases.update(prepare=t2 - t1, claim=time.perf_counter() - t2)
 
         if blocking:
-            committed = self._write_and_commit(group, opts, prepared)
-            elapsed = time.perf_counter() - t0
-            self.last_save = SaveStats(step, elapsed, elapsed, committed)
+            self._write_and_commit(group, opts, prepared, stats)
+            stats.blocking_s = stats.total_s = time.perf_counter() - t0
+            self.last_save = stats
             self._log_save(self.last_save)
             if self.replica is not None:
                 self.replica.submit(step)
@@ -296,22 +336,26 @@ class Checkpointer:
 
         # 4. staging. Each rank stages only its share of replicated tensors (see distckpt.staging).
         if self._stager is None:
-            self._stager = Stager()
+            self._stager = Stager(shared=in_process)
         stager = self._stager
         skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
+        t3 = time.perf_counter()
         try:
             all_ranks(group, f"staging of step {step}", lambda: _saving.stage(opts, stager, prepared, skip))
         except BaseException:
             self._release_lease(committed=False)  # the owner removes its step directory
             raise
-        job = _InFlight(step, time.perf_counter() - t0)
-        job.stats.staged_bytes = stager.nbytes
+        write = self._write_in_process(group, opts, prepared, stager) if in_process else None
+        stats.phases["stage"] = time.perf_counter() - t3
+        stats.blocking_s = time.perf_counter() - t0
+        stats.staged_bytes = stager.nbytes
+        job = _InFlight(step, stats)
 
         def run() -> None:
             _lower_priority(self.background_nice)
             try:
-                job.stats.bytes_written = self._write_and_commit(group, opts, prepared)
-                job.stats.total_s = time.perf_counter() - t0
+                self._write_and_commit(group, opts, prepared, stats, write)
+                stats.total_s = time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
                 job.error = exc
 
@@ -333,14 +377,56 @@ class Checkpointer:
             lease_s=self.lease_s,
         )
 
-    def _write_and_commit(self, group: Group, opts: _saving.SaveOptions, prepared: _saving.Prepared) -> int:
-        """(all ranks) Phases 5-7: write, commit, retention; returns the checkpoint's bytes.
+    def _writes_in_process(self, group: Group) -> bool:
+        """Whether async saves go to a writer process (see ``async_mode``)."""
+        if self.async_mode != "process" or not self.storage.shared_between_processes:
+            return False
+        # The writers' group must number ranks as the job does: DTensor meshes name global ranks.
+        return not group.enabled or group.world_size == dist.get_world_size()
 
-        Errors are raised on every rank; on any, the lease is released (the coordinator then
-        removes the step directory it created).
+    def _write_in_process(
+        self, group: Group, opts: _saving.SaveOptions, prepared: _saving.Prepared, stager: Stager
+    ) -> Callable[[], _saving.Written]:
+        """(each rank) Phase 5 for the writer process: returns the background thread's ``write``.
+
+        The staged tensors are described by their place in the shared arena (encoded here,
+        while training is still blocked, because training may change the state's structure
+        once ``save`` returns).
+        """
+        writer = self._writer
+        assert writer is not None and stager.arena is not None
+        flat, mappings = encode(prepared.state_dict, stager.arena.tensor)
+        job = Job(opts, replace(prepared, state_dict={}), flat, mappings, stager.arena.path, stager.arena.nbytes)
+
+        def write() -> _saving.Written:
+            def run() -> tuple[_saving.Written, None]:
+                writer.submit(job)
+                return writer.result(), None
+
+            # The writers gathered their outcomes already; this exchange also covers a writer
+            # that died, so every rank decides alike whether to commit.
+            return exchange(group, f"save of step {prepared.step}", run)[0]
+
+        return write
+
+    def _write_and_commit(
+        self,
+        group: Group,
+        opts: _saving.SaveOptions,
+        prepared: _saving.Prepared,
+        stats: SaveStats,
+        write: Callable[[], _saving.Written] | None = None,
+    ) -> None:
+        """(all ranks) Phases 5-7: write, commit, retention, recorded in ``stats``.
+
+        ``write`` replaces phase 5 (the writer process's). Errors are raised on every rank; on
+        any, the lease is released (the coordinator then removes the step directory it created).
         """
         try:
-            written = _saving.write(opts, group, prepared)
+            written = write() if write is not None else _saving.write(opts, group, prepared, self._plan_cache)
+            stats.plan = written.plan
+            stats.phases.update(written.phases)
+            t0 = time.perf_counter()
 
             def commit() -> int:
                 manifest = _saving.commit(opts, group.world_size, prepared, written, self._lease)
@@ -348,7 +434,8 @@ class Checkpointer:
                 _saving.apply_retention(opts)
                 return manifest.total_bytes
 
-            return on_coordinator(group, f"commit of step {prepared.step}", commit)
+            stats.bytes_written = on_coordinator(group, f"commit of step {prepared.step}", commit)
+            stats.phases["commit"] = time.perf_counter() - t0
         finally:
             self._release_lease(committed=False)  # no-op after a commit
 
@@ -389,6 +476,9 @@ class Checkpointer:
         assert job.thread is not None
         job.thread.join()
         if job.error is not None:
+            # The error is the same on every rank, so every rank restarts its writer process
+            # at the next async save (a writer whose peers failed may be left in a broken group).
+            self._stop_writer()
             raise job.error
         self.last_save = job.stats
         self._log_save(job.stats)
@@ -406,11 +496,17 @@ class Checkpointer:
             self._closed = True
             if self.replica is not None:
                 self.replica.close()
+            self._stop_writer()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
             self._release_group()
             _live.discard(self)
+
+    def _stop_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
     def _release_group(self) -> None:
         """Destroy distckpt's own process group while Python still runs.
@@ -510,14 +606,18 @@ class Checkpointer:
         self.wait()
         group = self._ensure_group()
         tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
-        tier, manifest, index, metadata = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
+        # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: self._read_index(step, tiers))
+        index = metadata_index(metadata)
         storage = tiers[tier]
         where = storage.display(step_dir(manifest.step))
-        selection = Selection(_patterns(only, "only"), _patterns(exclude, "exclude"))
+        selection = Selection(_patterns(only, "only"), _patterns(exclude, "exclude"), frozenset(index))
         plan, views = exchange(
             group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng, selection)
         )
-        report = judge(manifest.step, index, views, None if strict else plan.names, selection)
+        # Digests first; the requested keys themselves only where ranks request different sets.
+        requested_set = requested_keys(group, index, plan, views)
+        report = judge(manifest.step, index, views, None if strict else plan.names, selection, requested_set)
         if (only or exclude) and not any(selection.key(k) for k in index):
             entries = sorted({k.split(".", 1)[0] for k in index})
             raise ValueError(f"load(only={only!r}, exclude={exclude!r}) selects nothing in {where} (entries: {entries})")
@@ -525,6 +625,11 @@ class Checkpointer:
             raise StateMismatchError(
                 report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
             )
+
+        requested = sorted(requested_set)
+        explicit = verify_state if verify_state is not None else self.verify_state
+        if explicit:  # asked for a proof: refuse before reading if the checkpoint cannot give it
+            _require_fingerprints(manifest, index, requested, where)
 
         reader = storage.reader(
             step_dir(manifest.step),
@@ -544,11 +649,13 @@ class Checkpointer:
         except BaseException as exc:  # DCP raises the same CheckpointException on every rank
             raise from_dcp(exc, f"reading {where}") from None
         all_ranks(group, f"load of {where}", lambda: apply_load(group, manifest, plan, state))
-        check = verify_state if verify_state is not None else self.verify_state
+        check = explicit
         if check is None:  # by default where the risk is highest: the layout changed
             check = manifest.world_size != group.world_size or _parallelism_changed(manifest, plan.entries)
-        if check and manifest.fingerprints:
-            requested = sorted({k for v in views for k in v[2]})
+            if check and not manifest.fingerprints:
+                _warn_unverifiable(manifest.step, where)
+                check = False
+        if check:
             self._verify_loaded(group, manifest, plan, requested, where)
 
         self.last_load_report = report
@@ -584,17 +691,14 @@ class Checkpointer:
         if bad:
             raise statecheck.StateDivergedError(bad, f"step {manifest.step} at {where}")
 
-    def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, dict[str, tuple[int, ...] | None], Any]:
-        """(coordinator) Tier, manifest, key -> global shape (None: non-tensor) and the verified
-        DCP metadata of a step (handed to every rank, so no rank reads it unverified)."""
+    def _read_index(self, step: int | None, tiers: list[Storage]) -> tuple[int, Manifest, Any]:
+        """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
+        (with ``verify``), then handed to every rank: no rank reads it again, none unverified.
+        The key index is derived by each rank (``metadata_index``) instead of travelling beside it."""
         storage, step = self._locate(step)
         manifest = read_manifest(storage, step)
         metadata = read_metadata(storage, manifest, verify=self.verify)
-        index: dict[str, tuple[int, ...] | None] = {}
-        for key, md in metadata.state_dict_metadata.items():
-            size = getattr(md, "size", None)
-            index[key] = tuple(size) if size is not None else None
-        return tiers.index(storage), manifest, index, metadata
+        return tiers.index(storage), manifest, metadata
 
 
 def _lower_priority(nice: int) -> None:
@@ -618,12 +722,68 @@ def _patterns(value: str | list[str] | None, what: str) -> tuple[str, ...]:
 
 
 def _parallelism_changed(manifest: Manifest, entries: list[Any]) -> bool:
+    """Whether any entry is laid out otherwise than at the save: its kind of parallelism
+    (plain, DDP, FSDP2; ZeRO vs a plain optimizer, which records no ``parallel``) or, where the
+    save recorded one, its DTensor layout (a digest of mesh shapes and placements; manifests
+    written before ``layout`` was recorded compare kinds only)."""
+
+    def kind(described: Mapping[str, Any]) -> Any:
+        if described.get("kind") == "optimizer":
+            return described.get("parallel", "plain")
+        return described.get("parallel")
+
     for e in entries:
-        saved = manifest.entries.get(e.name, {}).get("parallel")
-        now = e.describe().get("parallel")
-        if saved is not None and now is not None and saved != now:
+        saved = manifest.entries.get(e.name)
+        if not isinstance(saved, Mapping):
+            continue
+        now = e.describe()
+        if kind(saved) is not None and kind(now) is not None and kind(saved) != kind(now):
+            return True
+        if saved.get("layout") is not None and saved.get("layout") != now.get("layout"):
             return True
     return False
+
+
+def _require_fingerprints(manifest: Manifest, index: Mapping[str, Any], requested: list[str], where: str) -> None:
+    """(every rank, pure: the same error everywhere) For ``verify_state=True``: every requested
+    tensor must have a recorded fingerprint, else the load is refused before anything is read.
+    Plain values are not fingerprinted (``kind: value`` entries are checked by digest); RNG
+    states are reseeded at another world size and never judged."""
+    how = "load with verify_state=False to load it without that proof (or None: verify only where fingerprints exist)"
+    if not manifest.fingerprints:
+        raise CheckpointError(
+            f"load(verify_state=True) of step {manifest.step} at {where}: the checkpoint records no state "
+            f"fingerprints (saved with fingerprint=False or by an older distckpt), so the loaded state cannot "
+            f"be proven equal to the saved one; {how}"
+        )
+    lacking = [
+        k
+        for k in requested
+        if index.get(k) is not None and k not in manifest.fingerprints and not k.startswith(rng.NAMESPACE + ".")
+    ]
+    if lacking:
+        shown = ", ".join(lacking[:20]) + (f", ... (+{len(lacking) - 20} more)" if len(lacking) > 20 else "")
+        raise CheckpointError(
+            f"load(verify_state=True) of step {manifest.step} at {where}: {len(lacking)} requested tensor(s) have "
+            f"no recorded fingerprint (replicas that drifted at save, or layouts that were not fingerprinted), "
+            f"so they cannot be verified: {shown}; {how}"
+        )
+
+
+_warned_unverifiable: set[str] = set()
+
+
+def _warn_unverifiable(step: int, where: str) -> None:
+    """Once per checkpoint root and process: the default check was due but has nothing to compare."""
+    root = where.rsplit("/", 1)[0]
+    if root in _warned_unverifiable:
+        return
+    _warned_unverifiable.add(root)
+    warnings.warn(
+        f"distckpt: step {step} at {where} was loaded at another world size or parallelism, but it records no "
+        "state fingerprints (saved with fingerprint=False), so the loaded state was not verified",
+        stacklevel=3,
+    )
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

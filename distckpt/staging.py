@@ -19,12 +19,14 @@ rank's share from that rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from typing import Any
 
 import torch
 from ._compat import flatten_state_dict, unflatten_state_dict
+from ._shared_arena import SharedArena, plan_slots, view
 
 try:
     from torch.distributed.tensor import DTensor
@@ -54,13 +56,24 @@ class Stager:
 
     Not collective: each rank stages its own state. One stager serves one checkpointer; it is not
     thread-safe, and the checkpointer never stages while a staged dict is still being written.
-    Buffers of accelerator tensors are pinned (when CUDA is available), so that their copies
-    are issued without blocking.
+
+    Args:
+        shared: put the buffers in one :class:`~distckpt._shared_arena.SharedArena` (shared
+            memory a background writer process maps) instead of private host memory.
+
+    Buffers of accelerator tensors are pinned (when CUDA is available), and their copies are
+    issued non-blocking on a side stream that first waits for the training stream, then
+    synchronized once: the copies overlap each other, and training's later kernels cannot change
+    a tensor before it is copied.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         self.pin_memory = torch.cuda.is_available()
+        self.shared = shared
+        self.arena: SharedArena | None = None
+        self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any = None
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -70,6 +83,19 @@ class Stager:
             self._buffers[key] = buf
         return buf
 
+    def _prepare_arena(self, tensors: dict[str, torch.Tensor]) -> None:
+        """(shared mode) One arena slot per tensor; a new arena only when the layout changed."""
+        layout = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items() if not t.is_quantized]
+        if self.arena is not None and layout == self._layout:
+            return
+        slots, nbytes = plan_slots(layout)
+        if self.arena is not None:
+            self.arena.close()
+        pin = self.pin_memory and any(t.device.type != "cpu" for t in tensors.values())
+        self.arena = SharedArena(nbytes, pin=pin)
+        self._layout = layout
+        self._buffers = {k: view(self.arena.tensor, slot) for k, slot in slots.items()}
+
     def stage(self, state_dict: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
         """(each rank) A copy of ``state_dict`` whose tensors live in host buffers.
 
@@ -78,19 +104,28 @@ class Stager:
         (flattened names of replicated tensors another rank writes) are left out.
         """
         flat, mappings = flatten_state_dict(state_dict)
+        flat = {k: v for k, v in flat.items() if k not in skip}
+        tensors = {
+            k: (v.to_local() if isinstance(v, DTensor) else v).detach()
+            for k, v in flat.items()
+            if isinstance(v, torch.Tensor)
+        }
+        if self.shared:
+            self._prepare_arena(tensors)
+        else:
+            for key in list(self._buffers):
+                if key not in tensors:
+                    del self._buffers[key]  # the state shrank: free what is no longer needed
+        stream = self._side_stream(tensors.values())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            copies = {k: self._copy(k, t) for k, t in tensors.items()}
+        if stream is not None:
+            stream.synchronize()
         staged: dict[str, Any] = {}
-        needs_sync = False
-        seen: set[str] = set()
         for key, value in flat.items():
-            if key in skip:
-                continue
-            seen.add(key)
             if isinstance(value, DTensor):
-                local = value.to_local()
-                buf = self._copy(key, local)
-                needs_sync |= local.device.type != "cpu"
                 staged[key] = DTensor.from_local(
-                    buf,
+                    copies[key],
                     value.device_mesh,
                     value.placements,
                     run_check=False,
@@ -98,30 +133,36 @@ class Stager:
                     stride=value.stride(),
                 )
             elif isinstance(value, torch.Tensor):
-                buf = self._copy(key, value)
-                needs_sync |= value.device.type != "cpu"
-                staged[key] = buf
+                staged[key] = copies[key]
             else:
                 # Non-tensor leaves are small (hyper-parameters, JSON text); a deep copy
                 # freezes them against later mutation by the training loop.
                 staged[key] = copy.deepcopy(value)
-        for key in list(self._buffers):
-            if key not in seen:
-                del self._buffers[key]  # the state shrank: free what is no longer needed
-        if needs_sync and torch.cuda.is_available():
-            torch.cuda.synchronize()
         return unflatten_state_dict(staged, mappings)
 
+    def _side_stream(self, tensors: Any) -> Any:
+        """The CUDA stream staging copies run on (None without CUDA tensors)."""
+        if not any(t.device.type == "cuda" for t in tensors):
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        # Copies must see every kernel training queued before save() was called.
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
-        src = src.detach()
         if src.is_quantized:
             # A quantized tensor carries its quantizer; an empty buffer cannot hold one, so it
             # is copied afresh (quantized state is small: observers, a few weights).
             self._buffers.pop(key, None)
             return src.to("cpu", copy=True)
         buf = self._buffer(key, src)
-        buf.copy_(src, non_blocking=src.device.type != "cpu" and buf.is_pinned())
+        buf.copy_(src, non_blocking=src.device.type != "cpu" and (buf.is_pinned() or self._arena_pinned))
         return buf
+
+    @property
+    def _arena_pinned(self) -> bool:
+        return self.arena is not None and self.arena.pinned
 
     @property
     def nbytes(self) -> int:
@@ -129,8 +170,12 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def close(self) -> None:
-        """Release every buffer."""
+        """Release every buffer (and the shared arena)."""
         self._buffers.clear()
+        self._layout = []
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
 
 def replicated_layout(state_dict: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, int]]]:

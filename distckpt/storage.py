@@ -113,6 +113,14 @@ class Storage:
     is_local = False
     flat = False
 
+    @property
+    def shared_between_processes(self) -> bool:
+        """Whether another process opening the same root sees the same files (``memory://``
+        lives inside one process, so async saves there cannot be written by a writer process)."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return not isinstance(self.fs, MemoryFileSystem)
+
     def __new__(cls, root: str | os.PathLike | None = None, storage_options: dict[str, Any] | None = None) -> Storage:
         if cls is Storage:
             protocol = fsspec.utils.get_protocol(os.fspath(root)) if root is not None else "file"

@@ -41,6 +41,28 @@ class _DiskFull:
         _writer._ChecksumStream.write = self._orig
 
 
+class _FileSizeLimit:
+    """A real write fault in this rank's running writer process (async_mode="process"): a
+    file-size limit (RLIMIT_FSIZE), so its writes fail with EFBIG. After a failed save every rank
+    starts a new writer, which has no limit."""
+
+    LIMIT = 4096
+
+    def __enter__(self):
+        import resource
+
+        import psutil
+
+        writers = [p for p in psutil.Process().children() if "distckpt._background" in " ".join(p.cmdline())]
+        assert len(writers) == 1, writers
+        hard = resource.prlimit(writers[0].pid, resource.RLIMIT_FSIZE)[1]
+        resource.prlimit(writers[0].pid, resource.RLIMIT_FSIZE, (self.LIMIT, hard))
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 class _CommitGate:
     """Hold the commit of this rank's async saves (``_saving.commit``, which the coordinator runs
     in the training process in every async mode) until :attr:`opened` is set, so that what a
@@ -70,10 +92,11 @@ class _CommitGate:
         _saving.commit = self._orig
 
 
-def _async_body(rank: int, world: int, root: str) -> dict:
+def _async_body(rank: int, world: int, root: str, mode: str) -> dict:
     model = wrap(make_model(0), "ddp", world)
     optim = make_optimizer(model, "ddp")
-    ckpt = distckpt.Checkpointer(root, keep_last=1)
+    ckpt = distckpt.Checkpointer(root, keep_last=1, async_mode=mode)
+    fault = _DiskFull if mode == "thread" else _FileSizeLimit
     state = {"model": model, "optim": optim}
     train_steps(model, optim, range(2), rank, world)
     ckpt.save(1, state)
@@ -112,7 +135,7 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     loaded = full_model_state(fresh)
 
     # A full disk on one rank: every rank gets the error from wait(); nothing is committed.
-    with _DiskFull() if rank == 1 else _Nothing():
+    with fault() if rank == 1 else _Nothing():
         ckpt.save(3, state, blocking=False)
         try:
             ckpt.wait()
@@ -122,15 +145,17 @@ def _async_body(rank: int, world: int, root: str) -> dict:
     committed_after_failure = ckpt.steps()
     manifest3 = os.path.exists(os.path.join(root, step_dir(3), MANIFEST_NAME))
 
+    ckpt.save(4, state, blocking=False)  # the fault is gone: saving works again
+    ckpt.wait()
     # A background error not waited for surfaces at the next save (which then saves nothing).
-    with _DiskFull() if rank == 0 else _Nothing():
-        ckpt.save(4, state, blocking=False)
+    with fault() if rank == 0 else _Nothing():
+        ckpt.save(5, state, blocking=False)
         try:
-            ckpt.save(5, state, blocking=False)
+            ckpt.save(6, state, blocking=False)
             err4 = None
         except distckpt.CheckpointError as exc:
             err4 = str(exc)
-    ckpt.save(6, state, blocking=False)  # the fault is gone: saving works again
+    ckpt.save(7, state, blocking=False)
     ckpt.close()
     return {
         "in_flight_at_return": in_flight_at_return,
@@ -155,18 +180,20 @@ class _Nothing:
         return None
 
 
-def test_async_save_semantics_and_errors(tmp_path):
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_async_save_semantics_and_errors(tmp_path, mode):
     root = str(tmp_path / "ck")
-    results = run_ranks(_async_body, 2, tmp_path, root)
+    results = run_ranks(_async_body, 2, tmp_path, root, mode)
+    cause = "No space left on device" if mode == "thread" else "File too large"
     for r, res in enumerate(results):
         assert res["in_flight_at_return"], f"rank {r}: save(blocking=False) returned after its commit"
         assert res["visible"] == [[1]] * 20, res["visible"]  # nothing half-committed is listed
         assert_same(res["expected"], res["loaded"], f"rank {r}: checkpoint holds the values as of save()")
         assert 0.2 < res["staged_share"] < 0.8, res["staged_share"]
-        assert res["err3"] is not None and "No space left on device" in res["err3"] and "rank 1" in res["err3"], res["err3"]
+        assert res["err3"] is not None and cause in res["err3"] and "rank 1" in res["err3"], res["err3"]
         assert res["committed_after_failure"] == [2] and not res["manifest3"]
-        assert res["err4"] is not None and "rank 0" in res["err4"] and "No space left" in res["err4"]
-        assert res["final_steps"] == [6]
+        assert res["err4"] is not None and "rank 0" in res["err4"] and cause in res["err4"], res["err4"]
+        assert res["final_steps"] == [7]
     assert results[0]["err3"] == results[1]["err3"], "the same error on every rank"
     assert results[0]["gate_reached"], "the coordinator's commit was not held by the gate"
 

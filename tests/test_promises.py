@@ -206,6 +206,41 @@ def test_async_save_returns_before_writing_and_writes_at_background_nice(gated, 
     ckpt.close()
 
 
+def test_async_save_in_a_writer_process_returns_before_writing_at_background_nice(tmp_path):
+    """async_mode="process" (the default): the writer is a niced process of its own; while it is
+    stopped (SIGSTOP), save() still returns after staging and the step stays invisible."""
+    import signal
+
+    import psutil
+
+    def writers() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if "distckpt._background" in " ".join(p.cmdline())}
+
+    before = writers()  # other tests' checkpointers in this process may still hold theirs
+    ckpt = distckpt.Checkpointer(tmp_path, background_nice=7)
+    assert ckpt.async_mode == "process"
+    weights = {"w": torch.arange(1000, dtype=torch.float32)}
+    ckpt.save(1, {"weights": weights}, blocking=False)
+    ckpt.wait()
+    (pid,) = writers() - before
+    writer = psutil.Process(pid)
+    assert writer.nice() == min(19, psutil.Process().nice() + 7)
+    writer.send_signal(signal.SIGSTOP)
+    try:
+        ckpt.save(2, {"weights": weights}, blocking=False)
+        assert ckpt.in_flight and ckpt.steps() == [1]  # returned; nothing of step 2 committed
+        weights["w"].add_(1)  # training goes on; the checkpoint keeps the values as of save()
+    finally:
+        writer.send_signal(signal.SIGCONT)
+    stats = ckpt.wait()
+    assert stats is not None and stats.step == 2 and ckpt.steps() == [1, 2]
+    loaded = {"weights": {"w": torch.zeros(1000)}}
+    ckpt.load(loaded, step=2)
+    assert torch.equal(loaded["weights"]["w"], torch.arange(1000, dtype=torch.float32))
+    ckpt.close()
+    assert not writer.is_running() or writer.status() == psutil.STATUS_ZOMBIE, "close() ends the writer"
+
+
 # ZeRO ---------------------------------------------------------------------------------------------
 def _zero_body(rank: int, world: int, root: str) -> list[str]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
