@@ -101,6 +101,23 @@ def make_tensors(shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> di
     return out
 
 
+def as_module(tensors: dict[str, Any]) -> Any:
+    """``tensors`` as the parameters of an ``nn.Module`` (sharing their memory), with the same
+    names (dots make submodules): the shape of state a DDP job hands to a checkpointer."""
+    import torch
+
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
 def nbytes(tensors: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
