@@ -327,6 +327,8 @@ def _serve(conn: Connection) -> None:
     init = _recv(conn)
     try:
         if init["nice"] > 0 and hasattr(os, "nice"):
+            # Niceness, not SCHED_IDLE: an idle-class writer would never run beside a busy
+            # neighbour (a data loader, another job), and its save would never finish.
             os.nice(init["nice"])
         torch.set_num_threads(max(1, init["threads"]))
         timeout = timedelta(seconds=init["timeout_s"])

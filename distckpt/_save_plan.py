@@ -68,6 +68,7 @@ import dataclasses
 import hashlib
 import heapq
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from . import fingerprint
 from ._dist import Group, _Failure, capture
 from .errors import CheckpointError
 
@@ -283,6 +285,22 @@ class DistckptSavePlanner(DefaultSavePlanner):
     def __init__(self, plan: PlanInput) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.plan_input = plan
+        # Fingerprint parts of the blocks this rank writes, computed by the writer threads as
+        # they take each tensor (in parallel, and while its memory is about to be read anyway);
+        # None: not collected.
+        self.fingerprints: list[Any] | None = None
+        self._fingerprints_lock = threading.Lock()
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        td = write_item.tensor_data
+        if self.fingerprints is not None and td is not None and isinstance(data, torch.Tensor):
+            chunk = td.chunk
+            part = fingerprint.part_of(write_item.index.fqn, data, chunk.offsets, td.size)
+            if part is not None:
+                with self._fingerprints_lock:
+                    self.fingerprints.append(part)
+        return data
 
     def create_local_plan(self) -> SavePlan:
         writers, rank = self.plan_input.writers, self.plan_input.rank

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,17 +314,25 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         phases[name] = phases.get(name, 0.0) + now - clock
         clock = now
 
-    held: list[Any] = []
-    if opts.fingerprint:
-        # Every copy this rank holds, in DCP's keys: what it writes (its shards, its share of
-        # replicas) and (async) the replicas it holds but another rank writes.
-        held = run.attempt(
-            lambda: fingerprint.local_parts(flatten_state_dict(prepared.state_dict)[0]) + list(prepared.replica_parts)
-        ) or []
-    lap("fingerprint")
     run.plan(prepared.state_dict)
     lap("plan")
     written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
+    held: list[Any] = []
+    if opts.fingerprint:
+        # Every copy this rank holds, in DCP's keys: what it writes (its shards, its share of
+        # replicas), fingerprinted by the writer threads as they write it; the copies it holds
+        # but another rank writes, fingerprinted here meanwhile; (async) the replicas it did
+        # not stage, fingerprinted while staging.
+        run.planner.fingerprints = held
+        others = {k: v for k, v in flatten_state_dict(prepared.state_dict)[0].items() if k not in written_keys}
+        aside = _in_background(lambda: fingerprint.local_parts(others))
+    run.write()
+    lap("write")
+    if opts.fingerprint:
+        run.planner.fingerprints = None
+        held = list(held) + (run.attempt(aside) or []) + list(prepared.replica_parts)
+    lap("fingerprint")
+    phases.update(writer.fs.timings.breakdown())
     drifted: list[str] = []
     dchecked = plan.dchecked or []
     if opts.fingerprint and opts.on_replica_drift != "ignore" and (plan.checked or dchecked):
@@ -335,9 +344,6 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         run.stats.collectives += 1
         drifted = statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
     lap("replicas")
-    run.write()
-    lap("write")
-    phases.update(writer.fs.timings.breakdown())
     parts: list[Any] = []
     if opts.fingerprint:
         parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked, drifted)) or []
@@ -349,6 +355,29 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     files = [f for f, _ in gathered]
     files[0] = writer.files  # the coordinator's, now with .metadata
     return Written(files=files, parts=[p for _, p in gathered], plan=run.stats, phases=phases)
+
+
+def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Start ``fn`` in a thread; the returned callable waits for it and returns (or raises) its
+    result. For torch work that releases the GIL while the writer threads run."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="distckpt-fingerprint", daemon=True)
+    thread.start()
+
+    def result() -> Any:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return result
 
 
 # 6. commit ---------------------------------------------------------------------------------------

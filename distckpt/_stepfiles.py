@@ -34,6 +34,10 @@ from typing import Any
 
 from .errors import IntegrityError
 from .integrity import CHUNK, new_hasher
+
+# Bytes read before they are hashed (a few MiB: cache-sized, and large enough that the per-read
+# cost of a syscall or an object-store request does not matter).
+HOT_BLOCK = 4 * 1024 * 1024
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest
 from .safe_pickle import check_relative_name
 
@@ -293,11 +297,19 @@ class VerifiedFile:
             self._ahead = _feed(self._ahead, view, start, self.where)
 
     def _read_pass(self, view: memoryview) -> int:
+        # Block by block, each hashed right after it arrives, while it is still in the CPU's
+        # cache: hashing a whole tensor after reading it would fetch it from memory again.
         f = self._handle()
-        got = _readinto(f, view)
-        self._consumed(view[:got], self.pos)
-        self.pos += got
-        return got
+        total = 0
+        for start in range(0, len(view), HOT_BLOCK):
+            part = view[start : start + HOT_BLOCK]
+            got = _readinto(f, part)
+            self._consumed(part[:got], self.pos)
+            self.pos += got
+            total += got
+            if got < len(part):
+                break
+        return total
 
     def _skip(self, n: int | None) -> None:
         """Read (and hash) ``n`` bytes, or to the end with ``None``, in bounded chunks."""

@@ -682,7 +682,7 @@ class Checkpointer:
                 if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
                     value = {scope.rank_key(group.rank): value}
                 current[e.name] = value
-            return None, fingerprint.local_parts(flatten_state_dict(current)[0])
+            return None, fingerprint.local_parts(flatten_state_dict(current)[0], threads=self.thread_count)
 
         _, parts_by_rank = exchange(group, f"state check of {where}", parts)
         # RNG states are reseeded, not restored, at another world size.

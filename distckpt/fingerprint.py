@@ -278,36 +278,54 @@ def of_tensor(t: torch.Tensor) -> str:
 Part = tuple  # (key, offsets, local shape, global shape, dtype name, partial sum)
 
 
-def local_parts(flat: dict) -> list[Part]:
+def local_parts(flat: dict, threads: int = 1) -> list[Part]:
     """(each rank, not collective) The fingerprint parts of every tensor this rank holds.
 
     ``flat`` maps flattened state-dict keys to values (DCP's flattening). A DTensor contributes
     its local shard at the offsets DCP itself would write it at; a plain tensor is a whole
     tensor (offsets 0). Values that are not tensors, and tensors that cannot be fingerprinted
-    (sparse, quantized, meta), are left out.
+    (sparse, quantized, meta), are left out. ``threads > 1`` spreads the tensors over that many
+    threads (the sums are torch ops that release the GIL); the parts come back in key order.
     """
     from torch.distributed.tensor import DTensor
 
-    parts: list[Part] = []
+    blocks: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []
     for key, value in flat.items():
         if isinstance(value, DTensor):
             local = value.to_local()
             chunks = value.__create_chunk_list__()  # the chunk DCP writes for this rank
             if len(chunks) != 1 or tuple(int(d) for d in chunks[0].sizes) != tuple(local.shape):
                 continue  # a layout DCP does not write as one block: not fingerprinted
-            offsets = tuple(int(o) for o in chunks[0].offsets)
-            global_shape = tuple(int(d) for d in value.shape)
+            blocks.append((key, local, tuple(int(o) for o in chunks[0].offsets), tuple(int(d) for d in value.shape)))
         elif isinstance(value, torch.Tensor):
-            local = value
-            offsets = (0,) * value.dim()
-            global_shape = tuple(int(d) for d in value.shape)
-        else:
-            continue
-        if not supported(local):
-            continue
-        total = partial_sum(local, global_shape, offsets)
-        parts.append((key, offsets, tuple(int(d) for d in local.shape), global_shape, str(local.dtype), total))
-    return parts
+            blocks.append((key, value, (0,) * value.dim(), tuple(int(d) for d in value.shape)))
+
+    def one(block: tuple) -> Part | None:
+        key, local, offsets, global_shape = block
+        return part_of(key, local, offsets, global_shape)
+
+    if threads > 1 and len(blocks) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        # Largest first, so that the threads finish together.
+        order = sorted(range(len(blocks)), key=lambda i: -blocks[i][1].numel())
+        with ThreadPoolExecutor(threads, thread_name_prefix="distckpt-fingerprint") as pool:
+            done = dict(zip(order, pool.map(one, [blocks[i] for i in order])))
+        parts = [done[i] for i in range(len(blocks))]
+    else:
+        parts = [one(b) for b in blocks]
+    return [p for p in parts if p is not None]
+
+
+def part_of(key: str, local: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]) -> Part | None:
+    """The fingerprint part of one block DCP writes (``local`` at ``offsets`` of a tensor of
+    ``global_shape``), as :func:`local_parts` gives it; ``None`` if it cannot be fingerprinted."""
+    if not isinstance(local, torch.Tensor) or not supported(local):
+        return None
+    offsets = tuple(int(o) for o in offsets)
+    global_shape = tuple(int(d) for d in global_shape)
+    total = partial_sum(local, global_shape, offsets)
+    return (key, offsets, tuple(int(d) for d in local.shape), global_shape, str(local.dtype), total)
 
 
 def combine(parts_by_rank: Sequence[Sequence[Part]]) -> tuple[dict[str, str], dict[str, list[list[int]]]]:
