@@ -6,7 +6,7 @@ module-level Checkpointer is still referenced. distckpt's own gloo group must no
 interpreter into finalisation, where its threads abort the process (SIGABRT, "terminate called
 without an active exception") and torchrun counts the job as failed.
 
-    python tests/exit_job.py RANK WORLD ROOT STORE_FILE STEP
+    python tests/exit_job.py RANK WORLD ROOT STORE_FILE STEP [ASYNC_MODE]
 """
 
 import sys
@@ -18,8 +18,9 @@ import torch.distributed as dist
 import distckpt
 
 rank, world, root, store, step = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+mode = sys.argv[6] if len(sys.argv) > 6 else "process"
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=60))
-ckpt = distckpt.Checkpointer(root)
+ckpt = distckpt.Checkpointer(root, async_mode=mode)
 model = torch.nn.Linear(8, 8)
 if ckpt.latest_step() is not None:
     try:
