@@ -98,11 +98,9 @@ class CheckpointReader(FileSystemReader):
                     if len(data) != length:
                         raise IntegrityError(f"{f.where}: truncated (ends before byte {offset + length})")
                     self._serve(data, item_reqs, planner, f.where)
-                except IntegrityError:
-                    raise
                 except Exception as exc:  # noqa: BLE001
-                    # Corrupt bytes often fail to deserialize before the checksum is known:
-                    # read on, and blame the file if its checksum is wrong.
+                    # Corrupt bytes often fail to deserialize, or fail an item's digest, before
+                    # the checksum is known: read on, and blame the file if its checksum is wrong.
                     failure = exc
                     break
             try:

@@ -17,7 +17,8 @@ ranks call each is part of the protocol:
 5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt._save_plan`:
    each rank plans only what it writes (or reuses the previous save's plans), replicas are
    compared with O(items) traffic, the data files and ``.metadata`` are written; every rank's
-   outcome, file records and fingerprint parts are gathered on the coordinator, and a failure
+   outcome, file records, fingerprint parts and the digests of the non-tensor items it wrote
+   are gathered on the coordinator, and a failure
    on one rank is raised on all of them.
 6. :func:`commit`    (coordinator) writes the manifest with a no-replace primitive: from then
    on the step exists; then
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _save_plan, fingerprint, ownership, rng, scope, statecheck
+from . import _save_plan, fingerprint, ownership, rng, scope, statecheck, values
 from ._compat import flatten_state_dict
 from ._dist import Group
 from ._save_plan import PlanCache, PlanInput, PlanStats
@@ -138,6 +139,8 @@ class Written:
             (coordinator only; empty elsewhere).
         parts: per rank, the fingerprint parts it handed in (what it wrote, plus every copy of
             drifted replicas; see :func:`distckpt.statecheck.parts_to_send`; coordinator only).
+        value_digests: flattened key -> sha256 of the bytes stored for each non-tensor item any
+            rank wrote (:func:`distckpt.values.record_item_digests`; coordinator only).
         plan: how the save planned (every rank).
         phases: this rank's seconds per part of the write phase: ``fingerprint``, ``plan``,
             ``replicas`` (drift check), ``write`` (wall time of writing the data files),
@@ -148,6 +151,7 @@ class Written:
 
     files: list[dict[str, tuple[int, str]]] = field(default_factory=list)
     parts: list[list[Any]] = field(default_factory=list)
+    value_digests: dict[str, str] = field(default_factory=dict)
     plan: PlanStats = field(default_factory=PlanStats)
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -283,8 +287,8 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
 
     Collectives (all ranks, in order): the plan gather and scatter, unless every rank reuses
     ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); one all-reduce of the
-    replica check when replicas are compared; the gather of outcomes, write results and
-    fingerprint parts; the broadcast of the outcome. See :mod:`distckpt._save_plan`.
+    replica check when replicas are compared; the gather of outcomes, write results,
+    fingerprint parts and non-tensor item digests; the broadcast of the outcome. See :mod:`distckpt._save_plan`.
 
     Args:
         cache: the plans of the previous save on this rank (the checkpointer's; read and
@@ -316,6 +320,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
 
     run.plan(prepared.state_dict)
     lap("plan")
+    item_digests = values.record_item_digests(run.planner)  # non-tensor items, as written
     written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
     held: list[Any] = []
     if opts.fingerprint:
@@ -348,13 +353,14 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     if opts.fingerprint:
         parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked, drifted)) or []
     lap("fingerprint")
-    gathered = run.finish((writer.files, parts))
+    gathered = run.finish((writer.files, parts, item_digests))
     lap("metadata")
     if gathered is None:
         return Written(plan=run.stats, phases=phases)
-    files = [f for f, _ in gathered]
+    files = [f for f, _, _ in gathered]
     files[0] = writer.files  # the coordinator's, now with .metadata
-    return Written(files=files, parts=[p for _, p in gathered], plan=run.stats, phases=phases)
+    merged = {k: v for _, _, d in gathered for k, v in d.items()}  # each item has one writer
+    return Written(files=files, parts=[p for _, p, _ in gathered], value_digests=merged, plan=run.stats, phases=phases)
 
 
 def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -404,6 +410,7 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
         distckpt_version=__version__,
         extra=prepared.extra,
         fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step) if opts.fingerprint else {},
+        value_digests=dict(sorted(written.value_digests.items())),
     )
     where = storage.display(step_dir(step))
     if lease is not None and not lease.still_mine():

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import _saving, fingerprint, ownership, rng, scope, statecheck
+from . import _saving, fingerprint, ownership, rng, scope, statecheck, values
 from ._compat import flatten_state_dict
 from ._dist import Group, all_ranks, exchange, on_coordinator
 from ._loading import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
@@ -611,6 +611,8 @@ class Checkpointer:
         index = metadata_index(metadata)
         storage = tiers[tier]
         where = storage.display(step_dir(manifest.step))
+        # Every rank alike (pure): a non-tensor item the save recorded must still be one.
+        values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
         selection = Selection(_patterns(only, "only"), _patterns(exclude, "exclude"), frozenset(index))
         plan, views = exchange(
             group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng, selection)
@@ -642,7 +644,8 @@ class Checkpointer:
             dcp.load(
                 plan.request,
                 storage_reader=reader,
-                planner=SafeLoadPlanner(),
+                # Non-tensor items' bytes are checked against the manifest before unpickling.
+                planner=SafeLoadPlanner(value_digests=manifest.value_digests, where=where),
                 process_group=group.pg,
                 no_dist=not group.enabled,
             )

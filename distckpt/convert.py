@@ -128,6 +128,8 @@ class CheckpointSource:
         self.found = found
         self.metadata = found.metadata()
         self._fingerprints = dict(found.manifest.fingerprints) if found.verifying and found.manifest else {}
+        # Non-tensor items' stored bytes against their save-time sha256 (None: not recorded).
+        self._value_digests = found.manifest.value_digests if found.verifying and found.manifest else None
         self._files: dict[str, VerifiedFile] = {}
         self._todo: dict[str, set[MetadataIndex]] | None = None
         self.tensors: dict[str, TensorInfo] = {}
@@ -142,6 +144,7 @@ class CheckpointSource:
             # The manifest recorded these tensors at save; a .metadata without them was altered.
             shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
             raise IntegrityError(f"{found.display('.metadata')}: tensors saved in this step are missing from it: {shown}")
+        values.check_items_listed(self._value_digests, {k: None for k in self.values}, found.display(".metadata"))
 
     # files ---------------------------------------------------------------------------------------
     def _indexes(self, key: str) -> list[MetadataIndex]:
@@ -310,7 +313,9 @@ class CheckpointSource:
     def read_value(self, key: str) -> Any:
         """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
         with self._reading(key):
-            value = self._record(self._record_bytes(MetadataIndex(key)), key)
+            data = self._record_bytes(MetadataIndex(key))
+            values.check_item(data, key, self._value_digests, self._item(MetadataIndex(key))[0].where)
+            value = self._record(data, key)
             entry = self.found.manifest.entries.get(key) if self.found.verifying and self.found.manifest else None
             if isinstance(entry, dict) and entry.get("kind") == "value":
                 values.check_digest(value, entry, key)

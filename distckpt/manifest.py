@@ -65,6 +65,13 @@ class Manifest:
         extra: free-form user metadata (JSON values).
         fingerprints: tensor key -> sharding-independent fingerprint of the saved values
             (:mod:`distckpt.fingerprint`), checked after loads (:mod:`distckpt.statecheck`).
+        value_digests: flattened key -> sha256 of the bytes stored for every non-tensor item
+            written (optimizer hyper-parameters, scheduler/GradScaler fields, plain values...:
+            DCP's BYTE_IO records, see :mod:`distckpt.values`), checked by every load, export and
+            ``verify --state`` before the item is unpickled. ``None`` in manifests written before
+            distckpt recorded them: those items are then read unverified (a ``.metadata``
+            re-pointed at another record goes unnoticed), except top-level plain values, whose
+            entries carry their own ``sha256``.
     """
 
     step: int
@@ -78,6 +85,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)
+    value_digests: dict[str, str] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -156,6 +164,9 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
     prints = raw.get("fingerprints", {})
     if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
         raise bad("fingerprints", "an object of strings")
+    digests = raw.get("value_digests")
+    if digests is not None and (not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values())):
+        raise bad("value_digests", "an object of strings or null")
 
 
 def digest_of(data: bytes, algorithm: str | None) -> str | None:

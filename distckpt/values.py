@@ -122,3 +122,82 @@ def check_digest(text: Any, entry: Mapping[str, Any], name: str) -> None:
         return
     if not isinstance(text, str) or digest(text) != expected:
         raise IntegrityError(f"checkpoint entry {name!r}: the stored value is not the one saved (its sha256 does not match the manifest)")
+
+
+# Non-tensor items inside entries ---------------------------------------------------------------
+# Optimizer hyper-parameters (``optim.param_groups.<fqn>.lr``), scheduler and GradScaler fields,
+# RNG states' Python parts...: everything DCP writes as a BYTE_IO record (``torch.save`` of the
+# object). They carry no tensor fingerprint, so the manifest records, per flattened key, the
+# sha256 of the exact bytes stored for the item (``Manifest.value_digests``). A load or export
+# hashes the bytes it is about to unpickle and compares them first: a ``.metadata`` re-pointed at
+# another record is refused before anything is unpickled. The bytes are hashed as written (the
+# writer threads' BytesIO), never re-serialized: ``torch.save`` output depends on process-wide
+# switches (its per-record CRC) and pickle memoization, not only on the value.
+
+
+def item_digest(data: Any) -> str:
+    """sha256 (hex) of the bytes stored for one non-tensor item (any buffer)."""
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def record_item_digests(planner: Any) -> dict[str, str]:
+    """Have ``planner`` (a DCP ``SavePlanner``) record the digest of every non-tensor item it hands
+    DCP's writer, as it hands it over (in the writer threads); returns the dict it fills,
+    ``flattened key -> sha256``, complete once the write returned. Tensors are not touched.
+
+    Only items this rank writes are recorded, so over all ranks each written item is recorded
+    exactly once (replicated items have one writer, see :mod:`distckpt._save_plan`).
+    """
+    import io
+
+    digests: dict[str, str] = {}
+    inner = planner.resolve_data
+
+    def resolve_data(write_item: Any) -> Any:
+        data = inner(write_item)
+        if isinstance(data, io.BytesIO):  # BYTE_IO: exactly what DCP writes (no storage transforms)
+            digests[write_item.index.fqn] = item_digest(data.getbuffer())  # one dict store: thread-safe
+        return data
+
+    planner.resolve_data = resolve_data
+    return digests
+
+
+def check_item(data: Any, key: str, digests: Mapping[str, str] | None, where: str) -> None:
+    """Raise :class:`IntegrityError` naming ``key`` and ``where`` (its file) unless ``data``, the
+    bytes read for non-tensor item ``key``, are the bytes saved for it.
+
+    ``digests``: the manifest's ``value_digests``; ``None`` (a manifest written before they were
+    recorded): not checked. Call before unpickling ``data``.
+    """
+    from .errors import IntegrityError
+
+    if digests is None:
+        return
+    expected = digests.get(key)
+    if expected is None:
+        raise IntegrityError(
+            f"{where}: non-tensor item {key!r} was not written when the step was saved (the manifest records "
+            "no digest for it; its .metadata was altered)"
+        )
+    if item_digest(data) != expected:
+        raise IntegrityError(
+            f"{where}: non-tensor item {key!r}: the stored bytes are not the ones saved for it (their sha256 does "
+            "not match the manifest's value_digests; its .metadata or data were altered)"
+        )
+
+
+def check_items_listed(digests: Mapping[str, str] | None, index: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`IntegrityError` if a non-tensor item the manifest recorded is missing from the
+    step's ``.metadata`` or described there as a tensor. ``index``: key -> global shape, ``None``
+    for non-tensor items (:func:`distckpt._loading.metadata_index`)."""
+    from .errors import IntegrityError
+
+    if not digests:
+        return
+    lost = sorted(k for k in digests if k not in index or index[k] is not None)
+    if lost:
+        shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+        raise IntegrityError(f"{where}: non-tensor items saved in this step are missing from it or altered: {shown}")

@@ -518,3 +518,78 @@ def test_full_torch_export_fails_on_a_damaged_or_altered_value(tmp_path, damage)
     assert done.returncode == 0 and json.loads(done.stdout)["skipped"] == [], done.stdout
     got = torch.load(out, weights_only=True)
     assert {k: got[k] for k in ("epoch", "note", "a", "b", "c")} == {"epoch": 3, "note": "hello world", "a": 1, "b": 2, "c": [1, 2]}
+
+
+def _adamw_state(lr0: float, lr1: float) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    optim = torch.optim.AdamW([{"params": model[0].parameters(), "lr": lr0}, {"params": model[1].parameters(), "lr": lr1}])
+    return {"model": model, "optim": optim, "sched": torch.optim.lr_scheduler.StepLR(optim, 5), "epoch": 3}
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("optim.param_groups.0.weight.lr", "optim.param_groups.1.weight.lr"),  # the two groups' lr
+        ("sched.last_epoch", "sched._step_count"),  # two scheduler fields
+    ],
+)
+def test_resealed_metadata_swapping_two_non_tensor_items_is_refused_everywhere(tmp_path, monkeypatch, a, b):
+    """Hyper-parameters and scheduler fields are BYTE_IO records with no tensor fingerprint: with
+    their storage entries swapped and .metadata re-sealed, sizes, checksums and coverage all hold.
+    The manifest's value_digests (sha256 of each item's stored bytes) must catch it in load,
+    ``verify --state`` and ``convert``, naming the key and its file."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    state = _adamw_state(0.1, 0.01)
+    state["model"](torch.randn(4, 6)).sum().backward()
+    state["optim"].step()
+    state["sched"].step()
+    distckpt.Checkpointer(tmp_path).save(1, state)
+    d = tmp_path / step_dir(1)
+    assert {a, b} <= set(json.loads((d / MANIFEST_NAME).read_text())["value_digests"])
+    md = pickle.loads((d / ".metadata").read_bytes())
+    ia, ib = MetadataIndex(a), MetadataIndex(b)
+    md.storage_data[ia], md.storage_data[ib] = md.storage_data[ib], md.storage_data[ia]
+    _reseal(d, md)
+
+    with pytest.raises(distckpt.IntegrityError, match=r"non-tensor item '(optim|sched)\.[\w.]+'") as info:
+        distckpt.Checkpointer(tmp_path).load(_adamw_state(0.5, 0.5))
+    assert (a in str(info.value) or b in str(info.value)) and ".distcp" in str(info.value), str(info.value)
+    done = _cli("verify", "--state", str(d))
+    assert done.returncode == 1 and (a in done.stderr or b in done.stderr) and "OK" not in done.stdout, done.stderr
+    out = tmp_path / "o.pt"
+    done = _cli("convert", str(d), "--to", "torch", str(out))
+    assert done.returncode == 1 and (a in done.stderr or b in done.stderr) and "value_digests" in done.stderr, done.stderr
+    assert not out.exists()
+
+    # Control: without the check the swap loads silently, with the two values exchanged.
+    monkeypatch.setattr(distckpt.values, "check_item", lambda *args, **kw: None)
+    fresh = _adamw_state(0.5, 0.5)
+    distckpt.Checkpointer(tmp_path).load(fresh)
+    got = {"optim.param_groups.0.weight.lr": fresh["optim"].param_groups[0]["lr"],
+           "optim.param_groups.1.weight.lr": fresh["optim"].param_groups[1]["lr"],
+           "sched.last_epoch": fresh["sched"].last_epoch, "sched._step_count": fresh["sched"]._step_count}  # fmt: skip
+    saved = {"optim.param_groups.0.weight.lr": 0.1, "optim.param_groups.1.weight.lr": 0.01, "sched.last_epoch": 1, "sched._step_count": 2}
+    assert (got[a], got[b]) == (saved[b], saved[a])
+
+
+def test_manifests_without_value_digests_still_load(tmp_path):
+    """Manifests written before value_digests existed load and export as before (their
+    non-tensor items are then unverified, as documented in distckpt.manifest)."""
+    state = _adamw_state(0.1, 0.01)
+    distckpt.Checkpointer(tmp_path).save(1, state)
+    d = tmp_path / step_dir(1)
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    del raw["value_digests"]
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    fresh = _adamw_state(0.5, 0.5)
+    distckpt.Checkpointer(tmp_path).load(fresh)
+    assert [g["lr"] for g in fresh["optim"].param_groups] == [0.1, 0.01] and fresh["epoch"] == 3
+    assert _cli("convert", str(d), "--to", "torch", str(tmp_path / "o.pt")).returncode == 0
+    done = _cli("verify", "--state", str(d))
+    assert done.returncode == 0 and "predates value digests" in done.stderr and "non-tensor" not in done.stdout, done.stderr
+    fresh_root = tmp_path / "new"
+    distckpt.Checkpointer(fresh_root).save(1, state)
+    done = _cli("verify", "--state", str(fresh_root / step_dir(1)))
+    assert done.returncode == 0 and "non-tensor items" in done.stdout and not done.stderr.strip(), (done.stdout, done.stderr)
