@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -272,7 +272,7 @@ class WriterProcess:
                 raise_if_any([msg[1]], "starting distckpt's background writer process")
             self._ready = True
         if job.arena_path == self._arena_sent:
-            job = Job(job.opts, job.prepared, job.flat, job.mappings, None, job.arena_nbytes)  # mapped already
+            job = replace(job, arena_path=None)  # mapped there already
         try:
             _send(self.conn, ("save", job))
         except (BrokenPipeError, OSError):
@@ -290,10 +290,6 @@ class WriterProcess:
         written, stamp = msg[1]
         self.plans.mirror(stamp)
         return written
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def detach(self) -> None:
         """Ask the writer to exit without waiting (its checkpointer was dropped unclosed)."""
