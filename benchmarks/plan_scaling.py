@@ -189,6 +189,18 @@ def _finish(metadata: Any, results: list[list[Any]]) -> tuple[float, int]:
     return time.perf_counter() - t0, len(data)
 
 
+def _common_fields(local: list[Any], final: list[Any], meta_bytes: bytes, final_bytes: int, finish_s: float) -> dict[str, Any]:
+    """Row fields both planners report alike: items planned and written, metadata sizes, finish."""
+    return dict(
+        local_items_total=sum(len(p.items) for p in local),
+        items_written=sum(len(p.items) for p in final),
+        ranks_writing=sum(1 for p in final if p.items),
+        metadata_bytes=len(meta_bytes),
+        metadata_final_bytes=final_bytes,
+        finish_s=finish_s,
+    )
+
+
 def _timed(fn: Any, collect: bool = True) -> tuple[Any, float]:
     """``fn()`` and its duration, without the garbage collector running inside it
     (``collect``: run it before; not in per-rank loops, where it would dominate)."""
@@ -241,14 +253,7 @@ def measure_dcp(layout: str, shapes: list, world: int, plans: list[Any], local_s
     meta_bytes, t_pickle = _timed(lambda: dumps(metadata))
     results = _write_results(global_plan)
     finish_s, final_bytes = _finish(metadata, results)
-    common = dict(
-        local_items_total=sum(len(p.items) for p in plans),
-        items_written=sum(len(p.items) for p in global_plan),
-        ranks_writing=sum(1 for p in global_plan if p.items),
-        metadata_bytes=len(meta_bytes),
-        metadata_final_bytes=final_bytes,
-        finish_s=finish_s,
-    )
+    common = _common_fields(plans, global_plan, meta_bytes, final_bytes, finish_s)
     if "first" in saves:
         rows.append(_row(
             layout, world, shapes, "dcp", "first", local_plan_s=local_s, global_plan_s=t_global,
@@ -294,14 +299,7 @@ def measure_distckpt(
     finals = [_save_plan.apply_delta(p, a[1]) for p, a in zip(local_plans, answers)]
     results = _write_results(finals)
     finish_s, final_bytes = _finish(metadata, results)
-    common = dict(
-        local_items_total=sum(len(p.items) for p in local_plans),
-        items_written=sum(len(p.items) for p in finals),
-        ranks_writing=sum(1 for p in finals if p.items),
-        metadata_bytes=len(meta_bytes),
-        metadata_final_bytes=final_bytes,
-        finish_s=finish_s,
-    )
+    common = _common_fields(local_plans, finals, meta_bytes, final_bytes, finish_s)
     if "first" in saves:
         rows.append(_row(
             layout, world, shapes, "distckpt", "first", local_plan_s=local_s, global_plan_s=t_global,

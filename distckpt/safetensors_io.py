@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ._shape import numel
+from ._stepfiles import _readinto
 from .errors import IntegrityError, UnsafeCheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -328,17 +329,3 @@ def _read_block(f: Any, span: TensorSpan, offsets: tuple, lengths: tuple, target
     for dim in range(1, len(shape)):
         block = block.narrow(dim, int(offsets[dim]), int(lengths[dim]))
     return block
-
-
-def _readinto(f: Any, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:]) if hasattr(f, "readinto") else None
-        if n is None:
-            data = f.read(len(view) - got)
-            n = len(data)
-            view[got : got + n] = data
-        if not n:
-            break
-        got += n
-    return got
