@@ -6,6 +6,11 @@
   to die is often a peer complaining about a closed connection, not the culprit).
 * Bounded: a short process-group timeout and a join deadline after which every rank is killed,
   so a hang fails one test instead of the CI run.
+* Cheap to start: ranks fork from a forkserver that imported torch and distckpt once per pytest
+  worker (a fresh interpreter pays ~3 s of CPU for those imports, which on 2 cores was most of the
+  suite's time). The forkserver has run no torch code, so no threads or process groups are
+  inherited; each rank takes the calling test's environment and working directory, as a spawned
+  process would.
 
 The rank body must be a module-level function ``fn(rank, world_size, *args)``; its return value
 (picklable) comes back in a list indexed by rank.
@@ -24,7 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, pg_timeout: float) -> None:
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "distckpt"]
+
+
+def _entry(
+    fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, pg_timeout: float,
+    env: dict[str, str], cwd: str,
+) -> None:  # fmt: skip
+    # The forkserver's environment is the one it started with; the test's may have changed since.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -79,11 +94,13 @@ def run_ranks(
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
     store = str(run_dir / "store")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    env, cwd = dict(os.environ), os.getcwd()
     # Not daemonic: ranks may start processes of their own (DataLoader workers). They are killed
     # at the deadline below instead.
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout), daemon=False)
+        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout, env, cwd), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
