@@ -101,7 +101,7 @@ def main() -> int:
         total, largest = json.loads(built.stdout.strip().splitlines()[-1])
         print(f"checkpoint: {total / 2**30:.2f} GiB of tensors, largest {largest / 2**20:.0f} MiB, saved in {time.perf_counter() - t0:.1f}s", flush=True)
 
-        baseline = None if args.quick else run_child([py, "-c", "import torch, torch.distributed.checkpoint, distckpt.convert"])
+        baseline = None if args.quick else run_child([py, "-c", "import torch, torch.distributed.checkpoint, distckpt.tools.convert"])
         cases: list[tuple[str, list[str], str]] = [
             ("import torch + distckpt (baseline)", [], ""),
             ("distckpt convert --to safetensors", ["--to", "safetensors"], "out.safetensors"),

@@ -3,7 +3,7 @@
 A sharded safetensors checkpoint of ``--size-gib`` (default 2 GiB, transformer-like tensor sizes,
 ``--shard-mib`` per file) is written once; then ``--world-size`` ranks (default 2) build the model
 on the meta device, shard it with FSDP2 (``fully_shard``), allocate only their shards
-(``to_empty``) and call ``distckpt.hf.load_pretrained``. Measured per rank:
+(``to_empty``) and call ``distckpt.tools.hf.load_pretrained``. Measured per rank:
 
 * resident memory: peak RSS during the load minus RSS before the model existed, so the rank's
   own shards are included; target **<= 0.6x the model size** (no rank materialises the model);
@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from distckpt import hf
+    from distckpt.tools import hf
 
     shapes = [tuple(s) for s in cfg["shapes"]]
     before = current_rss()

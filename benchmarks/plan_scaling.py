@@ -16,7 +16,7 @@ Planners (the ``planner`` field of each row):
   rank: every tensor) with every flatten mapping; the coordinator deduplicates ``world x items``.
   ``save="repeat"`` uses its ``enable_plan_caching=True``: ranks whose plan did not change send an
   empty "unusable" plan and the coordinator reuses its cached global plan.
-* ``distckpt``: :mod:`distckpt._save_plan` exactly as a save runs it (``describe`` and the view
+* ``distckpt``: :mod:`distckpt.save.plan` exactly as a save runs it (``describe`` and the view
   every rank exchanges in ``prepare``, ``decide`` in ``agree``, ``DistckptSavePlanner``'s local
   plan in its wire form, ``build_global``, the writer's ``prepare_global_plan``). Each rank lists
   only what it writes. ``save="repeat"``: every rank's structure is unchanged, so no plan is
@@ -127,10 +127,10 @@ def sharded_state(shapes: list[tuple[str, tuple[int, ...]]], world: int, rank: i
 # distckpt's path, per simulated rank
 def distckpt_view(state: dict[str, Any], cache: Any = None) -> tuple[Any, Any, list]:
     """What ``_saving.prepare`` computes for the plan: the structure and the exchanged view."""
-    from distckpt import _save_plan
+    from distckpt.save import plan as _save_plan
     from distckpt._compat import flatten_state_dict
-    from distckpt._saving import SaveView
-    from distckpt.staging import replicated_layout
+    from distckpt.save.phases import SaveView
+    from distckpt.save.staging import replicated_layout
 
     layout, sizes = replicated_layout({"model": state["model"]})
     structure = _save_plan.describe(flatten_state_dict(state)[0])
@@ -141,7 +141,7 @@ def distckpt_view(state: dict[str, Any], cache: Any = None) -> tuple[Any, Any, l
 
 def distckpt_local(state: dict[str, Any], plan_in: Any, rank: int) -> tuple[Any, bytes]:
     """This rank's local plan and the payload it sends to the coordinator."""
-    from distckpt import _save_plan
+    from distckpt.save import plan as _save_plan
 
     planner = _save_plan.DistckptSavePlanner(plan_in)
     planner.set_up_planner(state, is_coordinator=rank == 0)
@@ -282,7 +282,7 @@ def measure_distckpt(
     layout: str, shapes: list, world: int, local_plans: list[Any], payloads: list[bytes], local_s: float, repeat_local_s: float, saves: list[str]
 ) -> list[dict[str, Any]]:
     """distckpt's coordinator, as ``_save_plan.SaveRun`` runs it."""
-    from distckpt import _save_plan
+    from distckpt.save import plan as _save_plan
     from torch.distributed.checkpoint.planner import SavePlan
 
     rows = []
@@ -322,7 +322,7 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from distckpt import _save_plan
+    from distckpt.save import plan as _save_plan
 
     rows: list[dict[str, Any]] = []
     dcp_plans: list[Any] = []

@@ -1,7 +1,7 @@
 """What verified resume costs: fingerprinting the loaded state, next to the load it checks.
 
 A load with ``verify_state=True`` recomputes a sharding-independent fingerprint of every loaded
-tensor (``distckpt.fingerprint``), gathers the parts on distckpt's group and compares them with
+tensor (``distckpt.state.fingerprint``), gathers the parts on distckpt's group and compares them with
 the manifest. This benchmark measures, for a GPT-shaped fp32 state (default 1 GiB) at world sizes
 1 and 2 in one run:
 
@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from distckpt._compat import flatten_state_dict
 
     import distckpt
-    from distckpt import fingerprint
+    from distckpt.state import fingerprint
 
     threads = max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)

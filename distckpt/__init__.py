@@ -11,23 +11,23 @@ Public API (every name below is re-exported here)::
     distckpt.save_pretrained(model, out_dir)  # collective: publish Hugging Face weights
 """
 
-from ._version import __version__
-from ._loading import LoadReport
-from .checkpointer import Checkpointer, SaveStats
-from .manifest import read_manifest
-from .data import GlobalBatchSampler
-from .errors import (
+from distckpt._version import __version__
+from distckpt.load.phases import LoadReport
+from distckpt.checkpointer import Checkpointer, SaveStats
+from distckpt.integrity.manifest import read_manifest
+from distckpt.state.data import GlobalBatchSampler
+from distckpt.errors import (
     CheckpointError,
     IntegrityError,
     StateMismatchError,
     StepExistsError,
     UnsafeCheckpointError,
 )
-from .manifest import Manifest
-from .scope import Global, PerRank
-from .hf import load_pretrained, save_pretrained
-from .statecheck import ReplicaDriftError, StateDivergedError
-from .storage import Storage
+from distckpt.integrity.manifest import Manifest
+from distckpt.state.scope import Global, PerRank
+from distckpt.tools.hf import load_pretrained, save_pretrained
+from distckpt.state.statecheck import ReplicaDriftError, StateDivergedError
+from distckpt.storage.base import Storage
 
 __all__ = [
     "__version__",

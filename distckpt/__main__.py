@@ -1,7 +1,7 @@
-"""``python -m distckpt``: the ``distckpt`` command (see :mod:`distckpt.cli`)."""
+"""``python -m distckpt``: the ``distckpt`` command (see :mod:`distckpt.tools.cli`)."""
 
 import sys
 
-from .cli import main
+from distckpt.tools.cli import main
 
 sys.exit(main())

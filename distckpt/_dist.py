@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointError, one_line
+from distckpt.errors import CheckpointError, one_line
 
 T = TypeVar("T")
 

@@ -17,20 +17,22 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import _saving, fingerprint, ownership, rng, scope, statecheck, values
-from ._compat import flatten_state_dict
-from ._dist import Group, all_ranks, exchange, on_coordinator
-from ._loading import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
-from ._planner import SafeLoadPlanner
-from ._save_plan import PlanCache, PlanStats
-from .errors import CheckpointError, StateMismatchError, from_dcp
-from .integrity import ALGORITHMS
-from .integrity import DEFAULT as DEFAULT_CHECKSUM
-from .manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
-from .retention import check_keep_last
-from ._background import Job, WriterProcess, encode
-from .staging import Stager, replicated_shares
-from .storage import Storage
+from distckpt.save import phases as _saving
+from distckpt.state import fingerprint, rng, scope, statecheck, values
+from distckpt.storage import ownership
+from distckpt._compat import flatten_state_dict
+from distckpt._dist import Group, all_ranks, exchange, on_coordinator
+from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
+from distckpt.load.planner import SafeLoadPlanner
+from distckpt.save.plan import PlanCache, PlanStats
+from distckpt.errors import CheckpointError, StateMismatchError, from_dcp
+from distckpt.integrity.checksums import ALGORITHMS
+from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
+from distckpt.storage.retention import check_keep_last
+from distckpt.save.background import Job, WriterProcess, encode
+from distckpt.save.staging import Stager, replicated_shares
+from distckpt.storage.base import Storage
 
 log = logging.getLogger("distckpt")
 
@@ -52,7 +54,7 @@ class SaveStats:
         bytes_written: bytes of all ranks' files (the checkpoint's size).
         staged_bytes: host memory this rank's staging buffers hold after an async save (each
             rank stages only its share of replicated state); 0 for a blocking save.
-        plan: how the save planned (:class:`~distckpt._save_plan.PlanStats`: whether it reused
+        plan: how the save planned (:class:`~distckpt.save.plan.PlanStats`: whether it reused
             the previous save's plans, the bytes of plans gathered, the coordinator's time).
         phases: seconds per phase on this rank: ``prepare`` (state dict, views, agreement),
             ``claim`` (the step directory), ``stage`` (async), then the write phase's parts
@@ -110,13 +112,13 @@ class Checkpointer:
         thread_count: writer threads per rank.
         sync_files: fsync local files before committing (object stores commit on close).
         checksum: ``"crc32c"`` (default, hardware CRC-32C), ``"crc32"`` (zlib), ``"sha256"`` or
-            ``None``; computed while writing, recorded in the manifest (see :mod:`distckpt.integrity`).
+            ``None``; computed while writing, recorded in the manifest (see :mod:`distckpt.integrity.checksums`).
         save_rng: save every rank's RNG states with each checkpoint.
         background_nice: niceness added to an async save's writer process (or threads), so
             that on a busy machine training keeps the CPU and the save takes what is left (0: off).
         async_mode: where async saves are written. ``"process"`` (default): a writer process per
             rank, fed through shared memory, so serialization, checksums and I/O never take the
-            training process's GIL or cores (:mod:`distckpt._background`); it starts on the
+            training process's GIL or cores (:mod:`distckpt.save.background`); it starts on the
             first async save. ``"thread"``: a thread of the training process. In-memory
             filesystems (``memory://``), which another process cannot see, and a
             ``process_group`` that is not the whole job use threads.
@@ -125,15 +127,15 @@ class Checkpointer:
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
             to in the background; ``load`` falls back to it when no local copy exists.
         fingerprint: record a sharding-independent fingerprint of every saved tensor in the
-            manifest (:mod:`distckpt.statecheck`), so that loads can prove what they loaded.
+            manifest (:mod:`distckpt.state.statecheck`), so that loads can prove what they loaded.
         on_replica_drift: at save, copies of a tensor that should be identical on every rank
             (DDP replicas, global values) but differ: ``"warn"``, ``"error"`` or ``"ignore"``.
         verify_state: after a load, recompute the fingerprints of the loaded state and compare
-            them with the saved ones (:class:`~distckpt.statecheck.StateDivergedError` on every
+            them with the saved ones (:class:`~distckpt.state.statecheck.StateDivergedError` on every
             rank if any differ). ``None`` (default): when the world size or any entry's
             parallelism differs from the save's; ``True``/``False``: always/never.
         lease_s: how long an incomplete step directory stays protected from other writers'
-            cleanup without a refresh (:mod:`distckpt.ownership`).
+            cleanup without a refresh (:mod:`distckpt.storage.ownership`).
         skip_torch_record_crc: while this checkpointer writes, turn off the CRC-32 that
             ``torch.save`` computes for every record (most of its CPU time; distckpt's own
             ``checksum`` covers every byte, and ``torch.load`` does not check it). torch has only
@@ -197,7 +199,7 @@ class Checkpointer:
         self.async_mode = async_mode
         self._stager: Stager | None = None
         self._writer: WriterProcess | None = None
-        # The plans of the last successful save (see distckpt._save_plan): repeated saves of an
+        # The plans of the last successful save (see distckpt.save.plan): repeated saves of an
         # unchanged structure skip planning.
         self._plan_cache = PlanCache()
         self._inflight: _InFlight | None = None
@@ -206,7 +208,7 @@ class Checkpointer:
         self.last_load_report: LoadReport | None = None
         self.replica = None
         if replicate_to is not None:
-            from .replica import Replicator
+            from distckpt.storage.replica import Replicator
 
             self.replica = Replicator(
                 self.storage,
@@ -310,7 +312,7 @@ class Checkpointer:
         plans = self._writer.plans if in_process and self._writer is not None else self._plan_cache
         stats = SaveStats(step, 0.0)
         t1 = time.perf_counter()
-        # Phases 1-3 (see distckpt._saving): prepare and agree on every rank, claim on the coordinator.
+        # Phases 1-3 (see distckpt.save.phases): prepare and agree on every rank, claim on the coordinator.
         prepared, views = exchange(
             group,
             f"save of step {step}",
@@ -334,7 +336,7 @@ class Checkpointer:
                 self.replica.submit(step)
             return
 
-        # 4. staging. Each rank stages only its share of replicated tensors (see distckpt.staging).
+        # 4. staging. Each rank stages only its share of replicated tensors (see distckpt.save.staging).
         if self._stager is None:
             self._stager = Stager(shared=in_process)
         stager = self._stager
@@ -521,7 +523,7 @@ class Checkpointer:
             return
         pg, group.pg = group.pg, None  # frames and errors that still hold the Group lose the pg
         try:
-            from ._compat import group_is_registered
+            from distckpt._compat import group_is_registered
 
             if dist.is_initialized() and group_is_registered(pg):
                 dist.destroy_process_group(pg)
@@ -576,7 +578,7 @@ class Checkpointer:
 
         Works at any world size: each rank reads only what its objects hold (its shards, its
         ZeRO partition). Plain values are replaced in ``state``; everything else is loaded into
-        the objects. See :mod:`distckpt.rng` for RNG states when the world size changed.
+        the objects. See :mod:`distckpt.state.rng` for RNG states when the world size changed.
 
         Args:
             state: the same kind of mapping ``save`` took, with freshly built objects.
@@ -589,7 +591,7 @@ class Checkpointer:
                 checkpoint's weights, or ``exclude=["loader", "_rng"]``. Strictness applies to
                 what is selected; entries of ``state`` outside the selection are left untouched.
             verify_state: prove the loaded state equals the saved one (fingerprints, see
-                :mod:`distckpt.statecheck`); ``None``: the Checkpointer's setting (default: when
+                :mod:`distckpt.state.statecheck`); ``None``: the Checkpointer's setting (default: when
                 the world size or a module's parallelism changed since the save).
 
         Returns:
@@ -672,7 +674,7 @@ class Checkpointer:
 
     def _verify_loaded(self, group: Group, manifest: Manifest, plan: Any, requested: list[str], where: str) -> None:
         """(all ranks) Fingerprints of what the objects hold now against the saved ones; the
-        same :class:`~distckpt.statecheck.StateDivergedError` on every rank if any differ."""
+        same :class:`~distckpt.state.statecheck.StateDivergedError` on every rank if any differ."""
 
         def parts() -> tuple[None, Any]:
             # Re-extracted through the same functions a save uses, so a wrong mapping between

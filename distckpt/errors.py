@@ -46,7 +46,7 @@ class StateMismatchError(KeyError):
         unexpected: keys the checkpoint holds that nothing in the state asked for.
         mismatched: key -> (shape in checkpoint, shape in state).
         per_rank: per-rank entry -> (world size it was saved at, world size now): per-rank state
-            (see :mod:`distckpt.scope`) cannot be resharded to another world size.
+            (see :mod:`distckpt.state.scope`) cannot be resharded to another world size.
     """
 
     def __init__(

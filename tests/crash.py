@@ -54,7 +54,7 @@ def check(root: str) -> int | None:
     ckpt = distckpt.Checkpointer(root, keep_last=2)
     steps = ckpt.steps()
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        s = distckpt.manifest.parse_step_dir(name)
+        s = distckpt.integrity.manifest.parse_step_dir(name)
         if s is not None and s not in steps:
             assert not (Path(root) / name / "manifest.json").exists()
     if not steps:
@@ -86,7 +86,7 @@ PHASES = ("data", "metadata", "committed")
 
 def _reached(root: str, step: int, phase: str) -> bool:
     """Has the saver reached ``phase`` of ``step`` (or gone past the step altogether)?"""
-    here = Path(root) / distckpt.manifest.step_dir(step)
+    here = Path(root) / distckpt.integrity.manifest.step_dir(step)
     if phase == "data" and here.is_dir() and any(p.suffix == ".distcp" for p in here.iterdir()):
         return True
     if phase == "metadata" and (here / ".metadata").exists():
@@ -95,7 +95,7 @@ def _reached(root: str, step: int, phase: str) -> bool:
         return True
     # Retention may already have removed ``step``: a newer step directory means it is past it.
     names = os.listdir(root) if os.path.isdir(root) else []
-    return any((s := distckpt.manifest.parse_step_dir(n)) is not None and s > step for n in names)
+    return any((s := distckpt.integrity.manifest.parse_step_dir(n)) is not None and s > step for n in names)
 
 
 def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | None, int, int | None]:
@@ -135,7 +135,7 @@ def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | 
     ckpt = distckpt.Checkpointer(root, keep_last=2)
     nxt = (after or 0) + 1000
     ckpt.save(nxt, make_state(nxt))
-    leftovers = [n for n in os.listdir(root) if distckpt.manifest.parse_step_dir(n) not in ckpt.steps()]
+    leftovers = [n for n in os.listdir(root) if distckpt.integrity.manifest.parse_step_dir(n) not in ckpt.steps()]
     assert not leftovers, f"incomplete checkpoints not cleaned up: {leftovers}"
     return before, target, after
 

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import cli
-from distckpt.catalog import CheckpointNotFound, locate
-from distckpt.convert import SelectionError, export_torch
-from distckpt.manifest import MANIFEST_NAME, digest_of, step_dir
+from distckpt.tools import cli
+from distckpt.tools.catalog import CheckpointNotFound, locate
+from distckpt.tools.convert import SelectionError, export_torch
+from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir
 
 # What a caller may see from a tampered checkpoint: distckpt's documented errors.
 ALLOWED = (distckpt.CheckpointError, distckpt.StateMismatchError, CheckpointNotFound, FileNotFoundError, SelectionError)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -25,7 +25,7 @@ class _DiskFull:
     """Inject ENOSPC at the file layer of this rank's checkpoint writes (the real error type)."""
 
     def __enter__(self):
-        from distckpt import _writer
+        from distckpt.save import writer as _writer
 
         self._orig = _writer._ChecksumStream.write
 
@@ -36,7 +36,7 @@ class _DiskFull:
         return self
 
     def __exit__(self, *exc):
-        from distckpt import _writer
+        from distckpt.save import writer as _writer
 
         _writer._ChecksumStream.write = self._orig
 
@@ -53,7 +53,7 @@ class _FileSizeLimit:
 
         import psutil
 
-        writers = [p for p in psutil.Process().children() if "distckpt._background" in " ".join(p.cmdline())]
+        writers = [p for p in psutil.Process().children() if "distckpt.save.background" in " ".join(p.cmdline())]
         assert len(writers) == 1, writers
         hard = resource.prlimit(writers[0].pid, resource.RLIMIT_FSIZE)[1]
         resource.prlimit(writers[0].pid, resource.RLIMIT_FSIZE, (self.LIMIT, hard))
@@ -71,7 +71,7 @@ class _CommitGate:
     def __enter__(self):
         import threading
 
-        from distckpt import _saving
+        from distckpt.save import phases as _saving
 
         self.opened, self.reached = threading.Event(), threading.Event()
         self._orig = orig = _saving.commit
@@ -86,7 +86,7 @@ class _CommitGate:
         return self
 
     def __exit__(self, *exc):
-        from distckpt import _saving
+        from distckpt.save import phases as _saving
 
         self.opened.set()
         _saving.commit = self._orig
@@ -126,7 +126,7 @@ def _async_body(rank: int, world: int, root: str, mode: str) -> dict:
     replicated = sum(v.numel() * v.element_size() for v in expected.values())
     assert stats is not None and stats.step == 2 and stats.blocking_s > 0
     # model + AdamW's two moments (+ small step tensors); every rank stages its own RNG states
-    rng_bytes = sum(t.numel() * t.element_size() for t in distckpt.rng.capture().values() if isinstance(t, torch.Tensor))
+    rng_bytes = sum(t.numel() * t.element_size() for t in distckpt.state.rng.capture().values() if isinstance(t, torch.Tensor))
     staged_share = (stats.staged_bytes - rng_bytes) / (replicated * 3)
     assert ckpt.steps() == [2], ckpt.steps()
 

@@ -1,4 +1,4 @@
-"""The ``distckpt`` command and :mod:`distckpt.convert`, single process (no distributed init)."""
+"""The ``distckpt`` command and :mod:`distckpt.tools.convert`, single process (no distributed init)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from distckpt import Checkpointer
-from distckpt.cli import main
-from distckpt.manifest import step_dir
+from distckpt.tools.cli import main
+from distckpt.integrity.manifest import step_dir
 
 
 class TwoTower(nn.Module):
@@ -106,7 +106,7 @@ def test_ls_subprocess_python_m(ckpt_root, tmp_path):
 def test_only_dcps_single_process_warning_is_hidden(monkeypatch):
     import warnings
 
-    from distckpt import cli
+    from distckpt.tools import cli
 
     def command(args, opts):
         warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single process.")
@@ -241,15 +241,15 @@ def test_export_sharded_checkpoint(tmp_path):
     """Shards written by 2 ranks (FSDP2 row blocks, a column-sharded DTensor) are reassembled."""
     from safetensors.torch import load_file
 
-    from distckpt.catalog import locate
-    from distckpt.convert import export_safetensors, export_torch
+    from distckpt.tools.catalog import locate
+    from distckpt.tools.convert import export_safetensors, export_torch
     from tests.dist_harness import run_ranks
 
     root = str(tmp_path / "sharded")
     full = run_ranks(_save_sharded, 2, tmp_path, root)[0]
     found = locate(root)
     # FSDP row blocks are streamed straight from the data files (no whole-shard load).
-    from distckpt.convert import CheckpointSource
+    from distckpt.tools.convert import CheckpointSource
 
     source = CheckpointSource(found)
     chunks = source._row_chunks("model.0.weight")
@@ -342,8 +342,8 @@ def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucke
     import fsspec
     from safetensors.torch import load_file
 
-    from distckpt import convert
-    from distckpt.catalog import locate
+    from distckpt.tools import convert
+    from distckpt.tools.catalog import locate
 
     model = _model(7)
     url = f"s3://{s3_bucket}/run"

@@ -38,8 +38,8 @@ def _save_2d(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from distckpt import fingerprint
-    from distckpt.statecheck import ReplicaDriftError
+    from distckpt.state import fingerprint
+    from distckpt.state.statecheck import ReplicaDriftError
 
     mesh = init_device_mesh("cpu", (2, 2))
     full = _full()

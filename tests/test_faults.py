@@ -14,7 +14,7 @@ from torch import nn
 import crash
 import distckpt
 from dist_harness import run_ranks
-from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 from models import assert_same, full_model_state, make_model, make_optimizer, train_steps, wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -127,7 +127,7 @@ def test_crafted_checkpoint_does_not_run_code(tmp_path):
 
 
 def test_metadata_path_escaping_the_directory_is_refused(tmp_path):
-    from distckpt.safe_pickle import load_metadata
+    from distckpt.integrity.safe_pickle import load_metadata
 
     ckpt = distckpt.Checkpointer(tmp_path)
     ckpt.save(1, {"model": nn.Linear(2, 2)})
@@ -141,7 +141,7 @@ def test_metadata_path_escaping_the_directory_is_refused(tmp_path):
 
 
 def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
-    from distckpt import _writer
+    from distckpt.save import writer as _writer
 
     orig = _writer._ChecksumStream.write
     state = {"w": {f"t{i}": torch.randn(64, 64) for i in range(8)}}
@@ -163,7 +163,7 @@ def test_failing_writer_thread_is_not_committed(tmp_path, monkeypatch):
 
 
 def _rank_dies_body(rank: int, world: int, root: str) -> dict:
-    from distckpt import _writer
+    from distckpt.save import writer as _writer
 
     model = wrap(make_model(0), "ddp", world)
     optim = make_optimizer(model, "ddp")
@@ -219,7 +219,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 def _planning_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
-    from distckpt._save_plan import DistckptSavePlanner
+    from distckpt.save.plan import DistckptSavePlanner
 
     model = wrap(make_model(0), "ddp", world)
     ckpt = distckpt.Checkpointer(root)

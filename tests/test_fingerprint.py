@@ -1,4 +1,4 @@
-"""Fingerprints (distckpt.fingerprint): independent of how a tensor is split, sensitive to its values."""
+"""Fingerprints (distckpt.state.fingerprint): independent of how a tensor is split, sensitive to its values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from distckpt import fingerprint as fp
+from distckpt.state import fingerprint as fp
 
 MASK = (1 << 64) - 1
 

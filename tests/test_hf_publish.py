@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import hf
+from distckpt.tools import hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 SHARD = 3000  # bytes: the model below publishes as 3 shard files
@@ -51,7 +51,7 @@ def _failing_put(monkeypatch, cls: type, n: int):
 
 
 def test_failed_local_publish_keeps_the_previous_checkpoint_and_no_temporary(tmp_path, monkeypatch):
-    from distckpt._storage_local import LocalStorage
+    from distckpt.storage.local import LocalStorage
 
     out = tmp_path / "pub"
     old, new = _model(0), _model(1)
@@ -72,7 +72,7 @@ def test_failed_local_publish_keeps_the_previous_checkpoint_and_no_temporary(tmp
 def test_failed_s3_overwrite_leaves_no_mix_of_shards(s3_server, s3_bucket, monkeypatch):
     import fsspec
 
-    from distckpt._storage_fsspec import FsspecStorage
+    from distckpt.storage.objectstore import FsspecStorage
 
     opts = s3_server.storage_options
     url = f"s3://{s3_bucket}/pub"
@@ -99,7 +99,7 @@ def test_failed_s3_overwrite_leaves_no_mix_of_shards(s3_server, s3_bucket, monke
 
 
 def test_shards_without_their_index_are_refused(tmp_path):
-    from distckpt.safetensors_io import INDEX_NAME
+    from distckpt.tools.safetensors_io import INDEX_NAME
 
     model = _model(0)
     hf.save_pretrained(model, str(tmp_path / "sharded"), max_shard_size=SHARD)
@@ -122,9 +122,9 @@ def _mixed_sizes(seed: int) -> nn.Module:
 
 
 def test_export_hf_reads_each_data_file_once_in_disk_order(tmp_path, monkeypatch):
-    from distckpt import _stepfiles
-    from distckpt.catalog import locate
-    from distckpt.manifest import MANIFEST_NAME, step_dir
+    from distckpt.integrity import stepfiles as _stepfiles
+    from distckpt.tools.catalog import locate
+    from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
     model = _mixed_sizes(0)
     distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model, "epoch": 3})
@@ -160,8 +160,8 @@ def test_export_hf_of_a_damaged_checkpoint_publishes_nothing(tmp_path, where):
     stores, where a single shard would otherwise load without its index)."""
     import fsspec
 
-    from distckpt.catalog import locate
-    from distckpt.manifest import step_dir
+    from distckpt.tools.catalog import locate
+    from distckpt.integrity.manifest import step_dir
 
     model = _mixed_sizes(1)
     distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model, "epoch": 3})

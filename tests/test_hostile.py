@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -122,7 +122,7 @@ def test_deeply_nested_manifest_is_an_integrity_error(tmp_path):
 # .metadata ----------------------------------------------------------------------------------------
 def _reseal(step_path: Path, metadata) -> None:
     """Rewrite .metadata and its size/checksum in the manifest, as an attacker would."""
-    from distckpt.manifest import digest_of
+    from distckpt.integrity.manifest import digest_of
 
     data = pickle.dumps(metadata)
     (step_path / ".metadata").write_bytes(data)
@@ -164,7 +164,7 @@ def test_dcp_metadata_pickled_by_python_3_11_2_loads(tmp_path):
     """CPython 3.11.0-3.11.2 pickle enum members as getattr(cls, name); later versions as cls(value)."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from distckpt.safe_pickle import load_metadata
+    from distckpt.integrity.safe_pickle import load_metadata
 
     _save(tmp_path, 1, 1)
     md = pickle.loads((tmp_path / step_dir(1) / ".metadata").read_bytes())
@@ -261,8 +261,8 @@ def test_convert_refuses_a_flipped_byte_and_leaves_no_output(tmp_path, to):
 
 _FAILING_EXPORT = r"""
 import sys, torch, distckpt
-from distckpt import convert
-from distckpt.catalog import locate
+from distckpt.tools import convert
+from distckpt.tools.catalog import locate
 found = locate(sys.argv[1])
 real = convert.CheckpointSource.read_tensor
 calls = []
@@ -431,8 +431,8 @@ def test_an_oversized_consistent_declaration_is_refused_before_anything_is_alloc
     tmd.size = torch.Size([elements])
     tmd.chunks[0].sizes = torch.Size([elements])
     _reseal(d, md)
-    from distckpt.catalog import locate
-    from distckpt.convert import export_safetensors, export_torch
+    from distckpt.tools.catalog import locate
+    from distckpt.tools.convert import export_safetensors, export_torch
 
     calls = {
         "load": lambda: distckpt.Checkpointer(tmp_path).load({"model": model}),
@@ -483,7 +483,7 @@ def _value_only_file(d: Path) -> Path:
 def test_full_torch_export_fails_on_a_damaged_or_altered_value(tmp_path, damage):
     """``convert --to torch`` (values included) used to list an unreadable value under "skipped"
     and exit 0; a value that fails its checks must fail the export, as it fails a load."""
-    from distckpt.manifest import digest_of
+    from distckpt.integrity.manifest import digest_of
 
     torch.manual_seed(0)
     model = nn.Linear(4, 4)  # two tensors for four files: two files hold only values
@@ -564,7 +564,7 @@ def test_resealed_metadata_swapping_two_non_tensor_items_is_refused_everywhere(t
     assert not out.exists()
 
     # Control: without the check the swap loads silently, with the two values exchanged.
-    monkeypatch.setattr(distckpt.values, "check_item", lambda *args, **kw: None)
+    monkeypatch.setattr(distckpt.state.values, "check_item", lambda *args, **kw: None)
     fresh = _adamw_state(0.5, 0.5)
     distckpt.Checkpointer(tmp_path).load(fresh)
     got = {"optim.param_groups.0.weight.lr": fresh["optim"].param_groups[0]["lr"],
@@ -576,7 +576,7 @@ def test_resealed_metadata_swapping_two_non_tensor_items_is_refused_everywhere(t
 
 def test_manifests_without_value_digests_still_load(tmp_path):
     """Manifests written before value_digests existed load and export as before (their
-    non-tensor items are then unverified, as documented in distckpt.manifest)."""
+    non-tensor items are then unverified, as documented in distckpt.integrity.manifest)."""
     state = _adamw_state(0.1, 0.01)
     distckpt.Checkpointer(tmp_path).save(1, state)
     d = tmp_path / step_dir(1)

@@ -10,7 +10,7 @@ import torch
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt.manifest import step_dir
+from distckpt.integrity.manifest import step_dir
 from models import make_model, make_optimizer, train_steps, wrap
 
 

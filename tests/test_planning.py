@@ -1,4 +1,4 @@
-"""distckpt's save planning (distckpt._save_plan): who writes what, decided locally; the coordinator's
+"""distckpt's save planning (distckpt.save.plan): who writes what, decided locally; the coordinator's
 global plan and its checks; the plan cache that lets repeated saves skip planning; and the
 checkpoints it writes staying what plain DCP writes and reads."""
 
@@ -14,12 +14,12 @@ from torch import nn
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt import _save_plan as sp
-from distckpt import statecheck
-from distckpt._saving import SaveView
-from distckpt.manifest import step_dir
-from distckpt.scope import GLOBAL, PER_RANK
-from distckpt.staging import replicated_layout, replicated_shares
+from distckpt.save import plan as sp
+from distckpt.state import statecheck
+from distckpt.save.phases import SaveView
+from distckpt.integrity.manifest import step_dir
+from distckpt.state.scope import GLOBAL, PER_RANK
+from distckpt.save.staging import replicated_layout, replicated_shares
 from models import make_model, make_optimizer, train_steps, wrap
 
 
@@ -222,7 +222,7 @@ def test_validation_keeps_dcps_guarantees():
 
 
 def test_replica_check_finds_drift_that_cancels_in_plain_sums():
-    from distckpt import fingerprint
+    from distckpt.state import fingerprint
 
     base = torch.arange(12.0)
     held = [fingerprint.local_parts({"w": base.clone()}) for _ in range(3)]
@@ -310,7 +310,7 @@ def test_repeated_saves_reuse_plans_and_changes_replan(tmp_path, monkeypatch):
         step += 2
 
     # A failed save empties the cache: the next save plans again.
-    from distckpt import _writer
+    from distckpt.save import writer as _writer
 
     def fail(self, plan, planner):
         raise OSError(28, "No space left on device")
@@ -395,9 +395,9 @@ def test_repeated_saves_skip_the_plan_exchange_on_two_ranks(tmp_path):
 
 def test_strict_load_exchanges_digests_not_key_lists(tmp_path):
     from distckpt._dist import Group
-    from distckpt._loading import judge, metadata_index, plan_load, requested_keys
-    from distckpt.manifest import read_manifest, read_metadata
-    from distckpt.storage import Storage
+    from distckpt.load.phases import judge, metadata_index, plan_load, requested_keys
+    from distckpt.integrity.manifest import read_manifest, read_metadata
+    from distckpt.storage.base import Storage
 
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": model, "step": 1})

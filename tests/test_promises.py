@@ -25,8 +25,8 @@ from torch import nn
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt import rng
-from distckpt.manifest import step_dir
+from distckpt.state import rng
+from distckpt.integrity.manifest import step_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,7 +214,7 @@ def test_async_save_in_a_writer_process_returns_before_writing_at_background_nic
     import psutil
 
     def writers() -> set[int]:
-        return {p.pid for p in psutil.Process().children() if "distckpt._background" in " ".join(p.cmdline())}
+        return {p.pid for p in psutil.Process().children() if "distckpt.save.background" in " ".join(p.cmdline())}
 
     before = writers()  # other tests' checkpointers in this process may still hold theirs
     ckpt = distckpt.Checkpointer(tmp_path, background_nice=7)

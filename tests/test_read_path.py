@@ -1,4 +1,4 @@
-"""The one verified read path (distckpt._stepfiles): load, verify, inspect and convert open a step
+"""The one verified read path (distckpt.integrity.stepfiles): load, verify, inspect and convert open a step
 the same way, read each file once, and check what they read, wherever the directory lies."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt.manifest import MANIFEST_NAME, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -46,7 +46,7 @@ def test_a_step_directory_copied_under_another_name_is_verified_against_its_mani
     distckpt.Checkpointer(tmp_path / "run").save(7, {"model": model, "epoch": 3})
     best = tmp_path / "best"
     shutil.copytree(tmp_path / "run" / step_dir(7), best)
-    from distckpt.catalog import locate
+    from distckpt.tools.catalog import locate
 
     found = locate(str(best))
     assert found.step == 7 and found.manifest is not None and not found.unverified
@@ -76,7 +76,7 @@ def test_a_step_directory_copied_under_another_name_is_verified_against_its_mani
 
 def test_the_manifest_still_binds_a_step_named_directory(tmp_path):
     """The step comes from the manifest only for directories not named step_N."""
-    from distckpt.catalog import locate
+    from distckpt.tools.catalog import locate
 
     distckpt.Checkpointer(tmp_path).save(1, {"model": _model(1)})
     shutil.copytree(tmp_path / step_dir(1), tmp_path / step_dir(2))
@@ -105,9 +105,9 @@ def test_a_plain_dcp_directory_is_readable_and_reported_unverified(tmp_path):
 def test_convert_reads_each_data_file_once(tmp_path, monkeypatch):
     """Exports used to check every file whole and then read it again unverified; now each byte
     is read once, hashed on its way, and every file is checked before the output appears."""
-    from distckpt import _stepfiles
-    from distckpt.catalog import locate
-    from distckpt.convert import export_safetensors, export_torch
+    from distckpt.integrity import stepfiles as _stepfiles
+    from distckpt.tools.catalog import locate
+    from distckpt.tools.convert import export_safetensors, export_torch
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
@@ -142,7 +142,7 @@ def test_a_file_changed_between_two_reads_is_caught(tmp_path):
     """A read served out of order is confirmed by the pass over the file: if the bytes differ
     (the file was replaced in between), it is an IntegrityError, even though the file the pass
     saw matches the manifest."""
-    from distckpt._stepfiles import StepFiles
+    from distckpt.integrity.stepfiles import StepFiles
 
     distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
     step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
@@ -166,7 +166,7 @@ def test_a_file_changed_between_two_reads_is_caught(tmp_path):
 
 
 def test_a_peek_ahead_is_confirmed_by_the_pass(tmp_path):
-    from distckpt._stepfiles import StepFiles
+    from distckpt.integrity.stepfiles import StepFiles
 
     distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
     step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
@@ -201,7 +201,7 @@ def test_load_and_verify_use_the_same_reader(tmp_path):
 def test_reads_after_a_file_was_checked_are_checked_again(tmp_path):
     """A file checked whole (its last expected entry read) and read again starts a new pass:
     the next finish() checks what that read used."""
-    from distckpt._stepfiles import StepFiles
+    from distckpt.integrity.stepfiles import StepFiles
 
     distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": _model(1)})
     step = StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import hf
-from distckpt.safetensors_io import INDEX_NAME
+from distckpt.tools import hf
+from distckpt.tools.safetensors_io import INDEX_NAME
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 

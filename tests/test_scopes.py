@@ -1,4 +1,4 @@
-"""Global vs per-rank state (distckpt.scope): state that differs between ranks is never merged."""
+"""Global vs per-rank state (distckpt.state.scope): state that differs between ranks is never merged."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt import scope
+from distckpt.state import scope
 
 
 class Counter:
@@ -118,7 +118,7 @@ def test_per_rank_state_round_trips_and_refuses_another_world_size(tmp_path):
 
 
 def test_scope_rules():
-    from distckpt.scope import GLOBAL, PER_RANK, classify, digest, unwrap
+    from distckpt.state.scope import GLOBAL, PER_RANK, classify, digest, unwrap
 
     assert classify("a", None, ["x", "x"]) == GLOBAL
     assert classify("a", None, ["x", "y"]) == PER_RANK

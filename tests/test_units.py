@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import values
+from distckpt.state import values
 from distckpt.errors import CheckpointError, StateMismatchError
-from distckpt.manifest import FileRecord, Manifest, parse_step_dir, step_dir
-from distckpt.retention import steps_to_delete
+from distckpt.integrity.manifest import FileRecord, Manifest, parse_step_dir, step_dir
+from distckpt.storage.retention import steps_to_delete
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -318,7 +318,7 @@ def test_tensors_are_read_straight_into_their_destination(tmp_path):
 
 
 def test_replicated_shares_split_evenly_and_only_for_replicated_entries():
-    from distckpt.staging import replicated_shares
+    from distckpt.save.staging import replicated_shares
 
     sizes = [("model.a", 100), ("model.b", 60), ("model.c", 50), ("optim.x", 10)]
     same = {"model": "d1", "optim": "o"}
@@ -350,7 +350,7 @@ def test_torch_record_crc_switch_is_opt_in(tmp_path, monkeypatch):
 def test_crc32c_without_hardware_path_warns_once(monkeypatch):
     import crc32c
 
-    from distckpt import integrity
+    from distckpt.integrity import checksums as integrity
 
     monkeypatch.setattr(integrity, "_crc32c", None)
     monkeypatch.setattr(crc32c, "hardware_based", False)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt.manifest import MANIFEST_NAME, digest_of, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir
 from models import make_model, make_optimizer, train_steps, wrap
 
 

@@ -13,7 +13,7 @@ import torch
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt.statecheck import ReplicaDriftError, StateDivergedError
+from distckpt.state.statecheck import ReplicaDriftError, StateDivergedError
 from models import make_model, make_optimizer, train_steps, wrap
 
 
@@ -45,7 +45,7 @@ def _default_check_cases(rank: int, world: int, root: str, root_w1: str) -> dict
     nothing changed. ``root_w1`` was saved by one process (a plain model)."""
     from torch.distributed.tensor import DTensor
 
-    import distckpt._loading as loading
+    import distckpt.load.phases as loading
     import distckpt.checkpointer as ck
 
     def corrupt(model) -> None:
@@ -125,8 +125,8 @@ def _default_check_cases(rank: int, world: int, root: str, root_w1: str) -> dict
 def _fault_body(rank: int, world: int, root: str, root_w1: str | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
-    import distckpt._loading as loading
-    from distckpt import _reader
+    import distckpt.load.phases as loading
+    from distckpt.load import reader as _reader
 
     model = wrap(make_model(0), "fsdp", world)
     optim = make_optimizer(model, "fsdp")
@@ -244,7 +244,7 @@ def test_injected_divergences_are_caught_and_named(tmp_path):
 
 
 def test_verification_is_on_by_default_only_when_the_layout_changes(tmp_path, monkeypatch):
-    from distckpt import statecheck
+    from distckpt.state import statecheck
 
     calls = []
     original = statecheck.diverged
@@ -267,7 +267,7 @@ def test_verification_is_on_by_default_only_when_the_layout_changes(tmp_path, mo
 def test_verify_state_true_refuses_what_it_cannot_prove(tmp_path):
     import json
 
-    from distckpt.manifest import MANIFEST_NAME, step_dir
+    from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
     model = make_model(0)
     off = distckpt.Checkpointer(tmp_path / "off", fingerprint=False)
@@ -301,7 +301,7 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from distckpt.manifest import MANIFEST_NAME, step_dir
+    from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
     model = make_model(0)
     distckpt.Checkpointer(tmp_path).save(1, {"model": model})
@@ -317,7 +317,7 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
     md = pickle.loads((d / ".metadata").read_bytes())
     info = md.storage_data[MetadataIndex("model.0.weight", torch.Size([0, 0]))]
     path = d / info.relative_path
-    from distckpt._torchfile import FileSlice, raw_layout
+    from distckpt.integrity.torchfile import FileSlice, raw_layout
 
     with open(path, "rb") as f:
         layout = raw_layout(FileSlice(f, info.offset, info.length))
@@ -325,7 +325,7 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
     data[info.offset + layout.data_offset + 5] ^= 0x40  # inside the tensor's bytes
     path.write_bytes(bytes(data))
     raw = json.loads((d / MANIFEST_NAME).read_text())
-    from distckpt.manifest import digest_of
+    from distckpt.integrity.manifest import digest_of
 
     raw["files"][info.relative_path]["checksum"] = digest_of(bytes(data), raw["checksum_algorithm"])
     (d / MANIFEST_NAME).write_text(json.dumps(raw))

@@ -96,8 +96,8 @@ def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch
     # release the lease and remove the directory its owner created, and the next save works.
     import pytest
 
-    from distckpt import staging
-    from distckpt.manifest import step_dir
+    from distckpt.save import staging
+    from distckpt.integrity.manifest import step_dir
 
     def fail(self, state_dict, skip=frozenset()):
         raise RuntimeError("staging failed")

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import _saving, ownership
-from distckpt.manifest import MANIFEST_NAME, step_dir
-from distckpt.storage import Storage
+from distckpt.save import phases as _saving
+from distckpt.storage import ownership
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
+from distckpt.storage.base import Storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 

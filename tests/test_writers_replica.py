@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.manifest import MANIFEST_NAME, step_dir
-from distckpt.replica import Replicator
-from distckpt.storage import Storage
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
+from distckpt.storage.replica import Replicator
+from distckpt.storage.base import Storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import distckpt  # noqa: E402
 from dist_harness import run_ranks  # noqa: E402
-from distckpt import hf  # noqa: E402
+from distckpt.tools import hf  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hf_workflow")
 

@@ -1,0 +1,232 @@
+"""The manifest: the small JSON document whose presence commits a step.
+
+Layout of a root::
+
+    ROOT/step_000000100/            one directory per step
+        __0_0.distcp ...            DCP data files, written in parallel by the ranks
+        .metadata                   DCP metadata, written by the coordinator after all data
+        manifest.json               written last by the coordinator: the commit
+
+A step directory without ``manifest.json`` is invisible to ``steps()``/``load()`` and is removed
+by a later save.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of ``step`` (zero-padded so names sort like numbers)."""
+    return f"step_{step:09d}"
+
+
+def committed_steps(storage: Any) -> list[int]:
+    """Committed steps (directories holding a manifest) under a :class:`~distckpt.Storage`."""
+    return sorted(
+        s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None and storage.exists(d, MANIFEST_NAME)
+    )
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a directory name made by :func:`step_dir`, else ``None``."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class FileRecord:
+    """One file of a checkpoint: its size and checksum as written."""
+
+    size: int
+    checksum: str | None = None
+
+
+@dataclass
+class Manifest:
+    """What a committed step holds and how it was written.
+
+    Attributes:
+        step: the training step.
+        world_size: ranks that saved it.
+        entries: top-level state name -> {"kind": module|optimizer|stateful|tensor|value, ...}
+            with how it was parallelized (``"parallel": ddp|fsdp2|plain|zero``).
+        files: file name inside the step directory -> size and checksum.
+        checksum_algorithm: algorithm of ``files[...].checksum``.
+        torch_version, distckpt_version, created_unix: provenance.
+        extra: free-form user metadata (JSON values).
+        fingerprints: tensor key -> sharding-independent fingerprint of the saved values
+            (:mod:`distckpt.state.fingerprint`), checked after loads (:mod:`distckpt.state.statecheck`).
+        value_digests: flattened key -> sha256 of the bytes stored for every non-tensor item
+            written (optimizer hyper-parameters, scheduler/GradScaler fields, plain values...:
+            DCP's BYTE_IO records, see :mod:`distckpt.state.values`), checked by every load, export and
+            ``verify --state`` before the item is unpickled. ``None`` in manifests written before
+            distckpt recorded them: those items are then read unverified (a ``.metadata``
+            re-pointed at another record goes unnoticed), except top-level plain values, whose
+            entries carry their own ``sha256``.
+    """
+
+    step: int
+    world_size: int
+    entries: dict[str, dict[str, Any]]
+    files: dict[str, FileRecord]
+    checksum_algorithm: str | None
+    torch_version: str
+    distckpt_version: str
+    created_unix: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    value_digests: dict[str, str] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, where: str = "manifest") -> Manifest:
+        """Parse a manifest, raising ``ValueError`` that names ``where`` and the bad field."""
+        try:
+            raw = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"malformed manifest {where}: not valid JSON ({type(exc).__name__})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"malformed manifest {where}: a {type(raw).__name__}, not an object")
+        _check_fields(raw, where)
+        version = raw.get("format_version", 1)
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: format_version {version} is newer than this distckpt understands "
+                f"({FORMAT_VERSION}); upgrade distckpt"
+            )
+        files = {k: FileRecord(v["size"], v.get("checksum")) for k, v in raw["files"].items()}
+        known = {f for f in cls.__dataclass_fields__} - {"files"}
+        manifest = cls(files=files, **{k: v for k, v in raw.items() if k in known})
+        from distckpt.integrity.safe_pickle import check_relative_name
+
+        for name in manifest.files:
+            check_relative_name(name, where)
+        return manifest
+
+
+def _check_fields(raw: dict[str, Any], where: str) -> None:
+    """Every field of a manifest has the type it must have, or ``ValueError`` naming it."""
+
+    def bad(field: str, want: str) -> ValueError:
+        value = raw.get(field)
+        return ValueError(f"malformed manifest {where}: field {field!r} must be {want}, got {type(value).__name__} {value!r:.60}")
+
+    def is_int(v: Any, low: int) -> bool:
+        return type(v) is int and v >= low
+
+    for field in ("step", "world_size", "entries", "files", "checksum_algorithm", "torch_version", "distckpt_version"):
+        if field not in raw:
+            raise ValueError(f"malformed manifest {where}: field {field!r} is missing")
+    if not is_int(raw["step"], 0):
+        raise bad("step", "a non-negative int")
+    if not is_int(raw["world_size"], 1):
+        raise bad("world_size", "a positive int")
+    if "format_version" in raw and not is_int(raw["format_version"], 1):
+        raise bad("format_version", "a positive int")
+    if not isinstance(raw["entries"], dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in raw["entries"].items()):
+        raise bad("entries", "an object of objects")
+    files = raw["files"]
+    if not isinstance(files, dict):
+        raise bad("files", "an object")
+    for name, record in files.items():
+        if not isinstance(record, dict) or not is_int(record.get("size"), 0):
+            raise ValueError(f"malformed manifest {where}: files[{name!r}].size must be a non-negative int, got {record!r:.60}")
+        if record.get("checksum") is not None and not isinstance(record["checksum"], str):
+            raise ValueError(f"malformed manifest {where}: files[{name!r}].checksum must be a string or null")
+    from distckpt.integrity.checksums import ALGORITHMS
+
+    if raw["checksum_algorithm"] is not None and raw["checksum_algorithm"] not in ALGORITHMS:
+        raise bad("checksum_algorithm", f"one of {ALGORITHMS} or null")
+    for field in ("torch_version", "distckpt_version"):
+        if not isinstance(raw[field], str):
+            raise bad(field, "a string")
+    created = raw.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created or abs(created) > 1e12:
+        raise bad("created_unix", "a number of seconds")
+    if not isinstance(raw.get("extra", {}), dict):
+        raise bad("extra", "an object")
+    prints = raw.get("fingerprints", {})
+    if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
+        raise bad("fingerprints", "an object of strings")
+    digests = raw.get("value_digests")
+    if digests is not None and (not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values())):
+        raise bad("value_digests", "an object of strings or null")
+
+
+def digest_of(data: bytes, algorithm: str | None) -> str | None:
+    """Checksum of ``data`` with ``algorithm`` (None: no checksum)."""
+    if not algorithm:
+        return None
+    from distckpt.integrity.checksums import new_hasher
+
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
+
+
+def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
+    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the
+    manifest: read through :class:`distckpt.integrity.stepfiles.StepFiles`, the one read path."""
+    from distckpt.integrity.stepfiles import StepFiles
+
+    return StepFiles(storage, step_dir(manifest.step), manifest=manifest, verify=verify).metadata()
+
+
+def load_manifest(storage: Any, dirname: str) -> Manifest:
+    """The manifest in directory ``dirname`` under ``storage``, bound to that directory.
+
+    A directory named ``step_N`` must hold step N's manifest (a manifest copied into another
+    step's directory would otherwise load that neighbour's data); a directory under any other
+    name (copied or renamed, e.g. ``best``) takes its step from the manifest.
+
+    Raises:
+        FileNotFoundError: the directory holds no manifest (not committed).
+        IntegrityError: malformed, or written for another step than the directory's name says.
+    """
+    from distckpt.errors import IntegrityError
+
+    parts = [p for p in (dirname, MANIFEST_NAME) if p]
+    path = storage.display(*parts)
+    try:
+        data = storage.read_bytes(*parts)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    try:
+        manifest = Manifest.from_json(data, path)
+    except ValueError as exc:
+        raise IntegrityError(str(exc)) from None
+    named = parse_step_dir(dirname.rstrip("/").rsplit("/", 1)[-1]) if dirname else None
+    if named is not None and manifest.step != named:
+        raise IntegrityError(f"{path}: field 'step' is {manifest.step}, but the manifest is in the directory of step {named}")
+    return manifest
+
+
+def read_manifest(storage: Any, step: int) -> Manifest:
+    """The manifest of a committed ``step`` under ``storage``, bound to its directory
+    (:func:`load_manifest`).
+
+    Raises:
+        FileNotFoundError: not committed.
+        IntegrityError: malformed, or written for another step.
+    """
+    try:
+        return load_manifest(storage, step_dir(step))
+    except FileNotFoundError:
+        path = storage.display(step_dir(step), MANIFEST_NAME)
+        raise FileNotFoundError(f"checkpoint step {step} is not committed: {path} does not exist") from None

@@ -1,0 +1,105 @@
+"""Reading DCP's ``.metadata`` without running code from the checkpoint.
+
+DCP unpickles ``.metadata`` with plain ``pickle.load``: a crafted file (say, in a shared bucket)
+runs arbitrary code on load. :func:`load_metadata` uses an unpickler that admits only the classes
+DCP's metadata is made of; :func:`check_relative_name` refuses file paths that would leave the
+checkpoint directory (applied to every stored item by :mod:`distckpt.integrity.metadata_check`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from distckpt.errors import UnsafeCheckpointError
+
+_ALLOWED: set[tuple[str, str]] = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: io.BytesIO, where: str) -> None:
+        super().__init__(data)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name == "getattr" and module in ("builtins", "__builtin__"):  # protocol 2 says __builtin__
+            return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"refusing to read {self.where}: it references {module}.{name}, which DCP metadata never "
+            "contains (a crafted file could run code through it)"
+        )
+
+
+    def _member_of_mem_format(self, owner: Any, name: Any) -> Any:
+        """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
+        admitted only for the memory-format enum of DCP's ``TensorProperties`` and its members."""
+        from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
+
+        if owner is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in _MEM_FORMAT_ENCODING.__members__:
+            return _MEM_FORMAT_ENCODING[name]
+        raise UnsafeCheckpointError(
+            f"refusing to read {self.where}: it calls getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r:.40}); "
+            "DCP metadata only ever names members of its memory-format enum that way"
+        )
+
+
+def check_relative_name(name: Any, where: str) -> None:
+    """Refuse a file name recorded in a checkpoint that is not a plain name inside its directory."""
+    text = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
+    if (
+        not text
+        or text in (".", "..")
+        or "/" in text
+        or "\\" in text
+        or os.path.isabs(text)
+        or "\x00" in text
+    ):
+        raise UnsafeCheckpointError(f"{where} names file {name!r}, which is outside the checkpoint directory")
+
+
+def load_metadata(data: bytes, where: str) -> Any:
+    """Unpickle DCP ``Metadata`` safely (only the classes it is made of).
+
+    This only unpickles: the values are validated (types, file names inside the directory,
+    byte ranges, chunk coverage) by :func:`distckpt.integrity.metadata_check.validate_metadata`, which
+    :meth:`distckpt.integrity.stepfiles.StepFiles.metadata`, the one reader of ``.metadata``, applies
+    to every result, with the manifest's file sizes where it has them.
+
+    Raises:
+        UnsafeCheckpointError: it would run code to unpickle, or is not DCP ``Metadata``.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:
+        raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata

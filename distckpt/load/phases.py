@@ -1,0 +1,262 @@
+"""Load planning: what each rank asks DCP for, what does not match, and handing results back.
+
+The checkpointer runs these in phases so that every collective is reached by every rank:
+``plan_load`` (each rank, no collectives) -> one exchange of the views -> ``requested_keys``
+(all ranks) -> ``judge`` (identical on every rank) -> ``dcp.load`` -> ``apply_load`` (each rank,
+no collectives).
+
+The views are O(1) per rank when the state matches: a digest and a count of the keys a rank
+requests instead of the keys themselves (missing and mismatched keys are listed, to be named in
+the error). Whether the checkpoint holds keys nobody asked for needs the union of the requested
+keys: when every rank requests the same set (DDP, FSDP) it is this rank's own; otherwise (ZeRO
+partitions, per-rank entries) one all-reduce of a bitmap over the checkpoint's sorted keys gives
+it, O(keys) per rank instead of O(world x keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distckpt.state import rng, scope, values
+from distckpt._compat import flatten_state_dict, unflatten_state_dict
+from distckpt._dist import Group
+from distckpt.integrity.manifest import Manifest
+from distckpt.state.entries import Entry, build_entries, tied_duplicates
+
+
+@dataclass
+class LoadReport:
+    """What a ``strict=False`` load left out (identical on every rank).
+
+    Attributes:
+        step: the step loaded.
+        missing: keys the state expects that the checkpoint does not hold.
+        unexpected: keys the checkpoint holds that nothing in the state asked for.
+        mismatched: key -> (shape in checkpoint, shape in state).
+        skipped: entry -> why it was not loaded (per-rank state saved at another world size).
+    """
+
+    step: int
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    skipped: dict[str, str] = field(default_factory=dict)
+    per_rank: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched or self.skipped)
+
+
+def plan_load(
+    group: Group,
+    manifest: Manifest,
+    index: dict[str, tuple[int, ...] | None],
+    state: MutableMapping[str, Any],
+    restore_rng: bool,
+    selection: Selection | None = None,
+) -> tuple[LoadPlan, Any]:
+    """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
+    selection = selection or Selection()
+    entries = [e for e in build_entries(state) if selection.entry(e.name)]
+    if not selection.entry(rng.NAMESPACE):
+        restore_rng = False
+    targets: dict[str, Any] = {}
+    per_rank: dict[str, tuple[int, int]] = {}
+    for e in entries:
+        saved = manifest.entries.get(e.name, {})
+        target = e.load_target(saved)
+        if saved.get("scope") == scope.PER_RANK:
+            if manifest.world_size != group.world_size:
+                per_rank[e.name] = (manifest.world_size, group.world_size)
+                continue  # cannot be resharded: reported (strict) or skipped
+            target = {scope.rank_key(group.rank): target}
+        targets[e.name] = target
+    rng_key = None
+    if restore_rng and rng.NAMESPACE in manifest.entries:
+        # Same world size: each rank its own states; otherwise rank 0's, to derive seeds.
+        rng_key = f"rank_{group.rank if manifest.world_size == group.world_size else 0}"
+        targets[rng.NAMESPACE] = {rng_key: rng.capture()}
+    flat, mappings = flatten_state_dict(targets)
+
+    missing: list[str] = []
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    later = tied_duplicates(flat)
+    tied = {**later, **{first: dup for dup, first in later.items()}}  # both directions
+    for key, value in flat.items():
+        if not selection.key(key):
+            continue
+        if key not in index:
+            if key in tied and tied[key] in index:
+                continue  # tied weights (e.g. lm_head = embeddings): filled through the partner
+            if not key.startswith(rng.NAMESPACE + "."):  # e.g. no CUDA state saved: fine
+                missing.append(key)
+            continue
+        saved = index[key]
+        if isinstance(value, torch.Tensor):
+            if saved is None or saved != tuple(value.shape):
+                mismatched[key] = (saved or (), tuple(value.shape))
+        elif saved is not None:
+            mismatched[key] = (saved, ())
+    request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
+    plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
+    return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
+
+
+def _keys_digest(keys: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:32]
+
+
+def metadata_index(metadata: Any) -> dict[str, tuple[int, ...] | None]:
+    """(any rank, not collective) key -> global shape (``None``: a non-tensor value) of a DCP
+    ``Metadata``: built by every rank from the metadata the coordinator read and verified, so
+    it need not travel beside it."""
+    index: dict[str, tuple[int, ...] | None] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        size = getattr(md, "size", None)
+        index[key] = tuple(size) if size is not None else None
+    return index
+
+
+def requested_keys(group: Group, index: Mapping[str, Any], plan: LoadPlan, views: list[Any]) -> set[str]:
+    """(all ranks, identical result) The keys some rank requests.
+
+    One collective, only when the ranks' request digests differ: a max-reduce of a byte per
+    checkpoint key. Every rank decides from the same gathered views whether to take part.
+    """
+    if all(v[2] == views[0][2] for v in views[1:]):
+        return set(plan.request)
+    keys = sorted(index)
+    bits = torch.zeros(len(keys), dtype=torch.uint8)
+    position = {k: i for i, k in enumerate(keys)}
+    mine = [position[k] for k in plan.request]
+    if mine:
+        bits[torch.tensor(mine, dtype=torch.int64)] = 1
+    union = group.all_reduce(bits, "max")
+    return {keys[i] for i in union.nonzero().flatten().tolist()}
+
+def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
+    """(each rank, no collectives) Hand what DCP read to the live objects."""
+    plan.flat.update(plan.request)  # DCP replaced non-tensor values in the request dict
+    nested = unflatten_state_dict(plan.flat, plan.mappings)
+    for e in plan.entries:
+        if e.name in nested:
+            loaded = nested[e.name]
+            saved = manifest.entries.get(e.name, {})
+            if saved.get("scope") == scope.PER_RANK:
+                loaded = loaded[scope.rank_key(group.rank)]
+            if saved.get("kind") == "value":
+                values.check_digest(loaded, saved, e.name)
+            e.apply(loaded, state)
+    if plan.rng_key is not None and rng.NAMESPACE in nested:
+        saved = nested[rng.NAMESPACE][plan.rng_key]
+        try:
+            if manifest.world_size == group.world_size:
+                rng.restore(saved)
+            else:
+                rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
+        except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+            # Written by distckpt itself, so a state that does not fit is a damaged checkpoint.
+            from distckpt.errors import IntegrityError
+
+            raise IntegrityError(
+                f"step {manifest.step}: the saved random-number-generator state ({rng.NAMESPACE}.{plan.rng_key}) "
+                f"is malformed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+@dataclass
+class Selection:
+    """Which parts of a checkpoint a load takes: ``only`` / ``exclude`` patterns (``fnmatch``
+    style, e.g. ``"model"``, ``"optim"``, ``"model.layers.0.*"``, ``"*.weight"``), matched against
+    entry names and full keys. Everything by default.
+
+    ``keys``: the checkpoint's keys. With them, an entry the checkpoint holds takes part exactly
+    when some of its keys are selected, so a key pattern selects keys across entries
+    (``only="*.weight"``) and an entry whose keys are all excluded is left untouched.
+    """
+
+    only: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    keys: frozenset[str] | None = None
+
+    @staticmethod
+    def _hit(name: str, patterns: tuple[str, ...]) -> bool:
+        from fnmatch import fnmatchcase
+
+        return any(fnmatchcase(name, p) for p in patterns)
+
+    def entry(self, name: str) -> bool:
+        """Whether entry ``name`` takes part (some of its keys may still be left out)."""
+        if self._hit(name, self.exclude):
+            return False
+        if self.keys is not None:
+            own = [k for k in self.keys if k == name or k.startswith(name + ".")]
+            if own:
+                return any(self.key(k) for k in own)
+        # Not in the checkpoint (or its keys unknown): by name, so strictness still reports it.
+        return not self.only or self._hit(name, self.only) or any(p.startswith(name + ".") for p in self.only)
+
+    def key(self, key: str) -> bool:
+        entry = key.split(".", 1)[0]
+        if self.only and not (self._hit(entry, self.only) or self._hit(key, self.only)):
+            return False
+        return not (self._hit(entry, self.exclude) or self._hit(key, self.exclude))
+
+
+@dataclass
+class LoadPlan:
+    """What one rank asks DCP for, and how to hand the result back."""
+
+    entries: list[Entry]
+    flat: dict[str, Any]
+    mappings: dict[str, Any]
+    request: dict[str, Any]
+    rng_key: str | None
+    names: set[str]
+    per_rank: dict[str, tuple[int, int]]
+
+
+def judge(
+    step: int,
+    index: Mapping[str, Any],
+    views: list[Any],
+    names: set[str] | None,
+    selection: Selection | None = None,
+    requested: set[str] | None = None,
+) -> LoadReport:
+    """The load report from every rank's view and the union of requested keys
+    (:func:`requested_keys`), identical on every rank; keys outside ``selection`` are neither
+    missing nor unexpected."""
+    selection = selection or Selection()
+    missing = sorted({k for v in views for k in v[0]})
+    mismatched: dict[str, Any] = {}
+    per_rank: dict[str, tuple[int, int]] = {}
+    for v in views:
+        mismatched.update(v[1])
+        per_rank.update(v[3])
+    requested = requested or set()
+    # Strict: keys of entries the state does not name at all are unexpected too (the whole
+    # checkpoint must be taken). Non-strict (``names`` given): only leftovers of named entries
+    # are reported, so loading just the model for evaluation is quiet. distckpt's own RNG
+    # states are optional either way.
+    unexpected = sorted(
+        k
+        for k in index
+        if selection.key(k)
+        and k not in requested
+        and k not in mismatched
+        and not k.startswith(rng.NAMESPACE + ".")
+        and k.split(".", 1)[0] not in per_rank
+        and (names is None or k.split(".", 1)[0] in names)
+    )
+    skipped = {
+        name: f"per-rank state saved at world size {saved}, loading at {now}" for name, (saved, now) in sorted(per_rank.items())
+    }
+    return LoadReport(step, missing, unexpected, mismatched, skipped, per_rank)

@@ -1,0 +1,185 @@
+"""DCP's file reader over one step directory (:class:`~distckpt.integrity.stepfiles.StepFiles`): safe,
+verifying, and with fewer copies.
+
+* ``.metadata`` is the step's, read once and verified (:meth:`StepFiles.metadata`): checked
+  against the manifest, unpickled by an allow-list unpickler, validated.
+* Every data file this rank opens is read once, front to back, through
+  :class:`~distckpt.integrity.stepfiles.VerifiedFile`, and its size and checksum are compared with the
+  manifest; a mismatch raises :class:`~distckpt.errors.IntegrityError` naming the file. (Resharded
+  loads thus read whole files even where they need only part of one.)
+* A stored tensor that this rank needs whole, into a contiguous destination of the same dtype,
+  is read straight into the destination's memory (``readinto``) and hashed there: one copy
+  instead of DCP's three (bytes, ``torch.load``, ``copy_``), where the storage seeks cheaply
+  (:attr:`~distckpt.storage.base.Storage.cheap_seeks`). Everything else takes DCP's path.
+
+Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``, ``read_data``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+from distckpt.integrity.torchfile import raw_layout
+from distckpt.errors import IntegrityError
+
+
+class CheckpointReader(FileSystemReader):
+    """A DCP ``StorageReader`` for one step directory (:meth:`StepFiles.reader`)."""
+
+    def __init__(self, step: Any, thread_count: int = 2) -> None:
+        super().__init__(step.storage.join(step.dirname))
+        self.step = step
+        self.storage = step.storage
+        self.fs = step.storage.dcp_filesystem()
+        self.path = step.storage.dcp_path(step.dirname)
+        self.thread_count = max(1, thread_count)
+        self.fast_reads = 0  # tensors read straight into their destination (for tests/benchmarks)
+        self._count_lock = threading.Lock()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        self.load_id = os.urandom(8).hex()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = self.step.metadata()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        # Opened up front: a file the manifest does not list fails before anything is read.
+        jobs = [(self.step.file(name), reqs) for name, reqs in per_file.items()]
+        workers = min(self.thread_count, len(jobs))
+        if workers <= 1:
+            for job in jobs:
+                self._read_file(*job, planner)
+        else:
+            # Files are independent and readinto/crc32c release the GIL: read them side by side.
+            # The planner's per-item callbacks touch disjoint destinations.
+            with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read") as pool:
+                for future in [pool.submit(self._read_file, *job, planner) for job in jobs]:
+                    future.result()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, f: Any, reqs: list[Any], planner: Any) -> None:
+        """Read one file in one pass: serve every request from it, then check it whole."""
+        by_item: dict[tuple[int, int], list[Any]] = {}
+        for req in reqs:
+            info = self.storage_data[req.storage_index]
+            by_item.setdefault((info.offset, info.length), []).append(req)
+        failure: BaseException | None = None
+        try:
+            for (offset, length), item_reqs in sorted(by_item.items()):
+                try:
+                    if self.storage.cheap_seeks and self._read_direct(f, offset, length, item_reqs, planner):
+                        continue
+                    data = f.read_range(offset, length)
+                    if len(data) != length:
+                        raise IntegrityError(f"{f.where}: truncated (ends before byte {offset + length})")
+                    self._serve(data, item_reqs, planner, f.where)
+                except Exception as exc:  # noqa: BLE001
+                    # Corrupt bytes often fail to deserialize, or fail an item's digest, before
+                    # the checksum is known: read on, and blame the file if its checksum is wrong.
+                    failure = exc
+                    break
+            try:
+                f.finish()
+            except IntegrityError as exc:
+                if failure is not None:
+                    raise exc from failure
+                raise
+        finally:
+            f.close()
+        if failure is not None:
+            raise failure
+
+    def _read_direct(self, f: Any, offset: int, length: int, reqs: list[Any], planner: Any) -> bool:
+        """Read one stored tensor straight into its destination, if it is needed whole."""
+        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO:
+            return False
+        req = reqs[0]
+        info = self.storage_data[req.storage_index]
+        if info.transform_descriptors or any(int(o) for o in req.storage_offsets):
+            return False
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or tuple(req.lengths) != tuple(target.shape):
+            return False
+        layout = raw_layout(f.peek(offset, length))
+        if (
+            layout is None
+            or layout.dtype != target.dtype
+            or layout.shape != tuple(target.shape)
+            or layout.data_offset + layout.nbytes > length
+        ):
+            return False
+        if layout.nbytes:
+            view = memoryview(target.view(-1).view(torch.uint8).numpy())
+            if f.readinto(offset + layout.data_offset, view) != layout.nbytes:
+                raise IntegrityError(f"{f.where}: truncated inside {req.storage_index.fqn}")
+        planner.commit_tensor(req, target)
+        with self._count_lock:
+            self.fast_reads += 1
+        return True
+
+    def _serve(self, data: bytes, item_reqs: list[Any], planner: Any, where: str) -> None:
+        """Deserialize one stored item and hand it to every request that reads from it."""
+        for req in item_reqs:
+            info = self.storage_data[req.storage_index]
+            raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(raw.read()))
+                continue
+            tensor = _load_record(raw if raw.seekable() else io.BytesIO(raw.read()), req.storage_index.fqn, where)
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise IntegrityError(
+                    f"{where}: item {req.storage_index.fqn} has shape {list(tensor.shape)}, expected {list(target.shape)}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+
+def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
+    """The part of a stored shard a request reads: ``lengths`` elements from ``offsets`` per dim."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor  # the shape check below reports it
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, int(start), int(length))
+    return tensor
+
+
+def _load_record(stream: Any, key: str, where: str) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item; a refusal names the key."""
+    import pickle
+
+    from distckpt.errors import UnsafeCheckpointError
+
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"
+        ) from None

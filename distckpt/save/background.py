@@ -1,0 +1,391 @@
+"""Background writer processes: asynchronous saves written outside the training process.
+
+A thread in the training process would compete with training for the GIL: DCP's planning,
+torch.save's pickling of every record, checksums of small items and fingerprints all hold it.
+So every rank of an async save hands its staged state to a writer process of its own:
+
+* the state is staged into a :class:`~distckpt.save.shared_arena.SharedArena` (shared memory), which
+  the writer maps once; each save sends only a small description (keys, slots, DTensor layouts,
+  plain values) over a pipe;
+* the writer processes of all ranks form their own gloo group (rendezvous through a TCPStore that
+  distckpt's coordinator hosts, as DCP's process-based async checkpointer does) and run the save's
+  write phase (:func:`distckpt.save.phases.write`: DCP's planning and writing, checksums,
+  fingerprints), niced, with the outcome gathered across writers so it is the same everywhere;
+* the training process keeps only a thread blocked on the pipe; it commits (the manifest, on the
+  coordinator) after every rank's writer has finished, exactly as a thread-mode save does.
+
+Lifecycle (the training side is :class:`WriterProcess`, all calls from distckpt's Checkpointer):
+
+1. ``WriterProcess.start(group, ...)`` (all ranks, collective: the store's address is broadcast)
+   starts a fresh Python running :func:`main` per rank (not a fork: the training process has
+   threads and maybe CUDA; not multiprocessing's spawn: that re-imports the user's script). It does not wait for the process to be
+   ready: the first save's staging overlaps its start.
+2. ``submit(...)`` (each rank, background thread) waits for readiness once, then sends a job;
+   ``result()`` blocks until the writer answers with :class:`~distckpt.save.phases.Written` or a failure.
+3. ``close()`` (each rank) asks the writer to leave its group and exit, and reaps it.
+
+A writer exits when its pipe closes (its training process died). It runs in a session of its own
+and ignores SIGTERM/SIGINT, so signals sent to the job's process group (torchrun, a terminal) do
+not reach it: the training process decides when it stops, so a final save requested from a
+signal handler is still written.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from distckpt._compat import flatten_state_dict, mesh_without_groups, unflatten_state_dict
+from distckpt._dist import Group, capture, raise_if_any
+from distckpt.errors import CheckpointError
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+
+# ---------------------------------------------------------------------------------------------
+# what crosses the pipe
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor staged in the arena: byte offset, dtype, shape."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _DRef:
+    """A staged DTensor shard: its local tensor plus what DCP needs of its layout."""
+
+    local: _Ref | torch.Tensor
+    mesh: list
+    dim_names: tuple[str, ...] | None
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def encode(staged: dict[str, Any], arena: torch.Tensor) -> tuple[dict[str, Any], Any]:
+    """(training side) ``staged`` as flat key -> value with arena tensors replaced by references.
+
+    Tensors outside the arena (a quantized tensor staged by a fresh copy) travel pickled.
+    """
+    flat, mappings = flatten_state_dict(staged)
+    base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+
+    def ref(t: torch.Tensor) -> _Ref | torch.Tensor:
+        if t.is_quantized or t.numel() == 0 or not base <= t.data_ptr() < end:
+            return t  # small, or not staged in the arena: pickled
+        return _Ref(t.data_ptr() - base, t.dtype, tuple(t.shape))
+
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            local = ref(value.to_local())
+            mesh = value.device_mesh
+            out[key] = _DRef(
+                local,
+                mesh.mesh.tolist(),
+                mesh.mesh_dim_names,
+                tuple(value.placements),
+                tuple(value.shape),
+                tuple(value.stride()),
+            )
+        elif isinstance(value, torch.Tensor):
+            out[key] = ref(value)
+        else:
+            out[key] = value
+    return out, mappings
+
+
+def decode(flat: dict[str, Any], mappings: Any, arena: torch.Tensor, rank: int) -> dict[str, Any]:
+    """(writer side) The staged state dict again, its tensors views of the mapped ``arena``."""
+    meshes: dict[Any, Any] = {}
+
+    def tensor(r: _Ref) -> torch.Tensor:
+        n = r.dtype.itemsize
+        for s in r.shape:
+            n *= s
+        return arena[r.offset : r.offset + n].view(r.dtype).view(r.shape)
+
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if isinstance(value, _DRef):
+            mk = (repr(value.mesh), value.dim_names)
+            if mk not in meshes:
+                meshes[mk] = mesh_without_groups(value.mesh, value.dim_names, rank)
+            local = tensor(value.local) if isinstance(value.local, _Ref) else value.local
+            out[key] = DTensor.from_local(
+                local,
+                meshes[mk],
+                value.placements,
+                run_check=False,
+                shape=torch.Size(value.shape),
+                stride=value.stride,
+            )
+        elif isinstance(value, _Ref):
+            out[key] = tensor(value)
+        else:
+            out[key] = value
+    return unflatten_state_dict(out, mappings)
+
+
+@dataclass
+class Job:
+    """One save's write phase, as sent to the writer process."""
+
+    opts: Any  # _saving.SaveOptions
+    prepared: Any  # _saving.Prepared whose state_dict is replaced by (flat, mappings) below
+    flat: dict[str, Any]
+    mappings: Any
+    arena_path: str | None
+    arena_nbytes: int
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's pickler
+    # that pass tensors through multiprocessing's resource sharer, which a process started
+    # outside multiprocessing cannot use. The few tensors that travel (quantized ones, fingerprint
+    # parts) are small; the staged state travels through the shared arena.
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# training side
+def _address() -> str:
+    """An address of this host that the other ranks' writers can reach (DCP's choice too)."""
+    addr = os.environ.get("MASTER_ADDR")
+    if addr and os.environ.get("RANK", "0") == "0":
+        return addr
+    try:
+        return socket.getfqdn()
+    except OSError:  # pragma: no cover
+        return "127.0.0.1"
+
+
+class WriterProcess:
+    """The training side of one rank's background writer process."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, rank: int, store: Any) -> None:
+        from distckpt.save.plan import PlanCache
+
+        # What the writer's plan cache holds (its plans stay in the writer): the token each
+        # save's view reports, so repeated async saves skip planning as sync ones do.
+        self.plans = PlanCache()
+        self.proc = proc
+        self.conn = conn
+        self.rank = rank
+        self._store = store  # the coordinator hosts the rendezvous store; it must outlive init
+        self._ready = False
+        self._arena_sent: str | None = None
+
+    @classmethod
+    def start(cls, group: Group, *, timeout: timedelta, nice: int, threads: int) -> WriterProcess:
+        """(all ranks, collective) Start this rank's writer; the writers form their own group."""
+        store = None
+        if group.is_coordinator:
+            host = _address() if group.world_size > 1 else "127.0.0.1"
+            # Port 0: the OS picks a free port, so there is no window in which another job takes it.
+            store = torch.distributed.TCPStore(
+                host,
+                0,
+                group.world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+            info = (host, store.port, uuid.uuid4().hex)
+        else:
+            info = None
+        host, port, prefix = group.broadcast(info) if group.world_size > 1 else info
+        # The writer's global rank must equal the training rank's: DTensor meshes name global ranks.
+        rank = torch.distributed.get_rank() if group.enabled else 0
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        try:
+            proc = subprocess.Popen(
+                # Not ``-m distckpt.save.background``: that would load this module twice (once as
+                # __main__), and the job's classes would not be the ones it checks for.
+                [sys.executable, "-c", "import sys; from distckpt.save.background import main; main(sys.argv[1:])", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+                # Its own session: signals sent to the job's process group (torchrun's SIGTERM on
+                # preemption, a terminal's Ctrl-C) never reach it, not even while it starts up;
+                # its training process decides when it stops.
+                start_new_session=True,
+            )
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        _send(
+            conn,
+            {
+                "rank": rank,
+                "group_rank": group.rank,
+                "world": group.world_size,
+                "host": host,
+                "port": port,
+                "prefix": prefix,
+                "timeout_s": timeout.total_seconds(),
+                "nice": nice,
+                "threads": threads,
+            }
+        )
+        return cls(proc, conn, group.rank, store)
+
+    def _recv(self) -> Any:
+        try:
+            return _recv(self.conn)
+        except (EOFError, OSError):
+            code = self.proc.wait()
+            raise CheckpointError(
+                f"distckpt's background writer process of rank {self.rank} exited (code {code}) "
+                "before answering; the save was not written"
+            ) from None
+
+    def submit(self, job: Job) -> None:
+        """(each rank, background thread) Send one save's write phase (waits for readiness once)."""
+        if not self._ready:
+            msg = self._recv()
+            if msg[0] != "ready":
+                raise_if_any([msg[1]], "starting distckpt's background writer process")
+            self._ready = True
+        if job.arena_path == self._arena_sent:
+            job = replace(job, arena_path=None)  # mapped there already
+        try:
+            _send(self.conn, ("save", job))
+        except (BrokenPipeError, OSError):
+            self._recv()  # raises, naming the exit code
+        if job.arena_path is not None:
+            self._arena_sent = job.arena_path
+
+    def result(self) -> Any:
+        """(each rank, background thread) The writer's :class:`~distckpt.save.phases.Written`; its
+        failure raised (the same on every rank: the writers gathered their outcomes)."""
+        msg = self._recv()
+        if msg[0] == "err":
+            self.plans.invalidate()
+            raise_if_any([msg[1]], "background write")
+        written, stamp = msg[1]
+        self.plans.mirror(stamp)
+        return written
+
+    def detach(self) -> None:
+        """Ask the writer to exit without waiting (its checkpointer was dropped unclosed)."""
+        try:
+            _send(self.conn, ("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+
+    def close(self, timeout: float = 60.0) -> None:
+        """(each rank) Ask the writer to leave its group and exit; kill it if it does not."""
+        try:
+            _send(self.conn, ("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+        self._store = None
+
+
+# ---------------------------------------------------------------------------------------------
+# writer side
+def _serve(conn: Connection) -> None:
+    import torch.distributed as dist
+
+    from distckpt.save import phases as _saving
+
+    init = _recv(conn)
+    try:
+        if init["nice"] > 0 and hasattr(os, "nice"):
+            # Niceness, not SCHED_IDLE: an idle-class writer would never run beside a busy
+            # neighbour (a data loader, another job), and its save would never finish.
+            os.nice(init["nice"])
+        torch.set_num_threads(max(1, init["threads"]))
+        timeout = timedelta(seconds=init["timeout_s"])
+        store = dist.TCPStore(init["host"], init["port"], init["world"], is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"distckpt-writer/{init['prefix']}", store),
+            rank=init["group_rank"],
+            world_size=init["world"],
+            timeout=timeout,
+        )
+        group = Group(None)
+    except BaseException as exc:  # noqa: BLE001
+        _send(conn, ("err", capture(exc)))
+        return
+    _send(conn, ("ready", os.getpid()))
+    arena = torch.empty(0, dtype=torch.uint8)
+    from distckpt.save.plan import PlanCache
+    from distckpt.save.shared_arena import attach
+
+    plans = PlanCache()  # this writer's: repeated saves of one structure skip planning
+
+    try:
+        while True:
+            try:
+                kind, job = _recv(conn)
+            except (EOFError, OSError):
+                return  # the training process is gone
+            if kind == "close":
+                return
+            try:
+                if job.arena_path is not None:
+                    arena = attach(job.arena_path, job.arena_nbytes)
+                    os.unlink(job.arena_path)  # mapped here and in the trainer: the name can go
+                job.prepared.state_dict = decode(job.flat, job.mappings, arena, init["rank"])
+                written = _saving.write(job.opts, group, job.prepared, plans)
+                reply: Any = ("ok", (written, plans.stamp()))
+            except BaseException as exc:  # noqa: BLE001 - reported to the training process
+                reply = ("err", capture(exc))
+            job = None
+            _send(conn, reply)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def main(argv: list[str]) -> None:
+    # The training process decides when the writer stops (its pipe closing, or "close"); a
+    # SIGTERM to the whole process group must not kill a final save in progress.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write with an error we report
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    conn = Connection(int(argv[0]))
+    try:
+        _serve(conn)
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown of gloo threads (see Checkpointer._release_group)
+

@@ -1,0 +1,430 @@
+"""Saving, phase by phase: the mirror of :mod:`distckpt.load.phases`.
+
+:meth:`Checkpointer.save <distckpt.Checkpointer.save>` runs these phases in this order; which
+ranks call each is part of the protocol:
+
+1. :func:`prepare`   (each rank, no collectives, inside one ``exchange``) checks the caller's
+   input and builds DCP's state dict, the manifest's entry descriptions and this rank's
+   :class:`SaveView`. Bad input on one rank fails every rank, before any collective of DCP's.
+2. :func:`agree`     (each rank, on the gathered views: the same verdict everywhere) checks that
+   the ranks agree on step and entries and gives every undeclared entry its scope (global or
+   per rank, see :mod:`distckpt.state.scope`).
+3. :func:`claim`     (coordinator, via ``on_coordinator``) refuses a committed step, removes
+   stale leftovers of interrupted saves and creates the step directory exclusively, under a
+   lease (:mod:`distckpt.storage.ownership`).
+4. :func:`stage`     (async saves only; each rank) copies the state into host buffers
+   (:class:`~distckpt.save.staging.Stager`); training resumes after it.
+5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt.save.plan`:
+   each rank plans only what it writes (or reuses the previous save's plans), replicas are
+   compared with O(items) traffic, the data files and ``.metadata`` are written; every rank's
+   outcome, file records, fingerprint parts and the digests of the non-tensor items it wrote
+   are gathered on the coordinator, and a failure
+   on one rank is raised on all of them.
+6. :func:`commit`    (coordinator) writes the manifest with a no-replace primitive: from then
+   on the step exists; then
+7. :func:`apply_retention` (coordinator) deletes committed steps beyond ``keep_last``.
+
+A failure after phase 3 releases the lease: the coordinator removes the directory it created.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from distckpt.save import plan as _save_plan
+from distckpt.state import fingerprint, rng, scope, statecheck, values
+from distckpt.storage import ownership
+from distckpt._compat import flatten_state_dict
+from distckpt._dist import Group
+from distckpt.save.plan import PlanCache, PlanInput, PlanStats
+from distckpt._version import __version__
+from distckpt.errors import StepExistsError
+from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
+from distckpt.storage.retention import delete_old_steps
+from distckpt.save.staging import Stager, check_saveable, replicated_layout
+from distckpt.state.entries import build_entries, contains
+from distckpt.storage.base import Storage
+
+log = logging.getLogger("distckpt")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """What the save phases take from the :class:`~distckpt.Checkpointer`'s options."""
+
+    storage: Storage
+    keep_last: int | None
+    thread_count: int
+    sync_files: bool
+    checksum: str | None
+    skip_record_crc: bool
+    save_rng: bool
+    fingerprint: bool
+    on_replica_drift: str
+    lease_s: float
+
+
+@dataclass
+class SaveView:
+    """What one rank says about the save it was asked for (exchanged in one collective).
+
+    Attributes:
+        step, names: the step and the state's entry names (must agree across ranks).
+        digests: scoped entry -> digest of its value on this rank (decides global/per-rank).
+        declared: scoped entry -> scope declared by the user or the object's kind, or None.
+        layout: per module/optimizer entry, a digest of its plain tensors' keys, shapes and
+            dtypes (ranks agreeing hold the entry replicated: each of its tensors gets one
+            writer, and async saves stage only their share, see staging).
+        plain: per entry, a digest of all its plain (non-DTensor) leaves' keys, shapes and
+            dtypes (ranks agreeing hold them replicated; see :mod:`distckpt.save.plan`).
+        replicas: digest of this rank's DTensors with replicated mesh dimensions.
+        cache: the plan cache's token for this rank's current structure, or None.
+
+    Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
+    """
+
+    step: int
+    names: list[str]
+    digests: dict[str, str]
+    declared: dict[str, str | None]
+    layout: dict[str, str]
+    plain: dict[str, str] = field(default_factory=dict)
+    replicas: str = ""
+    cache: tuple[int, str] | None = None
+
+
+@dataclass
+class Prepared:
+    """One rank's save after :func:`prepare` (and :func:`agree`).
+
+    Attributes:
+        step: the step.
+        state_dict: what DCP writes (per-rank entries re-keyed by :func:`agree`).
+        described: entry name -> its manifest description (kind, scope, ...).
+        sizes: ``(flattened key, bytes)`` of plain tensors of modules/optimizers (who writes
+            each replicated one; async saves split them among the ranks' stagers alike).
+        extra: the caller's JSON metadata for the manifest.
+        replica_parts: fingerprint parts of replicated tensors this rank holds but another
+            rank stages and writes (async saves, see :func:`stage`), so that replicas are
+            compared across ranks even though each rank stages only its share.
+        structure: this rank's state structure (:func:`distckpt.save.plan.describe`).
+        unscoped: the module/optimizer entries.
+        plan: what :func:`write` plans from (set by :func:`agree`; picklable).
+    """
+
+    step: int
+    state_dict: dict[str, Any]
+    described: dict[str, Any]
+    sizes: list[tuple[str, int]]
+    extra: dict[str, Any]
+    replica_parts: list[Any] = field(default_factory=list)
+    structure: _save_plan.Structure | None = None
+    unscoped: list[str] = field(default_factory=list)
+    plan: PlanInput | None = None
+
+
+@dataclass
+class Written:
+    """A completed :func:`write`: what :func:`commit` (coordinator) needs.
+
+    Attributes:
+        files: per rank, file name -> ``(size, digest)`` of the files that rank wrote
+            (coordinator only; empty elsewhere).
+        parts: per rank, the fingerprint parts it handed in (what it wrote, plus every copy of
+            drifted replicas; see :func:`distckpt.state.statecheck.parts_to_send`; coordinator only).
+        value_digests: flattened key -> sha256 of the bytes stored for each non-tensor item any
+            rank wrote (:func:`distckpt.state.values.record_item_digests`; coordinator only).
+        plan: how the save planned (every rank).
+        phases: this rank's seconds per part of the write phase: ``fingerprint``, ``plan``,
+            ``replicas`` (drift check), ``write`` (wall time of writing the data files),
+            ``metadata`` (gathering results; ``.metadata`` on the coordinator), and inside
+            ``write`` the writer threads' ``serialize``, ``checksum``, ``io_write`` and
+            ``fsync`` (thread-seconds, see :class:`distckpt.save.writer.WriteTimings`).
+    """
+
+    files: list[dict[str, tuple[int, str]]] = field(default_factory=list)
+    parts: list[list[Any]] = field(default_factory=list)
+    value_digests: dict[str, str] = field(default_factory=dict)
+    plan: PlanStats = field(default_factory=PlanStats)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+# 1. prepare --------------------------------------------------------------------------------------
+def prepare(
+    opts: SaveOptions,
+    step: int,
+    state: Mapping[str, Any],
+    extra: dict[str, Any],
+    rank: int,
+    blocking: bool,
+    cache: PlanCache | None = None,
+) -> tuple[Prepared, SaveView]:
+    """(each rank, no collectives) What to save, and this rank's view for the agreement check.
+
+    ``cache`` (the checkpointer's :class:`~distckpt.save.plan.PlanCache`, also handed to
+    :func:`write`) contributes its token, so that :func:`agree` can tell on every rank alike
+    whether the previous save's plans still hold.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
+    entries = build_entries(state)
+    state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
+    check_saveable(state_dict)
+    described = {e.name: e.describe() for e in entries}
+    if opts.save_rng:
+        state_dict[rng.NAMESPACE] = {scope.rank_key(rank): rng.capture()}
+        described[rng.NAMESPACE] = {"kind": "rng", "scope": scope.PER_RANK}
+    # Entries that are not modules/optimizers get a scope from every rank's digest (after the
+    # exchange); sharded DTensor state is written shard by shard and needs none.
+    scoped = [e for e in entries if e.scoped and not contains(state_dict[e.name], DTensor)]
+    # Modules and optimizers are replicated or sharded by construction: the layout digests say
+    # which are replicated (each tensor then gets one writer; async saves stage only their share).
+    unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
+    digests, sizes = replicated_layout(unscoped)
+    structure = _save_plan.describe(flatten_state_dict(state_dict)[0])
+    view = SaveView(
+        step=step,
+        names=sorted(described),
+        digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
+        declared={e.name: e.declared for e in scoped},
+        layout=digests,
+        plain=structure.plain,
+        replicas=structure.replicas_digest,
+        cache=cache.token(structure.own) if cache is not None else None,
+    )
+    prepared = Prepared(step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped))
+    return prepared, view
+
+
+# 2. agree ----------------------------------------------------------------------------------------
+def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
+    """(each rank, pure) Check the gathered views agree, settle every scoped entry's scope and
+    decide who writes each replicated item and whether the cached plans hold
+    (:func:`distckpt.save.plan.decide`, into ``prepared.plan``).
+
+    Every rank judges the same gathered views, so an error (different steps or entries, a
+    ``Global`` entry that differs) is raised identically everywhere, and every rank takes the
+    same planning path.
+    """
+    if len({(v.step, tuple(v.names)) for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
+        raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
+    if len({tuple(sorted(v.digests)) for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
+        raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
+    scopes: dict[str, str] = {}
+    for name, declared in views[0].declared.items():
+        kind = scope.classify(name, declared, [v.digests[name] for v in views])
+        prepared.described[name]["scope"] = kind
+        scopes[name] = kind
+        if kind == scope.PER_RANK:
+            prepared.state_dict[name] = {scope.rank_key(rank): prepared.state_dict[name]}
+    if prepared.structure is not None:
+        prepared.plan = _save_plan.decide(views, prepared.structure, prepared.unscoped, scopes, prepared.sizes, rank)
+        prepared.structure = None  # decided; not needed by write (keeps the job small)
+
+
+# 3. claim ----------------------------------------------------------------------------------------
+def claim(opts: SaveOptions, step: int) -> ownership.Lease:
+    """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves and
+    create the step directory exclusively, under a lease (see :mod:`distckpt.storage.ownership`)."""
+    storage = opts.storage
+    where = storage.display(step_dir(step))
+    if storage.exists(step_dir(step), MANIFEST_NAME):
+        raise StepExistsError(
+            f"step {step} is already committed at {where}; "
+            "saving it again would mix two checkpoints (delete it first or use a new step)"
+        )
+    _remove_stale_leftovers(storage, opts.lease_s)
+    lease = ownership.Lease(storage, step_dir(step), opts.lease_s)
+    try:
+        lease.acquire()
+    except FileExistsError:
+        raise StepExistsError(
+            f"step {step} at {where} is being written by another writer (its lease is live); "
+            "two jobs must not save the same step to one root"
+        ) from None
+    return lease
+
+
+def _remove_stale_leftovers(storage: Storage, lease_s: float) -> None:
+    """Remove incomplete directories whose lease is stale, never a committed step, even one
+    committed while this runs (see :func:`distckpt.storage.ownership.remove_stale_leftovers`)."""
+    ownership.remove_stale_leftovers(storage, lease_s)
+
+
+# 4. stage ----------------------------------------------------------------------------------------
+def stage(opts: SaveOptions, stager: Stager, prepared: Prepared, skip: frozenset[str]) -> None:
+    """(each rank, async saves; training is blocked meanwhile) Copy the state into ``stager``'s
+    host buffers, leaving out ``skip``: replicated tensors another rank stages and writes.
+
+    Those left-out replicas are still fingerprinted here, from the live tensors before training
+    changes them, so that replicas that drifted apart are reported as in a blocking save. It
+    reads each of them once (cheaper than the copy it replaces); ``on_replica_drift="ignore"``
+    or ``fingerprint=False`` skips it.
+    """
+    live = prepared.state_dict
+    prepared.state_dict = stager.stage(live, skip)
+    if skip and opts.fingerprint and opts.on_replica_drift != "ignore":
+        flat = flatten_state_dict(live)[0]
+        prepared.replica_parts = fingerprint.local_parts({k: flat[k] for k in skip if k in flat})
+
+
+# 5. write ----------------------------------------------------------------------------------------
+def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache | None = None) -> Written:
+    """(all ranks) Plan, compare replicas, write this rank's data; the coordinator ``.metadata``.
+
+    Collectives (all ranks, in order): the plan gather and scatter, unless every rank reuses
+    ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); one all-reduce of the
+    replica check when replicas are compared; the gather of outcomes, write results,
+    fingerprint parts and non-tensor item digests; the broadcast of the outcome. See :mod:`distckpt.save.plan`.
+
+    Args:
+        cache: the plans of the previous save on this rank (the checkpointer's; read and
+            replaced here, emptied on failure). ``None``: plan from scratch and keep nothing;
+            every rank must pass one, or every rank none.
+
+    Raises:
+        CheckpointError: on every rank, naming each failed rank's cause.
+    """
+    step = prepared.step
+    where = opts.storage.display(step_dir(step))
+    writer = opts.storage.writer(
+        step_dir(step),
+        thread_count=opts.thread_count,
+        sync_files=opts.sync_files,
+        checksum=opts.checksum,
+        skip_record_crc=opts.skip_record_crc,
+    )
+    plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
+    run = _save_plan.SaveRun(group, writer, plan, cache, f"writing step {step} to {where}")
+    phases: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - clock
+        clock = now
+
+    run.plan(prepared.state_dict)
+    lap("plan")
+    item_digests = values.record_item_digests(run.planner)  # non-tensor items, as written
+    written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
+    held: list[Any] = []
+    if opts.fingerprint:
+        # Every copy this rank holds, in DCP's keys: what it writes (its shards, its share of
+        # replicas), fingerprinted by the writer threads as they write it; the copies it holds
+        # but another rank writes, fingerprinted here meanwhile; (async) the replicas it did
+        # not stage, fingerprinted while staging.
+        run.planner.fingerprints = held
+        others = {k: v for k, v in flatten_state_dict(prepared.state_dict)[0].items() if k not in written_keys}
+        aside = _in_background(lambda: fingerprint.local_parts(others))
+    run.write()
+    lap("write")
+    if opts.fingerprint:
+        run.planner.fingerprints = None
+        held = list(held) + (run.attempt(aside) or []) + list(prepared.replica_parts)
+    lap("fingerprint")
+    phases.update(writer.fs.timings.breakdown())
+    drifted: list[str] = []
+    dchecked = plan.dchecked or []
+    if opts.fingerprint and opts.on_replica_drift != "ignore" and (plan.checked or dchecked):
+        # Every rank contributes a vector of the same length, even one that failed (empty slots).
+        vector = run.attempt(lambda: statecheck.replica_vector(held, plan.checked, dchecked, written_keys))
+        if vector is None:
+            vector = statecheck.replica_vector([], plan.checked, dchecked, set())
+        summed = group.all_reduce(vector)
+        run.stats.collectives += 1
+        drifted = statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
+    lap("replicas")
+    parts: list[Any] = []
+    if opts.fingerprint:
+        parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked, drifted)) or []
+    lap("fingerprint")
+    gathered = run.finish((writer.files, parts, item_digests))
+    lap("metadata")
+    if gathered is None:
+        return Written(plan=run.stats, phases=phases)
+    files = [f for f, _, _ in gathered]
+    files[0] = writer.files  # the coordinator's, now with .metadata
+    merged = {k: v for _, _, d in gathered for k, v in d.items()}  # each item has one writer
+    return Written(files=files, parts=[p for _, p, _ in gathered], value_digests=merged, plan=run.stats, phases=phases)
+
+
+def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Start ``fn`` in a thread; the returned callable waits for it and returns (or raises) its
+    result. For torch work that releases the GIL while the writer threads run."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="distckpt-fingerprint", daemon=True)
+    thread.start()
+
+    def result() -> Any:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    return result
+
+
+# 6. commit ---------------------------------------------------------------------------------------
+def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Written, lease: ownership.Lease | None) -> Manifest:
+    """(coordinator) Write the manifest, exclusively: the step is committed once it exists.
+
+    Raises:
+        StepExistsError: another writer took the step over or committed it first.
+    """
+    step, storage = prepared.step, opts.storage
+    merged: dict[str, FileRecord] = {}
+    for per_rank in written.files:
+        for name, (size, digest) in per_rank.items():
+            merged[name] = FileRecord(size, digest if opts.checksum else None)
+    meta = storage.read_bytes(step_dir(step), ".metadata")
+    merged[".metadata"] = FileRecord(len(meta), digest_of(meta, opts.checksum))
+    manifest = Manifest(
+        step=step,
+        world_size=world_size,
+        entries=prepared.described,
+        files=merged,
+        checksum_algorithm=opts.checksum,
+        torch_version=torch.__version__,
+        distckpt_version=__version__,
+        extra=prepared.extra,
+        fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step) if opts.fingerprint else {},
+        value_digests=dict(sorted(written.value_digests.items())),
+    )
+    where = storage.display(step_dir(step))
+    if lease is not None and not lease.still_mine():
+        raise StepExistsError(f"step {step} at {where}: another writer took it over")
+    try:
+        storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME, exclusive=True)
+    except FileExistsError:
+        raise StepExistsError(f"step {step} at {where} was committed by another writer") from None
+    return manifest
+
+
+# 7. retention ------------------------------------------------------------------------------------
+def apply_retention(opts: SaveOptions) -> None:
+    """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors."""
+    delete_old_steps(opts.storage, opts.keep_last)

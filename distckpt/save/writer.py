@@ -1,0 +1,328 @@
+"""DCP's storage writer on a :class:`~distckpt.storage.base.Storage` (the reader is :mod:`distckpt.load.reader`).
+
+:class:`CheckpointWriter` is DCP's ``FileSystemWriter`` writing one file per rank (and thread)
+through the storage's DCP filesystem, wrapped so that
+
+* every file's size and checksum are computed while it is written (no second pass), for the
+  manifest;
+* a write error (a full disk, a failed upload) is recorded with the file's path and raised
+  after DCP returns, instead of inside DCP's writer threads (which print and lose it);
+* every planned item is checked to have been written.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+import uuid
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+from distckpt.storage.base import Storage, named_os_error
+
+
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_saved = True
+
+
+@contextmanager
+def _without_torch_record_crc() -> Iterator[None]:
+    """Skip the CRC-32 ``torch.save`` computes for every zip record while distckpt writes.
+
+    That CRC is most of torch.save's CPU time (see benchmarks/README.md) and torch.load never checks
+    it; distckpt's own checksum covers every byte of the file instead. The switch is global in
+    torch, so it is reference-counted across concurrent saves; a ``torch.save`` elsewhere in the
+    process meanwhile writes records without CRC, which ``torch.load`` reads as usual.
+    """
+    global _crc_users, _crc_saved
+    import torch.serialization as ser
+
+    if not hasattr(ser, "set_crc32_options"):  # older torch: nothing to switch
+        yield
+        return
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_saved = ser.get_crc32_options()
+            ser.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                ser.set_crc32_options(_crc_saved)
+
+
+_BUFFER = 1 << 20
+
+
+class WriteTimings:
+    """Seconds the writer threads spent in each part of writing files (summed over threads).
+
+    ``files``: from opening each file to closing it (all of the work for it); ``checksum``,
+    ``io_write`` and ``fsync`` are the parts distckpt can see; the rest of ``files`` is DCP's
+    serialization (``torch.save`` of each item). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {"files": 0.0, "checksum": 0.0, "io_write": 0.0, "fsync": 0.0}
+
+    def add(self, part: str, dt: float) -> None:
+        with self._lock:
+            self.seconds[part] += dt
+
+    def breakdown(self) -> dict[str, float]:
+        """``serialize``, ``checksum``, ``io_write``, ``fsync`` (thread-seconds)."""
+        s = dict(self.seconds)
+        seen = s["checksum"] + s["io_write"] + s["fsync"]
+        return {"serialize": max(0.0, s["files"] - seen), "checksum": s["checksum"], "io_write": s["io_write"], "fsync": s["fsync"]}
+
+
+class _ChecksumStream(io.RawIOBase):
+    """Write-through stream that hashes every byte on its way to the file.
+
+    The checksum is computed while the data is written, so integrity costs no second pass.
+    An ``OSError`` from the file (a full disk, a failed upload) is handed to ``on_error`` and
+    the rest of the file is dropped instead of raised: DCP writes from threads of its own that
+    print an exception and lose it, and ``torch.save`` would replace ENOSPC with
+    "enforce fail ... unexpected pos". :meth:`CheckpointWriter.write_data` raises the recorded
+    error once DCP returns, with its errno and the file's path.
+    """
+
+    def __init__(
+        self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any, timings: WriteTimings
+    ) -> None:
+        from distckpt.integrity.checksums import new_hasher
+
+        self._timings = timings
+        self._t_checksum = 0.0
+        self._t_write = 0.0
+        self._raw = raw
+        self._hasher = new_hasher(algorithm) if algorithm else None
+        self._size = 0
+        self._on_close = on_close
+        self._on_error = on_error
+        self._sync = sync
+        self.failed = raw is None
+
+    def writable(self) -> bool:
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = True
+        self._on_error(exc)
+
+    def write(self, b: Any) -> int:  # type: ignore[override]
+        # Called for every piece torch.save writes (thousands per save): kept lean, timings
+        # summed here and handed over once, at close.
+        if self.failed:
+            return memoryview(b).nbytes
+        t0 = time.perf_counter()
+        if self._hasher is not None:
+            self._hasher.update(b)
+        t1 = time.perf_counter()
+        try:
+            n = self._raw.write(b)
+        except OSError as exc:
+            self._fail(exc)
+            return memoryview(b).nbytes
+        t2 = time.perf_counter()
+        self._t_checksum += t1 - t0
+        self._t_write += t2 - t1
+        n = memoryview(b).nbytes if n is None else n
+        self._size += n
+        return n
+
+    def tell(self) -> int:
+        return self._size if self.failed else self._raw.tell()
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self._raw.flush()
+            except OSError as exc:
+                self._fail(exc)
+
+    def close(self) -> None:
+        if not self.closed:
+            # Explicit flush before close: some fsspec files drop unflushed data otherwise.
+            self.flush()
+            if self._sync is not None and not self.failed:
+                t0 = time.perf_counter()
+                try:
+                    self._sync(self._raw)
+                except OSError as exc:
+                    self._fail(exc)
+                self._timings.add("fsync", time.perf_counter() - t0)
+            if not self.failed:
+                self._on_close(self._size, self._hasher.hexdigest() if self._hasher is not None else None)
+            self._timings.add("checksum", self._t_checksum)
+            self._timings.add("io_write", self._t_write)
+        super().close()
+
+
+class _ChecksummingFS(FileSystemBase):
+    """A DCP filesystem that hashes every file it writes, recording ``name -> (size, digest)``.
+
+    Write errors of the files are recorded in :attr:`errors` (with the file's path) rather than
+    raised inside DCP's writer threads; see :class:`_ChecksumStream`.
+    """
+
+    def __init__(self, inner: FileSystemBase, algorithm: str | None, sync: Any = None) -> None:
+        self.inner = inner
+        self.algorithm = algorithm
+        self.sync = sync  # makes a written file durable (Storage.sync_file), or None
+        self.files: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []
+        self.timings = WriteTimings()
+        self._lock = threading.Lock()
+
+    def _record_error(self, exc: BaseException, where: str) -> None:
+        if isinstance(exc, OSError):
+            exc = named_os_error(exc, where)
+        with self._lock:
+            self.errors.append(exc)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with self.inner.create_stream(path, mode) as raw:
+                yield raw
+            return
+        name = os.path.basename(os.fspath(path))
+        where = os.fspath(path)
+
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self.files[name] = (size, digest)
+
+        def on_error(exc: BaseException) -> None:
+            self._record_error(exc, where)
+
+        opened = time.perf_counter()
+        cm = self.inner.create_stream(path, mode)
+        try:
+            raw = cm.__enter__()
+        except OSError as exc:  # cannot even create the file: nothing written, error recorded
+            on_error(exc)
+            cm, raw = None, None
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings)
+        # torch.save writes each item in ~40 pieces, most of a few bytes: a C-level buffer in
+        # front of the (Python) checksumming stream turns them into a few large writes.
+        buffered = io.BufferedWriter(stream, buffer_size=_BUFFER)
+        try:
+            yield buffered  # type: ignore[misc]
+        except BaseException as exc:
+            # DCP's extra writer threads drop their exceptions; remember them here.
+            on_error(exc)
+            raise
+        finally:
+            buffered.close()  # flushes into the stream, then closes it
+            if cm is not None:
+                closing = time.perf_counter()
+                try:
+                    cm.__exit__(None, None, None)
+                except OSError as exc:  # closing commits remote files: a failed upload lands here
+                    on_error(exc)
+                self.timings.add("io_write", time.perf_counter() - closing)  # an upload happens here
+            self.timings.add("files", time.perf_counter() - opened)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return self.inner.concat_path(path, suffix)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        with self._lock:
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
+        return self.inner.init_path(path) if isinstance(self.inner, _LocalDcpFS) else path
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+
+class CheckpointWriter(FileSystemWriter):
+    """DCP's file writer on a :class:`Storage`, recording a checksum of each file it writes.
+
+    Call order is DCP's (all ranks: ``set_up_storage_writer``, ``prepare_local_plan``,
+    ``write_data``; coordinator: ``prepare_global_plan``, ``finish``). After ``dcp.save``
+    returns, :attr:`files` maps each file this rank wrote to ``(size, digest)``.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        path: str,
+        *,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksum: str | None = DEFAULT_CHECKSUM,
+        skip_record_crc: bool = False,
+    ) -> None:
+        # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
+        # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
+        # to os.sync() per file; closing an fsspec file is what commits it).
+        super().__init__(
+            path,
+            single_file_per_rank=True,
+            # Each file is fsynced by its stream (so a failed fsync is recorded, not raised in a
+            # DCP writer thread), not by DCP.
+            sync_files=False,
+            thread_count=thread_count,
+            overwrite=True,
+        )
+        self.storage = storage
+        self.skip_record_crc = skip_record_crc
+        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None)
+        self.path = path
+
+    @property
+    def files(self) -> dict[str, tuple[int, str]]:
+        return dict(self.fs.files)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        # DCP (2.13) runs writer threads whose exceptions are printed and lost: the save would
+        # commit without their items. Re-raise them, and check that every item was written.
+        if self.skip_record_crc and self.fs.algorithm:  # opt-in: the switch is process-wide
+            with _without_torch_record_crc():
+                fut = super().write_data(plan, planner)
+        else:
+            fut = super().write_data(plan, planner)
+        results = fut.wait()
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        if len(results) != len(plan.items):
+            raise OSError(f"only {len(results)} of {len(plan.items)} items were written (a writer thread failed)")
+        return fut
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        # The directory is fixed at construction; a checkpoint_id must not silently redirect it.
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True

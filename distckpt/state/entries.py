@@ -1,0 +1,448 @@
+"""Turning a user's ``state`` mapping into DCP state dicts and back.
+
+Each top-level entry of ``state`` becomes an :class:`Entry` that knows how to produce what is
+saved (``save_state``), what DCP should load into (``load_target``) and how to hand the loaded
+values back to the live object (``apply``). All keys are world-size independent:
+
+* modules: ``get_model_state_dict`` (no ``module.``/``_orig_mod.`` prefixes; FSDP2 DTensors stay
+  sharded);
+* optimizers: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, keyed by
+  parameter FQN, matched with the module in ``state`` that owns their parameters;
+* ``ZeroRedundancyOptimizer``: see :mod:`distckpt.state.zero`;
+* objects with ``state_dict``/``load_state_dict`` (LR schedulers, GradScaler, samplers...);
+* tensors (loaded in place) and plain values (stored as JSON, replaced in ``state`` on load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from distckpt.state import values
+
+_FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def parallel_kind(module: nn.Module) -> str:
+    """How ``module`` is parallelized: ``ddp``, ``fsdp2`` or ``plain`` (``+compiled`` if so)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    suffix = "+compiled" if any(n.startswith("_orig_mod") or "._orig_mod" in n for n, _ in module.named_modules()) else ""
+    if isinstance(module, (DistributedDataParallel, nn.DataParallel)):
+        return "ddp" + suffix
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return "fsdp2" + suffix
+    return "plain" + suffix
+
+
+def dtensor_layout(module: nn.Module) -> str | None:
+    """A digest of how ``module``'s DTensor parameters are laid out, or ``None`` if it has none.
+
+    Covers each parameter's FQN, mesh shape and placements, so that FSDP2 on a 1-D mesh, HSDP
+    or a 2-D mesh, or other placements at the same world size give different digests (the
+    manifest records it; a load compares it to decide whether to verify the state).
+    """
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    items = [
+        f"{clean_fqn(name)}|{tuple(p.device_mesh.shape)}|{tuple(repr(pl) for pl in p.placements)}"
+        for name, p in module.named_parameters()
+        if isinstance(p, DTensor)
+    ]
+    if not items:
+        return None
+    return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
+
+
+class Entry:
+    """One top-level item of ``state``. Subclasses are created by :func:`build_entries`.
+
+    Attributes:
+        declared: the scope the user or the object's kind declared (see :mod:`distckpt.state.scope`),
+            ``None`` when it is to be detected.
+        holder: the ``PerRank``/``Global`` wrapper the value came in, if any.
+    """
+
+    kind = "entry"
+    #: whether the entry gets a global/per-rank scope (modules and optimizers do not: they are
+    #: replicated or sharded by construction)
+    scoped = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.declared: str | None = None
+        self.holder: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def save_state(self) -> Any:
+        raise NotImplementedError
+
+    def load_target(self, saved: Mapping[str, Any]) -> Any:
+        """What DCP should fill. ``saved`` is this entry's manifest description."""
+        return self.save_state()
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class ModuleEntry(Entry):
+    kind = "module"
+    scoped = False
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name)
+        self.module = module
+
+    def describe(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "parallel": parallel_kind(self.module)}
+        layout = dtensor_layout(self.module)
+        if layout is not None:
+            out["layout"] = layout
+        return out
+
+    def save_state(self) -> Any:
+        return get_model_state_dict(self.module)
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        # DCP already copied into the live tensors; this also covers wrappers whose state_dict
+        # tensors are not the parameters themselves. Strictness was checked against metadata.
+        set_model_state_dict(self.module, loaded, options=StateDictOptions(strict=False))
+
+    def settle(self) -> None:
+        """Bring FSDP2 parameters back to their sharded form before reading or writing state.
+
+        After an eval forward under ``no_grad`` (the root stays unsharded), ``unshard()`` or with
+        ``reshard_after_forward=False``, ``module.parameters()`` yields unsharded plain
+        Parameters while the optimizer holds the sharded DTensors: torch's optimizer state-dict
+        helpers then fail, and a load would fill the sharded parameters while the forward kept
+        using stale unsharded copies. ``FSDPModule.reshard()`` is local (no collective) and only
+        frees the unsharded copies; the next forward all-gathers them again. (Do not save
+        between a forward and its backward: that graph needs the unsharded copies.)
+        """
+        fsdp_module = _fsdp_module_class()
+        if fsdp_module is None:
+            return
+        for m in self.module.modules():
+            if isinstance(m, fsdp_module):
+                m.reshard()
+
+    def param_ids(self) -> set[int]:
+        return {id(p) for p in self.module.parameters()}
+
+    def param_fqns(self) -> dict[int, str]:
+        """id(param) -> FQN as it appears in the saved state (wrapper prefixes stripped)."""
+        out: dict[int, str] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), clean_fqn(name))
+        return out
+
+
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def clean_fqn(name: str) -> str:
+    """Strip DDP/DataParallel ``module.`` and ``torch.compile`` ``_orig_mod.`` wrapper parts."""
+    parts = [p for p in name.split(".") if p not in ("_orig_mod",)]
+    if parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def optimizer_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optim.param_groups for p in g["params"]]
+
+
+def flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str]) -> dict[str, Any]:
+    """``param_groups.<fqn>.<hyper-parameter>`` for every parameter, as DCP's flat format has it."""
+    out: dict[str, Any] = {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            for k, v in group.items():
+                if k != "params":
+                    out[f"param_groups.{fqns[id(p)]}.{k}"] = v
+    return out
+
+
+def load_flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: Mapping[str, Any]) -> None:
+    """Set each group's hyper-parameters from the flat form (the group's first parameter)."""
+    for group in optim.param_groups:
+        if not group["params"]:
+            continue
+        first = fqns[id(group["params"][0])]
+        for k in list(group):
+            key = f"param_groups.{first}.{k}"
+            if k != "params" and key in flat:
+                group[k] = flat[key]
+
+
+class OptimizerEntry(Entry):
+    """A regular optimizer (also over FSDP2 DTensor parameters)."""
+
+    kind = "optimizer"
+    scoped = False
+
+    def __init__(self, name: str, optim: torch.optim.Optimizer, module: ModuleEntry) -> None:
+        super().__init__(name)
+        self.optim = optim
+        self.module = module
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "module": self.module.name,
+            "class": type(self.optim).__name__,
+            "initialized": bool(self.optim.state),
+        }
+
+    def save_state(self) -> Any:
+        if not self.optim.state:
+            # get_optimizer_state_dict would run a zero-grad step() to create state; saving must
+            # never change the optimizer, so an optimizer that has not stepped saves its groups.
+            return flat_param_groups(self.optim, self.module.param_fqns())
+        return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+
+    def load_target(self, saved: Mapping[str, Any]) -> Any:
+        if not saved.get("initialized", True):
+            return flat_param_groups(self.optim, self.module.param_fqns())
+        return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        if any(k.startswith("state.") for k in loaded):
+            set_optimizer_state_dict(self.module.module, self.optim, loaded, options=_FLAT_OPTIM)
+        else:
+            self.optim.state.clear()
+            load_flat_param_groups(self.optim, self.module.param_fqns(), loaded)
+
+
+class StatefulEntry(Entry):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: schedulers, GradScaler, samplers."""
+
+    kind = "stateful"
+
+    def __init__(self, name: str, obj: Any) -> None:
+        super().__init__(name)
+        self.obj = obj
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "class": type(self.obj).__name__}
+
+    def save_state(self) -> Any:
+        sd = self.obj.state_dict()
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"state[{self.name!r}].state_dict() returned {type(sd).__name__}, not a dict")
+        return dict(sd)
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        if not loaded and not self.obj.state_dict():
+            return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
+        self.obj.load_state_dict(loaded)
+
+
+class TensorEntry(Entry):
+    """A tensor (or DTensor): loaded in place."""
+
+    kind = "tensor"
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        super().__init__(name)
+        self.tensor = tensor
+
+    def save_state(self) -> Any:
+        return self.tensor
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        if loaded is not self.tensor:
+            self.tensor.copy_(loaded)
+
+
+class TreeEntry(Entry):
+    """A dict/list mixing tensors with plain values; tensors load in place, values are replaced."""
+
+    kind = "tree"
+
+    def __init__(self, name: str, tree: Any) -> None:
+        super().__init__(name)
+        self.tree = tree
+
+    def save_state(self) -> Any:
+        return self.tree
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        _merge_into(self.tree, loaded)
+
+
+def _merge_into(live: Any, loaded: Any) -> None:
+    if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
+        for k, v in loaded.items():
+            key = k
+            if k not in live:  # DCP's flattening turns keys into strings
+                key = next((lk for lk in live if str(lk) == k), k)
+            if key in live and isinstance(live[key], (MutableMapping, list)) and not isinstance(v, torch.Tensor):
+                _merge_into(live[key], v)
+            elif not isinstance(live.get(key), torch.Tensor):
+                live[key] = v
+    elif isinstance(live, list) and isinstance(loaded, list):
+        for i, v in enumerate(loaded[: len(live)]):
+            if isinstance(live[i], (MutableMapping, list)):
+                _merge_into(live[i], v)
+            elif not isinstance(live[i], torch.Tensor):
+                live[i] = v
+
+
+class ValueEntry(Entry):
+    """A plain value, stored as JSON text; replaced in ``state`` on load (dicts/lists in place)."""
+
+    kind = "value"
+
+    def __init__(self, name: str, value: Any) -> None:
+        super().__init__(name)
+        self.value = value
+
+    def save_state(self) -> Any:
+        return values.encode(self.value, self.name)
+
+    def describe(self) -> dict[str, Any]:
+        # Checked on load and export (values.check_digest): values have no tensor fingerprint.
+        return {"kind": self.kind, "sha256": values.digest(self.save_state())}
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        value = values.decode(loaded, self.name)
+        live = self.value
+        if isinstance(live, dict) and isinstance(value, dict):
+            live.clear()
+            live.update(value)
+        elif isinstance(live, list) and isinstance(value, list):
+            live[:] = value
+        elif self.holder is not None:
+            self.holder.obj = value  # a PerRank/Global wrapper stays in state
+        else:
+            state[self.name] = value
+
+
+def contains(value: Any, kind: type = torch.Tensor) -> bool:
+    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere."""
+    if isinstance(value, kind):
+        return True
+    if isinstance(value, Mapping):
+        return any(contains(v, kind) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(contains(v, kind) for v in value)
+    return False
+
+
+def tied_duplicates(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Key -> the earlier key whose value is the very same tensor (tied weights, e.g. a language
+    model's ``lm_head.weight`` and its input embeddings); DTensors compared by local shard."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0 or local.device.type == "meta":
+            continue
+        sid = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
+        if sid in first:
+            out[key] = first[sid]
+        else:
+            first[sid] = key
+    return out
+
+
+RESERVED_PREFIX = "_"
+
+
+def build_entries(state: Mapping[str, Any]) -> list[Entry]:
+    """Classify every item of ``state``; ``TypeError``/``ValueError`` naming the key on bad input.
+
+    Modules come first so that optimizers can find the module that owns their parameters.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from distckpt.state.zero import ZeroOptimizerEntry
+
+    from distckpt.state.scope import unwrap
+
+    modules: list[ModuleEntry] = []
+    others: list[tuple[str, Any]] = []
+    declared: dict[str, tuple[str | None, Any]] = {}
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name or "." in name or name.startswith(RESERVED_PREFIX):
+            raise ValueError(
+                f"state key {name!r} is invalid: use non-empty strings without '.' that do not "
+                f"start with {RESERVED_PREFIX!r} (reserved for distckpt)"
+            )
+        obj, scope, holder = unwrap(obj)
+        declared[name] = (scope, holder)
+        if isinstance(obj, nn.Module):
+            if holder is not None:
+                raise TypeError(f"state[{name!r}]: modules are replicated or sharded; they take no PerRank/Global")
+            entry = ModuleEntry(name, obj)
+            entry.settle()
+            modules.append(entry)
+        else:
+            others.append((name, obj))
+
+    entries: list[Entry] = list(modules)
+    for name, obj in others:
+        if isinstance(obj, torch.optim.Optimizer) and declared[name][1] is not None:
+            raise TypeError(f"state[{name!r}]: optimizers follow their module; they take no PerRank/Global")
+        if isinstance(obj, torch.optim.Optimizer):
+            owner = _owner_of(name, obj, modules)
+            if isinstance(obj, ZeroRedundancyOptimizer):
+                entries.append(ZeroOptimizerEntry(name, obj, owner))
+            else:
+                entries.append(OptimizerEntry(name, obj, owner))
+        elif isinstance(obj, torch.Tensor):
+            entries.append(TensorEntry(name, obj))
+        elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            entries.append(StatefulEntry(name, obj))
+        elif contains(obj):
+            entries.append(TreeEntry(name, obj))
+        else:
+            values.encode(obj, name)  # raises TypeError naming the key if not plain
+            entries.append(ValueEntry(name, obj))
+    for entry in entries:
+        entry.declared, entry.holder = declared[entry.name]
+    return entries
+
+
+def _owner_of(name: str, optim: torch.optim.Optimizer, modules: list[ModuleEntry]) -> ModuleEntry:
+    wanted = {id(p) for p in optimizer_params(optim)}
+    owners = [m for m in modules if wanted and wanted <= m.param_ids()]
+    if len(owners) == 1:
+        return owners[0]
+    if not owners:
+        raise ValueError(
+            f"optimizer state[{name!r}] optimizes parameters that no single module in state owns "
+            f"(modules: {[m.name for m in modules] or 'none'}); put its model in the same state"
+        )
+    # Several candidates (e.g. a module and a sub-module both listed): take the smallest.
+    return min(owners, key=lambda m: len(m.param_ids()))

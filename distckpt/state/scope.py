@@ -1,0 +1,155 @@
+"""Global and per-rank state: what is stored once, and what is stored once per rank.
+
+DCP writes each key once: when ranks hold *different* values under the same key, one rank's
+copy is kept (even a mix of two ranks' fields, one field from each). distckpt therefore gives
+every entry of ``state`` that is not a module or an optimizer (those are replicated or sharded
+by construction) a *scope*, decided at save time:
+
+* ``global``: identical on every rank, stored once (e.g. the step, an LR scheduler,
+  :class:`~distckpt.GlobalBatchSampler`);
+* ``per_rank``: differs on some rank, stored once per rank under ``NAME.rank_<r>`` (e.g.
+  torchdata's ``StatefulDataLoader`` over a ``DistributedSampler``, a per-rank counter).
+
+How the scope is decided, first rule that applies:
+
+1. declared by the user: ``state["x"] = distckpt.PerRank(obj)`` or ``distckpt.Global(obj)``;
+   a ``Global`` entry that differs between ranks is an error naming the ranks;
+2. declared by the object's class: a class attribute ``distckpt_scope = "global"`` or
+   ``"per_rank"`` (``GlobalBatchSampler`` declares ``global``);
+3. built-in kinds: torchdata's ``StatefulDataLoader`` and ``torch.utils.data.DistributedSampler``
+   are ``per_rank`` (their position describes this rank's own slice of the data);
+4. otherwise detected: every rank digests what it would save and the digests are exchanged on
+   distckpt's group; an entry whose digest differs on any rank is ``per_rank``.
+
+Loading at the same world size gives every rank its own state back. At another world size a
+per-rank entry cannot be resharded: ``load(strict=True)`` raises
+:class:`~distckpt.StateMismatchError` naming the entry and both world sizes; ``strict=False``
+skips it and lists it in ``Checkpointer.last_load_report.skipped``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+GLOBAL = "global"
+PER_RANK = "per_rank"
+SCOPES = (GLOBAL, PER_RANK)
+_PER_RANK_KINDS = {
+    ("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader"),
+    ("torch.utils.data.distributed", "DistributedSampler"),
+}
+
+
+class _Declared:
+    __slots__ = ("obj",)
+    scope = ""
+
+    def __init__(self, obj: Any) -> None:
+        if isinstance(obj, _Declared):
+            raise TypeError(f"{type(self).__name__}({type(obj).__name__}(...)): declare the scope once")
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.obj!r})"
+
+
+class PerRank(_Declared):
+    """Declare an entry of ``state`` as per-rank: stored once per rank, loaded back by each rank.
+
+    ``state["loader"] = distckpt.PerRank(loader)``. A plain value inside is replaced in the
+    wrapper (``.obj``) on load; objects with ``load_state_dict`` load in place. Any rank may build
+    one (not collective).
+    """
+
+    scope = PER_RANK
+
+
+class Global(_Declared):
+    """Declare an entry of ``state`` as global: it must be identical on every rank (stored once).
+
+    A save where it differs between ranks fails on every rank, naming the entry and the ranks
+    on each side. Any rank may build one (not collective).
+    """
+
+    scope = GLOBAL
+
+
+def unwrap(obj: Any) -> tuple[Any, str | None, _Declared | None]:
+    """``(object, declared scope or None, the wrapper or None)`` of a ``state`` value."""
+    if isinstance(obj, _Declared):
+        return obj.obj, obj.scope, obj
+    declared = getattr(type(obj), "distckpt_scope", None)
+    if declared is not None:
+        if declared not in SCOPES:
+            raise ValueError(f"{type(obj).__name__}.distckpt_scope must be one of {SCOPES}, got {declared!r}")
+        return obj, declared, None
+    for cls in type(obj).__mro__:
+        if (cls.__module__, cls.__name__) in _PER_RANK_KINDS:
+            return obj, PER_RANK, None
+    return obj, None, None
+
+
+def digest(value: Any) -> str:
+    """A digest of a state value (nested containers, tensors, plain values) that is equal on two
+    ranks exactly when their values are equal (tensors compared by dtype, shape and bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    _feed(h, value)
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        from distckpt.state.fingerprint import of_tensor, supported
+
+        t = value.detach()
+        if supported(t):
+            h.update(b"T" + f"{t.dtype}{tuple(t.shape)}".encode() + of_tensor(t.cpu() if t.device.type != "cpu" else t).encode())
+        else:  # sparse, quantized ...: compare what they print as (never equal by accident)
+            h.update(b"t" + repr(t).encode())
+    elif isinstance(value, Mapping):
+        h.update(b"{" + struct.pack("<Q", len(value)))
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode() + b":")
+            _feed(h, value[k])
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        h.update((b"[" if isinstance(value, list) else b"(") + struct.pack("<Q", len(value)))
+        for v in value:
+            _feed(h, v)
+        h.update(b"]")
+    elif isinstance(value, float):
+        h.update(b"f" + struct.pack("<d", value))
+    else:
+        h.update(type(value).__name__.encode() + b"=" + repr(value).encode())
+
+
+def classify(name: str, declared: str | None, digests: Sequence[str]) -> str:
+    """(every rank, identical result) The scope of entry ``name`` from every rank's digest.
+
+    Raises:
+        ValueError: ``name`` was declared global but its value differs between ranks.
+    """
+    if declared == PER_RANK:
+        return PER_RANK
+    if len(set(digests)) <= 1:
+        return GLOBAL
+    if declared == GLOBAL:
+        groups: dict[str, list[int]] = {}
+        for rank, d in enumerate(digests):
+            groups.setdefault(d, []).append(rank)
+        sides = " vs ".join(str(ranks) for ranks in sorted(groups.values()))
+        raise ValueError(
+            f"state[{name!r}] is declared distckpt.Global but differs between ranks: ranks {sides} "
+            "hold different values (declare it distckpt.PerRank if each rank has its own)"
+        )
+    return PER_RANK
+
+
+def rank_key(rank: int) -> str:
+    """The key a per-rank entry's state is stored under, inside the entry."""
+    return f"rank_{rank}"

@@ -1,0 +1,218 @@
+"""Verified resume: the state a job holds after a load is the state that was saved.
+
+At save, every rank computes :mod:`distckpt.state.fingerprint` parts of the tensors it holds; the parts
+of what it *writes* travel with the write results the coordinator gathers anyway, and the manifest
+records one fingerprint per tensor key (``Manifest.fingerprints``). Copies of a tensor that should
+be identical (DDP replicas, replicated DTensor dimensions, global values) are compared on the way:
+copies that differ are reported (``on_drift="warn"`` or ``"error"``), naming the key and the ranks
+on each side, and get no fingerprint, since only one of them is written.
+
+The comparison costs O(items) per rank, not O(world x items) (:func:`replica_vector`): every rank
+adds, per replicated key, a hash of its copy's partial sum to one slot and, if it writes that
+copy, to a second slot; one all-reduce sums the slots; a key whose first sum is not ``R`` times
+its second (``R`` copies) has copies that differ. Only then are the copies' parts of the
+drifted keys gathered, to name the ranks on each side (:func:`parts_to_send`). Items held by
+some ranks only (ZeRO partitions, per-rank entries) send every copy they hold, so copies held
+twice are compared by :func:`record` as before.
+
+After a load, the same parts are computed over what the objects now hold (re-extracted through
+the same state-dict functions a save uses), gathered once on distckpt's group, and compared
+with the manifest: a difference raises :class:`StateDivergedError` on every rank, naming the keys.
+
+Not collective by itself: the checkpointer gathers the parts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from distckpt.state import fingerprint
+from distckpt.errors import StateMismatchError
+
+DRIFT_POLICIES = ("warn", "error", "ignore")
+
+
+class StateDivergedError(StateMismatchError):
+    """After a load, tensors differ from what was saved (their fingerprints do not match).
+
+    Attributes:
+        diverged: the keys whose loaded values differ from the saved ones.
+    """
+
+    def __init__(self, diverged: Sequence[str], where: str = "") -> None:
+        self.diverged = sorted(diverged)
+        self.where = where
+        self.missing, self.unexpected, self.mismatched, self.per_rank = [], [], {}, {}
+        shown = ", ".join(self.diverged[:20]) + (f", ... (+{len(self.diverged) - 20} more)" if len(self.diverged) > 20 else "")
+        message = (
+            f"the loaded state differs from the state saved{(' in ' + where) if where else ''}: "
+            f"{len(self.diverged)} tensor(s) have other values than were saved: {shown}"
+        )
+        KeyError.__init__(self, message)
+
+    def __reduce__(self) -> tuple:
+        return (self.__class__, (self.diverged, self.where))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ReplicaDriftError(ValueError):
+    """At save, copies of a tensor that should be identical on every rank hold different values."""
+
+
+def describe_drift(drifted: Mapping[str, list[list[int]]]) -> str:
+    parts = []
+    for key, groups in sorted(drifted.items())[:20]:
+        parts.append(f"{key} (ranks {' vs '.join(str(g) for g in groups)})")
+    more = f", ... (+{len(drifted) - 20} more)" if len(drifted) > 20 else ""
+    return ", ".join(parts) + more
+
+
+def record(parts_by_rank: Sequence[Sequence[fingerprint.Part]], on_drift: str, step: int) -> dict[str, str]:
+    """(coordinator, or any rank: pure) Fingerprints to record in the manifest of ``step``.
+
+    Raises:
+        ReplicaDriftError: ``on_drift="error"`` and replicas differ.
+    """
+    prints, drifted = fingerprint.combine(parts_by_rank)
+    if drifted and on_drift != "ignore":
+        message = (
+            f"save of step {step}: copies of the same tensor differ between ranks (replicas drifted; "
+            f"DCP writes only one copy): {describe_drift(drifted)}"
+        )
+        if on_drift == "error":
+            raise ReplicaDriftError(message)
+        warnings.warn(f"distckpt: {message}", stacklevel=3)
+    return prints
+
+
+def diverged(
+    parts_by_rank: Sequence[Sequence[fingerprint.Part]], saved: Mapping[str, str], keys: Iterable[str]
+) -> list[str]:
+    """(any rank: pure, identical on every rank) Keys among ``keys`` whose loaded fingerprint
+    differs from the saved one. Keys without a saved fingerprint are not judged."""
+    got, drifted = fingerprint.combine(parts_by_rank)
+    out = []
+    for key in keys:
+        want = saved.get(key)
+        if want is None:
+            continue
+        if key in drifted or got.get(key) != want:
+            out.append(key)
+    return sorted(out)
+
+
+def from_files(source: object) -> dict[str, str]:
+    """(one process, not collective) Fingerprints recomputed from a checkpoint's files.
+
+    ``source`` is a :class:`distckpt.tools.convert.CheckpointSource`; every stored shard of every tensor
+    is read once (one shard in memory at a time) and its part added, exactly as the ranks that
+    saved it did. What ``distckpt verify --state`` compares with the manifest.
+    """
+    parts: list[fingerprint.Part] = []
+    for key, info in source.tensors.items():  # type: ignore[attr-defined]
+        for offsets, shard in source.iter_shards(key):  # type: ignore[attr-defined]
+            if not fingerprint.supported(shard):
+                break
+            total = fingerprint.partial_sum(shard, info.shape, offsets)
+            parts.append((key, tuple(offsets), tuple(shard.shape), tuple(info.shape), str(info.dtype), total))
+    prints, _ = fingerprint.combine([parts])
+    return prints
+
+
+def compare_files(source: object, saved: Mapping[str, str]) -> tuple[list[str], int]:
+    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``."""
+    recomputed = from_files(source)
+    checked = [k for k in saved if k in recomputed]
+    bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
+    return bad, len(checked)
+
+
+_LOW32 = (1 << 32) - 1
+
+
+def replica_vector(
+    held: Sequence[fingerprint.Part],
+    checked: Sequence[str],
+    dchecked: Sequence[tuple[str, int]],
+    written: set[str] | frozenset[str],
+) -> torch.Tensor:
+    """(each rank, not collective) This rank's slots for the replica check, to be summed over
+    ranks (``all_reduce``) and judged by :func:`replica_mismatches`.
+
+    Args:
+        held: fingerprint parts of every copy this rank holds (written or not).
+        checked: replicated plain tensors (every rank holds one copy), sorted, the same list on
+            every rank.
+        dchecked: DTensors with replicated mesh dimensions and their replication factor.
+        written: keys this rank writes.
+
+    Returns:
+        int64 tensor ``[all_hi, all_lo, written_hi, written_lo]``, each ``n`` long: 32-bit
+        halves of the slot sums, so that a sum over any number of ranks fits without overflow.
+    """
+    index = {k: i for i, k in enumerate(checked)}
+    for k, _ in dchecked:
+        index.setdefault(k, len(index))
+    n = len(index)
+    every = [0] * n
+    mine = [0] * n
+    mask = (1 << 64) - 1
+    for part in held:
+        i = index.get(part[0])
+        if i is None:
+            continue
+        h = fingerprint.mix(part)
+        every[i] = (every[i] + h) & mask
+        if part[0] in written:
+            mine[i] = (mine[i] + h) & mask
+    return torch.tensor(
+        [v >> 32 for v in every] + [v & _LOW32 for v in every] + [v >> 32 for v in mine] + [v & _LOW32 for v in mine],
+        dtype=torch.int64,
+    )
+
+
+def replica_mismatches(
+    summed: torch.Tensor, checked: Sequence[str], dchecked: Sequence[tuple[str, int]], world_size: int
+) -> list[str]:
+    """(any rank, pure) Keys whose copies differ, from the summed :func:`replica_vector`: those
+    whose hash sum over all copies is not the number of copies times the written copies' sum."""
+    factor = {k: world_size for k in checked}
+    for k, r in dchecked:
+        factor.setdefault(k, r)
+    keys = list(factor)
+    n = len(keys)
+    values = summed.tolist()
+    mask = (1 << 64) - 1
+    out = []
+    for i, key in enumerate(keys):
+        every = ((values[i] << 32) + values[n + i]) & mask
+        mine = ((values[2 * n + i] << 32) + values[3 * n + i]) & mask
+        if every != (factor[key] * mine) & mask:
+            out.append(key)
+    return out
+
+
+def parts_to_send(
+    held: Sequence[fingerprint.Part],
+    written: set[str] | frozenset[str],
+    replicated: Mapping[str, int] | set[str],
+    dchecked: Sequence[tuple[str, int]] | None,
+    drifted: Iterable[str] = (),
+) -> list[fingerprint.Part]:
+    """(each rank) The parts this rank hands the coordinator for :func:`record`: those of what it
+    writes; every copy of items that only some ranks hold (their duplicates are compared there)
+    and of DTensor replicas the ranks could not compare by slots; and, for keys that drifted,
+    every copy, so the report can name the ranks on each side."""
+    compared = {k for k, _ in dchecked} if dchecked is not None else set()
+    drift = set(drifted)
+    out = []
+    for part in held:
+        key = part[0]
+        if key in written or key in drift or (key not in replicated and key not in compared):
+            out.append(part)
+    return out

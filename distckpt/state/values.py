@@ -1,0 +1,203 @@
+"""Plain Python values in a checkpoint, stored as JSON text so that reading them runs no code.
+
+DCP pickles non-tensor values and unpickles them with ``torch.load(weights_only=False)``; a
+crafted checkpoint could run code that way. distckpt stores a plain value (int, float, str, bool,
+None, and lists, tuples and dicts of them) as one JSON string, with tuples and non-string dict
+keys tagged so that the value comes back exactly as it was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "distckpt-json:"
+_TUPLE = "__distckpt_tuple__"
+_DICT = "__distckpt_dict__"
+_FLOAT = "__distckpt_float__"
+
+
+def is_plain(value: Any) -> bool:
+    """True if ``value`` is a plain value this module can store."""
+    try:
+        _check(value, "")
+    except TypeError:
+        return False
+    return True
+
+
+def _check(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (bool, int, float, str))):
+                raise TypeError(f"dict key {k!r} at {where or 'top'} is of type {type(k).__name__}")
+            _check(v, f"{where}[{k!r}]")
+        return
+    raise TypeError(f"value at {where or 'top'} is of type {type(value).__name__}")
+
+
+def _tag(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT: repr(value)}
+    if isinstance(value, tuple):
+        return {_TUPLE: [_tag(v) for v in value]}
+    if isinstance(value, list):
+        return [_tag(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and _TUPLE not in value and _DICT not in value and _FLOAT not in value:
+            return {k: _tag(v) for k, v in value.items()}
+        return {_DICT: [[_tag(k), _tag(v)] for k, v in value.items()]}
+    return value
+
+
+def _untag(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_untag(v) for v in value]
+    if isinstance(value, dict):
+        if len(value) == 1 and _TUPLE in value:
+            return tuple(_untag(v) for v in value[_TUPLE])
+        if len(value) == 1 and _FLOAT in value:
+            return float(value[_FLOAT])
+        if len(value) == 1 and _DICT in value:
+            return {_untag(k): _untag(v) for k, v in value[_DICT]}
+        return {k: _untag(v) for k, v in value.items()}
+    return value
+
+
+def encode(value: Any, name: str = "value") -> str:
+    """JSON text for a plain value; ``TypeError`` naming ``name`` if it is not plain."""
+    try:
+        _check(value, "")
+    except TypeError as exc:
+        raise TypeError(
+            f"state[{name!r}] cannot be saved: {exc}. Plain values may be int, float, str, bool, "
+            "None and lists/tuples/dicts of them; give other objects state_dict()/load_state_dict()"
+        ) from None
+    return PREFIX + json.dumps(_tag(value), allow_nan=False, separators=(",", ":"))
+
+
+def decode(text: Any, name: str = "value") -> Any:
+    """The value :func:`encode` stored.
+
+    Raises:
+        IntegrityError: naming ``name``, if ``text`` is not one (the manifest says this entry
+            is a plain value, so the checkpoint was damaged or altered).
+    """
+    from distckpt.errors import IntegrityError
+
+    if not isinstance(text, str) or not text.startswith(PREFIX):
+        raise IntegrityError(f"checkpoint entry {name!r} is not a distckpt plain value ({type(text).__name__} stored)")
+    try:
+        return _untag(json.loads(text[len(PREFIX):]))
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise IntegrityError(f"checkpoint entry {name!r}: its stored plain value is malformed ({exc})") from None
+
+
+def digest(text: str) -> str:
+    """What the manifest records of a plain value's stored text (``entries[name]["sha256"]``)."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_digest(text: Any, entry: Mapping[str, Any], name: str) -> None:
+    """Raise :class:`IntegrityError` if ``text`` (as read) is not the value the manifest recorded.
+
+    Plain values carry no tensor fingerprint; without this a ``.metadata`` pointed at another
+    record (re-sealed by an attacker) would load another value silently. Entries saved per rank
+    hold one value per rank, and the manifest records rank 0's: those are not checked.
+    """
+    from distckpt.errors import IntegrityError
+
+    expected = entry.get("sha256")
+    if not isinstance(expected, str) or entry.get("scope") == "per_rank":
+        return
+    if not isinstance(text, str) or digest(text) != expected:
+        raise IntegrityError(f"checkpoint entry {name!r}: the stored value is not the one saved (its sha256 does not match the manifest)")
+
+
+# Non-tensor items inside entries ---------------------------------------------------------------
+# Optimizer hyper-parameters (``optim.param_groups.<fqn>.lr``), scheduler and GradScaler fields,
+# RNG states' Python parts...: everything DCP writes as a BYTE_IO record (``torch.save`` of the
+# object). They carry no tensor fingerprint, so the manifest records, per flattened key, the
+# sha256 of the exact bytes stored for the item (``Manifest.value_digests``). A load or export
+# hashes the bytes it is about to unpickle and compares them first: a ``.metadata`` re-pointed at
+# another record is refused before anything is unpickled. The bytes are hashed as written (the
+# writer threads' BytesIO), never re-serialized: ``torch.save`` output depends on process-wide
+# switches (its per-record CRC) and pickle memoization, not only on the value.
+
+
+def item_digest(data: Any) -> str:
+    """sha256 (hex) of the bytes stored for one non-tensor item (any buffer)."""
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def record_item_digests(planner: Any) -> dict[str, str]:
+    """Have ``planner`` (a DCP ``SavePlanner``) record the digest of every non-tensor item it hands
+    DCP's writer, as it hands it over (in the writer threads); returns the dict it fills,
+    ``flattened key -> sha256``, complete once the write returned. Tensors are not touched.
+
+    Only items this rank writes are recorded, so over all ranks each written item is recorded
+    exactly once (replicated items have one writer, see :mod:`distckpt.save.plan`).
+    """
+    import io
+
+    digests: dict[str, str] = {}
+    inner = planner.resolve_data
+
+    def resolve_data(write_item: Any) -> Any:
+        data = inner(write_item)
+        if isinstance(data, io.BytesIO):  # BYTE_IO: exactly what DCP writes (no storage transforms)
+            digests[write_item.index.fqn] = item_digest(data.getbuffer())  # one dict store: thread-safe
+        return data
+
+    planner.resolve_data = resolve_data
+    return digests
+
+
+def check_item(data: Any, key: str, digests: Mapping[str, str] | None, where: str) -> None:
+    """Raise :class:`IntegrityError` naming ``key`` and ``where`` (its file) unless ``data``, the
+    bytes read for non-tensor item ``key``, are the bytes saved for it.
+
+    ``digests``: the manifest's ``value_digests``; ``None`` (a manifest written before they were
+    recorded): not checked. Call before unpickling ``data``.
+    """
+    from distckpt.errors import IntegrityError
+
+    if digests is None:
+        return
+    expected = digests.get(key)
+    if expected is None:
+        raise IntegrityError(
+            f"{where}: non-tensor item {key!r} was not written when the step was saved (the manifest records "
+            "no digest for it; its .metadata was altered)"
+        )
+    if item_digest(data) != expected:
+        raise IntegrityError(
+            f"{where}: non-tensor item {key!r}: the stored bytes are not the ones saved for it (their sha256 does "
+            "not match the manifest's value_digests; its .metadata or data were altered)"
+        )
+
+
+def check_items_listed(digests: Mapping[str, str] | None, index: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`IntegrityError` if a non-tensor item the manifest recorded is missing from the
+    step's ``.metadata`` or described there as a tensor. ``index``: key -> global shape, ``None``
+    for non-tensor items (:func:`distckpt.load.phases.metadata_index`)."""
+    from distckpt.errors import IntegrityError
+
+    if not digests:
+        return
+    lost = sorted(k for k in digests if k not in index or index[k] is not None)
+    if lost:
+        shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+        raise IntegrityError(f"{where}: non-tensor items saved in this step are missing from it or altered: {shown}")

@@ -1,0 +1,7 @@
+"""Storage: one small interface (``base.Storage``), two implementations.
+
+``local`` is a POSIX filesystem (fsync, rename, symlinks refused), ``objectstore`` any fsspec
+URL such as ``s3://`` (single-put commits, conditional writes). On top of them: ``ownership``
+(which writer holds a step directory), ``retention`` (``keep_last``) and ``replica`` (the
+background copy to a second root).
+"""

@@ -1,0 +1,355 @@
+"""Where checkpoints live: a root on a local disk or any fsspec filesystem.
+
+:class:`Storage` is the small interface every other module uses (paths, listings, atomic
+byte writes, exclusive creation, removal, file handles, DCP readers and writers), with two
+implementations: ``Storage(root)`` returns
+
+* :class:`~distckpt.storage.local.LocalStorage` for local paths and ``file://`` URLs: plain
+  file I/O with ``fsync``, atomic renames and hard links, and reads that never follow a
+  symbolic link below the root;
+* :class:`~distckpt.storage.objectstore.FsspecStorage` for any other URL (``s3://``, ``memory://``,
+  ``gs://`` ...), through fsspec with the caller's ``storage_options``: there is no rename on
+  object stores, so a commit is a single (conditional, where supported) object put.
+
+DCP's writer and reader for a storage are :mod:`distckpt.save.writer` and :mod:`distckpt.load.reader`.
+Credentials in ``storage_options`` are handed to fsspec only: they never appear in ``repr``,
+error messages or manifests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import fsspec
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+
+# Temporary directories a step directory is built in before it is renamed into place.
+NEW_DIR_PREFIX = ".distckpt-new-"
+_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
+# Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
+_CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
+
+
+def _flat_namespace(fs: Any) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in _FLAT_PROTOCOLS for p in protocols)
+
+
+def _with_location(exc: BaseException, where: str) -> BaseException | None:
+    """``exc`` as the same OSError type with ``where`` (redacted URL) in its message, or None."""
+    is_client = type(exc).__module__.split(".", 1)[0] in _CLIENT_ERROR_MODULES
+    if not isinstance(exc, OSError) and not is_client:
+        return None
+    detail = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)).strip() or type(exc).__name__
+    if where in detail:
+        return None
+    msg = f"{where}: {detail}"
+    if isinstance(exc, PermissionError):
+        msg += " (access denied: check the credentials in storage_options or the environment)"
+    if is_client and not isinstance(exc, OSError):
+        return ConnectionError(f"{msg} ({type(exc).__name__})")
+    try:
+        return type(exc)(msg)
+    except Exception:  # noqa: BLE001 - exotic constructor
+        return OSError(msg)
+
+
+def _redact(url: str) -> str:
+    """The URL without user info or query string (where credentials hide)."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    rest = rest.split("?", 1)[0]
+    if "@" in rest.split("/", 1)[0]:
+        rest = rest.split("@", 1)[1]
+    return f"{scheme}://{rest}"
+
+
+def named_os_error(exc: OSError, where: str) -> OSError:
+    """``exc`` with ``where`` as its file name, so that its message says which file failed."""
+    if exc.errno is None or exc.filename:
+        return exc
+    named = OSError(exc.errno, exc.strerror or os.strerror(exc.errno), where)
+    named.__cause__ = exc
+    return named
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+
+class Storage:
+    """A checkpoint root on a local disk or any fsspec filesystem (see the module doc).
+
+    Args:
+        root: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/prefix``).
+        storage_options: passed to the fsspec filesystem (endpoint, credentials, region...).
+
+    Attributes:
+        is_local: whether the root is a local directory (informational: what differs between
+            the two kinds of storage is in their methods, not in callers' branches).
+        flat: whether the root is on an object store without real directories.
+        url: the root for messages (no credentials); ``path``: the root for the filesystem.
+
+    Not collective: any rank may create one. The checkpointer lets only the coordinator list,
+    commit and delete.
+    """
+
+    is_local = False
+    flat = False
+
+    @property
+    def shared_between_processes(self) -> bool:
+        """Whether another process opening the same root sees the same files (``memory://``
+        lives inside one process, so async saves there cannot be written by a writer process)."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        return not isinstance(self.fs, MemoryFileSystem)
+
+    def __new__(cls, root: str | os.PathLike | None = None, storage_options: dict[str, Any] | None = None) -> Storage:
+        if cls is Storage:
+            protocol = fsspec.utils.get_protocol(os.fspath(root)) if root is not None else "file"
+            if protocol in ("file", "local"):
+                from distckpt.storage.local import LocalStorage
+
+                cls = LocalStorage
+            else:
+                from distckpt.storage.objectstore import FsspecStorage
+
+                cls = FsspecStorage
+        return super().__new__(cls)
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.path = ""
+        self.url = ""
+        self.fs: Any = None
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    @contextmanager
+    def _at(self, *parts: str) -> Iterator[None]:
+        """Re-raise I/O errors with the (redacted) location in the message, same type."""
+        try:
+            yield
+        except Exception as exc:
+            located = _with_location(exc, self.display(*parts))
+            if located is None:
+                raise
+            raise located from exc
+
+    # the interface ---------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        """Absolute filesystem path of ``parts`` under the root."""
+        raise NotImplementedError
+
+    def display(self, *parts: str) -> str:
+        """User-facing location (URL with scheme, no credentials) of ``parts``."""
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Forget cached listings (another rank or job may have written)."""
+
+    def root_exists(self) -> bool:
+        raise NotImplementedError
+
+    def exists(self, *parts: str) -> bool:
+        raise NotImplementedError
+
+    def list_dirs(self) -> list[str]:
+        """Names of the sub-directories (prefixes) directly under the root; [] if none."""
+        raise NotImplementedError
+
+    def list_files(self, *parts: str) -> dict[str, int]:
+        """Relative name -> size of the files directly inside ``parts``."""
+        raise NotImplementedError
+
+    def read_bytes(self, *parts: str) -> bytes:
+        raise NotImplementedError
+
+    def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
+        """Write ``data`` so that readers see either nothing or all of it.
+
+        Raises:
+            FileExistsError: ``exclusive`` and the file exists.
+        """
+        raise NotImplementedError
+
+    def create_exclusive(self, dirname: str, name: str, data: bytes) -> None:
+        """Create directory ``dirname`` holding file ``name``, failing if someone did first.
+
+        Raises:
+            FileExistsError: someone created it first.
+        """
+        raise NotImplementedError
+
+    def remove(self, *parts: str) -> None:
+        """Remove a file; missing is fine."""
+        raise NotImplementedError
+
+    def remove_tree(self, *parts: str) -> None:
+        """Remove a directory and everything under it; missing is fine."""
+        raise NotImplementedError
+
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        """Replace a file like :meth:`write_bytes`, but never create its directory.
+
+        Local disks: a temporary file in the existing directory, ``fsync``, rename; the
+        directory is never re-created, so one that cleanup moved away stays gone. Object stores
+        have no directories: one put, as :meth:`write_bytes`.
+
+        Raises:
+            FileNotFoundError: the directory does not exist (local disks).
+        """
+        raise NotImplementedError
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        """Rename directory ``src`` (under the root) to ``dst`` in one atomic step, so that
+        nothing can be written into it through its old path afterwards; returns True.
+
+        Returns False, moving nothing, where the storage has no atomic rename (object stores:
+        a copy would not be atomic); callers then act on ``src`` in place.
+
+        Raises:
+            FileNotFoundError: ``src`` does not exist (local disks).
+        """
+        raise NotImplementedError
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        """Newest modification time (Unix seconds) of directory ``parts`` and of the entries
+        directly inside it (``None`` if the store reports no times), and how many entries it
+        holds (0 if it is missing). Local disks never follow a symbolic link."""
+        raise NotImplementedError
+
+    # a directory of several files published as a whole ------------------------------------------
+    # The protocol (one process; Hugging Face publishing and export use it):
+    #   1. ``staged = storage.stage_directory(...)``; write the files into ``Storage(staged)``,
+    #      the file that commits the directory (an index) last;
+    #   2. ``storage.commit_directory(staged, ...)``;
+    #   on failure: ``storage.abandon_directory(staged, written)``.
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        """Where to write the files of a directory that should appear at this root as a whole:
+        a root (path or URL) to open with ``Storage(...)``.
+
+        Local disks: a new, empty temporary sibling directory, renamed into place by
+        :meth:`commit_directory`. Object stores (no rename): this root itself; the caller writes
+        the file that commits the directory last, and readers take a directory without it as
+        incomplete.
+
+        Args:
+            uncommit: the name of that committing file (an index). Where files are written in
+                place, an existing one is removed first, so that no reader sees the old index
+                over a mix of old and new files.
+        """
+        raise NotImplementedError
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        """Make the directory written at ``staged`` (:meth:`stage_directory`) this root's.
+
+        Local disks: renamed into place. An existing directory is moved aside first and moved
+        back if the rename fails; without ``overwrite``, a non-empty one is an error (and
+        ``staged`` is removed). Object stores: the committing file written last already did it;
+        with ``overwrite``, the files of the replaced directory that ``stale(name)`` names are
+        then removed, best effort (a warning if that fails).
+
+        Raises:
+            FileExistsError: the root is a non-empty directory and ``overwrite`` is False.
+        """
+        raise NotImplementedError
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        """After a failed publish, remove what it wrote, best effort: the temporary directory
+        (local disks; an existing directory at the root was never touched), or on object stores
+        the files ``written`` (they were written in place; without their committing file they
+        were never a directory)."""
+        raise NotImplementedError
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        """A local directory holding the files ``names`` of this root, for what needs real
+        files (``mmap``): the root itself on a local disk; elsewhere ``scratch``, into which
+        they are downloaded."""
+        raise NotImplementedError
+
+    def makedirs(self, *parts: str) -> None:
+        """Create the directory ``parts`` (object stores: only check that the bucket exists)."""
+        raise NotImplementedError
+
+    def check_bucket(self) -> None:
+        """Raise ``FileNotFoundError`` naming the URL if the root's bucket is missing or not
+        accessible (object stores only; elsewhere nothing to check)."""
+
+    @contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        """A file under the root. Local reads refuse symbolic links and non-regular files
+        (:class:`~distckpt.errors.UnsafeCheckpointError` naming the file)."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def dcp_filesystem(self) -> FileSystemBase:
+        """The DCP filesystem object for this root (shares our fsspec instance and options)."""
+        raise NotImplementedError
+
+    def dcp_path(self, *parts: str) -> Any:
+        """``parts`` as the path type :meth:`dcp_filesystem` takes."""
+        return self.join(*parts)
+
+    def sync_file(self, f: Any) -> None:
+        """Make a written file durable before it is closed (local disks: flush Python's buffer,
+        then ``fsync``; object stores: nothing, closing the file is what commits it)."""
+
+    #: Whether a seek costs nothing (no request): readers may then parse a stored record's
+    #: layout in place and read its bytes straight into their destination.
+    cheap_seeks = False
+
+    # DCP -------------------------------------------------------------------------------------
+    def writer(
+        self,
+        *parts: str,
+        thread_count: int = 2,
+        sync_files: bool = True,
+        checksum: str | None = DEFAULT_CHECKSUM,
+        skip_record_crc: bool = False,
+    ) -> Any:
+        """A DCP StorageWriter for the directory ``parts`` that records per-file checksums
+        (:class:`distckpt.save.writer.CheckpointWriter`)."""
+        from distckpt.save.writer import CheckpointWriter
+
+        return CheckpointWriter(
+            self,
+            self.dcp_path(*parts),
+            thread_count=thread_count,
+            sync_files=sync_files,
+            checksum=checksum,
+            skip_record_crc=skip_record_crc,
+        )
+
+    def reader(
+        self,
+        *parts: str,
+        files: Mapping[str, Any] | None = None,
+        checksum: str | None = None,
+        thread_count: int = 2,
+        metadata: Any = None,
+    ) -> Any:
+        """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given; serving
+        ``metadata`` if it was read and verified already)."""
+        from distckpt.integrity.stepfiles import StepFiles
+
+        step = StepFiles(self, "/".join(p.strip("/") for p in parts if p), files=files, algorithm=checksum, metadata=metadata)
+        return step.reader(thread_count)

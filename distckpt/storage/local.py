@@ -1,0 +1,245 @@
+"""A checkpoint root on a local disk (see :mod:`distckpt.storage.base`).
+
+Writes are atomic the POSIX way: a temporary file, ``fsync``, then ``rename`` (or, exclusive, a
+hard link that fails if the name exists), then ``fsync`` of the directory. Nothing is read,
+listed or deleted through a symbolic link below the root: a link may point at another run's
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from distckpt.storage.base import NEW_DIR_PREFIX, Storage, _fsync_dir, named_os_error
+
+
+class LocalStorage(Storage):
+    """A root that is a local directory (a path or a ``file://`` URL)."""
+
+    is_local = True
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(root, storage_options)
+        root = os.fspath(root)
+        if "://" in root:
+            root = root.split("://", 1)[1]
+        self.path = os.path.abspath(os.path.expanduser(root))
+        self.url = self.path
+        self.fs = fsspec.filesystem("file")
+
+    # paths and queries ------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+    def display(self, *parts: str) -> str:
+        return self.join(*parts)
+
+    def root_exists(self) -> bool:
+        return os.path.isdir(self.path)
+
+    def exists(self, *parts: str) -> bool:
+        return os.path.exists(self.join(*parts))
+
+    def list_dirs(self) -> list[str]:
+        try:
+            entries = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return []
+        links = sorted(e.name for e in entries if e.is_symlink())
+        if links:
+            # A link may point at another run's checkpoints: never list, clean up or delete
+            # through it (that would delete outside the root).
+            warnings.warn(
+                f"distckpt: ignoring symbolic link(s) in checkpoint root {self.path}: {', '.join(links)}",
+                stacklevel=3,
+            )
+        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+
+    def list_files(self, *parts: str) -> dict[str, int]:
+        try:
+            return {e.name: e.stat().st_size for e in os.scandir(self.join(*parts)) if e.is_file()}
+        except FileNotFoundError:
+            return {}
+
+    # bytes ------------------------------------------------------------------------------------
+    def read_bytes(self, *parts: str) -> bytes:
+        with self._open_read(parts) as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
+        path = self.join(*parts)
+        if not exclusive:  # a commit never re-creates a step directory cleanup moved away
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # e.g. a full disk: no temporary file left, the path named
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise named_os_error(exc, path) from exc
+        if exclusive:
+            try:
+                os.link(tmp, path)  # fails if ``path`` exists: the first writer wins
+            finally:
+                os.remove(tmp)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+    def create_exclusive(self, dirname: str, name: str, data: bytes) -> None:
+        # Built under a temporary name and renamed into place, so the directory never exists
+        # without its file (a writer killed in between leaves only a temporary directory).
+        # rename() refuses a non-empty target: the first writer wins.
+        os.makedirs(self.path, exist_ok=True)
+        tmp = f"{NEW_DIR_PREFIX}{uuid.uuid4().hex[:12]}"
+        os.mkdir(self.join(tmp))
+        try:
+            self.write_bytes(data, tmp, name)
+            os.rename(self.join(tmp), self.join(dirname))
+        except OSError as exc:
+            shutil.rmtree(self.join(tmp), ignore_errors=True)
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise FileExistsError(f"{self.display(dirname)} exists") from None
+            raise
+        _fsync_dir(self.path)
+
+    def remove(self, *parts: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.join(*parts))
+
+    def remove_tree(self, *parts: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(self.join(*parts))
+
+    def makedirs(self, *parts: str) -> None:
+        os.makedirs(self.join(*parts), exist_ok=True)
+
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        path = self.join(*parts)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(tmp, flags, 0o644)  # FileNotFoundError if the directory is gone
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        os.rename(self.join(src), self.join(dst))
+        return True
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        path = self.join(*parts)
+        times: list[float] = []
+        count = 0
+        with contextlib.suppress(OSError):
+            times.append(os.lstat(path).st_mtime)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(path):
+                count += 1
+                with contextlib.suppress(OSError):
+                    times.append(entry.stat(follow_symlinks=False).st_mtime)
+        return (max(times) if times else None), count
+
+    # a directory published as a whole: built under a temporary name, renamed into place ------
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        # ``uncommit`` is not needed: the directory in place is untouched until the rename.
+        staged = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(staged)
+        return staged
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        # ``stale`` is not needed: the rename replaces the old directory with all its files.
+        if os.path.exists(self.path):
+            if not overwrite and os.listdir(self.path):
+                shutil.rmtree(staged, ignore_errors=True)
+                raise FileExistsError(f"{self.display()} exists and is not empty (pass overwrite=True)")
+            old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.path, old)
+            try:
+                os.replace(staged, self.path)
+            except BaseException:
+                os.replace(old, self.path)  # the previous directory stays in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            os.replace(staged, self.path)
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        if staged != self.path:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        return self.path
+
+    # files ------------------------------------------------------------------------------------
+    @contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        if "r" in mode and "+" not in mode:
+            with self._open_read(tuple(p for p in rel.split("/") if p)) as f:
+                yield f
+            return
+        path = self.join(rel)
+        try:
+            with open(path, mode) as f:
+                yield f
+        except OSError as exc:  # a full disk: say which file
+            raise named_os_error(exc, path) from exc
+
+    def _open_read(self, parts: tuple[str, ...]) -> Any:
+        """Open ``parts`` for reading without following any symbolic link below the root: every
+        file a load, verify, inspect or convert reads stays inside it."""
+        from distckpt.errors import UnsafeCheckpointError
+
+        where = self.join(*parts)
+        current = self.path
+        for part in parts[:-1]:
+            current = os.path.join(current, part)
+            if os.path.islink(current):
+                raise UnsafeCheckpointError(f"{current} is a symbolic link; refusing to read checkpoint files through it")
+        try:
+            fd = os.open(where, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeCheckpointError(f"{where} is a symbolic link; refusing to read a checkpoint file through it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafeCheckpointError(f"{where} is not a regular file")
+        return os.fdopen(fd, "rb")
+
+    def dcp_filesystem(self) -> FileSystemBase:
+        return _LocalDcpFS()
+
+    def dcp_path(self, *parts: str) -> Any:
+        return Path(self.join(*parts))
+
+    def sync_file(self, f: Any) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+
+    cheap_seeks = True

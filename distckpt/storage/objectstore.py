@@ -1,0 +1,227 @@
+"""A checkpoint root on any fsspec filesystem: object stores (S3 through s3fs, GCS, Azure ...),
+``memory://`` and others (see :mod:`distckpt.storage.base`).
+
+There is no rename on object stores: a small file is committed by one put, which is atomic
+there, and an exclusive one by a conditional put (``If-None-Match``) where the store supports
+it. Listings are cached by s3fs; every query that decides something (does a manifest exist?)
+invalidates the cache first, since another process may have written since.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
+from distckpt.storage.base import Storage, _flat_namespace, _redact
+
+
+class FsspecStorage(Storage):
+    """A root given as a URL of any fsspec filesystem other than the local one."""
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(root, storage_options)
+        root = os.fspath(root)
+        self.fs, path = url_to_fs(root, **self.storage_options)
+        self.path = path.rstrip("/")
+        self.url = _redact(root).rstrip("/")
+        self.flat = _flat_namespace(self.fs)
+
+    # paths and queries ------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        return "/".join([self.path, *[p.strip("/") for p in parts if p]])
+
+    def display(self, *parts: str) -> str:
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    def refresh(self) -> None:
+        self.fs.invalidate_cache()
+
+    def root_exists(self) -> bool:
+        self.refresh()
+        try:
+            with self._at():
+                return bool(self.fs.isdir(self.path)) or bool(self.fs.exists(self.path))
+        except FileNotFoundError:
+            return False
+
+    def exists(self, *parts: str) -> bool:
+        path = self.join(*parts)
+        # s3fs answers from a cached parent listing if it has one: another process may have
+        # committed since (a manifest is the commit, so a stale "no" matters).
+        self.fs.invalidate_cache(path.rsplit("/", 1)[0])
+        with self._at(*parts):
+            return bool(self.fs.exists(path))
+
+    def _ls(self, *parts: str) -> list[dict[str, Any]]:
+        self.refresh()
+        try:
+            with self._at(*parts):
+                return list(self.fs.ls(self.join(*parts), detail=True))
+        except FileNotFoundError:
+            return []
+
+    def list_dirs(self) -> list[str]:
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self._ls() if e.get("type") == "directory")
+
+    def list_files(self, *parts: str) -> dict[str, int]:
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in self._ls(*parts)
+            if e.get("type") == "file"
+        }
+
+    # bytes ------------------------------------------------------------------------------------
+    def read_bytes(self, *parts: str) -> bytes:
+        with self._at(*parts):
+            return bytes(self.fs.cat_file(self.join(*parts)))
+
+    def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
+        path = self.join(*parts)
+        if not exclusive:
+            with self._at(*parts):
+                self.fs.pipe_file(path, data)
+            return
+        try:
+            with self._at(*parts):
+                self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            raise
+        except Exception:
+            if self.exists(*parts):  # the store refused because it exists (HTTP 412)
+                raise FileExistsError(f"{self.display(*parts)} exists") from None
+            raise
+
+    def create_exclusive(self, dirname: str, name: str, data: bytes) -> None:
+        # No directories to create atomically: the conditional put of the file is the claim.
+        self.makedirs(dirname)
+        self.write_bytes(data, dirname, name, exclusive=True)
+
+    def remove(self, *parts: str) -> None:
+        try:
+            with self._at(*parts):
+                self.fs.rm_file(self.join(*parts))
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, *parts: str) -> None:
+        try:
+            with self._at(*parts):
+                self.fs.rm(self.join(*parts), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.refresh()
+
+    def rewrite_bytes(self, data: bytes, *parts: str) -> None:
+        self.write_bytes(data, *parts)  # no directories to re-create
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        return False  # no atomic rename on object stores
+
+    def last_change(self, *parts: str) -> tuple[float | None, int]:
+        times: list[float] = []
+        entries = self._ls(*parts)
+        for entry in entries:
+            for key in ("mtime", "LastModified", "last_modified", "updated", "created", "timeCreated"):
+                stamp = _stamp(entry.get(key))
+                if stamp is not None:
+                    times.append(stamp)
+                    break
+        return (max(times) if times else None), len(entries)
+
+    # a directory published as a whole: written in place, committed by its last file -----------
+    def stage_directory(self, *, uncommit: str | None = None) -> str:
+        if uncommit is not None:
+            self.remove(uncommit)  # readers never see the old index over a mix of files
+        return self.url
+
+    def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
+        if not overwrite or stale is None:
+            return
+        try:  # best effort: the new directory is committed already
+            for name in self.list_files():
+                if stale(name):
+                    self.remove(name)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"distckpt: {self.display()}: could not remove the replaced directory's files: {exc}", stacklevel=3)
+
+    def abandon_directory(self, staged: str, written: Iterable[str]) -> None:
+        for name in written:
+            try:
+                self.remove(name)
+            except Exception:  # noqa: BLE001 - best effort: the publish's own error is what counts
+                pass
+
+    def local_dir(self, names: Iterable[str], scratch: str) -> str:
+        for name in names:
+            with self.open(name, "rb") as fin, open(os.path.join(scratch, name), "wb") as fout:
+                while chunk := fin.read(16 << 20):
+                    fout.write(chunk)
+        return scratch
+
+    def makedirs(self, *parts: str) -> None:
+        # fsspec's makedirs on an object store creates a missing *bucket* (a typo in its name
+        # would silently make a new one): there, only check that the bucket exists.
+        if self.flat:
+            self.check_bucket()
+            return
+        with self._at(*parts):
+            self.fs.makedirs(self.join(*parts), exist_ok=True)
+
+    def check_bucket(self) -> None:
+        if not self.flat:
+            return
+        bucket = self.path.split("/", 1)[0]
+        with self._at():
+            ok = bool(self.fs.exists(bucket))
+        if not ok:
+            raise FileNotFoundError(
+                f"{self.display()}: bucket {bucket!r} does not exist or is not accessible with the "
+                "given credentials (storage_options or the AWS environment); distckpt never creates buckets"
+            )
+
+    # files ------------------------------------------------------------------------------------
+    @contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+        with self.fs.open(self.join(rel), mode) as f:
+            yield f
+
+    def dcp_filesystem(self) -> FileSystemBase:
+        fs = _RemoteDcpFS(self.flat)
+        fs.fs = self.fs
+        return fs
+
+
+def _stamp(value: Any) -> float | None:
+    """A listing's time field (float seconds, ``datetime`` or ISO string) as a Unix time."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    return None
+
+
+class _RemoteDcpFS(_FsspecDcpFS):
+    """DCP's fsspec filesystem that never creates buckets (DCP calls ``mkdir`` on every rank)."""
+
+    def __init__(self, flat: bool) -> None:
+        super().__init__()
+        self.flat = flat
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if not self.flat:  # object stores: prefixes need no creating
+            super().mkdir(path)

@@ -1,0 +1,279 @@
+"""Who is writing a step directory: exclusive creation, a lease, an exclusive commit, and a
+cleanup that can never remove a committed step.
+
+Several writers may share a root (two jobs started by mistake, a restarted job whose old
+incarnation still runs, two jobs replicating to one remote root). Rules, all enforced by the
+coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.replica`):
+
+* **Creating a step is exclusive.** Local disks: a directory prepared under a temporary name
+  with its owner record inside, then renamed into place (``rename`` fails if the step exists);
+  object stores: a conditional put of the step's owner record (S3's ``If-None-Match``). A second
+  writer of the same step gets :class:`~distckpt.StepExistsError`, never a mixed checkpoint.
+* **A lease protects an incomplete step.** The owner record (``.owner`` in the step directory:
+  writer id, host, pid, time) is refreshed every ``lease_s / 4`` seconds while the save runs; a
+  refresh rewrites the record inside the existing directory and never re-creates a directory
+  that is gone. Cleanup of incomplete directories removes one only when its lease is *stale*:
+  its writer is a dead process on this host, or its record is older than ``lease_s`` (default
+  10 minutes), or it was released (a failed save, or retention deleting the step). A directory
+  with **no record** gets ``lease_s`` of grace from its last change (the newest time of the
+  directory and the files directly inside it): on fsspec stores with real directories the
+  directory exists before its record is put, and a committed step's record is removed after its
+  commit.
+* **The commit is exclusive.** Right before writing ``manifest.json`` the writer checks that the
+  owner record is still its own, and writes the manifest with a no-replace primitive (local:
+  ``link`` into the existing directory, which never creates it; object stores: a conditional
+  put). A save that returned is therefore never overwritten by another writer; only retention
+  (``keep_last``) deletes committed steps.
+* **Cleanup never removes a committed step** (:func:`remove_uncommitted`). The staleness verdict
+  and the removal are not atomic, so a writer may commit after cleanup listed its directory or
+  judged its lease. Cleanup therefore re-checks the manifest right before removing, and on local
+  disks removes in two steps: it first renames the directory to a unique tombstone
+  (``.distckpt-removing-<dir>-<id>``), then checks the *tombstone* for a manifest. A rename is
+  atomic, and a commit links the manifest into the directory by its path: either the link
+  happened before the rename (the tombstone holds the manifest, so it is renamed back, never
+  deleted) or after it (the path no longer exists, so the commit fails and the writer's save
+  raises instead of returning). A tombstone without a manifest is garbage whoever made it, so a
+  removal interrupted by a crash is finished by the next cleanup; one with a manifest is kept
+  and warned about. This holds whatever the timing of the two processes.
+
+Object stores have no rename: cleanup re-checks the manifest immediately before its recursive
+delete, which leaves one narrow window: a writer whose lease *looks* stale (it stalled longer
+than ``lease_s``, or its clock is off by that much) commits in the milliseconds between that
+check and the delete. A live writer refreshing its lease is never at risk. Exclusive creation
+and commit hold where the store implements conditional puts (AWS S3 does, through s3fs);
+elsewhere fsspec falls back to check-then-write, which narrows but does not close the race
+between two writers of the *same* step; writers of different steps never interfere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from typing import Any
+
+from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
+from distckpt.storage.base import NEW_DIR_PREFIX
+
+log = logging.getLogger("distckpt")
+
+OWNER_NAME = ".owner"
+DEFAULT_LEASE_S = 600.0
+# Directories being removed (local roots): renamed to this prefix first, see the module doc.
+TOMBSTONE_PREFIX = ".distckpt-removing-"
+
+
+def _record(writer: str, released: bool = False) -> bytes:
+    return json.dumps(
+        {"writer": writer, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "released": released}
+    ).encode()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_record(storage: Any, dirname: str, data: bytes) -> None:
+    """Replace the owner record of ``dirname`` without ever creating the directory (a directory
+    moved away by cleanup must stay gone): :meth:`~distckpt.storage.base.Storage.rewrite_bytes`."""
+    storage.rewrite_bytes(data, dirname, OWNER_NAME)
+
+
+def mark_released(storage: Any, dirname: str) -> None:
+    """Write a released owner record into ``dirname`` (retention does before uncommitting a
+    step, so that a crash half-way leaves a directory the next cleanup removes at once)."""
+    _write_record(storage, dirname, _record("released", released=True))
+
+
+class Lease:
+    """(coordinator) Exclusive ownership of one step directory while a save writes it.
+
+    Args:
+        storage: the root.
+        dirname: the step directory's name.
+        lease_s: how long a record stays valid without a refresh.
+    """
+
+    def __init__(self, storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S) -> None:
+        self.storage = storage
+        self.dirname = dirname
+        self.lease_s = lease_s
+        self.writer = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Create the step directory and its owner record, exclusively.
+
+        Raises:
+            FileExistsError: the directory (or, on object stores, its owner record) exists.
+        """
+        self.storage.create_exclusive(self.dirname, OWNER_NAME, _record(self.writer))
+        self._thread = threading.Thread(target=self._refresh, name=f"distckpt-lease-{self.dirname}", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.lease_s / 4):
+            try:
+                self.renew()
+            except Exception:  # noqa: BLE001 - a missed refresh only shortens the lease
+                pass
+
+    def renew(self) -> None:
+        """Refresh the record if it is still this writer's; never re-creates the directory."""
+        if self.still_mine():
+            _write_record(self.storage, self.dirname, _record(self.writer))
+
+    def still_mine(self) -> bool:
+        """Whether the owner record is still this writer's (checked right before committing)."""
+        try:
+            return json.loads(self.storage.read_bytes(self.dirname, OWNER_NAME)).get("writer") == self.writer
+        except Exception:  # noqa: BLE001 - unreadable or gone: not ours any more
+            return False
+
+    def release(self, committed: bool) -> None:
+        """Stop refreshing. After a commit the record goes. After a failure (every rank has
+        stopped writing by then) the owner removes the directory it still owns, so a failed save
+        on a full disk gives its space back; if that fails, the record is marked released so
+        that the next save's cleanup removes it. A directory that holds a manifest (another
+        writer committed it) is never removed: only this writer's record goes."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            if committed:
+                self.storage.remove(self.dirname, OWNER_NAME)
+            elif self.still_mine():
+                if self.storage.exists(self.dirname, MANIFEST_NAME):
+                    self.storage.remove(self.dirname, OWNER_NAME)
+                    return
+                try:
+                    remove_uncommitted(self.storage, self.dirname)
+                except Exception:  # noqa: BLE001 - fall back to marking it for cleanup
+                    _write_record(self.storage, self.dirname, _record(self.writer, released=True))
+        except Exception:  # noqa: BLE001 - best effort: a stale lease expires anyway
+            pass
+
+
+def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> bool:
+    """(coordinator) Whether an incomplete step directory may be removed (see the module doc).
+
+    A directory without a record is stale only ``lease_s`` after its last change (or at once if
+    it is empty and its store reports no times). A record that cannot be read for another
+    reason than its absence (an I/O error) leaves the directory alone.
+    """
+    now = time.time() if now is None else now
+    try:
+        raw = storage.read_bytes(dirname, OWNER_NAME)
+    except FileNotFoundError:
+        changed, count = storage.last_change(dirname)
+        if changed is None:
+            return count == 0
+        return now - changed > lease_s
+    except OSError:
+        return False
+    except Exception:  # noqa: BLE001 - e.g. a record that is a symbolic link: no claim
+        return True
+    try:
+        record = json.loads(raw)
+        if not isinstance(record, dict):
+            raise ValueError("not a record")
+    except Exception:  # noqa: BLE001 - a garbled record is no claim
+        return True
+    if record.get("released"):
+        return True
+    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
+        if not _pid_alive(record["pid"]):
+            return True
+    stamp = record.get("time")
+    return not isinstance(stamp, (int, float)) or now - stamp > lease_s
+
+
+def _tombstone(storage: Any, dirname: str) -> str | None:
+    """Atomically move ``dirname`` to a unique tombstone name and return that name; ``dirname``
+    itself where the storage has no atomic rename (object stores: nothing moves); ``None`` if
+    it is gone."""
+    tomb = f"{TOMBSTONE_PREFIX}{dirname}-{uuid.uuid4().hex[:12]}"
+    try:
+        moved = storage.move_dir(dirname, tomb)
+    except FileNotFoundError:
+        return None
+    return tomb if moved else dirname
+
+
+def _restore(storage: Any, tomb: str, dirname: str) -> None:
+    """Move a tombstone that turned out to hold a commit back to its name (or keep it, warned)."""
+    try:
+        storage.move_dir(tomb, dirname)
+    except OSError as exc:
+        warnings.warn(
+            f"distckpt: {storage.display(dirname)} was committed while it was being cleaned up and "
+            f"could not be moved back ({exc}); its checkpoint is kept at {storage.display(tomb)}",
+            stacklevel=3,
+        )
+        return
+    warnings.warn(
+        f"distckpt: {storage.display(dirname)} was committed while it was being cleaned up; kept",
+        stacklevel=3,
+    )
+
+
+def remove_uncommitted(storage: Any, dirname: str) -> bool:
+    """(one process) Remove ``dirname`` unless it holds a manifest, even one written meanwhile.
+
+    Where the storage can rename atomically (local roots): re-check, move to a tombstone, check
+    the tombstone, then delete it (or move it back if a commit landed first). Object stores:
+    re-check, then delete (see the module doc for the window this leaves). Returns whether the
+    directory was removed.
+    """
+    if storage.exists(dirname, MANIFEST_NAME):
+        return False
+    where = _tombstone(storage, dirname)
+    if where is None:
+        return False
+    if where != dirname and storage.exists(where, MANIFEST_NAME):
+        _restore(storage, where, dirname)
+        return False
+    storage.remove_tree(where)
+    return True
+
+
+def remove_stale_leftovers(storage: Any, lease_s: float = DEFAULT_LEASE_S) -> None:
+    """(coordinator, or the replica's uploader) Remove what interrupted saves left under the
+    root: step directories without a manifest whose lease is stale, temporary directories of a
+    step being created once stale, and tombstones of interrupted removals. Never a committed
+    step or a live writer's directory; a failed removal is logged, never raised."""
+    for name in storage.list_dirs():
+        try:
+            if name.startswith(TOMBSTONE_PREFIX):
+                if storage.exists(name, MANIFEST_NAME):
+                    warnings.warn(
+                        f"distckpt: {storage.display(name)} holds a committed checkpoint that cleanup "
+                        "could not move back to its step directory; kept (move it back by hand)",
+                        stacklevel=2,
+                    )
+                else:
+                    storage.remove_tree(name)  # a removal decided before, interrupted
+                continue
+            if not name.startswith(NEW_DIR_PREFIX) and parse_step_dir(name) is None:
+                continue
+            if storage.exists(name, MANIFEST_NAME):
+                continue
+            if not is_stale(storage, name, lease_s):
+                log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
+                continue
+            if remove_uncommitted(storage, name):
+                log.info("removed incomplete checkpoint %s", storage.display(name))
+        except OSError as exc:
+            log.warning("could not remove incomplete checkpoint %s: %s", storage.display(name), exc)

@@ -1,0 +1,306 @@
+"""Tiered saving: upload committed local checkpoints to a second root (e.g. S3) in the background.
+
+``Checkpointer(local_root, replicate_to="s3://bucket/run")`` commits every save on the fast local
+root first, then hands the step to a :class:`Replicator`, which copies the step directory to the
+remote root on a background thread of the coordinator, under the same rules as a save to the main
+root (:mod:`distckpt.storage.ownership`), so that several writers may replicate to one remote root:
+
+1. if the remote step is committed already: done when its manifest is this one, otherwise the
+   upload fails with :class:`~distckpt.StepExistsError` (another writer's checkpoint is never
+   un-committed, replaced or deleted);
+2. stale leftovers of interrupted uploads are removed (never a live writer's, never a committed
+   step), and the remote step is created exclusively, under a lease (an owner record refreshed
+   while the upload runs; a second uploader of the step gets ``StepExistsError``);
+3. the DCP data files, several at a time, then ``.metadata``, each read from the local root
+   through its no-follow open (a symbolic link there is refused, never followed);
+4. after checking every remote size against the local manifest and that the lease is still
+   this uploader's, ``manifest.json`` LAST, with the storage's exclusive write (a conditional
+   put on S3): the remote commit. A manifest that appeared meanwhile is never replaced: the
+   upload fails with ``StepExistsError``. A failed upload removes the remote directory it owns.
+
+Then ``keep_last`` retention runs on the remote root (committed steps beyond the newest
+``keep_last``, manifest first; the newest committed step is never deleted), as on the main root.
+
+Only the coordinator uploads, so the local root must be visible to it: one node, or a shared
+filesystem. A step whose files are missing locally (written on another node's disk) fails with
+a message saying so.
+
+Upload failures never fail training: they are recorded in :attr:`Replicator.failed` and
+reported with ``warnings.warn`` (and the ``distckpt`` logger) on the coordinator. Raising them
+from the next collective call on the coordinator alone would leave the other ranks waiting in
+a collective it abandoned; the local checkpoint is committed either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from distckpt.storage import ownership
+from distckpt.errors import StepExistsError
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, step_dir
+from distckpt.storage.retention import check_keep_last, delete_old_steps
+from distckpt.storage.base import Storage
+
+log = logging.getLogger("distckpt")
+
+_METADATA = ".metadata"
+_STOP = object()
+
+
+def _default_is_coordinator() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class Replicator:
+    """Copies committed steps of ``local`` to ``remote`` in the background.
+
+    Protocol: every rank constructs one and calls :meth:`submit` after each committed save and
+    :meth:`close` at the end (the :class:`~distckpt.Checkpointer` does both). Neither is a
+    collective and neither blocks on a peer: only the coordinator does any work; on the other
+    ranks both return at once.
+
+    Args:
+        local: the root the checkpointer commits to; must be readable by the coordinator.
+        remote: where copies go (any :class:`~distckpt.storage.base.Storage`, typically ``s3://``).
+        keep_last: retention on the remote (``None``: keep all).
+        max_concurrency: files uploaded at the same time.
+        is_coordinator: whether this process uploads (evaluated at the first ``submit``);
+            default: global rank 0, or a single process without ``torch.distributed``.
+        lease_s: how long a remote step being uploaded stays protected from other writers'
+            cleanup without a refresh (:mod:`distckpt.storage.ownership`).
+
+    Attributes:
+        remote: the remote :class:`~distckpt.storage.base.Storage` (``load`` falls back to it).
+        uploaded: steps committed on the remote by this replicator, in order.
+        failed: ``(step, message)`` of uploads that failed (messages carry no credentials).
+        skipped: steps not uploaded because a newer step superseded them before their turn.
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        keep_last: int | None = None,
+        *,
+        max_concurrency: int = 4,
+        is_coordinator: Callable[[], bool] | None = None,
+        lease_s: float = ownership.DEFAULT_LEASE_S,
+    ) -> None:
+        check_keep_last(keep_last)
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+        self.lease_s = float(lease_s)
+        self.local = local
+        self.remote = remote
+        self.keep_last = keep_last
+        self.max_concurrency = max_concurrency
+        self._is_coordinator = is_coordinator or _default_is_coordinator
+        self._coordinator: bool | None = None
+        self.uploaded: list[int] = []
+        self.failed: list[tuple[int, str]] = []
+        self.skipped: list[int] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: list[int] = []  # queued or uploading, oldest first
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Replicator({self.local.display()!r} -> {self.remote.display()!r}, keep_last={self.keep_last})"
+
+    # ---------------------------------------------------------------------------------------
+    def submit(self, step: int) -> None:
+        """(all ranks, not collective) Queue the upload of committed local ``step``.
+
+        Returns at once. On the coordinator, the upload runs on a background thread; on other
+        ranks this does nothing.
+        """
+        if self._closed:
+            raise RuntimeError("submit() on a closed Replicator")
+        if self._coordinator is None:
+            self._coordinator = bool(self._is_coordinator())
+        if not self._coordinator:
+            return
+        with self._lock:
+            self._pending.append(step)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="distckpt-replicate", daemon=True)
+            self._thread.start()
+        self._queue.put(step)
+
+    def close(self) -> None:
+        """(all ranks, not collective) Wait for pending uploads, then stop the thread.
+
+        Failures were already warned about and stay in :attr:`failed`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    # ---------------------------------------------------------------------------------------
+    # the background thread (coordinator)
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            try:
+                if step is _STOP:
+                    return
+                self._handle(step)
+            finally:
+                if step is not _STOP:
+                    with self._lock:
+                        self._pending.remove(step)
+                self._queue.task_done()
+
+    def _superseded(self, step: int) -> bool:
+        """A newer queued step will push ``step`` out of the remote's ``keep_last`` anyway."""
+        if self.keep_last is None:
+            return False
+        with self._lock:
+            newer = {s for s in self._pending if s > step}
+        return len(newer) >= self.keep_last
+
+    def _handle(self, step: int) -> None:
+        if self._superseded(step):
+            self.skipped.append(step)
+            return
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._upload(step)
+        except Exception as exc:  # noqa: BLE001 - recorded and warned, never fatal for training
+            if self._superseded(step) or (
+                isinstance(exc, FileNotFoundError) and not self.local.exists(step_dir(step), MANIFEST_NAME) and self._newer_local(step)
+            ):
+                # Deleted locally by retention after a newer step committed: nothing lost.
+                self.skipped.append(step)
+                return
+            msg = f"{type(exc).__name__}: {exc}"
+            self.failed.append((step, msg))
+            log.error("replication of step %d to %s failed: %s", step, self.remote.display(), msg)
+            warnings.warn(
+                f"distckpt: step {step} was committed locally at {self.local.display(step_dir(step))} "
+                f"but its upload to {self.remote.display(step_dir(step))} failed: {msg}",
+                stacklevel=1,
+            )
+            return
+        self.uploaded.append(step)
+        log.info(
+            "replicated step %d to %s: %.1f MB in %.2fs",
+            step,
+            self.remote.display(step_dir(step)),
+            nbytes / 1e6,
+            time.perf_counter() - t0,
+        )
+        try:
+            self._apply_retention()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"distckpt: retention on {self.remote.display()} failed: {exc}", stacklevel=1)
+
+    def _newer_local(self, step: int) -> bool:
+        return any(s > step for s in committed_steps(self.local))
+
+    def _upload(self, step: int) -> int:
+        """Copy one committed step; the remote manifest is written last. Returns bytes copied."""
+        name = step_dir(step)
+        where = self.local.display(name)
+        try:
+            manifest_bytes = self.local.read_bytes(name, MANIFEST_NAME)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where} is not committed locally (no {MANIFEST_NAME})") from None
+        manifest = Manifest.from_json(manifest_bytes, where)
+        local_files = self.local.list_files(name)
+        missing = sorted(f for f in manifest.files if f not in local_files)
+        if missing:
+            raise FileNotFoundError(
+                f"{where} lacks {missing[:5]} on this node: the local root must be visible to the "
+                "coordinator (single node or a shared filesystem) for replicate_to"
+            )
+
+        remote_where = self.remote.display(name)
+        if self._committed_remotely(name, manifest_bytes, remote_where):
+            return 0  # already there (e.g. submitted twice)
+        ownership.remove_stale_leftovers(self.remote, self.lease_s)
+        lease = ownership.Lease(self.remote, name, self.lease_s)
+        try:
+            lease.acquire()
+        except FileExistsError:
+            if self._committed_remotely(name, manifest_bytes, remote_where):
+                return 0
+            raise StepExistsError(
+                f"step {step} at {remote_where} is being uploaded by another writer (its lease is live); not replaced"
+            ) from None
+        committed = False
+        try:
+            self._put_all(name, manifest)
+            if not lease.still_mine():
+                raise StepExistsError(f"step {step} at {remote_where}: another writer took the upload over")
+            try:
+                self.remote.write_bytes(manifest_bytes, name, MANIFEST_NAME, exclusive=True)  # the remote commit
+            except FileExistsError:
+                raise StepExistsError(
+                    f"step {step} at {remote_where} was committed by another writer meanwhile; not replaced"
+                ) from None
+            committed = True
+        finally:
+            lease.release(committed)  # on failure: removes the remote directory it owns
+        return manifest.total_bytes
+
+    def _committed_remotely(self, name: str, manifest_bytes: bytes, where: str) -> bool:
+        """Whether the remote step is committed with this very manifest.
+
+        Raises:
+            StepExistsError: it is committed with another manifest (another writer's checkpoint).
+        """
+        if not self.remote.exists(name, MANIFEST_NAME):
+            return False
+        if self.remote.read_bytes(name, MANIFEST_NAME) == manifest_bytes:
+            return True
+        raise StepExistsError(
+            f"{where} is already committed with a different checkpoint (another writer's); "
+            "it is not replaced: give each job its own remote root"
+        )
+
+    def _put_all(self, name: str, manifest: Manifest) -> None:
+        """Upload the data files, then ``.metadata``, and check every remote size."""
+        data = sorted(f for f in manifest.files if f != _METADATA)
+        with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="distckpt-put") as pool:
+            for future in [pool.submit(self._put, name, f) for f in data]:
+                future.result()
+        if _METADATA in manifest.files:
+            self._put(name, _METADATA)
+        remote_files = self.remote.list_files(name)
+        wrong = {
+            f: (rec.size, remote_files.get(f))
+            for f, rec in manifest.files.items()
+            if remote_files.get(f) != rec.size
+        }
+        if wrong:
+            raise OSError(f"{self.remote.display(name)}: uploaded sizes differ from the manifest (expected, got): {wrong}")
+
+    def _put(self, name: str, filename: str) -> None:
+        """Copy one file; the local side is read through the local Storage's no-follow open."""
+        rel = f"{name}/{filename}"
+        with self.local.open(rel, "rb") as fi, self.remote._at(name, filename), self.remote.open(rel, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 16 << 20)
+            self.remote.sync_file(fo)  # durable before the manifest commits it (local disks: fsync)
+
+    def _apply_retention(self) -> None:
+        """Delete remote steps beyond ``keep_last`` (manifest first), then stale leftovers of
+        interrupted uploads (never a live writer's, see :mod:`distckpt.storage.ownership`)."""
+        delete_old_steps(self.remote, self.keep_last)
+        ownership.remove_stale_leftovers(self.remote, self.lease_s)

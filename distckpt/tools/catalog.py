@@ -1,0 +1,189 @@
+"""Finding checkpoints and describing them: what ``distckpt ls`` and ``distckpt inspect`` show.
+
+Nothing here is collective and nothing needs a process group: any process that can reach the
+storage may call these functions.
+
+A checkpoint location (``CKPT`` on the command line) is one of:
+
+* a step directory ``ROOT/step_000000100`` (committed: it holds ``manifest.json``), or a
+  committed step directory copied or renamed to another name (``best/``);
+* a root holding step directories (then the newest committed step, or ``step=N``);
+* a plain DCP checkpoint directory (``.metadata`` but no manifest), for inspect and convert,
+  which read it unverified and say so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from distckpt.state.shape import numel
+from distckpt.integrity.stepfiles import StepFiles
+from distckpt.errors import CheckpointError
+from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, parse_step_dir, step_dir
+from distckpt.storage.base import Storage
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """The location is not a (complete) checkpoint; the message names the problem."""
+
+
+# A located checkpoint is a step directory opened for verified reads.
+Located = StepFiles
+
+
+def _split_parent(location: str) -> tuple[str, str]:
+    text = location.rstrip("/")
+    if "://" in text:
+        scheme, rest = text.split("://", 1)
+        if "/" not in rest:
+            return text, ""
+        parent, name = rest.rsplit("/", 1)
+        return f"{scheme}://{parent}", name
+    text = os.path.abspath(os.path.expanduser(text))
+    return os.path.dirname(text), os.path.basename(text)
+
+
+def locate(location: str, storage_options: dict[str, Any] | None = None, step: int | None = None) -> StepFiles:
+    """Resolve ``location`` (step directory, root or plain DCP directory) to one checkpoint,
+    opened for verified reads (:class:`~distckpt.integrity.stepfiles.StepFiles`).
+
+    A directory holding ``manifest.json`` is a committed step whatever its name: one named
+    ``step_N`` must hold step N's manifest; one copied or renamed (e.g. ``best``) takes its step
+    from the manifest, and its files are verified against it all the same. A directory with
+    ``.metadata`` and no manifest is a plain DCP checkpoint, read unverified.
+
+    Raises:
+        CheckpointNotFound: nothing there, no committed step, an incomplete step, or not a checkpoint.
+        IntegrityError: the manifest is malformed or belongs to another step's directory.
+        ValueError: ``step`` contradicts the step directory given as ``location``.
+    """
+    options = dict(storage_options or {})
+    parent, name = _split_parent(location)
+    named_step = parse_step_dir(name) if name else None
+    if named_step is not None:
+        if step is not None and step != named_step:
+            raise ValueError(f"--step {step} contradicts the step directory {location}")
+        storage = Storage(parent, options)
+        return _committed(storage, named_step)
+
+    storage = Storage(location, options)
+    if not storage.root_exists():
+        raise CheckpointNotFound(f"{storage.display()} does not exist")
+    if storage.exists(MANIFEST_NAME):  # a committed step directory under another name
+        found = StepFiles.open(storage, "")
+        if step is not None and step != found.step:
+            raise ValueError(f"--step {step} contradicts {storage.display()}, which holds step {found.step}")
+        return found
+    if step is not None:
+        return _committed(storage, step)
+    steps = committed_steps(storage)
+    if steps:
+        return _committed(storage, steps[-1])
+    if storage.exists(".metadata"):  # a plain DCP checkpoint directory
+        return StepFiles(storage, "")
+    if any(parse_step_dir(d) is not None for d in storage.list_dirs()):
+        raise CheckpointNotFound(f"no committed checkpoint under {storage.display()} (only incomplete step directories)")
+    raise CheckpointNotFound(f"{storage.display()} is not a checkpoint (no step_* directories, no .metadata)")
+
+
+def _committed(storage: Storage, step: int) -> StepFiles:
+    name = step_dir(step)
+    if not storage.exists(name, MANIFEST_NAME):
+        if storage.exists(name):
+            raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
+        raise CheckpointNotFound(f"checkpoint {storage.display(name)} does not exist")
+    return StepFiles.open(storage, name)
+
+
+# ls ----------------------------------------------------------------------------------------------
+def list_steps(storage: Storage) -> list[dict[str, Any]]:
+    """One record per step directory under ``storage``: step, committed, bytes, world_size, time.
+
+    Raises:
+        CheckpointNotFound: the root does not exist.
+    """
+    from distckpt.integrity.manifest import read_manifest
+
+    if not storage.root_exists():
+        raise CheckpointNotFound(f"{storage.display()} does not exist")
+    rows = []
+    for name in storage.list_dirs():
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        row: dict[str, Any] = {"step": step, "path": storage.display(name), "committed": False}
+        if storage.exists(name, MANIFEST_NAME):
+            try:
+                manifest = read_manifest(storage, step)
+            except (ValueError, CheckpointError) as exc:
+                row.update(status="bad manifest", error=str(exc), bytes=sum(storage.list_files(name).values()))
+                rows.append(row)
+                continue
+            row.update(
+                committed=True,
+                status="committed",
+                bytes=manifest.total_bytes,
+                world_size=manifest.world_size,
+                created_unix=manifest.created_unix,
+            )
+        else:
+            files = storage.list_files(name)
+            row.update(status="incomplete", bytes=sum(files.values()), world_size=None, created_unix=None)
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+# inspect -----------------------------------------------------------------------------------------
+def entry_rows(metadata: Metadata) -> list[dict[str, Any]]:
+    """key, kind, dtype, global shape, bytes and number of shards of every checkpoint entry."""
+    value_bytes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        value_bytes[index.fqn] = value_bytes.get(index.fqn, 0) + int(getattr(info, "length", 0) or 0)
+    rows = []
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            rows.append(
+                {
+                    "key": key,
+                    "kind": "tensor",
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": [int(d) for d in md.size],
+                    "bytes": numel(md.size) * dtype.itemsize,
+                    "shards": len(md.chunks),
+                }
+            )
+        else:
+            rows.append({"key": key, "kind": "value", "dtype": None, "shape": None, "bytes": value_bytes.get(key, 0), "shards": 1})
+    return rows
+
+
+def describe(found: StepFiles) -> dict[str, Any]:
+    """Everything ``inspect`` shows: location, entries, totals, the manifest and, if reads of it
+    are not verified, why (JSON-ready)."""
+    from dataclasses import asdict
+
+    rows = entry_rows(found.metadata())
+    tensors = [r for r in rows if r["kind"] == "tensor"]
+    files = found.storage.list_files(found.dirname) if found.dirname else found.storage.list_files()
+    totals = {
+        "entries": len(rows),
+        "tensors": len(tensors),
+        "values": len(rows) - len(tensors),
+        "tensor_bytes": sum(r["bytes"] for r in tensors),
+        "parameters": sum(numel(r["shape"]) for r in tensors),
+        "file_bytes": sum(files.values()),
+        "files": len(files),
+    }
+    return {
+        "location": found.display(),
+        "step": found.step,
+        "entries": rows,
+        "totals": totals,
+        "manifest": asdict(found.manifest) if found.manifest is not None else None,
+        "verified": not found.unverified,
+        "unverified": found.unverified,
+    }

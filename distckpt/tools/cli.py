@@ -1,0 +1,419 @@
+"""The ``distckpt`` command: list, inspect, verify and convert checkpoints.
+
+Examples::
+
+    distckpt ls /ckpt/run1
+    distckpt inspect /ckpt/run1 --step 1000 --json
+    distckpt verify s3://bucket/run1/step_000001000 --storage-option client_kwargs='{"endpoint_url": "http://127.0.0.1:9000"}'
+    distckpt convert /ckpt/run1 --to safetensors model.safetensors --dtype bf16
+    distckpt convert /ckpt/run1 --to torch full.pt
+    distckpt convert old.pt --to dcp /ckpt/imported
+    distckpt convert /ckpt/run1 --to hf /models/run1-hf --key model --dtype bf16 --max-shard-size 5GB
+    distckpt convert /models/llama-hf --to dcp /ckpt/from-hf
+
+``CKPT`` is a step directory, a root (newest committed step, or ``--step N``) or a plain DCP
+directory. Errors are one line on stderr (``distckpt: error: ...``); exit status 0 on success,
+1 on failure (including ``verify`` finding bad files), 2 on wrong usage. ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from typing import Any, NoReturn, TextIO
+
+PROG = "distckpt"
+# The start of the warning DCP gives on each single-process call (a regex, for warnings.filterwarnings).
+_DCP_NO_PROCESS_GROUP = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+class _Usage(Exception):
+    """A usage error (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
+        raise _Usage(f"{message} (see '{self.prog} --help')")
+
+
+# -------------------------------------------------------------------------------------------------
+# output helpers
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _time(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _table(rows: list[list[str]], out: TextIO, right: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip(), file=out)
+
+
+class _Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:4.0%} {_human_bytes(done)} / {_human_bytes(total)}")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise _Usage(f"--storage-option expects KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, KeyError) and text.startswith(("'", '"')):
+        text = text[1:-1]
+    return text
+
+
+def _message(exc: BaseException) -> str:
+    """The error for the user: its text (per-rank lines included, tracebacks left out) and its
+    root cause (e.g. "No space left on device: PATH") when the text does not already say it."""
+    text = _one_line(exc).split("\n(raised on rank", 1)[0].rstrip()
+    cause, seen = exc, set()
+    while (cause.__cause__ or cause.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    if cause is not exc:
+        why = _one_line(cause).splitlines()[0] if _one_line(cause) else type(cause).__name__
+        if why not in text:
+            text = f"{text} (caused by {type(cause).__name__}: {why})"
+    return text
+
+
+# -------------------------------------------------------------------------------------------------
+# commands
+def _cmd_ls(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    from distckpt.tools.catalog import list_steps
+    from distckpt.storage.base import Storage
+
+    storage = Storage(args.root, opts)
+    rows = list_steps(storage)
+    if args.json:
+        json.dump({"root": storage.display(), "steps": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    if not rows:
+        if not args.quiet:
+            print(f"no checkpoints under {storage.display()}", file=sys.stderr)
+        return 0
+    table = [["STEP", "STATUS", "SIZE", "WORLD", "CREATED"]]
+    for r in rows:
+        ws = r.get("world_size")
+        table.append([str(r["step"]), r["status"], _human_bytes(r.get("bytes")), "-" if ws is None else str(ws), _time(r.get("created_unix"))])
+    _table(table, sys.stdout, right={0, 2, 3})
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    from distckpt.tools.catalog import describe, locate
+
+    info = describe(locate(args.ckpt, opts, args.step))
+    if args.json:
+        json.dump(info, sys.stdout, indent=1, default=str)
+        print()
+        return 0
+    out = sys.stdout
+    m = info["manifest"]
+    print(f"checkpoint  {info['location']}", file=out)
+    if m is not None:
+        print(f"step        {m['step']}  (world size {m['world_size']}, saved {_time(m['created_unix'])})", file=out)
+        print(f"written by  torch {m['torch_version']}, distckpt {m['distckpt_version']}", file=out)
+        kinds = ", ".join(f"{k} ({v.get('kind')}{', ' + v['parallel'] if v.get('parallel') else ''})" for k, v in sorted(m["entries"].items()))
+        print(f"entries     {kinds}", file=out)
+        print(f"checksums   {m['checksum_algorithm'] or 'none'}", file=out)
+        if m.get("extra"):
+            print(f"extra       {json.dumps(m['extra'], sort_keys=True)}", file=out)
+    else:
+        print("manifest    none (a plain DCP checkpoint)", file=out)
+    if info["unverified"]:
+        print(f"UNVERIFIED  {'; '.join(info['unverified'])}", file=out)
+    print(file=out)
+    table = [["KEY", "DTYPE", "SHAPE", "BYTES", "SHARDS"]]
+    for r in info["entries"]:
+        shape = "-" if r["shape"] is None else "[" + ", ".join(map(str, r["shape"])) + "]"
+        table.append([r["key"], r["dtype"] or "value", shape, _human_bytes(r["bytes"]), str(r["shards"])])
+    _table(table, out, right={3, 4})
+    t = info["totals"]
+    print(
+        f"\n{t['tensors']} tensors ({t['parameters']:,} elements, {_human_bytes(t['tensor_bytes'])}), "
+        f"{t['values']} values; {t['files']} files, {_human_bytes(t['file_bytes'])} on storage",
+        file=out,
+    )
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    from distckpt.tools.catalog import locate
+
+    found = locate(args.ckpt, opts, args.step)
+    if found.manifest is None:
+        raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
+    problems = found.problems()
+    if not problems:
+        try:
+            found.metadata()
+        except Exception as exc:  # noqa: BLE001 - reported as a problem
+            problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
+    checked_state = checked_values = None
+    if args.state and not problems:
+        # Recompute every tensor's fingerprint from the files, as the saving ranks did.
+        from distckpt.tools.convert import CheckpointSource
+        from distckpt.state.statecheck import compare_files
+
+        if not found.manifest.fingerprints:
+            problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
+        else:
+            source = CheckpointSource(found)
+            bad, checked_state = compare_files(source, found.manifest.fingerprints)
+            problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
+            # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
+            # against the manifest's value_digests (manifests written before those: unverified).
+            checked_values = len(source.values) if found.manifest.value_digests is not None else 0
+            if found.manifest.value_digests is None and source.values:
+                print(
+                    f"WARNING {found.display()}: --state: the manifest predates value digests; its {len(source.values)} "
+                    "non-tensor items (optimizer hyper-parameters, scheduler fields, ...) are read but not verified",
+                    file=sys.stderr,
+                )
+            for key in source.values:
+                try:
+                    source.read_value(key)
+                except Exception as exc:  # noqa: BLE001 - reported as a problem
+                    problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
+            try:
+                source.finish()  # what was read for the fingerprints is what the checksums cover
+            except Exception as exc:  # noqa: BLE001 - reported as a problem
+                problems.append(_message(exc))
+    files = found.manifest.files
+    # Checksums that are not there verify nothing: say so instead of "OK".
+    unverified = found.unverified
+    if unverified and not args.allow_unverified:
+        problems += [f"{found.display()}: UNVERIFIED: {u}" for u in unverified]
+    if args.json:
+        json.dump(
+            {"checkpoint": found.display(), "ok": not problems, "verified": not unverified, "files": len(files),
+             "bytes": found.manifest.total_bytes, "problems": problems, "unverified": unverified},
+            sys.stdout, indent=1,
+        )  # fmt: skip
+        print()
+    elif problems:
+        for line in problems:
+            print(f"FAILED {line}", file=sys.stderr)
+        print(f"{PROG}: error: {found.display()}: {len(problems)} of {len(files)} files failed verification", file=sys.stderr)
+    elif unverified:
+        print(f"WARNING {found.display()}: unverified ({'; '.join(unverified)}); only sizes were checked", file=sys.stderr)
+    elif not args.quiet:
+        how = f"sizes and {found.manifest.checksum_algorithm} checksums"
+        if checked_state is not None:
+            how += f"; fingerprints of {checked_state} tensors"
+        if checked_values:
+            how += f", digests of {checked_values} non-tensor items"
+        print(f"OK {found.display()}: {len(files)} files, {_human_bytes(found.manifest.total_bytes)} ({how})")
+    return 1 if problems else 0
+
+
+def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+    from distckpt.tools import convert, importer
+
+    if args.model_only and args.all:
+        raise _Usage("--model-only and --all exclude each other")
+    if args.to == "dcp":
+        if args.key or args.dtype or args.model_only or args.all:
+            raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(args.src, **opts)
+        if fs.isdir(path):
+            # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
+            from distckpt.tools.hf import import_hf
+
+            summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
+        else:
+            summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
+    elif args.to == "hf":
+        from distckpt.tools.catalog import locate
+        from distckpt.tools.hf import export_hf
+
+        if args.model_only or args.all:
+            raise _Usage("--to hf exports one model: pick it with --key NAME (default: the checkpoint's module)")
+        found = locate(args.src, opts, args.step)
+        bar = _Progress("hf ", not args.quiet)
+        try:
+            summary = export_hf(
+                found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
+                max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
+            )  # fmt: skip
+            summary.setdefault("unverified", found.unverified)
+        finally:
+            bar.close()
+    else:
+        from distckpt.tools.catalog import locate
+
+        found = locate(args.src, opts, args.step)
+        dtype = convert.DTYPES[args.dtype] if args.dtype else None
+        bar = _Progress(f"{args.to} ", not args.quiet)
+        try:
+            if args.to == "safetensors":
+                if args.all and args.key:
+                    raise _Usage("--all and --key exclude each other")
+                summary = convert.export_safetensors(
+                    found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar
+                )
+            else:
+                summary = convert.export_torch(
+                    found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts, progress=bar
+                )
+        finally:
+            bar.close()
+    unverified = summary.get("unverified") or []
+    if unverified:  # exported as read: say so even with --quiet
+        print(f"WARNING {args.src}: unverified ({'; '.join(unverified)}); exported as read", file=sys.stderr)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    elif not args.quiet:
+        what = f"{summary['tensors']} tensors, {_human_bytes(summary['bytes'])}"
+        print(f"wrote {summary['output']} ({what})", file=sys.stderr)
+        if summary.get("skipped"):
+            print(f"skipped {len(summary['skipped'])}: {', '.join(summary['skipped'][:10])}", file=sys.stderr)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                        help="fsspec storage option for URLs (repeatable; VALUE parsed as JSON when it is JSON)")
+    common.add_argument("--quiet", "-q", action="store_true", help="no progress bar or messages")
+    common.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    parser = _Parser(prog=PROG, description="List, inspect, verify and convert distckpt checkpoints.")
+    from distckpt._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("ls", parents=[common], help="steps under a root: committed or incomplete, size, world size, time")
+    p.add_argument("root", help="checkpoint root (path or URL)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("inspect", parents=[common], help="every entry: key, dtype, shape, bytes, shards; totals; manifest")
+    p.add_argument("ckpt", help="step directory, root (newest step) or plain DCP directory")
+    p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="check that every file is present and intact")
+    p.add_argument("ckpt", help="step directory or root (newest step)")
+    p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--state", action="store_true",
+                   help="also recompute every tensor's fingerprint from the files and compare it with the manifest")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="exit 0 (with a warning) when the manifest records no checksums to verify against")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("convert", parents=[common], help="export to one torch/safetensors file, or import a torch.save file")
+    p.add_argument("src", help="checkpoint (for --to torch/safetensors) or torch.save file (for --to dcp)")
+    p.add_argument("--to", required=True, choices=("torch", "safetensors", "hf", "dcp"),
+                   help="output format: one torch/safetensors file, a Hugging Face directory (sharded "
+                        "safetensors + index), or a distckpt checkpoint (from a torch.save file or a "
+                        "Hugging Face directory)")
+    p.add_argument("out", help="output file (torch, safetensors), directory (hf) or checkpoint root (dcp)")
+    p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file (default 5GB)")
+    p.add_argument("--model-only", action="store_true", help="only the model's tensors, flat (default for safetensors)")
+    p.add_argument("--all", action="store_true", help="every tensor under its full key (default for torch, with values)")
+    p.add_argument("--key", metavar="PREFIX", help="only tensors under PREFIX (e.g. the name of one model), prefix removed")
+    p.add_argument("--dtype", choices=sorted(("fp32", "bf16", "fp16")), help="cast floating-point tensors")
+    p.add_argument("--step", type=int, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``distckpt`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help / --version
+            return int(exc.code or 0)
+        with warnings.catch_warnings():
+            if not debug:
+                # DCP warns on every call without a process group, which the CLI never has.
+                # Only that notice is hidden: every other warning still reaches stderr.
+                warnings.filterwarnings("ignore", message=_DCP_NO_PROCESS_GROUP, category=UserWarning)
+            opts = _storage_options(args.storage_option)
+            return int(args.func(args, opts))
+    except _Usage as exc:
+        if debug:
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(exc, SystemExit) or debug:
+            raise
+        print(f"{PROG}: error: {_message(exc)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Import a ``torch.save`` checkpoint into a distckpt checkpoint that any world size can load.
+
+The file is read with ``torch.load(weights_only=True, mmap=True)`` (no code runs, tensors stay on
+disk until written), the model's state dict is found (a bare state dict, or under ``model``,
+``state_dict``, ``model_state_dict``, ...), ``module.``/``_orig_mod.`` prefixes are stripped, and
+it is saved as the ``model`` entry with the file's plain top-level values (epoch, step ...).
+
+Not collective: call from one process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from distckpt.state import values
+from distckpt.storage.base import Storage
+
+_STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
+        isinstance(v, torch.Tensor) for v in obj.values()
+    )
+
+
+def strip_prefixes(name: str) -> str:
+    """``name`` without DDP's leading ``module.`` and ``torch.compile``'s ``_orig_mod.`` (anywhere)."""
+    while name.startswith(_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name.replace("._orig_mod.", ".")
+
+
+def import_torch_save(
+    src: str,
+    out_root: str,
+    *,
+    step: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Import a ``torch.save`` file (a state dict, or a dict holding one) as a distckpt checkpoint.
+
+    The file is read with ``weights_only=True`` (memory-mapped when local). The model's state
+    dict (the file itself, or its ``model``/``state_dict``/``model_state_dict`` item) is saved as
+    entry ``model`` (keys ``model.<fqn>``, ``module.``/``_orig_mod.`` removed); other top-level
+    plain values (``epoch``, ``step``...) are kept; anything else (optimizer state keyed by
+    parameter index) is skipped and listed in the summary.
+
+    Returns:
+        A summary: output, step, tensors, skipped keys.
+    """
+    from distckpt.checkpointer import Checkpointer
+
+    opts = dict(storage_options or {})
+    with _local_copy(src, opts) as path:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"cannot read {src} with weights_only=True: {str(exc).splitlines()[0]}") from None
+        except RuntimeError as exc:
+            raise ValueError(f"{src} is not a torch.save file: {str(exc).splitlines()[0]}") from None
+        found_key = next((k for k in _STATE_DICT_KEYS if isinstance(obj, Mapping) and _is_tensor_dict(obj.get(k))), None)
+        if found_key is not None:
+            sd, rest = obj[found_key], {k: v for k, v in obj.items() if k != found_key}
+        elif _is_tensor_dict(obj):
+            sd, rest = obj, {}
+        else:
+            raise ValueError(f"{src} holds no model state dict (a dict of tensors, or one under {', '.join(_STATE_DICT_KEYS)})")
+        tensors: dict[str, torch.Tensor] = {}
+        skipped: list[str] = []
+        for name, value in sd.items():
+            if not isinstance(value, torch.Tensor):
+                skipped.append(f"model.{name}")
+                continue
+            clean = strip_prefixes(name)
+            if clean in tensors:
+                raise ValueError(f"{src}: keys {name!r} and another both become {clean!r} once prefixes are removed")
+            tensors[clean] = value
+        state: dict[str, Any] = {"model": tensors}
+        for k, v in rest.items():
+            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and values.is_plain(v):
+                state[k] = v
+            else:
+                skipped.append(str(k))
+        if step is None:
+            cand = next((rest.get(k) for k in ("step", "global_step", "epoch") if isinstance(rest.get(k), int)), 0)
+            step = int(cand) if not isinstance(cand, bool) and cand >= 0 else 0
+        ckpt = Checkpointer(out_root, storage_options=opts, save_rng=False)
+        try:
+            ckpt.save(step, state, metadata={"imported_from": os.path.basename(src.rstrip("/"))})
+        finally:
+            ckpt.close()
+    out = Storage(out_root, opts)
+    from distckpt.integrity.manifest import step_dir
+
+    return {
+        "output": out.display(step_dir(step)),
+        "step": step,
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "values": sorted(k for k in state if k != "model"),
+        "skipped": skipped,
+    }
+
+
+@contextmanager
+def _local_copy(src: str, storage_options: Mapping[str, Any]) -> Iterator[str]:
+    """A local path of ``src``: itself, or a temporary download of a URL."""
+    if "://" not in src or src.startswith("file://"):
+        path = os.path.abspath(os.path.expanduser(src.split("://", 1)[-1]))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist or is not a file")
+        yield path
+        return
+    import tempfile
+
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(src, **dict(storage_options))
+    with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
+        local = os.path.join(tmp, os.path.basename(path) or "checkpoint.pt")
+        fs.get_file(path, local)
+        yield local

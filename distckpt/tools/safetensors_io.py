@@ -1,0 +1,331 @@
+"""Reading Hugging Face safetensors checkpoints by byte range, on any storage, without pickle.
+
+A safetensors file is ``u64 header length | JSON header | raw tensor bytes``; a sharded checkpoint
+adds ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), without which
+several files are refused (an unfinished publish). This module parses and validates the headers
+(offsets inside the file, sizes matching dtype x shape, tensors tiling the data bytes without
+overlaps or holes) and exposes the files to DCP as a ``StorageReader``, so that ``dcp.load``
+reshards them like any distckpt checkpoint: each rank reads exactly the byte ranges of the
+blocks it owns (one range per row block for FSDP2 dim-0 shards), straight into its destination
+tensor when the dtype matches. Nothing is unpickled and no rank reads the whole model.
+
+Not collective by itself: DCP's ``load`` drives it on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from distckpt.state.shape import numel
+from distckpt.integrity.stepfiles import _readinto
+from distckpt.errors import IntegrityError, UnsafeCheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_DIMS = 64  # more than any real tensor has; bounds the size arithmetic on hostile headers
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where one tensor's bytes lie: ``file`` (name inside the directory), absolute ``start``."""
+
+    file: str
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, where: str) -> dict[str, TensorSpan]:
+    """Validate a safetensors header and return tensor name -> :class:`TensorSpan`.
+
+    Args:
+        raw_len: the file's first 8 bytes.
+        read_header: ``read_header(n)`` returns the next ``n`` bytes (the JSON header).
+        file_size: the file's size, to check that every tensor lies inside it.
+        name: the file's name inside its directory (recorded in the spans).
+        where: the file's location, for error messages.
+
+    Raises:
+        IntegrityError: anything malformed, naming the file and tensor.
+    """
+    if len(raw_len) != 8:
+        raise IntegrityError(f"{where}: too short to be a safetensors file ({file_size} bytes)")
+    n = int.from_bytes(raw_len, "little")
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise IntegrityError(f"{where}: header length {n} is larger than the file or the 100 MB limit")
+    text = read_header(n)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise IntegrityError(f"{where}: header is not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{where}: header is a {type(header).__name__}, not an object")
+    data_start = 8 + n
+    data_len = file_size - data_start
+    spans: dict[str, TensorSpan] = {}
+    ranges: list[tuple[int, int, str]] = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: entry is not an object")
+        dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if dtype is None:
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: unknown dtype {info.get('dtype')!r:.40}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: shape {shape!r:.80} is not a list of at most {MAX_DIMS} non-negative int64s")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise IntegrityError(f"{where}: tensor {key!r:.100}: data_offsets {offsets!r:.80} are not two ints")
+        begin, end = offsets
+        span = TensorSpan(name, data_start + begin, dtype, tuple(shape))
+        if not 0 <= begin <= end <= data_len or end - begin != span.nbytes:
+            raise IntegrityError(
+                f"{where}: tensor {key!r:.100}: bytes [{begin}, {end}) do not hold {dtype} {list(shape)!s:.80} "
+                f"({span.nbytes} bytes) inside the {data_len} data bytes"
+            )
+        spans[key] = span
+        ranges.append((begin, end, key))
+    # As the safetensors format requires: the tensors tile the data bytes exactly, without
+    # overlaps or holes. (A header whose length prefix was shortened into its padding would
+    # otherwise shift every tensor onto its neighbours' bytes and still pass the checks above.)
+    ranges.sort()
+    covered, last = 0, None
+    for begin, end, key in ranges:
+        if begin < covered:
+            raise IntegrityError(f"{where}: tensors {last!r:.100} and {key!r:.100} overlap")
+        if begin > covered:
+            raise IntegrityError(f"{where}: data bytes [{covered}, {begin}) belong to no tensor")
+        covered, last = end, key
+    if covered != data_len:
+        raise IntegrityError(f"{where}: data bytes [{covered}, {data_len}) belong to no tensor (header and data disagree)")
+    return spans
+
+
+class SafetensorsIndex:
+    """The tensors of a Hugging Face checkpoint directory (single file or sharded with an index).
+
+    Not collective; reads the index and every file's header (a few KB each).
+
+    Args:
+        storage: a :class:`~distckpt.storage.base.Storage` whose root is the directory.
+    """
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        files = storage.list_files()
+        if INDEX_NAME in files:
+            where = storage.display(INDEX_NAME)
+            if files[INDEX_NAME] > MAX_HEADER:
+                raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
+            try:
+                index = json.loads(storage.read_bytes(INDEX_NAME))
+            except (ValueError, RecursionError) as exc:
+                raise IntegrityError(f"{where}: not valid JSON ({type(exc).__name__})") from None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
+            names = sorted(set(weight_map.values()))
+        else:
+            # Without an index only a single file is a checkpoint: shards without their index
+            # are an unfinished publish (possibly new shards beside old ones), never guessed at.
+            weight_map = None
+            names = sorted(f for f in files if f.endswith(".safetensors"))
+            if not names:
+                raise FileNotFoundError(f"{storage.display()}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors files")
+            if len(names) > 1:
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise IntegrityError(
+                    f"{storage.display()}: {len(names)} safetensors files ({shown}) but no {INDEX_NAME}: a sharded "
+                    "checkpoint is complete only with its index (an unfinished or failed publish leaves shards without it)"
+                )
+        self.spans: dict[str, TensorSpan] = {}
+        for name in names:
+            if "/" in name or "\\" in name or name in (".", ".."):
+                raise UnsafeCheckpointError(f"{storage.display(INDEX_NAME)} names file {name!r:.100} outside the directory")
+            if not name.endswith(".safetensors"):
+                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which is not a .safetensors file")
+            if name not in files:
+                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which does not exist")
+            where = storage.display(name)
+            with storage.open(name, "rb") as f:
+                spans = parse_header(f.read(8), f.read, files[name], name, where)
+            for key, span in spans.items():
+                if key in self.spans:
+                    raise IntegrityError(f"{where}: tensor {key!r:.100} is also in {self.spans[key].file}")
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise IntegrityError(f"{where}: holds {key!r:.100}, which the index puts in {weight_map.get(key)!r:.100}")
+                self.spans[key] = span
+        if weight_map is not None:
+            lost = sorted(set(weight_map) - set(self.spans))
+            if lost:
+                raise IntegrityError(f"{storage.display(INDEX_NAME)}: tensors missing from their files: {lost[:10]}")
+
+    def metadata(self) -> Metadata:
+        """DCP metadata: one chunk per tensor (each is stored whole)."""
+        state: dict[str, TensorStorageMetadata] = {}
+        data: dict[MetadataIndex, TensorSpan] = {}
+        for key, span in self.spans.items():
+            zeros = torch.Size([0] * len(span.shape))
+            state[key] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=span.dtype),
+                size=torch.Size(span.shape),
+                chunks=[ChunkStorageMetadata(offsets=zeros, sizes=torch.Size(span.shape))],
+            )
+            data[MetadataIndex(key, zeros)] = span
+        return Metadata(state_dict_metadata=state, storage_data=data)  # type: ignore[arg-type]
+
+
+class SafetensorsReader(StorageReader):
+    """A DCP ``StorageReader`` over a :class:`SafetensorsIndex`; reads only requested byte ranges.
+
+    Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``,
+    ``prepare_local_plan``, ``read_data``; coordinator: ``prepare_global_plan``).
+
+    Args:
+        index: the checkpoint's index (key names as the *state dict* will ask for them).
+        rename: state-dict key -> name in the files, for keys that differ.
+        thread_count: files read at the same time.
+    """
+
+    def __init__(self, index: SafetensorsIndex, rename: Mapping[str, str] | None = None, thread_count: int = 2) -> None:
+        super().__init__()
+        self.index = index
+        self.rename = dict(rename or {})
+        self.thread_count = max(1, thread_count)
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.index.metadata()
+        inverse = {v: k for k, v in self.rename.items()}
+        metadata.state_dict_metadata = {inverse.get(k, k): v for k, v in metadata.state_dict_metadata.items()}
+        metadata.storage_data = {
+            MetadataIndex(inverse.get(i.fqn, i.fqn), i.offset): s for i, s in metadata.storage_data.items()
+        }
+        metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].file, []).append(item)
+        jobs = list(per_file.items())
+        if self.thread_count <= 1 or len(jobs) <= 1:
+            counts = [self._read_file(name, items, planner) for name, items in jobs]
+        else:
+            with ThreadPoolExecutor(min(self.thread_count, len(jobs)), thread_name_prefix="distckpt-hf") as pool:
+                counts = [fut.result() for fut in [pool.submit(self._read_file, name, items, planner) for name, items in jobs]]
+        self.bytes_read += sum(counts)  # summed here: threads updating one counter lose updates
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, name: str, items: list[ReadItem], planner: LoadPlanner) -> int:
+        """Serve ``items`` from file ``name``; returns the bytes read."""
+        where = self.index.storage.display(name)
+        nbytes = 0
+        with self.index.storage.open(name, "rb") as f:
+            for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].start):
+                span: TensorSpan = self.storage_data[item.storage_index]
+                target = planner.resolve_tensor(item).detach()
+                block = _read_block(f, span, tuple(item.storage_offsets), tuple(item.lengths), target, where, item.storage_index.fqn)
+                if block is not target:
+                    target.copy_(block)
+                planner.commit_tensor(item, target)
+                nbytes += numel(item.lengths) * _itemsize(span.dtype)
+        return nbytes
+
+
+def _read_block(f: Any, span: TensorSpan, offsets: tuple, lengths: tuple, target: torch.Tensor, where: str, key: str) -> torch.Tensor:
+    """The block ``offsets``/``lengths`` of a stored tensor, read with the fewest bytes possible.
+
+    A block of whole rows (all dims but the first complete) is one contiguous byte range, read
+    straight into ``target`` when dtype and layout allow; otherwise the enclosing rows are read
+    and narrowed.
+    """
+    shape = span.shape
+    item = _itemsize(span.dtype)
+    row = numel(shape[1:]) * item if shape else item
+    first, count = (int(offsets[0]), int(lengths[0])) if shape else (0, 1)
+    whole_rows = all(int(o) == 0 for o in offsets[1:]) and tuple(int(n) for n in lengths[1:]) == tuple(shape[1:])
+    f.seek(span.start + first * row)
+    nbytes = count * row
+    direct = (
+        whole_rows
+        and target.dtype == span.dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and tuple(target.shape) == tuple(int(n) for n in lengths)
+    )
+    buf = target if direct else torch.empty((count, *shape[1:]) if shape else (), dtype=span.dtype)
+    if nbytes:
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        got = _readinto(f, view)
+        if got != nbytes:
+            raise IntegrityError(f"{where}: ends inside tensor {key!r} ({got} of {nbytes} bytes)")
+    if direct:
+        return target
+    block = buf
+    for dim in range(1, len(shape)):
+        block = block.narrow(dim, int(offsets[dim]), int(lengths[dim]))
+    return block
