@@ -180,9 +180,31 @@ def test_a_peek_ahead_is_confirmed_by_the_pass(tmp_path):
     bad = bytearray(good)
     bad[212] ^= 1
     path.write_bytes(bytes(bad))  # the pass reads the changed byte; the checksum alone would say
-    f.close()  # "corrupted", the confirmation names the bytes that were read twice
-    with pytest.raises(distckpt.IntegrityError, match=r"bytes \[210, 215\) changed"):
+    f.close()  # "corrupted", the confirmation names the bytes that were read twice: the peek
+    # fetched its whole slice (up to PEEK_WINDOW bytes) in one read
+    with pytest.raises(distckpt.IntegrityError, match=r"bytes \[200, 300\) changed"):
         f.finish()
+
+
+def test_a_records_layout_is_peeked_in_two_reads(tmp_path, monkeypatch):
+    """The dozen small reads of a record's zip headers and central directory are served from a
+    head and a tail window, each read (and remembered for the pass) once."""
+    from distckpt.integrity import stepfiles
+    from distckpt.integrity.torchfile import raw_layout
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": nn.Linear(64, 64)})  # 16 KiB weight
+    step = stepfiles.StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
+    meta = step.metadata()
+    fqn, info = next((i.fqn, v) for i, v in meta.storage_data.items() if v.length > 2 * stepfiles.PEEK_WINDOW)
+    f = step.file(info.relative_path)
+    reads = []
+    inner = f._peek_into
+    monkeypatch.setattr(f, "_peek_into", lambda at, view: reads.append((at, len(view))) or inner(at, view))
+    layout = raw_layout(f.peek(info.offset, info.length))
+    assert layout is not None and layout.nbytes == meta.state_dict_metadata[fqn].size.numel() * 4
+    assert len(reads) == 2, reads
+    assert reads[0][0] == info.offset and reads[1][0] + reads[1][1] == info.offset + info.length
+    f.finish()  # both windows are confirmed by the pass
 
 
 def test_load_and_verify_use_the_same_reader(tmp_path):

@@ -34,14 +34,16 @@ from typing import Any
 
 from distckpt.errors import IntegrityError
 from distckpt.integrity.checksums import CHUNK, new_hasher
-
-# Bytes read before they are hashed (a few MiB: cache-sized, and large enough that the per-read
-# cost of a syscall or an object-store request does not matter).
-HOT_BLOCK = 4 * 1024 * 1024
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest
 from distckpt.integrity.safe_pickle import check_relative_name
 
 METADATA_NAME = ".metadata"
+
+# Bytes read before they are hashed (a few MiB: cache-sized, and large enough that the per-read
+# cost of a syscall or an object-store request does not matter).
+HOT_BLOCK = 4 * 1024 * 1024
+# A record's zip headers and pickle, or its central directory: one read each (see _Peek).
+PEEK_WINDOW = 4096
 
 
 class StepFiles:
@@ -540,13 +542,19 @@ def _read_bytes(f: Any, n: int) -> bytes:
 
 
 class _Peek(io.RawIOBase):
-    """Random reads of ``[offset, offset + length)`` of a :class:`VerifiedFile` (see ``peek``)."""
+    """Random reads of ``[offset, offset + length)`` of a :class:`VerifiedFile` (see ``peek``).
+
+    Reads are served from windows of :data:`PEEK_WINDOW` bytes fetched on demand: a record's
+    layout takes a dozen small reads at its head and tail (zip headers, the pickle, the central
+    directory), which would otherwise each cost a seek, a read and a digest of their own.
+    """
 
     def __init__(self, owner: VerifiedFile, offset: int, length: int) -> None:
         self._owner = owner
         self._start = offset
         self._len = length
         self._pos = 0
+        self._windows: list[tuple[int, bytearray]] = []  # (offset in the slice, bytes)
 
     def readable(self) -> bool:
         return True
@@ -562,11 +570,29 @@ class _Peek(io.RawIOBase):
         self._pos = max(0, min(self._len, base + pos))
         return self._pos
 
+    def _window(self, pos: int, n: int) -> tuple[int, bytearray]:
+        for start, data in self._windows:
+            if start <= pos and pos + n <= start + len(data):
+                return start, data
+        # Near the end: the tail window (the central directory is read backwards from the end).
+        start = max(0, self._len - PEEK_WINDOW) if pos + n > self._len - PEEK_WINDOW else pos
+        end = min(self._len, max(pos + n, start + PEEK_WINDOW))
+        data = bytearray(end - start)
+        got = self._owner._peek_into(self._start + start, memoryview(data))
+        del data[got:]
+        self._windows.append((start, data))
+        return start, data
+
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = min(len(view), self._len - self._pos)
         if n <= 0:
             return 0
-        got = self._owner._peek_into(self._start + self._pos, view[:n])
+        if n > PEEK_WINDOW:  # a large read: straight into the caller's buffer
+            got = self._owner._peek_into(self._start + self._pos, view[:n])
+        else:
+            start, data = self._window(self._pos, n)
+            got = max(0, min(n, start + len(data) - self._pos))
+            view[:got] = data[self._pos - start : self._pos - start + got]
         self._pos += got
         return got
