@@ -24,7 +24,9 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
 * ``distckpt_async`` ``save(blocking=False)``: ``blocking`` (time until training may go on) and
   ``total`` (until committed), on a fresh Checkpointer (``cold``: buffers allocated and writer
   process started on that save) and the median of its next three saves (``warm``: buffers and
-  writer reused, the steady state of a training job).
+  writer reused, the steady state of a training job); the notes break the median warm save's
+  blocking time into ``prepare`` (state dicts, views), ``claim`` and ``stage`` (the copy, and the
+  fingerprints of replicas this rank does not stage).
 * ``staging_copy`` a plain copy of every tensor of the state into already-allocated buffers:
   the floor for what an async save that copies must block for.
 * ``raw_read``   each rank reads the bytes it needs (replicated state: all of them) into the
@@ -350,6 +352,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 "total_cold_s": cold.total_s,
                 "blocking_s": median([w.blocking_s for w in warm]),
                 "total_s": median([w.total_s for w in warm]),
+                # The blocking part of the warm save whose blocking time is the median.
+                "blocking_phases": {
+                    k: v
+                    for k, v in sorted(warm, key=lambda w: w.blocking_s)[len(warm) // 2].phases.items()
+                    if k in ("prepare", "claim", "stage")
+                },
             }
 
         b.timed(rep, "distckpt_async", async_save)
@@ -503,6 +511,9 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
         phases = [r["phases"] for r in rows0 if r.get("phases")]
         if phases:
             out["phases_s"] = phases[-1]  # one save, broken down (the last repetition's)
+        blocked = [r["blocking_phases"] for r in rows0 if r.get("blocking_phases")]
+        if blocked:
+            out["blocking_phases_s"] = blocked[-1]
         for key in ("blocking_s", "total_s", "blocking_cold_s", "total_cold_s", "steps_per_s", "copy_s"):
             vals = [r.get(key) for r in rows0 if r.get(key) is not None]
             if vals:
@@ -611,6 +622,8 @@ def _table(result: dict[str, Any]) -> str:
             if name == "distckpt_async":
                 notes.append(f"blocked {m.get('blocking_s', 0):.3f}s warm / {m.get('blocking_cold_s', 0):.3f}s cold; "
                              f"committed {m.get('total_s', 0):.3f}s warm / {m.get('total_cold_s', 0):.3f}s cold")
+                if m.get("blocking_phases_s"):
+                    notes.append("blocked in " + ", ".join(f"{k} {v:.3f}s" for k, v in m["blocking_phases_s"].items()))
             if name.startswith("train_"):
                 sps = m.get("steps_per_s")
                 notes.append(f"{sps:.1f} steps/s" if sps else "no step overlapped the save")
