@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import distckpt
+from cli_runner import run_cli as _cli
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +35,6 @@ def _save(root: Path, step: int, seed: int, **kw) -> nn.Module:
     return model
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distckpt", *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 # symlinks -----------------------------------------------------------------------------------------

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,9 @@ import torch
 from torch import nn
 
 import distckpt
+from cli_runner import run_cli as _cli
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
 
@@ -26,8 +24,6 @@ def _model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "distckpt", *args], capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def _flip(path: Path) -> None:

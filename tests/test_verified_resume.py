@@ -297,9 +297,10 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
     import json
     import pickle
     import subprocess
-    import sys
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from cli_runner import run_cli
 
     from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
@@ -307,8 +308,7 @@ def test_verify_state_recomputes_fingerprints_from_the_files(tmp_path):
     distckpt.Checkpointer(tmp_path).save(1, {"model": model})
 
     def verify() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "distckpt", "verify", str(tmp_path), "--state"],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        return run_cli("verify", str(tmp_path), "--state")
 
     done = verify()
     assert done.returncode == 0 and "fingerprints of" in done.stdout, done.stderr

@@ -210,15 +210,14 @@ def test_hf_from_and_to_s3(tmp_path, s3_server, s3_bucket):
 
 
 def test_cli_hf_export_and_import(tmp_path):
-    import subprocess
-    import sys
+    from cli_runner import run_cli
 
     model = _model(0)  # tied embeddings
     root = str(tmp_path / "ck")
     distckpt.Checkpointer(root).save(4, {"model": model, "optim": torch.optim.AdamW(model.parameters())})
 
     def cli(*args):
-        done = subprocess.run([sys.executable, "-m", "distckpt", *args, "-q"], capture_output=True, text=True, timeout=120)
+        done = run_cli(*args, "-q")
         assert done.returncode == 0, done.stderr
         return done
 
