@@ -36,6 +36,7 @@ from distckpt.errors import IntegrityError
 from distckpt.integrity.checksums import CHUNK, new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest
 from distckpt.integrity.safe_pickle import check_relative_name
+from distckpt.integrity.torchfile import ByteRange
 
 METADATA_NAME = ".metadata"
 
@@ -541,7 +542,7 @@ def _read_bytes(f: Any, n: int) -> bytes:
     return bytes(data)
 
 
-class _Peek(io.RawIOBase):
+class _Peek(ByteRange):
     """Random reads of ``[offset, offset + length)`` of a :class:`VerifiedFile` (see ``peek``).
 
     Reads are served from windows of :data:`PEEK_WINDOW` bytes fetched on demand: a record's
@@ -550,25 +551,9 @@ class _Peek(io.RawIOBase):
     """
 
     def __init__(self, owner: VerifiedFile, offset: int, length: int) -> None:
+        super().__init__(offset, length)
         self._owner = owner
-        self._start = offset
-        self._len = length
-        self._pos = 0
         self._windows: list[tuple[int, bytearray]] = []  # (offset in the slice, bytes)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + pos))
-        return self._pos
 
     def _window(self, pos: int, n: int) -> tuple[int, bytearray]:
         for start, data in self._windows:

@@ -20,15 +20,14 @@ from distckpt.state import shape as _shape
 from distckpt._compat import PyTorchFileReader, dtype_from_storage_name
 
 
-class FileSlice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
+class ByteRange(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of something, as a seekable read-only stream: the
+    position bookkeeping; subclasses say where the bytes come from (``readinto``)."""
 
-    def __init__(self, raw: Any, offset: int, length: int) -> None:
-        self._raw = raw
+    def __init__(self, offset: int, length: int) -> None:
         self._start = offset
         self._len = length
         self._pos = 0
-        raw.seek(offset)
 
     def readable(self) -> bool:
         return True
@@ -42,8 +41,23 @@ class FileSlice(io.RawIOBase):
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
         self._pos = max(0, min(self._len, base + pos))
-        self._raw.seek(self._start + self._pos)
+        self._moved()
         return self._pos
+
+    def _moved(self) -> None:
+        """The position changed (a stream over a file handle follows it there)."""
+
+
+class FileSlice(ByteRange):
+    """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
+
+    def __init__(self, raw: Any, offset: int, length: int) -> None:
+        super().__init__(offset, length)
+        self._raw = raw
+        raw.seek(offset)
+
+    def _moved(self) -> None:
+        self._raw.seek(self._start + self._pos)
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
