@@ -232,3 +232,52 @@ def test_reads_after_a_file_was_checked_are_checked_again(tmp_path):
     f.read_range(0, 10)
     with pytest.raises(distckpt.IntegrityError, match="corrupted"):
         f.finish()
+
+
+def test_peeks_return_the_files_bytes_for_any_reads(tmp_path):
+    """Seeded random seeks and reads of a peek (straddling, inside and between its windows, past
+    its end) return exactly the file's bytes, and the pass confirms every one of them."""
+    import random
+
+    from distckpt.integrity import stepfiles
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": nn.Linear(96, 96)})  # 36 KiB weight
+    name = _largest_data_file(tmp_path / step_dir(1)).name
+    good = (tmp_path / step_dir(1) / name).read_bytes()
+    rng = random.Random(0)
+    window = stepfiles.PEEK_WINDOW
+    for case in range(60):
+        step = stepfiles.StepFiles.open(distckpt.Storage(tmp_path), step_dir(1))
+        f = step.file(name)
+        offset = rng.randrange(0, len(good) // 2)
+        length = rng.choice([rng.randrange(1, 3 * window), len(good) - offset, rng.randrange(window, 2 * window)])
+        peek = f.peek(offset, length)
+        for _ in range(12):
+            pos = rng.choice([rng.randrange(0, length + 8), length - rng.randrange(0, window + 8), window - rng.randrange(1, 16)])
+            n = rng.choice([rng.randrange(1, 64), rng.randrange(window - 32, window + 32), rng.randrange(1, 2 * window)])
+            peek.seek(max(0, pos))
+            at = peek.tell()
+            got = peek.read(n)
+            assert got == good[offset + at : offset + min(length, at + n)], (case, offset, length, at, n)
+        f.finish()
+
+
+def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_path):
+    """Records a little shorter and longer than the peek window (their head and tail windows
+    overlap or touch) are all read straight into their destination, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrity.manifest import read_manifest
+    from distckpt.integrity.stepfiles import PEEK_WINDOW
+
+    sizes = list(range(PEEK_WINDOW // 4 - 300, 2 * PEEK_WINDOW // 4 + 40, 37))  # fp32 elements
+    torch.manual_seed(0)
+    saved = {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
+    ckpt = distckpt.Checkpointer(tmp_path, save_rng=False)
+    ckpt.save(1, {"w": saved})
+    manifest = read_manifest(ckpt.storage, 1)
+    dest = {k: torch.zeros_like(v) for k, v in saved.items()}
+    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
+    dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
+    assert reader.fast_reads == len(sizes)  # every layout was parsed from the peek windows
+    assert all(torch.equal(saved[k], dest[k]) for k in saved)

@@ -559,8 +559,9 @@ class _Peek(ByteRange):
         for start, data in self._windows:
             if start <= pos and pos + n <= start + len(data):
                 return start, data
-        # Near the end: the tail window (the central directory is read backwards from the end).
-        start = max(0, self._len - PEEK_WINDOW) if pos + n > self._len - PEEK_WINDOW else pos
+        # Near the end: the tail window (the central directory is read backwards from the end),
+        # started early enough to hold a read that begins before it.
+        start = min(pos, max(0, self._len - PEEK_WINDOW)) if pos + n > self._len - PEEK_WINDOW else pos
         end = min(self._len, max(pos + n, start + PEEK_WINDOW))
         data = bytearray(end - start)
         got = self._owner._peek_into(self._start + start, memoryview(data))
