@@ -86,6 +86,9 @@ from _common import (  # noqa: E402
 THREADS = 2  # distckpt's default thread_count; also the raw S3 concurrency per rank
 S3_PART = 32 * MiB
 
+# Method groups (--only): which rows each produces.
+GROUPS = ("save", "small", "async", "load", "reshard", "train", "s3")
+
 TARGETS = {
     "sync_vs_raw": 0.9,
     "overhead_vs_dcp_same_threads": 1.15,
@@ -278,6 +281,11 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     other = cfg.get("reshard_from")  # root of a checkpoint written at another world size
     only_reshard = cfg.get("only_reshard", False)
     rootdir = b.base / "distckpt"
+    only = set(cfg.get("only") or ())
+
+    def want(group: str) -> bool:
+        return not only or group in only
+
     sync_ck = distckpt.Checkpointer(str(rootdir / "sync"))
     nocrc_ck = distckpt.Checkpointer(str(rootdir / "nocrc"), keep_last=1, skip_torch_record_crc=True)
     reshard_ck = distckpt.Checkpointer(other) if other else None
@@ -320,15 +328,24 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             continue
 
         # ---------------- saves (round-robin inside the repetition) ----------------
-        b.timed(rep, "raw_write", lambda: b.raw_write(rep))
-        b.timed(rep, f"raw_write_t{THREADS}", lambda: b.raw_write_parallel(rep, THREADS))
-        b.timed(rep, "torch_save", lambda: b.torch_save(rep))
-        b.timed(rep, "dcp_save", lambda: b.dcp_save(rep, 1))
-        b.timed(rep, "dcp_save_t2", lambda: b.dcp_save(rep, 2))
-        rec = b.timed(rep, "distckpt_sync", lambda: sync_ck.save(rep, b.state))
-        rec["phases"] = dict(getattr(sync_ck.last_save, "phases", None) or {})
-        b.timed(rep, "distckpt_sync_nocrc", lambda: nocrc_ck.save(rep, b.state))
-        for mib, (tensors, st, ck) in small.items():
+        if want("save"):
+            b.timed(rep, "raw_write", lambda: b.raw_write(rep))
+            b.timed(rep, f"raw_write_t{THREADS}", lambda: b.raw_write_parallel(rep, THREADS))
+            b.timed(rep, "torch_save", lambda: b.torch_save(rep))
+            b.timed(rep, "dcp_save", lambda: b.dcp_save(rep, 1))
+            b.timed(rep, "dcp_save_t2", lambda: b.dcp_save(rep, 2))
+            rec = b.timed(rep, "distckpt_sync", lambda: sync_ck.save(rep, b.state))
+            rec["phases"] = dict(getattr(sync_ck.last_save, "phases", None) or {})
+            b.timed(rep, "distckpt_sync_nocrc", lambda: nocrc_ck.save(rep, b.state))
+        elif want("load") or want("train"):
+            # What the loads read (and the training part's estimate of a save's length), untimed.
+            b.rank0(lambda: (b.base / f"rep{rep}").mkdir(parents=True, exist_ok=True))
+            b.raw_write(rep)
+            b.dcp_save(rep, 2)
+            t0 = time.perf_counter()
+            sync_ck.save(rep, b.state)
+            b.records.append({"rep": rep, "method": "_sync_untimed", "time_s": time.perf_counter() - t0})
+        for mib, (tensors, st, ck) in small.items() if want("small") else ():
             import torch.distributed.checkpoint as dcp
 
             for i in range(cfg["small_repeats"]):
@@ -360,25 +377,27 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 },
             }
 
-        b.timed(rep, "distckpt_async", async_save)
-        rec = b.timed(rep, "staging_copy", lambda: {"copy_s": b.staging_copy()})
-        rec["time_s"] = rec["copy_s"]  # the copy itself, not the allocation around it
+        if want("async"):
+            b.timed(rep, "distckpt_async", async_save)
+            rec = b.timed(rep, "staging_copy", lambda: {"copy_s": b.staging_copy()})
+            rec["time_s"] = rec["copy_s"]  # the copy itself, not the allocation around it
 
         # ---------------- loads ----------------
-        b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
-        b.timed(rep, "raw_read", lambda: b.raw_read(rep, shares))
-        b.timed(rep, "raw_read_warm", lambda: b.raw_read(rep, shares))
-        b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
-        b.timed(rep, "dcp_load", lambda: b.dcp_load(rep))
-        b.rank0(lambda: drop_cache(rootdir / "sync"))
-        b.timed(rep, "distckpt_load", lambda: sync_ck.load(b.state, step=rep) and None)
-        b.timed(rep, "distckpt_load_warm", lambda: sync_ck.load(b.state, step=rep) and None)
-        if reshard_ck is not None:
+        if want("load"):
+            b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
+            b.timed(rep, "raw_read", lambda: b.raw_read(rep, shares))
+            b.timed(rep, "raw_read_warm", lambda: b.raw_read(rep, shares))
+            b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
+            b.timed(rep, "dcp_load", lambda: b.dcp_load(rep))
+            b.rank0(lambda: drop_cache(rootdir / "sync"))
+            b.timed(rep, "distckpt_load", lambda: sync_ck.load(b.state, step=rep) and None)
+            b.timed(rep, "distckpt_load_warm", lambda: sync_ck.load(b.state, step=rep) and None)
+        if reshard_ck is not None and want("reshard"):
             b.rank0(lambda: drop_cache(other))
             b.timed(rep, "distckpt_load_resharded", lambda: reshard_ck.load(b.state, step=0) and None)
 
         # ---------------- training slowdown ----------------
-        if step_fn is not None:
+        if step_fn is not None and want("train"):
             n_base = cfg["train_steps"]
 
             def baseline() -> dict[str, Any]:
@@ -389,7 +408,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
             base_rec = b.timed(rep, "train_baseline", baseline)
             # Enough steps to outlast the background save (estimated from the sync save).
-            sync_s = next(r["time_s"] for r in reversed(b.records) if r["method"] == "distckpt_sync")
+            sync_s = next(r["time_s"] for r in reversed(b.records) if r["method"] in ("distckpt_sync", "_sync_untimed"))
             n_during = int(min(2000, max(10, 2.0 * sync_s * base_rec["steps_per_s"])))
             t = torch.tensor([n_during])
             b.dist.broadcast(t, 0)
@@ -422,7 +441,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             b.rank0(lambda: shutil.rmtree(rootdir / f"train{rep}", ignore_errors=True))
 
         # ---------------- S3 ----------------
-        if s3 is not None:
+        if s3 is not None and want("s3"):
             s3_shares = split_greedy(s3_tensors, world * THREADS)
             prefix = f"{s3['bucket']}/ws{world}/raw{rep}"
 
@@ -475,7 +494,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         b.rank0(cleanup)
 
-    if cfg.get("keep_ref") and not only_reshard:
+    if cfg.get("keep_ref") and not only_reshard and want("reshard"):
         # A checkpoint for the resharded load of another world size.
         ref = distckpt.Checkpointer(cfg["keep_ref"])
         ref.save(0, b.state)
@@ -502,7 +521,7 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
     methods: dict[str, dict[str, Any]] = {}
     order: list[str] = []
     for rec in per_rank[0]["records"]:
-        if rec["method"] not in order:
+        if rec["method"] not in order and not rec["method"].startswith("_"):  # "_": untimed helpers
             order.append(rec["method"])
     for m in order:
         rows0 = [r for r in per_rank[0]["records"] if r["method"] == m]
@@ -698,12 +717,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=str(REPO / "benchmarks/results/save_throughput.json"))
     p.add_argument("--png", default=str(REPO / "benchmarks/results/save_throughput.png"))
     p.add_argument("--quick", action="store_true", help="tiny smoke run (8 MiB, 1 repeat, world size 1)")
+    p.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated method groups to run (default all): {','.join(GROUPS)}; "
+        "loads and training save what they need untimed",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.size_gib, args.repeats, args.s3_size_gib, args.small_mib, args.small_repeats = 8 / 1024, 1, 2 / 1024, "1", 1
         if args.world_sizes == "1,2":
             args.world_sizes = "1"
     worlds = [int(w) for w in args.world_sizes.split(",") if w]
+    only = [g for g in args.only.split(",") if g]
+    if any(g not in GROUPS for g in only):
+        p.error(f"--only takes groups from {GROUPS}, got {args.only!r}")
     if len(set(worlds)) != len(worlds) or any(w < 1 for w in worlds):
         p.error(f"--world-sizes must be distinct positive ints, got {args.world_sizes!r}")
     if args.device == "cuda":
@@ -719,7 +747,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size_bytes = int(args.size_gib * GiB)
     server = None
     s3cfg = None
-    if args.s3:
+    if args.s3 and (not only or "s3" in only):
         import logging
 
         from s3_server import S3Server
@@ -741,6 +769,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": args.device,
         "small_mib": [int(x) for x in args.small_mib.split(",") if x],
         "small_repeats": args.small_repeats,
+        "only": only,
     }
     t_start = time.perf_counter()
     results = []
@@ -753,7 +782,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[save_throughput] world size {w} ...", flush=True)
             raw[w] = run_ranks(_bench_rank, w, scratch / "harness", cfg, timeout=900, pg_timeout=600)
             prev_ref = ref
-        if len(worlds) > 1:
+        if len(worlds) > 1 and (not only or "reshard" in only):
             # The first world size loads the checkpoint of the last one.
             w = worlds[0]
             cfg = dict(base_cfg, reshard_from=prev_ref, only_reshard=True, s3=None, train=False)
