@@ -83,3 +83,32 @@ def mesh_without_groups(mesh: list, dim_names: tuple[str, ...] | None, rank: int
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh("cpu", mesh, mesh_dim_names=dim_names, _init_backend=False, _rank=rank)
+
+
+def model_key_fqns(model: torch.nn.Module, key: str) -> str:
+    """The FQN ``get_model_state_dict`` gives state-dict key ``key`` of ``model`` (DDP's
+    ``module.`` and ``torch.compile``'s ``_orig_mod.`` removed), by torch's own rule
+    (``_get_fqns``) and with its check that only such wrapper parts were removed.
+    :mod:`distckpt.state.module_keys` caches the result per module structure."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    fqns = _get_fqns(model, key)
+    if len(fqns) != 1:
+        raise AssertionError(f"Expected 1 FQN for key '{key}', got {len(fqns)}: {fqns}")
+    fqn = next(iter(fqns))
+    if fqn != key:
+        fqn_split, fqn_idx = fqn.split("."), 0
+        ok = len(fqn) < len(key)
+        if ok:
+            for key_idx, key_name in enumerate(key.split(".")):
+                if key_name == fqn_split[fqn_idx]:
+                    fqn_idx += 1
+                    if fqn_idx == len(fqn_split):
+                        ok = key_idx == len(key.split(".")) - 1
+                        break
+                elif key_name not in ("module", "_orig_mod"):
+                    ok = False
+                    break
+        if not ok:
+            raise RuntimeError(f"An unexpected key, {key}, exists. FQN is {fqn}")
+    return fqn

@@ -4,8 +4,8 @@ Each top-level entry of ``state`` becomes an :class:`Entry` that knows how to pr
 saved (``save_state``), what DCP should load into (``load_target``) and how to hand the loaded
 values back to the live object (``apply``). All keys are world-size independent:
 
-* modules: ``get_model_state_dict`` (no ``module.``/``_orig_mod.`` prefixes; FSDP2 DTensors stay
-  sharded);
+* modules: ``get_model_state_dict``'s keys and tensors (no ``module.``/``_orig_mod.`` prefixes;
+  FSDP2 DTensors stay sharded), with the key mapping cached (:mod:`distckpt.state.module_keys`);
 * optimizers: ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, keyed by
   parameter FQN, matched with the module in ``state`` that owns their parameters;
 * ``ZeroRedundancyOptimizer``: see :mod:`distckpt.state.zero`;
@@ -22,13 +22,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from distckpt.state import values
+from distckpt.state import module_keys, values
 
 _FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -110,6 +108,7 @@ class ModuleEntry(Entry):
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__(name)
         self.module = module
+        self._raw_of: dict[str, str] | None = None  # FQN -> the module's key, from save_state
 
     def describe(self) -> dict[str, Any]:
         out = {"kind": self.kind, "parallel": parallel_kind(self.module)}
@@ -119,12 +118,15 @@ class ModuleEntry(Entry):
         return out
 
     def save_state(self) -> Any:
-        return get_model_state_dict(self.module)
+        # get_model_state_dict's result, its key mapping cached per module structure.
+        sd, self._raw_of = module_keys.state_dict(self.module)
+        return sd
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         # DCP already copied into the live tensors; this also covers wrappers whose state_dict
-        # tensors are not the parameters themselves. Strictness was checked against metadata.
-        set_model_state_dict(self.module, loaded, options=StateDictOptions(strict=False))
+        # tensors are not the parameters themselves, and runs the modules' load hooks.
+        # Strictness was checked against metadata.
+        module_keys.load(self.module, loaded, self._raw_of)
 
     def settle(self) -> None:
         """Bring FSDP2 parameters back to their sharded form before reading or writing state.
