@@ -28,6 +28,7 @@ Not collective: any process may open a step. The DCP reader over a step is
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ METADATA_NAME = ".metadata"
 
 # Bytes read before they are hashed (a few MiB: cache-sized, and large enough that the per-read
 # cost of a syscall or an object-store request does not matter).
-HOT_BLOCK = 4 * 1024 * 1024
+HOT_BLOCK = 1024 * 1024
 # A record's zip headers and pickle, or its central directory: one read each (see _Peek).
 PEEK_WINDOW = 4096
 
@@ -259,6 +260,11 @@ class VerifiedFile:
         self.pos = 0
         self._cm: Any = None
         self._f: Any = None
+        # A second handle for peeks ahead of the pass: a read far ahead on the pass's own handle
+        # would reset its sequential readahead (on a cold disk, every large record then paid a
+        # seek and a readahead ramp-up: a cold 1 GiB load took 1.4x as long).
+        self._peek_cm: Any = None
+        self._peek_f: Any = None
         self._ahead: list[_Range] = []  # served bytes the pass has not reached yet
         self._behind: list[_Range] = []  # served bytes the pass had passed already
         self._finished = False
@@ -282,12 +288,21 @@ class VerifiedFile:
     def _handle(self) -> Any:
         if self._f is None:
             self._cm, self._f = self._open(self.pos)
+            _advise_sequential(self._f)
         return self._f
 
+    def _peek_handle(self) -> Any:
+        if self._peek_f is None:
+            self._peek_cm, self._peek_f = self._open(0)
+        return self._peek_f
+
     def close(self) -> None:
-        """Release the file handle (the pass can go on later from where it is)."""
+        """Release the file handles (the pass can go on later from where it is)."""
         if self._cm is not None:
             cm, self._cm, self._f = self._cm, None, None
+            cm.__exit__(None, None, None)
+        if self._peek_cm is not None:
+            cm, self._peek_cm, self._peek_f = self._peek_cm, None, None
             cm.__exit__(None, None, None)
 
     # the pass ----------------------------------------------------------------------------------
@@ -421,12 +436,9 @@ class VerifiedFile:
         self._resume()
         if self.verifying and at < self.pos:
             return self._read_aside(at, view)
-        f = self._handle()
+        f = self._peek_handle()
         f.seek(at)
-        try:
-            got = _readinto(f, view)
-        finally:
-            f.seek(self.pos)
+        got = _readinto(f, view)
         if self.verifying:
             self._remember(at, view[:got])
         return got
@@ -511,6 +523,15 @@ def _feed(ranges: list[_Range], view: memoryview, start: int, where: str) -> lis
         elif r.hasher is None or r.hasher.hexdigest() != r.digest:
             raise IntegrityError(f"{where}: bytes [{r.start}, {r.end}) changed while being read (two reads differ)")
     return left
+
+
+def _advise_sequential(f: Any) -> None:
+    """Tell the kernel a local file is read front to back (a larger readahead window); a no-op
+    for files without a descriptor (object stores) or systems without ``posix_fadvise``."""
+    try:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
 
 
 def _readinto(f: Any, view: memoryview) -> int:

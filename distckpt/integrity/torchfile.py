@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -107,9 +108,67 @@ class RawLayout:
     nbytes: int
 
 
+# Bytes at a record's head that hold its first entries: the pickle describing the tensor and
+# the small entries torch.save writes before the tensor's data (a few hundred bytes in all).
+HEAD = 4096
+
+
 def raw_layout(record: Any) -> RawLayout | None:
-    """Layout of the single tensor saved in ``record`` (a seekable file-like of one record)."""
+    """Layout of the single tensor saved in ``record`` (a seekable file-like of one record).
+
+    Found from the record's head where possible (:func:`head_layout`): that is where a reader
+    that goes front to back already is, while torch's zip reader starts from the central
+    directory at the record's end, which on a cold disk costs a seek per record ahead of the
+    data. Anything else goes through torch's reader.
+    """
     try:
+        head = record.read(HEAD)
+        layout = head_layout(head) if isinstance(head, (bytes, bytearray)) else None
+    except Exception:  # noqa: BLE001 - e.g. a short read: torch's reader decides
+        layout = None
+    if layout is not None:
+        return layout
+    return _zip_layout(record)
+
+
+def head_layout(head: bytes) -> RawLayout | None:
+    """The layout of the tensor a ``torch.save`` record holds, from the record's first bytes
+    alone, or ``None`` if they do not show it plainly.
+
+    torch.save writes ``<prefix>data.pkl`` first (a local zip header, then the pickle), then a
+    few small entries, then ``<prefix>data/<key>`` with the tensor's bytes, each entry's size
+    after its data (zip data descriptors). The pickle names ``<key>``; the data entry is found
+    by its local header (signature, stored uncompressed, exactly that name). Only plain
+    row-major tensors qualify, as for torch's reader (:func:`raw_layout`).
+    """
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        return None
+    nlen, elen = struct.unpack_from("<HH", head, 26)
+    name = head[30 : 30 + nlen]
+    if not name.endswith(b"data.pkl"):
+        return None
+    prefix = name[: -len(b"data.pkl")]
+    stream = io.BytesIO(head)
+    stream.seek(30 + nlen + elen)
+    try:
+        (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(stream).load()
+    except Exception:  # noqa: BLE001 - the pickle does not fit the window, or is unusual
+        return None
+    target = prefix + b"data/" + skey.encode()
+    at = head.find(b"PK\x03\x04", stream.tell())
+    while at != -1 and at + 30 <= len(head):
+        compression, = struct.unpack_from("<H", head, at + 8)
+        tlen, textra = struct.unpack_from("<HH", head, at + 26)
+        if tlen == len(target) and head[at + 30 : at + 30 + tlen] == target and compression == 0:
+            return _layout(sdtype, snumel, offset, size, stride, at + 30 + tlen + textra)
+        at = head.find(b"PK\x03\x04", at + 1)
+    return None
+
+
+def _zip_layout(record: Any) -> RawLayout | None:
+    """:func:`raw_layout` through torch's zip reader (the central directory)."""
+    try:
+        record.seek(0)
         reader = PyTorchFileReader(record)
         records = reader.get_all_records()
         pkl = next(r for r in records if r == "data.pkl" or r.endswith("/data.pkl"))
@@ -118,6 +177,12 @@ def raw_layout(record: Any) -> RawLayout | None:
         start = int(reader.get_record_offset(rec))
     except Exception:  # noqa: BLE001 - unusual layout: the caller loads the record instead
         return None
+    return _layout(sdtype, snumel, offset, size, stride, start)
+
+
+def _layout(sdtype: torch.dtype, snumel: int, offset: int, size: tuple, stride: tuple, start: int) -> RawLayout | None:
+    """A plain row-major tensor of ``size`` at element ``offset`` of a storage of ``snumel``
+    elements whose bytes start at ``start``; ``None`` for anything else."""
     numel = _shape.numel(size)
     if offset + numel > snumel or (numel > 1 and stride != _shape.contiguous_strides(size)):
         return None

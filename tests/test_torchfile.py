@@ -1,0 +1,93 @@
+"""Where a tensor's bytes sit in a torch.save record: from the record's head, as torch's zip reader says."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+
+from distckpt.integrity.torchfile import HEAD, _zip_layout, head_layout, raw_layout
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.complex64]
+
+
+def _record(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _random_tensor(rng: random.Random) -> torch.Tensor:
+    dtype = rng.choice(DTYPES)
+    shape: tuple[int, ...] = ()
+    for _ in range(rng.randint(0, 3)):
+        shape += (rng.choice([0, 1, 2, 3, 7, 64, 1000]),)
+        if torch.Size(shape).numel() > 70_000:  # small records keep the test fast
+            shape = shape[:-1] + (1,)
+    t = torch.zeros(shape, dtype=dtype) if dtype == torch.bool else torch.randint(0, 100, shape).to(dtype)
+    if t.dim() and rng.random() < 0.3 and t.shape[0] > 1:
+        t = t[1:].clone()  # as DCP writes views: their own storage
+    return t
+
+
+class _Counting(io.BytesIO):
+    """A record stream that remembers the furthest byte read."""
+
+    furthest = 0
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        data = super().read(n)
+        self.furthest = max(self.furthest, self.tell())
+        return data
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        n = super().readinto(b)
+        self.furthest = max(self.furthest, self.tell())
+        return n
+
+
+def test_head_layout_equals_torchs_zip_reader_and_reads_only_the_head():
+    rng = random.Random(1234)
+    crc = torch.serialization.get_crc32_options()
+    try:
+        for i in range(300):
+            torch.serialization.set_crc32_options(i % 2 == 0)  # records with and without CRCs
+            t = _random_tensor(rng)
+            data = _record(t)
+            full = _zip_layout(io.BytesIO(data))
+            assert full is not None, (t.dtype, t.shape)
+            assert head_layout(data[:HEAD]) == full, (t.dtype, t.shape)
+            stream = _Counting(data)
+            assert raw_layout(stream) == full
+            assert stream.furthest <= HEAD, "no read beyond the head (a cold disk would seek per record)"
+            start, n = full.data_offset, full.nbytes
+            got = torch.frombuffer(bytearray(data[start : start + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            want = t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            if t.is_complex():
+                want = torch.view_as_real(t).contiguous().view(-1).view(torch.uint8)
+            assert torch.equal(got, want), (t.dtype, t.shape)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+def test_head_layout_of_damaged_heads_is_none_or_inside_the_record():
+    """Seeded mutations of record heads: never an exception, never a range outside the record
+    (the file's checksum then decides; a layout that does not fit falls back to torch's reader)."""
+    rng = random.Random(99)
+    for _ in range(500):
+        data = bytearray(_record(_random_tensor(rng)))
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(min(len(data), 400))
+            data[at] = rng.randrange(256)
+        layout = head_layout(bytes(data[:HEAD]))
+        if layout is not None:
+            assert layout.data_offset >= 0 and layout.nbytes >= 0
+
+
+@pytest.mark.parametrize("n", [0, 1, HEAD, 10 * HEAD])
+def test_records_smaller_and_larger_than_the_head(n):
+    data = _record(torch.arange(n, dtype=torch.float32))
+    assert head_layout(data[:HEAD]) == _zip_layout(io.BytesIO(data))
