@@ -112,3 +112,26 @@ def model_key_fqns(model: torch.nn.Module, key: str) -> str:
         if not ok:
             raise RuntimeError(f"An unexpected key, {key}, exists. FQN is {fqn}")
     return fqn
+
+
+# DCP's rule for splitting one rank's items into its data files, and the record of where an
+# item landed: distckpt.save.records writes DCP's files with torch.save's per-record CRC chosen
+# per call, and must split, name and describe them exactly as DCP's FileSystemWriter does.
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type as split_by_size_and_type  # noqa: E402,F401
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: E402,F401
+
+
+def write_torch_record(obj: object, stream: object, crc: bool) -> None:
+    """``torch.save(obj, stream)`` (new zipfile format, default pickle protocol), byte for byte,
+    with the per-record CRC-32 computed or not for this call only.
+
+    torch.save reads that choice from a process-wide setting (``set_crc32_options``); this is its
+    body (``_open_zipfile_writer`` + ``_save``) with the choice passed to the zip writer."""
+    import pickle
+
+    import torch.serialization as ser
+
+    writer = torch._C.PyTorchFileWriter(stream, crc, ser._get_storage_alignment())
+    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+    stream.flush()

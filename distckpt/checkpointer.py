@@ -138,6 +138,26 @@ class Checkpointer:
             parallelism differs from the save's; ``True``/``False``: always/never.
         lease_s: how long an incomplete step directory stays protected from other writers'
             cleanup without a refresh (:mod:`distckpt.storage.ownership`).
+        async_mode: where async saves are written. ``"process"`` (default): a writer process per
+            rank, fed through shared memory, so serialization, checksums and I/O never take the
+            training process's GIL or cores (:mod:`distckpt.save.background`); it starts on the
+            first async save. ``"thread"``: a thread of the training process. In-memory
+            filesystems (``memory://``), which another process cannot see, and a
+            ``process_group`` that is not the whole job use threads.
+        verify: on load, check every file read against the manifest's size and checksum
+            (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
+        replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
+            to in the background; ``load`` falls back to it when no local copy exists.
+        fingerprint: record a sharding-independent fingerprint of every saved tensor in the
+            manifest (:mod:`distckpt.state.statecheck`), so that loads can prove what they loaded.
+        on_replica_drift: at save, copies of a tensor that should be identical on every rank
+            (DDP replicas, global values) but differ: ``"warn"``, ``"error"`` or ``"ignore"``.
+        verify_state: after a load, recompute the fingerprints of the loaded state and compare
+            them with the saved ones (:class:`~distckpt.state.statecheck.StateDivergedError` on every
+            rank if any differ). ``None`` (default): when the world size or any entry's
+            parallelism differs from the save's; ``True``/``False``: always/never.
+        lease_s: how long an incomplete step directory stays protected from other writers'
+            cleanup without a refresh (:mod:`distckpt.storage.ownership`).
         skip_torch_record_crc: while this checkpointer writes, turn off the CRC-32 that
             ``torch.save`` computes for every record (most of its CPU time; distckpt's own
             ``checksum`` covers every byte, and ``torch.load`` does not check it). torch has only
@@ -166,7 +186,7 @@ class Checkpointer:
         on_replica_drift: str = "warn",
         verify_state: bool | None = None,
         lease_s: float = ownership.DEFAULT_LEASE_S,
-        skip_torch_record_crc: bool = False,
+        skip_torch_record_crc: bool = True,
         async_mode: str = "process",
     ) -> None:
         check_keep_last(keep_last)

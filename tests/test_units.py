@@ -7,6 +7,8 @@ import math
 import pickle
 import warnings
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -274,6 +276,7 @@ def test_commit_protocol_and_retention(tmp_path):
         ckpt.save(2, {"model": model})
     ckpt.save(3, {"model": model})
     assert ckpt.steps() == [2, 3]
+    ckpt.close()  # retired steps' files are unlinked in the background; close() waits for that
     assert sorted(p.name for p in root.iterdir()) == [step_dir(2), step_dir(3)]
 
 
@@ -331,20 +334,43 @@ def test_replicated_shares_split_evenly_and_only_for_replicated_entries():
     assert replicated_shares([same], sizes, 0) == frozenset()
 
 
-def test_torch_record_crc_switch_is_opt_in(tmp_path, monkeypatch):
-    """torch.save's record CRC is a process-wide setting: a default save must not touch it."""
+def _record_crcs(step: Path) -> list[int]:
+    """The CRC-32 fields of every zip entry in every record of a step's data files."""
+    import struct
+
+    crcs = []
+    for f in sorted(step.glob("*.distcp")):
+        data = f.read_bytes()
+        at = data.find(b"PK\x01\x02")  # central-directory entries carry each entry's CRC
+        while at != -1:
+            crcs.append(struct.unpack_from("<I", data, at + 16)[0])
+            at = data.find(b"PK\x01\x02", at + 4)
+    return crcs
+
+
+def test_torch_record_crc_is_left_out_per_record_without_a_process_wide_switch(tmp_path, monkeypatch):
+    """distckpt's checksum covers every byte, so torch.save's record CRC is left out by default,
+    record by record: torch's process-wide setting is never touched (another thread's
+    torch.save keeps its CRCs), and plain DCP reads the files. skip_torch_record_crc=False (or
+    no checksum of distckpt's) writes the CRCs, byte for byte as torch.save does."""
+    import torch.distributed.checkpoint as dcp
     import torch.serialization as ser
 
     calls: list[bool] = []
     real = ser.set_crc32_options
     monkeypatch.setattr(ser, "set_crc32_options", lambda on: (calls.append(on), real(on))[1])
-    distckpt.Checkpointer(tmp_path / "default").save(1, {"w": torch.ones(4)})
+    w = torch.arange(4096, dtype=torch.float32)
+    distckpt.Checkpointer(tmp_path / "default", save_rng=False).save(1, {"w": w})  # tensors only
+    assert calls == [] and ser.get_crc32_options()
+    assert set(_record_crcs(tmp_path / "default" / step_dir(1))) == {0}
+    loaded = {"w": torch.zeros(4096)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "default" / step_dir(1)))
+    assert torch.equal(loaded["w"], w)
+    for name, kwargs in (("with-crc", {"skip_torch_record_crc": False}), ("no-checksum", {"checksum": None})):
+        distckpt.Checkpointer(tmp_path / name, save_rng=False, **kwargs).save(1, {"w": w})
+        crcs = _record_crcs(tmp_path / name / step_dir(1))
+        assert crcs and 0 not in crcs, name
     assert calls == []
-    distckpt.Checkpointer(tmp_path / "opt-in", skip_torch_record_crc=True).save(1, {"w": torch.ones(4)})
-    assert calls == [False, True] and ser.get_crc32_options()
-    loaded = {"w": torch.zeros(4)}
-    distckpt.Checkpointer(tmp_path / "opt-in").load(loaded)
-    assert torch.equal(loaded["w"], torch.ones(4))
 
 
 def test_crc32c_without_hardware_path_warns_once(monkeypatch):

@@ -1,12 +1,13 @@
 """DCP's storage writer on a :class:`~distckpt.storage.base.Storage` (the reader is :mod:`distckpt.load.reader`).
 
 :class:`CheckpointWriter` is DCP's ``FileSystemWriter`` writing one file per rank (and thread)
-through the storage's DCP filesystem, wrapped so that
+through the storage's DCP filesystem, its files written by :mod:`distckpt.save.records` (DCP's
+layout; torch.save's per-record CRC chosen per call), wrapped so that
 
 * every file's size and checksum are computed while it is written (no second pass), for the
   manifest;
 * a write error (a full disk, a failed upload) is recorded with the file's path and raised
-  after DCP returns, instead of inside DCP's writer threads (which print and lose it);
+  after the writer threads stopped, never lost inside them;
 * every planned item is checked to have been written.
 """
 
@@ -17,50 +18,18 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+from distckpt.save.records import write_items
 from distckpt.storage.base import Storage, named_os_error
-
-
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
-
-@contextmanager
-def _without_torch_record_crc() -> Iterator[None]:
-    """Skip the CRC-32 ``torch.save`` computes for every zip record while distckpt writes.
-
-    That CRC is most of torch.save's CPU time (see benchmarks/README.md) and torch.load never checks
-    it; distckpt's own checksum covers every byte of the file instead. The switch is global in
-    torch, so it is reference-counted across concurrent saves; a ``torch.save`` elsewhere in the
-    process meanwhile writes records without CRC, which ``torch.load`` reads as usual.
-    """
-    global _crc_users, _crc_saved
-    import torch.serialization as ser
-
-    if not hasattr(ser, "set_crc32_options"):  # older torch: nothing to switch
-        yield
-        return
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = ser.get_crc32_options()
-            ser.set_crc32_options(False)
-        _crc_users += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                ser.set_crc32_options(_crc_saved)
 
 
 _BUFFER = 1 << 20
@@ -281,7 +250,7 @@ class CheckpointWriter(FileSystemWriter):
         thread_count: int = 2,
         sync_files: bool = True,
         checksum: str | None = DEFAULT_CHECKSUM,
-        skip_record_crc: bool = False,
+        skip_record_crc: bool = True,
     ) -> None:
         # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
         # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
@@ -305,18 +274,20 @@ class CheckpointWriter(FileSystemWriter):
         return dict(self.fs.files)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        # DCP (2.13) runs writer threads whose exceptions are printed and lost: the save would
-        # commit without their items. Re-raise them, and check that every item was written.
-        if self.skip_record_crc and self.fs.algorithm:  # opt-in: the switch is process-wide
-            with _without_torch_record_crc():
-                fut = super().write_data(plan, planner)
-        else:
-            fut = super().write_data(plan, planner)
-        results = fut.wait()
+        # DCP's files, written by distckpt.save.records: DCP (2.13) runs writer threads whose
+        # exceptions are printed and lost (the save would commit without their items), and its
+        # torch.save computes a CRC-32 of every record that only a process-wide switch turns off.
+        # torch's record CRC is left out where distckpt's own checksum covers the file.
+        crc = not (self.skip_record_crc and self.fs.algorithm)
+        results = write_items(
+            self.fs, self.path, plan.storage_data.prefix, plan.items, planner, self.transforms, self.thread_count, crc
+        )
         if self.fs.errors:
             raise self.fs.errors[0]
         if len(results) != len(plan.items):
             raise OSError(f"only {len(results)} of {len(plan.items)} items were written (a writer thread failed)")
+        fut: Future[list[Any]] = Future()
+        fut.set_result(results)
         return fut
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:

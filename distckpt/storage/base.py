@@ -324,7 +324,7 @@ class Storage:
         thread_count: int = 2,
         sync_files: bool = True,
         checksum: str | None = DEFAULT_CHECKSUM,
-        skip_record_crc: bool = False,
+        skip_record_crc: bool = True,
     ) -> Any:
         """A DCP StorageWriter for the directory ``parts`` that records per-file checksums
         (:class:`distckpt.save.writer.CheckpointWriter`)."""
