@@ -31,7 +31,7 @@ from distckpt.errors import CheckpointError, StateMismatchError, from_dcp
 from distckpt.integrity.checksums import ALGORITHMS
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
-from distckpt.storage.retention import check_keep_last
+from distckpt.storage.retention import Reaper, check_keep_last
 from distckpt.save.background import Job, WriterProcess, encode
 from distckpt.save.staging import Stager, replicated_shares
 from distckpt.storage.base import Storage
@@ -138,31 +138,12 @@ class Checkpointer:
             parallelism differs from the save's; ``True``/``False``: always/never.
         lease_s: how long an incomplete step directory stays protected from other writers'
             cleanup without a refresh (:mod:`distckpt.storage.ownership`).
-        async_mode: where async saves are written. ``"process"`` (default): a writer process per
-            rank, fed through shared memory, so serialization, checksums and I/O never take the
-            training process's GIL or cores (:mod:`distckpt.save.background`); it starts on the
-            first async save. ``"thread"``: a thread of the training process. In-memory
-            filesystems (``memory://``), which another process cannot see, and a
-            ``process_group`` that is not the whole job use threads.
-        verify: on load, check every file read against the manifest's size and checksum
-            (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
-        replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
-            to in the background; ``load`` falls back to it when no local copy exists.
-        fingerprint: record a sharding-independent fingerprint of every saved tensor in the
-            manifest (:mod:`distckpt.state.statecheck`), so that loads can prove what they loaded.
-        on_replica_drift: at save, copies of a tensor that should be identical on every rank
-            (DDP replicas, global values) but differ: ``"warn"``, ``"error"`` or ``"ignore"``.
-        verify_state: after a load, recompute the fingerprints of the loaded state and compare
-            them with the saved ones (:class:`~distckpt.state.statecheck.StateDivergedError` on every
-            rank if any differ). ``None`` (default): when the world size or any entry's
-            parallelism differs from the save's; ``True``/``False``: always/never.
-        lease_s: how long an incomplete step directory stays protected from other writers'
-            cleanup without a refresh (:mod:`distckpt.storage.ownership`).
-        skip_torch_record_crc: while this checkpointer writes, turn off the CRC-32 that
-            ``torch.save`` computes for every record (most of its CPU time; distckpt's own
-            ``checksum`` covers every byte, and ``torch.load`` does not check it). torch has only
-            a process-wide switch, so other ``torch.save`` calls in the process during a save also
-            write records without CRC (still readable). Off by default.
+        skip_torch_record_crc: leave out the CRC-32 that ``torch.save`` computes for every
+            record it writes (most of its CPU time, ~2 GB/s per core) where distckpt's own
+            ``checksum`` covers every byte of the file (``torch.load`` does not check it; plain
+            ``dcp.load`` reads the files alike). Chosen per record (:mod:`distckpt.save.records`),
+            so other ``torch.save`` calls in the process are unaffected. On by default;
+            ``False`` writes the CRCs (e.g. for tools that unzip records), as does ``checksum=None``.
     """
 
     def __init__(
@@ -225,6 +206,8 @@ class Checkpointer:
         # unchanged structure skip planning.
         self._plan_cache = PlanCache()
         self._inflight: _InFlight | None = None
+        # Deletes retired steps' files in the background (coordinator; see storage.retention).
+        self._reaper = Reaper()
         self._closed = False
         self.last_save: SaveStats | None = None
         self.last_load_report: LoadReport | None = None
@@ -348,7 +331,7 @@ class Checkpointer:
         t2 = time.perf_counter()
 
         def claim() -> None:
-            self._lease = _saving.claim(opts, step)
+            self._lease = _saving.claim(opts, step, self._reaper.busy)
 
         on_coordinator(group, f"save of step {step}", claim)
         stats.phases.update(prepare=t2 - t1, claim=time.perf_counter() - t2)
@@ -459,7 +442,7 @@ class Checkpointer:
             def commit() -> int:
                 manifest = _saving.commit(opts, group.world_size, prepared, written, self._lease)
                 self._release_lease(committed=True)
-                _saving.apply_retention(opts)
+                _saving.apply_retention(opts, self._reaper)
                 return manifest.total_bytes
 
             stats.bytes_written = on_coordinator(group, f"commit of step {prepared.step}", commit)
@@ -522,6 +505,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._reaper.drain()
             if self.replica is not None:
                 self.replica.close()
             self._stop_writer()

@@ -135,6 +135,7 @@ def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | 
     ckpt = distckpt.Checkpointer(root, keep_last=2)
     nxt = (after or 0) + 1000
     ckpt.save(nxt, make_state(nxt))
+    ckpt.close()  # retired steps' files are unlinked in the background; close() waits for that
     leftovers = [n for n in os.listdir(root) if distckpt.integrity.manifest.parse_step_dir(n) not in ckpt.steps()]
     assert not leftovers, f"incomplete checkpoints not cleaned up: {leftovers}"
     return before, target, after

@@ -72,7 +72,7 @@ def test_a_step_committed_while_cleanup_judges_it_is_kept(tmp_path, monkeypatch)
             return real_is_stale(storage, name, *args, **kwargs)
 
         monkeypatch.setattr(ownership, "is_stale", is_stale)
-        _saving._remove_stale_leftovers(Storage(root), 600.0)
+        ownership.remove_stale_leftovers(Storage(root), 600.0)
 
     a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
     a.save(1, _state(1.0))
@@ -93,7 +93,7 @@ def test_a_step_committed_after_cleanup_judged_it_stale_is_kept(tmp_path, monkey
             return False
 
         monkeypatch.setattr(ownership, "is_stale", is_stale)
-        _saving._remove_stale_leftovers(Storage(root), 600.0)
+        ownership.remove_stale_leftovers(Storage(root), 600.0)
 
     a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
     a.save(1, _state(1.0))
@@ -116,7 +116,7 @@ def test_a_commit_between_the_last_check_and_the_removal_is_kept(tmp_path, monke
         monkeypatch.setattr(ownership, "is_stale", lambda storage, name, *a, **k: name == step_dir(1))
         monkeypatch.setattr(ownership, "_tombstone", tombstone)
         with pytest.warns(UserWarning, match="committed while it was being cleaned up"):
-            _saving._remove_stale_leftovers(Storage(root), 600.0)
+            ownership.remove_stale_leftovers(Storage(root), 600.0)
 
     a, outcome = _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup)
     a.save(1, _state(1.0))
@@ -137,7 +137,7 @@ def test_a_commit_after_the_directory_was_moved_away_fails(tmp_path, monkeypatch
     def write_bytes(data, *parts, exclusive=False):
         if parts[-1] == MANIFEST_NAME and not seen:
             monkeypatch.setattr(ownership, "is_stale", lambda storage, name, *args, **kw: name == step_dir(1))
-            _saving._remove_stale_leftovers(Storage(root), 600.0)  # B
+            ownership.remove_stale_leftovers(Storage(root), 600.0)  # B
             seen["gone"] = not os.path.exists(root / step_dir(1))
             a._lease.renew()  # A's refresh thread, at this moment
             try:  # ... even had it passed its ownership check just before the move
@@ -193,3 +193,67 @@ def test_an_interrupted_removal_is_finished_by_the_next_cleanup(tmp_path):
     with pytest.warns(UserWarning, match="kept"):
         ownership.remove_stale_leftovers(Storage(root), 600.0)
     assert sorted(os.listdir(root)) == [f"{ownership.TOMBSTONE_PREFIX}{step_dir(1)}-x"]
+
+
+def test_retired_steps_are_deleted_in_the_background_and_cleanup_leaves_them_to_it(tmp_path, monkeypatch):
+    """keep_last retires a step synchronously (released, uncommitted, moved to a tombstone that
+    holds no manifest) and unlinks its files in the reaper's thread: the save returns while the
+    files are still being deleted, the next save's cleanup leaves that tombstone to the reaper,
+    and close() waits until it is gone. Held by an event, not by timing."""
+    import threading
+
+    from distckpt.storage.local import LocalStorage
+
+    gate, entered = threading.Event(), threading.Event()
+    real_remove_tree = LocalStorage.remove_tree
+    cleanup_removed: list[str] = []
+
+    def remove_tree(self, *parts):
+        name = parts[0] if parts else ""
+        if threading.current_thread().name == "distckpt-reaper":
+            entered.set()
+            assert gate.wait(60), "never released"
+        else:
+            cleanup_removed.append(name)
+        return real_remove_tree(self, *parts)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", remove_tree)
+    ckpt = distckpt.Checkpointer(tmp_path, keep_last=1)
+    ckpt.save(1, _state(1.0))
+    ckpt.save(2, _state(2.0))  # retires step 1: returns while the reaper is held
+    assert entered.wait(60)
+    assert ckpt.steps() == [2]
+    tombs = [p.name for p in tmp_path.iterdir() if p.name.startswith(ownership.TOMBSTONE_PREFIX)]
+    assert len(tombs) == 1 and not (tmp_path / tombs[0] / MANIFEST_NAME).exists()
+    assert ckpt._reaper.busy == frozenset(tombs)
+    ckpt.save(3, _state(3.0))  # its cleanup sees the tombstone and leaves it to the reaper
+    assert tombs[0] not in cleanup_removed
+    gate.set()
+    ckpt.close()  # drains: every retired step's files are gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(3)]
+    _assert_loads(tmp_path, 3, 3.0)
+
+
+def test_a_tombstone_the_reaper_could_not_delete_is_removed_by_the_next_cleanup(tmp_path, monkeypatch):
+    from distckpt.storage.local import LocalStorage
+
+    real_remove_tree = LocalStorage.remove_tree
+
+    def failing(self, *parts):
+        import threading
+
+        if threading.current_thread().name == "distckpt-reaper":
+            raise PermissionError("simulated")
+        return real_remove_tree(self, *parts)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", failing)
+    ckpt = distckpt.Checkpointer(tmp_path, keep_last=1)
+    ckpt.save(1, _state(1.0))
+    with pytest.warns(UserWarning, match="could not delete"):
+        ckpt.save(2, _state(2.0))
+        ckpt._reaper.drain()
+    assert any(p.name.startswith(ownership.TOMBSTONE_PREFIX) for p in tmp_path.iterdir())
+    monkeypatch.setattr(LocalStorage, "remove_tree", real_remove_tree)
+    ckpt.save(3, _state(3.0))  # cleanup: the tombstone is nobody's any more
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(3)]

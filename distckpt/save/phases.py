@@ -49,7 +49,7 @@ from distckpt.save.plan import PlanCache, PlanInput, PlanStats
 from distckpt._version import __version__
 from distckpt.errors import StepExistsError
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
-from distckpt.storage.retention import delete_old_steps
+from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
 from distckpt.state.entries import build_entries, contains
 from distckpt.storage.base import Storage
@@ -238,9 +238,10 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
 
 
 # 3. claim ----------------------------------------------------------------------------------------
-def claim(opts: SaveOptions, step: int) -> ownership.Lease:
-    """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves and
-    create the step directory exclusively, under a lease (see :mod:`distckpt.storage.ownership`)."""
+def claim(opts: SaveOptions, step: int, busy: frozenset[str] = frozenset()) -> ownership.Lease:
+    """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves (but
+    not ``busy``: tombstones this checkpointer's reaper is deleting) and create the step directory
+    exclusively, under a lease (see :mod:`distckpt.storage.ownership`)."""
     storage = opts.storage
     where = storage.display(step_dir(step))
     if storage.exists(step_dir(step), MANIFEST_NAME):
@@ -248,7 +249,7 @@ def claim(opts: SaveOptions, step: int) -> ownership.Lease:
             f"step {step} is already committed at {where}; "
             "saving it again would mix two checkpoints (delete it first or use a new step)"
         )
-    _remove_stale_leftovers(storage, opts.lease_s)
+    ownership.remove_stale_leftovers(storage, opts.lease_s, busy)
     lease = ownership.Lease(storage, step_dir(step), opts.lease_s)
     try:
         lease.acquire()
@@ -258,12 +259,6 @@ def claim(opts: SaveOptions, step: int) -> ownership.Lease:
             "two jobs must not save the same step to one root"
         ) from None
     return lease
-
-
-def _remove_stale_leftovers(storage: Storage, lease_s: float) -> None:
-    """Remove incomplete directories whose lease is stale, never a committed step, even one
-    committed while this runs (see :func:`distckpt.storage.ownership.remove_stale_leftovers`)."""
-    ownership.remove_stale_leftovers(storage, lease_s)
 
 
 # 4. stage ----------------------------------------------------------------------------------------
@@ -425,6 +420,7 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
 
 
 # 7. retention ------------------------------------------------------------------------------------
-def apply_retention(opts: SaveOptions) -> None:
-    """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors."""
-    delete_old_steps(opts.storage, opts.keep_last)
+def apply_retention(opts: SaveOptions, reaper: Reaper | None = None) -> None:
+    """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors.
+    With ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
+    delete_old_steps(opts.storage, opts.keep_last, reaper)

@@ -55,6 +55,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Collection
 from typing import Any
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
@@ -229,13 +230,19 @@ def _restore(storage: Any, tomb: str, dirname: str) -> None:
     )
 
 
-def remove_uncommitted(storage: Any, dirname: str) -> bool:
+def remove_uncommitted(storage: Any, dirname: str, dispose: Callable[[str], None] | None = None) -> bool:
     """(one process) Remove ``dirname`` unless it holds a manifest, even one written meanwhile.
 
     Where the storage can rename atomically (local roots): re-check, move to a tombstone, check
     the tombstone, then delete it (or move it back if a commit landed first). Object stores:
     re-check, then delete (see the module doc for the window this leaves). Returns whether the
-    directory was removed.
+    directory was removed (or, with ``dispose``, handed over for removal).
+
+    Args:
+        dispose: takes a tombstone, once it is known to hold no manifest, and deletes it later
+            (:class:`distckpt.storage.retention.Reaper`): from then on it is garbage, whoever
+            deletes it and whenever (a tombstone left by a crash is removed by the next
+            cleanup). Directories that could not be moved aside are always deleted here.
     """
     if storage.exists(dirname, MANIFEST_NAME):
         return False
@@ -245,17 +252,24 @@ def remove_uncommitted(storage: Any, dirname: str) -> bool:
     if where != dirname and storage.exists(where, MANIFEST_NAME):
         _restore(storage, where, dirname)
         return False
-    storage.remove_tree(where)
+    if dispose is not None and where != dirname:
+        dispose(where)
+    else:
+        storage.remove_tree(where)
     return True
 
 
-def remove_stale_leftovers(storage: Any, lease_s: float = DEFAULT_LEASE_S) -> None:
+def remove_stale_leftovers(storage: Any, lease_s: float = DEFAULT_LEASE_S, busy: Collection[str] = ()) -> None:
     """(coordinator, or the replica's uploader) Remove what interrupted saves left under the
     root: step directories without a manifest whose lease is stale, temporary directories of a
     step being created once stale, and tombstones of interrupted removals. Never a committed
-    step or a live writer's directory; a failed removal is logged, never raised."""
+    step or a live writer's directory; a failed removal is logged, never raised.
+
+    ``busy``: tombstones this process is deleting already (its :class:`~distckpt.storage.retention.Reaper`), left to it."""
     for name in storage.list_dirs():
         try:
+            if name in busy:
+                continue
             if name.startswith(TOMBSTONE_PREFIX):
                 if storage.exists(name, MANIFEST_NAME):
                     warnings.warn(

@@ -3,8 +3,9 @@ and the replica)."""
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -27,14 +28,74 @@ def steps_to_delete(committed: Iterable[int], keep_last: int | None) -> list[int
     return ordered[: max(0, len(ordered) - keep_last)]
 
 
-def delete_old_steps(storage: Any, keep_last: int | None) -> list[int]:
+class Reaper:
+    """Deletes tombstones of retired steps in a background thread (one per checkpointer's
+    coordinator), so that a save returns without waiting for its predecessor's files to be
+    unlinked (on this machine's disk ~25 ms per 100 MiB, 0.5 s per GiB).
+
+    What is handed over is garbage already: a directory renamed out of the root's step names,
+    checked to hold no manifest (:func:`distckpt.storage.ownership.remove_uncommitted`). The
+    decisions (what to delete, the manifest checks, the renames) stay synchronous; only the
+    unlinking is deferred. Cleanup leaves :attr:`busy` alone; :meth:`drain` (at close) waits for
+    the queue; a tombstone left by a crash or a failed delete is removed by the next cleanup.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, str]] = []
+        self._busy: set[str] = set()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> frozenset[str]:
+        """Tombstones queued or being deleted now."""
+        with self._lock:
+            return frozenset(self._busy)
+
+    def dispose(self, storage: Any) -> Callable[[str], None]:
+        """A ``dispose`` callback for :func:`~distckpt.storage.ownership.remove_uncommitted` on ``storage``."""
+        return lambda name: self._submit(storage, name)
+
+    def _submit(self, storage: Any, name: str) -> None:
+        with self._lock:
+            self._pending.append((storage, name))
+            self._busy.add(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="distckpt-reaper", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    self._idle.notify_all()
+                    return
+                storage, name = self._pending[0]
+            try:
+                storage.remove_tree(name)
+            except OSError as exc:  # left for the next cleanup
+                warnings.warn(f"distckpt: could not delete {storage.display(name)}: {exc}", stacklevel=1)
+            with self._lock:
+                self._pending.pop(0)
+                self._busy.discard(name)
+
+    def drain(self) -> None:
+        """Wait until everything handed over is deleted."""
+        with self._lock:
+            while self._thread is not None:
+                self._idle.wait()
+
+
+def delete_old_steps(storage: Any, keep_last: int | None, reaper: Reaper | None = None) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
 
     Each step is first marked released (a released owner record), then un-committed (manifest
     removed), then removed like any incomplete directory (:func:`distckpt.storage.ownership.remove_uncommitted`:
     on local roots through a tombstone). A crash at any point leaves a directory the next save's
     cleanup removes at once. Errors are warned about, never raised: a committed save must not fail
-    over retention.
+    over retention. With ``reaper``, the files of a step moved aside are deleted in its thread.
     """
     from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
     from distckpt.storage.ownership import mark_released, remove_uncommitted
@@ -48,7 +109,7 @@ def delete_old_steps(storage: Any, keep_last: int | None) -> list[int]:
                 deleted.append(old)
                 continue
             storage.remove(step_dir(old), MANIFEST_NAME)
-            remove_uncommitted(storage, step_dir(old))
+            remove_uncommitted(storage, step_dir(old), reaper.dispose(storage) if reaper is not None else None)
             deleted.append(old)
         except OSError as exc:
             warnings.warn(f"distckpt: could not delete old checkpoint {storage.display(step_dir(old))}: {exc}", stacklevel=2)
