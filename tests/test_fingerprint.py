@@ -125,6 +125,32 @@ def test_non_contiguous_and_scalars():
 
 GOLDEN = "c7950f3456618ae8"
 
+# Computed by the torch-only implementation, before host tensors were summed with NumPy:
+# 8-byte elements (the int64 path), 1- and 2-byte ones, booleans and complex numbers.
+GOLDEN_DTYPES = {
+    "int64": "9d476b04a96194a3",
+    "int8": "2a5592e8b14c976d",
+    "bfloat16": "bd19d58894db2f2a",
+    "bool": "98c72dbc3f2ab4b3",
+    "complex64": "ce37098524ab01d9",
+}
+
+
+def test_fingerprints_of_every_element_width_are_stable():
+    base = torch.arange(-3000, 3000, dtype=torch.int64) * 2654435761
+    tensors = {
+        "int64": base.clone(),
+        "int8": (base % 251).to(torch.int8),
+        "bfloat16": (base.double() / 1e9).to(torch.bfloat16),
+        "bool": (base % 3) == 0,
+        "complex64": torch.complex(base.float() / 1e6, -base.float() / 1e7),
+    }
+    assert {k: fp.of_tensor(t) for k, t in tensors.items()} == GOLDEN_DTYPES
+    # A run that crosses a 2**20 table block, far into a large tensor.
+    t = torch.arange(3 << 19, dtype=torch.int32) * 40503
+    start = (1 << 33) + 12345
+    assert fp.partial_sum(t, (start + (3 << 19),), (start,)) == 11169577224366995298
+
 
 def test_combine_counts_replicas_once_and_reports_drift():
     t = torch.randn(10, 4)
