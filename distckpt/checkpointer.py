@@ -519,6 +519,11 @@ class Checkpointer:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+            # Its arena goes with it: the writer unlinked the arena's file name once it had
+            # mapped it, so a new writer could not map the same memory (see shared_arena).
+            if self._stager is not None and self._stager.shared:
+                self._stager.close()
+                self._stager = None
 
     def _release_group(self) -> None:
         """Destroy distckpt's own process group while Python still runs.

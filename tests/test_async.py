@@ -270,3 +270,17 @@ def test_async_save_of_replicated_model_with_partitioned_zero_state(tmp_path):
     for r, res in enumerate(run_ranks(_zero_async_body, 2, tmp_path, str(tmp_path / "ck"))):
         assert_same(res["ref"][0], res["got"][0], f"rank {r} model")
         assert_same(res["ref"][1], res["got"][1], f"rank {r} optimizer")
+
+
+def test_a_writer_refuses_a_staging_arena_that_is_gone(tmp_path):
+    from distckpt.save.shared_arena import SharedArena, attach
+
+    arena = SharedArena(4096)
+    assert attach(arena.path, 4096, existing=True).numel() == 4096
+    with pytest.raises(FileNotFoundError, match="holds 4096 bytes, not the 8192"):
+        attach(arena.path, 8192, existing=True)
+    arena.unlink()
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        attach(arena.path, 4096, existing=True)
+    assert not os.path.exists(arena.path), "nothing created in its place"
+    arena.close()

@@ -372,7 +372,7 @@ def _serve(conn: Connection) -> None:
                 return
             try:
                 if job.arena_path is not None:
-                    arena = attach(job.arena_path, job.arena_nbytes)
+                    arena = attach(job.arena_path, job.arena_nbytes, existing=True)
                     os.unlink(job.arena_path)  # mapped here and in the trainer: the name can go
                 job.prepared.state_dict = decode(job.flat, job.mappings, arena, init["rank"])
                 written = _saving.write(job.opts, group, job.prepared, plans)

@@ -97,6 +97,22 @@ class SharedArena:
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
-def attach(path: str, nbytes: int) -> torch.Tensor:
-    """Map the arena file ``path`` (``nbytes`` long) as a shared uint8 tensor."""
+def attach(path: str, nbytes: int, *, existing: bool = False) -> torch.Tensor:
+    """Map the arena file ``path`` (``nbytes`` long) as a shared uint8 tensor.
+
+    Args:
+        existing: the file must exist already with (at least) ``nbytes`` bytes: what a writer
+            process maps was staged by its training process. ``torch.from_file`` would create a
+            missing file, empty, and the writer would write zeros that pass every check.
+
+    Raises:
+        FileNotFoundError: ``existing`` and the file is missing or shorter than ``nbytes``.
+    """
+    if existing:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"distckpt's staging arena {path} is gone; the staged state cannot be written") from None
+        if size < max(1, nbytes):
+            raise FileNotFoundError(f"distckpt's staging arena {path} holds {size} bytes, not the {nbytes} staged")
     return torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
