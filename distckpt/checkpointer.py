@@ -27,7 +27,7 @@ from distckpt._dist import Group, all_ranks, exchange, on_coordinator
 from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
 from distckpt.load.planner import SafeLoadPlanner
 from distckpt.save.plan import PlanCache, PlanStats
-from distckpt.errors import CheckpointError, StateMismatchError, from_dcp
+from distckpt.errors import CheckpointError, StateMismatchError, from_dcp, one_line
 from distckpt.integrity.checksums import ALGORITHMS
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
@@ -297,7 +297,9 @@ class Checkpointer:
             metadata: JSON values recorded in the manifest (``extra``).
 
         Raises:
-            StepExistsError: ``step`` is already committed.
+            StepExistsError: ``step`` is already committed, or another writer is writing it (an
+                async save finds the latter in its background part: raised by ``wait()``, the
+                next ``save`` or ``close()``, like its other errors).
             CheckpointError: writing failed on some rank (same error on every rank).
         """
         if self._closed:
@@ -321,22 +323,19 @@ class Checkpointer:
         plans = self._writer.plans if in_process and self._writer is not None else self._plan_cache
         stats = SaveStats(step, 0.0)
         t1 = time.perf_counter()
-        # Phases 1-3 (see distckpt.save.phases): prepare and agree on every rank, claim on the coordinator.
-        prepared, views = exchange(
-            group,
-            f"save of step {step}",
-            lambda: _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans),
-        )
+        # Phases 1-3 (see distckpt.save.phases): prepare and agree on every rank, claim on the
+        # coordinator (async saves: in the background, after refusing a committed step here).
+        def prepare() -> tuple[_saving.Prepared, _saving.SaveView]:
+            if not blocking and group.is_coordinator:
+                _saving.refuse_committed(opts, step)
+            return _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans)
+
+        prepared, views = exchange(group, f"save of step {step}", prepare)
         _saving.agree(prepared, views, group.rank)
-        t2 = time.perf_counter()
-
-        def claim() -> None:
-            self._lease = _saving.claim(opts, step, self._reaper.busy)
-
-        on_coordinator(group, f"save of step {step}", claim)
-        stats.phases.update(prepare=t2 - t1, claim=time.perf_counter() - t2)
+        stats.phases["prepare"] = time.perf_counter() - t1
 
         if blocking:
+            self._claim(group, opts, step, stats)
             self._write_and_commit(group, opts, prepared, stats)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
             self.last_save = stats
@@ -365,6 +364,7 @@ class Checkpointer:
         def run() -> None:
             _lower_priority(self.background_nice)
             try:
+                self._claim(group, opts, step, stats)
                 self._write_and_commit(group, opts, prepared, stats, write)
                 stats.total_s = time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
@@ -373,6 +373,22 @@ class Checkpointer:
         job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
         self._inflight = job
         job.thread.start()
+
+    def _claim(self, group: Group, opts: _saving.SaveOptions, step: int, stats: SaveStats) -> None:
+        """(all ranks) Phase 3: the coordinator creates the step directory under this writer's lease."""
+        t0 = time.perf_counter()
+
+        def claim() -> None:
+            try:
+                self._lease = _saving.claim(opts, step, self._reaper.busy)
+            except (FileNotFoundError, PermissionError):
+                raise  # caller mistakes (no such bucket, no access) keep their builtin type
+            except OSError as exc:  # e.g. an unreachable store: name the save it stopped
+                where = opts.storage.display(step_dir(step))
+                raise CheckpointError(f"save of step {step}: could not create {where}: {one_line(exc)}") from exc
+
+        on_coordinator(group, f"save of step {step}", claim)
+        stats.phases["claim"] = time.perf_counter() - t0
 
     def _save_options(self) -> _saving.SaveOptions:
         return _saving.SaveOptions(

@@ -272,6 +272,37 @@ def test_async_save_of_replicated_model_with_partitioned_zero_state(tmp_path):
         assert_same(res["ref"][1], res["got"][1], f"rank {r} optimizer")
 
 
+def test_an_async_save_after_a_failed_one_writes_the_new_state(tmp_path):
+    """A failed async save restarts the writer process at the next async save. The new writer
+    must map the state staged for *that* save: the shared arena's file name was unlinked once the
+    old writer mapped it, and mapping the name again created an empty file, so the next save
+    committed zeros that passed every check (regression). The failure here: another writer's
+    live lease on the step, found by the save's background claim."""
+    import json
+    import socket
+
+    from distckpt.storage.ownership import OWNER_NAME
+
+    ckpt = distckpt.Checkpointer(tmp_path)  # async_mode="process"
+    state = {"w": torch.arange(4096, dtype=torch.float32), "v": torch.ones(8, dtype=torch.int64)}
+    ckpt.save(1, state, blocking=False)
+    ckpt.wait()
+    (tmp_path / step_dir(2)).mkdir()
+    record = {"writer": "other", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "released": False}
+    (tmp_path / step_dir(2) / OWNER_NAME).write_text(json.dumps(record))
+    state["w"].add_(1)
+    ckpt.save(2, state, blocking=False)
+    with pytest.raises(distckpt.StepExistsError, match="another writer"):
+        ckpt.wait()
+    state["w"].add_(1)
+    ckpt.save(3, state, blocking=False)
+    ckpt.wait()
+    got = {"w": torch.zeros(4096), "v": torch.zeros(8, dtype=torch.int64)}
+    ckpt.load(got, step=3)
+    assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32) + 2) and torch.equal(got["v"], state["v"])
+    ckpt.close()
+
+
 def test_a_writer_refuses_a_staging_arena_that_is_gone(tmp_path):
     from distckpt.save.shared_arena import SharedArena, attach
 

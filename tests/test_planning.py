@@ -222,17 +222,11 @@ def test_validation_keeps_dcps_guarantees():
 
 
 def test_replica_check_finds_drift_that_cancels_in_plain_sums():
-    from distckpt.state import fingerprint
-
-    base = torch.arange(12.0)
-    held = [fingerprint.local_parts({"w": base.clone()}) for _ in range(3)]
-    bits = base.view(torch.int32).clone()
-    plus, minus = bits.clone(), bits.clone()
-    plus[0] += 1
-    minus[0] -= 1  # rank 1 and rank 2 drift in opposite directions: their raw partial sums cancel
-    drifted = [held[0], fingerprint.local_parts({"w": plus.view(torch.float32)}), fingerprint.local_parts({"w": minus.view(torch.float32)})]
-    raw = [p[0][5] for p in drifted]
-    assert (raw[1] + raw[2] - 2 * raw[0]) % (1 << 64) == 0, "the raw sums would miss it"
+    v, d = 0x1234_5678_9ABC, 977
+    held = [{"w": ((0,), v)} for _ in range(3)]
+    # rank 1 and rank 2 drift in opposite directions: their raw digests cancel in a plain sum
+    drifted = [held[0], {"w": ((0,), v + d)}, {"w": ((0,), v - d)}]
+    assert sum(c["w"][1] for c in drifted) == 3 * v, "the raw sums would miss it"
 
     def check(per_rank):
         vec = sum(statecheck.replica_vector(h, ["w"], [], {"w"} if r == 0 else set()) for r, h in enumerate(per_rank))
@@ -240,6 +234,24 @@ def test_replica_check_finds_drift_that_cancels_in_plain_sums():
 
     assert check(held) == []
     assert check(drifted) == ["w"]
+    assert statecheck.name_drift(drifted, ["w"]) == {"w": [[0], [1], [2]]}
+
+
+def test_replica_digests_tell_copies_apart_by_every_bit():
+    """Host copies are compared by a CRC-32C of their bytes, accelerator ones (and host copies
+    staged from them) by their fingerprint sum: equal copies give equal digests, a one-bit change
+    another, whatever the dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64, torch.uint8):
+        base = (torch.arange(24) % 7).to(dtype).reshape(4, 6)
+        flipped = base.clone()
+        flipped.view(-1).view(torch.uint8)[5] ^= 1
+        for on_device in (False, True):
+            a = statecheck.copy_digest(base, (0, 0), on_device)
+            assert a == statecheck.copy_digest(base.clone(), (0, 0), on_device)
+            assert a != statecheck.copy_digest(flipped, (0, 0), on_device), (dtype, on_device)
+        assert statecheck.copy_digest(base.t(), (0, 0)) == statecheck.copy_digest(base.t().contiguous(), (0, 0))
+    digests = statecheck.copy_digests({"a": torch.ones(3), "b": torch.zeros(2, 2), "n": 3}, threads=2)
+    assert set(digests) == {"a", "b"} and digests["a"][0] == (0,) and digests["b"][0] == (0, 0)
 
 
 def test_plan_cache_tokens_and_decisions():

@@ -92,8 +92,8 @@ def test_two_writers_of_the_same_steps_never_both_commit(tmp_path):
 
 
 def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch):
-    # The step directory is created (under a lease) before staging; a staging failure must
-    # release the lease and remove the directory its owner created, and the next save works.
+    # A staging failure leaves nothing behind (an async save creates its step directory, under
+    # a lease, only after staging), holds no lease, and the next save works.
     import pytest
 
     from distckpt.save import staging

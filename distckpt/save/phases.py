@@ -11,7 +11,9 @@ ranks call each is part of the protocol:
    per rank, see :mod:`distckpt.state.scope`).
 3. :func:`claim`     (coordinator, via ``on_coordinator``) refuses a committed step, removes
    stale leftovers of interrupted saves and creates the step directory exclusively, under a
-   lease (:mod:`distckpt.storage.ownership`).
+   lease (:mod:`distckpt.storage.ownership`). Async saves claim in their background part,
+   after staging (the directory's creation costs fsyncs that training need not wait for); the
+   coordinator refuses a committed step during their prepare (:func:`refuse_committed`).
 4. :func:`stage`     (async saves only; each rank) copies the state into host buffers
    (:class:`~distckpt.save.staging.Stager`); training resumes after it.
 5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt.save.plan`:
@@ -113,9 +115,12 @@ class Prepared:
         sizes: ``(flattened key, bytes)`` of plain tensors of modules/optimizers (who writes
             each replicated one; async saves split them among the ranks' stagers alike).
         extra: the caller's JSON metadata for the manifest.
-        replica_parts: fingerprint parts of replicated tensors this rank holds but another
-            rank stages and writes (async saves, see :func:`stage`), so that replicas are
-            compared across ranks even though each rank stages only its share.
+        replica_digests: replica digests (:func:`distckpt.state.statecheck.copy_digest`) of
+            replicated tensors this rank holds but another rank stages and writes (async saves,
+            see :func:`stage`), so that replicas are compared across ranks even though each
+            rank stages only its share.
+        on_device: flattened keys of tensors that live on an accelerator (their copies are
+            compared by fingerprint sums, on the device, see ``copy_digest``).
         structure: this rank's state structure (:func:`distckpt.save.plan.describe`).
         unscoped: the module/optimizer entries.
         plan: what :func:`write` plans from (set by :func:`agree`; picklable).
@@ -126,7 +131,8 @@ class Prepared:
     described: dict[str, Any]
     sizes: list[tuple[str, int]]
     extra: dict[str, Any]
-    replica_parts: list[Any] = field(default_factory=list)
+    replica_digests: dict[str, Any] = field(default_factory=dict)
+    on_device: frozenset[str] = frozenset()
     structure: _save_plan.Structure | None = None
     unscoped: list[str] = field(default_factory=list)
     plan: PlanInput | None = None
@@ -143,6 +149,8 @@ class Written:
             drifted replicas; see :func:`distckpt.state.statecheck.parts_to_send`; coordinator only).
         value_digests: flattened key -> sha256 of the bytes stored for each non-tensor item any
             rank wrote (:func:`distckpt.state.values.record_item_digests`; coordinator only).
+        drifted: replicated keys whose copies differ -> groups of ranks holding equal copies
+            (:func:`distckpt.state.statecheck.name_drift`; coordinator only).
         plan: how the save planned (every rank).
         phases: this rank's seconds per part of the write phase: ``fingerprint``, ``plan``,
             ``replicas`` (drift check), ``write`` (wall time of writing the data files),
@@ -154,6 +162,7 @@ class Written:
     files: list[dict[str, tuple[int, str]]] = field(default_factory=list)
     parts: list[list[Any]] = field(default_factory=list)
     value_digests: dict[str, str] = field(default_factory=dict)
+    drifted: dict[str, list[list[int]]] = field(default_factory=dict)
     plan: PlanStats = field(default_factory=PlanStats)
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -194,7 +203,9 @@ def prepare(
     # which are replicated (each tensor then gets one writer; async saves stage only their share).
     unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
     digests, sizes = replicated_layout(unscoped)
-    structure = _save_plan.describe(flatten_state_dict(state_dict)[0])
+    flat = flatten_state_dict(state_dict)[0]
+    structure = _save_plan.describe(flat)
+    on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(
         step=step,
         names=sorted(described),
@@ -205,7 +216,9 @@ def prepare(
         replicas=structure.replicas_digest,
         cache=cache.token(structure.own) if cache is not None else None,
     )
-    prepared = Prepared(step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped))
+    prepared = Prepared(
+        step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped), on_device=on_device
+    )
     return prepared, view
 
 
@@ -238,17 +251,26 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
 
 
 # 3. claim ----------------------------------------------------------------------------------------
+def refuse_committed(opts: SaveOptions, step: int) -> None:
+    """(coordinator) :class:`~distckpt.errors.StepExistsError` if ``step`` is committed already.
+
+    Part of :func:`claim`; an async save, which claims in its background part, runs it while the
+    caller is still blocked (inside :func:`prepare`'s exchange), so that ``save`` itself refuses
+    a committed step."""
+    if opts.storage.exists(step_dir(step), MANIFEST_NAME):
+        raise StepExistsError(
+            f"step {step} is already committed at {opts.storage.display(step_dir(step))}; "
+            "saving it again would mix two checkpoints (delete it first or use a new step)"
+        )
+
+
 def claim(opts: SaveOptions, step: int, busy: frozenset[str] = frozenset()) -> ownership.Lease:
     """(coordinator) Refuse a committed step, remove stale leftovers of interrupted saves (but
     not ``busy``: tombstones this checkpointer's reaper is deleting) and create the step directory
     exclusively, under a lease (see :mod:`distckpt.storage.ownership`)."""
     storage = opts.storage
     where = storage.display(step_dir(step))
-    if storage.exists(step_dir(step), MANIFEST_NAME):
-        raise StepExistsError(
-            f"step {step} is already committed at {where}; "
-            "saving it again would mix two checkpoints (delete it first or use a new step)"
-        )
+    refuse_committed(opts, step)
     ownership.remove_stale_leftovers(storage, opts.lease_s, busy)
     lease = ownership.Lease(storage, step_dir(step), opts.lease_s)
     try:
@@ -266,16 +288,17 @@ def stage(opts: SaveOptions, stager: Stager, prepared: Prepared, skip: frozenset
     """(each rank, async saves; training is blocked meanwhile) Copy the state into ``stager``'s
     host buffers, leaving out ``skip``: replicated tensors another rank stages and writes.
 
-    Those left-out replicas are still fingerprinted here, from the live tensors before training
-    changes them, so that replicas that drifted apart are reported as in a blocking save. It
-    reads each of them once (cheaper than the copy it replaces); ``on_replica_drift="ignore"``
-    or ``fingerprint=False`` skips it.
+    Those left-out replicas still get their replica digests here, from the live tensors before
+    training changes them, so that replicas that drifted apart are reported as in a blocking
+    save: a CRC-32C of each host copy (read once, at several times the speed of the copy it
+    replaces), a fingerprint sum on the device for accelerator copies.
+    ``on_replica_drift="ignore"`` or ``fingerprint=False`` skips it.
     """
     live = prepared.state_dict
     prepared.state_dict = stager.stage(live, skip)
     if skip and opts.fingerprint and opts.on_replica_drift != "ignore":
         flat = flatten_state_dict(live)[0]
-        prepared.replica_parts = fingerprint.local_parts({k: flat[k] for k in skip if k in flat})
+        prepared.replica_digests = statecheck.copy_digests({k: flat[k] for k in skip if k in flat}, prepared.on_device)
 
 
 # 5. write ----------------------------------------------------------------------------------------
@@ -319,45 +342,68 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     lap("plan")
     item_digests = values.record_item_digests(run.planner)  # non-tensor items, as written
     written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
-    held: list[Any] = []
+    held: list[Any] = []  # fingerprint parts: what this rank writes, and copies compared in record()
+    copies: dict[str, Any] = {}  # replica digests of this rank's copies of compared keys
+    dchecked = plan.dchecked or []
+    compare = opts.fingerprint and opts.on_replica_drift != "ignore" and bool(plan.checked or dchecked)
+    compared = frozenset(plan.checked) | frozenset(k for k, _ in dchecked)
     if opts.fingerprint:
-        # Every copy this rank holds, in DCP's keys: what it writes (its shards, its share of
-        # replicas), fingerprinted by the writer threads as they write it; the copies it holds
-        # but another rank writes, fingerprinted here meanwhile; (async) the replicas it did
-        # not stage, fingerprinted while staging.
+        # Every copy this rank holds, in DCP's keys. What it writes (its shards, its share of
+        # replicas): fingerprinted, and digested where compared, by the writer threads as they
+        # write it. The copies it holds but another rank writes: digested here meanwhile
+        # (fingerprinted only where record() compares them). (Async) the replicas it did not
+        # stage: digested while staging.
         run.planner.fingerprints = held
+        if compare:
+            run.planner.copies, run.planner.compared, run.planner.on_device = copies, compared, prepared.on_device
         others = {k: v for k, v in flatten_state_dict(prepared.state_dict)[0].items() if k not in written_keys}
-        aside = _in_background(lambda: fingerprint.local_parts(others))
+
+        def aside_work() -> tuple[list[Any], dict[str, Any]]:
+            digested = {k: v for k, v in others.items() if k in compared} if compare else {}
+            rest = {k: v for k, v in others.items() if k not in digested}
+            return fingerprint.local_parts(rest), statecheck.copy_digests(digested, prepared.on_device)
+
+        aside = _in_background(aside_work)
     run.write()
     lap("write")
     if opts.fingerprint:
-        run.planner.fingerprints = None
-        held = list(held) + (run.attempt(aside) or []) + list(prepared.replica_parts)
+        run.planner.fingerprints = run.planner.copies = None
+        aside_parts, aside_copies = run.attempt(aside) or ([], {})
+        held = list(held) + aside_parts
+        copies.update(aside_copies)
+        copies.update(prepared.replica_digests)
     lap("fingerprint")
     phases.update(writer.fs.timings.breakdown())
     drifted: list[str] = []
-    dchecked = plan.dchecked or []
-    if opts.fingerprint and opts.on_replica_drift != "ignore" and (plan.checked or dchecked):
+    if compare:
         # Every rank contributes a vector of the same length, even one that failed (empty slots).
-        vector = run.attempt(lambda: statecheck.replica_vector(held, plan.checked, dchecked, written_keys))
+        vector = run.attempt(lambda: statecheck.replica_vector(copies, plan.checked, dchecked, written_keys))
         if vector is None:
-            vector = statecheck.replica_vector([], plan.checked, dchecked, set())
+            vector = statecheck.replica_vector({}, plan.checked, dchecked, set())
         summed = group.all_reduce(vector)
         run.stats.collectives += 1
         drifted = statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
     lap("replicas")
     parts: list[Any] = []
     if opts.fingerprint:
-        parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked, drifted)) or []
+        parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked)) or []
     lap("fingerprint")
-    gathered = run.finish((writer.files, parts, item_digests))
+    drift_copies = {k: copies[k] for k in drifted if k in copies}
+    gathered = run.finish((writer.files, parts, item_digests, drift_copies))
     lap("metadata")
     if gathered is None:
         return Written(plan=run.stats, phases=phases)
-    files = [f for f, _, _ in gathered]
+    files = [g[0] for g in gathered]
     files[0] = writer.files  # the coordinator's, now with .metadata
-    merged = {k: v for _, _, d in gathered for k, v in d.items()}  # each item has one writer
-    return Written(files=files, parts=[p for _, p, _ in gathered], value_digests=merged, plan=run.stats, phases=phases)
+    merged = {k: v for g in gathered for k, v in g[2].items()}  # each item has one writer
+    return Written(
+        files=files,
+        parts=[g[1] for g in gathered],
+        value_digests=merged,
+        drifted=statecheck.name_drift([g[3] for g in gathered], drifted),
+        plan=run.stats,
+        phases=phases,
+    )
 
 
 def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -406,7 +452,7 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
         torch_version=torch.__version__,
         distckpt_version=__version__,
         extra=prepared.extra,
-        fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step) if opts.fingerprint else {},
+        fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step, written.drifted) if opts.fingerprint else {},
         value_digests=dict(sorted(written.value_digests.items())),
     )
     where = storage.display(step_dir(step))

@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from distckpt.state import fingerprint
+from distckpt.state import fingerprint, statecheck
 from distckpt._dist import Group, _Failure, capture
 from distckpt.errors import CheckpointError
 
@@ -289,6 +289,12 @@ class DistckptSavePlanner(DefaultSavePlanner):
         # they take each tensor (in parallel, and while its memory is about to be read anyway);
         # None: not collected.
         self.fingerprints: list[Any] | None = None
+        # Replica digests (statecheck.copy_digest) of the compared keys among what this rank
+        # writes, key -> digest; None: not collected. ``on_device``: keys whose copies were taken
+        # from accelerator tensors.
+        self.copies: dict[str, Any] | None = None
+        self.compared: frozenset[str] = frozenset()
+        self.on_device: frozenset[str] = frozenset()
         self._fingerprints_lock = threading.Lock()
 
     def resolve_data(self, write_item: Any) -> Any:
@@ -296,10 +302,16 @@ class DistckptSavePlanner(DefaultSavePlanner):
         td = write_item.tensor_data
         if self.fingerprints is not None and td is not None and isinstance(data, torch.Tensor):
             chunk = td.chunk
-            part = fingerprint.part_of(write_item.index.fqn, data, chunk.offsets, td.size)
-            if part is not None:
-                with self._fingerprints_lock:
+            key = write_item.index.fqn
+            part = fingerprint.part_of(key, data, chunk.offsets, td.size)
+            copy = None
+            if self.copies is not None and key in self.compared:
+                copy = statecheck.copy_digest(data, chunk.offsets, key in self.on_device)
+            with self._fingerprints_lock:
+                if part is not None:
                     self.fingerprints.append(part)
+                if copy is not None:
+                    self.copies[key] = copy
         return data
 
     def create_local_plan(self) -> SavePlan:

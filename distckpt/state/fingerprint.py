@@ -320,10 +320,11 @@ def local_parts(flat: dict, threads: int = 1) -> list[Part]:
     ``flat`` maps flattened state-dict keys to values (DCP's flattening). A DTensor contributes
     its local shard at the offsets DCP itself would write it at; a plain tensor is a whole
     tensor (offsets 0). Values that are not tensors, and tensors that cannot be fingerprinted
-    (sparse, quantized, meta), are left out. ``threads > 1`` lets that many cores work: over
-    Python threads (the sums are torch ops that release the GIL) where torch's own intra-op
-    threads do not already use them (under torchrun, OMP_NUM_THREADS=1); both at once would
-    oversubscribe the cores (measured here: 1.6x slower). The parts come back in key order.
+    (sparse, quantized, meta), are left out. ``threads > 1`` lets that many cores work, over
+    Python threads: host tensors are summed by single-threaded NumPy loops that release the GIL;
+    for accelerator tensors only where torch's own intra-op threads leave cores idle (under
+    torchrun, OMP_NUM_THREADS=1), since both at once would oversubscribe the cores (measured
+    here: 1.6x slower). The parts come back in key order.
     """
     from torch.distributed.tensor import DTensor
 
@@ -342,7 +343,10 @@ def local_parts(flat: dict, threads: int = 1) -> list[Part]:
         key, local, offsets, global_shape = block
         return part_of(key, local, offsets, global_shape)
 
-    threads = max(1, threads // max(1, torch.get_num_threads()))
+    if any(b[1].device.type != "cpu" for b in blocks):
+        # Accelerator tensors are summed by torch's kernels, which use torch's own threads on
+        # the host side: more Python threads would oversubscribe the cores (1.6x slower, measured).
+        threads = max(1, threads // max(1, torch.get_num_threads()))
     if threads > 1 and len(blocks) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -429,7 +433,12 @@ def mix(part: Part) -> int:
     accident. Shape and dtype are not mixed in: ranks compare a key's copies only after agreeing
     on its shape and dtype.
     """
-    z = (int(part[5]) + 0x9E3779B97F4A7C15) & _MASK64
+    return mix_value(int(part[5]))
+
+
+def mix_value(value: int) -> int:
+    """:func:`mix` of a bare 64-bit value (a replica digest, see :func:`distckpt.state.statecheck.copy_digest`)."""
+    z = (int(value) + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
