@@ -49,6 +49,15 @@ class Group:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    def ranks_on_this_host(self) -> int:
+        """(all ranks, collective) How many ranks of the group run on this rank's host."""
+        if not self.enabled:
+            return 1
+        import socket
+
+        hosts = self.all_gather(socket.gethostname())
+        return hosts.count(hosts[self.rank])
+
     def all_gather(self, obj: Any) -> list[Any]:
         """(all ranks) Every rank's ``obj``, in rank order."""
         if not self.enabled:

@@ -169,6 +169,7 @@ def _async_body(rank: int, world: int, root: str, mode: str) -> dict:
         "committed_after_failure": committed_after_failure,
         "manifest3": manifest3,
         "final_steps": ckpt.steps(),
+        "local_ranks": ckpt._local_ranks,
     }
 
 
@@ -194,6 +195,7 @@ def test_async_save_semantics_and_errors(tmp_path, mode):
         assert res["committed_after_failure"] == [2] and not res["manifest3"]
         assert res["err4"] is not None and "rank 0" in res["err4"] and cause in res["err4"], res["err4"]
         assert res["final_steps"] == [7]
+        assert res["local_ranks"] == 2, "both ranks run on this host"
     assert results[0]["err3"] == results[1]["err3"], "the same error on every rank"
     assert results[0]["gate_reached"], "the coordinator's commit was not held by the gate"
 
@@ -315,3 +317,14 @@ def test_a_writer_refuses_a_staging_arena_that_is_gone(tmp_path):
         attach(arena.path, 4096, existing=True)
     assert not os.path.exists(arena.path), "nothing created in its place"
     arena.close()
+
+
+def test_background_writes_use_at_most_the_cores_per_rank_on_this_host(monkeypatch):
+    """An async save's writer threads: thread_count, capped by cores / ranks on this host (the
+    writers compete with training for memory bandwidth, which niceness does not share out)."""
+    ckpt = distckpt.Checkpointer("/nonexistent-root", thread_count=4)
+    for cores, local, expected in ((2, 2, 1), (2, 1, 2), (16, 2, 4), (96, 8, 4), (1, 4, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        ckpt._local_ranks = local
+        assert ckpt._background_threads() == expected, (cores, local)
+    ckpt.close()
