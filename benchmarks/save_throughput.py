@@ -36,7 +36,8 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
   ``raw_read_warm`` the same again with the files in the page cache.
 * ``dcp_load`` / ``distckpt_load`` load the checkpoint written at this world size (cold);
   ``distckpt_load_warm`` again from the page cache; ``distckpt_load_resharded`` loads the one
-  written at the other world size (cold).
+  written at the other world size (cold), with the state check a change of world size turns on;
+  ``distckpt_load_resharded_nocheck`` the same with ``verify_state=False``.
 * ``train_*`` a small MLP (DDP at world size 2) trained with and without an async save of the
   state running in the background: steps/s and the slowdown.
 * S3 (a moto server on 127.0.0.1): ``s3_raw_put`` / ``s3_raw_get`` move the same bytes with
@@ -327,6 +328,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             b.timed(rep, "raw_read", lambda: b.raw_read(rep, shares))
             b.rank0(lambda: drop_cache(other))
             b.timed(rep, "distckpt_load_resharded", lambda: reshard_ck.load(b.state, step=0) and None)
+            b.rank0(lambda: drop_cache(other))
+            b.timed(rep, "distckpt_load_resharded_nocheck", lambda: reshard_ck.load(b.state, step=0, verify_state=False) and None)
             b.rank0(lambda: shutil.rmtree(b.base / f"rep{rep}", ignore_errors=True))
             continue
 
@@ -398,6 +401,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if reshard_ck is not None and want("reshard"):
             b.rank0(lambda: drop_cache(other))
             b.timed(rep, "distckpt_load_resharded", lambda: reshard_ck.load(b.state, step=0) and None)
+            b.rank0(lambda: drop_cache(other))
+            b.timed(rep, "distckpt_load_resharded_nocheck", lambda: reshard_ck.load(b.state, step=0, verify_state=False) and None)
 
         # ---------------- training slowdown ----------------
         if step_fn is not None and want("train"):
@@ -567,7 +572,7 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
         "raw_write": "raw_write", f"raw_write_t{THREADS}": "raw_write", "torch_save": "raw_write", "dcp_save": "raw_write",
         "dcp_save_t2": "raw_write", "distckpt_sync": "raw_write", "distckpt_sync_torchcrc": "raw_write", "distckpt_async": "raw_write",
         "staging_copy": "raw_write", "raw_read": "raw_read", "raw_read_warm": "raw_read_warm", "dcp_load": "raw_read",
-        "distckpt_load": "raw_read", "distckpt_load_warm": "raw_read_warm", "distckpt_load_resharded": "raw_read",
+        "distckpt_load": "raw_read", "distckpt_load_warm": "raw_read_warm", "distckpt_load_resharded": "raw_read", "distckpt_load_resharded_nocheck": "raw_read",
         "s3_raw_put": "s3_raw_put", "distckpt_s3_save": "s3_raw_put",
         "s3_raw_get": "s3_raw_get", "distckpt_s3_load": "s3_raw_get",
     }
@@ -579,7 +584,8 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
             moved = (s3_bytes or 0) if m.startswith(("s3_", "distckpt_s3")) else state_bytes
             t = out.get(key)
             # Loads of a replicated state: every rank reads all bytes; throughput counts them all.
-            loads = ("raw_read", "raw_read_warm", "dcp_load", "distckpt_load", "distckpt_load_warm", "distckpt_load_resharded")
+            loads = ("raw_read", "raw_read_warm", "dcp_load", "distckpt_load", "distckpt_load_warm", "distckpt_load_resharded",
+                     "distckpt_load_resharded_nocheck")
             factor = world if m in loads + ("s3_raw_get", "distckpt_s3_load") else 1
             out["gb_per_s"] = moved * factor / t / 1e9 if t else None
     return {"world_size": world, "state_bytes": state_bytes, "tensors": per_rank[0]["tensors"], "methods": methods}
@@ -620,6 +626,9 @@ def _targets(ws: dict[str, Any]) -> list[dict[str, Any]]:
     if "distckpt_load_resharded" in m:
         add("load_resharded_vs_raw", m["distckpt_load_resharded"].get("ratio_to_raw"), TARGETS["load_vs_raw_cold"], True,
             "distckpt resharded load / raw read, cold (>=)")
+    if "distckpt_load_resharded_nocheck" in m:
+        add("load_resharded_nocheck_vs_raw", m["distckpt_load_resharded_nocheck"].get("ratio_to_raw"), TARGETS["load_vs_raw_cold"],
+            True, "the same without the state check (verify_state=False) (>=, informational)")
     if "distckpt_s3_save" in m:
         add("s3_save_vs_raw", m["distckpt_s3_save"].get("ratio_to_raw"), TARGETS["s3_vs_raw"], True, "distckpt S3 save / raw s3fs put (>=)")
         add("s3_load_vs_raw", m["distckpt_s3_load"].get("ratio_to_raw"), TARGETS["s3_vs_raw"], True, "distckpt S3 load / raw s3fs get (>=)")
@@ -802,9 +811,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary = _summarize(w, raw[w], raw[w][0].get("s3_bytes"))
             summary["s3_bytes"] = raw[w][0].get("s3_bytes")
             m = summary["methods"]
-            if "raw_read_reshard_run" in m and "distckpt_load_resharded" in m:
+            if "raw_read_reshard_run" in m:
                 rr = m["raw_read_reshard_run"]["time_s"]
-                m["distckpt_load_resharded"]["ratio_to_raw"] = rr / m["distckpt_load_resharded"]["time_s"]
+                for name in ("distckpt_load_resharded", "distckpt_load_resharded_nocheck"):
+                    if name in m:
+                        m[name]["ratio_to_raw"] = rr / m[name]["time_s"]
             summary["targets"] = _targets(summary)
             results.append(summary)
     finally:
