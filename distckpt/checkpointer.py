@@ -320,12 +320,14 @@ class Checkpointer:
         """
         if self._closed:
             raise RuntimeError("save() on a closed Checkpointer")
-        with _gc_paused():
-            self._save(step, state, blocking, metadata)
-
-    def _save(self, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
         t0 = time.perf_counter()
-        self.wait()
+        self.wait()  # the previous async save (outside the GC pause: it may take long)
+        with _gc_paused():
+            self._save(t0, step, state, blocking, metadata)
+
+    def _save(
+        self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None
+    ) -> None:
         group = self._ensure_group()
         opts = self._save_options()
         in_process = not blocking and self._writes_in_process(group)
@@ -653,6 +655,7 @@ class Checkpointer:
         """
         if self._closed:
             raise RuntimeError("load() on a closed Checkpointer")
+        self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         with _gc_paused():
             return self._load(state, step, strict, restore_rng, verify_state, only, exclude)
 
@@ -666,7 +669,6 @@ class Checkpointer:
         only: str | list[str] | None,
         exclude: str | list[str] | None,
     ) -> int:
-        self.wait()
         group = self._ensure_group()
         tiers = [self.storage] + ([self.replica.remote] if self.replica is not None else [])
         # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
