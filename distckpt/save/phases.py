@@ -345,7 +345,10 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     held: list[Any] = []  # fingerprint parts: what this rank writes, and copies compared in record()
     copies: dict[str, Any] = {}  # replica digests of this rank's copies of compared keys
     dchecked = plan.dchecked or []
-    compare = opts.fingerprint and opts.on_replica_drift != "ignore" and bool(plan.checked or dchecked)
+    # One rank holds the only copy of everything: nothing to compare (and no digests to take).
+    compare = (
+        opts.fingerprint and opts.on_replica_drift != "ignore" and plan.world_size > 1 and bool(plan.checked or dchecked)
+    )
     compared = frozenset(plan.checked) | frozenset(k for k, _ in dchecked)
     if opts.fingerprint:
         # Every copy this rank holds, in DCP's keys. What it writes (its shards, its share of

@@ -7,10 +7,11 @@ every tensor a ``torch.save`` record, and the same :class:`WriteResult` for each
 
 What differs is one thing: torch.save computes a CRC-32 over every record's bytes (most of its
 CPU time, ~2 GB/s here), and torch offers only a process-wide switch for it
-(``torch.serialization.set_crc32_options``). :func:`write_record` writes a record with torch's own
-serializer (``torch.serialization._save`` into a ``PyTorchFileWriter``) and chooses the CRC for
-that one call, so distckpt can leave it out where its own checksum covers every byte of the file
-(``torch.load`` does not check it) without touching other ``torch.save`` calls in the process.
+(``torch.serialization.set_crc32_options``). Each record is written with torch's own
+serializer (:func:`distckpt._compat.write_torch_record`: ``torch.serialization._save`` into a
+``PyTorchFileWriter``) with the CRC chosen for that one call, so distckpt can leave it out where
+its own checksum covers every byte of the file (``torch.load`` does not check it) without
+touching other ``torch.save`` calls in the process.
 
 Not collective: each rank writes its own files, from ``thread_count`` threads.
 """
@@ -30,11 +31,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from distckpt._compat import StorageInfo, split_by_size_and_type, write_torch_record
 
 DCP_SUFFIX = ".distcp"
-
-
-def write_record(tensor: torch.Tensor, stream: Any, crc: bool) -> None:
-    """``torch.save(tensor, stream)``, with torch's per-record CRC-32 computed or not (``crc``)."""
-    write_torch_record(tensor, stream, crc)
 
 
 def _host_tensor(data: Any) -> torch.Tensor:
@@ -72,7 +68,7 @@ def _write_file(
                     raise TypeError(f"item {item.index.fqn}: bytes to write must be io.BytesIO, got {type(data).__name__}")
                 transform_to.write(data.getbuffer())
             else:
-                write_record(_host_tensor(data), transform_to, crc)
+                write_torch_record(_host_tensor(data), transform_to, crc)
             if transform_to is not stream:
                 transform_to.close()  # flushes into the file's stream, which stays open
             length = stream.tell() - offset

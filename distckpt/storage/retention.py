@@ -42,8 +42,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[Any, str]] = []
-        self._busy: set[str] = set()
+        self._pending: list[tuple[Any, str]] = []  # (storage, tombstone), the first one being deleted
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
@@ -51,7 +50,7 @@ class Reaper:
     def busy(self) -> frozenset[str]:
         """Tombstones queued or being deleted now."""
         with self._lock:
-            return frozenset(self._busy)
+            return frozenset(name for _, name in self._pending)
 
     def dispose(self, storage: Any) -> Callable[[str], None]:
         """A ``dispose`` callback for :func:`~distckpt.storage.ownership.remove_uncommitted` on ``storage``."""
@@ -60,7 +59,6 @@ class Reaper:
     def _submit(self, storage: Any, name: str) -> None:
         with self._lock:
             self._pending.append((storage, name))
-            self._busy.add(name)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="distckpt-reaper", daemon=True)
                 self._thread.start()
@@ -79,7 +77,6 @@ class Reaper:
                 warnings.warn(f"distckpt: could not delete {storage.display(name)}: {exc}", stacklevel=1)
             with self._lock:
                 self._pending.pop(0)
-                self._busy.discard(name)
 
     def drain(self) -> None:
         """Wait until everything handed over is deleted."""
