@@ -134,6 +134,49 @@ def test_convert_reads_each_data_file_once(tmp_path, monkeypatch):
     assert all(torch.equal(got["model"][k], v) for k, v in model.state_dict().items()) and got["epoch"] == 3
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_load_reads_each_file_once_in_order_and_every_tensor_straight_into_place(tmp_path, monkeypatch, where):
+    """Loads parse each record's layout from its head as the pass goes by (no peek handle, no
+    read aside, no second pass), on a local disk and on an fsspec store (where a random read is a request),
+    and read every tensor into its destination without an intermediate copy."""
+    import uuid
+
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrity import stepfiles as _stepfiles
+    from distckpt.integrity.manifest import read_manifest
+
+    root = str(tmp_path) if where == "local" else f"memory://distckpt-{uuid.uuid4().hex[:8]}/run"
+    torch.manual_seed(0)
+    tensors = {f"t{i}": torch.randn(n) for i, n in enumerate([1, 7, 900, 1023, 1024, 1025, 5000, 70000])}
+    tensors["bf16"] = torch.randn(33, 17).bfloat16()
+    tensors["empty"] = torch.zeros(0, 4)
+    ckpt = distckpt.Checkpointer(root, save_rng=False)
+    ckpt.save(1, {"w": tensors})
+    assert type(ckpt.storage).__name__ == ("LocalStorage" if where == "local" else "FsspecStorage")
+    manifest = read_manifest(ckpt.storage, 1)
+    sizes = {name: r.size for name, r in manifest.files.items() if name != ".metadata"}
+    File = _stepfiles.VerifiedFile
+    passes: dict[str, int] = {}
+    real_consumed = File._consumed
+
+    def consumed(self, view, start):
+        name = self.rel.rsplit("/", 1)[-1]
+        passes[name] = passes.get(name, 0) + len(view)
+        return real_consumed(self, view, start)
+
+    monkeypatch.setattr(File, "_consumed", consumed)
+    monkeypatch.setattr(File, "_peek_into", lambda self, *a: pytest.fail("peek"))
+    monkeypatch.setattr(File, "_read_aside", lambda self, *a: pytest.fail("read aside"))
+    monkeypatch.setattr(File, "_second_pass", lambda self: pytest.fail("second pass"))
+    dest = {k: torch.full_like(v, 7) for k, v in tensors.items()}
+    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
+    dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
+    assert reader.fast_reads == len(tensors) - 1  # all but the empty one (no bytes: DCP's path)
+    assert {k: v for k, v in passes.items() if k in sizes} == sizes  # each data file once, whole
+    assert all(torch.equal(dest[k], v) for k, v in tensors.items())
+
+
 def test_a_file_changed_between_two_reads_is_caught(tmp_path):
     """A read served out of order is confirmed by the pass over the file: if the bytes differ
     (the file was replaced in between), it is an IntegrityError, even though the file the pass

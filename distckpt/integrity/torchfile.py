@@ -186,5 +186,5 @@ def _layout(sdtype: torch.dtype, snumel: int, offset: int, size: tuple, stride: 
     numel = _shape.numel(size)
     if offset + numel > snumel or (numel > 1 and stride != _shape.contiguous_strides(size)):
         return None
-    itemsize = torch.empty((), dtype=sdtype).element_size()
+    itemsize = sdtype.itemsize
     return RawLayout(sdtype, tuple(size), start + offset * itemsize, numel * itemsize)

@@ -204,6 +204,8 @@ class Selection:
         return not self.only or self._hit(name, self.only) or any(p.startswith(name + ".") for p in self.only)
 
     def key(self, key: str) -> bool:
+        if not self.only and not self.exclude:  # everything (the default): asked once per key
+            return True
         entry = key.split(".", 1)[0]
         if self.only and not (self._hit(entry, self.only) or self._hit(key, self.only)):
             return False

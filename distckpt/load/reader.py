@@ -7,10 +7,12 @@ verifying, and with fewer copies.
   :class:`~distckpt.integrity.stepfiles.VerifiedFile`, and its size and checksum are compared with the
   manifest; a mismatch raises :class:`~distckpt.errors.IntegrityError` naming the file. (Resharded
   loads thus read whole files even where they need only part of one.)
-* A stored tensor that this rank needs whole, into a contiguous destination of the same dtype,
-  is read straight into the destination's memory (``readinto``) and hashed there: one copy
-  instead of DCP's three (bytes, ``torch.load``, ``copy_``), where the storage seeks cheaply
-  (:attr:`~distckpt.storage.base.Storage.cheap_seeks`). Everything else takes DCP's path.
+* A stored tensor that this rank needs whole, into a contiguous host destination of the same
+  dtype, is read straight into the destination's memory (``readinto``) and hashed there: one
+  copy instead of DCP's three (bytes, ``torch.load``, ``copy_``). Its layout comes from the
+  record's first bytes (:func:`~distckpt.integrity.torchfile.head_layout`), read by the same
+  front-to-back pass, so the file is still read once, in order, on local disks and object
+  stores alike (no random reads, no second handle). Everything else takes DCP's path.
 
 Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``, ``read_data``).
 """
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from distckpt.integrity.torchfile import raw_layout
+from distckpt.integrity.torchfile import HEAD, head_layout
 from distckpt.errors import IntegrityError
 
 
@@ -92,9 +94,14 @@ class CheckpointReader(FileSystemReader):
         try:
             for (offset, length), item_reqs in sorted(by_item.items()):
                 try:
-                    if self.storage.cheap_seeks and self._read_direct(f, offset, length, item_reqs, planner):
-                        continue
-                    data = f.read_range(offset, length)
+                    head = b""
+                    target = self._direct_target(item_reqs, planner)
+                    if target is not None:
+                        head = f.read_range(offset, min(HEAD, length))
+                        if self._read_direct(f, offset, length, head, item_reqs[0], target, planner):
+                            continue
+                    # The head already went by the pass: read on from its end (no read backwards).
+                    data = head + f.read_range(offset + len(head), length - len(head)) if head else f.read_range(offset, length)
                     if len(data) != length:
                         raise IntegrityError(f"{f.where}: truncated (ends before byte {offset + length})")
                     self._serve(data, item_reqs, planner, f.where)
@@ -114,18 +121,24 @@ class CheckpointReader(FileSystemReader):
         if failure is not None:
             raise failure
 
-    def _read_direct(self, f: Any, offset: int, length: int, reqs: list[Any], planner: Any) -> bool:
-        """Read one stored tensor straight into its destination, if it is needed whole."""
+    def _direct_target(self, reqs: list[Any], planner: Any) -> Any:
+        """The destination of a stored tensor that can be read straight into it, or ``None``:
+        one request for the whole tensor, into contiguous host memory of the stored shape."""
         if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO:
-            return False
+            return None
         req = reqs[0]
-        info = self.storage_data[req.storage_index]
-        if info.transform_descriptors or any(int(o) for o in req.storage_offsets):
-            return False
+        if self.storage_data[req.storage_index].transform_descriptors or any(int(o) for o in req.storage_offsets):
+            return None
         target = planner.resolve_tensor(req).detach()
         if target.device.type != "cpu" or not target.is_contiguous() or tuple(req.lengths) != tuple(target.shape):
-            return False
-        layout = raw_layout(f.peek(offset, length))
+            return None
+        return target
+
+    def _read_direct(self, f: Any, offset: int, length: int, head: bytes, req: Any, target: Any, planner: Any) -> bool:
+        """Read one stored tensor into ``target`` if its record's ``head`` shows plain bytes of
+        the same dtype and shape: the part of them inside the head is copied, the rest read
+        straight into place. ``False`` (nothing written) if the layout is not that plain."""
+        layout = head_layout(head)
         if (
             layout is None
             or layout.dtype != target.dtype
@@ -135,7 +148,12 @@ class CheckpointReader(FileSystemReader):
             return False
         if layout.nbytes:
             view = memoryview(target.view(-1).view(torch.uint8).numpy())
-            if f.readinto(offset + layout.data_offset, view) != layout.nbytes:
+            start = layout.data_offset
+            in_head = max(0, min(len(head) - start, layout.nbytes))
+            if in_head:
+                view[:in_head] = head[start : start + in_head]
+            rest = layout.nbytes - in_head
+            if rest and f.readinto(offset + start + in_head, view[in_head:]) != rest:
                 raise IntegrityError(f"{f.where}: truncated inside {req.storage_index.fqn}")
         planner.commit_tensor(req, target)
         with self._count_lock:

@@ -313,10 +313,6 @@ class Storage:
         """Make a written file durable before it is closed (local disks: flush Python's buffer,
         then ``fsync``; object stores: nothing, closing the file is what commits it)."""
 
-    #: Whether a seek costs nothing (no request): readers may then parse a stored record's
-    #: layout in place and read its bytes straight into their destination.
-    cheap_seeks = False
-
     # DCP -------------------------------------------------------------------------------------
     def writer(
         self,

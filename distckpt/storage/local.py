@@ -241,5 +241,3 @@ class LocalStorage(Storage):
     def sync_file(self, f: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
-
-    cheap_seeks = True
