@@ -324,3 +324,37 @@ def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_pat
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
     assert reader.fast_reads == len(sizes)  # every layout was parsed from the peek windows
     assert all(torch.equal(saved[k], dest[k]) for k in saved)
+
+
+@pytest.mark.parametrize("per_thread, threads", [(None, 1), (1, 2)])
+def test_reader_threads_are_used_where_the_bytes_pay_for_them(tmp_path, monkeypatch, per_thread, threads):
+    """A small local load reads its files in one thread (a second one only contends for the
+    GIL); with enough bytes per thread, files are read side by side, and both load exactly."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt.integrity.manifest import read_manifest
+    from distckpt.load import reader as _reader
+
+    torch.manual_seed(0)
+    tensors = {f"t{i}": torch.randn(3000 + i) for i in range(8)}
+    ckpt = distckpt.Checkpointer(tmp_path, save_rng=False, thread_count=2)
+    ckpt.save(1, {"w": tensors})
+    assert len(list((tmp_path / step_dir(1)).glob("*.distcp"))) >= 2
+    if per_thread is not None:
+        monkeypatch.setattr(ckpt.storage, "read_bytes_per_thread", per_thread)
+    seen: set[str] = set()
+    real = _reader.CheckpointReader._read_file
+
+    def read_file(self, *args):
+        seen.add(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(_reader.CheckpointReader, "_read_file", read_file)
+    manifest = read_manifest(ckpt.storage, 1)
+    dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm, thread_count=2)
+    dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
+    assert len(seen) == threads and all(n.startswith("distckpt-read") for n in seen) == (threads > 1), seen
+    assert all(torch.equal(dest[k], v) for k, v in tensors.items())

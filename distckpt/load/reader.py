@@ -70,7 +70,7 @@ class CheckpointReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         # Opened up front: a file the manifest does not list fails before anything is read.
         jobs = [(self.step.file(name), reqs) for name, reqs in per_file.items()]
-        workers = min(self.thread_count, len(jobs))
+        workers = min(self.thread_count, len(jobs), self._threads_worth(plan.items))
         if workers <= 1:
             for job in jobs:
                 self._read_file(*job, planner)
@@ -83,6 +83,14 @@ class CheckpointReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _threads_worth(self, items: list[Any]) -> int:
+        """How many reader threads the bytes of ``items`` pay for on this storage."""
+        per_thread = self.storage.read_bytes_per_thread
+        if not per_thread:
+            return self.thread_count
+        stored = {item.storage_index for item in items}
+        return max(1, sum(self.storage_data[i].length for i in stored) // per_thread)
 
     def _read_file(self, f: Any, reqs: list[Any], planner: Any) -> None:
         """Read one file in one pass: serve every request from it, then check it whole."""

@@ -313,6 +313,10 @@ class Storage:
         """Make a written file durable before it is closed (local disks: flush Python's buffer,
         then ``fsync``; object stores: nothing, closing the file is what commits it)."""
 
+    #: Bytes a load must read per reader thread before another thread pays off. Object stores:
+    #: none (each thread overlaps another request's latency); local files: see LocalStorage.
+    read_bytes_per_thread = 0
+
     # DCP -------------------------------------------------------------------------------------
     def writer(
         self,
