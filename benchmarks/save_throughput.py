@@ -34,6 +34,8 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
 * ``raw_read``   each rank reads the bytes it needs (replicated state: all of them) into the
   state's own tensors with ``readinto``, after evicting the files from the page cache (cold);
   ``raw_read_warm`` the same again with the files in the page cache.
+* ``raw_read_crc`` / ``raw_read_crc_warm`` the same reads, each 1 MiB block hashed with CRC-32C
+  as it arrives: the floor of a load that verifies every byte it uses, on every rank.
 * ``dcp_load`` / ``distckpt_load`` load the checkpoint written at this world size (cold);
   ``distckpt_load_warm`` again from the page cache; ``distckpt_load_resharded`` loads the one
   written at the other world size (cold), with the state check a change of world size turns on;
@@ -204,16 +206,24 @@ class _Rank:
         for t in ts:
             t.join()
 
-    def raw_read(self, rep: int, shares: list[list[str]]) -> None:
-        # Replicated state: every rank needs every byte, so it reads every rank's file.
+    def raw_read(self, rep: int, shares: list[list[str]], crc: bool = False) -> None:
+        """Replicated state: every rank needs every byte, so it reads every rank's file. ``crc``:
+        each block is also hashed with CRC-32C right after it arrives (the floor of any load that
+        verifies every byte it uses on every rank)."""
+        import crc32c
+
+        block = 1 << 20
         for r, names in enumerate(shares):
             with open(self.raw_path(rep, r), "rb", buffering=0) as f:
+                value = 0
                 for name in names:
                     mv = memoryview(self.host(name).numpy()).cast("B")
                     while mv:
-                        n = f.readinto(mv)
+                        n = f.readinto(mv[:block] if crc else mv)
                         if not n:
                             raise EOFError(name)
+                        if crc:
+                            value = crc32c.crc32c(mv[:n], value)
                         mv = mv[n:]
                     self.from_host(name)
 
@@ -393,6 +403,9 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
             b.timed(rep, "raw_read", lambda: b.raw_read(rep, shares))
             b.timed(rep, "raw_read_warm", lambda: b.raw_read(rep, shares))
+            b.timed(rep, "raw_read_crc_warm", lambda: b.raw_read(rep, shares, crc=True))
+            b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
+            b.timed(rep, "raw_read_crc", lambda: b.raw_read(rep, shares, crc=True))
             b.rank0(lambda: drop_cache(b.base / f"rep{rep}"))
             b.timed(rep, "dcp_load", lambda: b.dcp_load(rep))
             b.rank0(lambda: drop_cache(rootdir / "sync"))
@@ -572,6 +585,7 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
         "raw_write": "raw_write", f"raw_write_t{THREADS}": "raw_write", "torch_save": "raw_write", "dcp_save": "raw_write",
         "dcp_save_t2": "raw_write", "distckpt_sync": "raw_write", "distckpt_sync_torchcrc": "raw_write", "distckpt_async": "raw_write",
         "staging_copy": "raw_write", "raw_read": "raw_read", "raw_read_warm": "raw_read_warm", "dcp_load": "raw_read",
+        "raw_read_crc": "raw_read", "raw_read_crc_warm": "raw_read_warm",
         "distckpt_load": "raw_read", "distckpt_load_warm": "raw_read_warm", "distckpt_load_resharded": "raw_read", "distckpt_load_resharded_nocheck": "raw_read",
         "s3_raw_put": "s3_raw_put", "distckpt_s3_save": "s3_raw_put",
         "s3_raw_get": "s3_raw_get", "distckpt_s3_load": "s3_raw_get",
@@ -584,7 +598,7 @@ def _summarize(world: int, per_rank: list[dict[str, Any]], s3_bytes: int | None)
             moved = (s3_bytes or 0) if m.startswith(("s3_", "distckpt_s3")) else state_bytes
             t = out.get(key)
             # Loads of a replicated state: every rank reads all bytes; throughput counts them all.
-            loads = ("raw_read", "raw_read_warm", "dcp_load", "distckpt_load", "distckpt_load_warm", "distckpt_load_resharded",
+            loads = ("raw_read", "raw_read_warm", "raw_read_crc", "raw_read_crc_warm", "dcp_load", "distckpt_load", "distckpt_load_warm", "distckpt_load_resharded",
                      "distckpt_load_resharded_nocheck")
             factor = world if m in loads + ("s3_raw_get", "distckpt_s3_load") else 1
             out["gb_per_s"] = moved * factor / t / 1e9 if t else None
@@ -623,6 +637,11 @@ def _targets(ws: dict[str, Any]) -> list[dict[str, Any]]:
         "distckpt load / raw read, cold page cache (>=)")
     add("load_vs_raw_warm", m.get("distckpt_load_warm", {}).get("ratio_to_raw"), TARGETS["load_vs_raw_warm"], True,
         "distckpt load / raw read, warm page cache (>=)")
+    if g("distckpt_load") and g("raw_read_crc") and g("distckpt_load_warm") and g("raw_read_crc_warm"):
+        add("load_vs_raw_crc_cold", g("raw_read_crc") / g("distckpt_load"), TARGETS["load_vs_raw_cold"], True,
+            "distckpt load / raw read + CRC-32C of every byte, cold (>=, informational: the floor of a verified read)")
+        add("load_vs_raw_crc_warm", g("raw_read_crc_warm") / g("distckpt_load_warm"), TARGETS["load_vs_raw_warm"], True,
+            "distckpt load / raw read + CRC-32C of every byte, warm (>=, informational)")
     if "distckpt_load_resharded" in m:
         add("load_resharded_vs_raw", m["distckpt_load_resharded"].get("ratio_to_raw"), TARGETS["load_vs_raw_cold"], True,
             "distckpt resharded load / raw read, cold (>=)")
