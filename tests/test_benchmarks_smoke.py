@@ -32,7 +32,7 @@ def test_save_throughput_quick(tmp_path: Path) -> None:
     (ws,) = res["world_sizes"]
     m = ws["methods"]
     for name in ("raw_write", "raw_write_t2", "torch_save", "dcp_save", "dcp_save_t2", "distckpt_sync", "distckpt_async",
-                 "staging_copy", "raw_read", "raw_read_warm", "dcp_load", "distckpt_load", "distckpt_load_warm",
+                 "staging_copy", "raw_read", "raw_read_warm", "raw_read_crc", "raw_read_crc_warm", "dcp_load", "distckpt_load", "distckpt_load_warm",
                  "small_1MiB_dcp", "small_1MiB_distckpt", "train_baseline",
                  "train_during_async", "s3_raw_put", "distckpt_s3_save", "s3_raw_get", "distckpt_s3_load"):
         assert name in m, name
@@ -42,7 +42,7 @@ def test_save_throughput_quick(tmp_path: Path) -> None:
     assert m["distckpt_async"]["blocking_s"] > 0 and m["distckpt_async"]["total_s"] > 0
     assert {t["target"] for t in ws["targets"]} >= {
         "sync_save_vs_raw", "sync_save_vs_raw_parallel", "overhead_vs_dcp_t2", "fixed_cost_1MiB", "async_block_vs_copy",
-        "load_vs_raw_cold", "load_vs_raw_warm", "s3_save_vs_raw", "train_during_vs_without",
+        "load_vs_raw_cold", "load_vs_raw_warm", "load_vs_raw_crc_cold", "load_vs_raw_crc_warm", "s3_save_vs_raw", "train_during_vs_without",
     }  # fmt: skip
     # one save broken down into phases (SaveStats.phases)
     assert set(m["distckpt_sync"]["phases_s"]) >= {"prepare", "plan", "write", "commit"}

@@ -13,6 +13,9 @@ verifying, and with fewer copies.
   record's first bytes (:func:`~distckpt.integrity.torchfile.head_layout`), read by the same
   front-to-back pass, so the file is still read once, in order, on local disks and object
   stores alike (no random reads, no second handle). Everything else takes DCP's path.
+* Files are read side by side by up to ``thread_count`` threads, as many as the bytes pay for
+  (:attr:`~distckpt.storage.base.Storage.read_bytes_per_thread`): on a local disk a small load
+  runs faster in one thread than in two whose per-tensor Python work contends for the GIL.
 
 Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``, ``read_data``).
 """
