@@ -341,14 +341,18 @@ def test_reader_threads_are_used_where_the_bytes_pay_for_them(tmp_path, monkeypa
     tensors = {f"t{i}": torch.randn(3000 + i) for i in range(8)}
     ckpt = distckpt.Checkpointer(tmp_path, save_rng=False, thread_count=2)
     ckpt.save(1, {"w": tensors})
-    assert len(list((tmp_path / step_dir(1)).glob("*.distcp"))) >= 2
+    assert len(list((tmp_path / step_dir(1)).glob("*.distcp"))) == 2  # one per thread: the barrier below pairs them
     if per_thread is not None:
         monkeypatch.setattr(ckpt.storage, "read_bytes_per_thread", per_thread)
     seen: set[str] = set()
     real = _reader.CheckpointReader._read_file
+    # Two threads must be reading side by side: each waits for the other (a pool thread that
+    # finished its file early could otherwise take the second one too on a busy machine).
+    both = threading.Barrier(threads, timeout=60)
 
     def read_file(self, *args):
         seen.add(threading.current_thread().name)
+        both.wait()
         return real(self, *args)
 
     monkeypatch.setattr(_reader.CheckpointReader, "_read_file", read_file)
