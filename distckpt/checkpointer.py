@@ -17,17 +17,16 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from distckpt.save import phases as _saving
 from distckpt.state import fingerprint, rng, scope, statecheck, values
 from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, all_ranks, exchange, on_coordinator
-from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, requested_keys
+from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, read, requested_keys
 from distckpt.load.planner import SafeLoadPlanner
 from distckpt.save.plan import PlanCache, PlanStats
-from distckpt.errors import CheckpointError, StateMismatchError, from_dcp, one_line
+from distckpt.errors import CheckpointError, StateMismatchError, one_line
 from distckpt.integrity.checksums import ALGORITHMS
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
@@ -705,18 +704,15 @@ class Checkpointer:
             metadata=metadata,
             thread_count=self.thread_count,
         )
-        try:
-            dcp.load(
-                plan.request,
-                storage_reader=reader,
-                # Non-tensor items' bytes are checked against the manifest before unpickling.
-                planner=SafeLoadPlanner(value_digests=manifest.value_digests, where=where),
-                process_group=group.pg,
-                no_dist=not group.enabled,
-            )
-        except BaseException as exc:  # DCP raises the same CheckpointException on every rank
-            raise from_dcp(exc, f"reading {where}") from None
-        all_ranks(group, f"load of {where}", lambda: apply_load(group, manifest, plan, state))
+        read(
+            group,
+            where,
+            plan.request,
+            reader,
+            # Non-tensor items' bytes are checked against the manifest before unpickling.
+            SafeLoadPlanner(value_digests=manifest.value_digests, where=where),
+            then=lambda: apply_load(group, manifest, plan, state),
+        )
         check = explicit
         if check is None:  # by default where the risk is highest: the layout changed
             check = manifest.world_size != group.world_size or _parallelism_changed(manifest, plan.entries)

@@ -118,11 +118,28 @@ def from_dcp(exc: BaseException, what: str) -> CheckpointError:
     causes = {int(r): _unwrap(e) for r, e in (getattr(exc, "failures", None) or {}).items()}
     if not causes:
         return CheckpointError(f"{what} failed: {one_line(exc)}")
-    kinds = {type(c) for c in causes.values()}
-    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = CheckpointError
-    return cls(f"{what} failed", {r: one_line(c) for r, c in causes.items()})
+    return from_causes({r: cause_of(c) for r, c in causes.items()}, what)
+
+
+def cause_of(exc: BaseException) -> tuple[type[CheckpointError] | None, str]:
+    """A rank's failure as :func:`from_causes` takes it, picklable for any exception: its
+    distckpt error type (``None`` for other types, which need not be importable on the peers)
+    and its one-line description."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and len(exc.failures) == 1:
+        exc = _unwrap(next(iter(exc.failures.values())))  # DCP without collectives: this rank's cause
+    kind = type(exc) if isinstance(exc, CheckpointError) and type(exc).__module__ == __name__ else None
+    return kind, one_line(exc)
+
+
+def from_causes(causes: Mapping[int, tuple[type[CheckpointError] | None, str]], what: str) -> CheckpointError:
+    """One error for failures on several ranks (rank -> :func:`cause_of`): of their common
+    distckpt error type if they share one, else a :class:`CheckpointError`; each rank's cause
+    listed."""
+    kinds = {kind for kind, _ in causes.values()}
+    cls = kinds.pop() if len(kinds) == 1 else None
+    return (cls or CheckpointError)(f"{what} failed", {r: line for r, (_, line) in causes.items()})
 
 
 def _unwrap(err: Any) -> BaseException:

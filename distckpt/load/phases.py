@@ -2,8 +2,8 @@
 
 The checkpointer runs these in phases so that every collective is reached by every rank:
 ``plan_load`` (each rank, no collectives) -> one exchange of the views -> ``requested_keys``
-(all ranks) -> ``judge`` (identical on every rank) -> ``dcp.load`` -> ``apply_load`` (each rank,
-no collectives).
+(all ranks) -> ``judge`` (identical on every rank) -> ``read`` (DCP's read on each rank, then
+``apply_load``, with one collective for the outcome).
 
 The views are O(1) per rank when the state matches: a digest and a count of the keys a rank
 requests instead of the keys themselves (missing and mismatched keys are listed, to be named in
@@ -15,15 +15,18 @@ it, O(keys) per rank instead of O(world x keys).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from distckpt.state import rng, scope, values
 from distckpt._compat import flatten_state_dict, unflatten_state_dict
-from distckpt._dist import Group
+from distckpt._dist import Group, capture, raise_if_any
+from distckpt.errors import cause_of, from_causes
 from distckpt.integrity.manifest import Manifest
 from distckpt.state.entries import Entry, build_entries, tied_duplicates
 
@@ -140,6 +143,45 @@ def requested_keys(group: Group, index: Mapping[str, Any], plan: LoadPlan, views
         bits[torch.tensor(mine, dtype=torch.int64)] = 1
     union = group.all_reduce(bits, "max")
     return {keys[i] for i in union.nonzero().flatten().tolist()}
+
+def read(
+    group: Group,
+    where: str,
+    request: dict[str, Any],
+    reader: Any,
+    planner: Any,
+    then: Callable[[], None] | None = None,
+) -> None:
+    """(all ranks, one collective) Read this rank's ``request`` through DCP, then run ``then``.
+
+    ``dcp.load`` on a process group gathers every rank's load plan (one read item per tensor
+    shard it reads) on the coordinator and scatters it back, although DCP's default global load
+    plan changes nothing, then all-gathers the outcome: three collectives, the coordinator
+    receiving O(world x items). Loading needs no coordination, so each rank plans and reads on
+    its own (``no_dist``) and one all-gather of O(1) per rank agrees on the outcome of the read
+    and of ``then``: a failure on any rank still fails every rank alike, read failures named
+    ``reading WHERE`` (of their common distckpt type, e.g. :class:`~distckpt.errors.IntegrityError`),
+    failures of ``then`` ``load of WHERE``.
+    """
+    read_failure = then_failure = None
+    try:
+        with warnings.catch_warnings():
+            # no_dist is chosen, not a fallback: DCP's warning that it "assumes" it would mislead.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(request, storage_reader=reader, planner=planner, no_dist=True)
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        read_failure = cause_of(exc)
+    if read_failure is None and then is not None:
+        try:
+            then()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
+            then_failure = capture(exc)
+    outcomes = group.all_gather((read_failure, then_failure))
+    reads = {r: failed for r, (failed, _) in enumerate(outcomes) if failed is not None}
+    if reads:
+        raise from_causes(reads, f"reading {where}")
+    raise_if_any([failed for _, failed in outcomes], f"load of {where}")
+
 
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""

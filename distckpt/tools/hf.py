@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from distckpt.state.shape import numel
-from distckpt.errors import StateMismatchError, from_dcp
+from distckpt.errors import StateMismatchError
+from distckpt.load.phases import read
 from distckpt.tools.safetensors_io import INDEX_NAME, NAMES, SafetensorsIndex, SafetensorsReader
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
@@ -176,16 +176,7 @@ def load_pretrained(
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing, unexpected, mismatched, f"Hugging Face checkpoint {where}")
     reader = SafetensorsReader(index, {k: rename[k] for k in request if rename[k] != k}, thread_count=thread_count)
-    try:
-        dcp.load(
-            request,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            process_group=group.pg,
-            no_dist=not group.enabled,
-        )
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        raise from_dcp(exc, f"reading {where}") from None
+    read(group, where, request, reader, DefaultLoadPlanner(allow_partial_load=True))
     set_model_state_dict(module, request, options=StateDictOptions(strict=False))
     report.bytes_read = reader.bytes_read
     return report

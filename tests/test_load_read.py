@@ -1,0 +1,109 @@
+"""The read phase of a load (distckpt.load.phases.read): each rank plans and reads on its own, one
+collective of O(1) per rank agrees on the outcome, and a failure on one rank fails every rank alike."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from torch import nn
+
+import distckpt
+from dist_harness import run_ranks
+from models import make_model, wrap
+
+
+# torch.distributed's object collectives and the position of the argument each rank sends.
+_COLLECTIVES = (("all_gather_object", 1), ("gather_object", 0), ("scatter_object_list", 1), ("broadcast_object_list", 0))
+
+
+def _counting_collectives(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Count torch.distributed's object collectives: name -> pickled size of each call's input."""
+    import torch.distributed as dist
+
+    seen: dict[str, list[int]] = {}
+
+    def counted(name: str, arg: int):
+        real = getattr(dist, name)
+
+        def call(*args, **kwargs):
+            obj = args[arg] if len(args) > arg else next(iter(kwargs.values()))
+            seen.setdefault(name, []).append(len(pickle.dumps(obj)))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name, arg in _COLLECTIVES:
+        monkeypatch.setattr(dist, name, counted(name, arg))
+    return seen
+
+
+def _load_body(rank: int, world: int, root: str, parallel: str) -> dict:
+    out = {}
+    for tensors in (4, 64):
+        model = wrap(nn.Sequential(*[nn.Linear(10, 10) for _ in range(tensors // 2)]), parallel, world)
+        ckpt = distckpt.Checkpointer(f"{root}-{tensors}", save_rng=False)
+        ckpt.save(1, {"model": model})
+        ckpt.load({"model": model})  # first-call costs
+        with pytest.MonkeyPatch.context() as mp:
+            seen = _counting_collectives(mp)
+            ckpt.load({"model": model})
+        out[tensors] = seen
+        ckpt.close()
+    return out
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_load_gathers_no_plans_and_sends_the_same_bytes_for_4_or_64_tensors(tmp_path, parallel):
+    res = run_ranks(_load_body, 2, tmp_path, str(tmp_path / "ck"), parallel)
+    for rank, per_size in enumerate(res):
+        small, large = per_size[4], per_size[64]
+        for seen in (small, large):
+            # DCP's collective load gathers every rank's read items on the coordinator and
+            # scatters them back, then all-gathers the outcome.
+            assert "gather_object" not in seen and "scatter_object_list" not in seen, seen
+        # Views (digests) and the read's outcome: O(1) per rank, whatever the number of tensors.
+        assert len(small["all_gather_object"]) == len(large["all_gather_object"]) == 2, small
+        assert large["all_gather_object"] == small["all_gather_object"], (rank, small, large)
+
+
+def _failure_body(rank: int, world: int, root: str, where: str) -> str:
+    import distckpt.checkpointer
+    from distckpt.load import reader
+
+    model = wrap(make_model(0), "ddp", world)
+    ckpt = distckpt.Checkpointer(root, save_rng=False)
+    if where == "save":
+        ckpt.save(1, {"model": model})
+        return ""
+    with pytest.MonkeyPatch.context() as mp:
+        if rank == 1 and where == "read":
+
+            def unreadable(self, plan, planner):
+                raise distckpt.IntegrityError("rank 1 could not read __9_9.distcp")
+
+            mp.setattr(reader.CheckpointReader, "read_data", unreadable)
+        if rank == 0 and where == "apply":
+
+            def refused(*args):
+                raise ValueError("rank 0's objects refused their state")
+
+            mp.setattr(distckpt.checkpointer, "apply_load", refused)
+        try:
+            ckpt.load({"model": model})
+        except (distckpt.CheckpointError, ValueError) as exc:
+            return f"{type(exc).__name__}|{sorted(getattr(exc, 'failures', {}))}|{exc}"
+    return "loaded"
+
+
+def test_a_read_or_apply_failure_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
+    root = str(tmp_path / "ck")
+    run_ranks(_failure_body, 2, tmp_path, root, "save")
+    read = run_ranks(_failure_body, 2, tmp_path, root, "read")
+    assert read[0] == read[1], read
+    kind, ranks, text = read[0].split("|", 2)
+    assert kind == "IntegrityError" and ranks == "[1]" and "__9_9.distcp" in text and "reading" in text, read[0]
+    apply = run_ranks(_failure_body, 2, tmp_path, root, "apply")
+    kinds = {r.split("|", 1)[0] for r in apply}
+    # One rank's caller mistake keeps its builtin type on every rank (as all_ranks does).
+    assert kinds == {"ValueError"} and all("refused their state" in r for r in apply), apply
