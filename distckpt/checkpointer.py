@@ -19,12 +19,13 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt.save import phases as _saving
-from distckpt.state import fingerprint, rng, scope, statecheck, values
+from distckpt.state import rng, scope, statecheck, values
 from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, all_ranks, exchange, on_coordinator
 from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, read, requested_keys
 from distckpt.load.planner import SafeLoadPlanner
+from distckpt.load.verify import diverged_keys
 from distckpt.save.plan import PlanCache, PlanStats
 from distckpt.errors import CheckpointError, StateMismatchError, one_line
 from distckpt.integrity.checksums import ALGORITHMS
@@ -735,23 +736,24 @@ class Checkpointer:
         """(all ranks) Fingerprints of what the objects hold now against the saved ones; the
         same :class:`~distckpt.state.statecheck.StateDivergedError` on every rank if any differ."""
 
-        def parts() -> tuple[None, Any]:
+        what = f"state check of {where}"
+
+        def current() -> dict[str, Any]:
             # Re-extracted through the same functions a save uses, so a wrong mapping between
             # what DCP read and what the objects hold shows up too.
-            current: dict[str, Any] = {}
+            out: dict[str, Any] = {}
             for e in plan.entries:
                 if e.name in plan.per_rank:
                     continue
                 value = e.save_state()
                 if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
                     value = {scope.rank_key(group.rank): value}
-                current[e.name] = value
-            return None, fingerprint.local_parts(flatten_state_dict(current)[0], threads=self.thread_count)
+                out[e.name] = value
+            return flatten_state_dict(out)[0]
 
-        _, parts_by_rank = exchange(group, f"state check of {where}", parts)
         # RNG states are reseeded, not restored, at another world size.
         judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
-        bad = statecheck.diverged(parts_by_rank, manifest.fingerprints, judged)
+        bad = diverged_keys(group, current, manifest.fingerprints, judged, what, threads=self.thread_count)
         if bad:
             raise statecheck.StateDivergedError(bad, f"step {manifest.step} at {where}")
 

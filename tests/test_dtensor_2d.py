@@ -66,8 +66,42 @@ def _save_2d(rank: int, world: int, root: str) -> dict:
     except ReplicaDriftError as exc:
         drift = str(exc)
     strict.close()
+    verdicts = _state_check_cases(rank, mesh, full, placements, ckpt.manifest(1).fingerprints)
     ckpt.close()
-    return {"recorded": recorded, "expected": expected, "same": same, "drift": drift}
+    return {"recorded": recorded, "expected": expected, "same": same, "drift": drift, "verdicts": verdicts}
+
+
+# Which rank perturbs which tensor's local block after a "load" (mesh coordinate of rank r: (r // 2, r % 2)).
+FAULTS = {
+    "clean": {},
+    "hsdp_replica": {2: "hsdp"},  # (1, 0) holds a replica of (0, 0)'s block
+    "grid_shard": {1: "grid"},
+    "tp_col_replica": {3: "tp_col"},
+    "vec_replica": {1: "vec"},  # Shard(0) x Replicate(): (0, 1) is a replica of (0, 0)
+    "two_keys": {0: "nested", 3: "hsdp"},
+}
+
+
+def _state_check_cases(rank: int, mesh, full: dict, placements: dict, saved: dict) -> dict:
+    """The collective state check's verdict and the old gathered-parts verdict for each fault."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from distckpt._dist import Group
+    from distckpt.load.verify import diverged_keys
+    from distckpt.state import fingerprint, statecheck
+
+    group = Group(None)
+    keys = [f"model.{k}" for k in full]
+    out = {}
+    for name, faults in FAULTS.items():
+        flat = {f"model.{k}": distribute_tensor(v.clone(), mesh, placements[k], src_data_rank=None) for k, v in full.items()}
+        if rank in faults:
+            with torch.no_grad():
+                flat[f"model.{faults[rank]}"].to_local().view(-1)[-1] += 0.5
+        new = diverged_keys(group, lambda: flat, saved, keys, "state check")
+        old = statecheck.diverged(group.all_gather(fingerprint.local_parts(flat)), saved, keys)
+        out[name] = (new, old)
+    return out
 
 
 def _load_1d(rank: int, world: int, root: str) -> dict:
@@ -92,6 +126,9 @@ def test_2d_layouts_fingerprint_reshard_and_report_drift(tmp_path):
         assert res["same"], f"rank {r}: same-layout round trip"
         assert res["drift"] is not None and "model.hsdp" in res["drift"], (r, res["drift"])
         assert "model.grid" not in res["drift"]
+        for name, (new, old) in res["verdicts"].items():
+            want = sorted({f"model.{k}" for k in FAULTS[name].values()})
+            assert new == old == want, f"rank {r}: {name}: collective {new}, gathered {old}, expected {want}"
     # 4 ranks (2x2) -> 2 ranks, column-sharded, with the state check on.
     for r, equal in enumerate(run_ranks(_load_1d, 2, tmp_path, root)):
         assert all(equal.values()), (r, equal)

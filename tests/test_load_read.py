@@ -1,5 +1,6 @@
 """The read phase of a load (distckpt.load.phases.read): each rank plans and reads on its own, one
-collective of O(1) per rank agrees on the outcome, and a failure on one rank fails every rank alike."""
+collective of O(1) per rank agrees on the outcome, and a failure on one rank fails every rank alike;
+the state check after it (distckpt.load.verify) gathers no rank's fingerprint parts."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def _load_body(rank: int, world: int, root: str, parallel: str) -> dict:
         ckpt = distckpt.Checkpointer(f"{root}-{tensors}", save_rng=False)
         ckpt.save(1, {"model": model})
         ckpt.load({"model": model})  # first-call costs
-        with pytest.MonkeyPatch.context() as mp:
-            seen = _counting_collectives(mp)
-            ckpt.load({"model": model})
-        out[tensors] = seen
+        for checked in (False, True):
+            with pytest.MonkeyPatch.context() as mp:
+                seen = _counting_collectives(mp)
+                ckpt.load({"model": model}, verify_state=checked)
+            out[tensors, checked] = seen
         ckpt.close()
     return out
 
@@ -57,14 +59,17 @@ def _load_body(rank: int, world: int, root: str, parallel: str) -> dict:
 def test_a_load_gathers_no_plans_and_sends_the_same_bytes_for_4_or_64_tensors(tmp_path, parallel):
     res = run_ranks(_load_body, 2, tmp_path, str(tmp_path / "ck"), parallel)
     for rank, per_size in enumerate(res):
-        small, large = per_size[4], per_size[64]
-        for seen in (small, large):
-            # DCP's collective load gathers every rank's read items on the coordinator and
-            # scatters them back, then all-gathers the outcome.
-            assert "gather_object" not in seen and "scatter_object_list" not in seen, seen
-        # Views (digests) and the read's outcome: O(1) per rank, whatever the number of tensors.
-        assert len(small["all_gather_object"]) == len(large["all_gather_object"]) == 2, small
-        assert large["all_gather_object"] == small["all_gather_object"], (rank, small, large)
+        for checked in (False, True):
+            small, large = per_size[4, checked], per_size[64, checked]
+            for seen in (small, large):
+                # DCP's collective load gathers every rank's read items on the coordinator and
+                # scatters them back, then all-gathers the outcome.
+                assert "gather_object" not in seen and "scatter_object_list" not in seen, seen
+            # Views (digests) and the read's outcome, and with the state check its error
+            # agreement (its sums travel in all-reduces of O(keys), not gathers of every
+            # rank's parts): O(1) per rank, whatever the number of tensors.
+            assert len(small["all_gather_object"]) == len(large["all_gather_object"]) == 2 + checked, small
+            assert large["all_gather_object"] == small["all_gather_object"], (rank, checked, small, large)
 
 
 def _failure_body(rank: int, world: int, root: str, where: str) -> str:

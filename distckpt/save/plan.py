@@ -124,7 +124,7 @@ def _entry(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def _replication(value: DTensor) -> tuple[int, tuple[int, ...] | None]:
+def replication(value: DTensor) -> tuple[int, tuple[int, ...] | None]:
     """``(replication factor, mesh coordinate)`` of a DTensor: the product of the sizes of its
     mesh dimensions that do not shard it (Replicate, Partial)."""
     mesh = value.device_mesh
@@ -153,7 +153,7 @@ def describe(flat: Mapping[str, Any]) -> Structure:
     replicas: list[tuple[str, int]] = []
     for key, value in flat.items():
         if isinstance(value, DTensor):
-            factor, coord = _replication(value)
+            factor, coord = replication(value)
             local = value.to_local()
             line = (
                 f"{key}|D|{tuple(value.shape)}|{value.dtype}|{tuple(value.device_mesh.shape)}|"

@@ -282,8 +282,9 @@ def _many_runs_sum(bits: torch.Tensor, outer: list[int], run: int, base: int, st
     return total & _MASK64
 
 
-def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype) -> str:
-    """The fingerprint recorded in a manifest, from the combined sum of all shards."""
+def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype | str) -> str:
+    """The fingerprint recorded in a manifest, from the combined sum of all shards (``dtype``: a
+    torch dtype or its name, as parts carry it)."""
     return _digest_named(total, global_shape, str(dtype))
 
 

@@ -18,8 +18,9 @@ partitions, per-rank entries) send the fingerprint part of every copy they hold,
 twice are compared by :func:`record` as before.
 
 After a load, the same parts are computed over what the objects now hold (re-extracted through
-the same state-dict functions a save uses), gathered once on distckpt's group, and compared
-with the manifest: a difference raises :class:`StateDivergedError` on every rank, naming the keys.
+the same state-dict functions a save uses) and judged against the manifest with O(keys) bytes per
+rank (:mod:`distckpt.load.verify`; :func:`diverged` is the same verdict over gathered parts): a
+difference raises :class:`StateDivergedError` on every rank, naming the keys.
 
 Not collective by itself: the checkpointer gathers the parts.
 """
