@@ -105,22 +105,6 @@ def _clip(items: Sequence[str], limit: int = 20) -> str:
     return shown + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
-def from_dcp(exc: BaseException, what: str) -> CheckpointError:
-    """DCP's ``CheckpointException`` (a BaseException) as an ordinary, picklable error.
-
-    Keeps each failing rank's cause; if every cause is the same distckpt error type (say an
-    :class:`IntegrityError`), the result has that type.
-    """
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        raise exc
-    if isinstance(exc, CheckpointError):
-        return exc
-    causes = {int(r): _unwrap(e) for r, e in (getattr(exc, "failures", None) or {}).items()}
-    if not causes:
-        return CheckpointError(f"{what} failed: {one_line(exc)}")
-    return from_causes({r: cause_of(c) for r, c in causes.items()}, what)
-
-
 def cause_of(exc: BaseException) -> tuple[type[CheckpointError] | None, str]:
     """A rank's failure as :func:`from_causes` takes it, picklable for any exception: its
     distckpt error type (``None`` for other types, which need not be importable on the peers)
@@ -128,7 +112,7 @@ def cause_of(exc: BaseException) -> tuple[type[CheckpointError] | None, str]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(exc, CheckpointException) and len(exc.failures) == 1:
-        exc = _unwrap(next(iter(exc.failures.values())))  # DCP without collectives: this rank's cause
+        exc = _unwrap(next(iter(exc.failures.values())))  # DCP without collectives: this rank's own
     kind = type(exc) if isinstance(exc, CheckpointError) and type(exc).__module__ == __name__ else None
     return kind, one_line(exc)
 

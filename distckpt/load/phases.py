@@ -144,6 +144,7 @@ def requested_keys(group: Group, index: Mapping[str, Any], plan: LoadPlan, views
     union = group.all_reduce(bits, "max")
     return {keys[i] for i in union.nonzero().flatten().tolist()}
 
+
 def read(
     group: Group,
     where: str,

@@ -89,7 +89,7 @@ from torch.distributed.tensor import DTensor
 
 from distckpt.state import fingerprint, statecheck
 from distckpt._dist import Group, _Failure, capture
-from distckpt.errors import CheckpointError
+from distckpt.errors import CheckpointError, from_causes
 
 #: Version of the structure digests and cache keys (bump when what they cover changes).
 _VERSION = "plan1"
@@ -771,12 +771,8 @@ class SaveRun:
 
 
 def raise_failures(failures: Mapping[int, _Failure], what: str) -> None:
-    """Raise one error for every rank's failure, as DCP's ``CheckpointException`` did (then
-    converted by :func:`distckpt.errors.from_dcp`): a common distckpt error type is kept, each
-    rank's cause is listed."""
-    kinds = {type(f.exc) for f in failures.values()}
-    cls = kinds.pop() if len(kinds) == 1 else CheckpointError
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = CheckpointError
-    first = failures[min(failures)]
-    raise cls(f"{what} failed", {r: f.message for r, f in sorted(failures.items())}) from first.exc
+    """Raise one error for every rank's failure, as DCP's ``CheckpointException`` did
+    (:func:`distckpt.errors.from_causes`): a common distckpt error type is kept, each rank's
+    cause is listed."""
+    causes = {r: (type(f.exc) if isinstance(f.exc, CheckpointError) else None, f.message) for r, f in sorted(failures.items())}
+    raise from_causes(causes, what) from failures[min(failures)].exc
