@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from distckpt._dist import Group, all_ranks
+from distckpt.save.plan import replication, writes_dtensor
 from distckpt.state import fingerprint
+from distckpt.state.shape import numel
 
 _LOW32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
@@ -73,14 +75,15 @@ def diverged_keys(
                 slots[_COPIES][i] += 1
                 slots[_BAD][i] |= fingerprint.digest(total, global_shape, dtype) != saved[key]
                 continue
-            replicas, designated = _replication(flat[key])
+            # Plain tensors come whole from local_parts: only a DTensor's block is partial.
+            replicas, designated = replication(flat[key])[0], writes_dtensor(flat[key])
             sharded[i] = (replicas, tuple(global_shape), dtype)
             h = fingerprint.mix_value(total)
             slots[_COPIES][i] += 1
             _add64(slots, _ALL_HI, i, h)
             if designated:
                 slots[_DESIGNATED][i] += 1
-                slots[_COVERED][i] += _numel(shape)
+                slots[_COVERED][i] += numel(shape)
                 _add64(slots, _MINE_HI, i, h)
                 _add64(slots, _SUM_HI, i, total)
         return torch.tensor(slots, dtype=torch.int64).reshape(-1)
@@ -94,7 +97,7 @@ def diverged_keys(
             every = ((s[_ALL_HI] << 32) + s[_ALL_LO]) & _MASK64
             designated = ((s[_MINE_HI] << 32) + s[_MINE_LO]) & _MASK64
             if (
-                s[_COVERED] != _numel(global_shape)
+                s[_COVERED] != numel(global_shape)
                 or s[_COPIES] != replicas * s[_DESIGNATED]
                 or every != (replicas * designated) & _MASK64
                 or fingerprint.digest(total, global_shape, dtype) != saved[judged[i]]
@@ -108,18 +111,3 @@ def _add64(slots: list[list[int]], hi: int, i: int, value: int) -> None:
     """Add a 64-bit value to the 32-bit halves at rows ``hi`` and ``hi + 1``."""
     slots[hi][i] += value >> 32
     slots[hi + 1][i] += value & _LOW32
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _replication(value: Any) -> tuple[int, bool]:
-    """``(replication factor, designated)`` of a DTensor's block on this rank (a plain tensor
-    held in part does not occur: local_parts gives plain tensors whole)."""
-    from distckpt.save.plan import replication, writes_dtensor
-
-    return replication(value)[0], writes_dtensor(value)
