@@ -753,7 +753,9 @@ class Checkpointer:
 
         # RNG states are reseeded, not restored, at another world size.
         judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
-        bad = diverged_keys(group, current, manifest.fingerprints, judged, what, threads=self.thread_count)
+        bad = diverged_keys(
+            group, current, manifest.fingerprints, judged, what, threads=self.thread_count, version=manifest.fingerprint_version
+        )
         if bad:
             raise statecheck.StateDivergedError(bad, f"step {manifest.step} at {where}")
 

@@ -65,6 +65,8 @@ class Manifest:
         extra: free-form user metadata (JSON values).
         fingerprints: tensor key -> sharding-independent fingerprint of the saved values
             (:mod:`distckpt.state.fingerprint`), checked after loads (:mod:`distckpt.state.statecheck`).
+        fingerprint_version: the fingerprint construction ``fingerprints`` were computed with
+            (:mod:`distckpt.state.fpkernels`; 1 in manifests written before it was recorded).
         value_digests: flattened key -> sha256 of the bytes stored for every non-tensor item
             written (optimizer hyper-parameters, scheduler/GradScaler fields, plain values...:
             DCP's BYTE_IO records, see :mod:`distckpt.state.values`), checked by every load, export and
@@ -86,6 +88,7 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)
     value_digests: dict[str, str] | None = None
+    fingerprint_version: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -164,6 +167,8 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
     prints = raw.get("fingerprints", {})
     if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
         raise bad("fingerprints", "an object of strings")
+    if "fingerprint_version" in raw and not is_int(raw["fingerprint_version"], 1):
+        raise bad("fingerprint_version", "a positive int")
     digests = raw.get("value_digests")
     if digests is not None and (not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values())):
         raise bad("value_digests", "an object of strings or null")

@@ -49,6 +49,7 @@ def diverged_keys(
     keys: Sequence[str],
     what: str,
     threads: int = 1,
+    version: int = fingerprint.VERSION,
 ) -> list[str]:
     """(all ranks, collective) The keys among ``keys`` whose loaded values differ from the
     saved ones, sorted, identical on every rank.
@@ -60,6 +61,7 @@ def diverged_keys(
         keys: the keys to judge, the same list on every rank.
         what: names the check in errors (a failure on one rank fails every rank alike).
         threads: fingerprinting threads.
+        version: the fingerprint construction of ``saved`` (the manifest's ``fingerprint_version``).
     """
     judged = sorted(k for k in keys if k in saved)
     index = {k: i for i, k in enumerate(judged)}
@@ -69,11 +71,11 @@ def diverged_keys(
         slots = [[0] * len(judged) for _ in range(_SLOTS)]
         flat = extract()
         mine = {k: v for k, v in flat.items() if k in index}
-        for key, offsets, shape, global_shape, dtype, total in fingerprint.local_parts(mine, threads=threads):
+        for key, offsets, shape, global_shape, dtype, total in fingerprint.local_parts(mine, threads=threads, version=version):
             i = index[key]
             if tuple(shape) == tuple(global_shape) and not any(offsets):
                 slots[_COPIES][i] += 1
-                slots[_BAD][i] |= fingerprint.digest(total, global_shape, dtype) != saved[key]
+                slots[_BAD][i] |= fingerprint.digest(total, global_shape, dtype, version) != saved[key]
                 continue
             # Plain tensors come whole from local_parts: only a DTensor's block is partial.
             replicas, designated = replication(flat[key])[0], writes_dtensor(flat[key])
@@ -100,7 +102,7 @@ def diverged_keys(
                 s[_COVERED] != numel(global_shape)
                 or s[_COPIES] != replicas * s[_DESIGNATED]
                 or every != (replicas * designated) & _MASK64
-                or fingerprint.digest(total, global_shape, dtype) != saved[judged[i]]
+                or fingerprint.digest(total, global_shape, dtype, version) != saved[judged[i]]
             ):
                 bad[i] = 1
         bad = group.all_reduce(torch.tensor(bad, dtype=torch.uint8), "max").tolist()

@@ -456,6 +456,7 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
         distckpt_version=__version__,
         extra=prepared.extra,
         fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step, written.drifted) if opts.fingerprint else {},
+        fingerprint_version=fingerprint.VERSION,
         value_digests=dict(sorted(written.value_digests.items())),
     )
     where = storage.display(step_dir(step))

@@ -81,7 +81,8 @@ def record(
     step: int,
     drifted: Mapping[str, list[list[int]]] | None = None,
 ) -> dict[str, str]:
-    """(coordinator, or any rank: pure) Fingerprints to record in the manifest of ``step``.
+    """(coordinator, or any rank: pure) Fingerprints to record in the manifest of ``step``
+    (:data:`distckpt.state.fingerprint.VERSION`, the construction the parts were computed with).
 
     Args:
         drifted: replicated keys whose copies the replica check found to differ, with the
@@ -90,7 +91,7 @@ def record(
     Raises:
         ReplicaDriftError: ``on_drift="error"`` and replicas differ.
     """
-    prints, found = fingerprint.combine(parts_by_rank)
+    prints, found = fingerprint.combine(parts_by_rank, fingerprint.VERSION)
     drifted = {**found, **(drifted or {})}
     for key in drifted:
         prints.pop(key, None)
@@ -106,11 +107,15 @@ def record(
 
 
 def diverged(
-    parts_by_rank: Sequence[Sequence[fingerprint.Part]], saved: Mapping[str, str], keys: Iterable[str]
+    parts_by_rank: Sequence[Sequence[fingerprint.Part]],
+    saved: Mapping[str, str],
+    keys: Iterable[str],
+    version: int = fingerprint.VERSION,
 ) -> list[str]:
     """(any rank: pure, identical on every rank) Keys among ``keys`` whose loaded fingerprint
-    differs from the saved one. Keys without a saved fingerprint are not judged."""
-    got, drifted = fingerprint.combine(parts_by_rank)
+    differs from the saved one (``version``: the construction of ``saved`` and of the parts).
+    Keys without a saved fingerprint are not judged."""
+    got, drifted = fingerprint.combine(parts_by_rank, version)
     out = []
     for key in keys:
         want = saved.get(key)
@@ -121,27 +126,29 @@ def diverged(
     return sorted(out)
 
 
-def from_files(source: object) -> dict[str, str]:
+def from_files(source: object, version: int = fingerprint.VERSION) -> dict[str, str]:
     """(one process, not collective) Fingerprints recomputed from a checkpoint's files.
 
     ``source`` is a :class:`distckpt.tools.convert.CheckpointSource`; every stored shard of every tensor
     is read once (one shard in memory at a time) and its part added, exactly as the ranks that
-    saved it did. What ``distckpt verify --state`` compares with the manifest.
+    saved it did, with the construction ``version`` (the manifest's). What ``distckpt verify
+    --state`` compares with the manifest.
     """
     parts: list[fingerprint.Part] = []
     for key, info in source.tensors.items():  # type: ignore[attr-defined]
         for offsets, shard in source.iter_shards(key):  # type: ignore[attr-defined]
             if not fingerprint.supported(shard):
                 break
-            total = fingerprint.partial_sum(shard, info.shape, offsets)
+            total = fingerprint.partial_sum(shard, info.shape, offsets, version)
             parts.append((key, tuple(offsets), tuple(shard.shape), tuple(info.shape), str(info.dtype), total))
-    prints, _ = fingerprint.combine([parts])
+    prints, _ = fingerprint.combine([parts], version)
     return prints
 
 
-def compare_files(source: object, saved: Mapping[str, str]) -> tuple[list[str], int]:
-    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``."""
-    recomputed = from_files(source)
+def compare_files(source: object, saved: Mapping[str, str], version: int = fingerprint.VERSION) -> tuple[list[str], int]:
+    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``;
+    ``version``: the manifest's ``fingerprint_version``."""
+    recomputed = from_files(source, version)
     checked = [k for k in saved if k in recomputed]
     bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
     return bad, len(checked)

@@ -213,7 +213,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
             problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
         else:
             source = CheckpointSource(found)
-            bad, checked_state = compare_files(source, found.manifest.fingerprints)
+            bad, checked_state = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
             problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
             # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
             # against the manifest's value_digests (manifests written before those: unverified).

@@ -90,21 +90,22 @@ class TensorInfo:
 class _Tally:
     """The fingerprint sum of one tensor, accumulated while its blocks or shards stream past."""
 
-    def __init__(self, info: TensorInfo, expected: str | None) -> None:
+    def __init__(self, info: TensorInfo, expected: str | None, version: int) -> None:
         self.info = info
         self.expected = expected
+        self.version = version  # the manifest's fingerprint construction
         self.total = 0
 
     def run(self, values: torch.Tensor, start: int) -> None:
         if self.expected is not None and values.numel():
-            self.total = fingerprint.add(self.total, fingerprint.run_sum(values, start))
+            self.total = fingerprint.add(self.total, fingerprint.run_sum(values, start, self.version))
 
     def shard(self, shard: torch.Tensor, offsets: tuple[int, ...]) -> None:
         if self.expected is not None:
-            self.total = fingerprint.add(self.total, fingerprint.partial_sum(shard, self.info.shape, offsets))
+            self.total = fingerprint.add(self.total, fingerprint.partial_sum(shard, self.info.shape, offsets, self.version))
 
     def check(self, where: str) -> None:
-        if self.expected is not None and fingerprint.digest(self.total, self.info.shape, self.info.dtype) != self.expected:
+        if self.expected is not None and fingerprint.digest(self.total, self.info.shape, self.info.dtype, self.version) != self.expected:
             raise IntegrityError(
                 f"{where}: the stored values of {self.info.key} do not match the fingerprint recorded when "
                 "it was saved (its .metadata or data were altered)"
@@ -249,7 +250,8 @@ class CheckpointSource:
         expected = self._fingerprints.get(key)
         if expected is not None and not fingerprint.supported(torch.empty((), dtype=info.dtype)):
             expected = None
-        return _Tally(info, expected)
+        version = self.found.manifest.fingerprint_version if self.found.manifest else fingerprint.VERSION
+        return _Tally(info, expected, version)
 
     def _raw_span(self, key: str, offsets: tuple[int, ...], dtype: torch.dtype, count: int) -> tuple[VerifiedFile, int] | None:
         """(file, byte offset) of shard ``offsets`` of ``key`` stored as plain row-major bytes, else None."""
