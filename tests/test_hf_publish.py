@@ -93,7 +93,9 @@ def test_failed_s3_overwrite_leaves_no_mix_of_shards(s3_server, s3_bucket, monke
     # A later overwrite with fewer files commits and removes the old checkpoint's stale shards.
     hf.save_pretrained(new, url, storage_options=opts, max_shard_size="1MB", overwrite=True)
     fs.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{s3_bucket}/pub/*")) == ["model.safetensors", "model.safetensors.index.json"]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{s3_bucket}/pub/*")) == [
+        hf.RECORD_NAME, "model.safetensors", "model.safetensors.index.json"
+    ]
     hf.load_pretrained(fresh, url, storage_options=opts)
     assert _equal(fresh, new)
 

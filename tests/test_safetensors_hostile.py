@@ -12,6 +12,12 @@ so a flipped value is undetectable by design.
 Each case must either load exactly the saved tensors or raise one of distckpt's documented
 errors, and never run code (a marker file) or allocate much memory (peak RSS). More cases:
 ``DISTCKPT_HF_FUZZ_CASES=3000``.
+
+The publish record (``.distckpt-publish.json``, the files ``save_pretrained`` wrote) is read back
+by every publish into a folder: its own seeded mutations (fields, entries naming paths outside
+the folder or the user's files, bit flips, cuts, a link, a directory, shards replaced by links,
+files the user rewrote) must end in an exact publish or a documented error, and never in a
+changed or deleted file distckpt did not write. More cases: ``DISTCKPT_HF_RECORD_FUZZ_CASES=3000``.
 """
 
 from __future__ import annotations
@@ -256,3 +262,167 @@ def test_hostile_safetensors_directories_load_exactly_or_fail_with_a_documented_
     assert grown_mib < 200, f"peak memory grew by {grown_mib:.0f} MiB while reading tiny hostile files"
     # The fuzz reached both outcomes and several error kinds.
     assert outcomes.get("exact", 0) > 0 and len(outcomes) >= 4, outcomes
+
+
+# the publish record (``.distckpt-publish.json``), read back by every publish into a folder --------
+RECORD_CASES = int(os.environ.get("DISTCKPT_HF_RECORD_FUZZ_CASES", "120"))
+RECORD = ".distckpt-publish.json"  # hf.RECORD_NAME
+# Documented outcomes of a publish over a hostile record: the record refused (malformed, a path
+# leaving the folder, a link), or files distckpt did not write (per the record) refused.
+PUBLISH_ALLOWED = (distckpt.IntegrityError, distckpt.UnsafeCheckpointError, FileExistsError)
+USER_FILES = {"tokenizer.json": b'{"version": "1.0"}', "README.md": b"# model\n", "notes/train.log": b"loss 2.3\n"}
+
+
+class _Config:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def to_json_string(self) -> str:
+        return self.text
+
+
+def _odd_record_value(rng: random.Random, d: Path, outside: Path) -> object:
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    return rng.choice([
+        "../outside.safetensors", str(outside / "outside.safetensors"), "tokenizer.json", "README.md", "notes",
+        "notes/train.log", "", ".", "..", "model.safetensors\x00", "model.safetensors", "config.json", INDEX_NAME,
+        rng.choice(shards), "model-00009-of-00009.safetensors", 5, -1, 2**70, 1.5, True, None, [], {}, "x" * 300,
+        "A" * 64, "0" * 64, "f" * 63, [{"name": "tokenizer.json", "size": 18}],
+    ])  # fmt: skip
+
+
+def _json_paths(obj: object, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _json_paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _json_paths(v, prefix + (i,))
+    return out
+
+
+def _mutate_record(d: Path, outside: Path, rng: random.Random) -> tuple[str, set[Path]]:
+    """One seeded mutation of the folder's record (or of a file it names); returns what was done
+    and the files that are no longer distckpt's (they must survive the next publish)."""
+    path = d / RECORD
+    raw = path.read_bytes()
+    how = rng.choice(["field", "field", "field", "delete", "entry", "flip", "cut", "raw", "link", "dir",
+                      "shard_link", "rewrite", "remove_file", "pending"])  # fmt: skip
+    if how in ("field", "delete", "entry", "pending"):
+        body = json.loads(raw)
+        if how == "pending":
+            body["complete"] = False
+            path.write_text(json.dumps(body))
+            return "record: complete -> false", set()
+        if how == "entry":
+            body["files"].append({"name": _odd_record_value(rng, d, outside), "size": rng.choice([0, 4, 18, -1, 2**64, "4"])})
+            path.write_text(json.dumps(body))
+            return f"record: entry {body['files'][-1]!r:.80} added", set()
+        target = rng.choice(_json_paths(body)[1:])
+        parent = body
+        for k in target[:-1]:
+            parent = parent[k]
+        if how == "delete":
+            del parent[target[-1]]
+        else:
+            parent[target[-1]] = _odd_record_value(rng, d, outside)
+        path.write_text(json.dumps(body))
+        return f"record: {how} {target}", set()
+    if how == "flip":
+        data = bytearray(raw)
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        return f"record: flip byte {i}", set()
+    if how == "cut":
+        n = rng.randrange(len(raw))
+        path.write_bytes(raw[:n])
+        return f"record: cut at {n}", set()
+    if how == "raw":
+        text = rng.choice([b"", b"[]", b"null", b"{", b"[" * 100000, b"\xff\xfe", pickle.dumps({"files": []})])
+        path.write_bytes(text)
+        return f"record: replaced by {text[:10]!r}", set()
+    if how == "link":
+        crafted = outside / f"crafted-{rng.randrange(10**9)}.json"
+        crafted.write_bytes(raw.replace(b'"model-00001-of-00003.safetensors"', b'"../outside.safetensors"'))
+        path.unlink()
+        os.symlink(crafted, path)
+        return "record: a symbolic link out of the folder", {crafted}
+    if how == "dir":
+        path.unlink()
+        path.mkdir()
+        return "record: a directory", set()
+    shards = sorted(d.glob("model-*.safetensors"))
+    if how == "shard_link":
+        victim = rng.choice(shards)
+        victim.unlink()
+        os.symlink(outside / "outside.safetensors", victim)
+        return f"{victim.name}: a symbolic link out of the folder", set()
+    if how == "rewrite":
+        victim = rng.choice([d / "config.json", d / INDEX_NAME, *shards])
+        victim.write_bytes(victim.read_bytes() + b" ")
+        return f"{victim.name}: rewritten by the user", {victim}
+    victim = rng.choice([d / "config.json", d / INDEX_NAME, *shards])
+    victim.unlink()
+    return f"{victim.name}: removed", set()
+
+
+def test_hostile_publish_records_never_let_a_publish_touch_other_files(tmp_path):
+    """Seeded mutations of the record a publish reads back (and of the files it names): every
+    ``save_pretrained(overwrite=True)`` then publishes exactly the new model or raises a documented
+    error, and never changes or deletes a file distckpt did not write, inside or outside the folder."""
+    base, outside = tmp_path / "base", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "outside.safetensors").write_bytes(b"keep")
+    hf.save_pretrained(_Model(0), str(base), max_shard_size=200, config=_Config('{"a": 1}'))
+    assert len(list(base.glob("model-*.safetensors"))) == 3
+    for name, data in USER_FILES.items():
+        (base / name).parent.mkdir(exist_ok=True)
+        (base / name).write_bytes(data)
+    new = _Model(1)
+    rng = random.Random(SEED + 1)
+    problems, outcomes = [], {}
+    for case in range(RECORD_CASES):
+        d = tmp_path / "cases" / f"{case}"
+        shutil.copytree(base, d, symlinks=True)
+        what, theirs = _mutate_record(d, outside, rng)
+        protected = {d / n for n in USER_FILES} | set(outside.iterdir()) | theirs
+        before = {p: p.read_bytes() for p in protected if p.is_file() and not p.is_symlink()}
+        config = rng.choice([None, _Config('{"b": 2}')])
+        try:
+            summary = hf.save_pretrained(new, str(d), max_shard_size=rng.choice([200, "1MB"]), overwrite=True, config=config)
+            outcome = "published"
+            expected = {str(d / n) for n in [*summary["files"], INDEX_NAME, RECORD, *USER_FILES]} | {str(p) for p in theirs if p.parent == d}
+            if config is not None:
+                expected.add(str(d / "config.json"))
+            elif d / "config.json" in theirs or (d / "config.json").exists():
+                expected.add(str(d / "config.json"))  # a config distckpt did not write (or no longer owns) stays
+            got = {str(p) for p in d.rglob("*") if p.is_file() or p.is_symlink()}
+            if got != expected:
+                problems.append(f"case {case} ({what}): files {sorted(got ^ expected)} differ from the publish")
+            elif _load_as(d, new) != "exact":
+                problems.append(f"case {case} ({what}): the publish does not load exactly")
+        except PUBLISH_ALLOWED as exc:
+            outcome = f"error {type(exc).__name__}"
+        except BaseException as exc:  # noqa: BLE001 - what the test looks for
+            outcome = f"UNDOCUMENTED {type(exc).__module__}.{type(exc).__name__}: {str(exc)[:200]}"
+            problems.append(f"case {case} ({what}): {outcome}")
+        for p, data in before.items():
+            if not p.is_file() or p.read_bytes() != data:
+                problems.append(f"case {case} ({what}): {p} was changed or deleted ({outcome})")
+        leftovers = [p.name for p in (tmp_path / "cases").iterdir() if p.name != str(case)]
+        if leftovers:
+            problems.append(f"case {case} ({what}): temporary directories left: {leftovers}")
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        shutil.rmtree(d)
+    assert not problems, f"{len(problems)} problems in {RECORD_CASES} cases ({outcomes}):\n" + "\n".join(problems[:20])
+    assert outcomes.get("published", 0) > 0 and len(outcomes) >= 3, outcomes
+
+
+def _load_as(d: Path, expected_model: nn.Module) -> str:
+    model = _Model(5)
+    hf.load_pretrained(model, str(d))
+    expected = expected_model.state_dict()
+    got = model.state_dict()
+    return "exact" if all(torch.equal(got[k], expected[k]) for k in expected) else "WRONG DATA"

@@ -57,6 +57,7 @@ def locate(location: str, storage_options: dict[str, Any] | None = None, step: i
 
     Raises:
         CheckpointNotFound: nothing there, no committed step, an incomplete step, or not a checkpoint.
+        NotADirectoryError: ``location`` is a file.
         IntegrityError: the manifest is malformed or belongs to another step's directory.
         ValueError: ``step`` contradicts the step directory given as ``location``.
     """
@@ -70,6 +71,7 @@ def locate(location: str, storage_options: dict[str, Any] | None = None, step: i
         return _committed(storage, named_step)
 
     storage = Storage(location, options)
+    _refuse_file(storage, "a checkpoint (a step directory, a root of steps or a DCP directory)")
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")
     if storage.exists(MANIFEST_NAME):  # a committed step directory under another name
@@ -89,6 +91,17 @@ def locate(location: str, storage_options: dict[str, Any] | None = None, step: i
     raise CheckpointNotFound(f"{storage.display()} is not a checkpoint (no step_* directories, no .metadata)")
 
 
+def _refuse_file(storage: Storage, what: str) -> None:
+    """A file where a directory is expected is said to be one: a local file would otherwise be
+    reported as missing, and a file on an object store as a root holding nothing.
+
+    Raises:
+        NotADirectoryError: naming the file and what was expected instead.
+    """
+    if storage.fs.isfile(storage.path):
+        raise NotADirectoryError(f"{storage.display()} is a file, not {what}")
+
+
 def _committed(storage: Storage, step: int) -> StepFiles:
     name = step_dir(step)
     if not storage.exists(name, MANIFEST_NAME):
@@ -104,9 +117,11 @@ def list_steps(storage: Storage) -> list[dict[str, Any]]:
 
     Raises:
         CheckpointNotFound: the root does not exist.
+        NotADirectoryError: the root is a file.
     """
     from distckpt.integrity.manifest import read_manifest
 
+    _refuse_file(storage, "a checkpoint root (a directory of step_* directories)")
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")
     rows = []

@@ -105,6 +105,19 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+def _check_options_apply(args: argparse.Namespace, opts: dict[str, Any]) -> None:
+    """Storage options configure fsspec filesystems for URLs; local paths take none. Given with
+    local paths only, they would be ignored silently (a typo'd ``s3://`` that became a path)."""
+    if not opts:
+        return
+    places = [getattr(args, name) for name in ("root", "ckpt", "src", "out") if isinstance(getattr(args, name, None), str)]
+    if not any("://" in p and not p.startswith("file://") for p in places):
+        raise _Usage(
+            f"--storage-option applies to URLs only (s3://..., memory://...); {', '.join(places)} "
+            f"{'is a local path' if len(places) == 1 else 'are local paths'}"
+        )
+
+
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
@@ -397,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Only that notice is hidden: every other warning still reaches stderr.
                 warnings.filterwarnings("ignore", message=_DCP_NO_PROCESS_GROUP, category=UserWarning)
             opts = _storage_options(args.storage_option)
+            _check_options_apply(args, opts)
             return int(args.func(args, opts))
     except _Usage as exc:
         if debug:

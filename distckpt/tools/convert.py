@@ -40,6 +40,8 @@ from distckpt.state.shape import contiguous_strides, numel
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
 from distckpt.integrity.torchfile import raw_layout
 from distckpt.errors import IntegrityError
+from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
+from distckpt.tools.safetensors_io import check_tensor_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {
@@ -524,12 +526,128 @@ def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key
     return picked
 
 
+def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype tensor ``key`` (stored as ``stored``) is written in when exports cast to
+    ``dtype``: floating-point tensors take ``dtype``, others keep theirs.
+
+    Raises:
+        TypeError: ``dtype`` is not a torch dtype, or a floating-point tensor would be cast to a
+            non-floating dtype (``torch.int8``, ``torch.bool``: its values truncated), naming
+            the key and both dtypes.
+    """
+    if dtype is None:
+        return stored
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if not stored.is_floating_point:
+        return stored
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"tensor {key!r} is {stored}; casting it to {dtype} would truncate its values "
+            "(dtype= casts floating-point tensors and takes a floating-point dtype, e.g. torch.bfloat16)"
+        )
+    return dtype
+
+
 def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+    return cast_dtype(info.key, info.dtype, dtype)
 
 
 # -------------------------------------------------------------------------------------------------
 # output files
+_CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+def check_output(out: str, storage_options: Mapping[str, Any] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
+    """Refuse an output that would write into a checkpoint or over an input. Not collective.
+
+    Refused (local paths are checked as given and with symbolic links resolved, so a link into a
+    step is no way in): ``out`` itself or any folder above it that
+
+    * holds ``manifest.json`` or ``.metadata``: a committed step (under any name) or a plain DCP
+      checkpoint; writing there would change or shadow its files;
+    * is named like a step directory (``step_<N>``) and holds ``.distcp`` files or lies in a
+      checkpoint root (a folder holding a committed step): an incomplete step, or a new folder
+      that ``ls`` would list as one and the next save would remove.
+
+    ``out`` naming one of ``inputs`` is refused too.
+
+    Raises:
+        ValueError: naming ``out`` and the checkpoint (or the input) it would write into.
+    """
+    import posixpath
+
+    from fsspec.core import url_to_fs
+
+    from distckpt.storage.base import _redact
+
+    where = _redact(out)  # messages never show credentials a URL may carry
+    if _is_url(out):
+        fs, path = url_to_fs(out, **dict(storage_options or {}))
+        scheme = out.split("://", 1)[0]
+        paths = [path.rstrip("/")]
+
+        def show(p: str) -> str:
+            return _redact(f"{scheme}://{p.lstrip('/')}")
+    else:
+        fs, _ = url_to_fs("file:///")
+        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+        paths = list(dict.fromkeys([path, os.path.realpath(path)]))
+
+        def show(p: str) -> str:
+            return p
+
+    for src in inputs:
+        same = (
+            os.path.realpath(os.path.expanduser(src.split("://", 1)[-1])) == paths[-1]
+            if not _is_url(src)
+            else src.rstrip("/") == out.rstrip("/")
+        )
+        if same:
+            raise ValueError(f"output {where} is the input {_redact(src)}: distckpt never writes over what it reads; choose another output")
+    for p in paths:
+        d = p
+        while d:
+            for marker in _CHECKPOINT_MARKERS:
+                if fs.isfile(posixpath.join(d, marker)):  # files: an IDE's .metadata folder is no checkpoint
+                    raise ValueError(
+                        f"output {where} is inside the checkpoint {show(d)} (it holds {marker}): distckpt never writes "
+                        "into a checkpoint; choose an output outside every checkpoint step"
+                    )
+            if parse_step_dir(posixpath.basename(d)) is not None and _in_checkpoint_root(fs, d):
+                raise ValueError(
+                    f"output {where} is inside {show(d)}, a step directory of the checkpoint root {show(posixpath.dirname(d))}: "
+                    "a save would take it for an incomplete step (and remove it); choose an output outside the root's steps"
+                )
+            parent = posixpath.dirname(d)
+            d = parent if parent != d else ""
+
+
+def _in_checkpoint_root(fs: Any, d: str) -> bool:
+    """Whether folder ``d`` (named like a step) holds DCP data files or lies beside a committed step."""
+    import posixpath
+
+    def entries(where: str) -> list[dict[str, Any]]:
+        try:
+            return list(fs.ls(where, detail=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    if any(e.get("type") == "file" and str(e["name"]).endswith(".distcp") for e in entries(d)):
+        return True
+    root = posixpath.dirname(d)
+    for e in entries(root):
+        name = str(e["name"]).rstrip("/")
+        if e.get("type") == "directory" and parse_step_dir(posixpath.basename(name)) is not None:
+            if fs.isfile(posixpath.join(name, MANIFEST_NAME)):
+                return True
+    return False
+
+
 @contextmanager
 def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
     """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
@@ -604,9 +722,11 @@ def export_safetensors(
     Returns:
         A summary: output, tensors, bytes.
     """
+    check_output(out, storage_options)
     source = CheckpointSource(found)
     picked = select_tensors(found, source, model_only=model_only, key=key)
-    for _, k in picked:
+    for name, k in picked:
+        check_tensor_name(name, f"export of checkpoint key {k!r}")
         odt = _out_dtype(source.tensors[k], dtype)
         if odt not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {k} has dtype {odt}, which safetensors cannot store")
@@ -698,6 +818,7 @@ def export_torch(
     Returns:
         A summary: output, tensors, bytes, skipped values.
     """
+    check_output(out, storage_options)
     source = CheckpointSource(found)
     stubs: list[_Stub] = []
     skipped: list[str] = []

@@ -55,10 +55,16 @@ def import_torch_save(
 
     Returns:
         A summary: output, step, tensors, skipped keys.
+
+    Raises:
+        ValueError: ``out_root`` is ``src`` or inside a checkpoint step
+            (:func:`distckpt.tools.convert.check_output`).
     """
     from distckpt.checkpointer import Checkpointer
+    from distckpt.tools.convert import check_output
 
     opts = dict(storage_options or {})
+    check_output(out_root, opts, inputs=(src,))
     with _local_copy(src, opts) as path:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -78,6 +78,23 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def check_tensor_name(name: str, where: str) -> None:
+    """Refuse a tensor name a safetensors header cannot hold: ``__metadata__`` is the header's
+    own metadata entry (a tensor of that name replaces it, and readers skip it, so the file
+    cannot be read back), and an empty name.
+
+    Raises:
+        ValueError: naming the tensor and ``where`` it was to be written.
+    """
+    if name == "__metadata__":
+        raise ValueError(
+            f"{where}: tensor name '__metadata__' is reserved by the safetensors format (the header's metadata "
+            "entry): the file could not be read back; rename the tensor (or strip another prefix)"
+        )
+    if not name:
+        raise ValueError(f"{where}: a tensor would be stored under an empty name (a prefix equal to its whole key?)")
+
+
 def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, where: str) -> dict[str, TensorSpan]:
     """Validate a safetensors header and return tensor name -> :class:`TensorSpan`.
 
@@ -153,6 +170,13 @@ class SafetensorsIndex:
 
     Args:
         storage: a :class:`~distckpt.storage.base.Storage` whose root is the directory.
+
+    Raises:
+        IntegrityError: a malformed header or index, several files without an index, or a
+            directory holding both ``model.safetensors`` and an index naming other files
+            (transformers would load the single file: which one is meant is not guessed).
+        UnsafeCheckpointError: the index names a file outside the directory.
+        FileNotFoundError: no safetensors files.
     """
 
     def __init__(self, storage: Any) -> None:
@@ -170,6 +194,15 @@ class SafetensorsIndex:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
+            if SINGLE_NAME in files and SINGLE_NAME not in names:
+                # Two checkpoints in one folder: transformers loads the single file (it looks for
+                # it first), an index reader the shards. Neither is chosen silently.
+                shown = ", ".join(f"{n!r:.100}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+                raise IntegrityError(
+                    f"{storage.display()}: holds both {SINGLE_NAME} and {INDEX_NAME} (naming {shown}): transformers "
+                    f"would load {SINGLE_NAME}, the index names other files; remove the one that is not the "
+                    "checkpoint (or move it to another folder)"
+                )
         else:
             # Without an index only a single file is a checkpoint: shards without their index
             # are an unfinished publish (possibly new shards beside old ones), never guessed at.

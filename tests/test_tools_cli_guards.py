@@ -1,0 +1,134 @@
+"""The command line never writes into a checkpoint and never falls through silently (issue #28).
+
+* ``convert`` refuses an output inside any checkpoint step (the one it reads or another: a folder
+  holding ``manifest.json`` or ``.metadata``, or a ``step_*`` folder of a checkpoint root) and an
+  output that is its input: one-line error, exit 1, the checkpoint still verifies.
+* ``ls`` on a file says it is a file (not "does not exist"); so do ``inspect`` and ``verify``.
+* ``--storage-option`` given only with local paths is a usage error (exit 2), not ignored.
+
+Single process; ``distckpt`` runs in process (``tests/cli_runner.py``); one S3 case on the moto
+server of ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cli_runner import run_cli
+from distckpt import Checkpointer
+from distckpt.integrity.manifest import step_dir
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    """A root with committed steps 10 and 20."""
+    r = tmp_path / "root"
+    ckpt = Checkpointer(r, save_rng=False)
+    ckpt.save(10, {"model": _model(0), "epoch": 1})
+    ckpt.save(20, {"model": _model(1), "epoch": 2})
+    ckpt.close()
+    return r
+
+
+def _digests(where: Path) -> dict[str, str]:
+    return {str(p.relative_to(where)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(where.rglob("*")) if p.is_file()}
+
+
+def _one_line_error(done, code: int, *words: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and len(lines) == 1 and lines[0].startswith("distckpt: error: "), (done.returncode, done.stderr)
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+S20, S10 = step_dir(20), step_dir(10)
+INSIDE = [
+    ("torch", f"{S20}/__0_0.distcp"),        # a data file of the step it reads
+    ("torch", f"{S20}/.metadata"),
+    ("safetensors", f"{S20}/manifest.json"),
+    ("safetensors", f"{S20}/model.safetensors"),  # a new file inside the step it reads
+    ("torch", f"{S10}/__0_0.distcp"),        # another step of the root
+    ("hf", f"{S20}/hf"),                     # a new folder inside a step
+    ("hf", step_dir(50)),                    # a new folder named like a step of the root (an incomplete step to `ls`, removed by the next save)
+    ("torch", "link/__0_0.distcp"),          # through a symbolic link to the step
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("to,out", INSIDE, ids=[f"{t}:{o}" for t, o in INSIDE])
+def test_convert_refuses_an_output_inside_a_checkpoint(root, to, out):
+    os.symlink(root / S20, root.parent / "link")
+    target = root / out if not out.startswith("link/") else root.parent / out
+    before = _digests(root)
+    done = run_cli("convert", str(root), "--to", to, str(target), "-q")
+    _one_line_error(done, 1, "checkpoint", str(target) if not out.startswith("link/") else "__0_0.distcp")
+    assert _digests(root) == before, "the checkpoint's files changed"
+    assert sorted(os.listdir(root)) == [S10, S20], "nothing was added to the root"
+    for step in (S10, S20):
+        assert run_cli("verify", str(root / step), "-q").returncode == 0
+
+
+def test_import_refuses_an_output_inside_a_checkpoint_or_over_its_input(root, tmp_path):
+    src = tmp_path / "weights.pt"
+    torch.save(_model(3).state_dict(), src)
+    before = _digests(root)
+    for out in (root / S20, root / S20 / "imported", root / step_dir(60)):
+        _one_line_error(run_cli("convert", str(src), "--to", "dcp", str(out), "-q"), 1, "checkpoint")
+    assert _digests(root) == before and sorted(os.listdir(root)) == [S10, S20]
+    data = src.read_bytes()
+    _one_line_error(run_cli("convert", str(src), "--to", "dcp", str(src), "-q"), 1, "input")
+    assert src.read_bytes() == data
+    # A Hugging Face folder imported into itself.
+    hf_dir = tmp_path / "hf"
+    from distckpt.tools import hf
+
+    hf.save_pretrained(_model(3), str(hf_dir))
+    listing = sorted(os.listdir(hf_dir))
+    _one_line_error(run_cli("convert", str(hf_dir), "--to", "dcp", str(hf_dir), "-q"), 1, "input")
+    assert sorted(os.listdir(hf_dir)) == listing
+
+
+def test_convert_refuses_an_output_inside_an_s3_checkpoint(s3_server, s3_bucket, tmp_path):
+    import fsspec
+
+    opts = s3_server.storage_options
+    url = f"s3://{s3_bucket}/run"
+    Checkpointer(url, storage_options=opts, save_rng=False).save(5, {"model": _model(0)})
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    fs = fsspec.filesystem("s3", **opts)
+    data = fs.cat_file(f"{s3_bucket}/run/{step_dir(5)}/__0_0.distcp")
+    done = run_cli("convert", url, "--to", "torch", f"{url}/{step_dir(5)}/__0_0.distcp", "-q", *flags)
+    _one_line_error(done, 1, "checkpoint", f"{url}/{step_dir(5)}")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{s3_bucket}/run/{step_dir(5)}/__0_0.distcp") == data
+    assert run_cli("verify", url, "-q", *flags).returncode == 0
+
+
+def test_ls_inspect_verify_on_a_file_say_it_is_a_file(root, tmp_path):
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"x")
+    _one_line_error(run_cli("ls", str(f)), 1, str(f), "is a file, not a checkpoint root")
+    for cmd in ("inspect", "verify"):
+        _one_line_error(run_cli(cmd, str(f)), 1, str(f), "is a file")
+    _one_line_error(run_cli("ls", str(tmp_path / "missing")), 1, "does not exist")
+
+
+def test_storage_options_with_only_local_paths_are_a_usage_error(root, tmp_path):
+    for args in (["ls", str(root)], ["inspect", str(root)], ["verify", str(root)],
+                 ["convert", str(root), "--to", "torch", str(tmp_path / "x.pt")]):  # fmt: skip
+        _one_line_error(run_cli(*args, "--storage-option", "anon=true"), 2, "--storage-option", "URL")
+    assert not (tmp_path / "x.pt").exists()
+    _one_line_error(run_cli("ls", f"file://{root}", "-o", "anon=true"), 2, "URL")

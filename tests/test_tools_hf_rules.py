@@ -1,0 +1,153 @@
+"""Hugging Face folders that could be read two ways, and weights that cannot be written faithfully,
+are errors naming the files and keys (issue #28):
+
+* a folder holding both ``model.safetensors`` and an index naming other files (transformers loads
+  the single file, an index reader the shards);
+* tied weights stored under both keys with different values (one of them would win by file order);
+* ``save_pretrained(dtype=torch.int8 / torch.bool)`` casting floating-point weights (truncated);
+* a tensor named ``__metadata__`` (the safetensors header's reserved key: the file is unreadable).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import distckpt
+from distckpt.tools import convert, hf
+from distckpt.tools.catalog import locate
+from distckpt.tools.safetensors_io import INDEX_NAME
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_folder_with_a_single_file_and_an_index_is_refused_naming_both(tmp_path):
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    hf.save_pretrained(_model(0), str(sharded), max_shard_size=1000)
+    hf.save_pretrained(_model(1), str(single))
+    shutil.copy(single / "model.safetensors", sharded / "model.safetensors")
+    fresh = _model(5)
+    before = _state(fresh)
+    with pytest.raises(distckpt.IntegrityError, match=rf"model\.safetensors.*{INDEX_NAME}.*model-00001-of-0000\d"):
+        hf.load_pretrained(fresh, str(sharded))
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()), "nothing was loaded"
+    # An index naming the single file itself (what save_pretrained writes for one file) is one checkpoint.
+    hf.load_pretrained(fresh, str(single))
+    assert all(torch.equal(v, _model(1).state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+class Tied(nn.Module):
+    """A language-model-like module whose output projection shares the input embedding."""
+
+    def __init__(self, seed: int = 0, vocab: int = 10) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _tied_file(path, embed: torch.Tensor, head: torch.Tensor, norm: nn.LayerNorm) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    # The duplicate first: a reader filling the tied tensor in file order would keep embed.weight.
+    save_file({"head.weight": head.contiguous(), "embed.weight": embed.contiguous(),
+               "norm.weight": norm.weight.detach().clone(), "norm.bias": norm.bias.detach().clone()},
+              str(path / "model.safetensors"))  # fmt: skip
+
+
+def test_tied_weights_stored_with_different_values_are_refused(tmp_path):
+    src = Tied(0)
+    embed = src.embed.weight.detach().clone()
+    head = embed.clone()
+    head[3, 1] += 1.0  # one element differs
+    _tied_file(tmp_path / "differ", embed, head, src.norm)
+    model = Tied(7)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"embed\.weight.*head\.weight|head\.weight.*embed\.weight") as info:
+        hf.load_pretrained(model, str(tmp_path / "differ"))
+    assert "model.safetensors" in str(info.value) and "different values" in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model was left untouched"
+    # Equal values under both keys (an untied save of a tied model) load as before.
+    _tied_file(tmp_path / "same", embed, embed.clone(), src.norm)
+    report = hf.load_pretrained(model, str(tmp_path / "same"))
+    assert torch.equal(model.embed.weight, embed) and model.head.weight is model.embed.weight
+    assert not report.missing and not report.unexpected
+
+
+def _tied_fsdp_job(rank: int, world: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Tied(7, vocab=12)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    try:
+        hf.load_pretrained(model, path)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_tied_weights_differing_in_one_ranks_shard_fail_on_every_rank(tmp_path):
+    from dist_harness import run_ranks
+
+    src = Tied(0, vocab=12)
+    embed = src.embed.weight.detach().clone()
+    head = embed.clone()
+    head[-1, -1] += 1.0  # only in the last rows: rank 1's shard under FSDP2 at 2 ranks
+    _tied_file(tmp_path / "differ", embed, head, src.norm)
+    outcomes = run_ranks(_tied_fsdp_job, 2, tmp_path, str(tmp_path / "differ"))
+    assert outcomes[0] == outcomes[1] and "different values" in outcomes[0], outcomes
+
+
+def test_save_pretrained_refuses_integer_and_bool_dtypes_for_floating_weights(tmp_path):
+    model = _model(0)
+    for dtype in (torch.int8, torch.bool, torch.int64):
+        out = tmp_path / f"pub-{dtype}".replace("torch.", "")
+        with pytest.raises(TypeError, match=rf"'0\.weight'.*torch\.float32.*{dtype}"):
+            hf.save_pretrained(model, str(out), dtype=dtype)
+        assert not out.exists(), "nothing published"
+    # The offline exports refuse the same casts.
+    distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model})
+    with pytest.raises(TypeError, match=r"0\.weight.*torch\.int8"):
+        hf.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"0\.weight.*torch\.bool"):
+        convert.export_safetensors(locate(str(tmp_path / "ck")), str(tmp_path / "x.safetensors"), dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"0\.weight.*torch\.int8"):
+        convert.export_torch(locate(str(tmp_path / "ck")), str(tmp_path / "x.pt"), dtype=torch.int8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    # Floating-point casts still work; integer tensors are never cast.
+    hf.save_pretrained(model, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+
+
+class Reserved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("__metadata__", nn.Parameter(torch.ones(3)))
+        self.lin = nn.Linear(2, 2)
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused_at_save(tmp_path):
+    with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
+        hf.save_pretrained(Reserved(), str(tmp_path / "pub"))
+    assert not (tmp_path / "pub").exists()
+    # The same name reached by removing a prefix, in the offline exports.
+    distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": {"x.__metadata__": torch.ones(2), "x.w": torch.ones(2)}})
+    with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
+        convert.export_safetensors(locate(str(tmp_path / "ck")), str(tmp_path / "x.safetensors"), key="model.x")
+    with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
+        hf.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), key="model.x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
