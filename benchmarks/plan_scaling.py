@@ -34,7 +34,28 @@ simulated rank's own planning (distckpt: ``describe`` + ``decide`` + local plan)
 
 Layouts: ``replicated`` (DDP-like: every rank holds every tensor, as meta tensors) and ``sharded``
 (FSDP-like: every tensor a ``DTensor`` split along dim 0 over the ranks, built per simulated rank
-on a fake process group, so DCP's and distckpt's code see real DTensors).
+on a fake process group, so DCP's and distckpt's code see real DTensors). Two layouts on a 2-D
+mesh, distckpt's planner only (DCP's is measured on the 1-D ones):
+
+* ``fsdp_tp``: torchtitan's FSDP2 x TP on a ``(dp, tp)`` mesh (``tp = min(8, W)``), as
+  ``fully_shard`` over ``parallelize_module`` leaves it: column-wise matrices and their biases
+  ``(_StridedShard(0, split_factor=tp), Shard(0))``, row-wise ones (attention out, MLP down)
+  ``(Shard(0), Shard(1))``, the other vectors (norms under sequence parallelism, row-wise biases)
+  ``(Shard(0), Replicate())``. Every rank writes its own block of every matrix, so the items
+  written grow as ``W x tensors``; it runs with ``--tensors-2d`` tensors (default 125, 124 in
+  the GPT-like list: at 4,096 ranks 286k written items, against the 512k of the 1-D sharded
+  target at 512 ranks and 1,000 tensors; 1,000 tensors at 4,096 ranks, 2.3M items, were not
+  simulated on the 2-core VM).
+* ``hsdp``: ``fully_shard`` on a ``(replicate, shard)`` mesh (``shard = min(8, W)``): every
+  tensor ``(Replicate(), Shard(0))``; only the ``shard`` ranks of replica 0 write, so the items
+  written do not grow with ``W`` (as for ``replicated``), ``--tensors`` tensors.
+
+For these two every simulated rank is built and planned once: its view is checked equal to rank
+0's (DTensor-only states: no plain leaves, the same replicated keys on every rank) instead of
+building every rank twice. torch's chunk helper (``compute_local_shape_and_global_offset``, which
+DCP's write items call) costs ~2 ms per ``_StridedShard`` tensor; it is memoized for the bulk of
+the ranks (same result per shape, placements and coordinate) and runs unmemoized on the first and
+the last rank, whose times give ``local_plan_s``.
 
 ``--real N`` checks the simulation against a real save: N gloo processes
 (``tests/dist_harness.run_ranks``) save a tiny state of the same layout twice through
@@ -60,11 +81,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, layer_shapes, machine_info, publish, save_figure  # noqa: E402
 
 #: Targets of issue 14: (layout, planner, save, world size) -> (max coordinator_s, max gathered bytes).
+#: Issue 29 holds the 2-D layouts to the same at 4,096 ranks: HSDP, whose items written do not
+#: grow with W, to the replicated ones; FSDP x TP, whose items grow as W x tensors, to the sharded
+#: one (first save <= 1 s for ~300-500k items written: 512 ranks x 1,000 tensors there,
+#: 4,096 ranks x --tensors-2d 125 here; like the sharded layout, no target for its repeat, whose
+#: coordinator time is pickling the cached ``.metadata``).
 TARGETS = {
     ("replicated", "distckpt", "first", 4096): (0.5, 10e6),
     ("replicated", "distckpt", "repeat", 4096): (0.05, None),
     ("sharded", "distckpt", "first", 512): (1.0, None),
+    ("hsdp", "distckpt", "first", 4096): (0.5, 10e6),
+    ("hsdp", "distckpt", "repeat", 4096): (0.05, None),
+    ("fsdp_tp", "distckpt", "first", 4096): (1.0, None),
 }
+#: Layouts on a 2-D mesh (see the module docstring); distckpt's planner only.
+MESH_LAYOUTS = ("fsdp_tp", "hsdp")
 
 
 def model_shapes(n_tensors: int, d: int, vocab: int = 32000) -> list[tuple[str, tuple[int, ...]]]:
@@ -121,6 +152,88 @@ def sharded_state(shapes: list[tuple[str, tuple[int, ...]]], world: int, rank: i
         local = torch.empty((n, *shape[1:]), device="meta")
         out[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=tuple(stride))
     return {"model": out}
+
+
+def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return tuple(stride)
+
+
+def mesh_placements(layout: str, name: str, shape: tuple[int, ...], inner: int) -> list[Any]:
+    """The placements ``layout`` gives tensor ``name`` on its 2-D mesh (``inner``: the tp/shard size)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distckpt._compat import StridedShard
+
+    if layout == "hsdp":
+        return [Replicate(), Shard(0)]
+    rowwise = any(part in name for part in ("attn.out.", "mlp.down."))
+    if len(shape) == 2:
+        return [Shard(0), Shard(1)] if rowwise else [StridedShard(0, split_factor=inner), Shard(0)]
+    if name.endswith(".bias") and not rowwise and "ln" not in name:  # column-wise biases: split like their matrix
+        return [StridedShard(0, split_factor=inner), Shard(0)]
+    return [Shard(0), Replicate()]  # norms (sequence parallel), row-wise biases
+
+
+def mesh_state(layout: str, shapes: list[tuple[str, tuple[int, ...]]], world: int, rank: int, chunk: Any) -> dict[str, Any]:
+    """Rank ``rank``'s state in ``layout`` (``fsdp_tp`` or ``hsdp``) on a ``(W / inner, inner)``
+    mesh, ``inner = min(8, W)``; ``chunk`` is torch's chunk helper (or a memoized one).
+
+    The mesh creates no process groups (``distckpt._compat.mesh_without_groups``, as distckpt's
+    writer process rebuilds meshes: planning needs only shapes, coordinates and placements), and
+    DTensors of one shape and placements share the spec ``DTensor.from_local`` built for the first
+    (``from_local`` costs ~60 us a tensor, the constructor ~4 us): the same DTensors, built in
+    seconds instead of minutes at 4,096 ranks."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from distckpt._compat import mesh_without_groups
+
+    inner = min(8, world)
+    names = ("dp", "tp") if layout == "fsdp_tp" else ("replicate", "shard")
+    ranks = torch.arange(world).reshape(world // inner, inner).tolist()
+    mesh = mesh_without_groups(ranks, names, rank)
+    templates: dict[tuple, Any] = {}
+    out = {}
+    for name, shape in shapes:
+        placements = mesh_placements(layout, name, shape, inner)
+        local_shape, _ = chunk(shape, mesh, placements)
+        local = torch.empty(local_shape, device="meta")
+        key = (shape, tuple(placements))
+        template = templates.get(key)
+        if template is None:
+            template = templates[key] = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=_stride(shape)
+            )
+            out[name] = template
+        else:
+            out[name] = DTensor(local, template._spec, requires_grad=False)
+    return {"model": out}
+
+
+@contextlib.contextmanager
+def memoized_chunks():
+    """torch's ``compute_local_shape_and_global_offset`` memoized by (shape, mesh shape,
+    coordinate, placements) where DCP's write items call it; yields the memoized function."""
+    from torch.distributed.checkpoint import planner_helpers
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as exact
+
+    memo: dict[tuple, Any] = {}
+
+    def chunk(shape: Any, mesh: Any, placements: Any, skip_offset: bool = False) -> Any:
+        key = (tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(placements), skip_offset)
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = exact(shape, mesh, placements, skip_offset)
+        return out
+
+    planner_helpers.compute_local_shape_and_global_offset = chunk
+    try:
+        yield chunk
+    finally:
+        planner_helpers.compute_local_shape_and_global_offset = exact
 
 
 # -------------------------------------------------------------------------------------------------
@@ -346,7 +459,10 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
             SavePlanner._cached_save_plan.clear()
         return plan
 
-    if layout == "replicated":
+    if layout in MESH_LAYOUTS:
+        if "distckpt" in planners:
+            local_plans, payloads, local_s, repeat_local_s = _mesh_plans(layout, shapes, world)
+    elif layout == "replicated":
         state = replicated_state(shapes)
         if "dcp" in planners:
             first = dcp_local_plan(state, 0)
@@ -396,7 +512,7 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
                         local_s = max(local_s, t_view + t_decide + t_local)
                         repeat_local_s = max(repeat_local_s, t_view + t_decide)
                 del st
-    if "dcp" in planners:
+    if "dcp" in planners and dcp_plans:  # not for MESH_LAYOUTS
         rows += measure_dcp(layout, shapes, world, dcp_plans, dcp_local, dcp_repeat_local, saves)
         del dcp_plans
         gc.collect()
@@ -404,6 +520,41 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
         rows += measure_distckpt(layout, shapes, world, local_plans, payloads, local_s, repeat_local_s, saves)
     gc.collect()
     return rows
+
+
+def _mesh_plans(layout: str, shapes: list, world: int) -> tuple[list[Any], list[bytes], float, float]:
+    """Every simulated rank's local plan and payload in a 2-D ``layout`` (one pass per rank: its
+    view must equal rank 0's, which every rank's ``decide`` gets); the slowest of the first and
+    the last rank's planning (unmemoized), first and repeated save."""
+    from torch.distributed.checkpoint import planner_helpers
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as exact
+
+    from distckpt.save import plan as _save_plan
+
+    plans, payloads = [], []
+    local_s = repeat_local_s = 0.0
+    views: list[Any] | None = None
+    with memoized_chunks() as memo:
+        for r in range(world):
+            timed = r in (0, world - 1)
+            chunk = exact if timed else memo  # timed ranks: torch's own helper, as a real rank runs it
+            planner_helpers.compute_local_shape_and_global_offset = chunk  # memoized_chunks restores it
+            with fake_rank(r, world):
+                st = mesh_state(layout, shapes, world, r, chunk)
+                (view, structure, sizes), t_view = _timed(lambda: distckpt_view(st), collect=False)
+                if views is None:
+                    views = [view] * world
+                elif view != views[0]:
+                    raise AssertionError(f"{layout}: rank {r}'s view differs from rank 0's; plan every rank twice instead")
+                plan_in, t_decide = _timed(lambda: _save_plan.decide(views, structure, ["model"], {}, sizes, r), collect=False)
+                (plan, payload), t_local = _timed(lambda: distckpt_local(st, plan_in, r), collect=False)
+                if timed:
+                    local_s = max(local_s, t_view + t_decide + t_local)
+                    repeat_local_s = max(repeat_local_s, t_view + t_decide)
+                plans.append(plan)
+                payloads.append(payload)
+                del st
+    return plans, payloads, local_s, repeat_local_s
 
 
 # -------------------------------------------------------------------------------------------------
@@ -517,7 +668,7 @@ def _plot(rows: list[dict[str, Any]], png: Path, info: dict[str, Any]) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
     styles = {("dcp", "first"): "-", ("dcp", "repeat"): ":", ("distckpt", "first"): "--", ("distckpt", "repeat"): "-."}
     colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2)
-    for layout, marker in (("replicated", "o"), ("sharded", "s")):
+    for layout, marker in (("replicated", "o"), ("sharded", "s"), ("hsdp", "^"), ("fsdp_tp", "D")):
         for (planner, save), ls in styles.items():
             rs = [r for r in rows if r["layout"] == layout and r["planner"] == planner and r["save"] == save]
             if not rs:
@@ -550,8 +701,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default="8,32,128,512,1024,2048,4096")
     p.add_argument("--tensors", type=int, default=1000)
+    p.add_argument("--tensors-2d", type=int, default=125, help="tensors of the fsdp_tp layout (see the module docstring)")
     p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layouts", default="replicated,sharded")
+    p.add_argument("--layouts", default="replicated,sharded", help="also: hsdp, fsdp_tp (2-D meshes)")
     p.add_argument("--planners", default="dcp,distckpt")
     p.add_argument("--saves", default="first,repeat")
     p.add_argument("--sharded-max", type=int, default=512, help="largest simulated world size for the sharded layout")
@@ -562,8 +714,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        args.world_sizes, args.tensors = "8,32", 50
+        args.world_sizes, args.tensors, args.tensors_2d = "8,32", 50, 26
     shapes = model_shapes(args.tensors, args.hidden)
+    shapes_2d = model_shapes(args.tensors_2d, args.hidden)
     planners = args.planners.split(",")
     saves = args.saves.split(",")
     rows: list[dict[str, Any]] = []
@@ -572,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for w in [int(x) for x in args.world_sizes.split(",")]:
             if layout == "sharded" and w > args.sharded_max:
                 continue
-            for r in measure(layout, shapes, w, planners, saves):
+            for r in measure(layout, shapes_2d if layout == "fsdp_tp" else shapes, w, planners, saves):
                 print(
                     f"[plan_scaling] {layout:10s} W={w:5d} {r['planner']:8s} {r['save']:6s}: coordinator "
                     f"{r['coordinator_s']:.4f}s, gathered {r['gathered_plans_bytes'] / 1e6:.3f} MB"
@@ -584,7 +737,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "plan_scaling", "machine": info, "tensors": len(shapes), "rows": rows}
     table = _table(rows)
     if args.real:
-        result["real"] = real_check(args.layouts.split(","), args.real, args.real_tensors)
+        one_d = [lay for lay in args.layouts.split(",") if lay not in MESH_LAYOUTS]  # _real_body builds 1-D layouts
+        result["real"] = real_check(one_d, args.real, args.real_tensors)
         table += "\n\nSimulation against real gloo processes (a tiny state, same code path):\n\n" + _real_table(result["real"])
     result["wall_s"] = time.perf_counter() - t_start
     publish(result, table, args.json)

@@ -135,3 +135,11 @@ def write_torch_record(obj: object, stream: object, crc: bool) -> None:
     ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
     writer.write_end_of_file()
     stream.flush()
+
+
+# DTensor's strided placement: FSDP2 applied over tensor parallelism shards the TP-sharded
+# dimension again with it (``_StridedShard`` on the FSDP mesh dimension). In torch 2.13 it is not
+# a ``Shard`` subclass and its ``is_shard()`` is False, yet it shards the tensor, and torch's
+# chunk helper (``compute_local_shape_and_global_offset``, the block DCP writes) shards by it:
+# the save planner must count it as sharding (distckpt.save.plan.replica_dims).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401

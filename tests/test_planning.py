@@ -170,7 +170,7 @@ def test_hsdp_replicas_are_written_once_and_the_cover_is_exact():
         for r in range(world):
             flat, coord = _hsdp_rank(r, world)
             view, structure, _ = _view(flat, ["model"])
-            written = {k for k, v in flat.items() if sp.writes_dtensor(v)}
+            written = {k for k, v in flat.items() if sp.writes_dtensor(v, k)}
             planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
             planner.set_up_planner(flat, is_coordinator=r == 0)
             flats.append(sp.encode_plan(planner.create_local_plan()))
@@ -188,6 +188,173 @@ def test_hsdp_replicas_are_written_once_and_the_cover_is_exact():
     _, metadata = sp.build_global(flats)
     chunks = {k: len(v.chunks) for k, v in metadata.state_dict_metadata.items()}
     assert chunks == {"model.hsdp": 2, "model.grid": 4, "model.rep": 1}
+
+
+def _fake_rank(rank: int, world: int):
+    """Be ``rank`` of ``world`` on a fake process group (one process; destroy it afterwards)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def _dtensor(mesh, placements, shape):
+    """A DTensor of ``shape`` with this rank's block as torch lays it out (zeros)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    stride = torch.empty(shape).stride()
+    return DTensor.from_local(torch.zeros(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _layouts_2x2():
+    """Placements on a (dp, tp) 2x2 mesh: FSDP x TP (column-wise: _StridedShard; row-wise),
+    HSDP, TP-replicated, nested, uneven, and a subclass of Shard torch may add one day."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distckpt._compat import StridedShard
+
+    class FutureShard(Shard):  # any subclass of a sharding placement shards
+        pass
+
+    return {
+        "colwise": ([StridedShard(0, split_factor=2), Shard(0)], (8, 6)),
+        "colwise_bias": ([StridedShard(0, split_factor=2), Shard(0)], (12,)),
+        "rowwise": ([Shard(0), Shard(1)], (10, 6)),
+        "strided_cols": ([StridedShard(1, split_factor=2), Shard(1)], (3, 8)),
+        "hsdp": ([Replicate(), Shard(0)], (9, 5)),
+        "tp_replicated": ([Shard(0), Replicate()], (7, 4)),
+        "replicated": ([Replicate(), Replicate()], (5,)),
+        "nested": ([Shard(0), Shard(0)], (13, 3)),
+        "tiny": ([Shard(0), Shard(0)], (2, 3)),  # more ranks than rows: empty blocks
+        "future": ([FutureShard(1), Replicate()], (4, 6)),
+    }
+
+
+def test_every_placement_writes_each_block_once_as_dcps_dedup_would():
+    """The local writer rule (FSDP x TP's _StridedShard included) equals deduplicating DCP's own
+    chunks (``__create_chunk_list__``): of the ranks holding one block, exactly one (the lowest
+    mesh coordinate) writes it, the replication factor is the number of holders, and the
+    coordinator finds an exact cover with nothing to deduplicate."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, layouts = 4, _layouts_2x2()
+    chunks: dict[str, dict[int, tuple]] = {k: {} for k in layouts}
+    writes: dict[str, set[int]] = {k: set() for k in layouts}
+    factors: dict[str, set[int]] = {k: set() for k in layouts}
+    wires = []
+    try:
+        for r in range(world):
+            _fake_rank(r, world)
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            flat = {f"model.{k}": _dtensor(mesh, pl, shape) for k, (pl, shape) in layouts.items()}
+            for k in layouts:
+                v = flat[f"model.{k}"]
+                (c,) = v.__create_chunk_list__()  # the block DCP itself writes for this rank
+                chunks[k][r] = (tuple(c.offsets), tuple(c.sizes))
+                factors[k].add(sp.replication(v, f"model.{k}")[0])
+                if sp.writes_dtensor(v, f"model.{k}"):
+                    writes[k].add(r)
+            planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
+            planner.set_up_planner(flat, is_coordinator=r == 0)
+            wires.append(sp.encode_plan(planner.create_local_plan()))
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for k in layouts:
+        holders: dict[tuple, list[int]] = {}
+        for r, chunk in chunks[k].items():
+            holders.setdefault(chunk, []).append(r)
+        full = [ranks for (_, sizes), ranks in holders.items() if 0 not in sizes]
+        assert writes[k] >= {min(ranks) for ranks in full}, (k, holders, writes[k])
+        assert not writes[k] & {r for ranks in full for r in ranks[1:]}, (k, holders, writes[k])
+        assert factors[k] == {len(full[0])}, (k, holders, factors[k])
+    deltas, metadata = sp.build_global(wires)
+    assert all(d[2] == () for d in deltas), "no block is held on two meshes here"
+    for k in layouts:
+        distinct = {c for c in chunks[k].values() if 0 not in c[1]}
+        got = {(tuple(c.offsets), tuple(c.sizes)) for c in metadata.state_dict_metadata[f"model.{k}"].chunks if c.sizes.numel()}
+        assert got == distinct, k
+
+
+def test_unknown_and_partial_placements_are_refused_naming_key_and_placement():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+
+    class Diagonal(Placement):  # a placement distckpt does not know
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Diagonal)
+
+        def __hash__(self) -> int:
+            return 7
+
+        def __repr__(self) -> str:
+            return "Diagonal()"
+
+    try:
+        _fake_rank(1, 4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        shape, stride = torch.Size((8, 8)), (8, 1)
+        unknown = DTensor.from_local(torch.zeros(4, 8), mesh, [Shard(0), Diagonal()], run_check=False, shape=shape, stride=stride)
+        partial = DTensor.from_local(torch.zeros(4, 8), mesh, [Shard(0), Partial()], run_check=False, shape=shape, stride=stride)
+        for key, value, what in (("model.w", unknown, r"unknown placement Diagonal\(\).*mesh dimension 1 \('tp'\)"),
+                                 ("optim.state.w.exp_avg", partial, r"Partial\(sum\) on mesh dimension 1 \('tp'\)")):  # fmt: skip
+            pattern = rf"'{key}'.*{what}"
+            with pytest.raises(sp.PlacementError, match=pattern):
+                sp.describe({key: value})  # what a save runs first, on every rank
+            with pytest.raises(sp.PlacementError, match=pattern):
+                sp.writes_dtensor(value, key)
+            with pytest.raises(sp.PlacementError, match=pattern):
+                sp.replication(value, key)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_blocks_that_several_meshes_hold_are_written_once():
+    """FSDP-only parameters of an FSDP x TP job live on each TP rank's own ``dp`` sub-mesh: ranks
+    of different meshes hold the same blocks, which no rank can see from its mesh. The coordinator
+    keeps one copy of each (spread over the holders), tells every rank which keys those are, and
+    the cover is exact."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    world = 4
+    plans, wires = [], []
+    try:
+        for r in range(world):
+            _fake_rank(r, world)
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            flat = {
+                "model.norm": _dtensor(mesh["dp"], [Shard(0)], (6,)),  # on (0, 2) and on (1, 3)
+                "model.embed": _dtensor(mesh["dp"], [Shard(0)], (8, 4)),
+                "model.scale": _dtensor(mesh["dp"], [Replicate()], (3,)),  # 2 copies per mesh, 2 meshes
+                "model.wq": _dtensor(mesh, [Shard(0), Shard(1)], (8, 4)),  # one mesh: nothing shared
+            }
+            planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
+            planner.set_up_planner(flat, is_coordinator=r == 0)
+            plans.append(planner.create_local_plan())
+            wires.append(sp.encode_plan(plans[-1]))
+            dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    deltas, metadata = sp.build_global(wires)
+    assert {d[2] for d in deltas} == {("model.embed", "model.norm", "model.scale")}, "the same shared keys on every rank"
+    finals = [sp.apply_delta(p, d) for p, d in zip(plans, deltas)]
+    written = _written(finals)
+    assert len(written) == len(set(written)), "each block once"
+    md = metadata.state_dict_metadata
+    assert {k: len(v.chunks) for k, v in md.items()} == {"model.norm": 2, "model.embed": 2, "model.scale": 1, "model.wq": 4}
+    writers = {k: sorted(r for r, p in enumerate(finals) for it in p.items if it.index.fqn == k) for k in md}
+    # Blocks of rows 0.. live on ranks 0 and 1 (dp 0 of either TP rank), of rows 4.. on 2 and 3;
+    # largest first to the least-loaded holder: the TP ranks share the writing.
+    assert writers["model.embed"] == [0, 2] and writers["model.norm"] == [1, 3], writers
+    assert len(writers["model.scale"]) == 1
 
 
 def _md(size, boxes):

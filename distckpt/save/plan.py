@@ -23,8 +23,15 @@ views every rank exchanges anyway in ``_saving.prepare``/``agree``):
   keys; per-rank entries re-keyed ``NAME.rank_<r>``; RNG states) are listed by their holders
   only. Keys that turn out to be held by several ranks are deduplicated by the coordinator
   (only those: O(items received)).
-* *DTensor shards* are written by the replica whose mesh coordinate is 0 on every replicated
-  (non-``Shard``) mesh dimension, so HSDP and ``Replicate`` placements write each block once.
+* *DTensor shards* are written by the copy whose mesh coordinate is 0 on every mesh dimension
+  that replicates the tensor (:func:`replica_dims`): every other dimension shards it (``Shard``,
+  ``_StridedShard`` and their subclasses: the placements torch's own chunk helper, and so DCP,
+  shards by), so HSDP, ``Replicate`` and FSDP x TP placements write each block once. A placement
+  that does neither (``Partial``, or one distckpt does not know) is refused, naming key and
+  placement, rather than guessed. Blocks that ranks of *different* meshes hold (a DTensor on a
+  sub-mesh, replicated along the rest of the job: the FSDP-only parameters of an FSDP x TP job)
+  are equal chunks of one key from several ranks; the coordinator keeps one of each, as DCP's
+  own deduplication does (:func:`build_global`).
 
 Each rank's plan therefore lists only what it writes, and its ``planner_data`` only those keys'
 flatten mappings: the bytes the coordinator gathers grow with the items written, not with
@@ -85,9 +92,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from distckpt.state import fingerprint, statecheck
+from distckpt._compat import StridedShard
 from distckpt._dist import Group, _Failure, capture
 from distckpt.errors import CheckpointError, from_causes
 
@@ -124,25 +132,88 @@ def _entry(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def replication(value: DTensor) -> tuple[int, tuple[int, ...] | None]:
-    """``(replication factor, mesh coordinate)`` of a DTensor: the product of the sizes of its
-    mesh dimensions that do not shard it (Replicate, Partial)."""
+class PlacementError(ValueError):
+    """A DTensor placement a checkpoint cannot hold correctly (``Partial``, or one distckpt does
+    not know); the message names the key, the placement and its mesh dimension."""
+
+
+#: Placements that shard a tensor along the mesh dimension they sit on: exactly those torch's
+#: chunk helper (``compute_local_shape_and_global_offset``, by which DCP writes a DTensor) shards
+#: by, subclasses included. ``_StridedShard`` (FSDP2 over TP) is not a ``Shard`` in torch 2.13 and
+#: its ``is_shard()`` is False, so ``is_shard()`` is not the test.
+_SHARDING = (Shard, StridedShard)
+
+
+def _dim_name(value: DTensor, dim: int) -> str:
+    names = value.device_mesh.mesh_dim_names
+    return f"mesh dimension {dim}" + (f" ({names[dim]!r})" if names else "")
+
+
+def replica_dims(value: DTensor, key: str) -> tuple[int, ...]:
+    """(each rank, pure) The mesh dimensions of ``value``'s mesh along which ranks hold the same
+    block of it: those whose placement is ``Replicate``. Every other dimension must shard it.
+
+    Args:
+        value: a DTensor of the state.
+        key: its flattened key, named in errors.
+
+    Raises:
+        PlacementError: a ``Partial`` placement (each rank holds an unreduced partial value: any
+            one copy would be wrong, and DCP refuses it too), or a placement that is neither
+            sharding (:data:`_SHARDING`) nor replicating: distckpt cannot tell which ranks hold
+            the same block, and torch's chunk helper would silently treat it as a replica.
+    """
+    dims = []
+    for dim, placement in enumerate(value.placements):
+        if isinstance(placement, _SHARDING):
+            continue
+        if isinstance(placement, Replicate):
+            dims.append(dim)
+        elif isinstance(placement, Partial):
+            raise PlacementError(
+                f"cannot checkpoint DTensor {key!r}: its placement {placement!r} on {_dim_name(value, dim)} "
+                "holds unreduced partial values (no rank's copy is the tensor, and DCP refuses it too); "
+                "reduce it first, e.g. with value.redistribute(placements=...) to Replicate() or Shard(d)"
+            )
+        else:
+            raise PlacementError(
+                f"cannot checkpoint DTensor {key!r}: unknown placement {placement!r} "
+                f"({type(placement).__module__}.{type(placement).__qualname__}) on {_dim_name(value, dim)}; "
+                "distckpt knows Shard, _StridedShard and Replicate (and their subclasses) and cannot "
+                "tell which ranks hold the same block under another placement"
+            )
+    return tuple(dims)
+
+
+def replication(value: DTensor, key: str) -> tuple[int, tuple[int, ...] | None]:
+    """(each rank, pure) ``(replication factor, mesh coordinate)`` of a DTensor: how many ranks of
+    its mesh hold each of its blocks (the product of the sizes of its :func:`replica_dims`).
+
+    Raises:
+        PlacementError: see :func:`replica_dims` (``key``, the flattened key, names the tensor).
+    """
     mesh = value.device_mesh
     factor = 1
-    for dim, placement in enumerate(value.placements):
-        if not placement.is_shard():
-            factor *= mesh.size(dim)
+    for dim in replica_dims(value, key):
+        factor *= mesh.size(dim)
     coord = mesh.get_coordinate()
     return factor, (tuple(coord) if coord is not None else None)
 
 
-def writes_dtensor(value: DTensor) -> bool:
-    """Whether this rank writes its shard of ``value``: it is in the mesh and at coordinate 0 on
-    every mesh dimension that does not shard the tensor (one replica per block)."""
+def writes_dtensor(value: DTensor, key: str) -> bool:
+    """(each rank, pure) Whether this rank writes its block of ``value``: it is in the mesh and at
+    coordinate 0 on every :func:`replica_dims` dimension, so that of the ranks of the mesh
+    holding one block exactly one writes it. The load's state check designates the same copy
+    (:mod:`distckpt.load.verify`). Copies held on other meshes are left to the coordinator
+    (:func:`build_global`).
+
+    Raises:
+        PlacementError: see :func:`replica_dims`.
+    """
     coord = value.device_mesh.get_coordinate()
     if coord is None:
         return False
-    return all(c == 0 for c, p in zip(coord, value.placements) if not p.is_shard())
+    return all(coord[dim] == 0 for dim in replica_dims(value, key))
 
 
 def describe(flat: Mapping[str, Any]) -> Structure:
@@ -153,7 +224,7 @@ def describe(flat: Mapping[str, Any]) -> Structure:
     replicas: list[tuple[str, int]] = []
     for key, value in flat.items():
         if isinstance(value, DTensor):
-            factor, coord = replication(value)
+            factor, coord = replication(value, key)
             local = value.to_local()
             line = (
                 f"{key}|D|{tuple(value.shape)}|{value.dtype}|{tuple(value.device_mesh.shape)}|"
@@ -319,7 +390,7 @@ class DistckptSavePlanner(DefaultSavePlanner):
         kept: dict[str, Any] = {}
         for key, value in self.state_dict.items():
             if isinstance(value, DTensor):
-                if not writes_dtensor(value):
+                if not writes_dtensor(value, key):
                     continue
             else:
                 writer = writers.get(key)
@@ -367,10 +438,11 @@ def encode_plan(plan: SavePlan) -> Wire:
     return (items, dict(plan.planner_data or {}))
 
 
-def apply_delta(plan: SavePlan, delta: tuple[Any, tuple[int, ...]]) -> SavePlan:
+def apply_delta(plan: SavePlan, delta: tuple[Any, ...]) -> SavePlan:
     """(each rank) The final plan: the local plan with the coordinator's storage data, minus the
-    items the coordinator gave to another holder."""
-    storage_data, dropped = delta
+    items the coordinator gave to another holder (``delta``: ``(storage_data, dropped
+    positions[, shared keys])``, see :func:`build_global`)."""
+    storage_data, dropped = delta[0], delta[1]
     items = plan.items
     if dropped:
         gone = set(dropped)
@@ -382,13 +454,15 @@ class PlanError(ValueError):
     """The coordinator found the ranks' plans inconsistent (overlapping or missing chunks)."""
 
 
-def build_global(wires: Sequence[Wire]) -> tuple[list[tuple[Any, tuple[int, ...]]], Metadata]:
+def build_global(wires: Sequence[Wire]) -> tuple[list[tuple[Any, tuple[int, ...], tuple[str, ...]]], Metadata]:
     """(coordinator, pure) Deduplicate, build and validate the global ``Metadata`` from every
     rank's :func:`encode_plan`.
 
-    Returns ``(deltas, metadata)``: per rank ``(None, positions of items it must drop)`` (the
-    storage data is filled in by the writer's ``prepare_global_plan``) and the ``Metadata``
-    (``state_dict_metadata`` and ``planner_data``; ``storage_data`` comes from ``finish``).
+    Returns ``(deltas, metadata)``: per rank ``(None, positions of items it must drop, shared
+    keys)`` (the storage data is filled in by the writer's ``prepare_global_plan``) and the
+    ``Metadata`` (``state_dict_metadata`` and ``planner_data``; ``storage_data`` comes from
+    ``finish``). *Shared keys* (the same on every rank, usually none) are DTensors of which
+    ranks on different meshes listed equal blocks (see :func:`_keep_one_copy`).
 
     Raises:
         PlanError: chunks outside their tensor, overlapping, or not covering it, or a key
@@ -442,11 +516,54 @@ def build_global(wires: Sequence[Wire]) -> tuple[list[tuple[Any, tuple[int, ...]
             tmd.chunks.append(chunk)
     if dups:
         _resolve_duplicates(wires, holder, dups, drops)
-    errors = validate(md)
-    if errors:
+    invalid = _invalid(md)
+    shared: tuple[str, ...] = ()
+    if invalid:
+        # A key listing one chunk several times (chunks equal in offsets and sizes are one object
+        # here) is held by ranks of several meshes, not an inconsistency: keep one copy of each
+        # block. Looked for only among invalid keys, so valid plans pay nothing for it.
+        repeated = {k for k, _ in invalid if len({id(c) for c in md[k].chunks}) < len(md[k].chunks)}
+        if repeated:
+            shared = _keep_one_copy(wires, md, repeated, drops)
+            invalid = [e for e in invalid if e[0] not in repeated] + _invalid({k: md[k] for k in shared})
+    if invalid:
+        errors = [f"key {k!r}: {err}" for k, err in invalid]
         summary = "; ".join(errors[:5]) + (f"; ... (+{len(errors) - 5} more)" if len(errors) > 5 else "")
         raise PlanError(f"the ranks' save plans are inconsistent: {summary}")
-    return [(None, tuple(d)) for d in drops], Metadata(state_dict_metadata=md, planner_data=planner_data)
+    return [(None, tuple(d), shared) for d in drops], Metadata(state_dict_metadata=md, planner_data=planner_data)
+
+
+def _keep_one_copy(wires: Sequence[Wire], md: Mapping[str, Any], keys: set[str], drops: list[list[int]]) -> tuple[str, ...]:
+    """(coordinator) One writer for each block of ``keys`` that several ranks listed, as DCP's
+    ``dedup_save_plans`` keeps one item per key and offset; the others go to ``drops``.
+
+    Such copies come from ranks of different device meshes holding one block: a DTensor on a
+    sub-mesh is replicated along the job's other mesh dimensions (FSDP-only parameters of an
+    FSDP x TP job, on each TP rank's ``dp`` sub-mesh), which no rank can see from its own mesh.
+    Largest first, each to the holder with the fewest bytes kept so far (ties: the lowest rank).
+    Returns the keys, sorted.
+    """
+    places: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = {}
+    for rank, (items, _) in enumerate(wires):
+        for pos, (fqn, kind, offsets, sizes, _, _) in enumerate(items):
+            if kind == _SHARD and fqn in keys and 0 not in sizes:
+                places.setdefault((fqn, offsets, sizes), []).append((rank, pos))
+    load: dict[int, int] = {}
+    order = sorted(places.items(), key=lambda kv: (-_item_bytes(wires[kv[1][0][0]][0][kv[1][0][1]]), kv[0]))
+    for _, holders in order:
+        if len(holders) < 2:
+            continue
+        keep = min(holders, key=lambda rp: (load.get(rp[0], 0), rp[0]))
+        load[keep[0]] = load.get(keep[0], 0) + _item_bytes(wires[keep[0]][0][keep[1]])
+        for rank, pos in holders:
+            if (rank, pos) != keep:
+                drops[rank].append(pos)
+    for key in keys:
+        unique: dict[int, ChunkStorageMetadata] = {}
+        for chunk in md[key].chunks:
+            unique.setdefault(id(chunk), chunk)  # equal chunks are one object (build_global)
+        md[key].chunks = list(unique.values())
+    return tuple(sorted(keys))
 
 
 def _item_bytes(item: tuple) -> int:
@@ -489,7 +606,12 @@ def validate(md: Mapping[str, Any]) -> list[str]:
     Each distinct chunk layout (tensor size + the chunk objects, shared between tensors by
     :func:`build_global`) is checked once, by a sort-and-sweep along its most spread dimension.
     """
-    errors: list[str] = []
+    return [f"key {key!r}: {err}" for key, err in _invalid(md)]
+
+
+def _invalid(md: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """:func:`validate`'s findings as ``(key, error)``."""
+    errors: list[tuple[str, str]] = []
     seen: dict[tuple, str | None] = {}
     for key, value in md.items():
         if not isinstance(value, TensorStorageMetadata):
@@ -505,7 +627,7 @@ def validate(md: Mapping[str, Any]) -> list[str]:
             seen[sig] = _cover_error(size, chunks)
         err = seen[sig]
         if err is not None:
-            errors.append(f"key {key!r}: {err}")
+            errors.append((key, err))
     return errors
 
 
@@ -559,6 +681,7 @@ class CachedPlan:
     own: str
     plan: SavePlan
     metadata: Metadata | None  # coordinator only
+    shared: tuple[str, ...] = ()  # build_global's shared keys
 
 
 class PlanCache:
@@ -582,9 +705,9 @@ class PlanCache:
         e = self.entry
         return e if e is not None and e.key == plan.key and e.own == plan.own else None
 
-    def store(self, plan: PlanInput, final: SavePlan, metadata: Metadata | None) -> None:
+    def store(self, plan: PlanInput, final: SavePlan, metadata: Metadata | None, shared: tuple[str, ...] = ()) -> None:
         self.generation += 1
-        self.entry = CachedPlan(self.generation, plan.key, plan.own, final, metadata)
+        self.entry = CachedPlan(self.generation, plan.key, plan.own, final, metadata, shared)
 
     def invalidate(self) -> None:
         self.entry = None
@@ -648,6 +771,7 @@ class SaveRun:
         self.metadata: Metadata | None = None
         self.results: list[Any] = []
         self.stats = PlanStats()
+        self.shared: tuple[str, ...] = ()  # see _compare_shared_by_parts
         self._cached = cache.lookup(plan) if (cache is not None and plan.hit) else None
 
     # -- helpers
@@ -683,6 +807,7 @@ class SaveRun:
                 self.writer.prepare_local_plan(SavePlan([]))  # creates the directory; plan reused
                 self.final = self.planner.finish_plan(self._cached.plan)
                 self.metadata = self._cached.metadata
+                self._compare_shared_by_parts(self._cached.shared)
                 return None
             local_plan = self.writer.prepare_local_plan(self.planner.create_local_plan())
             self._local = local_plan
@@ -706,6 +831,18 @@ class SaveRun:
         if failures:
             self._raise(failures)
         self.final = self.planner.finish_plan(apply_delta(self._local, delta))
+        self._compare_shared_by_parts(delta[2])
+
+    def _compare_shared_by_parts(self, shared: tuple[str, ...]) -> None:
+        """(every rank alike: ``shared`` comes from the coordinator) DTensors of which ranks of
+        several meshes hold copies (see :func:`build_global`) leave the slot-sum replica check,
+        whose expected number of copies is their own mesh's (:func:`replication`): every copy's
+        fingerprint part goes to the coordinator instead, which compares them by block
+        (``statecheck.parts_to_send``)."""
+        self.shared = tuple(shared)
+        if shared and self.input.dchecked:
+            gone = set(shared)
+            self.input.dchecked = [(k, f) for k, f in self.input.dchecked if k not in gone]
 
     def _coordinate(self, gathered: list[bytes]) -> list[tuple]:
         """(coordinator) Unpickle the local plans, build the global plan; the answers to scatter."""
@@ -713,13 +850,13 @@ class SaveRun:
         nbytes = sum(len(b) for b in gathered)
         received = [pickle.loads(b) for b in gathered]
         failures = {r: f for r, (f, _) in enumerate(received) if f is not None}
-        deltas: list[Any] = [(None, ())] * world
+        deltas: list[Any] = [(None, (), ())] * world
         t0 = time.perf_counter()
         if not failures:
             try:
                 deltas, self.metadata = build_global([w for _, w in received])
                 prefixes = self.writer.prepare_global_plan([SavePlan([]) for _ in range(world)])
-                deltas = [(p.storage_data, d[1]) for p, d in zip(prefixes, deltas)]
+                deltas = [(p.storage_data, d[1], d[2]) for p, d in zip(prefixes, deltas)]
             except Exception as exc:  # noqa: BLE001
                 failures = {0: capture(exc)}
         coord_s = time.perf_counter() - t0
@@ -766,7 +903,7 @@ class SaveRun:
         if failures:
             self._raise(failures)
         if self.cache is not None and self._cached is None and self.final is not None:
-            self.cache.store(self.input, self.final, self.metadata if group.is_coordinator else None)
+            self.cache.store(self.input, self.final, self.metadata if group.is_coordinator else None, self.shared)
         return [e for _, _, e in gathered] if gathered is not None else None
 
 
