@@ -11,7 +11,8 @@ seeded random point of its progress: while step ``s`` writes its data files, onc
 disk, never by a wall-clock delay, so a slow or busy machine changes nothing. The parent then
 checks: the newest committed step loads and holds exactly that step's values, it is at least
 as new as the progress observed before the kill; no incomplete step is listed; the next save
-cleans up and commits.
+cleans up and commits; nothing of the saver lives on (its async saves' writer process exits,
+its staging memory has no name left in ``/dev/shm``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,47 @@ def _reached(root: str, step: int, phase: str) -> bool:
     return any((s := distckpt.integrity.manifest.parse_step_dir(n)) is not None and s > step for n in names)
 
 
+def _writers(pid: int) -> list:
+    """The async-save writer processes of process ``pid`` (psutil handles: they survive pid reuse)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "distckpt.save.background" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return found
+
+
+def _assert_nothing_left(pid: int, writers: list, timeout: float) -> None:
+    """After SIGKILL of saver ``pid``: its writers exit (whatever they were doing; a zombie
+    counts, its parent is dead) and no staging file of it is left in /dev/shm."""
+    import psutil
+
+    from distckpt.save.shared_arena import PREFIX, _shm_dir
+
+    deadline = time.monotonic() + timeout
+    for writer in writers:
+        while True:
+            try:
+                if not writer.is_running() or writer.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            if time.monotonic() > deadline:
+                writer.kill()
+                raise AssertionError(f"the killed saver's writer process {writer.pid} outlived it by {timeout:.0f}s")
+            time.sleep(0.01)
+    left = [n for n in os.listdir(_shm_dir()) if n.startswith(f"{PREFIX}{pid}-")]
+    assert not left, f"the killed saver left its staging memory in {_shm_dir()}: {left}"
+
+
 def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | None, int, int | None]:
     """One crash: returns (newest step before the kill, step killed, newest step after recovery).
 
@@ -119,8 +161,10 @@ def trial(root: str, rng: random.Random, timeout: float = 120.0) -> tuple[int | 
             proc.kill()
             raise AssertionError(f"the saver did not reach {phase} of step {target} within {timeout:.0f}s")
         time.sleep(0.002)
+    writers = _writers(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
+    _assert_nothing_left(proc.pid, writers, timeout)
     after = check(root)
     # Step ``target`` began only after ``target - 1`` committed (async saves commit before the
     # next save starts), and a "committed" kill came after ``target`` itself committed.

@@ -276,10 +276,10 @@ def test_async_save_of_replicated_model_with_partitioned_zero_state(tmp_path):
 
 def test_an_async_save_after_a_failed_one_writes_the_new_state(tmp_path):
     """A failed async save restarts the writer process at the next async save. The new writer
-    must map the state staged for *that* save: the shared arena's file name was unlinked once the
-    old writer mapped it, and mapping the name again created an empty file, so the next save
-    committed zeros that passed every check (regression). The failure here: another writer's
-    live lease on the step, found by the save's background claim."""
+    must map the state staged for *that* save (regression: when arenas were named files, the name
+    was unlinked once the old writer mapped it, and mapping the name again created an empty
+    file, so the next save committed zeros that passed every check). The failure here: another
+    writer's live lease on the step, found by the save's background claim."""
     import json
     import socket
 
@@ -305,18 +305,20 @@ def test_an_async_save_after_a_failed_one_writes_the_new_state(tmp_path):
     ckpt.close()
 
 
-def test_a_writer_refuses_a_staging_arena_that_is_gone(tmp_path):
-    from distckpt.save.shared_arena import SharedArena, attach
+def test_a_writer_refuses_a_staging_arena_shorter_than_staged():
+    """A writer maps only a memory file that holds every staged byte: ``torch.from_file`` would
+    extend a shorter one with zeros, which the writer would write as if staged and every check
+    would pass. A closed arena is not handed out."""
+    from distckpt.save.shared_arena import SharedArena, attach, descriptor
 
     arena = SharedArena(4096)
-    assert attach(arena.path, 4096, existing=True).numel() == 4096
+    assert attach(descriptor(arena.name), 4096).numel() == 4096
     with pytest.raises(FileNotFoundError, match="holds 4096 bytes, not the 8192"):
-        attach(arena.path, 8192, existing=True)
-    arena.unlink()
-    with pytest.raises(FileNotFoundError, match="is gone"):
-        attach(arena.path, 4096, existing=True)
-    assert not os.path.exists(arena.path), "nothing created in its place"
+        attach(arena.fd, 8192)
+    assert os.fstat(arena.fd).st_size == 4096, "nothing extended"
     arena.close()
+    with pytest.raises(FileNotFoundError, match="is closed"):
+        descriptor(arena.name)
 
 
 def test_background_writes_use_at_most_the_cores_per_rank_on_this_host(monkeypatch):

@@ -4,9 +4,9 @@ A thread in the training process would compete with training for the GIL: DCP's 
 torch.save's pickling of every record, checksums of small items and fingerprints all hold it.
 So every rank of an async save hands its staged state to a writer process of its own:
 
-* the state is staged into a :class:`~distckpt.save.shared_arena.SharedArena` (shared memory), which
-  the writer maps once; each save sends only a small description (keys, slots, DTensor layouts,
-  plain values) over a pipe;
+* the state is staged into a :class:`~distckpt.save.shared_arena.SharedArena` (anonymous shared
+  memory), whose descriptor the writer receives over its socket and maps once; each save sends
+  only a small description (keys, slots, DTensor layouts, plain values);
 * the writer processes of all ranks form their own gloo group (rendezvous through a TCPStore that
   distckpt's coordinator hosts, as DCP's process-based async checkpointer does) and run the save's
   write phase (:func:`distckpt.save.phases.write`: DCP's planning and writing, checksums,
@@ -24,24 +24,30 @@ Lifecycle (the training side is :class:`WriterProcess`, all calls from distckpt'
    ``result()`` blocks until the writer answers with :class:`~distckpt.save.phases.Written` or a failure.
 3. ``close()`` (each rank) asks the writer to leave its group and exit, and reaps it.
 
-A writer exits when its pipe closes (its training process died). It runs in a process group of
-its own and ignores SIGTERM/SIGINT, so signals sent to the job's process group (torchrun, a
-terminal) do not reach it: the training process decides when it stops, so a final save requested from a
-signal handler is still written.
+A writer never outlives its training process: it exits as soon as that process is gone (killed,
+crashed), whatever it is doing, even with its main thread blocked in a collective on peers or a
+store that will never answer (:func:`_exit_with_parent`). It runs in a process group of its own,
+so signals sent to the job's process group (torchrun, a terminal) do not reach it: the training
+process decides when it stops, so a final save requested from a signal handler is still written.
+A SIGTERM (or SIGINT) sent to the writer itself ends it at once; the save it was writing fails
+on every rank, and the next async save starts a new writer.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
 import torch
@@ -49,6 +55,7 @@ import torch
 from distckpt._compat import flatten_state_dict, mesh_without_groups, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import CheckpointError
+from distckpt.save.shared_arena import attach, descriptor
 
 try:
     from torch.distributed.tensor import DTensor
@@ -236,13 +243,24 @@ class WriterProcess:
         # The writer's global rank must equal the training rank's: DTensor meshes name global ranks.
         rank = torch.distributed.get_rank() if group.enabled else 0
         parent, child = socket.socketpair()
+        # A parent-death signal fires when the *thread* that started the writer ends, not the
+        # process: ask for it only from the main thread, which lives as long as the process.
+        # (Otherwise the writer's watcher thread alone notices the process's death.)
+        from_main = threading.current_thread() is threading.main_thread()
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(threads))
         try:
             proc = subprocess.Popen(
                 # Not ``-m distckpt.save.background``: that would load this module twice (once as
                 # __main__), and the job's classes would not be the ones it checks for.
-                [sys.executable, "-c", "import sys; from distckpt.save.background import main; main(sys.argv[1:])", str(child.fileno())],
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from distckpt.save.background import main; main(sys.argv[1:])",
+                    str(child.fileno()),
+                    str(os.getpid()),
+                    "1" if from_main else "0",
+                ],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -287,9 +305,15 @@ class WriterProcess:
             self._ready = True
         if job.arena_path == self._arena_sent:
             job = replace(job, arena_path=None)  # mapped there already
+        # A new arena's descriptor follows the job (SCM_RIGHTS): the arena has no name the
+        # writer could map it by (see shared_arena). Looked up first, so that a closed arena
+        # fails here with nothing half-sent.
+        fd = descriptor(job.arena_path) if job.arena_path is not None else None
         try:
             _send(self.conn, ("save", job))
-        except (BrokenPipeError, OSError):
+            if fd is not None:
+                send_handle(self.conn, fd, self.proc.pid)
+        except ConnectionError:  # BrokenPipeError, ConnectionResetError: the writer is gone
             self._recv()  # raises, naming the exit code
         if job.arena_path is not None:
             self._arena_sent = job.arena_path
@@ -358,7 +382,6 @@ def _serve(conn: Connection) -> None:
     _send(conn, ("ready", os.getpid()))
     arena = torch.empty(0, dtype=torch.uint8)
     from distckpt.save.plan import PlanCache
-    from distckpt.save.shared_arena import attach
 
     plans = PlanCache()  # this writer's: repeated saves of one structure skip planning
 
@@ -370,10 +393,18 @@ def _serve(conn: Connection) -> None:
                 return  # the training process is gone
             if kind == "close":
                 return
+            fd = -1
+            if job.arena_path is not None:  # a new arena: its descriptor follows the job
+                try:
+                    fd = recv_handle(conn)
+                except (EOFError, OSError, RuntimeError):  # RuntimeError: no descriptor came
+                    return  # the training process is gone, or the stream is out of step
             try:
-                if job.arena_path is not None:
-                    arena = attach(job.arena_path, job.arena_nbytes, existing=True)
-                    os.unlink(job.arena_path)  # mapped here and in the trainer: the name can go
+                if fd >= 0:
+                    try:
+                        arena = attach(fd, job.arena_nbytes)
+                    finally:
+                        os.close(fd)  # the mapping keeps the memory
                 job.prepared.state_dict = decode(job.flat, job.mappings, arena, init["rank"])
                 written = _saving.write(job.opts, group, job.prepared, plans)
                 reply: Any = ("ok", (written, plans.stamp()))
@@ -412,14 +443,73 @@ def _nice_own_autogroup(nice: int) -> None:
         pass
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_MS = 1000  # how often the watcher also checks who its parent is (a hang-up wakes it at once)
+_ORPHANED = 3  # exit code of a writer whose training process died (seen by nobody but init)
+
+
+def _parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when the thread that started it ends."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):  # no prctl in this libc
+        return False
+
+
+def _watch_parent(fd: int, parent: int) -> None:
+    """(writer, daemon thread) End the process once its training process ``parent`` is gone.
+
+    Two signs, whichever comes first: the training process's end of the socket ``fd`` hangs up
+    (its process died: the kernel closed it), or this process was re-parented (``getppid``
+    changed: the training process died while a child it forked still holds the socket). Runs
+    beside the main thread, which may be blocked in a collective that would wait out its whole
+    timeout (its peers or its store alive, its own training process dead): the watcher needs
+    nothing from it. ``os._exit``: the save being written has no one left to commit it.
+    """
+    hangup = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+    poller = select.poll()
+    poller.register(fd, getattr(select, "POLLRDHUP", 0))  # POLLHUP/POLLERR are always reported
+    while True:
+        events = poller.poll(_WATCH_MS)
+        if any(ev & hangup for _, ev in events) or os.getppid() != parent:
+            os._exit(_ORPHANED)
+
+
+def _exit_with_parent(conn: Connection, parent: int, from_main_thread: bool) -> None:
+    """(writer, first thing) Make sure this process ends when its training process does.
+
+    Linux's parent-death signal (SIGKILL) where the writer was started from the training
+    process's main thread, so the kernel ends it even if no Python code can run; and, everywhere,
+    a watcher thread (:func:`_watch_parent`). A parent that died before either was in place (the
+    writer imports torch first) is caught by the check in between.
+    """
+    if from_main_thread:
+        _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(_ORPHANED)
+    # A descriptor of its own (not the Connection's): it stays valid however the main thread
+    # closes its connection.
+    watched = os.dup(conn.fileno())
+    threading.Thread(target=_watch_parent, args=(watched, parent), name="distckpt-writer-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
-    # The training process decides when the writer stops (its pipe closing, or "close"); a
-    # SIGTERM to the whole process group must not kill a final save in progress.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The writer process: ``argv`` = socket descriptor, training process pid, "1" if started
+    from the training process's main thread."""
+    # A process group of its own keeps the job's signals away (see _detached_from_job_signals);
+    # a SIGTERM or SIGINT sent to the writer itself ends it. Explicitly: a training process that
+    # ignores them would pass that on (exec keeps ignored signals ignored).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write with an error we report
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
+    _exit_with_parent(conn, int(argv[1]), argv[2] == "1")
     try:
         _serve(conn)
     finally:

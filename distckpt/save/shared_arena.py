@@ -1,11 +1,19 @@
 """Host memory shared between a training process and its background writer process.
 
 An asynchronous save stages the state into host memory that the writer process reads. Both
-processes map one file under ``/dev/shm`` (a tmpfs: memory, not disk) with ``torch.from_file(...,
+processes map one memory file (a tmpfs: memory, not disk) with ``torch.from_file(...,
 shared=True)``, so staged tensors cross the process boundary without a copy or a pickle. The
-arena is allocated once and reused by every save of the same layout (memory stays flat); the
-writer unlinks the file as soon as it has mapped it, so nothing is left behind if either process
-dies.
+arena is allocated once and reused by every save of the same layout (memory stays flat).
+
+The memory file never has a name that a dead process could leave behind: it is an anonymous
+memory file (``memfd_create``; where that is missing, a file under ``/dev/shm`` unlinked the
+moment it is created), held by a file descriptor. Each process maps it through its own
+descriptor: the training process keeps the one it created, and hands a copy to its writer
+process over their Unix socket (:func:`~distckpt.save.background.WriterProcess.submit`, as
+``SCM_RIGHTS``). The kernel frees the memory when the last descriptor and mapping are gone, so
+a process killed at any point leaves nothing in ``/dev/shm``. Files that earlier versions of
+distckpt left there (``distckpt-stage-<pid>-*``, named until the writer mapped them) are removed
+when a new arena is made, once their process is gone (:func:`remove_leftovers`).
 
 For accelerator state the arena is registered as pinned memory (``cudaHostRegister``), so that
 device-to-host copies into it run asynchronously, as DCP's own shared+pinned staging does.
@@ -14,12 +22,19 @@ device-to-host copies into it run asynchronously, as DCP's own shared+pinned sta
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+import uuid
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 ALIGN = 64  # bytes: every tensor starts on a cache line
+PREFIX = "distckpt-stage-"  # names of staging files: PREFIX + "<pid>-" + a unique part
+
+# The arenas of this process that are open, by name: what a writer process is handed.
+_OPEN: weakref.WeakValueDictionary[str, SharedArena] = weakref.WeakValueDictionary()
 
 
 def _shm_dir() -> str:
@@ -60,59 +75,152 @@ def view(arena: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class SharedArena:
-    """One shared-memory file mapped as a flat uint8 tensor (the creating side).
+    """One anonymous shared-memory file mapped as a flat uint8 tensor (the creating side).
 
     Args:
         nbytes: size of the arena.
         pin: register the memory with CUDA as pinned (for non-blocking device-to-host copies).
+
+    Attributes:
+        name: identifies this arena between the training process and its writer
+            (``distckpt-stage-<pid>-<unique>``); no file has this name.
+        fd: the descriptor holding the memory (-1 once closed); :func:`descriptor` finds it
+            by ``name``.
     """
 
     def __init__(self, nbytes: int, pin: bool = False) -> None:
-        fd, self.path = tempfile.mkstemp(prefix=f"distckpt-stage-{os.getpid()}-", dir=_shm_dir())
-        try:
-            os.ftruncate(fd, max(1, nbytes))
-        finally:
-            os.close(fd)
+        remove_leftovers()
+        self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        self.fd = _anonymous_file(max(1, nbytes))
         self.nbytes = nbytes
-        self.tensor = attach(self.path, nbytes)
+        try:
+            self.tensor = attach(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        _OPEN[self.name] = self
         self.pinned = False
         if pin and nbytes and torch.cuda.is_available():
             # Same call DCP's shared+pinned staging makes; 0 = cudaSuccess.
             flags = 1  # cudaHostRegisterPortable
             self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)) == 0
 
-    def unlink(self) -> None:
-        """Remove the file name (the memory lives on while a process maps it)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    @property
+    def path(self) -> str:
+        """The arena's :attr:`name` (what a save's ``Job.arena_path`` carries; not a file)."""
+        return self.name
 
     def close(self) -> None:
-        """Unpin, unlink, and drop this process's mapping."""
+        """Unpin, drop this process's mapping and close its descriptor (the memory is freed
+        once the writer process's mapping is gone too)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
-        self.unlink()
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        _OPEN.pop(self.name, None)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
-def attach(path: str, nbytes: int, *, existing: bool = False) -> torch.Tensor:
-    """Map the arena file ``path`` (``nbytes`` long) as a shared uint8 tensor.
-
-    Args:
-        existing: the file must exist already with (at least) ``nbytes`` bytes: what a writer
-            process maps was staged by its training process. ``torch.from_file`` would create a
-            missing file, empty, and the writer would write zeros that pass every check.
+def descriptor(name: str) -> int:
+    """(training side) The descriptor of this process's open arena ``name``, to hand to a writer.
 
     Raises:
-        FileNotFoundError: ``existing`` and the file is missing or shorter than ``nbytes``.
+        FileNotFoundError: no arena of that name is open (it was closed).
     """
-    if existing:
+    arena = _OPEN.get(name)
+    if arena is None or arena.fd < 0:
+        raise FileNotFoundError(f"distckpt's staging arena {name} is closed; the staged state cannot be written")
+    return arena.fd
+
+
+def _anonymous_file(nbytes: int) -> int:
+    """A descriptor of ``nbytes`` of fresh shared memory that has no name anywhere."""
+    fd = -1
+    if hasattr(os, "memfd_create"):
         try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"distckpt's staging arena {path} is gone; the staged state cannot be written") from None
-        if size < max(1, nbytes):
-            raise FileNotFoundError(f"distckpt's staging arena {path} holds {size} bytes, not the {nbytes} staged")
-    return torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
+            fd = os.memfd_create("distckpt-stage", os.MFD_CLOEXEC)
+        except OSError:  # e.g. a seccomp profile without it: fall back to a named file
+            fd = -1
+    if fd < 0:
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=_shm_dir())
+        # Mapped through the descriptor, so the name can go at once. Should this process die
+        # in between, its file is a leftover of a dead process: the next arena removes it.
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens this process's descriptor ``fd`` (what ``torch.from_file`` maps)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def attach(fd: int, nbytes: int) -> torch.Tensor:
+    """Map the arena held by descriptor ``fd`` (``nbytes`` long) as a shared uint8 tensor.
+
+    The mapping stays valid after ``fd`` is closed.
+
+    Raises:
+        FileNotFoundError: the memory file is shorter than ``nbytes`` (``torch.from_file`` would
+            extend it with zeros, and the writer would write zeros that pass every check).
+    """
+    size = os.fstat(fd).st_size
+    if size < max(1, nbytes):
+        raise FileNotFoundError(f"distckpt's staging arena holds {size} bytes, not the {nbytes} staged")
+    return torch.from_file(_fd_path(fd), shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this pid namespace); when unsure, True."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return True
+
+
+def remove_leftovers(directory: str | None = None) -> list[str]:
+    """Remove staging files (``distckpt-stage-<pid>-*``) whose process is gone; their paths.
+
+    Only this user's regular files whose ``<pid>`` is no running process are removed: a live
+    process's files are never touched (nor those of a process that reused a dead one's pid,
+    which are then kept, not lost). A process of another pid namespace that shares
+    ``/dev/shm`` looks dead here; the arenas of this version are mapped through their
+    descriptors, so removing such a name cannot take their memory away.
+
+    Args:
+        directory: where staging files live (default: ``/dev/shm``, or the temp dir without it).
+    """
+    directory = directory or _shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    removed = []
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _process_exists(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+                continue
+            os.unlink(path)
+        except OSError:  # gone already, or not ours to remove
+            continue
+        removed.append(path)
+    return removed
