@@ -10,7 +10,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -146,6 +146,10 @@ class Checkpointer:
             ``dcp.load`` reads the files alike). Chosen per record (:mod:`distckpt.save.records`),
             so other ``torch.save`` calls in the process are unaffected. On by default;
             ``False`` writes the CRCs (e.g. for tools that unzip records), as does ``checksum=None``.
+        safe_types: Enum, dataclass and NamedTuple classes that values in ``state`` may hold. A
+            save stores them by class name and refuses others, naming key and class; a load
+            rebuilds only these (:mod:`distckpt.state.values`). Pass the same list on every rank
+            and in every job that loads the checkpoints.
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class Checkpointer:
         lease_s: float = ownership.DEFAULT_LEASE_S,
         skip_torch_record_crc: bool = True,
         async_mode: str = "process",
+        safe_types: Sequence[type] = (),
     ) -> None:
         check_keep_last(keep_last)
         if async_mode not in ASYNC_MODES:
@@ -184,6 +189,10 @@ class Checkpointer:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self.fingerprint = fingerprint
+        # Validated once (ValueError naming the bad entry). Not in SaveOptions: that is pickled
+        # into the writer process's job, where classes defined in __main__ cannot be unpickled;
+        # the writer needs none of them (values are encoded before staging).
+        self.safe_types = values.SafeTypes.of(safe_types)
         self.on_replica_drift = on_replica_drift
         self.verify_state = verify_state
         self.lease_s = float(lease_s)
@@ -346,7 +355,7 @@ class Checkpointer:
         def prepare() -> tuple[_saving.Prepared, _saving.SaveView]:
             if not blocking and group.is_coordinator:
                 _saving.refuse_committed(opts, step)
-            return _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans)
+            return _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans, safe_types=self.safe_types)
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
         _saving.agree(prepared, views, group.rank)
@@ -711,7 +720,7 @@ class Checkpointer:
             plan.request,
             reader,
             # Non-tensor items' bytes are checked against the manifest before unpickling.
-            SafeLoadPlanner(value_digests=manifest.value_digests, where=where),
+            SafeLoadPlanner(value_digests=manifest.value_digests, where=where, safe_types=self.safe_types),
             then=lambda: apply_load(group, manifest, plan, state),
         )
         check = explicit

@@ -133,5 +133,17 @@ def _unwrap(err: Any) -> BaseException:
 
 
 def one_line(exc: BaseException) -> str:
+    """``exc`` as one rank's entry of a failure list (``Type: message``, see :func:`from_causes`).
+
+    A foreign exception keeps its first line (what follows is often a traceback, or advice for
+    another API). distckpt's own errors keep every line: their further lines are the hint (how to
+    register a class, which rank failed how), and cutting them left users with a refusal they
+    could not act on. Those lines are indented, so they stay under the rank they belong to.
+    """
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else repr(exc)}"
+    if not text:
+        return f"{type(exc).__name__}: {exc!r}"
+    lines = text.splitlines()
+    if not type(exc).__module__.startswith("distckpt"):
+        lines = lines[:1]
+    return f"{type(exc).__name__}: " + "\n    ".join(line.rstrip() for line in lines)

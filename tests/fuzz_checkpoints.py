@@ -11,16 +11,26 @@ the way an attacker or a broken disk would:
   storage entries swapped, a planted pickle that would run code, raw pickle bytes flipped; every
   time re-sealed (size and checksum rewritten in the manifest), as an attacker would;
 * ``.distcp``: bytes flipped, zeroed, cut or appended, the file removed. The base checkpoint is
-  written with 16 writer threads, so some data files hold only plain values.
+  written with 16 writer threads, so some data files hold only plain values;
+* a non-tensor item replaced by a forged value in distckpt's encoded form (a marker naming
+  ``os:system`` or an unregistered class, wrong or missing fields, a huge array, deep nesting,
+  a planted pickle inside the payload, or a valid value of another type), with the item's file,
+  ``.metadata`` and the manifest's ``value_digests`` all re-sealed: an attacker who controls the
+  whole directory. The base checkpoint holds such values (tests/test_values_zoo.py's zoo: NumPy
+  scalars, arrays and RNG states, registered Enums, datetimes, paths ... in a stateful object,
+  an ``np.float64`` lr, a top-level ``np.float64``).
 
 Each case then runs ``load`` (with ``verify_state=True``), ``verify --state`` and
 ``convert --to torch``, both the model alone and the full export (every tensor and value), and
 records what happened; in about a third of the cases ``verify`` and ``convert`` see the step
 directory renamed (``best/``), as a user who copied it would. The test asserts that each either
 returned exactly the saved data (tensors and non-tensor items alike: hyper-parameters, scheduler
-fields, plain values) or raised one of distckpt's documented errors (an export that
-leaves out a value it could not read counts as wrong data); that no code ran (a marker file);
-and, because this runs in a child process, that nothing hung or died by a signal.
+fields, plain values, the zoo's types) or raised one of distckpt's documented errors (an export
+that leaves out a value it could not read counts as wrong data; values an export never takes, the
+encoded values holding tensors, are expected to be left out); that no code ran (a marker file);
+and, because this runs in a child process, that nothing hung or died by a signal. Where the forger
+re-sealed the manifest's value digests nothing can tell a valid forged value from the saved one:
+there only wrong data is accepted, and a forged value that is not valid must fail the load.
 
     python tests/fuzz_checkpoints.py --cases 2000 --seed 7      # a longer soak
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import hashlib
 import io
 import json
 import os
@@ -44,11 +55,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import numpy as np
+
 import distckpt
 from distckpt.tools import cli
 from distckpt.tools.catalog import CheckpointNotFound, locate
 from distckpt.tools.convert import SelectionError, export_torch
 from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir
+from test_values_zoo import LOAD_DEPTH, MARKER, SAFE_TYPES, Bag, Phase, checkpointer, random_zoo, same, skeleton
 
 # What a caller may see from a tampered checkpoint: distckpt's documented errors.
 ALLOWED = (distckpt.CheckpointError, distckpt.StateMismatchError, CheckpointNotFound, FileNotFoundError, SelectionError)
@@ -84,19 +98,31 @@ def build(base: Path) -> dict[str, Any]:
     model(torch.randn(4, 6)).sum().backward()
     optim.step()
     sched.step()
+    optim.param_groups[1]["lr"] = np.float64(0.01)  # as a NumPy schedule writes it
+    zoo = random_zoo(0, size=6)
     # 16 writer threads for 14 tensors: some data files hold only plain values.
-    state = {"model": model, "optim": optim, "sched": sched, "epoch": 3, "note": "hello"}
-    distckpt.Checkpointer(base, thread_count=16).save(1, state)
+    state = {"model": model, "optim": optim, "sched": sched, "epoch": 3, "note": "hello", "bag": Bag(zoo), "best": np.float64(0.5)}
+    checkpointer(base, SAFE_TYPES, thread_count=16).save(1, state)
     expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "epoch": 3, "note": "hello"}
     expected["optim"] = copy.deepcopy(optim.state_dict())
     expected["sched"] = copy.deepcopy(sched.state_dict())
+    expected["bag"] = copy.deepcopy(zoo)
     # What the full export of the untouched checkpoint holds (checked against what was saved).
-    export_torch(locate(str(base / step_dir(1))), str(base.parent / "full.pt"))
+    summary = export_torch(locate(str(base / step_dir(1))), str(base.parent / "full.pt"))
     full = torch.load(base.parent / "full.pt", weights_only=True)
     if not (_same_model(full["model"], expected["model"]) and (full["epoch"], full["note"]) == (3, "hello") and "optim" in full):
         raise AssertionError(f"the full export of the base checkpoint is wrong: {sorted(full)}")
     expected["full"] = full
+    expected["skipped"] = sorted(summary["skipped"])  # encoded values holding tensors: not exported
+    expected["items"] = sorted(k for k in _value_keys(base / step_dir(1)) if k.startswith(("bag.", "best", "optim.param_groups")))
     return expected
+
+
+def _value_keys(d: Path) -> list[str]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = pickle.loads((d / ".metadata").read_bytes())  # our own file, before tampering
+    return [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
 
 
 # mutations -----------------------------------------------------------------------------------
@@ -270,6 +296,66 @@ def mutate_metadata(d: Path, rng: random.Random, marker: str) -> str:
     return f"metadata: {what}"
 
 
+def _forgery(rng: random.Random, marker: str) -> tuple[str, Any, bool]:
+    """``(what, value, valid)``: a forged value in the encoded form; ``valid``: one a load may
+    accept (another value of a supported type); every other one must fail the load."""
+    deep: Any = (MARKER, "deque", ([], None))
+    for _ in range(LOAD_DEPTH + rng.choice([1, 50])):
+        deep = [deep]
+    name = f"{Phase.__module__}:{Phase.__qualname__}"
+    return rng.choice([
+        ("enum naming os:system", (MARKER, "enum", ("os:system", "rm -rf")), False),
+        ("dataclass naming subprocess.Popen", (MARKER, "dataclass", ("subprocess:Popen", (("args", f"touch {marker}"),))), False),
+        ("namedtuple naming builtins.eval", (MARKER, "namedtuple", ("builtins:eval", ("1",))), False),
+        ("registered enum, member __class__", (MARKER, "enum", (name, "__class__")), False),
+        ("unknown kind", (MARKER, "pickle", b"cos\nsystem\n(S'true'\ntR."), False),
+        ("too few fields", (MARKER, "numpy.scalar"), False),
+        ("object dtype", (MARKER, "numpy.scalar", ("|O", 1)), False),
+        ("dtype string of a callable", (MARKER, "numpy.scalar", ("os.system", 1)), False),
+        ("huge array", (MARKER, "numpy.ndarray", ("<f8", (2**40, 2**40), torch.zeros(8, dtype=torch.uint8))), False),
+        ("array without data", (MARKER, "numpy.ndarray", ("<f8", (3,), None)), False),
+        ("bit generator by name", (MARKER, "numpy.random.Generator", ("os.system", {"state": 1})), False),
+        ("time zone path", (MARKER, "zoneinfo", "../../../../etc/passwd"), False),
+        ("path class by name", (MARKER, "path", ("os.system", "/")), False),
+        ("deep nesting", deep, False),
+        ("top-level value nested", [(MARKER, "value", 1)], False),
+        ("wrong field types", (MARKER, "timedelta", ("1", 2, 3)), False),
+        ("planted pickle in a payload", (MARKER, "deque", ([_Planted(marker)], None)), False),
+        ("a valid value of another type", (MARKER, "numpy.scalar", ("<i2", 7)), True),
+        ("a valid registered enum", (MARKER, "enum", (name, "DECAY")), True),
+    ])  # fmt: skip
+
+
+def mutate_value(d: Path, rng: random.Random, marker: str, keys: list[str]) -> tuple[str, bool]:
+    """Replace one non-tensor item's stored bytes with a forged encoded value and re-seal its
+    file, .metadata and the manifest (sizes, checksums, value_digests), as an attacker who
+    controls the whole directory would. Returns the description and whether it is valid."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    key = rng.choice(keys)
+    what, value, valid = _forgery(rng, marker)
+    buf = io.BytesIO()
+    torch.save(value, buf)  # what DCP's writer stores for an item
+    blob = buf.getvalue()
+    md = pickle.loads((d / ".metadata").read_bytes())
+    info = md.storage_data[MetadataIndex(key)]
+    path = d / info.relative_path
+    data = path.read_bytes()
+    new = data[: info.offset] + blob + data[info.offset + info.length :]
+    delta = len(blob) - info.length
+    for other in md.storage_data.values():
+        if other.relative_path == info.relative_path and other.offset > info.offset:
+            other.offset += delta
+    info.length = len(blob)
+    path.write_bytes(new)
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    raw["files"][info.relative_path] = {"size": len(new), "checksum": digest_of(new, raw["checksum_algorithm"])}
+    raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    _reseal(d, pickle.dumps(md))
+    return f"value: {key} -> {what}", valid
+
+
 def mutate_distcp(d: Path, rng: random.Random) -> str:
     victim = rng.choice(sorted(d.glob("*.distcp")))
     data = bytearray(victim.read_bytes())
@@ -304,7 +390,9 @@ def _same(got: Any, want: Any) -> bool:
         return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
     if isinstance(want, dict):
         return isinstance(got, dict) and got.keys() == want.keys() and all(_same(got[k], v) for k, v in want.items())
-    return type(got) is type(want) and got == want
+    if isinstance(want, (list, tuple)):
+        return type(got) is type(want) and len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    return type(got) is type(want) and same(got, want) is None
 
 
 def _outcome(fn: Any) -> tuple[str, Any]:
@@ -321,25 +409,31 @@ def run_case(base: Path, work: Path, expected: dict[str, Any], seed: int, case: 
     root = work / f"case{case}"
     shutil.copytree(base, root, symlinks=True)
     d = root / step_dir(1)
-    kind = rng.choice(["manifest", "metadata", "metadata", "distcp"])
+    kind = rng.choice(["manifest", "metadata", "metadata", "distcp", "value"])
+    forged = None  # for "value": whether the forged value is a valid one (see mutate_value)
     if kind == "manifest":
         mutation = mutate_manifest(d, rng)
     elif kind == "metadata":
         mutation = mutate_metadata(d, rng, marker)
+    elif kind == "value":
+        mutation, forged = mutate_value(d, rng, marker, expected["items"])
     else:
         mutation = mutate_distcp(d, rng)
-    result: dict[str, Any] = {"case": case, "mutation": mutation}
+    result: dict[str, Any] = {"case": case, "mutation": mutation, "forged": forged}
     renamed = rng.random() < 1 / 3  # verify and convert see the directory copied under another name
 
     def load() -> str:
         model = _model(1)
         optim, sched = _optim(model, (0.5, 0.5))
-        state = {"model": model, "optim": optim, "sched": sched, "epoch": 0, "note": ""}
-        distckpt.Checkpointer(root, verify_state=True).load(state)
+        bag = Bag(skeleton(expected["bag"]))
+        state = {"model": model, "optim": optim, "sched": sched, "epoch": 0, "note": "", "bag": bag, "best": 0.0}
+        checkpointer(root, SAFE_TYPES, verify_state=True).load(state)
         if not _same_model(model.state_dict(), expected["model"]) or (state["epoch"], state["note"]) != (3, "hello"):
             return "WRONG DATA"
-        # Non-tensor items too: the groups' hyper-parameters, the scheduler's fields.
+        # Non-tensor items too: the groups' hyper-parameters, the scheduler's fields, the zoo.
         if not (_same(optim.state_dict(), expected["optim"]) and _same(sched.state_dict(), expected["sched"])):
+            return "WRONG DATA"
+        if same(bag.state, expected["bag"]) is not None or same(state["best"], np.float64(0.5)) is not None:
             return "WRONG DATA"
         return "exact"
 
@@ -353,7 +447,7 @@ def run_case(base: Path, work: Path, expected: dict[str, Any], seed: int, case: 
         out = root / "full.pt"
         summary = export_torch(locate(str(where())), str(out))
         got = torch.load(out, weights_only=True)
-        return "exact" if not summary["skipped"] and _same(got, expected["full"]) else "WRONG DATA"
+        return "exact" if sorted(summary["skipped"]) == expected["skipped"] and _same(got, expected["full"]) else "WRONG DATA"
 
     def verify() -> str:
         err = io.StringIO()
@@ -377,10 +471,18 @@ def run_case(base: Path, work: Path, expected: dict[str, Any], seed: int, case: 
 def problems(result: dict[str, Any]) -> list[str]:
     """What is wrong with one case's outcomes (empty: fine)."""
     bad = []
+    forged = result.get("forged")
     for name in ("load", "convert", "convert_full", "verify"):
         status, detail = result[name]
-        if status.startswith("UNDOCUMENTED") or detail in ("WRONG DATA",):
+        # A forger who re-sealed the value digests can pass a valid value off as the saved one;
+        # exports and verify read values without judging them (they keep the encoded form).
+        resealed = forged is not None and (forged or name != "load")
+        if status.startswith("UNDOCUMENTED") or (detail == "WRONG DATA" and not resealed):
             bad.append(f"{name}: {status}: {detail}")
+    if forged is False and result["load"][0] == "ok":
+        bad.append(f"load accepted an invalid forged value: {result['load'][1]}")
+    if forged is not None:
+        return bad
     # verify saying OK after a tensor or a non-tensor item was changed would be a silent pass.
     if result["verify"] == ("ok", "ok") and result["convert"][0] == "ok" and result["convert"][1] != "exact":
         bad.append("verify said OK but the exported tensors differ")

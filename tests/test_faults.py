@@ -110,11 +110,19 @@ class _EvilStateful:
         pass
 
 
-def test_crafted_checkpoint_does_not_run_code(tmp_path):
+def test_crafted_checkpoint_does_not_run_code(tmp_path, monkeypatch):
+    from distckpt.state import values
+
     marker = str(tmp_path / "pwned")
     ckpt = distckpt.Checkpointer(tmp_path / "ck")
-    # A value whose unpickling would run a command (DCP stores it with torch.save).
+    # A value whose unpickling would run a command: a save refuses it (a load could not read it)...
+    with pytest.raises(TypeError, match="obj.payload"):
+        ckpt.save(1, {"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
+    # ... and one written anyway (by an older distckpt, or an attacker: DCP stores it with
+    # torch.save) is refused by a load, which runs nothing.
+    monkeypatch.setattr(values, "encode_for_save", lambda state_dict, safe_types=None: state_dict)
     ckpt.save(1, {"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
+    monkeypatch.undo()
     with pytest.raises(distckpt.UnsafeCheckpointError, match="obj.payload"):
         ckpt.load({"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
     # A crafted .metadata.

@@ -592,3 +592,98 @@ def test_manifests_without_value_digests_still_load(tmp_path):
     distckpt.Checkpointer(fresh_root).save(1, state)
     done = _cli("verify", "--state", str(fresh_root / step_dir(1)))
     assert done.returncode == 0 and "non-tensor items" in done.stdout and not done.stderr.strip(), (done.stdout, done.stderr)
+
+
+# the encoded form of non-tensor values (distckpt.state.values) ---------------------------------------
+def _forge_item(d: Path, key: str, value: object) -> None:
+    """Store ``value`` (torch.save'd, as DCP's writer stores an item) as item ``key`` and re-seal
+    the item's file, ``.metadata`` and the manifest, value digest included: an attacker who
+    controls the whole directory."""
+    import hashlib
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from distckpt.integrity.manifest import digest_of
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    blob = buf.getvalue()
+    md = pickle.loads((d / ".metadata").read_bytes())
+    info = md.storage_data[MetadataIndex(key)]
+    data = (d / info.relative_path).read_bytes()
+    new = data[: info.offset] + blob + data[info.offset + info.length :]
+    for other in md.storage_data.values():
+        if other.relative_path == info.relative_path and other.offset > info.offset:
+            other.offset += len(blob) - info.length
+    info.length = len(blob)
+    (d / info.relative_path).write_bytes(new)
+    _reseal(d, md)
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    raw["files"][info.relative_path] = {"size": len(new), "checksum": digest_of(new, raw["checksum_algorithm"])}
+    raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+class _Touch:
+    """Unpickling this would run a shell command that creates a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _forged(kind: str, touched: Path) -> tuple:
+    """A forged encoded value (``touched``: the file planted code would create)."""
+    marker = "__distckpt_value__"
+    return {
+        "enum naming os.system": (marker, "enum", ("os:system", "x")),
+        "dataclass naming subprocess.Popen": (marker, "dataclass", ("subprocess:Popen", (("args", f"touch {touched}"),))),
+        "planted pickle in a payload": (marker, "deque", ([_Touch(str(touched))], None)),
+        "huge array": (marker, "numpy.ndarray", ("<f8", (2**40, 2**40), torch.zeros(8, dtype=torch.uint8))),
+        "missing fields": (marker, "path"),
+    }[kind]
+
+
+@pytest.mark.parametrize(
+    "kind, error, words",
+    [
+        ("enum naming os.system", distckpt.UnsafeCheckpointError, ["os:system", "not registered", "safe_types=["]),
+        ("dataclass naming subprocess.Popen", distckpt.UnsafeCheckpointError, ["subprocess:Popen", "safe_types=["]),
+        ("planted pickle in a payload", distckpt.UnsafeCheckpointError, ["needs posix.system", "do not load"]),
+        ("huge array", distckpt.IntegrityError, ["malformed", "does not hold"]),
+        ("missing fields", distckpt.IntegrityError, ["malformed", "kind, payload"]),
+    ],
+)
+def test_a_forged_encoded_value_is_refused_by_name_and_runs_nothing(tmp_path, kind, error, words):
+    """A checkpoint's encoded values name no code that a load runs: a marker naming
+    ``os.system`` or ``subprocess.Popen`` as its class, a planted pickle inside a marker's
+    payload, a huge array or missing fields fail the load with a documented error naming the key
+    (and, for classes, how to register one), even with every checksum and digest re-sealed."""
+    import numpy as np
+
+    touched = tmp_path / "TOUCHED"
+    model = _model(0)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim.param_groups[0]["lr"] = np.float64(0.1)
+    distckpt.Checkpointer(tmp_path / "ck").save(1, {"model": model, "optim": optim})
+    _forge_item(tmp_path / "ck" / step_dir(1), "optim.param_groups.0.weight.lr", _forged(kind, touched))
+    fresh = _model(1)
+    with pytest.raises(error) as info:
+        distckpt.Checkpointer(tmp_path / "ck").load({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=1.0)})
+    message = str(info.value)
+    assert "'optim.param_groups.0.weight.lr'" in message and all(w in message for w in words), message
+    assert not touched.exists()
+
+
+def test_a_refusal_keeps_its_hint_in_the_per_rank_error():
+    """distckpt's errors keep every line when gathered from a rank (the hint after the first
+    line used to be cut off); a foreign exception keeps its first line, as before."""
+    from distckpt.errors import cause_of, from_causes
+
+    ours = distckpt.UnsafeCheckpointError("refusing to load 'x': needs y\nIf you trust it, register y: safe_types=[Y]")
+    theirs = ValueError("first line\nTraceback-like noise")
+    err = from_causes({0: cause_of(ours), 1: cause_of(theirs)}, "reading step 1")
+    assert "  rank 0: UnsafeCheckpointError: refusing to load 'x': needs y\n    If you trust it, register y: safe_types=[Y]" in str(err)
+    assert "rank 1: ValueError: first line" in str(err) and "noise" not in str(err)

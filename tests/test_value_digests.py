@@ -2,8 +2,10 @@
 Python parts) at 2 ranks: every item written is recorded once in the manifest's
 ``value_digests`` (replicated items have one writer), by sync and async (writer process) saves
 and by ZeRO partitions alike; clean loads pass, and a re-sealed ``.metadata`` that swaps two of
-them fails the load with the same IntegrityError on every rank. The single-process attack on
-load, ``verify --state`` and ``convert`` is in tests/test_hostile.py."""
+them fails the load with the same IntegrityError on every rank. One group's lr is an ``np.float64``
+(as a NumPy schedule writes it): stored in distckpt's encoded form, recorded and checked like any
+item, and loaded back as an ``np.float64`` by DDP and ZeRO partitions alike. The single-process
+attack on load, ``verify --state`` and ``convert`` is in tests/test_hostile.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import pickle
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,6 +33,7 @@ def _non_tensor_keys(d: Path) -> set[str]:
 def _state(parallel: str, world: int, rank: int) -> dict:
     model = wrap(make_model(0), parallel, world)
     optim = make_optimizer(model, parallel)
+    optim.param_groups[1]["lr"] = np.float64(optim.param_groups[1]["lr"])  # ZeRO: its wrapper's groups
     sched = torch.optim.lr_scheduler.StepLR(optim.optim if parallel == "zero" else optim, 4)
     return {"model": model, "optim": optim, "sched": sched, "mine": distckpt.PerRank(f"rank {rank}")}
 
@@ -55,6 +59,7 @@ def _body(rank: int, world: int, root: str) -> dict:
             ckpt.load(fresh, step=1)
         groups = (fresh["optim"].optim if parallel == "zero" else fresh["optim"]).param_groups
         out[f"{parallel}_loaded"] = ([g["lr"] for g in groups], fresh["sched"].last_epoch, fresh["mine"].obj)
+        out[f"{parallel}_lr_types"] = [type(g["lr"]).__name__ for g in groups]
 
     # Swap the two groups' lr records (ranks write them: DDP replicas, one writer each) and re-seal.
     d = Path(f"{root}-ddp") / step_dir(2)
@@ -88,6 +93,7 @@ def test_non_tensor_items_are_recorded_once_and_checked_at_two_ranks(tmp_path):
             assert "optim.param_groups.0.weight.lr" in recorded and "mine.rank_0" in recorded and "mine.rank_1" in recorded
         for parallel in ("ddp", "zero"):
             assert res[f"{parallel}_loaded"] == ([1e-2, 5e-3], 1, f"rank {r}"), (r, parallel, res[f"{parallel}_loaded"])
+            assert res[f"{parallel}_lr_types"] == ["float", "float64"], (r, parallel, res[f"{parallel}_lr_types"])
         message = res["tampered"]
         assert message is not None and "non-tensor item 'optim.param_groups." in message and ".distcp" in message, message
     assert results[0]["tampered"] == results[1]["tampered"], "the same error on every rank"

@@ -1,11 +1,14 @@
 """DCP load planner that never runs code from the checkpoint.
 
 DCP's default planner unpickles non-tensor values with ``torch.load(weights_only=False)``.
-distckpt stores its own plain values as JSON strings, and everything else DCP writes as bytes
-(optimizer hyper-parameters, scheduler state) is made of plain containers and numbers, which
-``weights_only=True`` admits. A value that would need arbitrary globals is refused with an error
-naming its key instead of being executed. Given the manifest's ``value_digests``, the bytes of
-every such value are first compared with the digest recorded at save (:func:`distckpt.state.values.check_item`).
+distckpt reads them with ``weights_only=True``: a save wrote only what that reader admits (plain
+containers, numbers, strings, tensors, and the encoded form of :mod:`distckpt.state.values`,
+which :func:`~distckpt.state.values.decode_loaded` turns back into NumPy values, datetimes,
+paths, registered Enums ... here, before any object sees them). A value that would need
+arbitrary globals (a checkpoint written by an older distckpt or another tool, or a crafted one)
+is refused with an error naming its key and what it needs, instead of being executed. Given the
+manifest's ``value_digests``, the bytes of every such value are first compared with the digest
+recorded at save (:func:`distckpt.state.values.check_item`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,19 +29,30 @@ from distckpt.errors import UnsafeCheckpointError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` whose non-tensor values are read with ``weights_only=True``.
+    """``DefaultLoadPlanner`` whose non-tensor values are read with ``weights_only=True`` and
+    decoded (:func:`distckpt.state.values.decode_loaded`).
 
     Args:
         value_digests: the manifest's ``value_digests`` (key -> sha256 of the stored bytes);
             each value's bytes must match before they are unpickled, else
             :class:`~distckpt.errors.IntegrityError` naming the key and file. ``None``: unchecked.
         where: the step directory, as errors name it.
+        safe_types: the classes (Enum, dataclass, NamedTuple) encoded values may be rebuilt as
+            (``Checkpointer(safe_types=...)``); ``None``: :data:`distckpt.state.values.DEFAULT_SAFE_TYPES`.
     """
 
-    def __init__(self, *args: Any, value_digests: Mapping[str, str] | None = None, where: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        value_digests: Mapping[str, str] | None = None,
+        where: str = "",
+        safe_types: values.SafeTypesLike = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.value_digests = value_digests
         self.where = where
+        self.safe_types = values.SafeTypes.of(safe_types)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -46,10 +61,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(
-                f"refusing to load checkpoint value {fqn!r}: it needs code to be unpickled "
-                f"({str(exc).splitlines()[0]})"
-            ) from None
+            raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
+        obj = values.decode_loaded(obj, fqn, self.safe_types)
         if self.flatten_state_dict:
             from distckpt._compat import set_element
 
@@ -63,3 +76,34 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         info = metadata.storage_data.get(read_item.storage_index) if metadata is not None else None
         name = os.fspath(info.relative_path) if info is not None else "?"
         return f"{self.where}/{name}" if self.where else name
+
+
+def refusal(key: str, where: str, exc: BaseException) -> str:
+    """The message for a value ``weights_only`` refused: what it needs, why that is refused, and
+    what to do, kept whole (torch's own message starts with advice that does not apply here:
+    ``weights_only=False``, which distckpt never uses)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch bolds part of its message for terminals
+    found = (
+        re.search(r"GLOBAL (\S+) was not an allowed global", text)
+        or re.search(r"unsupported GLOBAL (\S+) whose module", text)
+        or re.search(r"but got <class '([^']+)'>", text)
+    )
+    needs = found.group(1) if found else None
+    # torch's own diagnosis, without its preamble (weights_only=False) and its link
+    detail = text.split("WeightsUnpickler error:", 1)[-1].split("trusted source.", 1)[-1]
+    detail = " ".join(line.strip() for line in detail.split("Check the documentation", 1)[0].splitlines() if line.strip())
+    first = (
+        f"refusing to load checkpoint value {key!r} ({where}): unpickling it needs {needs or 'more than plain data'}, "
+        f"which the safe reader does not allow (a crafted checkpoint could run code through it)."
+    )
+    if "is blocked" in text:
+        return (
+            f"{first}\ntorch never allows it (its module is blocked): the value was crafted to run code, or damaged; "
+            f"do not load this checkpoint. torch: {detail[:300]}"
+        )
+    return (
+        f"{first}\nA save by this distckpt never writes such values (it stores NumPy values, datetimes, paths, "
+        f"registered Enums ... in an encoded form, and refuses what a load could not read), so this checkpoint was "
+        f"written by an older distckpt or another tool. If you trust it, allow what it needs in the loading process "
+        f"before load(), as torch says: {detail[:600]}"
+    )

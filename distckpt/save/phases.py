@@ -176,12 +176,14 @@ def prepare(
     rank: int,
     blocking: bool,
     cache: PlanCache | None = None,
+    safe_types: values.SafeTypesLike = None,
 ) -> tuple[Prepared, SaveView]:
     """(each rank, no collectives) What to save, and this rank's view for the agreement check.
 
     ``cache`` (the checkpointer's :class:`~distckpt.save.plan.PlanCache`, also handed to
     :func:`write`) contributes its token, so that :func:`agree` can tell on every rank alike
-    whether the previous save's plans still hold.
+    whether the previous save's plans still hold. ``safe_types``: the classes registered with
+    ``Checkpointer(safe_types=...)`` (see :func:`distckpt.state.values.encode_for_save`).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -191,6 +193,9 @@ def prepare(
         raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
     entries = build_entries(state)
     state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
+    # Non-tensor values in the form a load reads (once, here: async staging copies this form);
+    # what a load could not read fails this save, on every rank alike (prepare runs in an exchange).
+    state_dict = values.encode_for_save(state_dict, safe_types)
     check_saveable(state_dict)
     described = {e.name: e.describe() for e in entries}
     if opts.save_rng:

@@ -10,7 +10,8 @@ values back to the live object (``apply``). All keys are world-size independent:
   parameter FQN, matched with the module in ``state`` that owns their parameters;
 * ``ZeroRedundancyOptimizer``: see :mod:`distckpt.state.zero`;
 * objects with ``state_dict``/``load_state_dict`` (LR schedulers, GradScaler, samplers...);
-* tensors (loaded in place) and plain values (stored as JSON, replaced in ``state`` on load).
+* tensors (loaded in place) and values (plain ones stored as JSON, others in the encoded form of
+  :mod:`distckpt.state.values`; replaced in ``state`` on load).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class StatefulEntry(Entry):
     def __init__(self, name: str, obj: Any) -> None:
         super().__init__(name)
         self.obj = obj
+        self._like: Any = None  # the object's own state at load: its containers and keys
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "class": type(self.obj).__name__}
@@ -257,9 +259,15 @@ class StatefulEntry(Entry):
             raise TypeError(f"state[{self.name!r}].state_dict() returned {type(sd).__name__}, not a dict")
         return dict(sd)
 
+    def load_target(self, saved: Mapping[str, Any]) -> Any:
+        self._like = self.save_state()
+        return self._like
+
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         if not loaded and not self.obj.state_dict():
             return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
+        if self._like is not None:  # DCP's unflattening gives plain dicts with str keys
+            loaded = values.restore_containers(loaded, self._like)
         self.obj.load_state_dict(loaded)
 
 
@@ -315,23 +323,33 @@ def _merge_into(live: Any, loaded: Any) -> None:
 
 
 class ValueEntry(Entry):
-    """A plain value, stored as JSON text; replaced in ``state`` on load (dicts/lists in place)."""
+    """A value without tensors; replaced in ``state`` on load (dicts/lists in place).
+
+    A plain value (exactly int, float, str, bool, None, and lists/tuples/dicts of them) is stored
+    as JSON text; any other (a NumPy scalar, a datetime, an Enum ...) as one item in the encoded
+    form of :mod:`distckpt.state.values` (:class:`~distckpt.state.values.TopLevel`; the save
+    encodes it or refuses it, naming the key). Either form loads into either: the form is chosen
+    per save, by the value.
+    """
 
     kind = "value"
 
     def __init__(self, name: str, value: Any) -> None:
         super().__init__(name)
         self.value = value
+        self.plain = values.stores_as_json(value)
 
     def save_state(self) -> Any:
-        return values.encode(self.value, self.name)
+        return values.encode(self.value, self.name) if self.plain else values.TopLevel(self.value)
 
     def describe(self) -> dict[str, Any]:
         # Checked on load and export (values.check_digest): values have no tensor fingerprint.
-        return {"kind": self.kind, "sha256": values.digest(self.save_state())}
+        # Encoded values are covered by the manifest's value_digests, as every non-tensor item.
+        return {"kind": self.kind, "sha256": values.digest(self.save_state())} if self.plain else {"kind": self.kind}
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
-        value = values.decode(loaded, self.name)
+        # An encoded value arrives decoded by the load planner (which holds the allow-list).
+        value = loaded.value if isinstance(loaded, values.TopLevel) else values.decode(loaded, self.name)
         live = self.value
         if isinstance(live, dict) and isinstance(value, dict):
             live.clear()
@@ -428,8 +446,7 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
             entries.append(StatefulEntry(name, obj))
         elif contains(obj):
             entries.append(TreeEntry(name, obj))
-        else:
-            values.encode(obj, name)  # raises TypeError naming the key if not plain
+        else:  # a value that load could not read is refused by the save (values.encode_for_save)
             entries.append(ValueEntry(name, obj))
     for entry in entries:
         entry.declared, entry.holder = declared[entry.name]
