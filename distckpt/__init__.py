@@ -19,6 +19,7 @@ from distckpt.state.data import GlobalBatchSampler
 from distckpt.errors import (
     CheckpointError,
     IntegrityError,
+    StagingMismatchError,
     StateMismatchError,
     StepExistsError,
     UnsafeCheckpointError,
@@ -41,6 +42,7 @@ __all__ = [
     "PerRank",
     "ReplicaDriftError",
     "SaveStats",
+    "StagingMismatchError",
     "StateDivergedError",
     "StateMismatchError",
     "StepExistsError",

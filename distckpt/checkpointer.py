@@ -146,6 +146,13 @@ class Checkpointer:
             ``dcp.load`` reads the files alike). Chosen per record (:mod:`distckpt.save.records`),
             so other ``torch.save`` calls in the process are unaffected. On by default;
             ``False`` writes the CRCs (e.g. for tools that unzip records), as does ``checksum=None``.
+        verify_staging: every async save proves that what its writer serialized is the state at
+            the ``save`` call: a digest of each live tensor is taken while training is blocked
+            and compared with a digest of the tensor the writer serializes; a mismatch fails the
+            save on every rank (``StagingMismatchError``, raised by ``wait()``), nothing is
+            committed. ``"auto"`` (default): for accelerator tensors (digested on the device,
+            beside their staging copy); ``True``: host tensors too (a NumPy pass over them while
+            training is blocked); ``False``: off.
         safe_types: Enum, dataclass and NamedTuple classes that values in ``state`` may hold. A
             save stores them by class name and refuses others, naming key and class; a load
             rebuilds only these (:mod:`distckpt.state.values`). Pass the same list on every rank
@@ -176,8 +183,11 @@ class Checkpointer:
         skip_torch_record_crc: bool = True,
         async_mode: str = "process",
         safe_types: Sequence[type] = (),
+        verify_staging: bool | str = "auto",
     ) -> None:
         check_keep_last(keep_last)
+        if not (isinstance(verify_staging, bool) or verify_staging == "auto"):
+            raise ValueError(f'verify_staging must be "auto", True or False, got {verify_staging!r}')
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         if checksum is not None and checksum not in ALGORITHMS:
@@ -189,6 +199,7 @@ class Checkpointer:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self.fingerprint = fingerprint
+        self.verify_staging = verify_staging
         # Validated once (ValueError naming the bad entry). Not in SaveOptions: that is pickled
         # into the writer process's job, where classes defined in __main__ cannot be unpickled;
         # the writer needs none of them (values are encoded before staging).
@@ -430,6 +441,7 @@ class Checkpointer:
             fingerprint=self.fingerprint,
             on_replica_drift=self.on_replica_drift,
             lease_s=self.lease_s,
+            verify_staging=self.verify_staging,
         )
 
     def _writes_in_process(self, group: Group) -> bool:

@@ -99,6 +99,27 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds something that could run code when read, or a path escaping it."""
 
 
+class StagingMismatchError(CheckpointError):
+    """An async save's writer serialized values other than those the state held at the ``save``
+    call (``verify_staging``): the staged copy was wrong, or changed before it was written. The
+    save is not committed; the previous step stays the newest. The message names the tensors
+    (per rank, in :attr:`failures`)."""
+
+    @classmethod
+    def found(cls, step: int, rank: int, differ: Sequence[str], unchecked: Sequence[str] = ()) -> StagingMismatchError:
+        """The error one rank raises: ``differ`` written with other values than at the call,
+        ``unchecked`` written without being checked (a distckpt bug)."""
+        parts = []
+        if differ:
+            parts.append(f"{len(differ)} tensor(s) written with values other than the state held at the save call: {_clip(differ)}")
+        if unchecked:
+            parts.append(f"{len(unchecked)} tensor(s) written without being checked: {_clip(unchecked)}")
+        return cls(
+            f"save of step {step} (rank {rank}): verify_staging: " + "; ".join(parts)
+            + "; nothing was committed (the staged host copy is not the live state: please report it with the device and torch version)"
+        )
+
+
 def _clip(items: Sequence[str], limit: int = 20) -> str:
     items = list(items)
     shown = ", ".join(items[:limit])

@@ -34,7 +34,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "distc
 
 def _entry(
     fn: Callable, rank: int, world_size: int, store_path: str, out_dir: str, args: tuple, pg_timeout: float,
-    env: dict[str, str], cwd: str,
+    env: dict[str, str], cwd: str, backend: str = "gloo",
 ) -> None:  # fmt: skip
     # The forkserver's environment is the one it started with; the test's may have changed since.
     os.environ.clear()
@@ -48,8 +48,10 @@ def _entry(
     out = Path(out_dir)
     try:
         store = dist.FileStore(store_path, world_size)
+        if "cuda" in backend:
+            torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
         result = fn(rank, world_size, *args)
         (out / f"result{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -86,10 +88,13 @@ def run_ranks(
     timeout: float = 150.0,
     pg_timeout: float = 60.0,
     expect_dead: frozenset[int] = frozenset(),
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
 
     Ranks in ``expect_dead`` are meant to die (a crash test); their result is ``None``.
+    ``backend``: of the default process group (``"cpu:gloo,cuda:nccl"`` for GPU tests: each
+    rank then uses GPU ``rank``).
     """
     run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True)
@@ -100,7 +105,9 @@ def run_ranks(
     # Not daemonic: ranks may start processes of their own (DataLoader workers). They are killed
     # at the deadline below instead.
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout, env, cwd), daemon=False)
+        ctx.Process(
+            target=_entry, args=(fn, r, world_size, store, str(run_dir), args, pg_timeout, env, cwd, backend), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -99,7 +99,7 @@ def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch
     from distckpt.save import staging
     from distckpt.integrity.manifest import step_dir
 
-    def fail(self, state_dict, skip=frozenset()):
+    def fail(self, state_dict, skip=frozenset(), verify=None):
         raise RuntimeError("staging failed")
 
     ckpt = distckpt.Checkpointer(tmp_path)

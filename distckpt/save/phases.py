@@ -49,7 +49,7 @@ from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group
 from distckpt.save.plan import PlanCache, PlanInput, PlanStats
 from distckpt._version import __version__
-from distckpt.errors import StepExistsError
+from distckpt.errors import StagingMismatchError, StepExistsError
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
 from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
@@ -73,6 +73,7 @@ class SaveOptions:
     fingerprint: bool
     on_replica_drift: str
     lease_s: float
+    verify_staging: bool | str = "auto"
 
 
 @dataclass
@@ -121,6 +122,10 @@ class Prepared:
             rank stages only its share.
         on_device: flattened keys of tensors that live on an accelerator (their copies are
             compared by fingerprint sums, on the device, see ``copy_digest``).
+        staging_digests: (async saves with ``verify_staging``) flattened key -> the staging
+            digest of the live tensor at the call (:func:`distckpt.save.staging.staging_digest`)
+            for the tensors this rank stages and writes; :func:`write` checks every one it
+            writes against the tensor its writer serializes.
         structure: this rank's state structure (:func:`distckpt.save.plan.describe`).
         unscoped: the module/optimizer entries.
         plan: what :func:`write` plans from (set by :func:`agree`; picklable).
@@ -133,6 +138,7 @@ class Prepared:
     extra: dict[str, Any]
     replica_digests: dict[str, Any] = field(default_factory=dict)
     on_device: frozenset[str] = frozenset()
+    staging_digests: dict[str, int] = field(default_factory=dict)
     structure: _save_plan.Structure | None = None
     unscoped: list[str] = field(default_factory=list)
     plan: PlanInput | None = None
@@ -298,12 +304,57 @@ def stage(opts: SaveOptions, stager: Stager, prepared: Prepared, skip: frozenset
     save: a CRC-32C of each host copy (read once, at several times the speed of the copy it
     replaces), a fingerprint sum on the device for accelerator copies.
     ``on_replica_drift="ignore"`` or ``fingerprint=False`` skips it.
+
+    With ``verify_staging`` (``"auto"``: the tensors on an accelerator; ``True``: every tensor),
+    each tensor this rank writes gets its staging digest from the live tensor, here, before
+    training can change it; :func:`write` proves the writer serialized the same values.
     """
     live = prepared.state_dict
-    prepared.state_dict = stager.stage(live, skip)
+    staged = stager.stage(live, skip, verify=_staging_checked(opts.verify_staging, prepared))
+    prepared.state_dict, prepared.staging_digests = staged.state_dict, staged.digests
     if skip and opts.fingerprint and opts.on_replica_drift != "ignore":
         flat = flatten_state_dict(live)[0]
         prepared.replica_digests = statecheck.copy_digests({k: flat[k] for k in skip if k in flat}, prepared.on_device)
+
+
+def _staging_checked(mode: bool | str, prepared: Prepared) -> Callable[[str, Any], bool] | None:
+    """Which staged tensors ``verify_staging=mode`` proves: those this rank writes (replicated
+    plain tensors: its share; DTensors: the blocks it is the designated writer of), on an
+    accelerator (``"auto"``) or anywhere (``True``). ``None`` for ``False``."""
+    if mode is False:
+        return None
+    plan = prepared.plan
+
+    def checked(key: str, value: Any) -> bool:
+        if isinstance(value, DTensor):
+            if not _save_plan.writes_dtensor(value, key):
+                return False
+            local = value.to_local()
+        else:
+            writer = plan.writers.get(key) if plan is not None else None
+            if writer is not None and writer != plan.rank:
+                return False
+            local = value
+        return mode is True or local.device.type != "cpu"
+
+    return checked
+
+
+def check_staging(expected: Mapping[str, int], seen: Mapping[str, int], written: set[str], step: int, rank: int) -> None:
+    """(each rank) Every tensor this rank wrote that staging digested must have been serialized
+    with the same digest (``seen``: what the writer threads computed over each serialized tensor).
+
+    Keys staged but not written here (a block another rank's copy of was kept) are not judged.
+
+    Raises:
+        StagingMismatchError: naming the tensors whose written values differ from the state at the
+            save call, or that were written without being checked.
+    """
+    mine = sorted(k for k in expected if k in written)
+    differ = [k for k in mine if k in seen and seen[k] != expected[k]]
+    unchecked = [k for k in mine if k not in seen]
+    if differ or unchecked:
+        raise StagingMismatchError.found(step, rank, differ, unchecked)
 
 
 # 5. write ----------------------------------------------------------------------------------------
@@ -372,8 +423,15 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
             return fingerprint.local_parts(rest), statecheck.copy_digests(digested, prepared.on_device)
 
         aside = _in_background(aside_work)
+    if prepared.staging_digests:
+        run.planner.staging_expected = prepared.staging_digests
     run.write()
     lap("write")
+    if prepared.staging_digests:
+        run.attempt(
+            lambda: check_staging(prepared.staging_digests, run.planner.staging_seen, written_keys, step, group.rank)
+        )
+        lap("verify_staging")
     if opts.fingerprint:
         run.planner.fingerprints = run.planner.copies = None
         aside_parts, aside_copies = run.attempt(aside) or ([], {})

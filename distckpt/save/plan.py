@@ -95,6 +95,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from distckpt.state import fingerprint, statecheck
+from distckpt.save.staging import staging_digest
 from distckpt._compat import StridedShard
 from distckpt._dist import Group, _Failure, capture
 from distckpt.errors import CheckpointError, from_causes
@@ -367,6 +368,20 @@ class DistckptSavePlanner(DefaultSavePlanner):
         self.compared: frozenset[str] = frozenset()
         self.on_device: frozenset[str] = frozenset()
         self._fingerprints_lock = threading.Lock()
+        # verify_staging: key -> staging digest of the live tensor at the save call (set by the
+        # write phase), and key -> the digest of the tensor serialized for it (see :meth:`serializing`).
+        self.staging_expected: Mapping[str, int] = {}
+        self.staging_seen: dict[str, int] = {}
+
+    def serializing(self, write_item: Any, tensor: torch.Tensor) -> None:
+        """(writer threads) ``tensor`` is about to be serialized for ``write_item``, exactly as
+        written: take its staging digest where the save verifies staging (see
+        :func:`distckpt.save.phases.check_staging`)."""
+        key = write_item.index.fqn
+        if key in self.staging_expected:
+            value = staging_digest(tensor)
+            with self._fingerprints_lock:
+                self.staging_seen[key] = int(value)
 
     def resolve_data(self, write_item: Any) -> Any:
         data = super().resolve_data(write_item)

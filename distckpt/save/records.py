@@ -68,7 +68,11 @@ def _write_file(
                     raise TypeError(f"item {item.index.fqn}: bytes to write must be io.BytesIO, got {type(data).__name__}")
                 transform_to.write(data.getbuffer())
             else:
-                write_torch_record(_host_tensor(data), transform_to, crc)
+                host = _host_tensor(data)
+                serializing = getattr(planner, "serializing", None)
+                if serializing is not None:  # distckpt's planner checks what is written (verify_staging)
+                    serializing(item, host)
+                write_torch_record(host, transform_to, crc)
             if transform_to is not stream:
                 transform_to.close()  # flushes into the file's stream, which stays open
             length = stream.tell() - offset

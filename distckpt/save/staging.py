@@ -22,11 +22,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from distckpt._compat import flatten_state_dict, unflatten_state_dict
 from distckpt.save.shared_arena import SharedArena, plan_slots, view
+from distckpt.state import fingerprint, fpkernels
 
 try:
     from torch.distributed.tensor import DTensor
@@ -51,6 +55,41 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
             raise TypeError(f"cannot save {key!r}: it is a meta tensor (no data); materialize it first (to_empty + init)")
 
 
+@dataclass
+class Staged:
+    """What :meth:`Stager.stage` returns.
+
+    Attributes:
+        state_dict: the staged copy (the caller's nesting; tensors in host buffers).
+        digests: flattened key -> staging digest of the *live* tensor at the call
+            (:func:`staging_digest`), for the keys the caller asked to verify.
+    """
+
+    state_dict: dict[str, Any]
+    digests: dict[str, int] = field(default_factory=dict)
+
+
+def staging_digest(t: torch.Tensor) -> int | torch.Tensor:
+    """The digest an async save records of a tensor when it stages it, and checks against the
+    tensor its writer serializes (``verify_staging``): the version-1 fingerprint sum of the
+    tensor's elements in row-major order from index 0 (:mod:`distckpt.state.fpkernels`; any single
+    changed element always changes it, a random corruption escapes with probability ~2**-32).
+    Version 1 rather than 2: it is one multiply and one sum per element, which on an accelerator
+    runs at memory speed beside the staging copy (version 2's extra 64-bit passes would not).
+
+    Host tensors give an int; accelerator tensors a 0-dim device tensor, computed on the current
+    stream without synchronizing (:func:`distckpt.state.fpkernels.settle` brings them back)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    bits = fpkernels.bits(t)
+    if t.device.type == "cpu":
+        return fpkernels.host_run_sum(bits, 0, 1)
+    return fpkernels.device_run_sum(bits, 0, 1)
+
+
 class Stager:
     """Copies state dicts into reused host buffers.
 
@@ -61,10 +100,11 @@ class Stager:
         shared: put the buffers in one :class:`~distckpt.save.shared_arena.SharedArena` (shared
             memory a background writer process maps) instead of private host memory.
 
-    Buffers of accelerator tensors are pinned (when CUDA is available), and their copies are
-    issued non-blocking on a side stream that first waits for the training stream, then
-    synchronized once: the copies overlap each other, and training's later kernels cannot change
-    a tensor before it is copied.
+    Buffers of CUDA tensors are pinned (when CUDA is available), and their copies are issued
+    non-blocking on a side stream of the tensor's own device that first waits for that device's
+    current stream (training's), then synchronized once: the copies overlap each other, and
+    training's later kernels cannot change a tensor before it is copied. Tensors on other
+    accelerators are copied synchronously.
     """
 
     def __init__(self, shared: bool = False) -> None:
@@ -73,12 +113,14 @@ class Stager:
         self.arena: SharedArena | None = None
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._buffers: dict[str, torch.Tensor] = {}
-        self._stream: Any = None
+        self._streams: dict[int, Any] = {}  # CUDA device index -> side stream
+        self._reserving: threading.Thread | None = None  # reserve()'s allocation, until stage() joins it
+        self._reserve_error: BaseException | None = None
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            pin = self.pin_memory and like.device.type != "cpu"
+            pin = self.pin_memory and like.device.type == "cuda"
             buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
         return buf
@@ -91,18 +133,16 @@ class Stager:
         slots, nbytes = plan_slots(layout)
         if self.arena is not None:
             self.arena.close()
-        pin = self.pin_memory and any(t.device.type != "cpu" for t in tensors.values())
+        pin = self.pin_memory and any(t.device.type == "cuda" for t in tensors.values())
         self.arena = SharedArena(nbytes, pin=pin)
         self._layout = layout
         self._buffers = {k: view(self.arena.tensor, slot) for k, slot in slots.items()}
 
-    def stage(self, state_dict: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-        """(each rank) A copy of ``state_dict`` whose tensors live in host buffers.
-
-        The copy has the caller's nesting (not DCP's flattened keys), so that an async save
-        records exactly the ``.metadata`` a sync save of the same state does. Keys in ``skip``
-        (flattened names of replicated tensors another rank writes) are left out.
-        """
+    def _local_tensors(
+        self, state_dict: dict[str, Any], skip: frozenset[str] | set[str]
+    ) -> tuple[dict[str, Any], Any, dict[str, torch.Tensor]]:
+        """The flattened state (without ``skip``), its mappings, and its tensors as staged (a
+        DTensor by its local shard)."""
         flat, mappings = flatten_state_dict(state_dict)
         flat = {k: v for k, v in flat.items() if k not in skip}
         tensors = {
@@ -110,17 +150,84 @@ class Stager:
             for k, v in flat.items()
             if isinstance(v, torch.Tensor)
         }
+        return flat, mappings, tensors
+
+    def reserve(self, state_dict: dict[str, Any], skip: frozenset[str] | set[str] = frozenset()) -> None:
+        """(each rank) Allocate, pin and touch the buffers :meth:`stage` will copy ``state_dict``
+        into, in a background thread, and return at once. The allocation is most of a first
+        staging's cost (page faults over the whole state, and registering it as pinned memory for
+        CUDA tensors); :meth:`stage` waits for it if it is still running. Only the tensors'
+        shapes, dtypes and devices are read here, never their values."""
+        self._await_reserve()
+        _, _, tensors = self._local_tensors(state_dict, skip)
+
+        def allocate() -> None:
+            try:
+                if self.shared:
+                    self._prepare_arena(tensors)
+                    arena = self.arena
+                    if arena is not None and not arena.pinned and arena.nbytes:
+                        arena.tensor.fill_(0)  # fault every page in now, not during the first copy
+                    return
+                for key, t in tensors.items():
+                    if not t.is_quantized and t.numel():
+                        self._buffer(key, t).view(-1).view(torch.uint8).fill_(0)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next stage()
+                self._reserve_error = exc
+
+        self._reserving = threading.Thread(target=allocate, name="distckpt-reserve-staging", daemon=True)
+        self._reserving.start()
+
+    def _await_reserve(self) -> None:
+        """Wait for :meth:`reserve`'s allocation; raise what it failed with."""
+        thread, self._reserving = self._reserving, None
+        if thread is not None:
+            thread.join()
+        error, self._reserve_error = self._reserve_error, None
+        if error is not None:
+            raise error
+
+    def stage(
+        self,
+        state_dict: dict[str, Any],
+        skip: frozenset[str] | set[str] = frozenset(),
+        verify: Callable[[str, Any], bool] | None = None,
+    ) -> Staged:
+        """(each rank) A copy of ``state_dict`` whose tensors live in host buffers.
+
+        The copy has the caller's nesting (not DCP's flattened keys), so that an async save
+        records exactly the ``.metadata`` a sync save of the same state does. Keys in ``skip``
+        (flattened names of replicated tensors another rank writes) are left out. For the keys
+        ``verify(key, value)`` accepts, the :func:`staging_digest` of the live tensor (a
+        DTensor's local shard) is taken at the call, before training can change it: accelerator
+        tensors on the device, after their copy on the same side stream; host tensors here.
+        """
+        self._await_reserve()
+        flat, mappings, tensors = self._local_tensors(state_dict, skip)
         if self.shared:
             self._prepare_arena(tensors)
         else:
             for key in list(self._buffers):
                 if key not in tensors:
                     del self._buffers[key]  # the state shrank: free what is no longer needed
-        stream = self._side_stream(tensors.values())
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            copies = {k: self._copy(k, t) for k, t in tensors.items()}
-        if stream is not None:
+        checked = {k for k in tensors if verify is not None and fingerprint.supported(tensors[k]) and verify(k, flat[k])}
+        copies: dict[str, torch.Tensor] = {}
+        pending: dict[str, int | torch.Tensor] = {}
+        streams = []
+        for device, keys in _by_device(tensors).items():
+            stream = self._side_stream(device)
+            with _on_stream(stream):
+                for k in keys:
+                    copies[k] = self._copy(k, tensors[k])
+                    if k in checked:
+                        # After the copy, on the same stream: both read the tensor before
+                        # training's next kernel can change it.
+                        pending[k] = staging_digest(tensors[k])
+            if stream is not None:
+                streams.append(stream)
+        for stream in streams:
             stream.synchronize()
+        digests = dict(zip(pending, fpkernels.settle(list(pending.values()))))
         staged: dict[str, Any] = {}
         for key, value in flat.items():
             if isinstance(value, DTensor):
@@ -138,17 +245,19 @@ class Stager:
                 # Non-tensor leaves are small (hyper-parameters, JSON text); a deep copy
                 # freezes them against later mutation by the training loop.
                 staged[key] = copy.deepcopy(value)
-        return unflatten_state_dict(staged, mappings)
+        return Staged(unflatten_state_dict(staged, mappings), digests)
 
-    def _side_stream(self, tensors: Any) -> Any:
-        """The CUDA stream staging copies run on (None without CUDA tensors)."""
-        if not any(t.device.type == "cuda" for t in tensors):
+    def _side_stream(self, device: torch.device) -> Any:
+        """The side stream copies from a CUDA ``device`` run on (``None`` for host memory and
+        other accelerators), made to wait for that device's current stream first."""
+        if device.type != "cuda":
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        # Copies must see every kernel training queued before save() was called.
-        self._stream.wait_stream(torch.cuda.current_stream())
-        return self._stream
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device=device)
+        # Copies must see every kernel training queued on this device before save() was called.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         if src.is_quantized:
@@ -157,7 +266,9 @@ class Stager:
             self._buffers.pop(key, None)
             return src.to("cpu", copy=True)
         buf = self._buffer(key, src)
-        buf.copy_(src, non_blocking=src.device.type != "cpu" and (buf.is_pinned() or self._arena_pinned))
+        # Non-blocking only from CUDA into pinned memory, on the side stream synchronized before
+        # stage() returns; every other copy completes before copy_ returns.
+        buf.copy_(src, non_blocking=src.device.type == "cuda" and (buf.is_pinned() or self._arena_pinned))
         return buf
 
     @property
@@ -171,11 +282,28 @@ class Stager:
 
     def close(self) -> None:
         """Release every buffer (and the shared arena)."""
+        try:
+            self._await_reserve()
+        except BaseException:  # noqa: BLE001 - closing: what failed to be reserved is released anyway
+            pass
         self._buffers.clear()
         self._layout = []
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+def _by_device(tensors: dict[str, torch.Tensor]) -> dict[torch.device, list[str]]:
+    """Keys of ``tensors`` grouped by the device they live on (insertion order kept)."""
+    out: dict[torch.device, list[str]] = {}
+    for key, t in tensors.items():
+        out.setdefault(t.device, []).append(key)
+    return out
+
+
+def _on_stream(stream: Any) -> Any:
+    """``torch.cuda.stream(stream)`` (which also makes its device current), or nothing."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def replicated_layout(state_dict: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, int]]]:

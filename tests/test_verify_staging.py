@@ -1,0 +1,171 @@
+"""verify_staging: every async save proves that what its writer serialized is the state at the
+save call. A wrong staged copy (one element off in one staged buffer, injected into the real
+staging path) fails the save on every rank, nothing is committed and the previous step loads;
+which tensors are digested follows the option; states holding NaN, infinities and negative zero
+are saved bit-exactly and pass (the GPU probe that reported corruption compared such states with
+``torch.equal``, for which NaN never equals itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distckpt
+from dist_harness import run_ranks
+from distckpt.errors import StagingMismatchError
+from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _break_one_staged_copy(rank_to_break: int, rank: int) -> list[str]:
+    """The next weight ``rank_to_break`` stages gets one element off by one ulp after its copy
+    (the real staging path runs first). Returns the list the broken key is added to."""
+    from distckpt.save import staging
+
+    broken: list[str] = []
+    original = staging.Stager._copy
+
+    def copy(self, key, src):
+        buf = original(self, key, src)
+        if rank == rank_to_break and key.endswith("weight") and not broken:
+            flat = buf.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+            broken.append(key)
+        return buf
+
+    staging.Stager._copy = copy
+    return broken
+
+
+def _injected_fault(rank: int, world: int, root: str, parallel: str, mode: str) -> dict:
+    model = wrap(make_model(seed=1), parallel, world)
+    optim = make_optimizer(model, parallel)
+    train_steps(model, optim, range(2), rank, world)
+    state = {"model": model, "optim": optim, "step": 2}
+    ckpt = distckpt.Checkpointer(root, async_mode=mode, verify_staging=True)
+    ckpt.save(2, state, blocking=False)
+    ckpt.wait()
+    good_model, good_optim = full_model_state(model), full_optim_state(model, optim)
+    train_steps(model, optim, range(2, 3), rank, world)
+    broken = _break_one_staged_copy(world - 1, rank)
+    ckpt.save(3, state, blocking=False)  # staging succeeds; the fault surfaces when writing
+    error = None
+    try:
+        ckpt.wait()
+    except StagingMismatchError as exc:
+        error = str(exc)
+    steps = ckpt.steps()
+    ckpt.close()
+    # The previous step is the newest and loads exactly.
+    fresh = wrap(make_model(seed=9), parallel, world)
+    fresh_optim = make_optimizer(fresh, parallel)
+    train_steps(fresh, fresh_optim, range(1), rank, world)
+    back = {"model": fresh, "optim": fresh_optim, "step": 0}
+    with distckpt.Checkpointer(root) as again:
+        loaded = again.load(back)
+    assert_same(good_model, full_model_state(fresh), "model")
+    assert_same(good_optim, full_optim_state(fresh, fresh_optim), "optimizer")
+    return {"error": error, "steps": steps, "loaded": loaded, "broken": broken}
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_wrong_staged_copy_fails_the_save_at_world_size_1(tmp_path, mode):
+    out = run_ranks(_injected_fault, 1, tmp_path, str(tmp_path / "ck"), "plain", mode)[0]
+    assert out["broken"] and out["error"] is not None
+    assert out["broken"][0] in out["error"] and "nothing was committed" in out["error"]
+    assert out["steps"] == [2] and out["loaded"] == 2
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_wrong_staged_copy_on_one_rank_fails_the_save_on_every_rank(tmp_path, mode):
+    out = run_ranks(_injected_fault, 2, tmp_path, str(tmp_path / "ck"), "ddp", mode)
+    assert not out[0]["broken"] and out[1]["broken"]
+    for o in out:
+        assert o["error"] is not None and "rank 1" in o["error"] and out[1]["broken"][0] in o["error"], o["error"]
+        assert o["steps"] == [2] and o["loaded"] == 2
+
+
+def _fsdp_fault(rank: int, world: int, root: str) -> dict:
+    model = wrap(make_model(seed=1), "fsdp", world)
+    optim = make_optimizer(model, "fsdp")
+    train_steps(model, optim, range(2), rank, world)
+    ckpt = distckpt.Checkpointer(root, async_mode="thread", verify_staging=True)
+    broken = _break_one_staged_copy(0, rank)
+    ckpt.save(1, {"model": model, "optim": optim}, blocking=False)
+    try:
+        ckpt.wait()
+        error = None
+    except StagingMismatchError as exc:
+        error = str(exc)
+    steps = ckpt.steps()
+    ckpt.close()
+    return {"error": error, "steps": steps, "broken": broken}
+
+
+def test_a_wrong_copy_of_a_dtensor_shard_is_caught(tmp_path):
+    out = run_ranks(_fsdp_fault, 2, tmp_path, str(tmp_path / "ck"))
+    assert out[0]["broken"]
+    for o in out:
+        assert o["error"] is not None and out[0]["broken"][0] in o["error"] and o["steps"] == []
+
+
+def _count_digests(monkeypatch) -> list[str]:
+    from distckpt.save import staging
+
+    seen: list[str] = []
+    original = staging.Stager.stage
+
+    def stage(self, state_dict, skip=frozenset(), verify=None):
+        out = original(self, state_dict, skip, verify)
+        seen.extend(out.digests)
+        return out
+
+    monkeypatch.setattr(staging.Stager, "stage", stage)
+    return seen
+
+
+@pytest.mark.parametrize("mode,expected", [("auto", 0), (True, 3), (False, 0)])
+def test_which_tensors_are_digested(tmp_path, monkeypatch, mode, expected):
+    # "auto" digests accelerator tensors only (none here: the CPU state costs nothing extra),
+    # True every tensor written, False none.
+    seen = _count_digests(monkeypatch)
+    state = {"w": torch.randn(20, 3), "b": torch.randn(3), "i": torch.arange(4)}
+    with distckpt.Checkpointer(str(tmp_path), verify_staging=mode, async_mode="thread", save_rng=False) as ckpt:
+        ckpt.save(1, state, blocking=False)
+        stats = ckpt.wait()
+    assert len(seen) == expected
+    assert ("verify_staging" in stats.phases) == bool(expected)
+
+
+def test_verify_staging_is_validated(tmp_path):
+    for bad in ("on", 1, None, "Auto"):
+        with pytest.raises(ValueError, match="verify_staging"):
+            distckpt.Checkpointer(str(tmp_path), verify_staging=bad)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def test_states_with_nan_inf_and_negative_zero_are_saved_bit_exactly(tmp_path):
+    # NaN payloads of both signs, infinities, -0.0 and subnormals: what an overflowing run holds.
+    # Compared bit by bit: torch.equal calls any tensor holding a NaN unequal to itself.
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, 3.0])
+    payload = torch.tensor([0x7FC00001, 0x7F800001, -0x400000, 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    state = {
+        "f32": torch.cat([special, payload]).repeat(50),
+        "bf16": special.to(torch.bfloat16).repeat(30),
+        "f64": special.double(),
+    }
+    assert not torch.equal(state["f32"], state["f32"].clone())
+    for mode in ("process", "thread"):
+        with distckpt.Checkpointer(str(tmp_path / mode), verify_staging=True, async_mode=mode) as ckpt:
+            for step in range(3):  # the buffers of later saves are reused ones
+                ckpt.save(step, state, blocking=False)
+                ckpt.wait()
+            back = {k: torch.zeros_like(v) for k, v in state.items()}
+            ckpt.load(back, verify_state=True)
+        for k in state:
+            assert torch.equal(_bits(back[k]), _bits(state[k])), (mode, k)
+
