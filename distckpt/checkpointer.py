@@ -30,7 +30,16 @@ from distckpt.save.plan import PlanCache, PlanStats
 from distckpt.errors import CheckpointError, StateMismatchError, one_line
 from distckpt.integrity.checksums import ALGORITHMS
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, read_metadata, step_dir
+from distckpt.integrity.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_extra,
+    committed_steps,
+    read_manifest,
+    read_metadata,
+    step_dir,
+)
+from distckpt.storage.lineage import Lineage
 from distckpt.storage.retention import Reaper, check_keep_last
 from distckpt.save.background import Job, WriterProcess, encode
 from distckpt.save.staging import Stager, replicated_shares
@@ -146,6 +155,14 @@ class Checkpointer:
             ``dcp.load`` reads the files alike). Chosen per record (:mod:`distckpt.save.records`),
             so other ``torch.save`` calls in the process are unaffected. On by default;
             ``False`` writes the CRCs (e.g. for tools that unzip records), as does ``checksum=None``.
+        safe_types: Enum, dataclass and NamedTuple classes that values in ``state`` may hold. A
+            save stores them by class name and refuses others, naming key and class; a load
+            rebuilds only these (:mod:`distckpt.state.values`). Pass the same list on every rank
+            and in every job that loads the checkpoints.
+        job: the name of this job's saves; ``keep_last`` counts and deletes only the steps of this
+            job (several jobs may share a root). ``None`` (default): a full ``load`` continues the
+            job of the step it loaded, a checkpointer that saves without loading starts a new one
+            (:mod:`distckpt.storage.lineage`).
         verify_staging: every async save proves that what its writer serialized is the state at
             the ``save`` call: a digest of each live tensor is taken while training is blocked
             and compared with a digest of the tensor the writer serializes; a mismatch fails the
@@ -153,10 +170,6 @@ class Checkpointer:
             committed. ``"auto"`` (default): for accelerator tensors (digested on the device,
             beside their staging copy); ``True``: host tensors too (a NumPy pass over them while
             training is blocked); ``False``: off.
-        safe_types: Enum, dataclass and NamedTuple classes that values in ``state`` may hold. A
-            save stores them by class name and refuses others, naming key and class; a load
-            rebuilds only these (:mod:`distckpt.state.values`). Pass the same list on every rank
-            and in every job that loads the checkpoints.
     """
 
     def __init__(
@@ -182,10 +195,19 @@ class Checkpointer:
         lease_s: float = ownership.DEFAULT_LEASE_S,
         skip_torch_record_crc: bool = True,
         async_mode: str = "process",
-        safe_types: Sequence[type] = (),
         verify_staging: bool | str = "auto",
+        job: str | None = None,
+        safe_types: Sequence[type] = (),
     ) -> None:
         check_keep_last(keep_last)
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
+            raise ValueError(f"root must be a local path or an fsspec URL, got {root!r}")
+        root = os.fspath(root)
+        if storage_options and ("://" not in root or root.startswith("file://")):
+            raise ValueError(
+                f"storage_options configure the filesystem of a URL (s3://..., memory://...); {root!r} is a local path, "
+                "where they would be ignored"
+            )
         if not (isinstance(verify_staging, bool) or verify_staging == "auto"):
             raise ValueError(f'verify_staging must be "auto", True or False, got {verify_staging!r}')
         if async_mode not in ASYNC_MODES:
@@ -200,6 +222,7 @@ class Checkpointer:
             raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self.fingerprint = fingerprint
         self.verify_staging = verify_staging
+        self._lineage = Lineage(job)
         # Validated once (ValueError naming the bad entry). Not in SaveOptions: that is pickled
         # into the writer process's job, where classes defined in __main__ cannot be unpickled;
         # the writer needs none of them (values are encoded before staging).
@@ -244,6 +267,7 @@ class Checkpointer:
                 keep_last,
                 # Upload from distckpt's coordinator (the group exists by the first submit).
                 is_coordinator=lambda: self._group.is_coordinator if self._group is not None else True,
+                owned=self._lineage.owns,
             )
         _live.add(self)
 
@@ -364,9 +388,10 @@ class Checkpointer:
         # Phases 1-3 (see distckpt.save.phases): prepare and agree on every rank, claim on the
         # coordinator (async saves: in the background, after refusing a committed step here).
         def prepare() -> tuple[_saving.Prepared, _saving.SaveView]:
+            extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
             if not blocking and group.is_coordinator:
                 _saving.refuse_committed(opts, step)
-            return _saving.prepare(opts, step, state, dict(metadata or {}), group.rank, blocking, plans, safe_types=self.safe_types)
+            return _saving.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.safe_types)
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
         _saving.agree(prepared, views, group.rank)
@@ -496,9 +521,9 @@ class Checkpointer:
             t0 = time.perf_counter()
 
             def commit() -> int:
-                manifest = _saving.commit(opts, group.world_size, prepared, written, self._lease)
+                manifest = _saving.commit(opts, group.world_size, prepared, written, self._lease, self._lineage.job)
                 self._release_lease(committed=True)
-                _saving.apply_retention(opts, self._reaper)
+                _saving.apply_retention(opts, self._reaper, lambda s: self._lineage.owns(opts.storage, s))
                 return manifest.total_bytes
 
             stats.bytes_written = on_coordinator(group, f"commit of step {prepared.step}", commit)
@@ -700,9 +725,13 @@ class Checkpointer:
         # Every rank alike (pure): a non-tensor item the save recorded must still be one.
         values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
         selection = Selection(_patterns(only, "only"), _patterns(exclude, "exclude"), frozenset(index))
-        plan, views = exchange(
-            group, f"load of {where}", lambda: plan_load(group, manifest, index, state, restore_rng, selection)
-        )
+
+        def plan_here() -> Any:
+            # Inside the exchange: patterns a rank got wrong fail every rank alike.
+            _refuse_dead_patterns(only, exclude, index, where)
+            return plan_load(group, manifest, index, state, restore_rng, selection)
+
+        plan, views = exchange(group, f"load of {where}", plan_here)
         # Digests first; the requested keys themselves only where ranks request different sets.
         requested_set = requested_keys(group, index, plan, views)
         report = judge(manifest.step, index, views, None if strict else plan.names, selection, requested_set)
@@ -736,13 +765,19 @@ class Checkpointer:
             then=lambda: apply_load(group, manifest, plan, state),
         )
         check = explicit
-        if check is None:  # by default where the risk is highest: the layout changed
-            check = manifest.world_size != group.world_size or _parallelism_changed(manifest, plan.entries)
+        if check is None:
+            # By default where the risk is highest: the layout changed, or nothing else proved the
+            # bytes (a checkpoint saved with checksum=None: its fingerprints are the only proof).
+            relaid = manifest.world_size != group.world_size or _parallelism_changed(manifest, plan.entries)
+            unchecked = manifest.checksum_algorithm is None
+            check = relaid or unchecked
             if check and not manifest.fingerprints:
-                _warn_unverifiable(manifest.step, where)
+                _warn_unverifiable(manifest.step, where, relaid)
                 check = False
         if check:
             self._verify_loaded(group, manifest, plan, requested, where)
+        if not (only or exclude):  # a resume (not a new run from part of it): continue its job
+            self._lineage.adopt(manifest.job)
 
         self.last_load_report = report
         if not report.clean:
@@ -818,6 +853,28 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+def _refuse_dead_patterns(only: Any, exclude: Any, index: Mapping[str, Any], where: str) -> None:
+    """(every rank, pure) ``ValueError`` naming each ``only``/``exclude`` pattern that matches no
+    entry name and no key of the checkpoint: a typo (``exclude="optm"``) must not load what it
+    was meant to leave out, nor one dead name in a list (``only=["model.weight", "model.bais"]``)
+    go unnoticed beside one that matches."""
+    from fnmatch import fnmatchcase
+
+    names = set(index) | {k.split(".", 1)[0] for k in index}
+    dead = [
+        f"{what}={p!r}"
+        for what, value in (("only", only), ("exclude", exclude))
+        for p in _patterns(value, what)
+        if not any(fnmatchcase(n, p) for n in names)
+    ]
+    if dead:
+        entries = sorted({k.split(".", 1)[0] for k in index})
+        raise ValueError(
+            f"load({', '.join(dead)}): {'this pattern matches' if len(dead) == 1 else 'these patterns match'} "
+            f"nothing in {where} (entries: {entries}; patterns are fnmatch-style, matched against entry names and keys)"
+        )
+
+
 def _patterns(value: str | list[str] | None, what: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -879,15 +936,16 @@ def _require_fingerprints(manifest: Manifest, index: Mapping[str, Any], requeste
 _warned_unverifiable: set[str] = set()
 
 
-def _warn_unverifiable(step: int, where: str) -> None:
+def _warn_unverifiable(step: int, where: str, relaid: bool) -> None:
     """Once per checkpoint root and process: the default check was due but has nothing to compare."""
     root = where.rsplit("/", 1)[0]
     if root in _warned_unverifiable:
         return
     _warned_unverifiable.add(root)
+    why = "was loaded at another world size or parallelism" if relaid else "records no file checksums (saved with checksum=None)"
     warnings.warn(
-        f"distckpt: step {step} at {where} was loaded at another world size or parallelism, but it records no "
-        "state fingerprints (saved with fingerprint=False), so the loaded state was not verified",
+        f"distckpt: step {step} at {where} {why}, and it records no state fingerprints (saved with "
+        "fingerprint=False), so the loaded state was not verified",
         stacklevel=3,
     )
 

@@ -40,10 +40,10 @@ def _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup):
     real_commit = _saving.commit
     outcome: dict = {}
 
-    def commit_a_then(opts, world_size, prepared, written, lease):
+    def commit_a_then(opts, world_size, prepared, written, lease, job=None):
         def commit_a():
             try:
-                outcome["manifest"] = real_commit(opts, world_size, prepared, written, lease)
+                outcome["manifest"] = real_commit(opts, world_size, prepared, written, lease, job)
             except BaseException as exc:  # noqa: BLE001 - handed to A's save below
                 outcome["error"] = exc
                 raise

@@ -17,6 +17,7 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
@@ -67,6 +68,8 @@ class Manifest:
             (:mod:`distckpt.state.fingerprint`), checked after loads (:mod:`distckpt.state.statecheck`).
         fingerprint_version: the fingerprint construction ``fingerprints`` were computed with
             (:mod:`distckpt.state.fpkernels`; 1 in manifests written before it was recorded).
+        job: the job (lineage of runs) that saved it: retention counts and deletes only its own
+            job's steps (:mod:`distckpt.storage.lineage`; ``None`` in manifests written before).
         value_digests: flattened key -> sha256 of the bytes stored for every non-tensor item
             written (optimizer hyper-parameters, scheduler/GradScaler fields, plain values...:
             DCP's BYTE_IO records, see :mod:`distckpt.state.values`), checked by every load, export and
@@ -89,6 +92,7 @@ class Manifest:
     fingerprints: dict[str, str] = field(default_factory=dict)
     value_digests: dict[str, str] | None = None
     fingerprint_version: int = 1
+    job: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -169,9 +173,62 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
         raise bad("fingerprints", "an object of strings")
     if "fingerprint_version" in raw and not is_int(raw["fingerprint_version"], 1):
         raise bad("fingerprint_version", "a positive int")
+    if raw.get("job") is not None and not isinstance(raw["job"], str):
+        raise bad("job", "a string or null")
     digests = raw.get("value_digests")
     if digests is not None and (not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values())):
         raise bad("value_digests", "an object of strings or null")
+
+
+_EXTRA_DEPTH = 32
+
+
+def check_extra(extra: Any) -> dict[str, Any]:
+    """``save(metadata=...)`` as the manifest records it: a dict that JSON holds exactly, so
+    that it reads back equal (``Manifest.extra``). ``None`` is an empty dict.
+
+    Raises:
+        TypeError: not a dict; a key that is not a string (JSON would turn ``1`` into ``"1"``); a
+            tuple (it would come back a list) or any value that is not None, bool, int, float,
+            str, list or dict; nested deeper than 32 levels. The message names the path.
+        ValueError: a float that is NaN or infinite (not JSON).
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"save(metadata=...) must be a dict of JSON values, got {type(extra).__name__}")
+
+    def walk(value: Any, path: str, depth: int) -> Any:
+        if depth > _EXTRA_DEPTH:
+            raise TypeError(f"save(metadata=...): {path} is nested deeper than {_EXTRA_DEPTH} levels")
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)  # an int subclass (IntEnum, NumPy-free bool-likes) as the plain int JSON keeps
+        if isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"save(metadata=...): {path} is {value!r}, which JSON cannot hold (store it as a string)")
+            return float(value)
+        if isinstance(value, Mapping):
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(
+                        f"save(metadata=...): {path} has the key {k!r} ({type(k).__name__}); JSON keys are strings, "
+                        "so it would read back as another key"
+                    )
+                out[k] = walk(v, f"{path}[{k!r}]", depth + 1)
+            return out
+        if isinstance(value, list):
+            return [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            raise TypeError(f"save(metadata=...): {path} is a tuple, which would read back as a list; pass a list")
+        raise TypeError(
+            f"save(metadata=...): {path} is a {type(value).__module__}.{type(value).__qualname__}; metadata holds "
+            "JSON values only (None, bool, int, float, str, lists and dicts of them)"
+        )
+
+    return walk(extra, "metadata", 0)
 
 
 def digest_of(data: bytes, algorithm: str | None) -> str | None:

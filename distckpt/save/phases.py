@@ -496,8 +496,16 @@ def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 # 6. commit ---------------------------------------------------------------------------------------
-def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Written, lease: ownership.Lease | None) -> Manifest:
+def commit(
+    opts: SaveOptions,
+    world_size: int,
+    prepared: Prepared,
+    written: Written,
+    lease: ownership.Lease | None,
+    job: str | None = None,
+) -> Manifest:
     """(coordinator) Write the manifest, exclusively: the step is committed once it exists.
+    ``job``: the job recorded as its owner (:mod:`distckpt.storage.lineage`).
 
     Raises:
         StepExistsError: another writer took the step over or committed it first.
@@ -520,6 +528,7 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
         extra=prepared.extra,
         fingerprints=statecheck.record(written.parts, opts.on_replica_drift, step, written.drifted) if opts.fingerprint else {},
         fingerprint_version=fingerprint.VERSION,
+        job=job,
         value_digests=dict(sorted(written.value_digests.items())),
     )
     where = storage.display(step_dir(step))
@@ -533,7 +542,8 @@ def commit(opts: SaveOptions, world_size: int, prepared: Prepared, written: Writ
 
 
 # 7. retention ------------------------------------------------------------------------------------
-def apply_retention(opts: SaveOptions, reaper: Reaper | None = None) -> None:
-    """(coordinator) Delete committed steps beyond ``keep_last``; warn, never fail, on errors.
-    With ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
-    delete_old_steps(opts.storage, opts.keep_last, reaper)
+def apply_retention(opts: SaveOptions, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None) -> None:
+    """(coordinator) Delete this job's committed steps beyond ``keep_last`` (``owned``: which are
+    this job's; ``None``: all); warn, never fail, on errors. With ``reaper``, their files are
+    unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
+    delete_old_steps(opts.storage, opts.keep_last, reaper, owned)

@@ -94,6 +94,7 @@ class Replicator:
         max_concurrency: int = 4,
         is_coordinator: Callable[[], bool] | None = None,
         lease_s: float = ownership.DEFAULT_LEASE_S,
+        owned: Callable[[Storage, int], bool] | None = None,
     ) -> None:
         check_keep_last(keep_last)
         if max_concurrency < 1:
@@ -104,6 +105,8 @@ class Replicator:
         self.local = local
         self.remote = remote
         self.keep_last = keep_last
+        # Which remote steps are this job's (distckpt.storage.lineage): retention leaves the rest.
+        self._owned = owned
         self.max_concurrency = max_concurrency
         self._is_coordinator = is_coordinator or _default_is_coordinator
         self._coordinator: bool | None = None
@@ -300,7 +303,8 @@ class Replicator:
             self.remote.sync_file(fo)  # durable before the manifest commits it (local disks: fsync)
 
     def _apply_retention(self) -> None:
-        """Delete remote steps beyond ``keep_last`` (manifest first), then stale leftovers of
-        interrupted uploads (never a live writer's, see :mod:`distckpt.storage.ownership`)."""
-        delete_old_steps(self.remote, self.keep_last)
+        """Delete this job's remote steps beyond ``keep_last`` (manifest first), then stale
+        leftovers of interrupted uploads (never a live writer's, see :mod:`distckpt.storage.ownership`)."""
+        owned = self._owned
+        delete_old_steps(self.remote, self.keep_last, owned=(lambda s: owned(self.remote, s)) if owned is not None else None)
         ownership.remove_stale_leftovers(self.remote, self.lease_s)

@@ -85,8 +85,13 @@ class Reaper:
                 self._idle.wait()
 
 
-def delete_old_steps(storage: Any, keep_last: int | None, reaper: Reaper | None = None) -> list[int]:
+def delete_old_steps(
+    storage: Any, keep_last: int | None, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None
+) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
+
+    ``owned(step)``: whether a committed step is this job's (:class:`distckpt.storage.lineage.Lineage`);
+    only those are counted and deleted, so jobs sharing a root never delete each other's steps.
 
     Each step is first marked released (a released owner record), then un-committed (manifest
     removed), then removed like any incomplete directory (:func:`distckpt.storage.ownership.remove_uncommitted`:
@@ -98,7 +103,10 @@ def delete_old_steps(storage: Any, keep_last: int | None, reaper: Reaper | None 
     from distckpt.storage.ownership import mark_released, remove_uncommitted
 
     deleted = []
-    for old in steps_to_delete(committed_steps(storage), keep_last):
+    if keep_last is None:
+        return deleted
+    mine = [s for s in committed_steps(storage) if owned is None or owned(s)]
+    for old in steps_to_delete(mine, keep_last):
         try:
             try:
                 mark_released(storage, step_dir(old))

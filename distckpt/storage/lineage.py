@@ -1,0 +1,78 @@
+"""Which committed steps of a root are this job's: what ``keep_last`` counts and deletes.
+
+Several jobs may save into one root (two runs of a sweep, a restarted run beside an older one).
+Retention must never delete another job's committed steps, so every manifest records the job
+that saved it (``Manifest.job``) and retention counts only steps of its own job.
+
+A job is a *lineage* of runs, not a process: a run restarted after preemption resumes with
+``load()`` and must go on retiring the steps its earlier runs saved. So by default the identity
+is inherited: a full ``load`` (not ``only``/``exclude``, which start something new from part of
+a checkpoint) adopts the job of the step it loaded; a checkpointer that saves without having
+loaded starts a new job (an id drawn at its first save). ``Checkpointer(job="name")`` fixes it
+instead (e.g. the scheduler's job name), for runs that do not resume through ``load``.
+
+Steps saved before manifests recorded a job belong to no job, except to a run that resumed from
+one of them: that lineage owns them too, so upgrading distckpt in the middle of a run keeps its
+retention working.
+
+Not collective: only the coordinator commits and applies retention; every rank keeps the same
+state (they all load the same step).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+
+class Lineage:
+    """This job's identity and the test of which committed steps are its own.
+
+    Args:
+        job: a fixed job name (``Checkpointer(job=...)``); ``None``: inherited from the step a
+            full load resumes from, else drawn at the first save.
+    """
+
+    def __init__(self, job: str | None = None) -> None:
+        if job is not None and (not isinstance(job, str) or not job or len(job) > 200):
+            raise ValueError(f"job must be None or a non-empty string of at most 200 characters, got {job!r}")
+        self.fixed = job is not None
+        self._job = job
+        self._legacy = False  # resumed from a step that recorded no job: such steps are ours too
+        self._jobs: dict[tuple[int, int], str | None] = {}  # (id(storage), step) -> recorded job
+
+    def adopt(self, recorded: str | None) -> None:
+        """A full load resumed from a step saved by job ``recorded`` (``None``: saved before
+        jobs were recorded): continue that job, unless this one has a fixed name."""
+        if self.fixed:
+            return
+        self._job = recorded
+        self._legacy = recorded is None
+
+    @property
+    def job(self) -> str:
+        """The job new manifests record (drawn on first use if none was given or adopted)."""
+        if self._job is None:
+            self._job = uuid.uuid4().hex[:16]
+        return self._job
+
+    def owns(self, storage: Any, step: int) -> bool:
+        """Whether committed ``step`` under ``storage`` is this job's (its manifest is read once
+        and remembered: a committed manifest never changes). A step whose manifest cannot be read
+        is not ours: retention leaves what it cannot attribute."""
+        from distckpt.integrity.manifest import read_manifest
+
+        key = (id(storage), step)
+        if key not in self._jobs:
+            try:
+                self._jobs[key] = read_manifest(storage, step).job
+            except (OSError, ValueError):
+                return False
+        recorded = self._jobs[key]
+        if recorded is None:
+            return self._legacy
+        return recorded == self.job
+
+    def forget(self, storage: Any, step: int) -> None:
+        """Drop what is remembered of ``step`` (deleted, so its number may be saved again)."""
+        self._jobs.pop((id(storage), step), None)
