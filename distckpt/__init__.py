@@ -7,6 +7,7 @@ Public API (every name below is re-exported here)::
     step = ckpt.load(state, step=None, strict=True)  # collective
     ckpt.steps(); ckpt.latest_step()          # any rank
     ckpt.wait(); ckpt.close()                 # collective
+    ckpt.replica.wait(); ckpt.replica.status() # any rank: uploads to replicate_to (coordinator's)
     distckpt.load_pretrained(model, hf_dir)   # collective: Hugging Face weights, any world size
     distckpt.save_pretrained(model, out_dir)  # collective: publish Hugging Face weights
 """
@@ -29,6 +30,7 @@ from distckpt.state.scope import Global, PerRank
 from distckpt.tools.hf import load_pretrained, save_pretrained
 from distckpt.state.statecheck import ReplicaDriftError, StateDivergedError
 from distckpt.storage.base import Storage
+from distckpt.storage.replica import ReplicaStatus, ReplicationError, Replicator
 
 __all__ = [
     "__version__",
@@ -41,6 +43,9 @@ __all__ = [
     "Manifest",
     "PerRank",
     "ReplicaDriftError",
+    "ReplicaStatus",
+    "ReplicationError",
+    "Replicator",
     "SaveStats",
     "StagingMismatchError",
     "StateDivergedError",

@@ -1,8 +1,10 @@
 """Train a small GPT on synthetic tokens with DDP, ZeRO or FSDP2, checkpointing with distckpt.
 
-Every rank runs this file; ``torchrun`` sets RANK/LOCAL_RANK/WORLD_SIZE. NCCL and ``cuda:LOCAL_RANK``
-when CUDA is available, gloo and the CPU otherwise. Every rank calls save/load (they are
-collective); only rank 0 prints and writes ``--log-file``.
+Every rank runs this file; ``torchrun`` sets RANK/LOCAL_RANK/WORLD_SIZE. ``--device auto``
+(default): NCCL and ``cuda:LOCAL_RANK`` when this node has a GPU per rank, gloo and the CPU
+otherwise (with one warning line where GPUs exist but are too few); ``--device cpu|cuda``
+chooses (``cuda`` with too few GPUs is an error naming both counts). Every rank calls save/load
+(they are collective); only rank 0 prints and writes ``--log-file``.
 
 One node, 2 processes (CPU or GPU)::
 
@@ -71,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async", dest="async_save", action="store_true", help="save periodic checkpoints asynchronously")
     p.add_argument("--keep-last", type=int, default=None, help="keep only the newest k checkpoints")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: one GPU per rank if this node has enough, else the CPU (gloo)",
+    )
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--log-file", default=None, help="rank 0 appends one JSON line per step")
     p.add_argument("--log-every", type=int, default=10, help="print progress every N steps")
@@ -95,19 +103,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --------------------------------------------------------------------------------------------
 # distributed setup
-def init_distributed() -> tuple[int, int, int, torch.device]:
+def pick_device(choice: str, local_rank: int, local_world: int, gpus: int) -> tuple[torch.device, str | None]:
+    """The device of a rank and, where ``auto`` falls back to the CPU on a machine with GPUs,
+    the warning to print (once per node). One GPU per rank or none: ranks sharing a GPU would
+    fail in NCCL (``invalid device ordinal`` for the ranks beyond the GPUs)."""
+    if choice == "cuda" and gpus < local_world:
+        raise SystemExit(
+            f"--device cuda: {local_world} rank(s) on this node need one GPU each, but {gpus} GPU(s) are visible "
+            "(use fewer ranks per node, or --device cpu)"
+        )
+    if choice == "cuda" or (choice == "auto" and 0 < local_world <= gpus):
+        return torch.device("cuda", local_rank), None
+    warning = None
+    if choice == "auto" and gpus:
+        warning = (
+            f"warning: {local_world} ranks on this node but {gpus} GPU(s): training on the CPU with gloo "
+            "(--device cuda requires a GPU per rank; --device cpu silences this)"
+        )
+    return torch.device("cpu"), warning
+
+
+def init_distributed(choice: str = "auto") -> tuple[int, int, int, torch.device]:
     """(rank, local_rank, world_size, device) from the torchrun environment; plain ``python`` = 1 rank."""
     if "RANK" not in os.environ:  # run without torchrun: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device, warning = pick_device(choice, local_rank, local_world, gpus)
+    if warning and local_rank == 0:
+        print(f"[train] {warning}", flush=True)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     return rank, local_rank, world, device
 
 
@@ -172,7 +201,7 @@ def install_preemption_handlers() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     install_preemption_handlers()
-    rank, _, world, device = init_distributed()
+    rank, _, world, device = init_distributed(args.device)
     torch.use_deterministic_algorithms(True, warn_only=True)
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must divide evenly across {world} ranks")

@@ -17,7 +17,7 @@ BENCH = REPO / "benchmarks"
 def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{script}.json"
     cmd = [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the smoke runs are CPU runs
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
@@ -94,3 +94,4 @@ def test_verify_cost_quick(tmp_path: Path) -> None:
         assert ws["verified_over_plain"] == pytest.approx(m["load_verified"] / m["load"])
         assert ws["target_met"] == (ws["verified_over_plain"] <= 1.30)
     assert "fingerprint_colsplit" in res["world_sizes"][1]["median_s"]
+

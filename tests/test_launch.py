@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from dist_harness import free_port
 
 psutil = pytest.importorskip("psutil")
@@ -37,7 +38,8 @@ TIMEOUT = 180
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # The CPU explicitly: on a GPU machine these multi-rank jobs would otherwise take the GPUs.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
@@ -236,3 +238,22 @@ def test_two_node_rendezvous_sigusr1_then_one_node(tmp_path: Path) -> None:
     text = run(2, [*ZERO, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--log-file", str(resumed_log)], tmp_path / "resumed.txt")
     assert f"resumed from step {last}" in text
     assert_continues(ref, losses(resumed_log), last, rel=0)  # dropout RNG restored per rank
+
+
+def test_the_device_is_one_gpu_per_rank_or_the_cpu():
+    # GPU machines out of the box: more ranks than GPUs train on the CPU with one warning line
+    # (never a CUDA "invalid device ordinal"); --device chooses; --device cuda with too few GPUs
+    # is an error naming both counts.
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from train import pick_device
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    assert pick_device("auto", 0, 2, 0) == (torch.device("cpu"), None)
+    assert pick_device("auto", 1, 2, 2) == (torch.device("cuda", 1), None)
+    device, warning = pick_device("auto", 0, 3, 1)
+    assert device == torch.device("cpu") and "3 ranks on this node but 1 GPU(s)" in warning
+    assert pick_device("cpu", 0, 2, 8) == (torch.device("cpu"), None)
+    assert pick_device("cuda", 1, 2, 2) == (torch.device("cuda", 1), None)
+    with pytest.raises(SystemExit, match="2 rank.s. on this node need one GPU each, but 1 GPU"):
+        pick_device("cuda", 0, 2, 1)

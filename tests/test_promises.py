@@ -320,7 +320,7 @@ def test_import_and_inspect_from_an_s3_url(s3_server, s3_bucket, tmp_path):
 def test_run_local_sh_trains_saves_and_resumes(tmp_path):
     ckpt_dir = tmp_path / "run"
     log = tmp_path / "log.jsonl"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU, on GPU machines too
     tiny = ["--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--seq-len", "8", "--vocab", "16",
             "--num-samples", "64", "--global-batch", "4", "--parallel", "ddp", "--save-every", "2",
             "--ckpt-dir", str(ckpt_dir), "--log-file", str(log)]  # fmt: skip

@@ -24,7 +24,8 @@ def test_readme_torchrun_job_runs_and_resumes(tmp_path):
     assert 'Checkpointer("/checkpoints/run1"' in code and "range(state[\"step\"] + 1, 1001)" in code
     code = code.replace("/checkpoints/run1", str(tmp_path / "run1"))
     script = tmp_path / "train.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # The CPU explicitly (the job itself runs on GPUs where it finds one per rank).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     for last in (31, 52):
         script.write_text(code.replace("1001", str(last)).replace("step % 100 == 0", "step % 10 == 0"))
         done = subprocess.run(

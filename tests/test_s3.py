@@ -373,3 +373,75 @@ def test_aws_environment_variables_configure_s3_without_storage_options(tmp_path
     fresh = make_model(seed=3)
     assert distckpt.Checkpointer(root).load({"model": fresh}) == 5
     assert_same(model.state_dict(), fresh.state_dict(), "model")
+
+
+def test_replica_wait_reports_uploads_and_raises_a_failed_one(tmp_path):
+    # The replica's public surface: wait for the uploads submitted so far (or up to one step,
+    # with a timeout), see which steps were uploaded and which failed and why; a failed upload
+    # is raised by wait(). The S3 server is stopped in the middle of step 2's upload (after its
+    # first file reached the server: observed, not timed).
+    from distckpt.storage import replica as replica_mod
+    from distckpt.storage.replica import ReplicationError
+
+    server = S3Server().start()  # its own server: this test stops it
+    try:
+        bucket = server.make_bucket(f"t-{uuid.uuid4().hex[:12]}")
+        ckpt = distckpt.Checkpointer(
+            str(tmp_path / "local"), replicate_to=f"s3://{bucket}/run", replicate_storage_options=server.storage_options
+        )
+        model = torch.nn.Linear(64, 64)
+        ckpt.save(1, {"model": model})
+        status = ckpt.replica.wait(timeout=120)
+        assert status.uploaded == (1,) and status.failed == () and status.pending == ()
+        original = replica_mod.Replicator._put
+        puts = []
+
+        def put_then_stop(self, name, filename):
+            original(self, name, filename)
+            puts.append(filename)
+            if name.endswith("2") and len(puts) == 1:
+                server.stop()
+
+        replica_mod.Replicator._put = put_then_stop
+        try:
+            with pytest.warns(UserWarning, match="upload .* failed"):
+                ckpt.save(2, {"model": model})
+                with pytest.raises(ReplicationError, match="step 2: ") as info:
+                    ckpt.replica.wait(timeout=120)
+        finally:
+            replica_mod.Replicator._put = original
+        assert set(info.value.steps) == {2} and puts
+        status = ckpt.replica.wait(raise_on_failure=False)
+        assert status.uploaded == (1,) and [s for s, _ in status.failed] == [2]
+        assert ckpt.replica.wait(step=1).uploaded == (1,)  # step 1 alone: uploaded, nothing raised
+        assert ckpt.steps() == [1, 2]  # both committed locally whatever the replica did
+        with pytest.raises(ValueError, match="timeout"):
+            ckpt.replica.wait(timeout=-1)
+        ckpt.close()
+    finally:
+        server.stop()
+
+
+def test_replica_wait_times_out_naming_the_pending_step(tmp_path):
+    from distckpt.storage import replica as replica_mod
+
+    release = threading.Event()
+    original = replica_mod.Replicator._put
+
+    def held_put(self, name, filename):
+        release.wait(60)  # the upload of step 1 stays in flight until the test lets it go
+        original(self, name, filename)
+
+    replica_mod.Replicator._put = held_put
+    try:
+        ckpt = distckpt.Checkpointer(str(tmp_path / "local"), replicate_to=f"memory://replica-{uuid.uuid4().hex}/run")
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4)})
+        with pytest.raises(TimeoutError, match=r"step\(s\) \[1\]"):
+            ckpt.replica.wait(timeout=0.05)
+        assert ckpt.replica.status().pending == (1,)
+        release.set()
+        assert ckpt.replica.wait(timeout=60).uploaded == (1,)
+        ckpt.close()
+    finally:
+        release.set()
+        replica_mod.Replicator._put = original

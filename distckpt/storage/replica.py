@@ -25,10 +25,14 @@ Only the coordinator uploads, so the local root must be visible to it: one node,
 filesystem. A step whose files are missing locally (written on another node's disk) fails with
 a message saying so.
 
-Upload failures never fail training: they are recorded in :attr:`Replicator.failed` and
-reported with ``warnings.warn`` (and the ``distckpt`` logger) on the coordinator. Raising them
-from the next collective call on the coordinator alone would leave the other ranks waiting in
-a collective it abandoned; the local checkpoint is committed either way.
+Upload failures never fail training by themselves: they are recorded in
+:attr:`Replicator.failed` and reported with ``warnings.warn`` (and the ``distckpt`` logger) on
+the coordinator. Raising them from the next collective call on the coordinator alone would leave
+the other ranks waiting in a collective it abandoned; the local checkpoint is committed either
+way. Code that must know (before the job exits, before deleting local files) calls
+:meth:`Replicator.wait`, which waits for the uploads submitted so far (or up to one step, with a
+timeout) and raises a failed one as :class:`ReplicationError`; :meth:`Replicator.status` says
+where one step stands.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from distckpt.storage import ownership
-from distckpt.errors import StepExistsError
+from distckpt.errors import CheckpointError, StepExistsError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, step_dir
 from distckpt.storage.retention import check_keep_last, delete_old_steps
 from distckpt.storage.base import Storage
@@ -52,6 +57,39 @@ log = logging.getLogger("distckpt")
 
 _METADATA = ".metadata"
 _STOP = object()
+
+
+class ReplicationError(CheckpointError):
+    """Uploads to the replica root failed (raised by :meth:`Replicator.wait`). The local steps
+    are committed; :attr:`steps` maps each failed step to its cause."""
+
+    def __init__(self, message: str, steps: dict[int, str]) -> None:
+        self.steps = dict(steps)
+        self._head = message
+        lines = [f"  step {s}: {m}" for s, m in sorted(self.steps.items())]
+        super().__init__("\n".join([message, *lines]))
+
+    def __reduce__(self) -> tuple:
+        return (self.__class__, (self._head, self.steps))
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """Where the uploads submitted to a :class:`Replicator` stand (on the coordinator; other
+    ranks upload nothing and see empty lists).
+
+    Attributes:
+        uploaded: steps committed on the remote root, in order.
+        failed: ``(step, message)`` of failed uploads (messages carry no credentials).
+        skipped: steps not uploaded because a newer one superseded them (``keep_last``) or
+            retention deleted them locally after a newer step committed: nothing lost.
+        pending: steps queued or uploading now.
+    """
+
+    uploaded: tuple[int, ...]
+    failed: tuple[tuple[int, str], ...]
+    skipped: tuple[int, ...]
+    pending: tuple[int, ...]
 
 
 def _default_is_coordinator() -> bool:
@@ -64,9 +102,11 @@ class Replicator:
     """Copies committed steps of ``local`` to ``remote`` in the background.
 
     Protocol: every rank constructs one and calls :meth:`submit` after each committed save and
-    :meth:`close` at the end (the :class:`~distckpt.Checkpointer` does both). Neither is a
-    collective and neither blocks on a peer: only the coordinator does any work; on the other
-    ranks both return at once.
+    :meth:`close` at the end (the :class:`~distckpt.Checkpointer` does both, and its ``replica``
+    attribute is this object). None of its methods is a collective or blocks on a peer: only the
+    coordinator does any work; on the other ranks they return at once. User code may call
+    :meth:`wait` (e.g. before the job exits, or before deleting local files) and
+    :meth:`status` on any rank; the coordinator's are the ones that know.
 
     Args:
         local: the root the checkpointer commits to; must be readable by the coordinator.
@@ -116,6 +156,8 @@ class Replicator:
         self._queue: queue.Queue = queue.Queue()
         self._pending: list[int] = []  # queued or uploading, oldest first
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)  # notified whenever a step's upload ends
+        self._submitted: list[int] = []  # every step handed to the upload thread, in order
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -137,10 +179,61 @@ class Replicator:
             return
         with self._lock:
             self._pending.append(step)
+            self._submitted.append(step)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="distckpt-replicate", daemon=True)
             self._thread.start()
         self._queue.put(step)
+
+    def status(self) -> ReplicaStatus:
+        """(any rank, not collective, never blocks) Where the submitted uploads stand."""
+        with self._lock:
+            return ReplicaStatus(tuple(self.uploaded), tuple(self.failed), tuple(self.skipped), tuple(self._pending))
+
+    def wait(self, step: int | None = None, timeout: float | None = None, *, raise_on_failure: bool = True) -> ReplicaStatus:
+        """(any rank, not collective) Wait until the uploads submitted so far have ended (with
+        ``step``: those of steps up to ``step``), uploaded, skipped or failed.
+
+        On ranks other than the coordinator nothing is uploaded: it returns at once.
+
+        Args:
+            step: wait only for this step and earlier ones.
+            timeout: seconds to wait at most (``None``: no limit).
+            raise_on_failure: raise a failed upload among those waited for (``False``: only
+                report it in the returned status; it was warned about when it failed).
+
+        Returns:
+            The :class:`ReplicaStatus` once they ended.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first (naming the steps still pending).
+            ReplicationError: ``raise_on_failure`` and uploads of the steps waited for failed,
+                each step with its cause.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def waited(s: int) -> bool:
+            return step is None or s <= step
+
+        with self._lock:
+            while any(waited(s) for s in self._pending):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    pending = sorted(s for s in self._pending if waited(s))
+                    raise TimeoutError(
+                        f"uploads of step(s) {pending} to {self.remote.display()} still running after {timeout}s"
+                    )
+                self._done.wait(left)
+            failed = [(s, m) for s, m in self.failed if waited(s)]
+        if failed and raise_on_failure:
+            raise ReplicationError(
+                f"uploading {len(failed)} step(s) to {self.remote.display()} failed (committed locally at "
+                f"{self.local.display()})",
+                {s: m for s, m in failed},
+            )
+        return self.status()
 
     def close(self) -> None:
         """(all ranks, not collective) Wait for pending uploads, then stop the thread.
@@ -168,6 +261,7 @@ class Replicator:
                 if step is not _STOP:
                     with self._lock:
                         self._pending.remove(step)
+                        self._done.notify_all()
                 self._queue.task_done()
 
     def _superseded(self, step: int) -> bool:
