@@ -369,6 +369,38 @@ class Checkpointer:
         with _gc_paused():
             self._save(t0, step, state, blocking, metadata)
 
+    def prepare_staging(self, state: Mapping[str, Any]) -> None:
+        """(all ranks) Reserve, in the background, the host memory async saves of ``state`` will
+        stage into, so that the first ``save(..., blocking=False)`` blocks no longer than later
+        ones; returns at once.
+
+        A first async save otherwise allocates its staging buffers while training waits: page
+        faults over the whole state and, for CUDA tensors, registering it as pinned memory (most
+        of its blocked time). Call it once the model and optimizer exist (after a first optimizer
+        step, so that the optimizer's state exists too), e.g. right after ``load``; training
+        goes on meanwhile. A later save of another structure allocates anew, as without it.
+
+        Raises:
+            The same errors a save of ``state`` would raise while preparing (on every rank).
+        """
+        if self._closed:
+            raise RuntimeError("prepare_staging() on a closed Checkpointer")
+        self.wait()
+        with _gc_paused():
+            group = self._ensure_group()
+            opts = self._save_options()
+            # Exactly what a save plans, so the buffers have the layout staging will look for.
+            prepared, views = exchange(
+                group,
+                "prepare_staging",
+                lambda: _saving.prepare(opts, 0, state, {}, group.rank, False, None, safe_types=self.safe_types),
+            )
+            _saving.agree(prepared, views, group.rank)
+            skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
+            if self._stager is None:
+                self._stager = Stager(shared=self._writes_in_process(group))
+            self._stager.reserve(prepared.state_dict, skip)
+
     def _save(
         self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None
     ) -> None:

@@ -169,3 +169,40 @@ def test_states_with_nan_inf_and_negative_zero_are_saved_bit_exactly(tmp_path):
         for k in state:
             assert torch.equal(_bits(back[k]), _bits(state[k])), (mode, k)
 
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_prepare_staging_allocates_before_the_first_save(tmp_path, monkeypatch, mode):
+    # Checkpointer.prepare_staging(state) reserves the staging memory in the background: the
+    # first async save then allocates nothing while training waits, and saves exactly; a save
+    # of another structure still allocates what it needs.
+    from distckpt.save import shared_arena, staging
+
+    made = []
+    real_arena = shared_arena.SharedArena.__init__
+
+    def arena(self, *a, **k):
+        made.append("arena")
+        real_arena(self, *a, **k)
+
+    monkeypatch.setattr(shared_arena.SharedArena, "__init__", arena)
+    model = make_model(seed=3)
+    optim = make_optimizer(model, "plain")
+    train_steps(model, optim, range(1), 0, 1)
+    state = {"model": model, "optim": optim}
+    with distckpt.Checkpointer(str(tmp_path), async_mode=mode) as ckpt:
+        ckpt.prepare_staging(state)
+        ckpt._stager._await_reserve()  # what the first save would wait for
+        reserved = dict(ckpt._stager._buffers)
+        made_before = list(made)
+        ckpt.save(1, state, blocking=False)
+        ckpt.wait()
+        assert made == made_before  # no arena made by the save
+        assert all(ckpt._stager._buffers[k] is b for k, b in reserved.items())  # the reserved buffers were used
+        expected = full_model_state(model)
+        back = make_model(seed=8)
+        ckpt.load({"model": back, "optim": make_optimizer(back, "plain")})
+        assert_same(expected, full_model_state(back), "model")
+        bigger = {"model": model, "optim": optim, "extra": torch.randn(33)}
+        ckpt.save(2, bigger, blocking=False)  # another structure: staged into new buffers
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]

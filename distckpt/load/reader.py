@@ -49,6 +49,8 @@ class CheckpointReader(FileSystemReader):
         self.thread_count = max(1, thread_count)
         self.fast_reads = 0  # tensors read straight into their destination (for tests/benchmarks)
         self._count_lock = threading.Lock()
+        self._local = threading.local()  # per reader thread: its _DeviceSink
+        self._sinks: list[_DeviceSink] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -83,6 +85,10 @@ class CheckpointReader(FileSystemReader):
             with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read") as pool:
                 for future in [pool.submit(self._read_file, *job, planner) for job in jobs]:
                     future.result()
+        # Every host-to-device copy done, so the default stream sees the loaded values when the
+        # load returns (and the pinned buffers are free again).
+        for sink in self._sinks:
+            sink.finish()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -106,10 +112,10 @@ class CheckpointReader(FileSystemReader):
             for (offset, length), item_reqs in sorted(by_item.items()):
                 try:
                     head = b""
-                    target = self._direct_target(item_reqs, planner)
-                    if target is not None:
+                    targets = self._direct_targets(item_reqs, planner)
+                    if targets is not None:
                         head = f.read_range(offset, min(HEAD, length))
-                        if self._read_direct(f, offset, length, head, item_reqs[0], target, planner):
+                        if self._read_direct(f, offset, length, head, targets, planner):
                             continue
                     # The head already went by the pass: read on from its end (no read backwards).
                     data = head + f.read_range(offset + len(head), length - len(head)) if head else f.read_range(offset, length)
@@ -132,44 +138,90 @@ class CheckpointReader(FileSystemReader):
         if failure is not None:
             raise failure
 
-    def _direct_target(self, reqs: list[Any], planner: Any) -> Any:
-        """The destination of a stored tensor that can be read straight into it, or ``None``:
-        one request for the whole tensor, into contiguous host memory of the stored shape."""
-        if len(reqs) != 1 or reqs[0].type == LoadItemType.BYTE_IO:
-            return None
-        req = reqs[0]
-        if self.storage_data[req.storage_index].transform_descriptors or any(int(o) for o in req.storage_offsets):
-            return None
-        target = planner.resolve_tensor(req).detach()
-        if target.device.type != "cpu" or not target.is_contiguous() or tuple(req.lengths) != tuple(target.shape):
-            return None
-        return target
+    def _direct_targets(self, reqs: list[Any], planner: Any) -> list[tuple[Any, Any]] | None:
+        """The requests of one stored tensor that can be read straight into their destinations,
+        with those destinations (sorted by their first row), or ``None``.
 
-    def _read_direct(self, f: Any, offset: int, length: int, head: bytes, req: Any, target: Any, planner: Any) -> bool:
-        """Read one stored tensor into ``target`` if its record's ``head`` shows plain bytes of
-        the same dtype and shape: the part of them inside the head is copied, the rest read
-        straight into place. ``False`` (nothing written) if the layout is not that plain."""
+        Each request must take whole rows (offsets and lengths cover every dimension but the
+        first: the tensor whole, or the rows an FSDP shard at another world size takes), into a
+        contiguous destination of the requested shape on the host or on a CUDA device, and the
+        requests must not overlap: their bytes are then disjoint runs of the record, read in order.
+        """
+        if any(r.type == LoadItemType.BYTE_IO for r in reqs):
+            return None
+        if self.storage_data[reqs[0].storage_index].transform_descriptors:
+            return None
+        out = []
+        for req in reqs:
+            if any(int(o) for o in list(req.storage_offsets)[1:]):
+                return None
+            target = planner.resolve_tensor(req).detach()
+            if target.device.type not in ("cpu", "cuda") or not target.is_contiguous():
+                return None
+            if tuple(req.lengths) != tuple(target.shape):
+                return None
+            out.append((req, target))
+        out.sort(key=lambda rt: int(rt[0].storage_offsets[0]) if len(rt[0].storage_offsets) else 0)
+        for (a, _), (b, _) in zip(out, out[1:]):
+            if int(a.storage_offsets[0]) + int(a.lengths[0]) > int(b.storage_offsets[0]):
+                return None  # overlapping rows: DCP's path serves them from one deserialized copy
+        return out
+
+    def _read_direct(
+        self, f: Any, offset: int, length: int, head: bytes, targets: list[tuple[Any, Any]], planner: Any
+    ) -> bool:
+        """Read a stored tensor's rows straight into their destinations if its record's ``head``
+        shows plain bytes of their dtype and row shape: the part of them inside the head is
+        copied, the rest read into place (CUDA destinations through a pinned host buffer, copied
+        on a side stream, see :class:`_DeviceSink`). ``False`` (nothing written) if the layout
+        is not that plain."""
         layout = head_layout(head)
-        if (
-            layout is None
-            or layout.dtype != target.dtype
-            or layout.shape != tuple(target.shape)
-            or layout.data_offset + layout.nbytes > length
-        ):
+        if layout is None or layout.data_offset + layout.nbytes > length:
             return False
-        if layout.nbytes:
-            view = memoryview(target.view(-1).view(torch.uint8).numpy())
-            start = layout.data_offset
-            in_head = max(0, min(len(head) - start, layout.nbytes))
-            if in_head:
-                view[:in_head] = head[start : start + in_head]
-            rest = layout.nbytes - in_head
-            if rest and f.readinto(offset + start + in_head, view[in_head:]) != rest:
-                raise IntegrityError(f"{f.where}: truncated inside {req.storage_index.fqn}")
-        planner.commit_tensor(req, target)
-        with self._count_lock:
-            self.fast_reads += 1
+        rows = layout.shape[0] if layout.shape else 1
+        row_bytes = layout.nbytes // rows if rows else 0
+        for req, target in targets:
+            first = int(req.storage_offsets[0]) if layout.shape else 0
+            count = int(req.lengths[0]) if layout.shape else 1
+            if target.dtype != layout.dtype or tuple(req.lengths)[1:] != tuple(layout.shape)[1:] or first + count > rows:
+                return False
+            if not layout.shape and tuple(target.shape) != ():
+                return False
+        for req, target in targets:
+            first = int(req.storage_offsets[0]) if layout.shape else 0
+            start = layout.data_offset + first * row_bytes
+            nbytes = target.numel() * target.element_size()
+            if nbytes:
+                if target.device.type == "cpu":
+                    self._fill(f, offset, head, start, memoryview(target.view(-1).view(torch.uint8).numpy()), req)
+                else:
+                    sink = self._sink()
+                    self._fill(f, offset, head, start, sink.buffer(nbytes), req)
+                    sink.copy_to(target)
+            planner.commit_tensor(req, target)
+            with self._count_lock:
+                self.fast_reads += 1
         return True
+
+    @staticmethod
+    def _fill(f: Any, offset: int, head: bytes, start: int, view: memoryview, req: Any) -> None:
+        """Bytes ``[start, start + len(view))`` of the record at ``offset`` into ``view``: what the
+        head holds is copied, the rest read by the pass."""
+        in_head = max(0, min(len(head) - start, len(view)))
+        if in_head:
+            view[:in_head] = head[start : start + in_head]
+        rest = len(view) - in_head
+        if rest and f.readinto(offset + start + in_head, view[in_head:]) != rest:
+            raise IntegrityError(f"{f.where}: truncated inside {req.storage_index.fqn}")
+
+    def _sink(self) -> _DeviceSink:
+        """This reader thread's :class:`_DeviceSink` (made on first use)."""
+        sink = getattr(self._local, "sink", None)
+        if sink is None:
+            sink = self._local.sink = _DeviceSink()
+            with self._count_lock:
+                self._sinks.append(sink)
+        return sink
 
     def _serve(self, data: bytes, item_reqs: list[Any], planner: Any, where: str) -> None:
         """Deserialize one stored item and hand it to every request that reads from it."""
@@ -212,3 +264,50 @@ def _load_record(stream: Any, key: str, where: str) -> Any:
         raise UnsafeCheckpointError(
             f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"
         ) from None
+
+
+class _DeviceSink:
+    """Host-to-device copies of a reader thread: the bytes of a record are read into one of two
+    pinned host buffers, then copied to their CUDA destination on a side stream without blocking,
+    so the next record's read overlaps this copy. A buffer is reused only once its previous copy
+    finished (its event); :meth:`finish` waits for all (the load returns after it, so the
+    default stream sees every loaded value). Not thread-safe: one per reader thread."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Any] = [None, None]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+        self._stream: Any = None
+        self._pending: Any = None  # the buffer handed out by buffer(), awaiting copy_to()
+
+    def buffer(self, nbytes: int) -> memoryview:
+        """A pinned host buffer of ``nbytes`` to read into (free of earlier copies)."""
+        i = self._turn
+        if self._events[i] is not None:
+            self._events[i].synchronize()  # its previous copy to the device is done
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[i] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._pending = buf[:nbytes]
+        return memoryview(self._pending.numpy())
+
+    def copy_to(self, target: torch.Tensor) -> None:
+        """Copy the bytes read into the last :meth:`buffer` to ``target`` (CUDA, contiguous)."""
+        src = self._pending.view(target.dtype).view(target.shape)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=target.device)
+        # Ordered after whatever the default stream has queued for the destination.
+        self._stream.wait_stream(torch.cuda.current_stream(target.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._events[self._turn] = event
+        self._turn = 1 - self._turn
+
+    def finish(self) -> None:
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._stream.synchronize()
+        self._buffers = [None, None]
+        self._events = [None, None]

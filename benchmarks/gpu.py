@@ -1,0 +1,344 @@
+"""GPU save/load benchmark: distckpt beside plain DCP and the hardware's floors, in one run.
+
+usage::
+
+    python benchmarks/gpu.py                      # one GPU, ~4.0 GB of fp32 model + AdamW state
+    python benchmarks/gpu.py --nproc 8            # one process per GPU, each with its own state
+    python benchmarks/gpu.py --device cpu --size-gb 0.05 --repeats 1   # anywhere (smoke)
+
+Each process holds a transformer-like fp32 model (``Linear(d, d)`` + GELU blocks) with AdamW
+state on its device, trains a few steps, then times, alternating methods within each repeat
+(this benchmark's machines are shared: only ratios within one run mean anything):
+
+* floors: ``d2h_floor_s`` (every state tensor into pinned host buffers), ``raw_write_s`` (those
+  bytes, one file, one stream, fsync), ``raw_write_parallel_s`` (the same bytes from
+  ``--threads`` threads into as many files, fsync), ``raw_read_h2d_s`` (the files read back into
+  pinned buffers and copied to the device);
+* ``distckpt_sync_s`` / ``dcp_sync_s``: a blocking save; ``distckpt_load_s`` / ``dcp_load_s``: a load
+  at the same world size, into the live objects;
+* ``distckpt_async_blocked_first_s`` (a new Checkpointer's first async save, after
+  ``prepare_staging(state)`` was called before the training steps that precede it, as the README
+  recommends; ``distckpt_async_blocked_first_unprepared_s``: without it),
+  ``distckpt_async_blocked_steady_s`` (its later ones), ``dcp_async_blocked_steady_s``;
+* ``train_ratio_distckpt`` / ``train_ratio_dcp``: training steps/s while an async save runs in the
+  background over steps/s without one.
+
+Rows are medians over ``--repeats`` (>= 3 for published numbers). Results go to
+``benchmarks/results/gpu.json`` (``device``, ``torch``, ``state_bytes``, ``dir``, ``rows`` and the raw
+samples) and a markdown table beside it; the process count, threads and sizes are recorded too.
+The targets (issue 32) are printed with each ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: Any) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+class Bench:
+    """One process's state, its floors and the methods timed on it."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        import torch
+        from torch import nn
+
+        self.torch, self.args, self.rank = torch, args, rank
+        self.device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        d = args.width
+        layers = max(1, round(args.size_gb * 1e9 / (3 * 4 * d * d)))  # fp32 weights + 2 Adam moments
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*[nn.Sequential(nn.Linear(d, d, bias=False), nn.GELU()) for _ in range(layers)]).to(self.device)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=self.device.type == "cuda")
+        self.x = torch.randn(args.batch, d, device=self.device)
+        for _ in range(2):
+            self.step()
+        self.tensors = [p.detach() for p in self.model.parameters()] + [
+            v for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        ]
+        self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        pin = self.device.type == "cuda"
+        self.pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.tensors]
+        self.dir = Path(args.dir) / f"rank{rank}"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.n = 0
+
+    def step(self) -> None:
+        torch = self.torch
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = self.model(self.x).float().pow(2).mean()
+        loss.backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optim}
+
+    def fresh(self, name: str) -> Path:
+        self.n += 1
+        path = self.dir / f"{name}-{self.n}"
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    # -- floors
+    def d2h(self) -> None:
+        for h, t in zip(self.pinned, self.tensors):
+            h.copy_(t, non_blocking=True)
+
+    def raw_write(self, parts: int) -> list[Path]:
+        files = [self.fresh("raw") for _ in range(parts)]
+        shares = [self.pinned[i::parts] for i in range(parts)]
+
+        def write(path: Path, share: list[Any]) -> None:
+            with open(path, "wb") as f:
+                for h in share:
+                    f.write(memoryview(h.view(-1).view(self.torch.uint8).numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+
+        threads = [threading.Thread(target=write, args=(p, s)) for p, s in zip(files, shares)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return files
+
+    def raw_read_h2d(self, files: list[Path]) -> None:
+        parts = len(files)
+        for i, path in enumerate(files):
+            with open(path, "rb") as f:
+                for h, t in zip(self.pinned[i::parts], self.tensors[i::parts]):
+                    f.readinto(memoryview(h.view(-1).view(self.torch.uint8).numpy()))
+                    t.copy_(h, non_blocking=True)
+
+    # -- distckpt and DCP
+    def distckpt_sync(self) -> None:
+        import distckpt
+
+        with distckpt.Checkpointer(str(self.fresh("distckpt")), thread_count=self.args.threads) as ckpt:
+            ckpt.save(self.n, self.state())
+        self.last_distckpt = ckpt.storage.path
+
+    def distckpt_load(self) -> None:
+        import distckpt
+
+        with distckpt.Checkpointer(self.last_distckpt, thread_count=self.args.threads) as ckpt:
+            ckpt.load(self.state())
+
+    def dcp_sync(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        path = self.fresh("dcp")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        self.last_dcp = path
+
+    def dcp_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=str(self.last_dcp))
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def steps_per_s(self, n: int) -> float:
+        _sync(self.device)
+        t = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        _sync(self.device)
+        return n / (time.perf_counter() - t)
+
+    def async_runs(self, repeats: int) -> dict[str, list[float]]:
+        """First and steady blocked times of one Checkpointer, DCP's steady blocked time, and
+        training speed during each background save."""
+        import distckpt
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        out: dict[str, list[float]] = {
+            k: [] for k in ("first", "unprepared", "steady", "dcp_steady", "train_distckpt", "train_dcp", "train_base")
+        }
+        for _ in range(repeats):
+            with distckpt.Checkpointer(str(self.fresh("first")), thread_count=self.args.threads) as cold:
+                t = time.perf_counter()
+                cold.save(0, self.state(), blocking=False)
+                out["unprepared"].append(time.perf_counter() - t)
+        ckpt = distckpt.Checkpointer(str(self.fresh("async")), keep_last=1, thread_count=self.args.threads)
+        ckpt.prepare_staging(self.state())  # reserved while the baseline steps below run
+        for i in range(repeats + 1):
+            out["train_base"].append(self.steps_per_s(self.args.train_steps))
+            t = time.perf_counter()
+            ckpt.save(i, self.state(), blocking=False)
+            out["first" if i == 0 else "steady"].append(time.perf_counter() - t)
+            speed = self.steps_per_s(self.args.train_steps)
+            still = ckpt.in_flight
+            ckpt.wait()
+            if i and still:  # the save was still writing through the whole measurement
+                out["train_distckpt"].append(speed)
+            model_sd, optim_sd = get_state_dict(self.model, self.optim)
+            path = self.fresh("dcp-async")
+            t = time.perf_counter()
+            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+            blocked = time.perf_counter() - t
+            speed = self.steps_per_s(self.args.train_steps)
+            still = not future.done()
+            future.result()
+            if i:
+                out["dcp_steady"].append(blocked)
+                if still:
+                    out["train_dcp"].append(speed)
+            shutil.rmtree(path, ignore_errors=True)
+        ckpt.close()
+        return out
+
+
+def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One process: every measurement, methods alternated within each repeat."""
+    import torch
+
+    b = Bench(args, rank)
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
+    for _ in range(args.repeats):
+        add("d2h_floor_s", _timed(b.d2h, b.device))
+        files: list[Path] = []
+        add("raw_write_s", _timed(lambda: files.extend(b.raw_write(1)), b.device))
+        add("raw_read_h2d_s", _timed(lambda: b.raw_read_h2d(files), b.device))
+        for f in files:
+            f.unlink()
+        files = []
+        add("raw_write_parallel_s", _timed(lambda: files.extend(b.raw_write(args.threads)), b.device))
+        for f in files:
+            f.unlink()
+        add("distckpt_sync_s", _timed(b.distckpt_sync, b.device))
+        add("dcp_sync_s", _timed(b.dcp_sync, b.device))
+        add("distckpt_load_s", _timed(b.distckpt_load, b.device))
+        add("dcp_load_s", _timed(b.dcp_load, b.device))
+        shutil.rmtree(b.last_distckpt, ignore_errors=True)
+        shutil.rmtree(b.last_dcp, ignore_errors=True)
+    runs = b.async_runs(args.repeats)
+    samples["distckpt_async_blocked_first_s"] = runs["first"]
+    samples["distckpt_async_blocked_first_unprepared_s"] = runs["unprepared"]
+    samples["distckpt_async_blocked_steady_s"] = runs["steady"]
+    samples["dcp_async_blocked_steady_s"] = runs["dcp_steady"]
+    base = statistics.median(runs["train_base"])
+    samples["train_ratio_distckpt"] = [s / base for s in runs["train_distckpt"]] or [float("nan")]
+    samples["train_ratio_dcp"] = [s / base for s in runs["train_dcp"]] or [float("nan")]
+    shutil.rmtree(b.dir, ignore_errors=True)
+    return {
+        "rank": rank,
+        "state_bytes": b.state_bytes,
+        "samples": samples,
+        "device": torch.cuda.get_device_name(b.device) if b.device.type == "cuda" else "cpu",
+    }
+
+
+TARGETS = [
+    ("distckpt_sync_s", "raw_write_parallel_s", ">= 0.8x the parallel raw write", lambda r: r["raw_write_parallel_s"] / r["distckpt_sync_s"] >= 0.8),
+    ("distckpt_sync_s", "dcp_sync_s", ">= 1.5x faster than plain DCP", lambda r: r["dcp_sync_s"] / r["distckpt_sync_s"] >= 1.5),
+    ("distckpt_load_s", "raw_read_h2d_s", ">= 0.8x the raw read + H2D", lambda r: r["raw_read_h2d_s"] / r["distckpt_load_s"] >= 0.8),
+    ("distckpt_load_s", "dcp_load_s", ">= 2x faster than plain DCP", lambda r: r["dcp_load_s"] / r["distckpt_load_s"] >= 2.0),
+    ("distckpt_async_blocked_first_s", "distckpt_async_blocked_steady_s", "first async save <= 1.5x a steady one",
+     lambda r: r["distckpt_async_blocked_first_s"] <= 1.5 * r["distckpt_async_blocked_steady_s"]),
+    ("distckpt_async_blocked_steady_s", "d2h_floor_s", "steady blocked <= 1.2x the D2H floor",
+     lambda r: r["distckpt_async_blocked_steady_s"] <= 1.2 * r["d2h_floor_s"]),
+    ("train_ratio_distckpt", None, "training >= 0.98x during a background save", lambda r: r["train_ratio_distckpt"] >= 0.98),
+]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    p.add_argument("--nproc", type=int, default=1, help="processes, one GPU each")
+    p.add_argument("--size-gb", type=float, default=4.0, help="model + AdamW state per process (GB)")
+    p.add_argument("--width", type=int, default=None, help="Linear width (default 4096 on a GPU, 256 on the CPU)")
+    p.add_argument("--batch", type=int, default=None, help="training batch rows (default 8192 on a GPU, 16 on the CPU)")
+    p.add_argument("--threads", type=int, default=8, help="writer/reader threads (distckpt) and parallel raw writes")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=10, help="steps per training-speed measurement")
+    p.add_argument("--dir", default=None, help="scratch directory (default: benchmarks/.scratch/gpu)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
+    args = p.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        p.error(f"--nproc {args.nproc} needs {args.nproc} GPUs, {torch.cuda.device_count()} visible")
+    args.width = args.width or (4096 if args.device == "cuda" else 256)
+    args.batch = args.batch or (8192 if args.device == "cuda" else 16)
+    args.dir = args.dir or str(REPO / "benchmarks" / ".scratch" / "gpu")
+    t0 = time.perf_counter()
+    if args.nproc == 1:
+        results = [run(0, args)]
+    else:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(args.nproc) as pool:
+            results = pool.starmap(run, [(r, args) for r in range(args.nproc)])
+    rows = {k: statistics.median([v for r in results for v in r["samples"][k]]) for k in results[0]["samples"]}
+    out = {
+        "device": results[0]["device"],
+        "torch": torch.__version__,
+        "nproc": args.nproc,
+        "threads": args.threads,
+        "state_bytes": results[0]["state_bytes"],
+        "dir": args.dir,
+        "rows": rows,
+        "samples": [r["samples"] for r in results],
+        "targets": {},
+        "wall_s": time.perf_counter() - t0,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    lines = [f"# GPU benchmark: {out['device']}, torch {out['torch']}, {out['state_bytes'] / 1e9:.2f} GB state per process, "
+             f"{args.nproc} process(es), {args.threads} threads, {out['date']}", "", "| row | seconds / ratio |", "|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v:.4f} |" for k, v in rows.items()]
+    lines += ["", "| target | ratio | met |", "|---|---|---|"]
+    for a, b, text, ok in TARGETS:
+        ratio = rows[a] if b is None else rows[b] / rows[a]
+        met = ratio == ratio and bool(ok(rows))  # a NaN (no sample) is not met
+        out["targets"][text] = {"ratio": ratio, "met": met}
+        lines.append(f"| {text} | {ratio:.2f} | {'yes' if met else 'no'} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return out
+
+
+if __name__ == "__main__":
+    main()
