@@ -1,0 +1,849 @@
+"""distckpt checkpoints for Lightning: a ``CheckpointIO`` plugin and the DDP strategy it needs.
+
+What a Lightning user adds::
+
+    from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptDDPStrategy
+    trainer = Trainer(..., strategy=DistckptDDPStrategy(), plugins=[DistckptCheckpointIO("s3://b/run1", async_save=True)])
+    trainer.fit(model, ckpt_path="last")
+
+**The seam.** Lightning's ``Strategy.save_checkpoint`` and ``remove_checkpoint`` call the
+``CheckpointIO`` on global rank 0 only, while the other ranks wait in a barrier; a distckpt save
+is collective (every rank writes its share, and all agree on the commit). Lightning's own
+strategies with collective checkpoints (FSDP, ModelParallel) override those two methods and
+bypass the ``CheckpointIO``. :class:`DistckptDDPStrategy` is ``DDPStrategy`` with those two
+overrides, calling the plugin on every rank when the plugin is a :class:`DistckptCheckpointIO`
+(any other ``CheckpointIO`` keeps Lightning's rank-0 behaviour). ``load_checkpoint`` and
+``teardown`` already run on every rank. A single-device ``Trainer`` needs no special strategy;
+under another multi-process strategy the plugin refuses to run (it would hang), naming the fix.
+
+**Paths and steps.** Lightning names checkpoints by path (``.../epoch=1-step=100.ckpt``,
+``last.ckpt``). The plugin writes the state as distckpt step ``global_step`` under its root and,
+once that step is committed, a small JSON *pointer* file at Lightning's path (root, step, the
+job that saved it, the checkpoint's top-level keys). So everything Lightning does with its
+files keeps working: ``ckpt_path="last"`` (it looks for ``last*.ckpt`` files), the version
+counter of ``ModelCheckpoint`` and its existence checks. ``load_checkpoint(path)`` reads the
+pointer and loads the step from the plugin's own root, after checking that the step there was
+saved by the pointer's job (so a copied or moved root still loads, and a pointer from another
+run never loads a different checkpoint). Several saves at one global step (two
+``ModelCheckpoint`` callbacks, ``save_last`` beside a top-k save) write one distckpt step and
+several pointers to it.
+
+**What is stored.** Every top-level item of Lightning's checkpoint dict is an entry of the
+distckpt state (names escaped: distckpt reserves ``.`` and a leading ``_``): tensors as DCP
+tensors, nested dicts and lists as distckpt trees, everything else as values distckpt stores
+without pickling code (it refuses, naming the key, what it could not read back safely). The
+structure (containers, key types, tensor shapes and dtypes) goes into the manifest
+(``extra["lightning"]``), so a load rebuilds the dict without a live model: also for
+``validate``/``test`` and at another world size (DDP state is replicated; distckpt's per-rank
+RNG state is restored, or reseeded at another world size).
+
+**Retention.** ``ModelCheckpoint`` (``save_top_k``, ``save_last``) deletes checkpoints through
+``remove_checkpoint``: the plugin deletes the pointer, and deletes the step once no pointer it
+can see refers to it any more (pointers in the trainer's checkpoint directories and in every
+directory this process saved to or loaded from), only if the step is this job's (never another
+job's step in a shared root), through the same primitives as distckpt's ``keep_last``. With
+``async_save=True`` deletions and pointers wait until the in-flight save has committed, so a
+removal never deletes the last good checkpoint while its replacement is still being written.
+
+Which ranks call what: ``save_checkpoint``, ``remove_checkpoint``, ``load_checkpoint`` and
+``teardown``/``close`` are collective (every rank, in the same order: with
+:class:`DistckptDDPStrategy`, Lightning makes these calls on every rank); pointer files are read,
+written and removed by global rank 0, which hands its outcome to every rank, so an error is
+raised on every rank alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import posixpath
+import threading
+import uuid
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import fsspec
+import fsspec.implementations.local
+import torch
+import torch.distributed as dist
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "distckpt.integrations.lightning needs Lightning (>= 2.4): pip install 'distckpt[lightning]'"
+    ) from exc
+
+from distckpt.checkpointer import Checkpointer
+from distckpt.errors import CheckpointError, IntegrityError, StateMismatchError, StepExistsError, UnsafeCheckpointError
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
+from distckpt.state.entries import contains
+from distckpt.state.values import _dcp_leaf  # DCP's rule for which lists it enters (one rule, not a copy)
+from distckpt.storage.ownership import mark_released, remove_uncommitted
+
+__all__ = ["DistckptCheckpointIO", "DistckptDDPStrategy", "POINTER_FORMAT"]
+
+#: The ``format`` field of a pointer file.
+POINTER_FORMAT = "distckpt-lightning-pointer"
+_POINTER_VERSION = 1
+#: Pointers are a few hundred bytes; larger files are never parsed as one.
+_POINTER_MAX_BYTES = 64 * 1024
+#: Where the structure of Lightning's dict is recorded in the manifest (``Manifest.extra``).
+LAYOUT_KEY = "lightning"
+_LAYOUT_VERSION = 1
+_MAX_DEPTH = 64
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+# --------------------------------------------------------------------------------------------
+# the plugin
+class DistckptCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that saves and loads distckpt checkpoints.
+
+    Use it with :class:`DistckptDDPStrategy` (multi-process) or on a single device. Every rank
+    constructs it with the same arguments.
+
+    Args:
+        root: distckpt root for the step checkpoints: a local path or an fsspec URL
+            (``s3://bucket/run1``). Lightning's paths (``ModelCheckpoint(dirpath=...)``) hold the
+            pointer files; they may be anywhere, the root included.
+        async_save: save with ``blocking=False``: training goes on once the state is staged in
+            host memory; the pointer appears, and removals asked for meanwhile run, when the
+            plugin next sees the save committed (the next save, removal or load, or teardown).
+            Lightning's ``AsyncCheckpointIO`` wrapper is refused: it would run this collective
+            save in a thread, beside removals on the main thread.
+        restore_rng: restore the RNG states saved with the checkpoint (same world size: exactly;
+            another: reseeded deterministically). ``False`` leaves the RNG as it is.
+        **options: passed to :class:`~distckpt.Checkpointer` (``storage_options``, ``keep_last``,
+            ``checksum``, ``replicate_to``, ``job``, ...). ``keep_last`` deletes steps by age,
+            beside ``ModelCheckpoint``'s own deletions: a pointer to a step it retired then
+            fails to load (``FileNotFoundError`` naming both); leave it unset with ``save_top_k``.
+
+    Raises:
+        ValueError, TypeError: invalid options (checked here, by constructing the checkpointer).
+    """
+
+    def __init__(
+        self, root: str | os.PathLike, *, async_save: bool = False, restore_rng: bool = True, **options: Any
+    ) -> None:
+        super().__init__()
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
+        if not isinstance(restore_rng, bool):
+            raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
+        self._ckpt: Checkpointer | None = Checkpointer(root, **options)  # validates root and options now
+        self.root = os.fspath(root)
+        self.async_save = async_save
+        self.restore_rng = restore_rng
+        self._options = dict(options)
+        # The job this process saves as (its steps are the ones ModelCheckpoint may delete): the
+        # given one, else that of the steps it saved or resumed from (distckpt's lineage).
+        self._job: str | None = options.get("job")
+        self._strategy: Callable[[], Any] | None = None  # weakref to the attached strategy
+        self._steps: dict[int, frozenset[str]] = {}  # steps saved or loaded here -> Lightning keys they hold
+        self._inflight: int | None = None  # step of the async save being written
+        self._pending: list[tuple[str, str, dict[str, Any] | None]] = []  # ("point"|"remove", path, record)
+        self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
+        self._thread: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The :class:`~distckpt.Checkpointer` behind the plugin (created again after teardown).
+        Its listing calls (``steps()``, ``manifest()``) may be used on any rank."""
+        if self._ckpt is None:
+            options = dict(self._options)
+            if options.get("job") is None and self._job is not None:
+                # A new checkpointer after teardown (fit, then fit again): it continues this
+                # process's job, so that its saves retire the earlier ones as before.
+                options["job"] = self._job
+            self._ckpt = Checkpointer(self.root, **options)
+        return self._ckpt
+
+    def attach(self, strategy: Any) -> None:
+        """(every rank) Called by :class:`DistckptDDPStrategy` once the process group exists: the
+        strategy calls this plugin on every rank, and its trainer names the checkpoint directories."""
+        self._strategy = weakref.ref(strategy)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawn launchers pickle the plugin into each rank: the checkpointer (threads, locks) and
+        # the strategy reference are made again there.
+        state = self.__dict__.copy()
+        state.update(_ckpt=None, _strategy=None, _thread=None)
+        return state
+
+    def teardown(self) -> None:
+        """(every rank) Lightning calls this at the end of fit/validate/test: wait for the
+        in-flight save, write its pointer, run the removals that waited for it, and close the
+        checkpointer (staging memory, writer processes, distckpt's process group)."""
+        try:
+            if self._ckpt is not None:
+                self._settle()
+        finally:
+            ckpt, self._ckpt = self._ckpt, None
+            self._thread = None
+            if ckpt is not None:
+                ckpt.close()
+
+    close = teardown
+
+    # -- CheckpointIO -------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """(every rank) Save Lightning's checkpoint dict as distckpt step ``global_step`` and point
+        ``path`` at it.
+
+        Raises:
+            TypeError: ``storage_options`` given (configure storage in the constructor), or a
+                value distckpt cannot store safely (its key named).
+            ValueError: no valid ``global_step``; a full save after a weights-only save at the
+                same global step.
+            StepExistsError: the root holds this global step from another run or job.
+            RuntimeError: called on one rank of several (a strategy other than
+                :class:`DistckptDDPStrategy`).
+        """
+        self._enter("save_checkpoint")
+        if storage_options is not None:
+            raise TypeError(
+                "DistckptCheckpointIO.save_checkpoint does not take storage_options: pass them to "
+                "DistckptCheckpointIO(root, storage_options=...)"
+            )
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        if type(step) is not int or step < 0:
+            raise ValueError(f"a Lightning checkpoint must hold 'global_step', an int >= 0, got {step!r}")
+        keys, state, layout = _prepare(checkpoint, copy_values=self.async_save)
+        self._remember(path)
+        ckpt = self.checkpointer
+        epoch = checkpoint.get("epoch")
+        record = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
+        known = self._steps.get(step)
+        if known is not None:
+            missing = [k for k in keys if k not in known]
+            if missing:
+                raise ValueError(
+                    f"global step {step} was already saved without {missing} (a weights-only save?); a second "
+                    f"save at the same step cannot be stored as another distckpt step: let the callback that "
+                    f"saves the full state come first, or save them at different steps"
+                )
+            # The same state again (two ModelCheckpoint callbacks at one step): one more pointer,
+            # written when the step is committed (without waiting for an async save here).
+            if step == self._inflight:
+                self._pending.append(("point", os.fspath(path), record))
+            else:
+                self._settle()
+                self._run_on_rank0([("point", os.fspath(path), record)])
+            return
+        self._settle()  # the previous async save commits before anything points at or deletes for it
+        try:
+            ckpt.save(step, state, blocking=not self.async_save, metadata={LAYOUT_KEY: layout})
+        except StepExistsError as exc:
+            raise StepExistsError(
+                f"{exc}. Lightning saves global step {step} into {self.root}, which holds that step from an earlier "
+                f"run or another job (a run resumed from an older checkpoint and trained past newer ones?); distckpt "
+                f"never overwrites a committed step: use a new root for this run, or resume from the newest checkpoint"
+            ) from exc
+        self._steps[step] = frozenset(keys)
+        if self.async_save:
+            self._inflight = step
+            self._pending.append(("point", os.fspath(path), record))
+        else:
+            self._run_on_rank0([("point", os.fspath(path), record)])
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """(every rank) Delete the pointer at ``path``, and its step once nothing points at it
+        (this job's steps only). Waits for an in-flight async save's commit (queued, not
+        blocking). A file at ``path`` that is not a pointer is left alone, with a warning."""
+        self._enter("remove_checkpoint")
+        self._remember(path)
+        if self._inflight is not None:
+            self._pending.append(("remove", os.fspath(path), None))
+            return
+        self._run_on_rank0([("remove", os.fspath(path), None)])
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """(every rank) The checkpoint dict saved for ``path``, tensors on the CPU (Lightning moves
+        them into the model and optimizers). ``map_location`` and ``weights_only`` are ignored:
+        distckpt reads without unpickling code in any case.
+
+        Raises:
+            FileNotFoundError: no file at ``path``, or the step it points to is not committed
+                in this root.
+            ValueError: ``path`` is not a distckpt pointer (e.g. a ``torch.save`` checkpoint),
+                or names a step of another job than the one in this root.
+            IntegrityError: a damaged file (named), or a damaged manifest layout.
+            StateMismatchError: per-rank state loaded at another world size (see its note).
+        """
+        self._enter("load_checkpoint")
+        self._remember(path)
+        self._settle()
+        ckpt = self.checkpointer
+        where = os.fspath(path)
+        step, keys, all_keys, nodes, budget, job = _on_rank0(lambda: self._locate(where), f"loading {where}")
+        state = _template(keys_of=all_keys, nodes_json=nodes, budget=budget, where=f"{where} (step {step})")
+        try:
+            ckpt.load(state, step=step, strict=True, restore_rng=self.restore_rng)
+        except StateMismatchError as exc:
+            if exc.per_rank:
+                _note(
+                    exc,
+                    f"resuming {where}: entries {sorted(exc.per_rank)} differed between ranks when saved (e.g. "
+                    "ModelCheckpoint/EarlyStopping monitoring a metric logged without sync_dist=True), so they were "
+                    "stored per rank and cannot be resharded: resume at the saved world size, or log with sync_dist=True",
+                )
+            raise
+        except (CheckpointError, OSError, ValueError) as exc:
+            _note(exc, f"while loading Lightning checkpoint {where} (step {step} of {self.root})")
+            raise
+        self._steps[step] = frozenset(all_keys)
+        if self._options.get("job") is None:
+            self._job = job  # distckpt's full load continues the loaded step's job
+        return {k: state[entry_name(k)] for k in keys}
+
+    # -- internals ----------------------------------------------------------------------------
+    def _enter(self, what: str) -> None:
+        """Refuse calls that would deadlock or race: from a second thread, or on one rank of several."""
+        ident = threading.get_ident()
+        if self._thread is None:
+            self._thread = ident
+        elif ident != self._thread:
+            raise RuntimeError(
+                f"DistckptCheckpointIO.{what} was called from another thread than before (is it wrapped in "
+                "Lightning's AsyncCheckpointIO?): use DistckptCheckpointIO(..., async_save=True) instead"
+            )
+        if _world_size() > 1 and self._strategy is None:
+            raise RuntimeError(
+                f"DistckptCheckpointIO.{what} on rank {dist.get_rank()} of {_world_size()}: distckpt saves are collective, "
+                "but this strategy calls the CheckpointIO on global rank 0 only. Use "
+                "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
+            )
+
+    def _remember(self, path: Any) -> None:
+        self._dirs.add(_dir_of(path))
+
+    def _settle(self) -> None:
+        """(every rank) Commit the in-flight async save, then run what waited for it."""
+        if self._inflight is None:
+            return
+        step, self._inflight = self._inflight, None
+        pending, self._pending = self._pending, []
+        try:
+            self.checkpointer.wait()  # raises the save's error on every rank alike
+        except BaseException:
+            # Nothing may point at the failed step, and the removals queued after it are dropped:
+            # they were to make room for it, and could delete the last good checkpoint.
+            self._steps.pop(step, None)
+            raise
+        self._run_on_rank0(pending)
+
+    def _run_on_rank0(self, actions: list[tuple[str, str, dict[str, Any] | None]]) -> None:
+        """(every rank) Rank 0 writes/removes pointers and deletes unreferenced steps; every rank
+        learns the job of the steps pointed at and which steps were deleted."""
+        if not actions:
+            return
+        job, deleted = _on_rank0(lambda: self._apply(actions), "writing Lightning checkpoint pointers")
+        if self._options.get("job") is None and job is not None:
+            self._job = job
+        for step in deleted:
+            self._steps.pop(step, None)
+
+    def _apply(self, actions: Iterable[tuple[str, str, dict[str, Any] | None]]) -> tuple[str | None, list[int]]:
+        """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
+        ckpt = self.checkpointer
+        orphans: set[int] = set()
+        job = None
+        for kind, path, record in actions:
+            old = _try_pointer(path)
+            if kind == "point" and record is not None:
+                job = ckpt.manifest(record["step"]).job  # committed: read back what it recorded
+                if self._options.get("job") is None:
+                    self._job = job
+                _write_pointer(path, _pointer_bytes(self.root, job, record))
+                if old is not None and old["step"] != record["step"]:
+                    orphans.add(old["step"])
+            elif old is not None:
+                _remove_file(path)
+                orphans.add(old["step"])
+            elif _exists(path):
+                warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
+        return job, self._delete_orphans(orphans)
+
+    def _delete_orphans(self, steps: set[int]) -> list[int]:
+        """(rank 0) Delete those of ``steps`` that are committed, this job's, and pointed at by no
+        pointer in the directories known; returns them. Errors are warned about, never raised
+        (as distckpt's retention: a committed save must not fail over a deletion)."""
+        if not steps or self._job is None:
+            return []
+        ckpt = self.checkpointer
+        committed = set(ckpt.steps())
+        candidates = {}
+        for step in sorted(steps & committed):
+            try:
+                job = ckpt.manifest(step).job
+            except (OSError, ValueError):
+                continue  # unreadable: not attributable, so not ours to delete
+            if job is not None and job == self._job:
+                candidates[step] = job
+        if not candidates:
+            return []
+        try:
+            for record in self._visible_pointers():
+                if candidates.get(record["step"]) == record.get("job"):
+                    del candidates[record["step"]]
+        except OSError as exc:  # a pointer we could not read may refer to any of them: keep all
+            warnings.warn(
+                f"distckpt: not deleting steps {sorted(candidates)}: could not read every pointer ({exc})", stacklevel=2
+            )
+            return []
+        deleted = []
+        storage = ckpt.storage
+        for step in candidates:
+            name = step_dir(step)
+            try:
+                # distckpt's retention order: released, uncommitted (manifest first), removed.
+                mark_released(storage, name)
+                storage.remove(name, MANIFEST_NAME)
+                remove_uncommitted(storage, name)
+                deleted.append(step)
+            except FileNotFoundError:
+                deleted.append(step)
+            except OSError as exc:
+                warnings.warn(f"distckpt: could not delete {storage.display(name)}: {exc}", stacklevel=2)
+        return deleted
+
+    def _visible_pointers(self) -> Iterable[dict[str, Any]]:
+        """(rank 0) Every pointer in the directories known (seen paths' directories and the
+        trainer's ModelCheckpoint directories). Raises ``OSError`` if a directory or a file in it
+        cannot be read (a missing directory holds no pointers)."""
+        dirs = set(self._dirs)
+        strategy = self._strategy() if self._strategy is not None else None
+        try:
+            trainer = strategy.lightning_module.trainer if strategy is not None else None
+            callbacks = trainer.checkpoint_callbacks if trainer is not None else []
+        except (AttributeError, RuntimeError):  # no module or trainer attached (yet)
+            callbacks = []
+        for cb in callbacks:
+            dirpath = getattr(cb, "dirpath", None)
+            if dirpath:
+                dirs.add(_dir_url(dirpath))
+        for d in sorted(dirs):
+            fs, base = fsspec.core.url_to_fs(d)
+            try:
+                listing = fs.ls(base, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for item in listing:
+                if item.get("type") != "file" or not 0 < (item.get("size") or 0) <= _POINTER_MAX_BYTES:
+                    continue
+                record = _parse_pointer(_read_small(fs, item["name"]))
+                if record is not None:
+                    yield record
+
+    def _locate(self, path: str) -> tuple[int, list[str], list[str], str, int, str | None]:
+        """(rank 0) Read and check the pointer at ``path`` and the layout of its step."""
+        ckpt = self.checkpointer
+        fs, p = fsspec.core.url_to_fs(path)
+        if not fs.exists(p):
+            raise FileNotFoundError(f"Lightning checkpoint not found: {path}")
+        if fs.isdir(p):
+            raise ValueError(f"{path} is a directory, not a distckpt pointer file written by DistckptCheckpointIO")
+        data = _read_small(fs, p)
+        record = _parse_pointer(data)
+        if record is None:
+            zipped = data[:4] == b"PK\x03\x04"
+            kind = " (it is a torch.save/zip checkpoint, e.g. from Lightning's default TorchCheckpointIO)" if zipped else ""
+            raise ValueError(
+                f"{path} is not a checkpoint written by DistckptCheckpointIO{kind}; this plugin reads only its "
+                f"own checkpoints (pointer files naming a distckpt step)"
+            )
+        step = record["step"]
+        try:
+            manifest = ckpt.manifest(step)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"{path} points to step {step} (saved under {record['root']}), which is not committed in {self.root}: "
+                f"deleted (keep_last?), or its save never committed ({exc})"
+            ) from None
+        if record.get("job") is not None and manifest.job != record["job"]:
+            raise ValueError(
+                f"{path} names step {step} of job {record['job']!r} (saved under {record['root']}), but step {step} in "
+                f"{self.root} was saved by job {manifest.job!r}: another checkpoint. Point DistckptCheckpointIO at the "
+                f"root that pointer was written for"
+            )
+        layout = manifest.extra.get(LAYOUT_KEY)
+        if not isinstance(layout, Mapping) or layout.get("version") != _LAYOUT_VERSION:
+            raise IntegrityError(
+                f"step {step} of {self.root} has no Lightning layout in its manifest (extra[{LAYOUT_KEY!r}]): "
+                "it was not saved by DistckptCheckpointIO"
+            )
+        all_keys, nodes = layout.get("keys"), layout.get("nodes")
+        if not isinstance(all_keys, list) or not all(isinstance(k, str) for k in all_keys) or not isinstance(nodes, str):
+            raise IntegrityError(f"step {step} of {self.root}: malformed Lightning layout in its manifest")
+        keys = record["keys"]
+        if not set(keys) <= set(all_keys):
+            raise IntegrityError(f"{path} lists keys {sorted(set(keys) - set(all_keys))} that step {step} does not hold")
+        # Tensors are allocated from the layout before distckpt checks them against .metadata:
+        # a layout may not claim more bytes than the step's files hold.
+        budget = manifest.total_bytes + (1 << 20)
+        return step, keys, all_keys, nodes, budget, manifest.job
+
+
+# --------------------------------------------------------------------------------------------
+# the strategy
+class DistckptDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` that calls a :class:`DistckptCheckpointIO` on every rank to save and remove
+    checkpoints (Lightning calls ``CheckpointIO`` on global rank 0 only; distckpt saves are
+    collective). Takes ``DDPStrategy``'s arguments; with any other ``CheckpointIO`` it behaves
+    exactly as ``DDPStrategy``."""
+
+    def setup_environment(self) -> None:
+        """(every rank) DDP's setup (the process group), then attach the plugin."""
+        super().setup_environment()
+        io, wrapped_async = self.checkpoint_io, False
+        while isinstance(io, _WrappingCheckpointIO):
+            wrapped_async = wrapped_async or isinstance(io, AsyncCheckpointIO)
+            io = io.checkpoint_io
+        if isinstance(io, DistckptCheckpointIO):
+            if wrapped_async:
+                raise ValueError(
+                    "AsyncCheckpointIO(DistckptCheckpointIO(...)) would run collective saves in a thread: use "
+                    "DistckptCheckpointIO(..., async_save=True) without the wrapper"
+                )
+            io.attach(self)
+
+    def _distckpt_io(self) -> DistckptCheckpointIO | None:
+        io = self.checkpoint_io
+        return io if isinstance(io, DistckptCheckpointIO) else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """(every rank) ``DistckptCheckpointIO.save_checkpoint`` on every rank; other plugins: rank 0."""
+        io = self._distckpt_io()
+        if io is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        else:
+            io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """(every rank) ``DistckptCheckpointIO.remove_checkpoint`` on every rank; other plugins: rank 0."""
+        io = self._distckpt_io()
+        if io is None:
+            super().remove_checkpoint(filepath)
+        else:
+            io.remove_checkpoint(filepath)
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning's dict <-> distckpt state
+def entry_name(key: str) -> str:
+    """The distckpt entry name of a top-level key of Lightning's dict (``.``, ``%`` and a leading
+    ``_`` escaped, as distckpt reserves them; injective, so keys never collide)."""
+    if not key:
+        return "%"
+    name = key.replace("%", "%25").replace(".", "%2E")
+    return "%5F" + name[1:] if name.startswith("_") else name
+
+
+def _prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """(each rank) Lightning's top-level keys, the distckpt state and the layout for the manifest.
+
+    Containers are rebuilt (tensors are not copied: distckpt stages them), and with
+    ``copy_values`` the other values are deep-copied: an async save must write the values of the
+    call, and Lightning's dict holds live objects (``ModelCheckpoint``'s ``best_k_models``)."""
+    keys = list(checkpoint)
+    for k in keys:
+        if not isinstance(k, str):
+            raise TypeError(f"Lightning checkpoint key {k!r} is a {type(k).__name__}; top-level keys must be strings")
+    nodes, state = [], {}
+    for k in keys:
+        value = checkpoint[k]
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
+            not isinstance(value, torch.Tensor)
+            and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"checkpoint[{k!r}] is a {type(value).__qualname__} object; put its state_dict() into the checkpoint instead"
+            )
+        if isinstance(value, torch.Tensor) or contains(value):
+            node, state[entry_name(k)] = _walk(value, k, 0, copy_values)
+        else:
+            node, state[entry_name(k)] = ["v"], _copied(value, copy_values)
+        nodes.append(node)
+    layout = {"version": _LAYOUT_VERSION, "keys": keys, "nodes": json.dumps(nodes, separators=(",", ":"))}
+    return keys, state, layout
+
+
+def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Any, Any]:
+    """Layout node and rebuilt value of a part of a tree entry, down to DCP's items: mappings and
+    the lists DCP enters are containers, everything else one item (a tensor, or a value)."""
+    if depth > _MAX_DEPTH:
+        raise TypeError(f"checkpoint value {where!r} is nested more than {_MAX_DEPTH} levels deep")
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(
+                f"checkpoint tensor {where!r} is a {type(value).__qualname__}: tensor subclasses (DTensor from FSDP or "
+                "ModelParallel strategies) are not supported by DistckptCheckpointIO; use DDP or a single device"
+            )
+        return ["t", list(value.shape), str(value.dtype)], value
+    if isinstance(value, Mapping):
+        ordered = isinstance(value, OrderedDict)
+        items, out = [], (OrderedDict() if ordered else {})
+        for k, v in value.items():
+            tag = _key_tag(k, where)
+            node, out[k] = _walk(v, f"{where}.{k}", depth + 1, copy_values)
+            items.append([tag, k, node])
+        return ["o" if ordered else "d", items], out
+    if isinstance(value, list) and not _dcp_leaf(value):
+        nodes, out_list = [], []
+        for i, v in enumerate(value):
+            node, c = _walk(v, f"{where}.{i}", depth + 1, copy_values)
+            nodes.append(node)
+            out_list.append(c)
+        return ["l", nodes], out_list
+    return ["v"], _copied(value, copy_values)
+
+
+def _copied(value: Any, copy_values: bool) -> Any:
+    if not copy_values:
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - not copyable: distckpt's save refuses it or stores it as is
+        return value
+
+
+_KEY_TAGS: dict[type, str] = {str: "s", int: "i", bool: "b", float: "f", type(None): "n"}
+
+
+def _key_tag(key: Any, where: str) -> str:
+    tag = _KEY_TAGS.get(type(key))
+    if tag is None or (tag == "f" and not math.isfinite(key)):
+        raise TypeError(
+            f"checkpoint value {where!r} has the key {key!r} ({type(key).__name__}); keys inside Lightning's checkpoint "
+            "must be str, int, bool, finite float or None"
+        )
+    return tag
+
+
+def _template(keys_of: list[str], nodes_json: str, budget: int, where: str) -> dict[str, Any]:
+    """(each rank) The state to load into, rebuilt from the manifest's layout: CPU tensors of the
+    saved shapes and dtypes, the saved containers and keys, ``None`` where values go.
+
+    Raises:
+        IntegrityError: the layout is malformed, or claims more tensor bytes than ``budget``.
+    """
+    try:
+        nodes = json.loads(nodes_json)
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"{where}: the manifest's Lightning layout is not valid JSON") from None
+    if not isinstance(nodes, list) or len(nodes) != len(keys_of):
+        raise IntegrityError(f"{where}: the manifest's Lightning layout does not match its keys")
+    left = [budget]
+    try:
+        return {entry_name(k): _build(node, left, 0) for k, node in zip(keys_of, nodes)}
+    except _BadLayout as exc:
+        raise IntegrityError(f"{where}: malformed Lightning layout in the manifest ({exc})") from None
+
+
+class _BadLayout(Exception):
+    pass
+
+
+def _build(node: Any, left: list[int], depth: int) -> Any:
+    if depth > _MAX_DEPTH or not isinstance(node, list) or not node:
+        raise _BadLayout("a node that is not a non-empty list, or nested too deeply")
+    kind = node[0]
+    if kind == "v" and len(node) == 1:
+        return None
+    if kind == "t" and len(node) == 3:
+        shape, dtype = node[1], _DTYPES.get(node[2]) if isinstance(node[2], str) else None
+        if dtype is None or not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise _BadLayout(f"a tensor of shape {shape!r:.60} and dtype {node[2]!r:.40}")
+        left[0] -= math.prod(shape) * dtype.itemsize
+        if left[0] < 0:
+            raise _BadLayout("its tensors hold more bytes than the step's files")
+        return torch.empty(shape, dtype=dtype)
+    if kind in ("d", "o") and len(node) == 2 and isinstance(node[1], list):
+        out: dict[Any, Any] = OrderedDict() if kind == "o" else {}
+        for item in node[1]:
+            if not isinstance(item, list) or len(item) != 3:
+                raise _BadLayout("a mapping item that is not [tag, key, node]")
+            out[_key(item[0], item[1])] = _build(item[2], left, depth + 1)
+        return out
+    if kind == "l" and len(node) == 2 and isinstance(node[1], list):
+        return [_build(child, left, depth + 1) for child in node[1]]
+    raise _BadLayout(f"unknown node {kind!r:.20}")
+
+
+def _key(tag: Any, key: Any) -> Any:
+    ok = {
+        "s": type(key) is str,
+        "i": type(key) is int,
+        "b": type(key) is bool,
+        "f": type(key) in (int, float) and type(key) is not bool,
+        "n": key is None,
+    }.get(tag)
+    if not ok:
+        raise _BadLayout(f"a key {key!r:.40} tagged {tag!r:.10}")
+    return float(key) if tag == "f" else key
+
+
+# --------------------------------------------------------------------------------------------
+# pointer files (read, written and removed by global rank 0)
+def _pointer_bytes(root: str, job: str | None, record: Mapping[str, Any]) -> bytes:
+    body = {
+        "format": POINTER_FORMAT,
+        "version": _POINTER_VERSION,
+        "root": _root_id(root),
+        "step": record["step"],
+        "job": job,
+        "epoch": record["epoch"],
+        "keys": list(record["keys"]),
+    }
+    return (json.dumps(body, indent=1) + "\n").encode()
+
+
+def _parse_pointer(data: bytes) -> dict[str, Any] | None:
+    """The pointer's fields if ``data`` is a valid pointer, else ``None``."""
+    if len(data) > _POINTER_MAX_BYTES or not data.lstrip()[:1] == b"{":
+        return None
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT or body.get("version") != _POINTER_VERSION:
+        return None
+    step, keys, job, root = body.get("step"), body.get("keys"), body.get("job"), body.get("root")
+    if type(step) is not int or step < 0 or not isinstance(root, str):
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not (job is None or isinstance(job, str)):
+        return None
+    return body
+
+
+def _read_small(fs: Any, path: str) -> bytes:
+    with fs.open(path, "rb") as f:
+        return f.read(_POINTER_MAX_BYTES + 1)
+
+
+def _try_pointer(path: str) -> dict[str, Any] | None:
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        if not fs.isfile(p):
+            return None
+        return _parse_pointer(_read_small(fs, p))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _exists(path: str) -> bool:
+    fs, p = fsspec.core.url_to_fs(path)
+    return bool(fs.exists(p))
+
+
+def _write_pointer(path: str, data: bytes) -> None:
+    """Replace the file at ``path`` atomically (local: a temporary file, fsync, rename; object
+    stores: one put)."""
+    fs, p = fsspec.core.url_to_fs(path)
+    parent = posixpath.dirname(p)
+    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(p, data)
+        return
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(p)}.distckpt-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)  # a symbolic link at p (save_last="link") is replaced, not followed
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_file(path: str) -> None:
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        pass
+
+
+def _dir_of(path: Any) -> str:
+    """The directory holding ``path``, as a URL fsspec opens again (``file:///...`` when local)."""
+    fs, p = fsspec.core.url_to_fs(os.fspath(path))
+    return fs.unstrip_protocol(posixpath.dirname(p))
+
+
+def _dir_url(dirpath: Any) -> str:
+    """A directory, as :func:`_dir_of` names it."""
+    fs, p = fsspec.core.url_to_fs(os.fspath(dirpath))
+    return fs.unstrip_protocol(p.rstrip("/") or "/")
+
+
+def _root_id(root: str) -> str:
+    """How pointers name a root (informational: loads read from the plugin's own root)."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/")
+    return os.path.realpath(os.path.expanduser(root.removeprefix("file://")))
+
+
+# --------------------------------------------------------------------------------------------
+# collectives
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+_PORTABLE: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, OSError, ValueError, TypeError,
+        RuntimeError, StepExistsError, IntegrityError, UnsafeCheckpointError, CheckpointError,
+    )
+}  # fmt: skip
+
+
+def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
+    """(every rank) ``fn()`` on global rank 0; its result, or its error, on every rank (a builtin or
+    distckpt error keeps its type; rank 0 raises the original)."""
+    if _world_size() <= 1:
+        return fn()
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - handed to every rank below
+            error = exc
+            box[0] = ("error", type(exc).__name__, str(exc))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0][0] == "error":
+        cls = _PORTABLE.get(box[0][1])
+        if cls is None:
+            raise RuntimeError(f"{what} failed on rank 0: {box[0][1]}: {box[0][2]}")
+        raise cls(box[0][2])
+    return box[0][1]
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(text)

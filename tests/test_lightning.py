@@ -1,0 +1,460 @@
+"""distckpt's Lightning plugin with a real ``lightning.Trainer``.
+
+The model trains full-batch: each epoch is one step over the same 12 samples, split evenly over
+the ranks by Lightning's ``DistributedSampler``, so DDP's averaged gradient is the full-batch
+gradient at 1, 2 and 3 ranks alike. Checkpoints are saved at epoch ends (Lightning restarts an
+epoch that was interrupted in the middle, so only epoch-end checkpoints resume exactly).
+
+* Same world size (2 ranks): the resumed run's per-rank losses equal the uninterrupted run's
+  bit for bit.
+* 1 and 3 ranks: what is compared is the *global* loss of each step after the resume (the mean
+  of the ranks' batch losses: the full-batch loss, the ranks' shards being equal). The loaded
+  state itself is exact (distckpt's state check runs after a world-size change and raises on any
+  difference); what differs is the order in which the ranks' gradients are summed and averaged
+  afterwards, so the losses agree to float32 rounding: ``rtol=1e-5, atol=1e-6`` (the largest
+  relative difference seen here: 6e-8 at 3 ranks, 1.3e-7 at 1; the test prints it).
+
+Multi-rank runs use ``tests/dist_harness.run_ranks`` (gloo ranks on a FileStore, bounded) with
+``DistckptDDPStrategy`` over the already initialised process group; single-device runs happen in
+the pytest process.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning", reason="needs the [lightning] extra")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import distckpt  # noqa: E402
+from dist_harness import RanksFailed, run_ranks  # noqa: E402
+from distckpt.integrations import lightning as dl  # noqa: E402
+from distckpt.integrations.lightning import DistckptCheckpointIO, DistckptDDPStrategy  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """seed_everything exports PL_GLOBAL_SEED; later tests of this worker (and their ranks, which
+    copy the environment) must not inherit it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+EPOCHS = 4
+RESUME_FROM = 2  # resume from the uninterrupted run's checkpoint of epoch 2 (global step 2)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class _Model(L.LightningModule):
+    """A small MLP with AdamW and a StepLR schedule; records (global step, rank, batch loss)."""
+
+    def __init__(self, per_rank_key_at: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.losses: list[tuple[int, int, float]] = []
+        self.per_rank_key_at = per_rank_key_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append((self.global_step, self.global_rank, loss.item()))
+        self.log("loss", loss, sync_dist=True)  # ranks agree on the monitored value
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optim = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return {"optimizer": optim, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optim, 2, 0.5)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.global_step == self.per_rank_key_at:  # a value that differs between ranks
+            checkpoint["rank_note"] = {"rank": self.global_rank}
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=12)
+
+
+def _trainer(io: Any, epochs: int, callbacks: list | None = None, strategy: Any = "auto", devices: int = 1) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        plugins=[io] if io is not None else None,
+        max_epochs=epochs,
+        callbacks=callbacks or [],
+        enable_checkpointing=bool(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def _fit(io: Any, epochs: int, callbacks: list | None = None, ckpt_path: str | None = None, **kw: Any) -> list:
+    L.seed_everything(0, verbose=False)
+    model = _Model(**kw)
+    _trainer(io, epochs, callbacks).fit(model, _loader(), ckpt_path=ckpt_path)
+    return model.losses
+
+
+def _pointer(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------------------------------
+# DDP on gloo ranks
+def _ddp_body(rank: int, world: int, root: str, dirs: list[str] | None, ckpt_path: str | None, async_save: bool) -> list:
+    # The process group exists (run_ranks): Lightning's environment takes the ranks from these
+    # variables and does not launch processes itself.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    callbacks = None
+    if dirs is not None:
+        callbacks = [
+            ModelCheckpoint(dirpath=dirs[0], filename="{epoch}-{step}", every_n_epochs=1, save_top_k=-1),
+            ModelCheckpoint(dirpath=dirs[1], filename="best-{step}", monitor="loss", save_top_k=2, save_last=True),
+        ]
+    io = DistckptCheckpointIO(root, async_save=async_save)
+    L.seed_everything(0, verbose=False)
+    model = _Model(per_rank_key_at=EPOCHS)
+    trainer = _trainer(io, EPOCHS, callbacks, strategy=DistckptDDPStrategy(process_group_backend="gloo"), devices=world)
+    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    return model.losses
+
+
+def _plain_ddp_body(rank: int, world: int, root: str, ck: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    io = DistckptCheckpointIO(root)
+    strategy = DDPStrategy(process_group_backend="gloo")  # calls the CheckpointIO on rank 0 only
+    trainer = _trainer(io, 2, [ModelCheckpoint(dirpath=ck, every_n_epochs=1)], strategy=strategy, devices=world)
+    trainer.fit(_Model(), _loader())
+
+
+def test_plain_ddp_strategy_fails_clearly_instead_of_hanging(tmp_path: Path) -> None:
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(_plain_ddp_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), timeout=120, pg_timeout=60)
+    rank0 = str(err.value).split("--- rank 0 ---")[1].split("--- rank 1 ---")[0]
+    assert "this strategy calls the CheckpointIO on global rank 0 only" in rank0 and "DistckptDDPStrategy" in rank0
+    assert "still running" not in str(err.value)  # rank 1 failed when rank 0 left, no hang
+
+
+def _global(losses: list[tuple[int, int, float]]) -> dict[int, float]:
+    """Step -> mean of the ranks' batch losses (the full-batch loss: the ranks' shards are equal)."""
+    by_step: dict[int, list[float]] = {}
+    for step, _, loss in losses:
+        by_step.setdefault(step, []).append(loss)
+    return {s: sum(v) / len(v) for s, v in sorted(by_step.items())}
+
+
+@pytest.mark.timeout(600)
+def test_ddp_train_save_resume_at_2_3_1_ranks(tmp_path: Path) -> None:
+    """2 ranks, async saves at every epoch end through two ModelCheckpoint callbacks (every epoch
+    in ``every/``; the best 2 and ``last.ckpt`` in ``best/``); then resumes from epoch 2 at 2, 3
+    and 1 ranks. One test, so that the uninterrupted run is made once whatever xdist's mode."""
+    root, every, best = tmp_path / "root", tmp_path / "every", tmp_path / "best"
+    per_rank = run_ranks(_ddp_body, 2, tmp_path, str(root), [str(every), str(best)], None, True, timeout=240)
+    uninterrupted = sorted(sum(per_rank, []))
+    assert [s for s, r, _ in uninterrupted if r == 0] == list(range(EPOCHS))
+
+    # One distckpt step per global step, though two callbacks saved at each epoch end.
+    assert distckpt.Checkpointer(str(root)).steps() == list(range(1, EPOCHS + 1))
+    assert sorted(p.name for p in every.iterdir()) == [f"epoch={e}-step={e + 1}.ckpt" for e in range(EPOCHS)]
+    # The best callback removed its older pointers; their steps stay, as every/ still points at them.
+    kept = [f"best-step={EPOCHS - 1}.ckpt", f"best-step={EPOCHS}.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in best.iterdir()) == kept
+    assert _pointer(best / "last.ckpt")["step"] == EPOCHS
+    resume_from = str(every / f"epoch={RESUME_FROM - 1}-step={RESUME_FROM}.ckpt")
+
+    # 2 ranks, bit for bit: from a copy of the root and of the pointers up to the resumed epoch (a
+    # job preempted there, its files moved: the pointers name the old root, the plugin reads its
+    # own), saving on into the copy (the same job: no StepExistsError, its retention works).
+    copy = tmp_path / "copy"
+    for d in (every, best):
+        (copy / d.name).mkdir(parents=True)
+        for p in d.iterdir():
+            if _pointer(p)["step"] <= RESUME_FROM and p.name != "last.ckpt":
+                shutil.copy(p, copy / d.name / p.name)
+    later = lambda d, names: [n for n in names if n.startswith("step_") and int(n[5:]) > RESUME_FROM]  # noqa: E731
+    shutil.copytree(root, copy / "root", ignore=later)
+    ckpt = str(copy / "every" / Path(resume_from).name)
+    dirs = [str(copy / "every"), str(copy / "best")]
+    per_rank = run_ranks(_ddp_body, 2, tmp_path, str(copy / "root"), dirs, ckpt, True, timeout=240)
+    assert sorted(sum(per_rank, [])) == [x for x in uninterrupted if x[0] >= RESUME_FROM]  # every rank, every step
+    assert distckpt.Checkpointer(str(copy / "root")).steps() == list(range(1, EPOCHS + 1))
+    assert _pointer(copy / "best" / "last.ckpt")["step"] == EPOCHS
+
+    # 3 ranks (no saving: the root holds the later steps already).
+    per_rank = run_ranks(_ddp_body, 3, tmp_path, str(root), None, resume_from, False, timeout=240)
+    _assert_close(_global(sorted(sum(per_rank, []))), uninterrupted, world=3)
+
+    # 1 rank, a single-device Trainer in this process.
+    io = DistckptCheckpointIO(str(root))
+    _assert_close(_global(_fit(io, EPOCHS, ckpt_path=resume_from)), uninterrupted, world=1)
+    # The last step holds an entry that differed between the 2 ranks: it cannot be resharded,
+    # and the error says why and what to do.
+    with pytest.raises(distckpt.StateMismatchError) as err:
+        io.load_checkpoint(str(best / "last.ckpt"))
+    assert "rank_note" in str(err.value) and any("sync_dist=True" in n for n in err.value.__notes__)
+    io.teardown()
+
+
+def _assert_close(resumed: dict[int, float], uninterrupted: list, world: int) -> None:
+    expected = {s: v for s, v in _global(uninterrupted).items() if s >= RESUME_FROM}
+    assert list(resumed) == list(expected)
+    worst = max(abs(resumed[s] - expected[s]) / abs(expected[s]) for s in expected)
+    print(f"world size {world}: largest relative loss difference after the resume {worst:.2e}")
+    for s in expected:
+        assert resumed[s] == pytest.approx(expected[s], rel=RTOL, abs=ATOL), (world, s)
+
+
+# ------------------------------------------------------------------------------------------
+# single device, in this process
+def test_retention_follows_model_checkpoint(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    # Another job's step in the same root: never deleted by this job's retention.
+    other = distckpt.Checkpointer(str(root), job="other-job")
+    other.save(1000, {"x": torch.ones(2)})
+    other.close()
+    io = DistckptCheckpointIO(str(root))
+    callbacks = [ModelCheckpoint(dirpath=ck, filename="{step}", monitor="loss", save_top_k=1, save_last=True)]
+    losses = _fit(io, 4, callbacks)
+    assert [s for _, _, s in losses] == sorted((s for _, _, s in losses), reverse=True)  # top-1 = the newest
+    # Only what a pointer refers to is kept: step 4 (best and last), and the other job's step.
+    assert io.checkpointer.steps() == [4, 1000]
+    assert sorted(p.name for p in ck.iterdir()) == ["last.ckpt", "step=4.ckpt"]
+    # A pointer to another job's step: the pointer goes, the step stays.
+    (ck / "foreign.ckpt").write_text((ck / "last.ckpt").read_text().replace('"step": 4', '"step": 1000'))
+    io.remove_checkpoint(str(ck / "foreign.ckpt"))
+    assert not (ck / "foreign.ckpt").exists() and io.checkpointer.steps() == [4, 1000]
+    # A file that is not a pointer is left alone.
+    (ck / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match="not a distckpt pointer"):
+        io.remove_checkpoint(str(ck / "notes.txt"))
+    assert (ck / "notes.txt").read_text() == "mine"
+    # After fit's teardown the plugin loads again (a new checkpointer): predict from the best.
+    model = _Model()
+    got = _trainer(io, 4).predict(model, _loader(), ckpt_path=str(ck / "step=4.ckpt"))
+    assert torch.equal(torch.cat(got), _reference_prediction(io, ck / "step=4.ckpt"))
+    io.teardown()
+
+
+def _reference_prediction(io: DistckptCheckpointIO, path: Path) -> torch.Tensor:
+    model = _Model()
+    model.load_state_dict(io.load_checkpoint(path)["state_dict"])
+    with torch.no_grad():
+        return model(next(iter(_loader()))[0])
+
+
+def test_async_pointer_and_removal_wait_for_the_commit(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root), async_save=True, async_mode="thread")
+
+    def state(step: int) -> dict:
+        return {"global_step": step, "epoch": 0, "state_dict": {"w": torch.full((3,), float(step))}, "loops": {"n": step}}
+
+    io.save_checkpoint(state(1), ck / "a.ckpt")
+    io.save_checkpoint(state(1), ck / "a2.ckpt")  # a second callback at the step in flight: no wait
+    assert not (ck / "a.ckpt").exists() and not (ck / "a2.ckpt").exists()  # step 1 not known committed yet
+    io.save_checkpoint(state(2), ck / "b.ckpt")  # waits for step 1, then points a and a2 at it
+    assert _pointer(ck / "a.ckpt")["step"] == _pointer(ck / "a2.ckpt")["step"] == 1
+    io.remove_checkpoint(ck / "a.ckpt")  # step 2 in flight: step 1 may be the last good one
+    assert (ck / "a.ckpt").exists() and 1 in io.checkpointer.steps()
+    io.teardown()  # step 2 committed: b.ckpt written, a.ckpt removed; a2.ckpt still points at step 1
+    assert not (ck / "a.ckpt").exists() and _pointer(ck / "b.ckpt")["step"] == 2
+    assert io.checkpointer.steps() == [1, 2]
+    io.remove_checkpoint(ck / "a2.ckpt")  # the last pointer to step 1: the step goes
+    assert io.checkpointer.steps() == [2]
+    got = io.load_checkpoint(ck / "b.ckpt")
+    assert torch.equal(got["state_dict"]["w"], torch.full((3,), 2.0)) and got["loops"] == {"n": 2}
+    io.teardown()
+
+
+def test_async_save_writes_the_values_of_the_call(tmp_path: Path) -> None:
+    io = DistckptCheckpointIO(str(tmp_path / "root"), async_save=True, async_mode="thread")
+    live = {"best_k_models": {"a": 1}}
+    w = torch.zeros(4)
+    io.save_checkpoint({"global_step": 1, "callbacks": live, "state_dict": {"w": w}}, tmp_path / "a.ckpt")
+    live["best_k_models"]["b"] = 2  # Lightning's callbacks go on changing their live dicts
+    w += 1
+    io.teardown()
+    got = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert got["callbacks"] == {"best_k_models": {"a": 1}} and torch.equal(got["state_dict"]["w"], torch.zeros(4))
+    io.teardown()
+
+
+def test_round_trip_keeps_types_and_keys(tmp_path: Path) -> None:
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    saved = {
+        "global_step": 7,
+        "epoch": 1,
+        "state_dict": {"net.0.weight": torch.randn(3, 2), "net.0.bias": torch.randn(3)},
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 2)}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
+            }
+        ],
+        "_private": {1.5: "x", None: [1, 2], True: "t"},
+        "Outer.Inner": {"empty": {}, "t": torch.arange(4, dtype=torch.int16)},
+        "": "empty key",
+    }
+    io.save_checkpoint(saved, tmp_path / "x.ckpt")
+    got = io.load_checkpoint(tmp_path / "x.ckpt")
+    assert list(got) == list(saved)
+    _assert_equal(got, saved)
+    io.teardown()
+
+
+def _assert_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        return
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(b, dict):
+        assert list(a) == list(b), where
+        for k in b:
+            _assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+class _Mode(enum.Enum):
+    FAST = "fast"
+
+
+def test_hyper_parameters_of_registered_classes(tmp_path: Path) -> None:
+    saved = {"global_step": 1, "hyper_parameters": {"mode": _Mode.FAST, "lr": 0.1}, "state_dict": {"w": torch.ones(1)}}
+    with pytest.raises(TypeError, match=r"hyper_parameters.*safe_types"):
+        DistckptCheckpointIO(str(tmp_path / "r1")).save_checkpoint(saved, tmp_path / "a.ckpt")
+    io = DistckptCheckpointIO(str(tmp_path / "r2"), safe_types=[_Mode])  # passed to the Checkpointer
+    io.save_checkpoint(saved, tmp_path / "b.ckpt")
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == {"mode": _Mode.FAST, "lr": 0.1}
+    io.teardown()
+
+
+def test_weights_only_and_full_save_at_one_step(tmp_path: Path) -> None:
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    full = {"global_step": 5, "state_dict": {"w": torch.ones(2)}, "optimizer_states": [{"state": {}, "param_groups": []}]}
+    weights = {"global_step": 5, "state_dict": {"w": torch.ones(2)}}
+    io.save_checkpoint(full, tmp_path / "full.ckpt")
+    io.save_checkpoint(weights, tmp_path / "weights.ckpt")  # the same step, fewer keys: a second pointer
+    assert io.checkpointer.steps() == [5]
+    assert list(io.load_checkpoint(tmp_path / "weights.ckpt")) == ["global_step", "state_dict"]
+    io2 = DistckptCheckpointIO(str(tmp_path / "root2"))
+    io2.save_checkpoint(weights, tmp_path / "w2.ckpt")
+    with pytest.raises(ValueError, match=r"already saved without \['optimizer_states'\]"):
+        io2.save_checkpoint(full, tmp_path / "f2.ckpt")
+    io.teardown()
+    io2.teardown()
+
+
+def test_bad_checkpoint_paths(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    _fit(io, 2, [ModelCheckpoint(dirpath=ck, filename="{step}", every_n_epochs=1, save_top_k=-1)])
+    missing = str(ck / "nope.ckpt")
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        _trainer(io, 3).fit(_Model(), _loader(), ckpt_path=missing)
+    torch.save({"state_dict": {}}, ck / "torch.ckpt")
+    with pytest.raises(ValueError, match="TorchCheckpointIO"):
+        io.load_checkpoint(ck / "torch.ckpt")
+    with pytest.raises(ValueError, match="not a distckpt pointer file"):
+        io.load_checkpoint(ck)
+    # A pointer to a step this root does not hold, and one from another job (its step numbers
+    # mean other checkpoints): refused, naming both roots.
+    other = _pointer(ck / "step=2.ckpt")
+    (ck / "gone.ckpt").write_text(json.dumps({**other, "step": 99}))
+    with pytest.raises(FileNotFoundError, match="points to step 99"):
+        io.load_checkpoint(ck / "gone.ckpt")
+    (ck / "alien.ckpt").write_text(json.dumps({**other, "job": "someone-else", "root": "s3://elsewhere/run"}))
+    with pytest.raises(ValueError, match="job 'someone-else'.*s3://elsewhere/run"):
+        io.load_checkpoint(ck / "alien.ckpt")
+    # A plugin on another root does not read this root's steps through a pointer.
+    io3 = DistckptCheckpointIO(str(tmp_path / "root3"))
+    with pytest.raises(FileNotFoundError, match="not committed in"):
+        io3.load_checkpoint(ck / "step=2.ckpt")
+    io.teardown()
+    io3.teardown()
+
+
+def test_corrupted_file_named_on_resume(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    _fit(io, 2, [ModelCheckpoint(dirpath=ck, every_n_epochs=1, save_last=True)])
+    data = sorted((root / "step_000000002").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(distckpt.IntegrityError, match=data.name):
+        trainer = _trainer(io, 3, [ModelCheckpoint(dirpath=ck, every_n_epochs=1, save_last=True)])
+        trainer.fit(_Model(), _loader(), ckpt_path="last")  # "last" is found through this callback's dirpath
+    io.teardown()
+
+
+def test_step_of_another_run_is_not_overwritten(tmp_path: Path) -> None:
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    _fit(DistckptCheckpointIO(str(root)), 2, [ModelCheckpoint(dirpath=ck / "a", every_n_epochs=1, save_top_k=-1)])
+    io = DistckptCheckpointIO(str(root))  # a new run, same root, not resumed: steps 1 and 2 are not its own
+    with pytest.raises(distckpt.StepExistsError, match="global step 1 into"):
+        _fit(io, 2, [ModelCheckpoint(dirpath=ck / "b", every_n_epochs=1, save_top_k=-1)])
+    io.teardown()
+
+
+def test_s3_root(s3_server, s3_bucket: str, tmp_path: Path) -> None:
+    root = f"s3://{s3_bucket}/run"
+    expected = _fit(None, 4)
+    io = DistckptCheckpointIO(root, storage_options=s3_server.storage_options)
+    first = _fit(io, 2, [ModelCheckpoint(dirpath=tmp_path / "ck", every_n_epochs=1, save_last=True)])
+    io = DistckptCheckpointIO(root, storage_options=s3_server.storage_options)
+    second = _fit(io, 4, [ModelCheckpoint(dirpath=tmp_path / "ck", every_n_epochs=1, save_last=True)], ckpt_path="last")
+    assert first + second == expected
+    assert io.checkpointer.steps() == [4]  # save_top_k=1: the older steps were deleted from the bucket
+    io.teardown()
+
+
+def test_refusals(tmp_path: Path, monkeypatch) -> None:
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"global_step": 1}, tmp_path / "a.ckpt", storage_options={"x": 1})
+    with pytest.raises(ValueError, match="global_step"):
+        io.save_checkpoint({"epoch": 1}, tmp_path / "a.ckpt")
+    with pytest.raises(TypeError, match="hparams_type"):  # a class (omegaconf's hparams_type) cannot be stored
+        io.save_checkpoint({"global_step": 1, "hparams_type": dict}, tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match="keep_last"):  # Checkpointer options are checked at once
+        DistckptCheckpointIO(str(tmp_path / "root"), keep_last=0)
+    # Lightning's AsyncCheckpointIO would run the collective save in a thread: refused.
+    strategy = DistckptDDPStrategy(checkpoint_io=AsyncCheckpointIO(DistckptCheckpointIO(str(tmp_path / "r2"))))
+    monkeypatch.setattr(dl.DDPStrategy, "setup_environment", lambda self: None)
+    with pytest.raises(ValueError, match="async_save=True"):
+        strategy.setup_environment()
+    io.teardown()
