@@ -16,7 +16,7 @@ Planners (the ``planner`` field of each row):
   rank: every tensor) with every flatten mapping; the coordinator deduplicates ``world x items``.
   ``save="repeat"`` uses its ``enable_plan_caching=True``: ranks whose plan did not change send an
   empty "unusable" plan and the coordinator reuses its cached global plan.
-* ``distckpt``: :mod:`distckpt.save.plan` exactly as a save runs it (``describe`` and the view
+* ``distckpt``: :mod:`distckpt.save.assign` / ``.metadata`` / ``.protocol`` exactly as a save runs them (``describe`` and the view
   every rank exchanges in ``prepare``, ``decide`` in ``agree``, ``DistckptSavePlanner``'s local
   plan in its wire form, ``build_global``, the writer's ``prepare_global_plan``). Each rank lists
   only what it writes. ``save="repeat"``: every rank's structure is unchanged, so no plan is
@@ -240,13 +240,14 @@ def memoized_chunks():
 # distckpt's path, per simulated rank
 def distckpt_view(state: dict[str, Any], cache: Any = None) -> tuple[Any, Any, list]:
     """What ``_saving.prepare`` computes for the plan: the structure and the exchanged view."""
-    from distckpt.save import plan as _save_plan
+
+    from distckpt.save import assign as _assign
     from distckpt._compat import flatten_state_dict
     from distckpt.save.phases import SaveView
     from distckpt.save.staging import replicated_layout
 
     layout, sizes = replicated_layout({"model": state["model"]})
-    structure = _save_plan.describe(flatten_state_dict(state)[0])
+    structure = _assign.describe(flatten_state_dict(state)[0])
     token = cache.token(structure.own) if cache is not None else None
     view = SaveView(0, ["model"], {}, {}, layout, structure.plain, structure.replicas_digest, token)
     return view, structure, sizes
@@ -254,12 +255,15 @@ def distckpt_view(state: dict[str, Any], cache: Any = None) -> tuple[Any, Any, l
 
 def distckpt_local(state: dict[str, Any], plan_in: Any, rank: int) -> tuple[Any, bytes]:
     """This rank's local plan and the payload it sends to the coordinator."""
-    from distckpt.save import plan as _save_plan
 
-    planner = _save_plan.DistckptSavePlanner(plan_in)
+    from distckpt.save import metadata as _metadata
+    from distckpt.save import planner as _planner
+    from distckpt.save import protocol as _protocol
+
+    planner = _planner.DistckptSavePlanner(plan_in)
     planner.set_up_planner(state, is_coordinator=rank == 0)
     plan = planner.create_local_plan()
-    return plan, _save_plan.dumps((None, _save_plan.encode_plan(plan)))
+    return plan, _protocol.dumps((None, _metadata.encode_plan(plan)))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -394,14 +398,15 @@ def measure_dcp(layout: str, shapes: list, world: int, plans: list[Any], local_s
 def measure_distckpt(
     layout: str, shapes: list, world: int, local_plans: list[Any], payloads: list[bytes], local_s: float, repeat_local_s: float, saves: list[str]
 ) -> list[dict[str, Any]]:
-    """distckpt's coordinator, as ``_save_plan.SaveRun`` runs it."""
-    from distckpt.save import plan as _save_plan
+    """distckpt's coordinator, as ``_protocol.SaveRun`` runs it."""
     from torch.distributed.checkpoint.planner import SavePlan
+
+    from distckpt.save import metadata as _metadata
 
     rows = []
     received, receive_s = _timed(lambda: [pickle.loads(b) for b in payloads])
     writer = _writer()
-    (deltas, metadata), t_global = _timed(lambda: _save_plan.build_global([w for _, w in received]))
+    (deltas, metadata), t_global = _timed(lambda: _metadata.build_global([w for _, w in received]))
 
     def prepare() -> list:
         prefixes = writer.prepare_global_plan([SavePlan([]) for _ in range(world)])
@@ -409,7 +414,7 @@ def measure_distckpt(
 
     answers, t_prep = _timed(prepare)
     meta_bytes, t_pickle = _timed(lambda: dumps(metadata))
-    finals = [_save_plan.apply_delta(p, a[1]) for p, a in zip(local_plans, answers)]
+    finals = [_metadata.apply_delta(p, a[1]) for p, a in zip(local_plans, answers)]
     results = _write_results(finals)
     finish_s, final_bytes = _finish(metadata, results)
     common = _common_fields(local_plans, finals, meta_bytes, final_bytes, finish_s)
@@ -435,7 +440,10 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from distckpt.save import plan as _save_plan
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from distckpt.save import assign as _assign
+    from distckpt.save import protocol as _protocol
 
     rows: list[dict[str, Any]] = []
     dcp_plans: list[Any] = []
@@ -472,11 +480,11 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
             # Every rank holds the same state, so every view (and every decision) is the same:
             # computed once, each rank's own local plan made by its own planner.
             (view, structure, sizes), t_view = _timed(lambda: distckpt_view(state))
-            plan_in, t_decide = _timed(lambda: _save_plan.decide([view] * world, structure, ["model"], {}, sizes, 0))
-            cache = _save_plan.PlanCache()
-            cache.store(plan_in, _save_plan.SavePlan([]), None)
+            plan_in, t_decide = _timed(lambda: _assign.decide([view] * world, structure, ["model"], {}, sizes, 0))
+            cache = _protocol.PlanCache()
+            cache.store(plan_in, SavePlan([]), None)
             (view2, structure2, sizes2), t_view2 = _timed(lambda: distckpt_view(state, cache))
-            hit, t_decide2 = _timed(lambda: _save_plan.decide([view2] * world, structure2, ["model"], {}, sizes2, 0))
+            hit, t_decide2 = _timed(lambda: _assign.decide([view2] * world, structure2, ["model"], {}, sizes2, 0))
             assert hit.hit
             repeat_local_s = t_view2 + t_decide2
             slowest = 0.0
@@ -503,7 +511,7 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
                     dcp_plans.append(dcp_local_plan(st, r))
                 if "distckpt" in planners:
                     structure, sizes = structures[r]
-                    plan_in, t_decide = _timed(lambda: _save_plan.decide(views, structure, ["model"], {}, sizes, r), collect=False)
+                    plan_in, t_decide = _timed(lambda: _assign.decide(views, structure, ["model"], {}, sizes, r), collect=False)
                     (plan, payload), t_local = _timed(lambda: distckpt_local(st, plan_in, r), collect=False)
                     local_plans.append(plan)
                     payloads.append(payload)
@@ -529,7 +537,7 @@ def _mesh_plans(layout: str, shapes: list, world: int) -> tuple[list[Any], list[
     from torch.distributed.checkpoint import planner_helpers
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as exact
 
-    from distckpt.save import plan as _save_plan
+    from distckpt.save import assign as _assign
 
     plans, payloads = [], []
     local_s = repeat_local_s = 0.0
@@ -546,7 +554,7 @@ def _mesh_plans(layout: str, shapes: list, world: int) -> tuple[list[Any], list[
                     views = [view] * world
                 elif view != views[0]:
                     raise AssertionError(f"{layout}: rank {r}'s view differs from rank 0's; plan every rank twice instead")
-                plan_in, t_decide = _timed(lambda: _save_plan.decide(views, structure, ["model"], {}, sizes, r), collect=False)
+                plan_in, t_decide = _timed(lambda: _assign.decide(views, structure, ["model"], {}, sizes, r), collect=False)
                 (plan, payload), t_local = _timed(lambda: distckpt_local(st, plan_in, r), collect=False)
                 if timed:
                     local_s = max(local_s, t_view + t_decide + t_local)

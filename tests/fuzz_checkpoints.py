@@ -60,7 +60,8 @@ import numpy as np
 import distckpt
 from distckpt.tools import cli
 from distckpt.tools.catalog import CheckpointNotFound, locate
-from distckpt.tools.convert import SelectionError, export_torch
+from distckpt.tools.convert import export_torch
+from distckpt.tools.selection import SelectionError
 from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir
 from test_values_zoo import LOAD_DEPTH, MARKER, SAFE_TYPES, Bag, Phase, checkpointer, random_zoo, same, skeleton
 

@@ -169,7 +169,7 @@ def _async_body(rank: int, world: int, root: str, mode: str) -> dict:
         "committed_after_failure": committed_after_failure,
         "manifest3": manifest3,
         "final_steps": ckpt.steps(),
-        "local_ranks": ckpt._local_ranks,
+        "local_ranks": ckpt._groups.local_ranks,
     }
 
 
@@ -324,9 +324,8 @@ def test_a_writer_refuses_a_staging_arena_shorter_than_staged():
 def test_background_writes_use_at_most_the_cores_per_rank_on_this_host(monkeypatch):
     """An async save's writer threads: thread_count, capped by cores / ranks on this host (the
     writers compete with training for memory bandwidth, which niceness does not share out)."""
-    ckpt = distckpt.Checkpointer("/nonexistent-root", thread_count=4)
+    from distckpt._process import background_threads
+
     for cores, local, expected in ((2, 2, 1), (2, 1, 2), (16, 2, 4), (96, 8, 4), (1, 4, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
-        ckpt._local_ranks = local
-        assert ckpt._background_threads() == expected, (cores, local)
-    ckpt.close()
+        assert background_threads(4, local) == expected, (cores, local)

@@ -249,7 +249,7 @@ def test_export_sharded_checkpoint(tmp_path):
     full = run_ranks(_save_sharded, 2, tmp_path, root)[0]
     found = locate(root)
     # FSDP row blocks are streamed straight from the data files (no whole-shard load).
-    from distckpt.tools.convert import CheckpointSource
+    from distckpt.integrity.shards import CheckpointSource
 
     source = CheckpointSource(found)
     chunks = source._row_chunks("model.0.weight")
@@ -342,6 +342,7 @@ def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucke
     import fsspec
     from safetensors.torch import load_file
 
+    from distckpt.integrity import shards
     from distckpt.tools import convert
     from distckpt.tools.catalog import locate
 
@@ -369,7 +370,7 @@ def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucke
     def failing(self, key, dtype=None):
         raise OSError(5, "Input/output error", key)
 
-    monkeypatch.setattr(convert.CheckpointSource, "read_tensor", failing)
+    monkeypatch.setattr(shards.CheckpointSource, "read_tensor", failing)
     with pytest.raises(OSError):
         convert.export_torch(locate(url, s3_server.storage_options), exported, model_only=True, storage_options=s3_server.storage_options)
     with pytest.raises(OSError):

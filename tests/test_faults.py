@@ -111,7 +111,7 @@ class _EvilStateful:
 
 
 def test_crafted_checkpoint_does_not_run_code(tmp_path, monkeypatch):
-    from distckpt.state import values
+    from distckpt.state import encoded
 
     marker = str(tmp_path / "pwned")
     ckpt = distckpt.Checkpointer(tmp_path / "ck")
@@ -120,7 +120,7 @@ def test_crafted_checkpoint_does_not_run_code(tmp_path, monkeypatch):
         ckpt.save(1, {"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
     # ... and one written anyway (by an older distckpt, or an attacker: DCP stores it with
     # torch.save) is refused by a load, which runs nothing.
-    monkeypatch.setattr(values, "encode_for_save", lambda state_dict, safe_types=None: state_dict)
+    monkeypatch.setattr(encoded, "encode_for_save", lambda state_dict, safe_types=None: state_dict)
     ckpt.save(1, {"obj": _EvilStateful(marker), "model": nn.Linear(2, 2)})
     monkeypatch.undo()
     with pytest.raises(distckpt.UnsafeCheckpointError, match="obj.payload"):
@@ -227,7 +227,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 def _planning_fails_on_rank_1(rank: int, world: int, root: str) -> dict:
-    from distckpt.save.plan import DistckptSavePlanner
+    from distckpt.save.planner import DistckptSavePlanner
 
     model = wrap(make_model(0), "ddp", world)
     ckpt = distckpt.Checkpointer(root)

@@ -108,7 +108,7 @@ def test_checkpoints_that_recorded_version_1_still_check(tmp_path):
     # Every tensor's (the RNG states' too) fingerprint as version 1 computes it from the files.
     from distckpt.state.statecheck import from_files
     from distckpt.tools.catalog import locate
-    from distckpt.tools.convert import CheckpointSource
+    from distckpt.integrity.shards import CheckpointSource
 
     raw["fingerprints"] = from_files(CheckpointSource(locate(str(root), {}, 3)), version=1)
     assert raw["fingerprints"]["w"] == fp.of_tensor(t, 1) != fp.of_tensor(t, 2)

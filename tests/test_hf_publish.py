@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt.tools import hf
+from distckpt.tools import hf, hf_convert, hf_publish
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 SHARD = 3000  # bytes: the model below publishes as 3 shard files
@@ -94,7 +94,7 @@ def test_failed_s3_overwrite_leaves_no_mix_of_shards(s3_server, s3_bucket, monke
     hf.save_pretrained(new, url, storage_options=opts, max_shard_size="1MB", overwrite=True)
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.glob(f"{s3_bucket}/pub/*")) == [
-        hf.RECORD_NAME, "model.safetensors", "model.safetensors.index.json"
+        hf_publish.RECORD_NAME, "model.safetensors", "model.safetensors.index.json"
     ]
     hf.load_pretrained(fresh, url, storage_options=opts)
     assert _equal(fresh, new)
@@ -145,7 +145,7 @@ def test_export_hf_reads_each_data_file_once_in_disk_order(tmp_path, monkeypatch
     monkeypatch.setattr(File, "_consumed", consumed)
     monkeypatch.setattr(File, "_read_aside", lambda self, *a: extra.append(self.rel) or pytest.fail("read aside"))
     monkeypatch.setattr(File, "_second_pass", lambda self: extra.append(self.rel) or pytest.fail("second pass"))
-    summary = hf.export_hf(locate(str(d)), str(tmp_path / "hf"), max_shard_size=8000)
+    summary = hf_convert.export_hf(locate(str(d)), str(tmp_path / "hf"), max_shard_size=8000)
     # Every file read whole, once, in one front-to-back pass, whatever order the keys have.
     assert passes == sizes and not extra, (passes, sizes, extra)
     assert len(summary["files"]) > 1
@@ -175,7 +175,7 @@ def test_export_hf_of_a_damaged_checkpoint_publishes_nothing(tmp_path, where):
     out = str(tmp_path / "hf") if where == "local" else f"memory://{tmp_path.name}-hf/out"
     for shard in (8000, "1GB"):  # several shard files, and one (which needs no index)
         with pytest.raises(distckpt.IntegrityError):
-            hf.export_hf(locate(str(d)), out, max_shard_size=shard)
+            hf_convert.export_hf(locate(str(d)), out, max_shard_size=shard)
         if where == "local":
             assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "no output or temporary directory left"
         else:

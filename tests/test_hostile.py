@@ -260,17 +260,18 @@ def test_convert_refuses_a_flipped_byte_and_leaves_no_output(tmp_path, to):
 
 _FAILING_EXPORT = r"""
 import sys, torch, distckpt
+from distckpt.integrity import shards
 from distckpt.tools import convert
 from distckpt.tools.catalog import locate
 found = locate(sys.argv[1])
-real = convert.CheckpointSource.read_tensor
+real = shards.CheckpointSource.read_tensor
 calls = []
 def failing(self, key, dtype=None):
     calls.append(key)
     if len(calls) == 2:  # the first tensor is written, then a read fails mid-file
         raise OSError(5, "Input/output error", key)
     return real(self, key, dtype)
-convert.CheckpointSource.read_tensor = failing
+shards.CheckpointSource.read_tensor = failing
 try:
     convert.export_torch(found, sys.argv[2])
 except OSError as exc:
@@ -594,7 +595,7 @@ def test_manifests_without_value_digests_still_load(tmp_path):
     assert done.returncode == 0 and "non-tensor items" in done.stdout and not done.stderr.strip(), (done.stdout, done.stderr)
 
 
-# the encoded form of non-tensor values (distckpt.state.values) ---------------------------------------
+# the encoded form of non-tensor values (distckpt.state.encoded) --------------------------------------
 def _forge_item(d: Path, key: str, value: object) -> None:
     """Store ``value`` (torch.save'd, as DCP's writer stores an item) as item ``key`` and re-seal
     the item's file, ``.metadata`` and the manifest, value digest included: an attacker who

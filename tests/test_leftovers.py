@@ -264,7 +264,7 @@ def _child(argv: list[str]) -> None:
     if mode == "crash":
         ckpt = distckpt.Checkpointer(argv[1], timeout=600)
         ckpt.save(1, {"w": torch.arange(4096, dtype=torch.float32)}, blocking=False)
-        print(json.dumps({"pid": os.getpid(), "writer": ckpt._writer.proc.pid}), flush=True)
+        print(json.dumps({"pid": os.getpid(), "writer": ckpt._saver.writer.proc.pid}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "blocked":
         from types import SimpleNamespace
@@ -306,7 +306,7 @@ def _child(argv: list[str]) -> None:
         while os.path.exists(f"/proc/self/task/{tid[0]}"):  # observed: the thread's end is done
             assert time.monotonic() - t0 < ANSWER_S, "the thread did not end"
             time.sleep(0.01)
-        print(json.dumps({"writer": ckpt._writer.proc.pid}), flush=True)
+        print(json.dumps({"writer": ckpt._saver.writer.proc.pid}), flush=True)
         for line in sys.stdin:
             step = int(line.split()[1])
             try:
@@ -315,7 +315,7 @@ def _child(argv: list[str]) -> None:
             except BaseException as exc:  # noqa: BLE001 - reported to the test
                 print(f"failed {step}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            print(json.dumps({"saved": step, "writer": ckpt._writer.proc.pid}), flush=True)
+            print(json.dumps({"saved": step, "writer": ckpt._saver.writer.proc.pid}), flush=True)
         ckpt.close()
     else:
         raise SystemExit(f"unknown mode {mode}")

@@ -73,7 +73,7 @@ def test_a_load_gathers_no_plans_and_sends_the_same_bytes_for_4_or_64_tensors(tm
 
 
 def _failure_body(rank: int, world: int, root: str, where: str) -> str:
-    import distckpt.checkpointer
+    import distckpt.load.run
     from distckpt.load import reader
 
     model = wrap(make_model(0), "ddp", world)
@@ -93,7 +93,7 @@ def _failure_body(rank: int, world: int, root: str, where: str) -> str:
             def refused(*args):
                 raise ValueError("rank 0's objects refused their state")
 
-            mp.setattr(distckpt.checkpointer, "apply_load", refused)
+            mp.setattr(distckpt.load.run, "apply_load", refused)
         try:
             ckpt.load({"model": model})
         except (distckpt.CheckpointError, ValueError) as exc:

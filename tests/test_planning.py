@@ -1,4 +1,4 @@
-"""distckpt's save planning (distckpt.save.plan): who writes what, decided locally; the coordinator's
+"""distckpt's save planning (distckpt.save.assign, .metadata, .planner, .protocol): who writes what, decided locally; the coordinator's
 global plan and its checks; the plan cache that lets repeated saves skip planning; and the
 checkpoints it writes staying what plain DCP writes and reads."""
 
@@ -14,7 +14,12 @@ from torch import nn
 
 import distckpt
 from dist_harness import run_ranks
-from distckpt.save import plan as sp
+from distckpt.save.assign import PlanInput, Structure, balanced_writers, decide, describe
+from distckpt.save.metadata import PlanError, apply_delta, build_global, encode_plan, validate
+from distckpt.save.planner import DistckptSavePlanner
+from distckpt.save.protocol import PlanCache
+from distckpt.state.placements import PlacementError, replication, writes_dtensor
+from torch.distributed.checkpoint.planner import SavePlan
 from distckpt.state import statecheck
 from distckpt.save.phases import SaveView
 from distckpt.integrity.manifest import step_dir
@@ -25,8 +30,8 @@ from models import make_model, make_optimizer, train_steps, wrap
 
 # -------------------------------------------------------------------------------------------------
 # Simulated ranks: each rank's flattened state -> views -> decide -> local plan -> coordinator
-def _view(flat: dict, unscoped: list[str], cache_token=None) -> tuple[SaveView, sp.Structure, list]:
-    structure = sp.describe(flat)
+def _view(flat: dict, unscoped: list[str], cache_token=None) -> tuple[SaveView, Structure, list]:
+    structure = describe(flat)
     layout, sizes = replicated_layout({n: {k.split(".", 1)[1]: v for k, v in flat.items() if k.split(".", 1)[0] == n} for n in unscoped})
     view = SaveView(0, [], {}, {}, layout, structure.plain, structure.replicas_digest, cache_token)
     return view, structure, sizes
@@ -39,13 +44,13 @@ def _simulate(flats: list[dict], unscoped: list[str], scopes: dict | None = None
     views = [t[0] for t in triples]
     inputs, plans = [], []
     for rank, (flat, (_, structure, sizes)) in enumerate(zip(flats, triples)):
-        plan_in = sp.decide(views, structure, unscoped, scopes or {}, sizes, rank)
-        planner = sp.DistckptSavePlanner(plan_in)
+        plan_in = decide(views, structure, unscoped, scopes or {}, sizes, rank)
+        planner = DistckptSavePlanner(plan_in)
         planner.set_up_planner({k: v for k, v in flat.items()}, is_coordinator=rank == 0)
         inputs.append(plan_in)
         plans.append(planner.create_local_plan())
-    deltas, metadata = sp.build_global([sp.encode_plan(p) for p in plans])
-    finals = [sp.apply_delta(p, d) for p, d in zip(plans, deltas)]
+    deltas, metadata = build_global([encode_plan(p) for p in plans])
+    finals = [apply_delta(p, d) for p, d in zip(plans, deltas)]
     assert len(finals) == world
     return inputs, finals, metadata
 
@@ -65,10 +70,10 @@ def _replicated_flat(n: int = 12) -> dict:
 def test_assignment_is_deterministic_balanced_and_matches_async_staging():
     items = [(f"k{i}", random.Random(i).randint(1, 1000)) for i in range(200)]
     world = 7
-    a = sp.balanced_writers(items, world)
+    a = balanced_writers(items, world)
     shuffled = items[:]
     random.Random(1).shuffle(shuffled)
-    assert sp.balanced_writers(shuffled, world) == a, "independent of the order the keys come in"
+    assert balanced_writers(shuffled, world) == a, "independent of the order the keys come in"
     assert sorted(a) == sorted(k for k, _ in items)
     loads = [0] * world
     for k, b in items:
@@ -170,10 +175,10 @@ def test_hsdp_replicas_are_written_once_and_the_cover_is_exact():
         for r in range(world):
             flat, coord = _hsdp_rank(r, world)
             view, structure, _ = _view(flat, ["model"])
-            written = {k for k, v in flat.items() if sp.writes_dtensor(v, k)}
-            planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
+            written = {k for k, v in flat.items() if writes_dtensor(v, k)}
+            planner = DistckptSavePlanner(PlanInput(r, world))
             planner.set_up_planner(flat, is_coordinator=r == 0)
-            flats.append(sp.encode_plan(planner.create_local_plan()))
+            flats.append(encode_plan(planner.create_local_plan()))
             coords.append((coord, written))
             structures.append(structure)
             dist.destroy_process_group()
@@ -185,7 +190,7 @@ def test_hsdp_replicas_are_written_once_and_the_cover_is_exact():
         assert ("model.grid" in written) and (("model.hsdp" in written) == (coord[0] == 0))
         assert ("model.rep" in written) == (coord == (0, 0))
     assert structures[0].replicas == [("model.hsdp", 2), ("model.rep", 4)]
-    _, metadata = sp.build_global(flats)
+    _, metadata = build_global(flats)
     chunks = {k: len(v.chunks) for k, v in metadata.state_dict_metadata.items()}
     assert chunks == {"model.hsdp": 2, "model.grid": 4, "model.rep": 1}
 
@@ -254,12 +259,12 @@ def test_every_placement_writes_each_block_once_as_dcps_dedup_would():
                 v = flat[f"model.{k}"]
                 (c,) = v.__create_chunk_list__()  # the block DCP itself writes for this rank
                 chunks[k][r] = (tuple(c.offsets), tuple(c.sizes))
-                factors[k].add(sp.replication(v, f"model.{k}")[0])
-                if sp.writes_dtensor(v, f"model.{k}"):
+                factors[k].add(replication(v, f"model.{k}")[0])
+                if writes_dtensor(v, f"model.{k}"):
                     writes[k].add(r)
-            planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
+            planner = DistckptSavePlanner(PlanInput(r, world))
             planner.set_up_planner(flat, is_coordinator=r == 0)
-            wires.append(sp.encode_plan(planner.create_local_plan()))
+            wires.append(encode_plan(planner.create_local_plan()))
             dist.destroy_process_group()
     finally:
         if dist.is_initialized():
@@ -272,7 +277,7 @@ def test_every_placement_writes_each_block_once_as_dcps_dedup_would():
         assert writes[k] >= {min(ranks) for ranks in full}, (k, holders, writes[k])
         assert not writes[k] & {r for ranks in full for r in ranks[1:]}, (k, holders, writes[k])
         assert factors[k] == {len(full[0])}, (k, holders, factors[k])
-    deltas, metadata = sp.build_global(wires)
+    deltas, metadata = build_global(wires)
     assert all(d[2] == () for d in deltas), "no block is held on two meshes here"
     for k in layouts:
         distinct = {c for c in chunks[k].values() if 0 not in c[1]}
@@ -304,12 +309,12 @@ def test_unknown_and_partial_placements_are_refused_naming_key_and_placement():
         for key, value, what in (("model.w", unknown, r"unknown placement Diagonal\(\).*mesh dimension 1 \('tp'\)"),
                                  ("optim.state.w.exp_avg", partial, r"Partial\(sum\) on mesh dimension 1 \('tp'\)")):  # fmt: skip
             pattern = rf"'{key}'.*{what}"
-            with pytest.raises(sp.PlacementError, match=pattern):
-                sp.describe({key: value})  # what a save runs first, on every rank
-            with pytest.raises(sp.PlacementError, match=pattern):
-                sp.writes_dtensor(value, key)
-            with pytest.raises(sp.PlacementError, match=pattern):
-                sp.replication(value, key)
+            with pytest.raises(PlacementError, match=pattern):
+                describe({key: value})  # what a save runs first, on every rank
+            with pytest.raises(PlacementError, match=pattern):
+                writes_dtensor(value, key)
+            with pytest.raises(PlacementError, match=pattern):
+                replication(value, key)
     finally:
         dist.destroy_process_group()
 
@@ -335,17 +340,17 @@ def test_blocks_that_several_meshes_hold_are_written_once():
                 "model.scale": _dtensor(mesh["dp"], [Replicate()], (3,)),  # 2 copies per mesh, 2 meshes
                 "model.wq": _dtensor(mesh, [Shard(0), Shard(1)], (8, 4)),  # one mesh: nothing shared
             }
-            planner = sp.DistckptSavePlanner(sp.PlanInput(r, world))
+            planner = DistckptSavePlanner(PlanInput(r, world))
             planner.set_up_planner(flat, is_coordinator=r == 0)
             plans.append(planner.create_local_plan())
-            wires.append(sp.encode_plan(plans[-1]))
+            wires.append(encode_plan(plans[-1]))
             dist.destroy_process_group()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    deltas, metadata = sp.build_global(wires)
+    deltas, metadata = build_global(wires)
     assert {d[2] for d in deltas} == {("model.embed", "model.norm", "model.scale")}, "the same shared keys on every rank"
-    finals = [sp.apply_delta(p, d) for p, d in zip(plans, deltas)]
+    finals = [apply_delta(p, d) for p, d in zip(plans, deltas)]
     written = _written(finals)
     assert len(written) == len(set(written)), "each block once"
     md = metadata.state_dict_metadata
@@ -371,21 +376,21 @@ def _md(size, boxes):
 
 def test_validation_keeps_dcps_guarantees():
     cols = [((0, c), (4, 1)) for c in range(512)]
-    assert sp.validate(_md((4, 512), cols)) == []  # 512 column shards: swept along dim 1
+    assert validate(_md((4, 512), cols)) == []  # 512 column shards: swept along dim 1
     grid = [((r, c), (2, 2)) for r in range(0, 8, 2) for c in range(0, 8, 2)]
-    assert sp.validate(_md((8, 8), grid)) == []
-    assert "outside" in sp.validate(_md((4, 4), [((0, 0), (4, 4)), ((3, 0), (2, 4))]))[0]
-    assert "cover" in sp.validate(_md((4, 4), [((0, 0), (2, 4))]))[0]
+    assert validate(_md((8, 8), grid)) == []
+    assert "outside" in validate(_md((4, 4), [((0, 0), (4, 4)), ((3, 0), (2, 4))]))[0]
+    assert "cover" in validate(_md((4, 4), [((0, 0), (2, 4))]))[0]
     overlap = [((0, 0), (3, 4)), ((2, 0), (1, 4))]  # volumes add up (16 = 12 + 4) but overlap
-    assert "overlap" in sp.validate(_md((4, 4), overlap))[0] or "cover" in sp.validate(_md((4, 4), overlap))[0]
+    assert "overlap" in validate(_md((4, 4), overlap))[0] or "cover" in validate(_md((4, 4), overlap))[0]
     overlap2 = [((0, 0), (3, 4)), ((2, 0), (2, 2))]
-    assert "overlap" in sp.validate(_md((4, 4), overlap2 + [((3, 2), (1, 2))]))[0]
-    with pytest.raises(sp.PlanError, match="overlap"):
+    assert "overlap" in validate(_md((4, 4), overlap2 + [((3, 2), (1, 2))]))[0]
+    with pytest.raises(PlanError, match="overlap"):
         item = ("t", 2, (0, 0), (3, 4), (4, 4), None)
         from torch.distributed.checkpoint.metadata import TensorProperties
 
         props = TensorProperties(dtype=torch.float32)
-        sp.build_global([([(*item[:5], props)], {}), ([("t", 2, (2, 0), (2, 2), (4, 4), props), ("t", 2, (3, 2), (1, 2), (4, 4), props)], {})])
+        build_global([([(*item[:5], props)], {}), ([("t", 2, (2, 0), (2, 2), (4, 4), props), ("t", 2, (3, 2), (1, 2), (4, 4), props)], {})])
 
 
 def test_replica_check_finds_drift_that_cancels_in_plain_sums():
@@ -422,10 +427,10 @@ def test_replica_digests_tell_copies_apart_by_every_bit():
 
 
 def test_plan_cache_tokens_and_decisions():
-    cache = sp.PlanCache()
-    plan_in = sp.PlanInput(0, 2, key="k", own="o")
+    cache = PlanCache()
+    plan_in = PlanInput(0, 2, key="k", own="o")
     assert cache.token("o") is None and cache.lookup(plan_in) is None
-    cache.store(plan_in, sp.SavePlan([]), None)
+    cache.store(plan_in, SavePlan([]), None)
     assert cache.token("o") == (1, "k") and cache.token("other") is None
     assert cache.lookup(plan_in) is not None
     assert pickle.loads(pickle.dumps(cache)).token("o") == (1, "k"), "picklable (a writer process may hold one)"
@@ -437,11 +442,11 @@ def test_plan_cache_tokens_and_decisions():
     key = inputs[0].key
     views = [_view(dict(flat), ["model", "optim"], (3, key))[0] for _ in range(2)]
     structure, sizes = _view(dict(flat), ["model", "optim"])[1:]
-    assert sp.decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
+    assert decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
     views[1].cache = None  # one rank's structure changed (or its cache is empty)
-    assert not sp.decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
+    assert not decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
     views[1].cache = (2, key)  # another save's plans
-    assert not sp.decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
+    assert not decide(views, structure, ["model", "optim"], {}, sizes, 0).hit
 
 
 # -------------------------------------------------------------------------------------------------
@@ -575,7 +580,8 @@ def test_repeated_saves_skip_the_plan_exchange_on_two_ranks(tmp_path):
 def test_strict_load_exchanges_digests_not_key_lists(tmp_path):
     from distckpt._dist import Group
     from distckpt.load.phases import judge, metadata_index, plan_load, requested_keys
-    from distckpt.integrity.manifest import read_manifest, read_metadata
+    from distckpt.integrity.manifest import read_manifest
+    from distckpt.integrity.stepfiles import read_metadata
     from distckpt.storage.base import Storage
 
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import distckpt
+from distckpt.load.reader import checkpoint_reader
 from cli_runner import run_cli as _cli
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
@@ -170,7 +171,7 @@ def test_a_load_reads_each_file_once_in_order_and_every_tensor_straight_into_pla
     monkeypatch.setattr(File, "_read_aside", lambda self, *a: pytest.fail("read aside"))
     monkeypatch.setattr(File, "_second_pass", lambda self: pytest.fail("second pass"))
     dest = {k: torch.full_like(v, 7) for k, v in tensors.items()}
-    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
+    reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
     assert reader.fast_reads == len(tensors) - 1  # all but the empty one (no bytes: DCP's path)
     assert {k: v for k, v in passes.items() if k in sizes} == sizes  # each data file once, whole
@@ -320,7 +321,7 @@ def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_pat
     ckpt.save(1, {"w": saved})
     manifest = read_manifest(ckpt.storage, 1)
     dest = {k: torch.zeros_like(v) for k, v in saved.items()}
-    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
+    reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
     assert reader.fast_reads == len(sizes)  # every layout was parsed from the peek windows
     assert all(torch.equal(saved[k], dest[k]) for k in saved)
@@ -358,7 +359,7 @@ def test_reader_threads_are_used_where_the_bytes_pay_for_them(tmp_path, monkeypa
     monkeypatch.setattr(_reader.CheckpointReader, "_read_file", read_file)
     manifest = read_manifest(ckpt.storage, 1)
     dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
-    reader = ckpt.storage.reader(step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm, thread_count=2)
+    reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm, thread_count=2)
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
     assert len(seen) == threads and all(n.startswith("distckpt-read") for n in seen) == (threads > 1), seen
     assert all(torch.equal(dest[k], v) for k, v in tensors.items())

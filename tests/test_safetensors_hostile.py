@@ -266,7 +266,7 @@ def test_hostile_safetensors_directories_load_exactly_or_fail_with_a_documented_
 
 # the publish record (``.distckpt-publish.json``), read back by every publish into a folder --------
 RECORD_CASES = int(os.environ.get("DISTCKPT_HF_RECORD_FUZZ_CASES", "120"))
-RECORD = ".distckpt-publish.json"  # hf.RECORD_NAME
+RECORD = ".distckpt-publish.json"  # hf_publish.RECORD_NAME
 # Documented outcomes of a publish over a hostile record: the record refused (malformed, a path
 # leaving the folder, a link), or files distckpt did not write (per the record) refused.
 PUBLISH_ALLOWED = (distckpt.IntegrityError, distckpt.UnsafeCheckpointError, FileExistsError)

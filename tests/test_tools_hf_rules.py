@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import distckpt
-from distckpt.tools import convert, hf
+from distckpt.tools import convert, hf, hf_convert
 from distckpt.tools.catalog import locate
 from distckpt.tools.safetensors_io import INDEX_NAME
 
@@ -123,7 +123,7 @@ def test_save_pretrained_refuses_integer_and_bool_dtypes_for_floating_weights(tm
     # The offline exports refuse the same casts.
     distckpt.Checkpointer(tmp_path / "ck", save_rng=False).save(1, {"model": model})
     with pytest.raises(TypeError, match=r"0\.weight.*torch\.int8"):
-        hf.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), dtype=torch.int8)
+        hf_convert.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), dtype=torch.int8)
     with pytest.raises(TypeError, match=r"0\.weight.*torch\.bool"):
         convert.export_safetensors(locate(str(tmp_path / "ck")), str(tmp_path / "x.safetensors"), dtype=torch.bool)
     with pytest.raises(TypeError, match=r"0\.weight.*torch\.int8"):
@@ -149,5 +149,5 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused_at_save(tmp_pat
     with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
         convert.export_safetensors(locate(str(tmp_path / "ck")), str(tmp_path / "x.safetensors"), key="model.x")
     with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
-        hf.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), key="model.x")
+        hf_convert.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), key="model.x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

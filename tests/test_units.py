@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import distckpt
+from distckpt.load.reader import checkpoint_reader
 from distckpt.state import values
 from distckpt.errors import CheckpointError, StateMismatchError
 from distckpt.integrity.manifest import FileRecord, Manifest, parse_step_dir, step_dir
@@ -196,7 +197,7 @@ def test_wrapper_prefixes_are_not_saved(tmp_path):
     compiled = torch.compile(model, backend="eager")
     ckpt = distckpt.Checkpointer(tmp_path)
     ckpt.save(1, {"model": compiled})
-    from distckpt.checkpointer import read_metadata
+    from distckpt.integrity.stepfiles import read_metadata
 
     md = read_metadata(ckpt.storage, ckpt.manifest(1))
     saved = {k for k in md.state_dict_metadata if k.startswith("model.")}
@@ -305,7 +306,7 @@ def test_bad_state_keys_are_refused(tmp_path):
 def test_tensors_are_read_straight_into_their_destination(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from distckpt.checkpointer import read_manifest
+    from distckpt.integrity.manifest import read_manifest
 
     tensors = {f"t{i}": torch.randn(100 + i, 33) for i in range(5)} | {"half": torch.randn(7).bfloat16()}
     ckpt = distckpt.Checkpointer(tmp_path)
@@ -313,7 +314,7 @@ def test_tensors_are_read_straight_into_their_destination(tmp_path):
     manifest = read_manifest(ckpt.storage, 1)
     for verify in (True, False):
         dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
-        reader = ckpt.storage.reader(step_dir(1), files=manifest.files if verify else None, checksum=manifest.checksum_algorithm)
+        reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files if verify else None, checksum=manifest.checksum_algorithm)
         dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
         assert reader.fast_reads == len(tensors)
         for k in tensors:

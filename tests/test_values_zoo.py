@@ -41,12 +41,12 @@ from torch import nn
 
 import distckpt
 from distckpt.integrity.manifest import step_dir
-from distckpt.state import values
+from distckpt.state import containers, decoding, encoded, safetypes
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
-MARKER = "__distckpt_value__"  # the encoded form's tag (values.MARKER), spelled out: what a checkpoint holds
-SAVE_DEPTH = getattr(values, "SAVE_DEPTH", 100)
-LOAD_DEPTH = getattr(values, "LOAD_DEPTH", 200)
+MARKER = "__distckpt_value__"  # the encoded form's tag (encoded.MARKER), spelled out: what a checkpoint holds
+SAVE_DEPTH = containers.SAVE_DEPTH
+LOAD_DEPTH = containers.LOAD_DEPTH
 
 
 # registered classes ------------------------------------------------------------------------------
@@ -99,9 +99,9 @@ def checkpointer(root: Any, safe_types: tuple = SAFE_TYPES, monkeypatch: Any = N
     if _HAS_OPTION:
         return distckpt.Checkpointer(root, safe_types=list(safe_types), **kw)
     if monkeypatch is not None:
-        monkeypatch.setattr(values, "DEFAULT_SAFE_TYPES", tuple(safe_types), raising=False)
+        monkeypatch.setattr(safetypes, "DEFAULT_SAFE_TYPES", tuple(safe_types), raising=False)
     else:
-        values.DEFAULT_SAFE_TYPES = tuple(safe_types)
+        safetypes.DEFAULT_SAFE_TYPES = tuple(safe_types)
     return distckpt.Checkpointer(root, **kw)
 
 
@@ -469,10 +469,10 @@ def test_registered_classes_round_trip_and_an_unregistered_load_names_the_option
     impostor = enum.Enum("Phase", {"WARMUP": "warmup", "DECAY": 2})
     impostor.__module__, impostor.__qualname__ = Phase.__module__, Phase.__qualname__
     with pytest.raises(ValueError, match="two different classes"):
-        values.SafeTypes.of([Phase, impostor])
+        safetypes.SafeTypes.of([Phase, impostor])
     for bad, why in ((Phase, "list of classes"), ([Bag], "not an Enum"), ([Phase.DECAY], "not an Enum")):
         with pytest.raises(ValueError, match=why):
-            values.SafeTypes.of(bad)
+            safetypes.SafeTypes.of(bad)
 
 
 def test_plain_dcp_load_reads_the_encoded_form(tmp_path, monkeypatch):
@@ -491,7 +491,7 @@ def test_a_checkpoint_older_saves_wrote_is_refused_with_the_whole_hint_and_loads
     """Before the encoded form, an np.float64 lr was pickled as is. Loading it must say what it
     needs and how to allow it (torch's add_safe_globals advice used to be cut off), and work so."""
     model, optim = _model_and_optim(0)
-    monkeypatch.setattr(values, "encode_for_save", lambda sd, safe_types=None: dict(sd), raising=False)  # the old save
+    monkeypatch.setattr(encoded, "encode_for_save", lambda sd, safe_types=None: dict(sd))  # the old save
     distckpt.Checkpointer(tmp_path).save(1, {"model": model, "optim": optim})
     monkeypatch.undo()
     m2, o2 = _model_and_optim(1)
@@ -545,14 +545,14 @@ def test_forged_encoded_values_fail_clearly(case):
         for _ in range(LOAD_DEPTH + 5):
             value = [value]
     with pytest.raises(error) as info:
-        values.decode_loaded(value, "bag.x", SAFE_TYPES)
+        decoding.decode_loaded(value, "bag.x", SAFE_TYPES)
     assert words in str(info.value) and "'bag.x'" in str(info.value), str(info.value)
     # what weights_only would hand the decoder, after a torch.save: the same
     buf = io.BytesIO()
     torch.save(value, buf)
     buf.seek(0)
     with pytest.raises(error):
-        values.decode_loaded(torch.load(buf, weights_only=True), "bag.x", SAFE_TYPES)
+        decoding.decode_loaded(torch.load(buf, weights_only=True), "bag.x", SAFE_TYPES)
 
 
 def test_marker_lookalikes_and_odd_keys_round_trip_unchanged(tmp_path, monkeypatch):
@@ -577,10 +577,10 @@ def test_sets_are_written_in_an_order_independent_of_the_hash_seed():
     """Set order follows string hashing, which differs between processes (ranks): the encoded
     form sorts, so ranks holding equal sets write equal bytes and agree that the entry is global."""
     words = {"alpha", "beta", "gamma", "delta", "epsilon"}
-    encoded = values.encode_for_save({"b": {"s": words, "f": frozenset(words), "mixed": {1, "a", Phase.DECAY}}}, SAFE_TYPES)["b"]
+    encoded = distckpt.state.encoded.encode_for_save({"b": {"s": words, "f": frozenset(words), "mixed": {1, "a", Phase.DECAY}}}, SAFE_TYPES)["b"]
     in_order = tuple(sorted(words, key=repr))
     assert encoded["s"] == (MARKER, "set", in_order) and encoded["f"] == (MARKER, "frozenset", in_order)
-    assert values.decode_loaded(encoded["mixed"], "b.mixed", SAFE_TYPES) == {1, "a", Phase.DECAY}
+    assert decoding.decode_loaded(encoded["mixed"], "b.mixed", SAFE_TYPES) == {1, "a", Phase.DECAY}
 
 
 # world size 2 ------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _default_check_cases(rank: int, world: int, root: str, root_w1: str) -> dict
     from torch.distributed.tensor import DTensor
 
     import distckpt.load.phases as loading
-    import distckpt.checkpointer as ck
+    import distckpt.load.run as ck
 
     def corrupt(model) -> None:
         p = next(model.parameters())
@@ -162,7 +162,7 @@ def _fault_body(rank: int, world: int, root: str, root_w1: str | None = None) ->
             return original_read(self, plan, planner)
 
         loading.apply_load, _reader.CheckpointReader.read_data = apply, read
-        import distckpt.checkpointer as ck
+        import distckpt.load.run as ck
 
         ck.apply_load = apply
         try:
@@ -244,11 +244,11 @@ def test_injected_divergences_are_caught_and_named(tmp_path):
 
 
 def test_verification_is_on_by_default_only_when_the_layout_changes(tmp_path, monkeypatch):
-    import distckpt.checkpointer as checkpointer
+    import distckpt.load.verify as verify
 
     calls = []
-    original = checkpointer.diverged_keys
-    monkeypatch.setattr(checkpointer, "diverged_keys", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = verify.diverged_keys
+    monkeypatch.setattr(verify, "diverged_keys", lambda *a, **k: calls.append(1) or original(*a, **k))
     model = make_model(0)
     ckpt = distckpt.Checkpointer(tmp_path)
     ckpt.save(1, {"model": model})

@@ -191,13 +191,13 @@ def test_prepare_staging_allocates_before_the_first_save(tmp_path, monkeypatch, 
     state = {"model": model, "optim": optim}
     with distckpt.Checkpointer(str(tmp_path), async_mode=mode) as ckpt:
         ckpt.prepare_staging(state)
-        ckpt._stager._await_reserve()  # what the first save would wait for
-        reserved = dict(ckpt._stager._buffers)
+        ckpt._saver.stager._await_reserve()  # what the first save would wait for
+        reserved = dict(ckpt._saver.stager._buffers)
         made_before = list(made)
         ckpt.save(1, state, blocking=False)
         ckpt.wait()
         assert made == made_before  # no arena made by the save
-        assert all(ckpt._stager._buffers[k] is b for k, b in reserved.items())  # the reserved buffers were used
+        assert all(ckpt._saver.stager._buffers[k] is b for k, b in reserved.items())  # the reserved buffers were used
         expected = full_model_state(model)
         back = make_model(seed=8)
         ckpt.load({"model": back, "optim": make_optimizer(back, "plain")})

@@ -106,7 +106,7 @@ def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch
     monkeypatch.setattr(staging.Stager, "stage", fail)
     with pytest.raises(RuntimeError, match="staging failed"):
         ckpt.save(1, {"w": torch.ones(3)}, blocking=False)
-    assert ckpt._lease is None and not (tmp_path / step_dir(1)).exists()
+    assert ckpt._saver.lease is None and not (tmp_path / step_dir(1)).exists()
     monkeypatch.undo()
     ckpt.save(2, {"w": torch.ones(3)})
     assert ckpt.steps() == [2] and not (tmp_path / step_dir(1)).exists()

@@ -47,7 +47,7 @@ def _save_with_cleanup_inside_commit(monkeypatch, root, b_cleanup):
             except BaseException as exc:  # noqa: BLE001 - handed to A's save below
                 outcome["error"] = exc
                 raise
-            a._release_lease(committed=True)
+            a._saver._release_lease(committed=True)
 
         b_cleanup(commit_a)
         assert outcome, "the hook never ran A's commit"
@@ -139,7 +139,7 @@ def test_a_commit_after_the_directory_was_moved_away_fails(tmp_path, monkeypatch
             monkeypatch.setattr(ownership, "is_stale", lambda storage, name, *args, **kw: name == step_dir(1))
             ownership.remove_stale_leftovers(Storage(root), 600.0)  # B
             seen["gone"] = not os.path.exists(root / step_dir(1))
-            a._lease.renew()  # A's refresh thread, at this moment
+            a._saver.lease.renew()  # A's refresh thread, at this moment
             try:  # ... even had it passed its ownership check just before the move
                 ownership._write_record(a.storage, step_dir(1), b"{}")
             except FileNotFoundError:
@@ -225,7 +225,7 @@ def test_retired_steps_are_deleted_in_the_background_and_cleanup_leaves_them_to_
     assert ckpt.steps() == [2]
     tombs = [p.name for p in tmp_path.iterdir() if p.name.startswith(ownership.TOMBSTONE_PREFIX)]
     assert len(tombs) == 1 and not (tmp_path / tombs[0] / MANIFEST_NAME).exists()
-    assert ckpt._reaper.busy == frozenset(tombs)
+    assert ckpt._saver.reaper.busy == frozenset(tombs)
     ckpt.save(3, _state(3.0))  # its cleanup sees the tombstone and leaves it to the reaper
     assert tombs[0] not in cleanup_removed
     gate.set()
@@ -251,7 +251,7 @@ def test_a_tombstone_the_reaper_could_not_delete_is_removed_by_the_next_cleanup(
     ckpt.save(1, _state(1.0))
     with pytest.warns(UserWarning, match="could not delete"):
         ckpt.save(2, _state(2.0))
-        ckpt._reaper.drain()
+        ckpt._saver.reaper.drain()
     assert any(p.name.startswith(ownership.TOMBSTONE_PREFIX) for p in tmp_path.iterdir())
     monkeypatch.setattr(LocalStorage, "remove_tree", real_remove_tree)
     ckpt.save(3, _state(3.0))  # cleanup: the tombstone is nobody's any more

@@ -50,29 +50,22 @@ Which ranks call what: ``save_checkpoint``, ``remove_checkpoint``, ``load_checkp
 :class:`DistckptDDPStrategy`, Lightning makes these calls on every rank); pointer files are read,
 written and removed by global rank 0, which hands its outcome to every rank, so an error is
 raised on every rank alike.
+
+This module holds the plugin and the strategy; the checkpoint-dict layout is
+:mod:`distckpt.integrations.lightning_layout`, the pointer files (and the deletion of steps none
+refers to) :mod:`distckpt.integrations.lightning_pointers`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import math
 import os
-import posixpath
 import threading
-import uuid
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import fsspec
-import fsspec.implementations.local
-import torch
-import torch.distributed as dist
-
-try:
+try:  # the optional dependency of this module (the [lightning] extra): imported here, at the top
     from lightning.fabric.plugins import CheckpointIO
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
@@ -82,25 +75,36 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "distckpt.integrations.lightning needs Lightning (>= 2.4): pip install 'distckpt[lightning]'"
     ) from exc
 
+from distckpt._dist import Group, on_coordinator
 from distckpt.checkpointer import Checkpointer
-from distckpt.errors import CheckpointError, IntegrityError, StateMismatchError, StepExistsError, UnsafeCheckpointError
-from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
-from distckpt.state.entries import contains
-from distckpt.state.values import _dcp_leaf  # DCP's rule for which lists it enters (one rule, not a copy)
-from distckpt.storage.ownership import mark_released, remove_uncommitted
+from distckpt.errors import (
+    CheckpointError,
+    IntegrityError,
+    StateMismatchError,
+    StepExistsError,
+)
+from distckpt.integrations.lightning_layout import (
+    LAYOUT_KEY,
+    entry_name,
+    prepare,
+    read_layout,
+    template,
+)
+from distckpt.integrations.lightning_pointers import (
+    POINTER_FORMAT,
+    delete_unreferenced,
+    dir_of,
+    dir_url,
+    exists,
+    pointer_bytes,
+    pointers_in,
+    read_pointer,
+    remove_file,
+    try_pointer,
+    write_pointer,
+)
 
-__all__ = ["DistckptCheckpointIO", "DistckptDDPStrategy", "POINTER_FORMAT"]
-
-#: The ``format`` field of a pointer file.
-POINTER_FORMAT = "distckpt-lightning-pointer"
-_POINTER_VERSION = 1
-#: Pointers are a few hundred bytes; larger files are never parsed as one.
-_POINTER_MAX_BYTES = 64 * 1024
-#: Where the structure of Lightning's dict is recorded in the manifest (``Manifest.extra``).
-LAYOUT_KEY = "lightning"
-_LAYOUT_VERSION = 1
-_MAX_DEPTH = 64
-_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+__all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ class DistckptCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         if type(step) is not int or step < 0:
             raise ValueError(f"a Lightning checkpoint must hold 'global_step', an int >= 0, got {step!r}")
-        keys, state, layout = _prepare(checkpoint, copy_values=self.async_save)
+        keys, state, layout = prepare(checkpoint, copy_values=self.async_save)
         self._remember(path)
         ckpt = self.checkpointer
         epoch = checkpoint.get("epoch")
@@ -287,8 +291,8 @@ class DistckptCheckpointIO(CheckpointIO):
         self._settle()
         ckpt = self.checkpointer
         where = os.fspath(path)
-        step, keys, all_keys, nodes, budget, job = _on_rank0(lambda: self._locate(where), f"loading {where}")
-        state = _template(keys_of=all_keys, nodes_json=nodes, budget=budget, where=f"{where} (step {step})")
+        step, keys, all_keys, nodes, budget, job = on_coordinator(Group(), f"loading {where}", lambda: self._locate(where))
+        state = template(keys_of=all_keys, nodes_json=nodes, budget=budget, where=f"{where} (step {step})")
         try:
             ckpt.load(state, step=step, strict=True, restore_rng=self.restore_rng)
         except StateMismatchError as exc:
@@ -319,15 +323,16 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"DistckptCheckpointIO.{what} was called from another thread than before (is it wrapped in "
                 "Lightning's AsyncCheckpointIO?): use DistckptCheckpointIO(..., async_save=True) instead"
             )
-        if _world_size() > 1 and self._strategy is None:
+        group = Group()
+        if group.world_size > 1 and self._strategy is None:
             raise RuntimeError(
-                f"DistckptCheckpointIO.{what} on rank {dist.get_rank()} of {_world_size()}: distckpt saves are collective, "
+                f"DistckptCheckpointIO.{what} on rank {group.rank} of {group.world_size}: distckpt saves are collective, "
                 "but this strategy calls the CheckpointIO on global rank 0 only. Use "
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
     def _remember(self, path: Any) -> None:
-        self._dirs.add(_dir_of(path))
+        self._dirs.add(dir_of(path))
 
     def _settle(self) -> None:
         """(every rank) Commit the in-flight async save, then run what waited for it."""
@@ -349,7 +354,7 @@ class DistckptCheckpointIO(CheckpointIO):
         learns the job of the steps pointed at and which steps were deleted."""
         if not actions:
             return
-        job, deleted = _on_rank0(lambda: self._apply(actions), "writing Lightning checkpoint pointers")
+        job, deleted = on_coordinator(Group(), "writing Lightning checkpoint pointers", lambda: self._apply(actions))
         if self._options.get("job") is None and job is not None:
             self._job = job
         for step in deleted:
@@ -361,63 +366,22 @@ class DistckptCheckpointIO(CheckpointIO):
         orphans: set[int] = set()
         job = None
         for kind, path, record in actions:
-            old = _try_pointer(path)
+            old = try_pointer(path)
             if kind == "point" and record is not None:
                 job = ckpt.manifest(record["step"]).job  # committed: read back what it recorded
                 if self._options.get("job") is None:
                     self._job = job
-                _write_pointer(path, _pointer_bytes(self.root, job, record))
+                write_pointer(path, pointer_bytes(self.root, job, record))
                 if old is not None and old["step"] != record["step"]:
                     orphans.add(old["step"])
             elif old is not None:
-                _remove_file(path)
+                remove_file(path)
                 orphans.add(old["step"])
-            elif _exists(path):
+            elif exists(path):
                 warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
-        return job, self._delete_orphans(orphans)
-
-    def _delete_orphans(self, steps: set[int]) -> list[int]:
-        """(rank 0) Delete those of ``steps`` that are committed, this job's, and pointed at by no
-        pointer in the directories known; returns them. Errors are warned about, never raised
-        (as distckpt's retention: a committed save must not fail over a deletion)."""
-        if not steps or self._job is None:
-            return []
-        ckpt = self.checkpointer
-        committed = set(ckpt.steps())
-        candidates = {}
-        for step in sorted(steps & committed):
-            try:
-                job = ckpt.manifest(step).job
-            except (OSError, ValueError):
-                continue  # unreadable: not attributable, so not ours to delete
-            if job is not None and job == self._job:
-                candidates[step] = job
-        if not candidates:
-            return []
-        try:
-            for record in self._visible_pointers():
-                if candidates.get(record["step"]) == record.get("job"):
-                    del candidates[record["step"]]
-        except OSError as exc:  # a pointer we could not read may refer to any of them: keep all
-            warnings.warn(
-                f"distckpt: not deleting steps {sorted(candidates)}: could not read every pointer ({exc})", stacklevel=2
-            )
-            return []
-        deleted = []
-        storage = ckpt.storage
-        for step in candidates:
-            name = step_dir(step)
-            try:
-                # distckpt's retention order: released, uncommitted (manifest first), removed.
-                mark_released(storage, name)
-                storage.remove(name, MANIFEST_NAME)
-                remove_uncommitted(storage, name)
-                deleted.append(step)
-            except FileNotFoundError:
-                deleted.append(step)
-            except OSError as exc:
-                warnings.warn(f"distckpt: could not delete {storage.display(name)}: {exc}", stacklevel=2)
-        return deleted
+        if self._job is None:
+            return job, []
+        return job, delete_unreferenced(ckpt, orphans, self._job, self._visible_pointers)
 
     def _visible_pointers(self) -> Iterable[dict[str, Any]]:
         """(rank 0) Every pointer in the directories known (seen paths' directories and the
@@ -433,37 +397,13 @@ class DistckptCheckpointIO(CheckpointIO):
         for cb in callbacks:
             dirpath = getattr(cb, "dirpath", None)
             if dirpath:
-                dirs.add(_dir_url(dirpath))
-        for d in sorted(dirs):
-            fs, base = fsspec.core.url_to_fs(d)
-            try:
-                listing = fs.ls(base, detail=True)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for item in listing:
-                if item.get("type") != "file" or not 0 < (item.get("size") or 0) <= _POINTER_MAX_BYTES:
-                    continue
-                record = _parse_pointer(_read_small(fs, item["name"]))
-                if record is not None:
-                    yield record
+                dirs.add(dir_url(dirpath))
+        return pointers_in(dirs)
 
     def _locate(self, path: str) -> tuple[int, list[str], list[str], str, int, str | None]:
         """(rank 0) Read and check the pointer at ``path`` and the layout of its step."""
         ckpt = self.checkpointer
-        fs, p = fsspec.core.url_to_fs(path)
-        if not fs.exists(p):
-            raise FileNotFoundError(f"Lightning checkpoint not found: {path}")
-        if fs.isdir(p):
-            raise ValueError(f"{path} is a directory, not a distckpt pointer file written by DistckptCheckpointIO")
-        data = _read_small(fs, p)
-        record = _parse_pointer(data)
-        if record is None:
-            zipped = data[:4] == b"PK\x03\x04"
-            kind = " (it is a torch.save/zip checkpoint, e.g. from Lightning's default TorchCheckpointIO)" if zipped else ""
-            raise ValueError(
-                f"{path} is not a checkpoint written by DistckptCheckpointIO{kind}; this plugin reads only its "
-                f"own checkpoints (pointer files naming a distckpt step)"
-            )
+        record = read_pointer(path)
         step = record["step"]
         try:
             manifest = ckpt.manifest(step)
@@ -478,15 +418,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"{self.root} was saved by job {manifest.job!r}: another checkpoint. Point DistckptCheckpointIO at the "
                 f"root that pointer was written for"
             )
-        layout = manifest.extra.get(LAYOUT_KEY)
-        if not isinstance(layout, Mapping) or layout.get("version") != _LAYOUT_VERSION:
-            raise IntegrityError(
-                f"step {step} of {self.root} has no Lightning layout in its manifest (extra[{LAYOUT_KEY!r}]): "
-                "it was not saved by DistckptCheckpointIO"
-            )
-        all_keys, nodes = layout.get("keys"), layout.get("nodes")
-        if not isinstance(all_keys, list) or not all(isinstance(k, str) for k in all_keys) or not isinstance(nodes, str):
-            raise IntegrityError(f"step {step} of {self.root}: malformed Lightning layout in its manifest")
+        all_keys, nodes = read_layout(manifest.extra, f"step {step} of {self.root}")
         keys = record["keys"]
         if not set(keys) <= set(all_keys):
             raise IntegrityError(f"{path} lists keys {sorted(set(keys) - set(all_keys))} that step {step} does not hold")
@@ -538,310 +470,6 @@ class DistckptDDPStrategy(DDPStrategy):
             super().remove_checkpoint(filepath)
         else:
             io.remove_checkpoint(filepath)
-
-
-# --------------------------------------------------------------------------------------------
-# Lightning's dict <-> distckpt state
-def entry_name(key: str) -> str:
-    """The distckpt entry name of a top-level key of Lightning's dict (``.``, ``%`` and a leading
-    ``_`` escaped, as distckpt reserves them; injective, so keys never collide)."""
-    if not key:
-        return "%"
-    name = key.replace("%", "%25").replace(".", "%2E")
-    return "%5F" + name[1:] if name.startswith("_") else name
-
-
-def _prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
-    """(each rank) Lightning's top-level keys, the distckpt state and the layout for the manifest.
-
-    Containers are rebuilt (tensors are not copied: distckpt stages them), and with
-    ``copy_values`` the other values are deep-copied: an async save must write the values of the
-    call, and Lightning's dict holds live objects (``ModelCheckpoint``'s ``best_k_models``)."""
-    keys = list(checkpoint)
-    for k in keys:
-        if not isinstance(k, str):
-            raise TypeError(f"Lightning checkpoint key {k!r} is a {type(k).__name__}; top-level keys must be strings")
-    nodes, state = [], {}
-    for k in keys:
-        value = checkpoint[k]
-        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
-            not isinstance(value, torch.Tensor)
-            and callable(getattr(value, "state_dict", None))
-            and callable(getattr(value, "load_state_dict", None))
-        ):
-            raise TypeError(
-                f"checkpoint[{k!r}] is a {type(value).__qualname__} object; put its state_dict() into the checkpoint instead"
-            )
-        if isinstance(value, torch.Tensor) or contains(value):
-            node, state[entry_name(k)] = _walk(value, k, 0, copy_values)
-        else:
-            node, state[entry_name(k)] = ["v"], _copied(value, copy_values)
-        nodes.append(node)
-    layout = {"version": _LAYOUT_VERSION, "keys": keys, "nodes": json.dumps(nodes, separators=(",", ":"))}
-    return keys, state, layout
-
-
-def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Any, Any]:
-    """Layout node and rebuilt value of a part of a tree entry, down to DCP's items: mappings and
-    the lists DCP enters are containers, everything else one item (a tensor, or a value)."""
-    if depth > _MAX_DEPTH:
-        raise TypeError(f"checkpoint value {where!r} is nested more than {_MAX_DEPTH} levels deep")
-    if isinstance(value, torch.Tensor):
-        if type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(
-                f"checkpoint tensor {where!r} is a {type(value).__qualname__}: tensor subclasses (DTensor from FSDP or "
-                "ModelParallel strategies) are not supported by DistckptCheckpointIO; use DDP or a single device"
-            )
-        return ["t", list(value.shape), str(value.dtype)], value
-    if isinstance(value, Mapping):
-        ordered = isinstance(value, OrderedDict)
-        items, out = [], (OrderedDict() if ordered else {})
-        for k, v in value.items():
-            tag = _key_tag(k, where)
-            node, out[k] = _walk(v, f"{where}.{k}", depth + 1, copy_values)
-            items.append([tag, k, node])
-        return ["o" if ordered else "d", items], out
-    if isinstance(value, list) and not _dcp_leaf(value):
-        nodes, out_list = [], []
-        for i, v in enumerate(value):
-            node, c = _walk(v, f"{where}.{i}", depth + 1, copy_values)
-            nodes.append(node)
-            out_list.append(c)
-        return ["l", nodes], out_list
-    return ["v"], _copied(value, copy_values)
-
-
-def _copied(value: Any, copy_values: bool) -> Any:
-    if not copy_values:
-        return value
-    try:
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - not copyable: distckpt's save refuses it or stores it as is
-        return value
-
-
-_KEY_TAGS: dict[type, str] = {str: "s", int: "i", bool: "b", float: "f", type(None): "n"}
-
-
-def _key_tag(key: Any, where: str) -> str:
-    tag = _KEY_TAGS.get(type(key))
-    if tag is None or (tag == "f" and not math.isfinite(key)):
-        raise TypeError(
-            f"checkpoint value {where!r} has the key {key!r} ({type(key).__name__}); keys inside Lightning's checkpoint "
-            "must be str, int, bool, finite float or None"
-        )
-    return tag
-
-
-def _template(keys_of: list[str], nodes_json: str, budget: int, where: str) -> dict[str, Any]:
-    """(each rank) The state to load into, rebuilt from the manifest's layout: CPU tensors of the
-    saved shapes and dtypes, the saved containers and keys, ``None`` where values go.
-
-    Raises:
-        IntegrityError: the layout is malformed, or claims more tensor bytes than ``budget``.
-    """
-    try:
-        nodes = json.loads(nodes_json)
-    except (ValueError, RecursionError):
-        raise IntegrityError(f"{where}: the manifest's Lightning layout is not valid JSON") from None
-    if not isinstance(nodes, list) or len(nodes) != len(keys_of):
-        raise IntegrityError(f"{where}: the manifest's Lightning layout does not match its keys")
-    left = [budget]
-    try:
-        return {entry_name(k): _build(node, left, 0) for k, node in zip(keys_of, nodes)}
-    except _BadLayout as exc:
-        raise IntegrityError(f"{where}: malformed Lightning layout in the manifest ({exc})") from None
-
-
-class _BadLayout(Exception):
-    pass
-
-
-def _build(node: Any, left: list[int], depth: int) -> Any:
-    if depth > _MAX_DEPTH or not isinstance(node, list) or not node:
-        raise _BadLayout("a node that is not a non-empty list, or nested too deeply")
-    kind = node[0]
-    if kind == "v" and len(node) == 1:
-        return None
-    if kind == "t" and len(node) == 3:
-        shape, dtype = node[1], _DTYPES.get(node[2]) if isinstance(node[2], str) else None
-        if dtype is None or not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise _BadLayout(f"a tensor of shape {shape!r:.60} and dtype {node[2]!r:.40}")
-        left[0] -= math.prod(shape) * dtype.itemsize
-        if left[0] < 0:
-            raise _BadLayout("its tensors hold more bytes than the step's files")
-        return torch.empty(shape, dtype=dtype)
-    if kind in ("d", "o") and len(node) == 2 and isinstance(node[1], list):
-        out: dict[Any, Any] = OrderedDict() if kind == "o" else {}
-        for item in node[1]:
-            if not isinstance(item, list) or len(item) != 3:
-                raise _BadLayout("a mapping item that is not [tag, key, node]")
-            out[_key(item[0], item[1])] = _build(item[2], left, depth + 1)
-        return out
-    if kind == "l" and len(node) == 2 and isinstance(node[1], list):
-        return [_build(child, left, depth + 1) for child in node[1]]
-    raise _BadLayout(f"unknown node {kind!r:.20}")
-
-
-def _key(tag: Any, key: Any) -> Any:
-    ok = {
-        "s": type(key) is str,
-        "i": type(key) is int,
-        "b": type(key) is bool,
-        "f": type(key) in (int, float) and type(key) is not bool,
-        "n": key is None,
-    }.get(tag)
-    if not ok:
-        raise _BadLayout(f"a key {key!r:.40} tagged {tag!r:.10}")
-    return float(key) if tag == "f" else key
-
-
-# --------------------------------------------------------------------------------------------
-# pointer files (read, written and removed by global rank 0)
-def _pointer_bytes(root: str, job: str | None, record: Mapping[str, Any]) -> bytes:
-    body = {
-        "format": POINTER_FORMAT,
-        "version": _POINTER_VERSION,
-        "root": _root_id(root),
-        "step": record["step"],
-        "job": job,
-        "epoch": record["epoch"],
-        "keys": list(record["keys"]),
-    }
-    return (json.dumps(body, indent=1) + "\n").encode()
-
-
-def _parse_pointer(data: bytes) -> dict[str, Any] | None:
-    """The pointer's fields if ``data`` is a valid pointer, else ``None``."""
-    if len(data) > _POINTER_MAX_BYTES or not data.lstrip()[:1] == b"{":
-        return None
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT or body.get("version") != _POINTER_VERSION:
-        return None
-    step, keys, job, root = body.get("step"), body.get("keys"), body.get("job"), body.get("root")
-    if type(step) is not int or step < 0 or not isinstance(root, str):
-        return None
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not (job is None or isinstance(job, str)):
-        return None
-    return body
-
-
-def _read_small(fs: Any, path: str) -> bytes:
-    with fs.open(path, "rb") as f:
-        return f.read(_POINTER_MAX_BYTES + 1)
-
-
-def _try_pointer(path: str) -> dict[str, Any] | None:
-    fs, p = fsspec.core.url_to_fs(path)
-    try:
-        if not fs.isfile(p):
-            return None
-        return _parse_pointer(_read_small(fs, p))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-
-
-def _exists(path: str) -> bool:
-    fs, p = fsspec.core.url_to_fs(path)
-    return bool(fs.exists(p))
-
-
-def _write_pointer(path: str, data: bytes) -> None:
-    """Replace the file at ``path`` atomically (local: a temporary file, fsync, rename; object
-    stores: one put)."""
-    fs, p = fsspec.core.url_to_fs(path)
-    parent = posixpath.dirname(p)
-    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        fs.pipe_file(p, data)
-        return
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(p)}.distckpt-{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)  # a symbolic link at p (save_last="link") is replaced, not followed
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_file(path: str) -> None:
-    fs, p = fsspec.core.url_to_fs(path)
-    try:
-        fs.rm_file(p)
-    except FileNotFoundError:
-        pass
-
-
-def _dir_of(path: Any) -> str:
-    """The directory holding ``path``, as a URL fsspec opens again (``file:///...`` when local)."""
-    fs, p = fsspec.core.url_to_fs(os.fspath(path))
-    return fs.unstrip_protocol(posixpath.dirname(p))
-
-
-def _dir_url(dirpath: Any) -> str:
-    """A directory, as :func:`_dir_of` names it."""
-    fs, p = fsspec.core.url_to_fs(os.fspath(dirpath))
-    return fs.unstrip_protocol(p.rstrip("/") or "/")
-
-
-def _root_id(root: str) -> str:
-    """How pointers name a root (informational: loads read from the plugin's own root)."""
-    if "://" in root and not root.startswith("file://"):
-        return root.rstrip("/")
-    return os.path.realpath(os.path.expanduser(root.removeprefix("file://")))
-
-
-# --------------------------------------------------------------------------------------------
-# collectives
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-_PORTABLE: dict[str, type[BaseException]] = {
-    cls.__name__: cls
-    for cls in (
-        FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, OSError, ValueError, TypeError,
-        RuntimeError, StepExistsError, IntegrityError, UnsafeCheckpointError, CheckpointError,
-    )
-}  # fmt: skip
-
-
-def _on_rank0(fn: Callable[[], Any], what: str) -> Any:
-    """(every rank) ``fn()`` on global rank 0; its result, or its error, on every rank (a builtin or
-    distckpt error keeps its type; rank 0 raises the original)."""
-    if _world_size() <= 1:
-        return fn()
-    box: list[Any] = [None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as exc:  # noqa: BLE001 - handed to every rank below
-            error = exc
-            box[0] = ("error", type(exc).__name__, str(exc))
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[0][0] == "error":
-        cls = _PORTABLE.get(box[0][1])
-        if cls is None:
-            raise RuntimeError(f"{what} failed on rank 0: {box[0][1]}: {box[0][2]}")
-        raise cls(box[0][2])
-    return box[0][1]
 
 
 def _note(exc: BaseException, text: str) -> None:

@@ -19,6 +19,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping
 from typing import Any
+from distckpt.errors import IntegrityError
+from distckpt.integrity.checksums import ALGORITHMS
+from distckpt.integrity.checksums import new_hasher
+from distckpt.integrity.safe_pickle import check_relative_name
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -120,7 +124,6 @@ class Manifest:
         files = {k: FileRecord(v["size"], v.get("checksum")) for k, v in raw["files"].items()}
         known = {f for f in cls.__dataclass_fields__} - {"files"}
         manifest = cls(files=files, **{k: v for k, v in raw.items() if k in known})
-        from distckpt.integrity.safe_pickle import check_relative_name
 
         for name in manifest.files:
             check_relative_name(name, where)
@@ -137,9 +140,9 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
     def is_int(v: Any, low: int) -> bool:
         return type(v) is int and v >= low
 
-    for field in ("step", "world_size", "entries", "files", "checksum_algorithm", "torch_version", "distckpt_version"):
-        if field not in raw:
-            raise ValueError(f"malformed manifest {where}: field {field!r} is missing")
+    for required in ("step", "world_size", "entries", "files", "checksum_algorithm", "torch_version", "distckpt_version"):
+        if required not in raw:
+            raise ValueError(f"malformed manifest {where}: field {required!r} is missing")
     if not is_int(raw["step"], 0):
         raise bad("step", "a non-negative int")
     if not is_int(raw["world_size"], 1):
@@ -156,13 +159,12 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
             raise ValueError(f"malformed manifest {where}: files[{name!r}].size must be a non-negative int, got {record!r:.60}")
         if record.get("checksum") is not None and not isinstance(record["checksum"], str):
             raise ValueError(f"malformed manifest {where}: files[{name!r}].checksum must be a string or null")
-    from distckpt.integrity.checksums import ALGORITHMS
 
     if raw["checksum_algorithm"] is not None and raw["checksum_algorithm"] not in ALGORITHMS:
         raise bad("checksum_algorithm", f"one of {ALGORITHMS} or null")
-    for field in ("torch_version", "distckpt_version"):
-        if not isinstance(raw[field], str):
-            raise bad(field, "a string")
+    for name in ("torch_version", "distckpt_version"):
+        if not isinstance(raw[name], str):
+            raise bad(name, "a string")
     created = raw.get("created_unix", 0.0)
     if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created or abs(created) > 1e12:
         raise bad("created_unix", "a number of seconds")
@@ -235,19 +237,10 @@ def digest_of(data: bytes, algorithm: str | None) -> str | None:
     """Checksum of ``data`` with ``algorithm`` (None: no checksum)."""
     if not algorithm:
         return None
-    from distckpt.integrity.checksums import new_hasher
 
     h = new_hasher(algorithm)
     h.update(data)
     return h.hexdigest()
-
-
-def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
-    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the
-    manifest: read through :class:`distckpt.integrity.stepfiles.StepFiles`, the one read path."""
-    from distckpt.integrity.stepfiles import StepFiles
-
-    return StepFiles(storage, step_dir(manifest.step), manifest=manifest, verify=verify).metadata()
 
 
 def load_manifest(storage: Any, dirname: str) -> Manifest:
@@ -261,7 +254,6 @@ def load_manifest(storage: Any, dirname: str) -> Manifest:
         FileNotFoundError: the directory holds no manifest (not committed).
         IntegrityError: malformed, or written for another step than the directory's name says.
     """
-    from distckpt.errors import IntegrityError
 
     parts = [p for p in (dirname, MANIFEST_NAME) if p]
     path = storage.display(*parts)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from distckpt.errors import UnsafeCheckpointError
+from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
 _ALLOWED: set[tuple[str, str]] = {
     ("torch", "Size"),
@@ -57,7 +58,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     def _member_of_mem_format(self, owner: Any, name: Any) -> Any:
         """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
         admitted only for the memory-format enum of DCP's ``TensorProperties`` and its members."""
-        from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
         if owner is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in _MEM_FORMAT_ENCODING.__members__:
             return _MEM_FORMAT_ENCODING[name]

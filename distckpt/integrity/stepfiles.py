@@ -35,9 +35,12 @@ from typing import Any
 
 from distckpt.errors import IntegrityError
 from distckpt.integrity.checksums import CHUNK, new_hasher
-from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest
+from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest, step_dir
 from distckpt.integrity.safe_pickle import check_relative_name
 from distckpt.integrity.torchfile import ByteRange
+from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.metadata_check import validate_metadata
+from distckpt.integrity.safe_pickle import load_metadata
 
 METADATA_NAME = ".metadata"
 
@@ -158,8 +161,6 @@ class StepFiles:
             UnsafeCheckpointError: it would run code to unpickle.
         """
         if self._metadata is None:
-            from distckpt.integrity.metadata_check import validate_metadata
-            from distckpt.integrity.safe_pickle import load_metadata
 
             f = self.file(METADATA_NAME)
             try:
@@ -197,7 +198,6 @@ class StepFiles:
         Checks every file the manifest lists, and that the directory holds no data file the
         manifest does not know. Reads every file once.
         """
-        from distckpt.errors import UnsafeCheckpointError
 
         if self.files is None:
             raise ValueError(f"{self.display()} has no distckpt manifest: nothing to verify its files against")
@@ -215,12 +215,6 @@ class StepFiles:
             if name.endswith(".distcp"):
                 problems.append(f"{self.display(name)}: not listed in the manifest")
         return problems
-
-    def reader(self, thread_count: int = 2) -> Any:
-        """A DCP ``StorageReader`` over this step (:class:`distckpt.load.reader.CheckpointReader`)."""
-        from distckpt.load.reader import CheckpointReader
-
-        return CheckpointReader(self, thread_count=thread_count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,3 +597,9 @@ class _Peek(ByteRange):
             view[:got] = data[self._pos - start : self._pos - start + got]
         self._pos += got
         return got
+
+
+def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
+    """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the
+    manifest: read through :class:`StepFiles`, the one read path."""
+    return StepFiles(storage, step_dir(manifest.step), manifest=manifest, verify=verify).metadata()

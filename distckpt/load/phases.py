@@ -28,7 +28,9 @@ from distckpt._compat import flatten_state_dict, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import cause_of, from_causes
 from distckpt.integrity.manifest import Manifest
-from distckpt.state.entries import Entry, build_entries, tied_duplicates
+from distckpt.state.build import build_entries
+from distckpt.state.entries import Entry, tied_duplicates
+from distckpt.errors import IntegrityError
 
 
 @dataclass
@@ -206,7 +208,6 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
                 rng.reseed(rng.derived_seed(saved["torch"], manifest.step, group.rank))
         except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as exc:
             # Written by distckpt itself, so a state that does not fit is a damaged checkpoint.
-            from distckpt.errors import IntegrityError
 
             raise IntegrityError(
                 f"step {manifest.step}: the saved random-number-generator state ({rng.NAMESPACE}.{plan.rng_key}) "

@@ -2,8 +2,8 @@
 
 DCP's default planner unpickles non-tensor values with ``torch.load(weights_only=False)``.
 distckpt reads them with ``weights_only=True``: a save wrote only what that reader admits (plain
-containers, numbers, strings, tensors, and the encoded form of :mod:`distckpt.state.values`,
-which :func:`~distckpt.state.values.decode_loaded` turns back into NumPy values, datetimes,
+containers, numbers, strings, tensors, and the encoded form of :mod:`distckpt.state.encoded`,
+which :func:`~distckpt.state.decoding.decode_loaded` turns back into NumPy values, datetimes,
 paths, registered Enums ... here, before any object sees them). A value that would need
 arbitrary globals (a checkpoint written by an older distckpt or another tool, or a crafted one)
 is refused with an error naming its key and what it needs, instead of being executed. Given the
@@ -24,13 +24,14 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from distckpt.state import values
+from distckpt.state import decoding, safetypes, values
 from distckpt.errors import UnsafeCheckpointError
+from distckpt._compat import set_element
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor values are read with ``weights_only=True`` and
-    decoded (:func:`distckpt.state.values.decode_loaded`).
+    decoded (:func:`distckpt.state.decoding.decode_loaded`).
 
     Args:
         value_digests: the manifest's ``value_digests`` (key -> sha256 of the stored bytes);
@@ -38,7 +39,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             :class:`~distckpt.errors.IntegrityError` naming the key and file. ``None``: unchecked.
         where: the step directory, as errors name it.
         safe_types: the classes (Enum, dataclass, NamedTuple) encoded values may be rebuilt as
-            (``Checkpointer(safe_types=...)``); ``None``: :data:`distckpt.state.values.DEFAULT_SAFE_TYPES`.
+            (``Checkpointer(safe_types=...)``); ``None``: :data:`distckpt.state.safetypes.DEFAULT_SAFE_TYPES`.
     """
 
     def __init__(
@@ -46,13 +47,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         *args: Any,
         value_digests: Mapping[str, str] | None = None,
         where: str = "",
-        safe_types: values.SafeTypesLike = None,
+        safe_types: safetypes.SafeTypesLike = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.value_digests = value_digests
         self.where = where
-        self.safe_types = values.SafeTypes.of(safe_types)
+        self.safe_types = safetypes.SafeTypes.of(safe_types)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -62,9 +63,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
-        obj = values.decode_loaded(obj, fqn, self.safe_types)
+        obj = decoding.decode_loaded(obj, fqn, self.safe_types)
         if self.flatten_state_dict:
-            from distckpt._compat import set_element
 
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

@@ -26,6 +26,7 @@ import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,8 +34,26 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from distckpt.integrity.shards import load_record
+from distckpt.integrity.stepfiles import StepFiles
 from distckpt.integrity.torchfile import HEAD, head_layout
 from distckpt.errors import IntegrityError
+from distckpt.storage.base import Storage
+
+
+def checkpoint_reader(
+    storage: Storage,
+    *parts: str,
+    files: Mapping[str, Any] | None = None,
+    checksum: str | None = None,
+    thread_count: int = 2,
+    metadata: Any = None,
+) -> CheckpointReader:
+    """(each rank) A DCP ``StorageReader`` for the step directory ``parts`` under ``storage``,
+    verifying ``files`` (the manifest's records) if given and serving ``metadata`` if it was read
+    and verified already."""
+    step = StepFiles(storage, "/".join(p.strip("/") for p in parts if p), files=files, algorithm=checksum, metadata=metadata)
+    return CheckpointReader(step, thread_count=thread_count)
 
 
 class CheckpointReader(FileSystemReader):
@@ -231,7 +250,7 @@ class CheckpointReader(FileSystemReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(raw.read()))
                 continue
-            tensor = _load_record(raw if raw.seekable() else io.BytesIO(raw.read()), req.storage_index.fqn, where)
+            tensor = load_record(raw if raw.seekable() else io.BytesIO(raw.read()), req.storage_index.fqn, where)
             tensor = _narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -250,20 +269,6 @@ def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, int(start), int(length))
     return tensor
-
-
-def _load_record(stream: Any, key: str, where: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item; a refusal names the key."""
-    import pickle
-
-    from distckpt.errors import UnsafeCheckpointError
-
-    try:
-        return torch.load(stream, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"
-        ) from None
 
 
 class _DeviceSink:

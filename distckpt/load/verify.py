@@ -11,7 +11,7 @@ hundreds of MB per rank on every resharded resume). Instead:
 * A sharded DTensor's blocks add up across ranks. Per key, one all-reduce sums slots of 32-bit
   halves (no overflow at any world size): over the copies the designated holder of each block
   writes (the rank at coordinate 0 of the mesh dimensions that replicate it, as a save picks
-  its writer: :func:`distckpt.save.plan.writes_dtensor`): the partial fingerprint sums, the
+  its writer: :func:`distckpt.state.placements.writes_dtensor`): the partial fingerprint sums, the
   elements covered and a hash of each partial sum (:func:`~distckpt.state.fingerprint.mix_value`);
   over all copies: the same hash, the number of copies and the number of meshes holding the
   key (their ranks at coordinate 0). The holders then judge: the designated blocks cover the
@@ -33,15 +33,23 @@ The verdict equals :func:`distckpt.state.statecheck.diverged` over gathered part
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, all_ranks
-from distckpt.save.plan import replication, writes_dtensor
+from distckpt.errors import CheckpointError
+from distckpt.integrity.manifest import Manifest
+from distckpt.load.phases import LoadPlan
+from distckpt.state import rng, scope
+from distckpt.state.entries import Entry
 from distckpt.state import fingerprint
+from distckpt.state.placements import replication, writes_dtensor
 from distckpt.state.shape import numel
+from distckpt.state.statecheck import StateDivergedError
 
 _LOW32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
@@ -165,3 +173,121 @@ def _add64(slots: list[list[int]], hi: int, i: int, value: int) -> None:
     """Add a 64-bit value to the 32-bit halves at rows ``hi`` and ``hi + 1``."""
     slots[hi][i] += value >> 32
     slots[hi + 1][i] += value & _LOW32
+
+
+# -- the rules: when a load is checked, and what it must be able to prove -------------------------
+def due(explicit: bool | None, manifest: Manifest, world_size: int, entries: Sequence[Entry], where: str) -> bool:
+    """(every rank, pure) Whether a load is checked: as asked (``verify_state=True/False``), else
+    where the risk is highest: the world size or an entry's parallelism changed since the save,
+    or nothing else proved the bytes (a checkpoint saved with ``checksum=None``: its fingerprints
+    are its only proof). A check that is due but has no fingerprints to compare warns once and
+    is skipped."""
+    if explicit is not None:
+        return explicit
+    relaid = manifest.world_size != world_size or parallelism_changed(manifest, entries)
+    if not (relaid or manifest.checksum_algorithm is None):
+        return False
+    if not manifest.fingerprints:
+        _warn_unverifiable(manifest.step, where, relaid)
+        return False
+    return True
+
+
+def parallelism_changed(manifest: Manifest, entries: Sequence[Entry]) -> bool:
+    """Whether any entry is laid out otherwise than at the save: its kind of parallelism (plain,
+    DDP, FSDP2; ZeRO vs a plain optimizer, which records no ``parallel``) or, where the save
+    recorded one, its DTensor layout (a digest of mesh shapes and placements; manifests written
+    before ``layout`` was recorded compare kinds only)."""
+
+    def kind(described: Mapping[str, Any]) -> Any:
+        if described.get("kind") == "optimizer":
+            return described.get("parallel", "plain")
+        return described.get("parallel")
+
+    for e in entries:
+        saved = manifest.entries.get(e.name)
+        if not isinstance(saved, Mapping):
+            continue
+        now = e.describe()
+        if kind(saved) is not None and kind(now) is not None and kind(saved) != kind(now):
+            return True
+        if saved.get("layout") is not None and saved.get("layout") != now.get("layout"):
+            return True
+    return False
+
+
+def require_fingerprints(manifest: Manifest, index: Mapping[str, Any], requested: Sequence[str], where: str) -> None:
+    """(every rank, pure: the same error everywhere) For ``verify_state=True``: every requested
+    tensor must have a recorded fingerprint, else the load is refused before anything is read.
+    Plain values are not fingerprinted (``kind: value`` entries are checked by digest); RNG
+    states are reseeded at another world size and never judged.
+
+    Raises:
+        CheckpointError: naming the step and the tensors without a fingerprint.
+    """
+    how = "load with verify_state=False to load it without that proof (or None: verify only where fingerprints exist)"
+    if not manifest.fingerprints:
+        raise CheckpointError(
+            f"load(verify_state=True) of step {manifest.step} at {where}: the checkpoint records no state "
+            f"fingerprints (saved with fingerprint=False or by an older distckpt), so the loaded state cannot "
+            f"be proven equal to the saved one; {how}"
+        )
+    lacking = [
+        k
+        for k in requested
+        if index.get(k) is not None and k not in manifest.fingerprints and not k.startswith(rng.NAMESPACE + ".")
+    ]
+    if lacking:
+        shown = ", ".join(lacking[:20]) + (f", ... (+{len(lacking) - 20} more)" if len(lacking) > 20 else "")
+        raise CheckpointError(
+            f"load(verify_state=True) of step {manifest.step} at {where}: {len(lacking)} requested tensor(s) have "
+            f"no recorded fingerprint (replicas that drifted at save, or layouts that were not fingerprinted), "
+            f"so they cannot be verified: {shown}; {how}"
+        )
+
+
+def check_loaded(group: Group, manifest: Manifest, plan: LoadPlan, requested: Sequence[str], where: str, threads: int) -> None:
+    """(all ranks) Fingerprints of what the objects hold now against the saved ones.
+
+    Raises:
+        StateDivergedError: on every rank, naming the tensors that differ.
+    """
+
+    def current() -> dict[str, Any]:
+        # Re-extracted through the same functions a save uses, so a wrong mapping between what
+        # DCP read and what the objects hold shows up too.
+        out: dict[str, Any] = {}
+        for e in plan.entries:
+            if e.name in plan.per_rank:
+                continue
+            value = e.save_state()
+            if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
+                value = {scope.rank_key(group.rank): value}
+            out[e.name] = value
+        return flatten_state_dict(out)[0]
+
+    # RNG states are reseeded, not restored, at another world size.
+    judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
+    bad = diverged_keys(
+        group, current, manifest.fingerprints, judged, f"state check of {where}", threads=threads,
+        version=manifest.fingerprint_version,
+    )  # fmt: skip
+    if bad:
+        raise StateDivergedError(bad, f"step {manifest.step} at {where}")
+
+
+_warned_unverifiable: set[str] = set()
+
+
+def _warn_unverifiable(step: int, where: str, relaid: bool) -> None:
+    """Once per checkpoint root and process: the default check was due but has nothing to compare."""
+    root = where.rsplit("/", 1)[0]
+    if root in _warned_unverifiable:
+        return
+    _warned_unverifiable.add(root)
+    why = "was loaded at another world size or parallelism" if relaid else "records no file checksums (saved with checksum=None)"
+    warnings.warn(
+        f"distckpt: step {step} at {where} {why}, and it records no state fingerprints (saved with "
+        "fingerprint=False), so the loaded state was not verified",
+        stacklevel=5,
+    )

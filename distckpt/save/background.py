@@ -55,12 +55,11 @@ import torch
 from distckpt._compat import flatten_state_dict, mesh_without_groups, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import CheckpointError
+from distckpt.save import phases as _saving
+from distckpt.save.protocol import PlanCache
 from distckpt.save.shared_arena import attach, descriptor
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from torch.distributed.tensor import DTensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +154,8 @@ def decode(flat: dict[str, Any], mappings: Any, arena: torch.Tensor, rank: int) 
 class Job:
     """One save's write phase, as sent to the writer process."""
 
-    opts: Any  # _saving.SaveOptions
-    prepared: Any  # _saving.Prepared whose state_dict is replaced by (flat, mappings) below
+    opts: _saving.SaveOptions
+    prepared: _saving.Prepared  # its state_dict replaced by (flat, mappings) below
     flat: dict[str, Any]
     mappings: Any
     arena_path: str | None
@@ -209,8 +208,6 @@ class WriterProcess:
     """The training side of one rank's background writer process."""
 
     def __init__(self, proc: subprocess.Popen, conn: Connection, rank: int, store: Any) -> None:
-        from distckpt.save.plan import PlanCache
-
         # What the writer's plan cache holds (its plans stay in the writer): the token each
         # save's view reports, so repeated async saves skip planning as sync ones do.
         self.plans = PlanCache()
@@ -356,8 +353,6 @@ class WriterProcess:
 def _serve(conn: Connection) -> None:
     import torch.distributed as dist
 
-    from distckpt.save import phases as _saving
-
     init = _recv(conn)
     try:
         if init["nice"] > 0 and hasattr(os, "nice"):
@@ -381,8 +376,6 @@ def _serve(conn: Connection) -> None:
         return
     _send(conn, ("ready", os.getpid()))
     arena = torch.empty(0, dtype=torch.uint8)
-    from distckpt.save.plan import PlanCache
-
     plans = PlanCache()  # this writer's: repeated saves of one structure skip planning
 
     try:

@@ -16,7 +16,7 @@ ranks call each is part of the protocol:
    coordinator refuses a committed step during their prepare (:func:`refuse_committed`).
 4. :func:`stage`     (async saves only; each rank) copies the state into host buffers
    (:class:`~distckpt.save.staging.Stager`); training resumes after it.
-5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt.save.plan`:
+5. :func:`write`     (all ranks, collective) DCP's protocol, driven by :mod:`distckpt.save.protocol`:
    each rank plans only what it writes (or reuses the previous save's plans), replicas are
    compared with O(items) traffic, the data files and ``.metadata`` are written; every rank's
    outcome, file records, fingerprint parts and the digests of the non-tensor items it wrote
@@ -42,18 +42,22 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from distckpt.save import plan as _save_plan
-from distckpt.state import fingerprint, rng, scope, statecheck, values
+from distckpt.save import assign
+from distckpt.state import encoded, fingerprint, rng, safetypes, scope, statecheck, values
 from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group
-from distckpt.save.plan import PlanCache, PlanInput, PlanStats
+from distckpt.save.assign import PlanInput
+from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
+from distckpt.save.writer import checkpoint_writer
 from distckpt._version import __version__
 from distckpt.errors import StagingMismatchError, StepExistsError
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
 from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
-from distckpt.state.entries import build_entries, contains
+from distckpt.state.build import build_entries
+from distckpt.state.placements import writes_dtensor
+from distckpt.state.entries import contains
 from distckpt.storage.base import Storage
 
 log = logging.getLogger("distckpt")
@@ -88,7 +92,7 @@ class SaveView:
             dtypes (ranks agreeing hold the entry replicated: each of its tensors gets one
             writer, and async saves stage only their share, see staging).
         plain: per entry, a digest of all its plain (non-DTensor) leaves' keys, shapes and
-            dtypes (ranks agreeing hold them replicated; see :mod:`distckpt.save.plan`).
+            dtypes (ranks agreeing hold them replicated; see :mod:`distckpt.save.assign`).
         replicas: digest of this rank's DTensors with replicated mesh dimensions.
         cache: the plan cache's token for this rank's current structure, or None.
 
@@ -126,7 +130,7 @@ class Prepared:
             digest of the live tensor at the call (:func:`distckpt.save.staging.staging_digest`)
             for the tensors this rank stages and writes; :func:`write` checks every one it
             writes against the tensor its writer serializes.
-        structure: this rank's state structure (:func:`distckpt.save.plan.describe`).
+        structure: this rank's state structure (:func:`distckpt.save.assign.describe`).
         unscoped: the module/optimizer entries.
         plan: what :func:`write` plans from (set by :func:`agree`; picklable).
     """
@@ -139,7 +143,7 @@ class Prepared:
     replica_digests: dict[str, Any] = field(default_factory=dict)
     on_device: frozenset[str] = frozenset()
     staging_digests: dict[str, int] = field(default_factory=dict)
-    structure: _save_plan.Structure | None = None
+    structure: assign.Structure | None = None
     unscoped: list[str] = field(default_factory=list)
     plan: PlanInput | None = None
 
@@ -182,14 +186,14 @@ def prepare(
     rank: int,
     blocking: bool,
     cache: PlanCache | None = None,
-    safe_types: values.SafeTypesLike = None,
+    safe_types: safetypes.SafeTypesLike = None,
 ) -> tuple[Prepared, SaveView]:
     """(each rank, no collectives) What to save, and this rank's view for the agreement check.
 
-    ``cache`` (the checkpointer's :class:`~distckpt.save.plan.PlanCache`, also handed to
+    ``cache`` (the checkpointer's :class:`~distckpt.save.protocol.PlanCache`, also handed to
     :func:`write`) contributes its token, so that :func:`agree` can tell on every rank alike
     whether the previous save's plans still hold. ``safe_types``: the classes registered with
-    ``Checkpointer(safe_types=...)`` (see :func:`distckpt.state.values.encode_for_save`).
+    ``Checkpointer(safe_types=...)`` (see :func:`distckpt.state.encoded.encode_for_save`).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -201,7 +205,7 @@ def prepare(
     state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
     # Non-tensor values in the form a load reads (once, here: async staging copies this form);
     # what a load could not read fails this save, on every rank alike (prepare runs in an exchange).
-    state_dict = values.encode_for_save(state_dict, safe_types)
+    state_dict = encoded.encode_for_save(state_dict, safe_types)
     check_saveable(state_dict)
     described = {e.name: e.describe() for e in entries}
     if opts.save_rng:
@@ -215,7 +219,7 @@ def prepare(
     unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
     digests, sizes = replicated_layout(unscoped)
     flat = flatten_state_dict(state_dict)[0]
-    structure = _save_plan.describe(flat)
+    structure = assign.describe(flat)
     on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(
         step=step,
@@ -237,7 +241,7 @@ def prepare(
 def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
     """(each rank, pure) Check the gathered views agree, settle every scoped entry's scope and
     decide who writes each replicated item and whether the cached plans hold
-    (:func:`distckpt.save.plan.decide`, into ``prepared.plan``).
+    (:func:`distckpt.save.assign.decide`, into ``prepared.plan``).
 
     Every rank judges the same gathered views, so an error (different steps or entries, a
     ``Global`` entry that differs) is raised identically everywhere, and every rank takes the
@@ -257,7 +261,7 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
         if kind == scope.PER_RANK:
             prepared.state_dict[name] = {scope.rank_key(rank): prepared.state_dict[name]}
     if prepared.structure is not None:
-        prepared.plan = _save_plan.decide(views, prepared.structure, prepared.unscoped, scopes, prepared.sizes, rank)
+        prepared.plan = assign.decide(views, prepared.structure, prepared.unscoped, scopes, prepared.sizes, rank)
         prepared.structure = None  # decided; not needed by write (keeps the job small)
 
 
@@ -327,7 +331,7 @@ def _staging_checked(mode: bool | str, prepared: Prepared) -> Callable[[str, Any
 
     def checked(key: str, value: Any) -> bool:
         if isinstance(value, DTensor):
-            if not _save_plan.writes_dtensor(value, key):
+            if not writes_dtensor(value, key):
                 return False
             local = value.to_local()
         else:
@@ -364,7 +368,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     Collectives (all ranks, in order): the plan gather and scatter, unless every rank reuses
     ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); one all-reduce of the
     replica check when replicas are compared; the gather of outcomes, write results,
-    fingerprint parts and non-tensor item digests; the broadcast of the outcome. See :mod:`distckpt.save.plan`.
+    fingerprint parts and non-tensor item digests; the broadcast of the outcome. See :mod:`distckpt.save.protocol`.
 
     Args:
         cache: the plans of the previous save on this rank (the checkpointer's; read and
@@ -376,7 +380,8 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     """
     step = prepared.step
     where = opts.storage.display(step_dir(step))
-    writer = opts.storage.writer(
+    writer = checkpoint_writer(
+        opts.storage,
         step_dir(step),
         thread_count=opts.thread_count,
         sync_files=opts.sync_files,
@@ -384,7 +389,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         skip_record_crc=opts.skip_record_crc,
     )
     plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
-    run = _save_plan.SaveRun(group, writer, plan, cache, f"writing step {step} to {where}")
+    run = SaveRun(group, writer, plan, cache, f"writing step {step} to {where}")
     phases: dict[str, float] = {}
     clock = time.perf_counter()
 

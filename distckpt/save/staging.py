@@ -32,10 +32,7 @@ from distckpt._compat import flatten_state_dict, unflatten_state_dict
 from distckpt.save.shared_arena import SharedArena, plan_slots, view
 from distckpt.state import fingerprint, fpkernels
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from torch.distributed.tensor import DTensor
 
 
 def check_saveable(state_dict: dict[str, Any]) -> None:

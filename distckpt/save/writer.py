@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.save.records import write_items
 from distckpt.storage.base import Storage, named_os_error
+from distckpt.integrity.checksums import new_hasher
 
 
 _BUFFER = 1 << 20
@@ -72,7 +73,6 @@ class _ChecksumStream(io.RawIOBase):
     def __init__(
         self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any, timings: WriteTimings
     ) -> None:
-        from distckpt.integrity.checksums import new_hasher
 
         self._timings = timings
         self._t_checksum = 0.0
@@ -297,3 +297,23 @@ class CheckpointWriter(FileSystemWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
+
+
+def checkpoint_writer(
+    storage: Storage,
+    *parts: str,
+    thread_count: int = 2,
+    sync_files: bool = True,
+    checksum: str | None = DEFAULT_CHECKSUM,
+    skip_record_crc: bool = True,
+) -> CheckpointWriter:
+    """(each rank) A DCP ``StorageWriter`` for the directory ``parts`` under ``storage`` that
+    records per-file checksums (:class:`CheckpointWriter`)."""
+    return CheckpointWriter(
+        storage,
+        storage.dcp_path(*parts),
+        thread_count=thread_count,
+        sync_files=sync_files,
+        checksum=checksum,
+        skip_record_crc=skip_record_crc,
+    )

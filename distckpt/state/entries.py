@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from distckpt.state import module_keys, values
+from distckpt.state import containers, encoded, module_keys, values
 
 _FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -267,7 +267,7 @@ class StatefulEntry(Entry):
         if not loaded and not self.obj.state_dict():
             return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
         if self._like is not None:  # DCP's unflattening gives plain dicts with str keys
-            loaded = values.restore_containers(loaded, self._like)
+            loaded = containers.restore_containers(loaded, self._like)
         self.obj.load_state_dict(loaded)
 
 
@@ -327,7 +327,7 @@ class ValueEntry(Entry):
 
     A plain value (exactly int, float, str, bool, None, and lists/tuples/dicts of them) is stored
     as JSON text; any other (a NumPy scalar, a datetime, an Enum ...) as one item in the encoded
-    form of :mod:`distckpt.state.values` (:class:`~distckpt.state.values.TopLevel`; the save
+    form of :mod:`distckpt.state.encoded` (:class:`~distckpt.state.encoded.TopLevel`; the save
     encodes it or refuses it, naming the key). Either form loads into either: the form is chosen
     per save, by the value.
     """
@@ -340,7 +340,7 @@ class ValueEntry(Entry):
         self.plain = values.stores_as_json(value)
 
     def save_state(self) -> Any:
-        return values.encode(self.value, self.name) if self.plain else values.TopLevel(self.value)
+        return values.encode(self.value, self.name) if self.plain else encoded.TopLevel(self.value)
 
     def describe(self) -> dict[str, Any]:
         # Checked on load and export (values.check_digest): values have no tensor fingerprint.
@@ -349,7 +349,7 @@ class ValueEntry(Entry):
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         # An encoded value arrives decoded by the load planner (which holds the allow-list).
-        value = loaded.value if isinstance(loaded, values.TopLevel) else values.decode(loaded, self.name)
+        value = loaded.value if isinstance(loaded, encoded.TopLevel) else values.decode(loaded, self.name)
         live = self.value
         if isinstance(live, dict) and isinstance(value, dict):
             live.clear()
@@ -392,76 +392,3 @@ def tied_duplicates(tensors: Mapping[str, Any]) -> dict[str, str]:
         else:
             first[sid] = key
     return out
-
-
-RESERVED_PREFIX = "_"
-
-
-def build_entries(state: Mapping[str, Any]) -> list[Entry]:
-    """Classify every item of ``state``; ``TypeError``/``ValueError`` naming the key on bad input.
-
-    Modules come first so that optimizers can find the module that owns their parameters.
-    """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from distckpt.state.zero import ZeroOptimizerEntry
-
-    from distckpt.state.scope import unwrap
-
-    modules: list[ModuleEntry] = []
-    others: list[tuple[str, Any]] = []
-    declared: dict[str, tuple[str | None, Any]] = {}
-    for name, obj in state.items():
-        if not isinstance(name, str) or not name or "." in name or name.startswith(RESERVED_PREFIX):
-            raise ValueError(
-                f"state key {name!r} is invalid: use non-empty strings without '.' that do not "
-                f"start with {RESERVED_PREFIX!r} (reserved for distckpt)"
-            )
-        obj, scope, holder = unwrap(obj)
-        declared[name] = (scope, holder)
-        if isinstance(obj, nn.Module):
-            if holder is not None:
-                raise TypeError(f"state[{name!r}]: modules are replicated or sharded; they take no PerRank/Global")
-            entry = ModuleEntry(name, obj)
-            entry.settle()
-            modules.append(entry)
-        else:
-            others.append((name, obj))
-
-    entries: list[Entry] = list(modules)
-    for name, obj in others:
-        if isinstance(obj, torch.optim.Optimizer) and declared[name][1] is not None:
-            raise TypeError(f"state[{name!r}]: optimizers follow their module; they take no PerRank/Global")
-        if isinstance(obj, torch.optim.Optimizer):
-            owner = _owner_of(name, obj, modules)
-            if isinstance(obj, ZeroRedundancyOptimizer):
-                entries.append(ZeroOptimizerEntry(name, obj, owner))
-            else:
-                entries.append(OptimizerEntry(name, obj, owner))
-        elif isinstance(obj, torch.Tensor):
-            entries.append(TensorEntry(name, obj))
-        elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-            entries.append(StatefulEntry(name, obj))
-        elif contains(obj):
-            entries.append(TreeEntry(name, obj))
-        else:  # a value that load could not read is refused by the save (values.encode_for_save)
-            entries.append(ValueEntry(name, obj))
-    for entry in entries:
-        entry.declared, entry.holder = declared[entry.name]
-    return entries
-
-
-def _owner_of(name: str, optim: torch.optim.Optimizer, modules: list[ModuleEntry]) -> ModuleEntry:
-    wanted = {id(p) for p in optimizer_params(optim)}
-    owners = [m for m in modules if wanted and wanted <= m.param_ids()]
-    if len(owners) == 1:
-        return owners[0]
-    if not owners:
-        raise ValueError(
-            f"optimizer state[{name!r}] optimizes parameters that no single module in state owns "
-            f"(modules: {[m.name for m in modules] or 'none'}); put its model in the same state"
-        )
-    # Several candidates (e.g. a module and a sub-module both listed): take the smallest.
-    return min(owners, key=lambda m: len(m.param_ids()))

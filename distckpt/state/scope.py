@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from distckpt.state.fingerprint import of_tensor, supported
 
 GLOBAL = "global"
 PER_RANK = "per_rank"
@@ -104,7 +105,6 @@ def digest(value: Any) -> str:
 
 def _feed(h: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
-        from distckpt.state.fingerprint import of_tensor, supported
 
         t = value.detach()
         if supported(t):

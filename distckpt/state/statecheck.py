@@ -34,6 +34,8 @@ import torch
 
 from distckpt.state import fingerprint
 from distckpt.errors import StateMismatchError
+from distckpt.integrity.shards import ShardSource
+from distckpt.integrity.checksums import new_hasher
 
 DRIFT_POLICIES = ("warn", "error", "ignore")
 
@@ -126,17 +128,17 @@ def diverged(
     return sorted(out)
 
 
-def from_files(source: object, version: int = fingerprint.VERSION) -> dict[str, str]:
+def from_files(source: ShardSource, version: int = fingerprint.VERSION) -> dict[str, str]:
     """(one process, not collective) Fingerprints recomputed from a checkpoint's files.
 
-    ``source`` is a :class:`distckpt.tools.convert.CheckpointSource`; every stored shard of every tensor
-    is read once (one shard in memory at a time) and its part added, exactly as the ranks that
-    saved it did, with the construction ``version`` (the manifest's). What ``distckpt verify
-    --state`` compares with the manifest.
+    ``source`` reads the stored shards (:class:`distckpt.integrity.shards.CheckpointSource`); every
+    stored shard of every tensor is read once (one shard in memory at a time) and its part added,
+    exactly as the ranks that saved it did, with the construction ``version`` (the manifest's).
+    What ``distckpt verify --state`` compares with the manifest.
     """
     parts: list[fingerprint.Part] = []
-    for key, info in source.tensors.items():  # type: ignore[attr-defined]
-        for offsets, shard in source.iter_shards(key):  # type: ignore[attr-defined]
+    for key, info in source.tensors.items():
+        for offsets, shard in source.iter_shards(key):
             if not fingerprint.supported(shard):
                 break
             total = fingerprint.partial_sum(shard, info.shape, offsets, version)
@@ -145,9 +147,10 @@ def from_files(source: object, version: int = fingerprint.VERSION) -> dict[str, 
     return prints
 
 
-def compare_files(source: object, saved: Mapping[str, str], version: int = fingerprint.VERSION) -> tuple[list[str], int]:
-    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``;
-    ``version``: the manifest's ``fingerprint_version``."""
+def compare_files(source: ShardSource, saved: Mapping[str, str], version: int = fingerprint.VERSION) -> tuple[list[str], int]:
+    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``, from
+    the stored shards ``source`` reads (see :func:`from_files`); ``version``: the manifest's
+    ``fingerprint_version``."""
     recomputed = from_files(source, version)
     checked = [k for k in saved if k in recomputed]
     bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
@@ -173,7 +176,6 @@ def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = F
     if on_device or local.device.type != "cpu":
         value = fingerprint.partial_sum(local, local.shape, (0,) * local.dim())
     else:
-        from distckpt.integrity.checksums import new_hasher
 
         flat = local.contiguous().reshape(-1)
         if flat.dtype.is_complex:

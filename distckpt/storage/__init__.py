@@ -5,3 +5,6 @@ URL such as ``s3://`` (single-put commits, conditional writes). On top of them: 
 (which writer holds a step directory), ``retention`` (``keep_last``) and ``replica`` (the
 background copy to a second root).
 """
+
+# Importing the implementations registers them with ``Storage(root)`` (see storage.base).
+from distckpt.storage import local, objectstore  # noqa: E402,F401

@@ -1,8 +1,9 @@
 """Where checkpoints live: a root on a local disk or any fsspec filesystem.
 
 :class:`Storage` is the small interface every other module uses (paths, listings, atomic
-byte writes, exclusive creation, removal, file handles, DCP readers and writers), with two
-implementations: ``Storage(root)`` returns
+byte writes, exclusive creation, removal, file handles), with two implementations, which
+register themselves by kind (so that this module imports neither); ``Storage(root)`` opens a
+root with the one that fits it and returns it (a factory: the object is of the subclass)
 
 * :class:`~distckpt.storage.local.LocalStorage` for local paths and ``file://`` URLs: plain
   file I/O with ``fsync``, atomic renames and hard links, and reads that never follow a
@@ -19,14 +20,13 @@ error messages or manifests.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import fsspec
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
@@ -92,9 +92,17 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# kind -> implementation: "local" (LocalStorage), "url" (FsspecStorage); each registers itself
+# when its module is imported, which importing the distckpt.storage package does.
+_KINDS: dict[str, type[Storage]] = {}
+
 
 class Storage:
     """A checkpoint root on a local disk or any fsspec filesystem (see the module doc).
+
+    ``Storage(root, storage_options)`` is a factory: it returns a
+    :class:`~distckpt.storage.local.LocalStorage` for a local path or ``file://`` URL and a
+    :class:`~distckpt.storage.objectstore.FsspecStorage` for any other URL.
 
     Args:
         root: a local path, ``file://`` URL or any fsspec URL (``s3://bucket/prefix``).
@@ -121,17 +129,15 @@ class Storage:
 
         return not isinstance(self.fs, MemoryFileSystem)
 
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            _KINDS[kind] = cls
+
     def __new__(cls, root: str | os.PathLike | None = None, storage_options: dict[str, Any] | None = None) -> Storage:
         if cls is Storage:
             protocol = fsspec.utils.get_protocol(os.fspath(root)) if root is not None else "file"
-            if protocol in ("file", "local"):
-                from distckpt.storage.local import LocalStorage
-
-                cls = LocalStorage
-            else:
-                from distckpt.storage.objectstore import FsspecStorage
-
-                cls = FsspecStorage
+            cls = _KINDS["local" if protocol in ("file", "local") else "url"]
         return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
@@ -317,39 +323,3 @@ class Storage:
     #: none (each thread overlaps another request's latency); local files: see LocalStorage.
     read_bytes_per_thread = 0
 
-    # DCP -------------------------------------------------------------------------------------
-    def writer(
-        self,
-        *parts: str,
-        thread_count: int = 2,
-        sync_files: bool = True,
-        checksum: str | None = DEFAULT_CHECKSUM,
-        skip_record_crc: bool = True,
-    ) -> Any:
-        """A DCP StorageWriter for the directory ``parts`` that records per-file checksums
-        (:class:`distckpt.save.writer.CheckpointWriter`)."""
-        from distckpt.save.writer import CheckpointWriter
-
-        return CheckpointWriter(
-            self,
-            self.dcp_path(*parts),
-            thread_count=thread_count,
-            sync_files=sync_files,
-            checksum=checksum,
-            skip_record_crc=skip_record_crc,
-        )
-
-    def reader(
-        self,
-        *parts: str,
-        files: Mapping[str, Any] | None = None,
-        checksum: str | None = None,
-        thread_count: int = 2,
-        metadata: Any = None,
-    ) -> Any:
-        """A DCP StorageReader for the directory ``parts`` (verifying ``files`` if given; serving
-        ``metadata`` if it was read and verified already)."""
-        from distckpt.integrity.stepfiles import StepFiles
-
-        step = StepFiles(self, "/".join(p.strip("/") for p in parts if p), files=files, algorithm=checksum, metadata=metadata)
-        return step.reader(thread_count)

@@ -23,6 +23,13 @@ from __future__ import annotations
 
 import uuid
 from typing import Any
+from distckpt.integrity.manifest import read_manifest
+
+
+def check_job(job: str | None) -> None:
+    """``ValueError`` unless ``job`` is ``None`` or a non-empty string of at most 200 characters."""
+    if job is not None and (not isinstance(job, str) or not job or len(job) > 200):
+        raise ValueError(f"job must be None or a non-empty string of at most 200 characters, got {job!r}")
 
 
 class Lineage:
@@ -34,8 +41,7 @@ class Lineage:
     """
 
     def __init__(self, job: str | None = None) -> None:
-        if job is not None and (not isinstance(job, str) or not job or len(job) > 200):
-            raise ValueError(f"job must be None or a non-empty string of at most 200 characters, got {job!r}")
+        check_job(job)
         self.fixed = job is not None
         self._job = job
         self._legacy = False  # resumed from a step that recorded no job: such steps are ours too
@@ -60,7 +66,6 @@ class Lineage:
         """Whether committed ``step`` under ``storage`` is this job's (its manifest is read once
         and remembered: a committed manifest never changes). A step whose manifest cannot be read
         is not ours: retention leaves what it cannot attribute."""
-        from distckpt.integrity.manifest import read_manifest
 
         key = (id(storage), step)
         if key not in self._jobs:

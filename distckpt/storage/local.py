@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from distckpt.storage.base import NEW_DIR_PREFIX, Storage, _fsync_dir, named_os_error
+from distckpt.errors import UnsafeCheckpointError
 
 
-class LocalStorage(Storage):
+class LocalStorage(Storage, kind="local"):
     """A root that is a local directory (a path or a ``file://`` URL)."""
 
     is_local = True
@@ -213,7 +214,6 @@ class LocalStorage(Storage):
     def _open_read(self, parts: tuple[str, ...]) -> Any:
         """Open ``parts`` for reading without following any symbolic link below the root: every
         file a load, verify, inspect or convert reads stays inside it."""
-        from distckpt.errors import UnsafeCheckpointError
 
         where = self.join(*parts)
         current = self.path

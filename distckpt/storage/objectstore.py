@@ -23,7 +23,7 @@ from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
 from distckpt.storage.base import Storage, _flat_namespace, _redact
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(Storage, kind="url"):
     """A root given as a URL of any fsspec filesystem other than the local one."""
 
     def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:

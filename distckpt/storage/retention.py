@@ -7,6 +7,8 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
+from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
+from distckpt.storage.ownership import mark_released, remove_uncommitted
 
 
 def check_keep_last(keep_last: Any) -> None:
@@ -99,8 +101,6 @@ def delete_old_steps(
     cleanup removes at once. Errors are warned about, never raised: a committed save must not fail
     over retention. With ``reaper``, the files of a step moved aside are deleted in its thread.
     """
-    from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
-    from distckpt.storage.ownership import mark_released, remove_uncommitted
 
     deleted = []
     if keep_last is None:

@@ -15,14 +15,21 @@ A checkpoint location (``CKPT`` on the command line) is one of:
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from distckpt.state.shape import numel
-from distckpt.integrity.stepfiles import StepFiles
 from distckpt.errors import CheckpointError
-from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, parse_step_dir, step_dir
+from distckpt.integrity.manifest import (
+    MANIFEST_NAME,
+    committed_steps,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+)
+from distckpt.integrity.stepfiles import StepFiles
+from distckpt.state.shape import numel
 from distckpt.storage.base import Storage
 
 
@@ -119,8 +126,6 @@ def list_steps(storage: Storage) -> list[dict[str, Any]]:
         CheckpointNotFound: the root does not exist.
         NotADirectoryError: the root is a file.
     """
-    from distckpt.integrity.manifest import read_manifest
-
     _refuse_file(storage, "a checkpoint root (a directory of step_* directories)")
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")
@@ -179,8 +184,6 @@ def entry_rows(metadata: Metadata) -> list[dict[str, Any]]:
 def describe(found: StepFiles) -> dict[str, Any]:
     """Everything ``inspect`` shows: location, entries, totals, the manifest and, if reads of it
     are not verified, why (JSON-ready)."""
-    from dataclasses import asdict
-
     rows = entry_rows(found.metadata())
     tensors = [r for r in rows if r["kind"] == "tensor"]
     files = found.storage.list_files(found.dirname) if found.dirname else found.storage.list_files()

@@ -26,6 +26,17 @@ import time
 import warnings
 from typing import Any, NoReturn, TextIO
 
+from fsspec.core import url_to_fs
+
+from distckpt._version import __version__
+from distckpt.load.reader import CheckpointReader
+from distckpt.integrity.shards import CheckpointSource
+from distckpt.state.statecheck import compare_files
+from distckpt.storage.base import Storage
+from distckpt.tools import convert, importer
+from distckpt.tools.catalog import describe, list_steps, locate
+from distckpt.tools.hf_convert import export_hf, import_hf
+
 PROG = "distckpt"
 # The start of the warning DCP gives on each single-process call (a regex, for warnings.filterwarnings).
 _DCP_NO_PROCESS_GROUP = r"torch\.distributed is disabled, unavailable or uninitialized"
@@ -145,9 +156,6 @@ def _message(exc: BaseException) -> str:
 # -------------------------------------------------------------------------------------------------
 # commands
 def _cmd_ls(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    from distckpt.tools.catalog import list_steps
-    from distckpt.storage.base import Storage
-
     storage = Storage(args.root, opts)
     rows = list_steps(storage)
     if args.json:
@@ -167,8 +175,6 @@ def _cmd_ls(args: argparse.Namespace, opts: dict[str, Any]) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    from distckpt.tools.catalog import describe, locate
-
     info = describe(locate(args.ckpt, opts, args.step))
     if args.json:
         json.dump(info, sys.stdout, indent=1, default=str)
@@ -205,8 +211,6 @@ def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    from distckpt.tools.catalog import locate
-
     found = locate(args.ckpt, opts, args.step)
     if found.manifest is None:
         raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
@@ -219,13 +223,10 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     checked_state = checked_values = None
     if args.state and not problems:
         # Recompute every tensor's fingerprint from the files, as the saving ranks did.
-        from distckpt.tools.convert import CheckpointSource
-        from distckpt.state.statecheck import compare_files
-
         if not found.manifest.fingerprints:
             problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
         else:
-            source = CheckpointSource(found)
+            source = CheckpointSource(found, CheckpointReader)
             bad, checked_state = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
             problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
             # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
@@ -275,27 +276,18 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
-    from distckpt.tools import convert, importer
-
     if args.model_only and args.all:
         raise _Usage("--model-only and --all exclude each other")
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all:
             raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
-        from fsspec.core import url_to_fs
-
         fs, path = url_to_fs(args.src, **opts)
         if fs.isdir(path):
             # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
-            from distckpt.tools.hf import import_hf
-
             summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
         else:
             summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
     elif args.to == "hf":
-        from distckpt.tools.catalog import locate
-        from distckpt.tools.hf import export_hf
-
         if args.model_only or args.all:
             raise _Usage("--to hf exports one model: pick it with --key NAME (default: the checkpoint's module)")
         found = locate(args.src, opts, args.step)
@@ -309,8 +301,6 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
         finally:
             bar.close()
     else:
-        from distckpt.tools.catalog import locate
-
         found = locate(args.src, opts, args.step)
         dtype = convert.DTYPES[args.dtype] if args.dtype else None
         bar = _Progress(f"{args.to} ", not args.quiet)
@@ -350,8 +340,6 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks")
 
     parser = _Parser(prog=PROG, description="List, inspect, verify and convert distckpt checkpoints.")
-    from distckpt._version import __version__
-
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

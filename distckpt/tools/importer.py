@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from fsspec.core import url_to_fs
 
+from distckpt.checkpointer import Checkpointer
+from distckpt.integrity.manifest import step_dir
 from distckpt.state import values
 from distckpt.storage.base import Storage
+from distckpt.tools.outputs import check_output, is_url
 
 _STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _PREFIXES = ("module.", "_orig_mod.")
@@ -58,11 +63,8 @@ def import_torch_save(
 
     Raises:
         ValueError: ``out_root`` is ``src`` or inside a checkpoint step
-            (:func:`distckpt.tools.convert.check_output`).
+            (:func:`distckpt.tools.outputs.check_output`).
     """
-    from distckpt.checkpointer import Checkpointer
-    from distckpt.tools.convert import check_output
-
     opts = dict(storage_options or {})
     check_output(out_root, opts, inputs=(src,))
     with _local_copy(src, opts) as path:
@@ -104,8 +106,6 @@ def import_torch_save(
         finally:
             ckpt.close()
     out = Storage(out_root, opts)
-    from distckpt.integrity.manifest import step_dir
-
     return {
         "output": out.display(step_dir(step)),
         "step": step,
@@ -119,16 +119,12 @@ def import_torch_save(
 @contextmanager
 def _local_copy(src: str, storage_options: Mapping[str, Any]) -> Iterator[str]:
     """A local path of ``src``: itself, or a temporary download of a URL."""
-    if "://" not in src or src.startswith("file://"):
+    if not is_url(src):
         path = os.path.abspath(os.path.expanduser(src.split("://", 1)[-1]))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist or is not a file")
         yield path
         return
-    import tempfile
-
-    from fsspec.core import url_to_fs
-
     fs, path = url_to_fs(src, **dict(storage_options))
     with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
         local = os.path.join(tmp, os.path.basename(path) or "checkpoint.pt")

@@ -1,4 +1,5 @@
-"""Reading Hugging Face safetensors checkpoints by byte range, on any storage, without pickle.
+"""Reading Hugging Face safetensors checkpoints by byte range, on any storage, without pickle
+(and the header that writers put before the bytes: :func:`header_bytes`).
 
 A safetensors file is ``u64 header length | JSON header | raw tensor bytes``; a sharded checkpoint
 adds ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), without which
@@ -15,7 +16,7 @@ Not collective by itself: DCP's ``load`` drives it on every rank.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from distckpt.state.shape import numel
-from distckpt.integrity.stepfiles import _readinto
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
+from distckpt.integrity.stepfiles import _readinto
+from distckpt.state.shape import numel
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -93,6 +94,28 @@ def check_tensor_name(name: str, where: str) -> None:
         )
     if not name:
         raise ValueError(f"{where}: a tensor would be stored under an empty name (a prefix equal to its whole key?)")
+
+
+def header_bytes(
+    tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: Mapping[str, str],
+    listed: Iterable[str] = (),
+) -> bytes:
+    """The start of a safetensors file: the 8-byte header length and the JSON header (padded
+    with spaces to a multiple of 8 bytes), for ``tensors`` (name, dtype, shape) whose bytes
+    follow the header in this order. ``listed``: names the header lists first, in this order
+    (its offsets still follow ``tensors``); ``metadata``: the ``__metadata__`` entry.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    header.update({name: {} for name in listed})
+    offset = 0
+    for name, dtype, shape in tensors:
+        n = numel(shape) * _itemsize(dtype)
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
 
 
 def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, where: str) -> dict[str, TensorSpan]:

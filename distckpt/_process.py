@@ -1,0 +1,160 @@
+"""Process-level concerns of a checkpointer: its own process group, the cyclic garbage collector
+paused while it works, the niceness and count of its background threads, and what happens to
+checkpointers still open when the interpreter exits.
+
+Not collective, except :meth:`GroupHolder.get` the first time (it creates distckpt's group, which
+every rank of the job must do together).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Protocol
+
+import torch.distributed as dist
+
+from distckpt._compat import group_is_registered
+from distckpt._dist import Group
+from distckpt.errors import CheckpointError
+
+log = logging.getLogger("distckpt")
+
+
+class GroupHolder:
+    """distckpt's process group for one checkpointer, created on first use and destroyed by
+    :meth:`release`.
+
+    Args:
+        user_pg: a group the caller passed (used as is, never destroyed here); ``None``: distckpt
+            creates its own over all ranks, so that its collectives (background ones too) never
+            interleave with training collectives on the default group (sharing one deadlocks).
+        backend: the backend of distckpt's own group (``"gloo"``: CPU collectives, safe beside NCCL).
+        timeout: the timeout of its collectives.
+    """
+
+    def __init__(self, user_pg: dist.ProcessGroup | None, backend: str | None, timeout: timedelta) -> None:
+        self.user_pg = user_pg
+        self.backend = backend
+        self.timeout = timeout
+        self.group: Group | None = None
+        self.local_ranks = 1  # ranks of the group on this host (known once the group exists)
+
+    def get(self) -> Group:
+        """(all ranks, collective the first time) The group; a single-process one without
+        ``torch.distributed``."""
+        if self.group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                self.group = Group(None)
+            elif self.user_pg is not None:
+                # Used as given: creating a group over a subset would need every rank of the
+                # job, members or not, to call new_group, and non-members never get here.
+                self.group = Group(self.user_pg)
+            else:
+                try:
+                    pg = dist.new_group(backend=self.backend, timeout=self.timeout)
+                except Exception as exc:  # e.g. "Wait timeout": a peer died or never called us
+                    raise CheckpointError(
+                        f"creating distckpt's process group (rank {dist.get_rank()} of {dist.get_world_size()}) failed: "
+                        f"a peer rank died or did not call save/load within {self.timeout} ({type(exc).__name__}: {exc})"
+                    ) from exc
+                self.group = Group(pg)
+            self.local_ranks = self.group.ranks_on_this_host()
+        return self.group
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank is the group's coordinator (``True`` before the group exists)."""
+        return self.group.is_coordinator if self.group is not None else True
+
+    def release(self) -> None:
+        """Destroy distckpt's own process group while Python still runs.
+
+        A group that lives on into interpreter finalisation (a module-level Checkpointer, an
+        error kept in a variable) has its backend threads torn down there, where one that needs
+        the GIL aborts the process (SIGABRT) although the job succeeded. A group the caller
+        passed in is the caller's to destroy.
+        """
+        group, self.group = self.group, None
+        if group is None or group.pg is None or self.user_pg is not None:
+            return
+        pg, group.pg = group.pg, None  # frames and errors that still hold the Group lose the pg
+        try:
+            if dist.is_initialized() and group_is_registered(pg):
+                dist.destroy_process_group(pg)
+            else:
+                pg.shutdown()  # destroy_process_group() already ran: make sure its threads end
+        except Exception as exc:  # noqa: BLE001 - never fail a close over this
+            log.debug("releasing distckpt's process group: %s", exc)
+
+
+def background_threads(thread_count: int, local_ranks: int) -> int:
+    """Writer threads of an async save: ``thread_count``, but no more than this host's cores per
+    co-located rank. A background writer competes with training for memory bandwidth and
+    caches, which niceness does not share out (``benchmarks/README.md`` has the measurements)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(thread_count, cores // max(1, local_ranks)))
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a save or load runs in the caller's
+    thread (torch's state-dict helpers do the same, ``_gc_context``). Their bursts of
+    allocations (metadata, plans, state-dict entries) would otherwise trigger collections that
+    scan the whole process's heap, each a noticeable part of a small save; what they leave
+    behind is freed by reference counting, and anything cyclic is collected afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def lower_priority(nice: int) -> None:
+    """Make the calling thread (and the threads it starts, which inherit it) nicer by ``nice``."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_open: weakref.WeakSet[Closable] = weakref.WeakSet()
+
+
+def close_at_exit(obj: Closable) -> None:
+    """Close ``obj`` at interpreter exit if it is still open then (:func:`closed` forgets it)."""
+    _open.add(obj)
+
+
+def closed(obj: Closable) -> None:
+    _open.discard(obj)
+
+
+@atexit.register
+def _close_all() -> None:
+    # An async save still in flight at interpreter exit is finished, not silently dropped.
+    for obj in list(_open):
+        try:
+            obj.close()
+        except BaseException as exc:  # noqa: BLE001
+            warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)

@@ -1,0 +1,233 @@
+"""The pointer files of :class:`~distckpt.integrations.lightning.DistckptCheckpointIO`.
+
+Lightning names checkpoints by path (``.../epoch=1-step=100.ckpt``, ``last.ckpt``); the plugin
+writes the state as a distckpt step and, at Lightning's path, a small JSON *pointer*: the root,
+the step, the job that saved it and the checkpoint's top-level keys. Pointers are replaced
+atomically (:func:`write_pointer`), parsed strictly (:func:`parse_pointer`: anything else is no
+pointer) and listed per directory (:func:`pointers_in`); a step of this job that no pointer refers
+to any more is deleted (:func:`delete_unreferenced`), as distckpt's retention deletes a step.
+
+Imports no Lightning. Not collective: global rank 0 reads, writes and removes pointers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import fsspec
+import fsspec.implementations.local
+
+from distckpt.checkpointer import Checkpointer
+from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
+from distckpt.storage.ownership import mark_released, remove_uncommitted
+
+__all__ = ["POINTER_FORMAT", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer", "pointer_bytes", "pointers_in",
+           "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
+
+#: The ``format`` field of a pointer file.
+POINTER_FORMAT = "distckpt-lightning-pointer"
+_POINTER_VERSION = 1
+#: Pointers are a few hundred bytes; larger files are never parsed as one.
+_POINTER_MAX_BYTES = 64 * 1024
+
+
+def pointer_bytes(root: str, job: str | None, record: Mapping[str, Any]) -> bytes:
+    body = {
+        "format": POINTER_FORMAT,
+        "version": _POINTER_VERSION,
+        "root": _root_id(root),
+        "step": record["step"],
+        "job": job,
+        "epoch": record["epoch"],
+        "keys": list(record["keys"]),
+    }
+    return (json.dumps(body, indent=1) + "\n").encode()
+
+
+def parse_pointer(data: bytes) -> dict[str, Any] | None:
+    """The pointer's fields if ``data`` is a valid pointer, else ``None``."""
+    if len(data) > _POINTER_MAX_BYTES or data.lstrip()[:1] != b"{":
+        return None
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT or body.get("version") != _POINTER_VERSION:
+        return None
+    step, keys, job, root = body.get("step"), body.get("keys"), body.get("job"), body.get("root")
+    if type(step) is not int or step < 0 or not isinstance(root, str):
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not (job is None or isinstance(job, str)):
+        return None
+    return body
+
+
+def _read_small(fs: Any, path: str) -> bytes:
+    with fs.open(path, "rb") as f:
+        return f.read(_POINTER_MAX_BYTES + 1)
+
+
+def try_pointer(path: str) -> dict[str, Any] | None:
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        if not fs.isfile(p):
+            return None
+        return parse_pointer(_read_small(fs, p))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def exists(path: str) -> bool:
+    fs, p = fsspec.core.url_to_fs(path)
+    return bool(fs.exists(p))
+
+
+def write_pointer(path: str, data: bytes) -> None:
+    """Replace the file at ``path`` atomically (local: a temporary file, fsync, rename; object
+    stores: one put)."""
+    fs, p = fsspec.core.url_to_fs(path)
+    parent = posixpath.dirname(p)
+    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(p, data)
+        return
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(p)}.distckpt-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)  # a symbolic link at p (save_last="link") is replaced, not followed
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_file(path: str) -> None:
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        pass
+
+
+def dir_of(path: Any) -> str:
+    """The directory holding ``path``, as a URL fsspec opens again (``file:///...`` when local)."""
+    fs, p = fsspec.core.url_to_fs(os.fspath(path))
+    return fs.unstrip_protocol(posixpath.dirname(p))
+
+
+def dir_url(dirpath: Any) -> str:
+    """A directory, as :func:`dir_of` names it."""
+    fs, p = fsspec.core.url_to_fs(os.fspath(dirpath))
+    return fs.unstrip_protocol(p.rstrip("/") or "/")
+
+
+def _root_id(root: str) -> str:
+    """How pointers name a root (informational: loads read from the plugin's own root)."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/")
+    return os.path.realpath(os.path.expanduser(root.removeprefix("file://")))
+
+
+def read_pointer(path: str) -> dict[str, Any]:
+    """The fields of the pointer at ``path``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: ``path`` is a directory, or a file that is no pointer (a ``torch.save``
+            checkpoint from Lightning's default ``TorchCheckpointIO`` is named as such).
+    """
+    fs, p = fsspec.core.url_to_fs(path)
+    if not fs.exists(p):
+        raise FileNotFoundError(f"Lightning checkpoint not found: {path}")
+    if fs.isdir(p):
+        raise ValueError(f"{path} is a directory, not a distckpt pointer file written by DistckptCheckpointIO")
+    data = _read_small(fs, p)
+    record = parse_pointer(data)
+    if record is None:
+        zipped = data[:4] == b"PK\x03\x04"
+        kind = " (it is a torch.save/zip checkpoint, e.g. from Lightning's default TorchCheckpointIO)" if zipped else ""
+        raise ValueError(
+            f"{path} is not a checkpoint written by DistckptCheckpointIO{kind}; this plugin reads only its "
+            f"own checkpoints (pointer files naming a distckpt step)"
+        )
+    return record
+
+
+def pointers_in(dirs: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Every pointer in the directories ``dirs`` (URLs, as :func:`dir_of` names them).
+
+    Raises:
+        OSError: a directory, or a file in it, cannot be read (a missing directory holds none).
+    """
+    for d in sorted(dirs):
+        fs, base = fsspec.core.url_to_fs(d)
+        try:
+            listing = fs.ls(base, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for item in listing:
+            if item.get("type") != "file" or not 0 < (item.get("size") or 0) <= _POINTER_MAX_BYTES:
+                continue
+            record = parse_pointer(_read_small(fs, item["name"]))
+            if record is not None:
+                yield record
+
+
+def delete_unreferenced(
+    ckpt: Checkpointer, steps: set[int], job: str, pointers: Callable[[], Iterable[Mapping[str, Any]]]
+) -> list[int]:
+    """(rank 0) Delete those of ``steps`` that are committed in ``ckpt``'s root, of job ``job``,
+    and referred to by none of ``pointers()``; returns them. Errors are warned about, never
+    raised (as distckpt's retention: a committed save must not fail over a deletion).
+    """
+    if not steps:
+        return []
+    committed = set(ckpt.steps())
+    candidates = {}
+    for step in sorted(steps & committed):
+        try:
+            owner = ckpt.manifest(step).job
+        except (OSError, ValueError):
+            continue  # unreadable: not attributable, so not ours to delete
+        if owner is not None and owner == job:
+            candidates[step] = owner
+    if not candidates:
+        return []
+    try:
+        for record in pointers():
+            if candidates.get(record["step"]) == record.get("job"):
+                del candidates[record["step"]]
+    except OSError as exc:  # a pointer we could not read may refer to any of them: keep all
+        warnings.warn(f"distckpt: not deleting steps {sorted(candidates)}: could not read every pointer ({exc})", stacklevel=3)
+        return []
+    deleted = []
+    storage = ckpt.storage
+    for step in candidates:
+        name = step_dir(step)
+        try:
+            # distckpt's retention order: released, uncommitted (manifest first), removed.
+            mark_released(storage, name)
+            storage.remove(name, MANIFEST_NAME)
+            remove_uncommitted(storage, name)
+            deleted.append(step)
+        except FileNotFoundError:
+            deleted.append(step)
+        except OSError as exc:
+            warnings.warn(f"distckpt: could not delete {storage.display(name)}: {exc}", stacklevel=3)
+    return deleted

@@ -1,0 +1,181 @@
+"""The load driver of a checkpointer: find the step, plan, judge, read, apply and check.
+
+:func:`load` runs :mod:`distckpt.load.phases` in their order (all ranks, collective): the
+coordinator reads and verifies the step's manifest and ``.metadata`` once and hands them to every
+rank; each rank plans what its objects hold, the ranks agree on what matches, each reads its part
+(:func:`~distckpt.load.phases.read`) and hands it to its objects; then the state check
+(:mod:`distckpt.load.verify`) proves the loaded state equals the saved one where the rules say so.
+:func:`locate` (any rank, not collective) finds a committed step in the tiers (the root, then the
+replica).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from distckpt._dist import Group, exchange, on_coordinator
+from distckpt.errors import StateMismatchError
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
+from distckpt.integrity.stepfiles import read_metadata
+from distckpt.load import verify
+from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, read, requested_keys
+from distckpt.load.planner import SafeLoadPlanner
+from distckpt.load.reader import checkpoint_reader
+from distckpt.options import CheckpointerOptions
+from distckpt.state import values
+from distckpt.storage.base import Storage
+
+
+@dataclass
+class Loaded:
+    """What one load gave: the step, where it was read from, its manifest and the report."""
+
+    step: int
+    storage: Storage
+    manifest: Manifest
+    report: LoadReport
+
+
+def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
+    """(any rank, not collective) Which tier holds ``step`` (default newest): the root first, then
+    the replica.
+
+    Raises:
+        FileNotFoundError: no root, no committed step, or ``step`` incomplete or absent (named).
+        ValueError: ``step`` is not an int.
+    """
+    root = tiers[0]
+    if step is None:
+        for storage in tiers:
+            steps = committed_steps(storage)
+            if steps:
+                return storage, steps[-1]
+        if not any(s.root_exists() for s in tiers):
+            raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
+        raise FileNotFoundError(f"no committed checkpoint under {' or '.join(s.display() for s in tiers)}")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"step must be an int or None, got {step!r}")
+    for storage in tiers:
+        if storage.exists(step_dir(step), MANIFEST_NAME):
+            return storage, step
+    where = root.display(step_dir(step))
+    if not any(s.root_exists() for s in tiers):
+        raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
+    if root.exists(step_dir(step)):
+        raise FileNotFoundError(f"checkpoint step {step} at {where} is incomplete (no {MANIFEST_NAME}); it was never committed")
+    raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {committed_steps(root)})")
+
+
+def load(
+    group: Group,
+    options: CheckpointerOptions,
+    tiers: Sequence[Storage],
+    state: MutableMapping[str, Any],
+    step: int | None,
+    strict: bool,
+    restore_rng: bool,
+    verify_state: bool | None,
+    only: str | list[str] | None,
+    exclude: str | list[str] | None,
+) -> Loaded:
+    """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
+    :meth:`distckpt.Checkpointer.load` for the arguments and errors)."""
+    # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
+    tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify))
+    index = metadata_index(metadata)
+    storage = tiers[tier]
+    where = storage.display(step_dir(manifest.step))
+    # Every rank alike (pure): a non-tensor item the save recorded must still be one.
+    values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
+    selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
+
+    def plan_here() -> Any:
+        # Inside the exchange: patterns a rank got wrong fail every rank alike.
+        refuse_dead_patterns(only, exclude, index, where)
+        return plan_load(group, manifest, index, state, restore_rng, selection)
+
+    plan, views = exchange(group, f"load of {where}", plan_here)
+    # Digests first; the requested keys themselves only where ranks request different sets.
+    requested_set = requested_keys(group, index, plan, views)
+    report = judge(manifest.step, index, views, None if strict else plan.names, selection, requested_set)
+    if (only or exclude) and not any(selection.key(k) for k in index):
+        entries = sorted({k.split(".", 1)[0] for k in index})
+        raise ValueError(f"load(only={only!r}, exclude={exclude!r}) selects nothing in {where} (entries: {entries})")
+    if strict and not report.clean:
+        raise StateMismatchError(
+            report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
+        )
+    requested = sorted(requested_set)
+    explicit = verify_state if verify_state is not None else options.verify_state
+    if explicit:  # asked for a proof: refuse before reading if the checkpoint cannot give it
+        verify.require_fingerprints(manifest, index, requested, where)
+    reader = checkpoint_reader(
+        storage,
+        step_dir(manifest.step),
+        files=manifest.files if options.verify else None,
+        checksum=manifest.checksum_algorithm if options.verify else None,
+        metadata=metadata,
+        thread_count=options.thread_count,
+    )
+    read(
+        group,
+        where,
+        plan.request,
+        reader,
+        # Non-tensor items' bytes are checked against the manifest before unpickling.
+        SafeLoadPlanner(value_digests=manifest.value_digests, where=where, safe_types=options.safe_types),
+        then=lambda: apply_load(group, manifest, plan, state),
+    )
+    if verify.due(explicit, manifest, group.world_size, plan.entries, where):
+        verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
+    if not report.clean:
+        warnings.warn(
+            f"distckpt: partial load of {where}: "
+            + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank).describe(),
+            stacklevel=3,
+        )
+    return Loaded(manifest.step, storage, manifest, report)
+
+
+def _read_index(tiers: Sequence[Storage], step: int | None, check: bool) -> tuple[int, Manifest, Any]:
+    """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
+    (``check``), then handed to every rank: no rank reads it again, none unverified. The key
+    index is derived by each rank (``metadata_index``) instead of travelling beside it."""
+    storage, step = locate(tiers, step)
+    manifest = read_manifest(storage, step)
+    metadata = read_metadata(storage, manifest, verify=check)
+    return list(tiers).index(storage), manifest, metadata
+
+
+def patterns(value: str | list[str] | None, what: str) -> tuple[str, ...]:
+    """``load(only=/exclude=)`` as a tuple of patterns (``ValueError`` for an empty or non-string one)."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    if not items or not all(isinstance(p, str) and p for p in items):
+        raise ValueError(f"load({what}=...) takes a non-empty pattern or list of patterns, got {value!r}")
+    return tuple(items)
+
+
+def refuse_dead_patterns(only: Any, exclude: Any, index: Mapping[str, Any], where: str) -> None:
+    """(every rank, pure) ``ValueError`` naming each ``only``/``exclude`` pattern that matches no
+    entry name and no key of the checkpoint: a typo (``exclude="optm"``) must not load what it
+    was meant to leave out, nor one dead name in a list (``only=["model.weight", "model.bais"]``)
+    go unnoticed beside one that matches."""
+    names = set(index) | {k.split(".", 1)[0] for k in index}
+    dead = [
+        f"{what}={p!r}"
+        for what, value in (("only", only), ("exclude", exclude))
+        for p in patterns(value, what)
+        if not any(fnmatchcase(n, p) for n in names)
+    ]
+    if dead:
+        entries = sorted({k.split(".", 1)[0] for k in index})
+        raise ValueError(
+            f"load({', '.join(dead)}): {'this pattern matches' if len(dead) == 1 else 'these patterns match'} "
+            f"nothing in {where} (entries: {entries}; patterns are fnmatch-style, matched against entry names and keys)"
+        )

@@ -1,0 +1,112 @@
+"""The options of a :class:`~distckpt.Checkpointer`, validated once.
+
+:class:`CheckpointerOptions` holds every option the checkpointer takes (its docstring says what
+each does); ``__post_init__`` normalizes them (a path root to a string, seconds to a
+``timedelta``, ``safe_types`` to a :class:`~distckpt.state.safetypes.SafeTypes`) and raises
+``ValueError`` naming the field, the value and the reason. The save and load drivers read them
+from there; :meth:`CheckpointerOptions.save_options` is what the save phases (and a writer
+process) take.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from distckpt.integrity.checksums import ALGORITHMS
+from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+from distckpt.save.phases import SaveOptions
+from distckpt.state import statecheck
+from distckpt.state.safetypes import SafeTypes
+from distckpt.storage import ownership
+from distckpt.storage.base import Storage
+from distckpt.storage.lineage import check_job
+from distckpt.storage.retention import check_keep_last
+
+ASYNC_MODES = ("process", "thread")
+
+
+@dataclass
+class CheckpointerOptions:
+    """Every option of a checkpointer (see :class:`~distckpt.Checkpointer` for what each means).
+
+    Raises:
+        ValueError: a field's value is not one it takes (the message names field, value and why).
+    """
+
+    root: str | os.PathLike
+    keep_last: int | None = None
+    storage_options: Mapping[str, Any] | None = None
+    process_group: dist.ProcessGroup | None = None
+    backend: str | None = "gloo"
+    timeout: timedelta | float = timedelta(minutes=10)
+    thread_count: int = 2
+    sync_files: bool = True
+    checksum: str | None = DEFAULT_CHECKSUM
+    save_rng: bool = True
+    verify: bool = True
+    background_nice: int = 10
+    replicate_to: str | None = None
+    replicate_storage_options: Mapping[str, Any] | None = None
+    fingerprint: bool = True
+    on_replica_drift: str = "warn"
+    verify_state: bool | None = None
+    lease_s: float = ownership.DEFAULT_LEASE_S
+    skip_torch_record_crc: bool = True
+    async_mode: str = "process"
+    verify_staging: bool | str = "auto"
+    job: str | None = None
+    safe_types: Sequence[type] | SafeTypes = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        check_keep_last(self.keep_last)
+        if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root).strip():
+            raise ValueError(f"root must be a local path or an fsspec URL, got {self.root!r}")
+        self.root = os.fspath(self.root)
+        if self.storage_options and ("://" not in self.root or self.root.startswith("file://")):
+            raise ValueError(
+                f"storage_options configure the filesystem of a URL (s3://..., memory://...); {self.root!r} is a "
+                "local path, where they would be ignored"
+            )
+        self.storage_options = dict(self.storage_options or {})
+        if not (isinstance(self.verify_staging, bool) or self.verify_staging == "auto"):
+            raise ValueError(f'verify_staging must be "auto", True or False, got {self.verify_staging!r}')
+        if self.async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
+        if self.checksum is not None and self.checksum not in ALGORITHMS:
+            raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {self.checksum!r}")
+        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int) or self.thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {self.thread_count!r}")
+        if self.on_replica_drift not in statecheck.DRIFT_POLICIES:
+            raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {self.on_replica_drift!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {self.lease_s!r}")
+        self.lease_s = float(self.lease_s)
+        if not isinstance(self.timeout, timedelta):
+            self.timeout = timedelta(seconds=self.timeout)
+        check_job(self.job)
+        # Validated once (ValueError naming the bad entry). Not part of save_options(): those are
+        # pickled into a writer process's job, where classes defined in __main__ cannot be
+        # unpickled; the writer needs none of them (values are encoded before staging).
+        self.safe_types = SafeTypes.of(self.safe_types)
+
+    def save_options(self, storage: Storage) -> SaveOptions:
+        """What the save phases take, for a save to ``storage``."""
+        return SaveOptions(
+            storage=storage,
+            keep_last=self.keep_last,
+            thread_count=self.thread_count,
+            sync_files=self.sync_files,
+            checksum=self.checksum,
+            skip_record_crc=self.skip_torch_record_crc,
+            save_rng=self.save_rng,
+            fingerprint=self.fingerprint,
+            on_replica_drift=self.on_replica_drift,
+            lease_s=self.lease_s,
+            verify_staging=self.verify_staging,
+        )

@@ -1,0 +1,348 @@
+"""The save driver of a checkpointer: one save after another, sync or async, through the phases.
+
+:class:`SaveDriver` runs :mod:`distckpt.save.phases` in their order for every ``save`` and owns
+what lives from save to save: the staging buffers (:class:`~distckpt.save.staging.Stager`), the
+writer process (:class:`~distckpt.save.background.WriterProcess`), the plans of the previous save
+(:class:`~distckpt.save.protocol.PlanCache`), the in-flight async save, the step's lease and the
+reaper of retired steps. Which ranks call what: every method is collective (all ranks, same
+order) except :attr:`SaveDriver.in_flight`.
+
+An async save: phases 1-2 and staging while the caller is blocked, then a thread of this process
+runs the claim, the write (here, or in the writer process) and the commit; :meth:`SaveDriver.wait`
+joins it and raises its error on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.distributed as dist
+
+from distckpt._dist import Group, all_ranks, exchange, on_coordinator
+from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority
+from distckpt.errors import CheckpointError, one_line
+from distckpt.integrity.manifest import check_extra, step_dir
+from distckpt.options import CheckpointerOptions
+from distckpt.save import phases
+from distckpt.save.background import Job, WriterProcess, encode
+from distckpt.save.protocol import PlanCache, PlanStats
+from distckpt.save.staging import Stager, replicated_shares
+from distckpt.storage import ownership
+from distckpt.storage.base import Storage
+from distckpt.storage.lineage import Lineage
+from distckpt.storage.replica import Replicator
+from distckpt.storage.retention import Reaper
+
+log = logging.getLogger("distckpt")
+
+
+@dataclass
+class SaveStats:
+    """Timing of one save, as seen by this rank.
+
+    Attributes:
+        step: the step saved.
+        blocking_s: time ``save`` blocked the caller (staging only, for async saves).
+        total_s: time from the call until the checkpoint was committed.
+        bytes_written: bytes of all ranks' files (the checkpoint's size).
+        staged_bytes: host memory this rank's staging buffers hold after an async save (each
+            rank stages only its share of replicated state); 0 for a blocking save.
+        plan: how the save planned (:class:`~distckpt.save.protocol.PlanStats`: whether it reused
+            the previous save's plans, the bytes of plans gathered, the coordinator's time).
+        phases: seconds per phase on this rank: ``prepare`` (state dict, views, agreement),
+            ``claim`` (the step directory), ``stage`` (async), then the write phase's parts
+            (``fingerprint``, ``plan``, ``replicas``, ``write`` and inside it the writer threads'
+            ``serialize``/``checksum``/``io_write``/``fsync`` thread-seconds, ``metadata``,
+            ``verify_staging``; for an async save measured in its writer) and ``commit``
+            (manifest and retention).
+    """
+
+    step: int
+    blocking_s: float
+    total_s: float | None = None
+    bytes_written: int | None = None
+    staged_bytes: int = 0
+    plan: PlanStats | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def throughput_gbps(self) -> float | None:
+        if not self.total_s or not self.bytes_written:
+            return None
+        return self.bytes_written / self.total_s / 1e9
+
+
+class _InFlight:
+    """The background half of one asynchronous save."""
+
+    def __init__(self, step: int, stats: SaveStats) -> None:
+        self.step = step
+        self.stats = stats
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+
+class SaveDriver:
+    """Saves of one checkpointer (see the module doc).
+
+    Args:
+        options: the checkpointer's options.
+        storage: its root.
+        groups: its process group (created on first use).
+        lineage: which committed steps are this job's (retention, the manifest's ``job``).
+        replica: where committed steps are uploaded, if anywhere.
+    """
+
+    def __init__(
+        self, options: CheckpointerOptions, storage: Storage, groups: GroupHolder, lineage: Lineage, replica: Replicator | None
+    ) -> None:
+        self.options = options
+        self.storage = storage
+        self.groups = groups
+        self.lineage = lineage
+        self.replica = replica
+        self.opts = options.save_options(storage)
+        self.stager: Stager | None = None
+        self.writer: WriterProcess | None = None
+        # The plans of the last successful save: repeated saves of one structure skip planning.
+        self.plan_cache = PlanCache()
+        self.inflight: _InFlight | None = None
+        self.lease: ownership.Lease | None = None
+        # Deletes retired steps' files in the background (coordinator; see storage.retention).
+        self.reaper = Reaper()
+        self.last_save: SaveStats | None = None
+
+    # -- the calls -------------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
+        """(all ranks) Phases 1-7 of one save (async: the caller returns after staging)."""
+        t0 = time.perf_counter()
+        self.wait()  # the previous async save (outside the GC pause: it may take long)
+        with gc_paused():
+            self._save(t0, step, state, blocking, metadata)
+
+    def prepare_staging(self, state: Mapping[str, Any]) -> None:
+        """(all ranks) Plan as a save of ``state`` would, and reserve its staging buffers in the
+        background (:meth:`~distckpt.save.staging.Stager.reserve`)."""
+        self.wait()
+        with gc_paused():
+            group = self.groups.get()
+            prepared, views = exchange(
+                group,
+                "prepare_staging",
+                lambda: phases.prepare(self.opts, 0, state, {}, group.rank, False, None, safe_types=self.options.safe_types),
+            )
+            phases.agree(prepared, views, group.rank)
+            skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
+            self._stager(self._writes_in_process(group)).reserve(prepared.state_dict, skip)
+
+    @property
+    def in_flight(self) -> bool:
+        """(any rank, never blocks) Whether an async save is still writing on this rank."""
+        job = self.inflight
+        return job is not None and job.thread is not None and job.thread.is_alive()
+
+    def wait(self) -> SaveStats | None:
+        """(all ranks) Join the in-flight save; its stats, or ``None`` if none was in flight.
+        Raises its error, identically on every rank."""
+        job, self.inflight = self.inflight, None
+        if job is None:
+            return None
+        if job.thread is not None:
+            job.thread.join()
+        if job.error is not None:
+            # The error is the same on every rank, so every rank restarts its writer process
+            # at the next async save (a writer whose peers failed may be left in a broken group).
+            self.stop_writer()
+            raise job.error
+        self._done(job.stats)
+        return job.stats
+
+    def close(self) -> None:
+        """(all ranks) Release what lives between saves (call :meth:`wait` first)."""
+        self.reaper.drain()
+        self.stop_writer()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+    def stop_writer(self) -> None:
+        """Stop the writer process; a new one gets fresh staging buffers (nothing of a failed
+        save is reused)."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+            if self.stager is not None and self.stager.shared:
+                self.stager.close()
+                self.stager = None
+
+    # -- one save ------------------------------------------------------------------------------
+    def _save(self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
+        group = self.groups.get()
+        opts = self.opts
+        in_process = not blocking and self._writes_in_process(group)
+        if in_process and self.writer is None:
+            self.writer = WriterProcess.start(
+                group,
+                timeout=self.options.timeout,
+                nice=self.options.background_nice,
+                threads=background_threads(self.options.thread_count, self.groups.local_ranks),
+            )
+            # A checkpointer dropped without close() must not leave its writer running until exit.
+            weakref.finalize(self, self.writer.detach)
+        # The plans of whoever writes this save: this process, or the writer process.
+        plans = self.writer.plans if in_process and self.writer is not None else self.plan_cache
+        stats = SaveStats(step, 0.0)
+        t1 = time.perf_counter()
+
+        # Phases 1-3: prepare and agree on every rank, claim on the coordinator (async saves: in
+        # the background, after refusing a committed step here).
+        def prepare() -> tuple[phases.Prepared, phases.SaveView]:
+            extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
+            if not blocking and group.is_coordinator:
+                phases.refuse_committed(opts, step)
+            return phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
+
+        prepared, views = exchange(group, f"save of step {step}", prepare)
+        phases.agree(prepared, views, group.rank)
+        stats.phases["prepare"] = time.perf_counter() - t1
+        if blocking:
+            self._claim(group, opts, step, stats)
+            self._write_and_commit(group, opts, prepared, stats)
+            stats.blocking_s = stats.total_s = time.perf_counter() - t0
+            self._done(stats)
+            return
+
+        # 4. staging. Each rank stages only its share of replicated tensors (see save.staging).
+        stager = self._stager(in_process)
+        skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
+        t3 = time.perf_counter()
+        all_ranks(group, f"staging of step {step}", lambda: phases.stage(opts, stager, prepared, skip))
+        # The write phase runs beside training: no more threads than this host's share of cores.
+        opts = replace(opts, thread_count=background_threads(self.options.thread_count, self.groups.local_ranks))
+        write = self._write_in_process(group, opts, prepared, stager) if in_process else None
+        stats.phases["stage"] = time.perf_counter() - t3
+        stats.blocking_s = time.perf_counter() - t0
+        stats.staged_bytes = stager.nbytes
+        job = _InFlight(step, stats)
+
+        def run() -> None:
+            lower_priority(self.options.background_nice)
+            try:
+                self._claim(group, opts, step, stats)
+                self._write_and_commit(group, opts, prepared, stats, write)
+                stats.total_s = time.perf_counter() - t0
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
+                job.error = exc
+
+        job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
+        self.inflight = job
+        job.thread.start()
+
+    def _stager(self, shared: bool) -> Stager:
+        if self.stager is None:
+            self.stager = Stager(shared=shared)
+        return self.stager
+
+    def _writes_in_process(self, group: Group) -> bool:
+        """Whether async saves go to a writer process (see ``async_mode``)."""
+        if self.options.async_mode != "process" or not self.storage.shared_between_processes:
+            return False
+        # The writers' group must number ranks as the job does: DTensor meshes name global ranks.
+        return not group.enabled or group.world_size == dist.get_world_size()
+
+    def _claim(self, group: Group, opts: phases.SaveOptions, step: int, stats: SaveStats) -> None:
+        """(all ranks) Phase 3: the coordinator creates the step directory under this writer's lease."""
+        t0 = time.perf_counter()
+
+        def claim() -> None:
+            try:
+                self.lease = phases.claim(opts, step, self.reaper.busy)
+            except (FileNotFoundError, PermissionError):
+                raise  # caller mistakes (no such bucket, no access) keep their builtin type
+            except OSError as exc:  # e.g. an unreachable store: name the save it stopped
+                where = opts.storage.display(step_dir(step))
+                raise CheckpointError(f"save of step {step}: could not create {where}: {one_line(exc)}") from exc
+
+        on_coordinator(group, f"save of step {step}", claim)
+        stats.phases["claim"] = time.perf_counter() - t0
+
+    def _write_in_process(
+        self, group: Group, opts: phases.SaveOptions, prepared: phases.Prepared, stager: Stager
+    ) -> Callable[[], phases.Written]:
+        """(each rank) Phase 5 for the writer process: returns the background thread's ``write``.
+
+        The staged tensors are described by their place in the shared arena (encoded here,
+        while training is still blocked, because training may change the state's structure
+        once ``save`` returns)."""
+        writer, arena = self.writer, stager.arena
+        if writer is None or arena is None:
+            raise CheckpointError("internal: an async save to a writer process has no writer or no staging arena")
+        flat, mappings = encode(prepared.state_dict, arena.tensor)
+        job = Job(opts, replace(prepared, state_dict={}), flat, mappings, arena.path, arena.nbytes)
+
+        def write() -> phases.Written:
+            def run() -> tuple[phases.Written, None]:
+                writer.submit(job)
+                return writer.result(), None
+
+            # The writers gathered their outcomes already; this exchange also covers a writer
+            # that died, so every rank decides alike whether to commit.
+            return exchange(group, f"save of step {prepared.step}", run)[0]
+
+        return write
+
+    def _write_and_commit(
+        self,
+        group: Group,
+        opts: phases.SaveOptions,
+        prepared: phases.Prepared,
+        stats: SaveStats,
+        write: Callable[[], phases.Written] | None = None,
+    ) -> None:
+        """(all ranks) Phases 5-7: write, commit, retention, recorded in ``stats``.
+
+        ``write`` replaces phase 5 (the writer process's). Errors are raised on every rank; on
+        any, the lease is released (the coordinator then removes the step directory it created)."""
+        try:
+            written = write() if write is not None else phases.write(opts, group, prepared, self.plan_cache)
+            stats.plan = written.plan
+            stats.phases.update(written.phases)
+            t0 = time.perf_counter()
+
+            def commit() -> int:
+                manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
+                self._release_lease(committed=True)
+                phases.apply_retention(opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s))
+                return manifest.total_bytes
+
+            stats.bytes_written = on_coordinator(group, f"commit of step {prepared.step}", commit)
+            stats.phases["commit"] = time.perf_counter() - t0
+        finally:
+            self._release_lease(committed=False)  # no-op after a commit
+
+    def _release_lease(self, committed: bool) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release(committed)
+
+    def _done(self, stats: SaveStats) -> None:
+        """A save committed: record it, log it (rank 0) and hand it to the replica."""
+        self.last_save = stats
+        group = self.groups.group
+        if group is not None and group.rank == 0:
+            tp = stats.throughput_gbps
+            log.info(
+                "saved step %d: blocked %.3fs, committed after %.3fs%s",
+                stats.step,
+                stats.blocking_s,
+                stats.total_s or 0.0,
+                f", {tp:.2f} GB/s" if tp else "",
+            )
+        if self.replica is not None:
+            self.replica.submit(stats.step)

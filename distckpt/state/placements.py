@@ -1,0 +1,101 @@
+"""Which ranks hold the same block of a DTensor, from its placements: what a save writes once and
+a load's state check counts once.
+
+Along a mesh dimension placed ``Replicate`` every rank holds the same block; along one placed
+``Shard`` or ``_StridedShard`` (or a subclass) the ranks hold different blocks. The copy at
+coordinate 0 of the replicating dimensions writes each block (:func:`writes_dtensor`), and the
+load's state check designates the same copy (:mod:`distckpt.load.verify`). A placement that is
+neither (``Partial``, or one distckpt does not know) is refused, naming key and placement.
+
+Pure and local: every rank computes it from its own DTensors.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from distckpt._compat import StridedShard
+
+
+class PlacementError(ValueError):
+    """A DTensor placement a checkpoint cannot hold correctly (``Partial``, or one distckpt does
+    not know); the message names the key, the placement and its mesh dimension."""
+
+
+#: Placements that shard a tensor along the mesh dimension they sit on: exactly those torch's
+#: chunk helper (``compute_local_shape_and_global_offset``, by which DCP writes a DTensor) shards
+#: by, subclasses included. ``_StridedShard`` (FSDP2 over TP) is not a ``Shard`` in torch 2.13 and
+#: its ``is_shard()`` is False, so ``is_shard()`` is not the test.
+_SHARDING = (Shard, StridedShard)
+
+
+def _dim_name(value: DTensor, dim: int) -> str:
+    names = value.device_mesh.mesh_dim_names
+    return f"mesh dimension {dim}" + (f" ({names[dim]!r})" if names else "")
+
+
+def replica_dims(value: DTensor, key: str) -> tuple[int, ...]:
+    """(each rank, pure) The mesh dimensions of ``value``'s mesh along which ranks hold the same
+    block of it: those whose placement is ``Replicate``. Every other dimension must shard it.
+
+    Args:
+        value: a DTensor of the state.
+        key: its flattened key, named in errors.
+
+    Raises:
+        PlacementError: a ``Partial`` placement (each rank holds an unreduced partial value: any
+            one copy would be wrong, and DCP refuses it too), or a placement that is neither
+            sharding (:data:`_SHARDING`) nor replicating: distckpt cannot tell which ranks hold
+            the same block, and torch's chunk helper would silently treat it as a replica.
+    """
+    dims = []
+    for dim, placement in enumerate(value.placements):
+        if isinstance(placement, _SHARDING):
+            continue
+        if isinstance(placement, Replicate):
+            dims.append(dim)
+        elif isinstance(placement, Partial):
+            raise PlacementError(
+                f"cannot checkpoint DTensor {key!r}: its placement {placement!r} on {_dim_name(value, dim)} "
+                "holds unreduced partial values (no rank's copy is the tensor, and DCP refuses it too); "
+                "reduce it first, e.g. with value.redistribute(placements=...) to Replicate() or Shard(d)"
+            )
+        else:
+            raise PlacementError(
+                f"cannot checkpoint DTensor {key!r}: unknown placement {placement!r} "
+                f"({type(placement).__module__}.{type(placement).__qualname__}) on {_dim_name(value, dim)}; "
+                "distckpt knows Shard, _StridedShard and Replicate (and their subclasses) and cannot "
+                "tell which ranks hold the same block under another placement"
+            )
+    return tuple(dims)
+
+
+def replication(value: DTensor, key: str) -> tuple[int, tuple[int, ...] | None]:
+    """(each rank, pure) ``(replication factor, mesh coordinate)`` of a DTensor: how many ranks of
+    its mesh hold each of its blocks (the product of the sizes of its :func:`replica_dims`).
+
+    Raises:
+        PlacementError: see :func:`replica_dims` (``key``, the flattened key, names the tensor).
+    """
+    mesh = value.device_mesh
+    factor = 1
+    for dim in replica_dims(value, key):
+        factor *= mesh.size(dim)
+    coord = mesh.get_coordinate()
+    return factor, (tuple(coord) if coord is not None else None)
+
+
+def writes_dtensor(value: DTensor, key: str) -> bool:
+    """(each rank, pure) Whether this rank writes its block of ``value``: it is in the mesh and at
+    coordinate 0 on every :func:`replica_dims` dimension, so that of the ranks of the mesh
+    holding one block exactly one writes it. The load's state check designates the same copy
+    (:mod:`distckpt.load.verify`). Copies held on other meshes are left to the coordinator
+    (:func:`build_global`).
+
+    Raises:
+        PlacementError: see :func:`replica_dims`.
+    """
+    coord = value.device_mesh.get_coordinate()
+    if coord is None:
+        return False
+    return all(coord[dim] == 0 for dim in replica_dims(value, key))

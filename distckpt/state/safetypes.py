@@ -1,0 +1,89 @@
+"""The allow-list of classes a checkpoint's non-tensor values may be instances of.
+
+Enum, dataclass and NamedTuple instances are stored in the encoded form
+(:mod:`distckpt.state.encoded`) by class name, ``module:qualname``; a save refuses classes not
+listed, and a load (:mod:`distckpt.state.decoding`) rebuilds only listed ones, from the classes
+the loading process registered, never from a name the checkpoint gives. The list is what
+``Checkpointer(safe_types=[...])`` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+#: The kinds of class that can be registered (error messages name them).
+REGISTRABLE = "an Enum, a dataclass or a NamedTuple"
+#: The other values a checkpoint stores (error messages name them).
+SUPPORTED = (
+    "tensors, None/bool/int/float/complex/str/bytes, lists/tuples/dicts/sets of them, NumPy scalars, arrays "
+    "and generators, datetime values, pathlib paths, deque, defaultdict, slice, range, Decimal, Fraction, UUID"
+)
+
+#: Classes allowed when a caller passes no ``safe_types`` (the Checkpointer passes its option).
+DEFAULT_SAFE_TYPES: tuple[type, ...] = ()
+
+
+def type_name(cls: type) -> str:
+    """How the encoded form names a registered class: ``module:qualname``."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def is_enum(cls: type) -> bool:
+    return issubclass(cls, enum.Enum)
+
+
+def is_dataclass(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls)
+
+
+def is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields")
+
+
+def registrable(cls: type) -> bool:
+    """Whether ``cls`` is a class that can be registered (:data:`REGISTRABLE`)."""
+    return is_enum(cls) or is_dataclass(cls) or is_namedtuple(cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class SafeTypes:
+    """The classes beyond the built-in ones whose instances a checkpoint may hold, by
+    :func:`type_name`: what ``Checkpointer(safe_types=[...])`` lists. A save refuses instances
+    of Enum, dataclass and NamedTuple classes not listed; a load rebuilds only listed ones."""
+
+    by_name: Mapping[str, type] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, types: SafeTypesLike) -> SafeTypes:
+        """Validate a ``safe_types`` argument (``None``: :data:`DEFAULT_SAFE_TYPES`).
+
+        Raises:
+            ValueError: an entry is not a class that can be registered, or two different
+                classes share a name.
+        """
+        if isinstance(types, SafeTypes):
+            return types
+        if types is None:
+            types = DEFAULT_SAFE_TYPES
+        if isinstance(types, type):  # safe_types=Mode instead of [Mode]: an Enum class iterates its members
+            raise ValueError(f"safe_types takes a list of classes, e.g. safe_types=[{types.__qualname__}]")
+        by_name: dict[str, type] = {}
+        for t in types:
+            if not isinstance(t, type) or not registrable(t):
+                raise ValueError(f"safe_types: {t!r} is not {REGISTRABLE} class; other values must be stored as {SUPPORTED}")
+            name = type_name(t)
+            if by_name.setdefault(name, t) is not t:
+                raise ValueError(f"safe_types: two different classes are named {name}; a checkpoint could not tell them apart")
+        return cls(by_name)
+
+    def allows(self, cls: type) -> bool:
+        """Whether ``cls`` itself (not another class of the same name) is registered."""
+        return self.by_name.get(type_name(cls)) is cls
+
+
+#: What functions taking ``safe_types`` accept: a :class:`SafeTypes`, classes, or ``None``
+#: (:data:`DEFAULT_SAFE_TYPES`).
+SafeTypesLike = Union[SafeTypes, Iterable[type], None]

@@ -1,0 +1,162 @@
+"""Where an export or import may write, and writing a file there so that it appears whole or not at all.
+
+* :func:`check_output`: refuse an output inside a checkpoint (or a step directory of a root), or
+  over one of the inputs: distckpt never writes into what it reads or keeps.
+* :func:`open_output`: a binary file that appears only if the block writing it succeeds.
+
+Not collective.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
+from distckpt.storage.base import _redact, named_os_error
+
+_CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
+
+
+def is_url(location: str) -> bool:
+    """Whether ``location`` names a remote object (a URL other than ``file://``), not a local path."""
+    return "://" in location and not location.startswith("file://")
+
+
+def check_output(out: str, storage_options: Mapping[str, Any] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
+    """Refuse an output that would write into a checkpoint or over an input. Not collective.
+
+    Refused (local paths are checked as given and with symbolic links resolved, so a link into a
+    step is no way in): ``out`` itself or any folder above it that
+
+    * holds ``manifest.json`` or ``.metadata``: a committed step (under any name) or a plain DCP
+      checkpoint; writing there would change or shadow its files;
+    * is named like a step directory (``step_<N>``) and holds ``.distcp`` files or lies in a
+      checkpoint root (a folder holding a committed step): an incomplete step, or a new folder
+      that ``ls`` would list as one and the next save would remove.
+
+    ``out`` naming one of ``inputs`` is refused too.
+
+    Raises:
+        ValueError: naming ``out`` and the checkpoint (or the input) it would write into.
+    """
+    where = _redact(out)  # messages never show credentials a URL may carry
+    if is_url(out):
+        fs, path = url_to_fs(out, **dict(storage_options or {}))
+        scheme = out.split("://", 1)[0]
+        paths = [path.rstrip("/")]
+
+        def show(p: str) -> str:
+            return _redact(f"{scheme}://{p.lstrip('/')}")
+    else:
+        fs, _ = url_to_fs("file:///")
+        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+        paths = list(dict.fromkeys([path, os.path.realpath(path)]))
+
+        def show(p: str) -> str:
+            return p
+
+    for src in inputs:
+        same = (
+            os.path.realpath(os.path.expanduser(src.split("://", 1)[-1])) == paths[-1]
+            if not is_url(src)
+            else src.rstrip("/") == out.rstrip("/")
+        )
+        if same:
+            raise ValueError(f"output {where} is the input {_redact(src)}: distckpt never writes over what it reads; choose another output")
+    for p in paths:
+        d = p
+        while d:
+            for marker in _CHECKPOINT_MARKERS:
+                if fs.isfile(posixpath.join(d, marker)):  # files: an IDE's .metadata folder is no checkpoint
+                    raise ValueError(
+                        f"output {where} is inside the checkpoint {show(d)} (it holds {marker}): distckpt never writes "
+                        "into a checkpoint; choose an output outside every checkpoint step"
+                    )
+            if parse_step_dir(posixpath.basename(d)) is not None and _in_checkpoint_root(fs, d):
+                raise ValueError(
+                    f"output {where} is inside {show(d)}, a step directory of the checkpoint root {show(posixpath.dirname(d))}: "
+                    "a save would take it for an incomplete step (and remove it); choose an output outside the root's steps"
+                )
+            parent = posixpath.dirname(d)
+            d = parent if parent != d else ""
+
+
+def _in_checkpoint_root(fs: Any, d: str) -> bool:
+    """Whether folder ``d`` (named like a step) holds DCP data files or lies beside a committed step."""
+    def entries(where: str) -> list[dict[str, Any]]:
+        try:
+            return list(fs.ls(where, detail=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    if any(e.get("type") == "file" and str(e["name"]).endswith(".distcp") for e in entries(d)):
+        return True
+    root = posixpath.dirname(d)
+    for e in entries(root):
+        name = str(e["name"]).rstrip("/")
+        if e.get("type") == "directory" and parse_step_dir(posixpath.basename(name)) is not None:
+            if fs.isfile(posixpath.join(name, MANIFEST_NAME)):
+                return True
+    return False
+
+
+@contextmanager
+def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
+
+    Local: written to a temporary name beside ``out`` and renamed. Object stores: one upload,
+    removed again if the block fails.
+    """
+    if not is_url(out):
+        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"output {path} is a directory")
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            f = open(tmp, "wb")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+        try:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, path)
+        except BaseException as exc:
+            try:
+                f.close()  # flushes what is buffered: on a full disk this fails again
+            except OSError:
+                pass
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, OSError):
+                raise named_os_error(exc, path) from exc
+            raise
+        return
+    fs, path = url_to_fs(out, **dict(storage_options or {}))
+    f = fs.open(path, "wb")
+    try:
+        yield f
+        f.close()
+    except BaseException:
+        # Object stores publish a file only when its upload completes (close). Discarding the
+        # upload leaves any earlier object at ``out`` untouched and publishes nothing partial.
+        discard = getattr(f, "discard", None)
+        try:
+            if discard is not None:
+                discard()
+            else:  # a filesystem without uploads: remove what was written
+                f.close()
+                fs.rm_file(path)
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
+        raise

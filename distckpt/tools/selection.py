@@ -1,0 +1,97 @@
+"""What an export of a checkpoint writes: which stored tensors, under which names, in which dtype.
+
+* :func:`select_tensors`: the tensors of one model (the checkpoint's single module entry), of one
+  key prefix, or all of them; distckpt's own entries (RNG states) are never exported.
+* :func:`cast_dtype`: the dtype a tensor is written in when an export (or a publish) casts.
+
+Not collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distckpt.integrity.shards import CheckpointSource
+from distckpt.integrity.stepfiles import StepFiles
+
+INTERNAL = ("_rng",)  # distckpt's own namespaces: never exported
+
+
+class SelectionError(ValueError):
+    """The requested part of the checkpoint (``key``/model-only) does not exist or is ambiguous."""
+
+
+
+def _model_names(found: StepFiles, source: CheckpointSource) -> list[str]:
+    entries = found.manifest.entries if found.manifest is not None else {}
+    modules = sorted(n for n, e in entries.items() if e.get("kind") == "module")
+    if modules:
+        return modules
+    # Imported checkpoints hold the model as a dict of tensors ("tree" entry).
+    return sorted(n for n, e in entries.items() if e.get("kind") == "tree")
+
+
+def select_tensors(
+    found: StepFiles, source: CheckpointSource, *, model_only: bool, key: str | None
+) -> list[tuple[str, str]]:
+    """``(output name, checkpoint key)`` of the tensors to export, in checkpoint order.
+
+    ``key`` picks the tensors under one prefix (names relative to it); ``model_only`` picks the
+    single model (module entry) of the checkpoint. Otherwise every tensor under its full key.
+
+    The selection is announced to ``source`` (:meth:`CheckpointSource.expect`): each data file
+    is then checked whole as soon as the last selected tensor it holds has been read.
+
+    Raises:
+        SelectionError: no tensor under ``key``, or no / several models for ``model_only``.
+    """
+    picked = _select(found, source, model_only=model_only, key=key)
+    source.expect([k for _, k in picked])  # each file is checked once the last of these it holds is read
+    return picked
+
+
+def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key: str | None) -> list[tuple[str, str]]:
+    keys = [k for k in source.tensors if k.split(".", 1)[0] not in INTERNAL]
+    prefix = key
+    if prefix is None and model_only:
+        names = _model_names(found, source)
+        if len(names) != 1:
+            tops = sorted({k.split(".", 1)[0] for k in keys})
+            if not names:
+                raise SelectionError(f"{found.display()} records no model; pick tensors with --key PREFIX (top-level names: {', '.join(tops)})")
+            raise SelectionError(f"{found.display()} holds several models ({', '.join(names)}); pick one with --key NAME")
+        prefix = names[0]
+    if prefix is None:
+        return [(k, k) for k in keys]
+    prefix = prefix.rstrip(".")
+    picked = [(k[len(prefix) + 1:], k) for k in keys if k.startswith(prefix + ".")]
+    if prefix in source.tensors:  # --key naming a single tensor
+        picked = [(prefix.rsplit(".", 1)[-1], prefix)]
+    if not picked:
+        tops = sorted({k.split(".", 1)[0] for k in keys})
+        raise SelectionError(f"no tensor under key prefix {prefix!r} in {found.display()} (top-level names: {', '.join(tops)})")
+    return picked
+
+
+def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype tensor ``key`` (stored as ``stored``) is written in when exports cast to
+    ``dtype``: floating-point tensors take ``dtype``, others keep theirs.
+
+    Raises:
+        TypeError: ``dtype`` is not a torch dtype, or a floating-point tensor would be cast to a
+            non-floating dtype (``torch.int8``, ``torch.bool``: its values truncated), naming
+            the key and both dtypes.
+    """
+    if dtype is None:
+        return stored
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if not stored.is_floating_point:
+        return stored
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"tensor {key!r} is {stored}; casting it to {dtype} would truncate its values "
+            "(dtype= casts floating-point tensors and takes a floating-point dtype, e.g. torch.bfloat16)"
+        )
+    return dtype
+
