@@ -7,17 +7,21 @@ so no rank waits forever on a peer that gave up.
 
 from __future__ import annotations
 
+import pickle
+import socket
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
+import torch
 import torch.distributed as dist
 
 from distckpt.errors import CheckpointError, one_line
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 @dataclass
@@ -53,21 +57,19 @@ class Group:
         """(all ranks, collective) How many ranks of the group run on this rank's host."""
         if not self.enabled:
             return 1
-        import socket
-
         hosts = self.all_gather(socket.gethostname())
         return hosts.count(hosts[self.rank])
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        """(all ranks) Every rank's ``obj``, in rank order."""
+    def all_gather(self, obj: T) -> list[T]:
+        """(all ranks) Every rank's ``obj`` (picklable), in rank order."""
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out: list[T | None] = [None] * self.world_size
         with _peer_failures("all_gather"):
             dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return cast("list[T]", out)
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: T) -> T:
         """(all ranks) The coordinator's ``obj`` on every rank."""
         if not self.enabled:
             return obj
@@ -76,7 +78,7 @@ class Group:
             dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
         return box[0]
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: T) -> list[T] | None:
         """(all ranks) Every rank's ``obj`` in rank order on the coordinator; ``None`` elsewhere.
 
         Unlike :meth:`all_gather`, only the coordinator receives: the bytes moved grow with the
@@ -84,24 +86,24 @@ class Group:
         """
         if not self.enabled:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        out: list[T | None] | None = [None] * self.world_size if self.is_coordinator else None
         with _peer_failures("gather"):
             dist.gather_object(obj, out, dst=self.coordinator_global_rank, group=self.pg)
-        return out
+        return cast("list[T] | None", out)
 
-    def scatter(self, objs: list[Any] | None) -> Any:
+    def scatter(self, objs: list[T] | None) -> T:
         """(all ranks) Rank ``r`` receives ``objs[r]`` (``objs`` is read on the coordinator only)."""
         if not self.enabled:
             assert objs is not None
             return objs[0]
-        box: list[Any] = [None]
+        box: list[T | None] = [None]
         with _peer_failures("scatter"):
             dist.scatter_object_list(
                 box, objs if self.is_coordinator else None, src=self.coordinator_global_rank, group=self.pg
             )
-        return box[0]
+        return cast(T, box[0])
 
-    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """(all ranks) ``tensor`` (an int64/uint8 CPU tensor) reduced elementwise over all ranks
         with ``op`` (``"sum"`` or ``"max"``); returns a CPU tensor. Moves it to the current CUDA
         device first when the group's backend is NCCL."""
@@ -110,8 +112,6 @@ class Group:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = tensor
         if dist.get_backend(self.pg) == "nccl":
-            import torch
-
             work = tensor.to(torch.device("cuda", torch.cuda.current_device()))
         with _peer_failures("all_reduce"):
             dist.all_reduce(work, op=reduce_op, group=self.pg)
@@ -144,8 +144,6 @@ def capture(exc: BaseException) -> _Failure:
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     keep: BaseException | None = exc
     try:
-        import pickle
-
         pickle.loads(pickle.dumps(exc))
     except Exception:
         keep = None
@@ -153,7 +151,7 @@ def capture(exc: BaseException) -> _Failure:
 
 
 def raise_if_any(
-    outcomes: list[Any], what: str, *, reraise_single_type: bool = True
+    outcomes: Sequence[object], what: str, *, reraise_single_type: bool = True
 ) -> None:
     """Raise the same exception on every rank if any entry of ``outcomes`` is a failure.
 
@@ -186,7 +184,7 @@ def all_ranks(group: Group, what: str, fn: Callable[[], T]) -> T:
     return exchange(group, what, lambda: (fn(), None))[0]
 
 
-def exchange(group: Group, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[T, list[Any]]:
+def exchange(group: Group, what: str, fn: Callable[[], tuple[T, S]]) -> tuple[T, list[S]]:
     """(all ranks) Like :func:`all_ranks` for ``fn`` returning ``(result, shared)``.
 
     Returns this rank's result and every rank's ``shared`` part, in rank order, gathered in the
@@ -194,7 +192,7 @@ def exchange(group: Group, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[
     """
     try:
         result, shared = fn()
-        outcome: Any = None
+        outcome: _Failure | None = None
     except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
         result, shared, outcome = None, None, capture(exc)
     gathered = group.all_gather((outcome, shared))
@@ -204,7 +202,7 @@ def exchange(group: Group, what: str, fn: Callable[[], tuple[T, Any]]) -> tuple[
 
 def on_coordinator(group: Group, what: str, fn: Callable[[], T]) -> T:
     """(all ranks) Run ``fn`` on the coordinator only and hand its result or error to every rank."""
-    payload: Any = None
+    payload: tuple[str, object] | None = None
     if group.is_coordinator:
         try:
             payload = ("ok", fn())
@@ -213,4 +211,4 @@ def on_coordinator(group: Group, what: str, fn: Callable[[], T]) -> T:
     payload = group.broadcast(payload)
     if payload[0] == "err":
         raise_if_any([payload[1]], what)
-    return payload[1]
+    return cast(T, payload[1])

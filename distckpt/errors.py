@@ -8,7 +8,6 @@ subclass the builtin that fits the caller's mistake, so ``except ValueError`` an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 
 class CheckpointError(RuntimeError):
@@ -147,7 +146,7 @@ def from_causes(causes: Mapping[int, tuple[type[CheckpointError] | None, str]], 
     return (cls or CheckpointError)(f"{what} failed", {r: line for r, (_, line) in causes.items()})
 
 
-def _unwrap(err: Any) -> BaseException:
+def _unwrap(err: object) -> BaseException:
     # DCP wraps each rank's cause as a tuple (exception, traceback summary).
     inner = err[0] if isinstance(err, tuple) and err else getattr(err, "exception", err)
     return inner if isinstance(inner, BaseException) else RuntimeError(str(err))

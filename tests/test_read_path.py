@@ -15,6 +15,7 @@ from torch import nn
 import distckpt
 from distckpt.load.reader import checkpoint_reader
 from cli_runner import run_cli as _cli
+from direct_reads import count_direct_reads
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -171,9 +172,10 @@ def test_a_load_reads_each_file_once_in_order_and_every_tensor_straight_into_pla
     monkeypatch.setattr(File, "_read_aside", lambda self, *a: pytest.fail("read aside"))
     monkeypatch.setattr(File, "_second_pass", lambda self: pytest.fail("second pass"))
     dest = {k: torch.full_like(v, 7) for k, v in tensors.items()}
+    direct = count_direct_reads(monkeypatch)
     reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
-    assert reader.fast_reads == len(tensors) - 1  # all but the empty one (no bytes: DCP's path)
+    assert direct.count == len(tensors) - 1  # all but the empty one (no bytes: DCP's path)
     assert {k: v for k, v in passes.items() if k in sizes} == sizes  # each data file once, whole
     assert all(torch.equal(dest[k], v) for k, v in tensors.items())
 
@@ -306,7 +308,7 @@ def test_peeks_return_the_files_bytes_for_any_reads(tmp_path):
         f.finish()
 
 
-def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_path):
+def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_path, monkeypatch):
     """Records a little shorter and longer than the peek window (their head and tail windows
     overlap or touch) are all read straight into their destination, bit for bit."""
     import torch.distributed.checkpoint as dcp
@@ -321,9 +323,10 @@ def test_tensors_whose_records_span_one_to_two_peek_windows_load_exactly(tmp_pat
     ckpt.save(1, {"w": saved})
     manifest = read_manifest(ckpt.storage, 1)
     dest = {k: torch.zeros_like(v) for k, v in saved.items()}
+    direct = count_direct_reads(monkeypatch)
     reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files, checksum=manifest.checksum_algorithm)
     dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
-    assert reader.fast_reads == len(sizes)  # every layout was parsed from the peek windows
+    assert direct.count == len(sizes)  # every layout was parsed from the peek windows
     assert all(torch.equal(saved[k], dest[k]) for k in saved)
 
 
@@ -371,24 +374,14 @@ def _row_shards(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from distckpt.load import reader as reader_mod
-
-    seen = []
-    original = reader_mod.CheckpointReader.read_data
-
-    def read_data(self, plan, planner):
-        out = original(self, plan, planner)
-        seen.append(self.fast_reads)
-        return out
-
-    reader_mod.CheckpointReader.read_data = read_data
+    direct = count_direct_reads()  # this rank's process ends with the test
     mesh = init_device_mesh("cpu", (world,))
     full = torch.load(f"{root}/full.pt")
     dest = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
     with distckpt.Checkpointer(root) as ckpt:
         ckpt.load({"w": dest})
     same = all(torch.equal(dest[k].full_tensor(), v) for k, v in full.items())
-    return {"same": same, "fast": seen[-1], "tensors": len(full)}
+    return {"same": same, "fast": direct.count, "tensors": len(full)}
 
 
 def test_row_shards_of_a_stored_tensor_are_read_straight_into_place(tmp_path):

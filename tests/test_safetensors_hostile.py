@@ -37,6 +37,7 @@ from torch import nn
 import distckpt
 from distckpt.tools import hf
 from distckpt.tools.safetensors_io import INDEX_NAME
+from fuzz_checkpoints import _json_paths
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
@@ -289,17 +290,6 @@ def _odd_record_value(rng: random.Random, d: Path, outside: Path) -> object:
         rng.choice(shards), "model-00009-of-00009.safetensors", 5, -1, 2**70, 1.5, True, None, [], {}, "x" * 300,
         "A" * 64, "0" * 64, "f" * 63, [{"name": "tokenizer.json", "size": 18}],
     ])  # fmt: skip
-
-
-def _json_paths(obj: object, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _json_paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += _json_paths(v, prefix + (i,))
-    return out
 
 
 def _mutate_record(d: Path, outside: Path, rng: random.Random) -> tuple[str, set[Path]]:

@@ -15,6 +15,7 @@ from torch import nn
 
 import distckpt
 from distckpt.load.reader import checkpoint_reader
+from direct_reads import count_direct_reads
 from distckpt.state import values
 from distckpt.errors import CheckpointError, StateMismatchError
 from distckpt.integrity.manifest import FileRecord, Manifest, parse_step_dir, step_dir
@@ -303,7 +304,7 @@ def test_bad_state_keys_are_refused(tmp_path):
         ckpt.save(-1, {"x": 1})
 
 
-def test_tensors_are_read_straight_into_their_destination(tmp_path):
+def test_tensors_are_read_straight_into_their_destination(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from distckpt.integrity.manifest import read_manifest
@@ -314,9 +315,10 @@ def test_tensors_are_read_straight_into_their_destination(tmp_path):
     manifest = read_manifest(ckpt.storage, 1)
     for verify in (True, False):
         dest = {k: torch.zeros_like(v) for k, v in tensors.items()}
+        direct = count_direct_reads(monkeypatch)
         reader = checkpoint_reader(ckpt.storage, step_dir(1), files=manifest.files if verify else None, checksum=manifest.checksum_algorithm)
         dcp.load({"w": dest}, storage_reader=reader, no_dist=True)
-        assert reader.fast_reads == len(tensors)
+        assert direct.count == len(tensors)
         for k in tensors:
             assert torch.equal(dest[k], tensors[k])
 

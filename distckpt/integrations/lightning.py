@@ -92,6 +92,8 @@ from distckpt.integrations.lightning_layout import (
 )
 from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
+    Pointer,
+    PointerRecord,
     delete_unreferenced,
     dir_of,
     dir_url,
@@ -105,6 +107,9 @@ from distckpt.integrations.lightning_pointers import (
 )
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
+
+#: What waits for a save to commit, in order: ``("point", path, record)`` or ``("remove", path, None)``.
+_Action = tuple[str, str, PointerRecord | None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,10 +156,10 @@ class DistckptCheckpointIO(CheckpointIO):
         # The job this process saves as (its steps are the ones ModelCheckpoint may delete): the
         # given one, else that of the steps it saved or resumed from (distckpt's lineage).
         self._job: str | None = options.get("job")
-        self._strategy: Callable[[], Any] | None = None  # weakref to the attached strategy
+        self._strategy: Callable[[], DDPStrategy | None] | None = None  # weakref to the attached strategy
         self._steps: dict[int, frozenset[str]] = {}  # steps saved or loaded here -> Lightning keys they hold
         self._inflight: int | None = None  # step of the async save being written
-        self._pending: list[tuple[str, str, dict[str, Any] | None]] = []  # ("point"|"remove", path, record)
+        self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
         self._thread: int | None = None
 
@@ -172,12 +177,12 @@ class DistckptCheckpointIO(CheckpointIO):
             self._ckpt = Checkpointer(self.root, **options)
         return self._ckpt
 
-    def attach(self, strategy: Any) -> None:
+    def attach(self, strategy: DDPStrategy) -> None:
         """(every rank) Called by :class:`DistckptDDPStrategy` once the process group exists: the
         strategy calls this plugin on every rank, and its trainer names the checkpoint directories."""
         self._strategy = weakref.ref(strategy)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # Spawn launchers pickle the plugin into each rank: the checkpointer (threads, locks) and
         # the strategy reference are made again there.
         state = self.__dict__.copy()
@@ -200,7 +205,7 @@ class DistckptCheckpointIO(CheckpointIO):
     close = teardown
 
     # -- CheckpointIO -------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: object = None) -> None:
         """(every rank) Save Lightning's checkpoint dict as distckpt step ``global_step`` and point
         ``path`` at it.
 
@@ -226,7 +231,7 @@ class DistckptCheckpointIO(CheckpointIO):
         self._remember(path)
         ckpt = self.checkpointer
         epoch = checkpoint.get("epoch")
-        record = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
+        record: PointerRecord = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
         known = self._steps.get(step)
         if known is not None:
             missing = [k for k in keys if k not in known]
@@ -260,7 +265,7 @@ class DistckptCheckpointIO(CheckpointIO):
         else:
             self._run_on_rank0([("point", os.fspath(path), record)])
 
-    def remove_checkpoint(self, path: Any) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """(every rank) Delete the pointer at ``path``, and its step once nothing points at it
         (this job's steps only). Waits for an in-flight async save's commit (queued, not
         blocking). A file at ``path`` that is not a pointer is left alone, with a warning."""
@@ -272,7 +277,7 @@ class DistckptCheckpointIO(CheckpointIO):
         self._run_on_rank0([("remove", os.fspath(path), None)])
 
     def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: str | os.PathLike, map_location: object = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """(every rank) The checkpoint dict saved for ``path``, tensors on the CPU (Lightning moves
         them into the model and optimizers). ``map_location`` and ``weights_only`` are ignored:
@@ -331,7 +336,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
-    def _remember(self, path: Any) -> None:
+    def _remember(self, path: str | os.PathLike) -> None:
         self._dirs.add(dir_of(path))
 
     def _settle(self) -> None:
@@ -349,7 +354,7 @@ class DistckptCheckpointIO(CheckpointIO):
             raise
         self._run_on_rank0(pending)
 
-    def _run_on_rank0(self, actions: list[tuple[str, str, dict[str, Any] | None]]) -> None:
+    def _run_on_rank0(self, actions: list[_Action]) -> None:
         """(every rank) Rank 0 writes/removes pointers and deletes unreferenced steps; every rank
         learns the job of the steps pointed at and which steps were deleted."""
         if not actions:
@@ -360,7 +365,7 @@ class DistckptCheckpointIO(CheckpointIO):
         for step in deleted:
             self._steps.pop(step, None)
 
-    def _apply(self, actions: Iterable[tuple[str, str, dict[str, Any] | None]]) -> tuple[str | None, list[int]]:
+    def _apply(self, actions: Iterable[_Action]) -> tuple[str | None, list[int]]:
         """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
         ckpt = self.checkpointer
         orphans: set[int] = set()
@@ -383,7 +388,7 @@ class DistckptCheckpointIO(CheckpointIO):
             return job, []
         return job, delete_unreferenced(ckpt, orphans, self._job, self._visible_pointers)
 
-    def _visible_pointers(self) -> Iterable[dict[str, Any]]:
+    def _visible_pointers(self) -> Iterable[Pointer]:
         """(rank 0) Every pointer in the directories known (seen paths' directories and the
         trainer's ModelCheckpoint directories). Raises ``OSError`` if a directory or a file in it
         cannot be read (a missing directory holds no pointers)."""
@@ -455,7 +460,7 @@ class DistckptDDPStrategy(DDPStrategy):
         io = self.checkpoint_io
         return io if isinstance(io, DistckptCheckpointIO) else None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: object = None) -> None:
         """(every rank) ``DistckptCheckpointIO.save_checkpoint`` on every rank; other plugins: rank 0."""
         io = self._distckpt_io()
         if io is None:
@@ -463,7 +468,7 @@ class DistckptDDPStrategy(DDPStrategy):
         else:
             io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """(every rank) ``DistckptCheckpointIO.remove_checkpoint`` on every rank; other plugins: rank 0."""
         io = self._distckpt_io()
         if io is None:

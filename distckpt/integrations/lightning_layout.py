@@ -37,6 +37,11 @@ _MAX_DEPTH = 64
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
+#: A layout node (JSON): ``["v"]`` a value, ``["t", shape, dtype]`` a tensor, ``["d" | "o", [[tag,
+#: key, node], ...]]`` a dict or OrderedDict, ``["l", [node, ...]]`` a list DCP enters.
+Node = list[object]
+
+
 def entry_name(key: str) -> str:
     """The distckpt entry name of a top-level key of Lightning's dict (``.``, ``%`` and a leading
     ``_`` escaped, as distckpt reserves them; injective, so keys never collide)."""
@@ -46,7 +51,7 @@ def entry_name(key: str) -> str:
     return "%5F" + name[1:] if name.startswith("_") else name
 
 
-def prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+def prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str], dict[str, Any], dict[str, object]]:
     """(each rank) Lightning's top-level keys, the distckpt state and the layout for the manifest.
 
     Containers are rebuilt (tensors are not copied: distckpt stages them), and with
@@ -56,7 +61,8 @@ def prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str]
     for k in keys:
         if not isinstance(k, str):
             raise TypeError(f"Lightning checkpoint key {k!r} is a {type(k).__name__}; top-level keys must be strings")
-    nodes, state = [], {}
+    nodes: list[Node] = []
+    state: dict[str, Any] = {}
     for k in keys:
         value = checkpoint[k]
         if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
@@ -76,7 +82,7 @@ def prepare(checkpoint: Mapping[str, Any], copy_values: bool) -> tuple[list[str]
     return keys, state, layout
 
 
-def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Any, Any]:
+def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, Any]:
     """Layout node and rebuilt value of a part of a tree entry, down to DCP's items: mappings and
     the lists DCP enters are containers, everything else one item (a tensor, or a value)."""
     if depth > _MAX_DEPTH:
@@ -128,7 +134,7 @@ def _key_tag(key: Any, where: str) -> str:
     return tag
 
 
-def read_layout(extra: Mapping[str, Any], where: str) -> tuple[list[str], str]:
+def read_layout(extra: Mapping[str, object], where: str) -> tuple[list[str], str]:
     """The layout :func:`prepare` recorded in a manifest's ``extra``: Lightning's top-level keys
     and the nodes (JSON) for :func:`template`. ``where`` names the step in errors.
 
@@ -172,7 +178,7 @@ class _BadLayout(Exception):
     pass
 
 
-def _build(node: Any, left: list[int], depth: int) -> Any:
+def _build(node: object, left: list[int], depth: int) -> Any:
     if depth > _MAX_DEPTH or not isinstance(node, list) or not node:
         raise _BadLayout("a node that is not a non-empty list, or nested too deeply")
     kind = node[0]
@@ -198,7 +204,7 @@ def _build(node: Any, left: list[int], depth: int) -> Any:
     raise _BadLayout(f"unknown node {kind!r:.20}")
 
 
-def _key(tag: Any, key: Any) -> Any:
+def _key(tag: object, key: Any) -> Any:
     ok = {
         "s": type(key) is str,
         "i": type(key) is int,

@@ -17,18 +17,19 @@ import os
 import posixpath
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypedDict
 
 import fsspec
 import fsspec.implementations.local
+from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 from distckpt.storage.ownership import mark_released, remove_uncommitted
 
-__all__ = ["POINTER_FORMAT", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer", "pointer_bytes", "pointers_in",
-           "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
+__all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
+           "pointer_bytes", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
 POINTER_FORMAT = "distckpt-lightning-pointer"
@@ -37,7 +38,28 @@ _POINTER_VERSION = 1
 _POINTER_MAX_BYTES = 64 * 1024
 
 
-def pointer_bytes(root: str, job: str | None, record: Mapping[str, Any]) -> bytes:
+class PointerRecord(TypedDict):
+    """What a save points at: the step, the Lightning checkpoint's top-level keys, its epoch."""
+
+    step: int
+    keys: list[str]
+    epoch: int | None
+
+
+class Pointer(TypedDict):
+    """A pointer file's fields as :func:`parse_pointer` returns them (all but ``epoch``,
+    which is informational, checked)."""
+
+    format: str
+    version: int
+    root: str
+    step: int
+    job: str | None
+    epoch: object
+    keys: list[str]
+
+
+def pointer_bytes(root: str, job: str | None, record: PointerRecord) -> bytes:
     body = {
         "format": POINTER_FORMAT,
         "version": _POINTER_VERSION,
@@ -50,7 +72,7 @@ def pointer_bytes(root: str, job: str | None, record: Mapping[str, Any]) -> byte
     return (json.dumps(body, indent=1) + "\n").encode()
 
 
-def parse_pointer(data: bytes) -> dict[str, Any] | None:
+def parse_pointer(data: bytes) -> Pointer | None:
     """The pointer's fields if ``data`` is a valid pointer, else ``None``."""
     if len(data) > _POINTER_MAX_BYTES or data.lstrip()[:1] != b"{":
         return None
@@ -68,12 +90,12 @@ def parse_pointer(data: bytes) -> dict[str, Any] | None:
     return body
 
 
-def _read_small(fs: Any, path: str) -> bytes:
+def _read_small(fs: AbstractFileSystem, path: str) -> bytes:
     with fs.open(path, "rb") as f:
         return f.read(_POINTER_MAX_BYTES + 1)
 
 
-def try_pointer(path: str) -> dict[str, Any] | None:
+def try_pointer(path: str) -> Pointer | None:
     fs, p = fsspec.core.url_to_fs(path)
     try:
         if not fs.isfile(p):
@@ -125,13 +147,13 @@ def remove_file(path: str) -> None:
         pass
 
 
-def dir_of(path: Any) -> str:
+def dir_of(path: str | os.PathLike) -> str:
     """The directory holding ``path``, as a URL fsspec opens again (``file:///...`` when local)."""
     fs, p = fsspec.core.url_to_fs(os.fspath(path))
     return fs.unstrip_protocol(posixpath.dirname(p))
 
 
-def dir_url(dirpath: Any) -> str:
+def dir_url(dirpath: str | os.PathLike) -> str:
     """A directory, as :func:`dir_of` names it."""
     fs, p = fsspec.core.url_to_fs(os.fspath(dirpath))
     return fs.unstrip_protocol(p.rstrip("/") or "/")
@@ -144,7 +166,7 @@ def _root_id(root: str) -> str:
     return os.path.realpath(os.path.expanduser(root.removeprefix("file://")))
 
 
-def read_pointer(path: str) -> dict[str, Any]:
+def read_pointer(path: str) -> Pointer:
     """The fields of the pointer at ``path``.
 
     Raises:
@@ -169,7 +191,7 @@ def read_pointer(path: str) -> dict[str, Any]:
     return record
 
 
-def pointers_in(dirs: Iterable[str]) -> Iterator[dict[str, Any]]:
+def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
     """Every pointer in the directories ``dirs`` (URLs, as :func:`dir_of` names them).
 
     Raises:
@@ -190,7 +212,7 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[dict[str, Any]]:
 
 
 def delete_unreferenced(
-    ckpt: Checkpointer, steps: set[int], job: str, pointers: Callable[[], Iterable[Mapping[str, Any]]]
+    ckpt: Checkpointer, steps: set[int], job: str, pointers: Callable[[], Iterable[Pointer]]
 ) -> list[int]:
     """(rank 0) Delete those of ``steps`` that are committed in ``ckpt``'s root, of job ``job``,
     and referred to by none of ``pointers()``; returns them. Errors are warned about, never

@@ -21,14 +21,23 @@ from __future__ import annotations
 import hashlib
 import warnings
 import zlib
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 ALGORITHMS = ("crc32c", "crc32", "sha256")
 DEFAULT = "crc32c"
 
 
+#: What a hasher takes: any contiguous bytes-like object (tensor memory is handed over as a
+#: ``memoryview``, without a copy).
+Buffer = bytes | bytearray | memoryview
+
+
 class Hasher(Protocol):
-    def update(self, data: Any) -> None: ...
+    """A streaming checksum (``hashlib``'s interface): ``update`` with each piece, in order,
+    then ``hexdigest``."""
+
+    def update(self, data: Buffer) -> None: ...
 
     def hexdigest(self) -> str: ...
 
@@ -37,7 +46,7 @@ class _Crc32:
     def __init__(self) -> None:
         self._value = 0
 
-    def update(self, data: Any) -> None:
+    def update(self, data: Buffer) -> None:
         self._value = zlib.crc32(data, self._value)
 
     def hexdigest(self) -> str:
@@ -49,17 +58,17 @@ class _Crc32c:
         self._crc = _crc32c_function()
         self._value = 0
 
-    def update(self, data: Any) -> None:
+    def update(self, data: Buffer) -> None:
         self._value = self._crc(data, self._value)
 
     def hexdigest(self) -> str:
         return f"{self._value:08x}"
 
 
-_crc32c: Any = None
+_crc32c: Callable[[Buffer, int], int] | None = None
 
 
-def _crc32c_function() -> Any:
+def _crc32c_function() -> Callable[[Buffer, int], int]:
     """The ``crc32c`` package's function, imported once; warns once if it has no hardware path."""
     global _crc32c
     if _crc32c is None:

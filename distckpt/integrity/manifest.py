@@ -19,10 +19,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping
 from typing import Any
+
 from distckpt.errors import IntegrityError
-from distckpt.integrity.checksums import ALGORITHMS
-from distckpt.integrity.checksums import new_hasher
+from distckpt.integrity.checksums import ALGORITHMS, new_hasher
 from distckpt.integrity.safe_pickle import check_relative_name
+from distckpt.storage.base import Storage
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -34,8 +35,8 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def committed_steps(storage: Any) -> list[int]:
-    """Committed steps (directories holding a manifest) under a :class:`~distckpt.Storage`."""
+def committed_steps(storage: Storage) -> list[int]:
+    """Committed steps (directories holding a manifest) under ``storage``."""
     return sorted(
         s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None and storage.exists(d, MANIFEST_NAME)
     )
@@ -108,12 +109,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes | str, where: str = "manifest") -> Manifest:
         """Parse a manifest, raising ``ValueError`` that names ``where`` and the bad field."""
-        try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"malformed manifest {where}: not valid JSON ({type(exc).__name__})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"malformed manifest {where}: a {type(raw).__name__}, not an object")
+        raw = json_object(data, f"malformed manifest {where}")
         _check_fields(raw, where)
         version = raw.get("format_version", 1)
         if version > FORMAT_VERSION:
@@ -130,6 +126,18 @@ class Manifest:
         return manifest
 
 
+def json_object(data: bytes | str, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """``data`` parsed as a JSON object (its values: any JSON), else ``error`` saying that
+    ``what`` (the document and where it is, for the message) is not one."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{what} is not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{what} is a {type(raw).__name__}, not a JSON object")
+    return raw
+
+
 def _check_fields(raw: dict[str, Any], where: str) -> None:
     """Every field of a manifest has the type it must have, or ``ValueError`` naming it."""
 
@@ -137,7 +145,7 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
         value = raw.get(field)
         return ValueError(f"malformed manifest {where}: field {field!r} must be {want}, got {type(value).__name__} {value!r:.60}")
 
-    def is_int(v: Any, low: int) -> bool:
+    def is_int(v: object, low: int) -> bool:
         return type(v) is int and v >= low
 
     for required in ("step", "world_size", "entries", "files", "checksum_algorithm", "torch_version", "distckpt_version"):
@@ -185,7 +193,7 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
 _EXTRA_DEPTH = 32
 
 
-def check_extra(extra: Any) -> dict[str, Any]:
+def check_extra(extra: object) -> dict[str, Any]:
     """``save(metadata=...)`` as the manifest records it: a dict that JSON holds exactly, so
     that it reads back equal (``Manifest.extra``). ``None`` is an empty dict.
 
@@ -200,7 +208,7 @@ def check_extra(extra: Any) -> dict[str, Any]:
     if not isinstance(extra, Mapping):
         raise TypeError(f"save(metadata=...) must be a dict of JSON values, got {type(extra).__name__}")
 
-    def walk(value: Any, path: str, depth: int) -> Any:
+    def walk(value: object, path: str, depth: int) -> Any:
         if depth > _EXTRA_DEPTH:
             raise TypeError(f"save(metadata=...): {path} is nested deeper than {_EXTRA_DEPTH} levels")
         if value is None or isinstance(value, (bool, str)):
@@ -243,7 +251,7 @@ def digest_of(data: bytes, algorithm: str | None) -> str | None:
     return h.hexdigest()
 
 
-def load_manifest(storage: Any, dirname: str) -> Manifest:
+def load_manifest(storage: Storage, dirname: str) -> Manifest:
     """The manifest in directory ``dirname`` under ``storage``, bound to that directory.
 
     A directory named ``step_N`` must hold step N's manifest (a manifest copied into another
@@ -271,7 +279,7 @@ def load_manifest(storage: Any, dirname: str) -> Manifest:
     return manifest
 
 
-def read_manifest(storage: Any, step: int) -> Manifest:
+def read_manifest(storage: Storage, step: int) -> Manifest:
     """The manifest of a committed ``step`` under ``storage``, bound to its directory
     (:func:`load_manifest`).
 

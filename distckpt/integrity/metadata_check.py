@@ -16,35 +16,35 @@ raise :class:`~distckpt.errors.IntegrityError` naming the file and the key. Not 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from distckpt.state.shape import numel
 from distckpt.errors import IntegrityError
 from distckpt.integrity.safe_pickle import check_relative_name
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: object) -> bool:
     return isinstance(value, (tuple, list, torch.Size)) and all(type(v) is int and v >= 0 for v in value)
 
 
-def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] | None = None) -> None:
+def validate_metadata(metadata: Metadata, where: str, file_sizes: Mapping[str, int] | None = None) -> None:
     """Raise :class:`IntegrityError` unless ``metadata`` is consistent.
 
     Args:
-        metadata: DCP ``Metadata`` (already unpickled with the allow-list unpickler).
+        metadata: DCP ``Metadata`` (already unpickled with the allow-list unpickler; each field
+            is checked here, as anything may have been pickled into it).
         where: the ``.metadata`` file's location, for messages.
         file_sizes: data file name -> size (the manifest's); every stored item must fit.
     """
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorStorageMetadata,
-    )
-
     sdm = getattr(metadata, "state_dict_metadata", None)
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -105,7 +105,7 @@ def validate_metadata(metadata: Any, where: str, file_sizes: Mapping[str, int] |
                 )
 
 
-def _check_coverage(key: str, size: tuple[int, ...], chunks: list[Any], where: str) -> None:
+def _check_coverage(key: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata], where: str) -> None:
     """Chunks inside the tensor, pairwise disjoint, volumes adding up to the tensor's."""
     boxes = []
     for c in chunks:

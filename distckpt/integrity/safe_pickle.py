@@ -8,12 +8,14 @@ checkpoint directory (applied to every stored item by :mod:`distckpt.integrity.m
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
-from typing import Any
+from collections.abc import Callable
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from distckpt.errors import UnsafeCheckpointError
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
@@ -42,7 +44,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         super().__init__(data)
         self.where = where
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Callable[..., object]:
         if name == "getattr" and module in ("builtins", "__builtin__"):  # protocol 2 says __builtin__
             return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
         if (module, name) in _ALLOWED:
@@ -54,8 +56,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             "contains (a crafted file could run code through it)"
         )
 
-
-    def _member_of_mem_format(self, owner: Any, name: Any) -> Any:
+    def _member_of_mem_format(self, owner: object, name: object) -> enum.Enum:
         """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
         admitted only for the memory-format enum of DCP's ``TensorProperties`` and its members."""
 
@@ -67,7 +68,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def check_relative_name(name: Any, where: str) -> None:
+def check_relative_name(name: object, where: str) -> None:
     """Refuse a file name recorded in a checkpoint that is not a plain name inside its directory."""
     text = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
     if (
@@ -81,7 +82,7 @@ def check_relative_name(name: Any, where: str) -> None:
         raise UnsafeCheckpointError(f"{where} names file {name!r}, which is outside the checkpoint directory")
 
 
-def load_metadata(data: bytes, where: str) -> Any:
+def load_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle DCP ``Metadata`` safely (only the classes it is made of).
 
     This only unpickles: the values are validated (types, file names inside the directory,
@@ -92,8 +93,6 @@ def load_metadata(data: bytes, where: str) -> Any:
     Raises:
         UnsafeCheckpointError: it would run code to unpickle, or is not DCP ``Metadata``.
     """
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:

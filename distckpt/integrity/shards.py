@@ -28,13 +28,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from distckpt.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
-from distckpt.integrity.torchfile import raw_layout
+from distckpt.integrity.torchfile import RecordStream, raw_layout
 from distckpt.state import fingerprint, values
 from distckpt.state.shape import numel
 
@@ -75,8 +75,9 @@ class ShardSource(Protocol):
     def iter_shards(self, key: str) -> Iterator[Shard]: ...
 
 
-def load_record(stream: Any, key: str, where: str) -> Any:
-    """``torch.load(weights_only=True)`` of one stored item; a refusal names the key.
+def load_record(stream: RecordStream, key: str, where: str) -> Any:
+    """``torch.load(weights_only=True)`` of one stored item (a tensor or whatever value was
+    saved); a refusal names the key.
 
     Raises:
         UnsafeCheckpointError: the item needs code (globals outside torch's allow-list) to be
@@ -371,7 +372,7 @@ class CheckpointSource:
             yield offsets, shard
         self._done(key)
 
-    def _row_chunks(self, key: str) -> list[Any] | None:
+    def _row_chunks(self, key: str) -> list[ChunkStorageMetadata] | None:
         """The shards of ``key`` sorted, if they are row blocks (split along dim 0 only) that
         tile the tensor, so that their bytes concatenated are the tensor's; else ``None``."""
         info = self.tensors[key]

@@ -22,7 +22,7 @@ does. So no byte is used unless the bytes the checksum covered are the same byte
 changed between two reads is an :class:`~distckpt.errors.IntegrityError`, not a mix.
 
 Not collective: any process may open a step. The DCP reader over a step is
-:class:`distckpt.load.reader.CheckpointReader` (:meth:`StepFiles.reader`).
+:class:`distckpt.load.reader.CheckpointReader` (made by ``checkpoint_reader``), one layer up.
 """
 
 from __future__ import annotations
@@ -30,17 +30,19 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO
 
-from distckpt.errors import IntegrityError
-from distckpt.integrity.checksums import CHUNK, new_hasher
+from torch.distributed.checkpoint.metadata import Metadata
+
+from distckpt.errors import IntegrityError, UnsafeCheckpointError
+from distckpt.integrity.checksums import CHUNK, Hasher, new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest, step_dir
-from distckpt.integrity.safe_pickle import check_relative_name
-from distckpt.integrity.torchfile import ByteRange
-from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.metadata_check import validate_metadata
-from distckpt.integrity.safe_pickle import load_metadata
+from distckpt.integrity.safe_pickle import check_relative_name, load_metadata
+from distckpt.integrity.torchfile import ByteRange
+from distckpt.storage.base import Storage
 
 METADATA_NAME = ".metadata"
 
@@ -55,7 +57,7 @@ class StepFiles:
     """The files of one step directory, read verified (see the module doc).
 
     Args:
-        storage: the root the directory lives in (a :class:`~distckpt.storage.base.Storage`).
+        storage: the root the directory lives in.
         dirname: the directory's name under ``storage`` ("" for the root itself).
         manifest: the step's manifest (already bound to ``dirname``), or ``None``.
         files: name -> expected size and checksum; default: the manifest's. ``None`` with no
@@ -71,13 +73,13 @@ class StepFiles:
 
     def __init__(
         self,
-        storage: Any,
+        storage: Storage,
         dirname: str,
         *,
         manifest: Manifest | None = None,
         files: Mapping[str, FileRecord] | None = None,
         algorithm: str | None = None,
-        metadata: Any = None,
+        metadata: Metadata | None = None,
         verify: bool = True,
     ) -> None:
         self.storage = storage
@@ -91,7 +93,7 @@ class StepFiles:
         self._metadata = metadata
 
     @classmethod
-    def open(cls, storage: Any, dirname: str, *, verify: bool = True) -> StepFiles:
+    def open(cls, storage: Storage, dirname: str, *, verify: bool = True) -> StepFiles:
         """The step in ``dirname``: with its manifest if it has one (bound to the directory by
         :func:`distckpt.integrity.manifest.load_manifest`), else a plain DCP directory (unverified).
 
@@ -153,7 +155,7 @@ class StepFiles:
                 raise IntegrityError(f"{self.display(name)}: not listed in the manifest")
         return VerifiedFile(self.storage, self.rel(name), self.display(name), record, self.algorithm)
 
-    def metadata(self) -> Any:
+    def metadata(self) -> Metadata:
         """DCP's metadata, read once: verified against the manifest, unpickled safely, validated.
 
         Raises:
@@ -226,7 +228,7 @@ class _Range:
     end: int
     algorithm: str
     digest: str
-    hasher: Any = None
+    hasher: Hasher | None = None
     fed: int = 0
 
 
@@ -244,7 +246,7 @@ class VerifiedFile:
     (:meth:`close` keeps the pass's state; the next read reopens at its position).
     """
 
-    def __init__(self, storage: Any, rel: str, where: str, record: FileRecord | None, algorithm: str | None) -> None:
+    def __init__(self, storage: Storage, rel: str, where: str, record: FileRecord | None, algorithm: str | None) -> None:
         self.storage = storage
         self.rel = rel
         self.where = where
@@ -252,13 +254,13 @@ class VerifiedFile:
         self.algorithm = algorithm if record is not None and record.checksum and algorithm else None
         self._hasher = new_hasher(self.algorithm) if self.algorithm else None
         self.pos = 0
-        self._cm: Any = None
-        self._f: Any = None
+        self._cm: AbstractContextManager[IO[bytes]] | None = None
+        self._f: IO[bytes] | None = None
         # A second handle for peeks ahead of the pass: a read far ahead on the pass's own handle
         # would reset its sequential readahead (on a cold disk, every large record then paid a
-        # seek and a readahead ramp-up: a cold 1 GiB load took 1.4x as long).
-        self._peek_cm: Any = None
-        self._peek_f: Any = None
+        # seek and a readahead ramp-up; measured: benchmarks/README.md).
+        self._peek_cm: AbstractContextManager[IO[bytes]] | None = None
+        self._peek_f: IO[bytes] | None = None
         self._ahead: list[_Range] = []  # served bytes the pass has not reached yet
         self._behind: list[_Range] = []  # served bytes the pass had passed already
         self._finished = False
@@ -269,7 +271,7 @@ class VerifiedFile:
         return self.record is not None
 
     # the handle --------------------------------------------------------------------------------
-    def _open(self, at: int) -> Any:
+    def _open(self, at: int) -> tuple[AbstractContextManager[IO[bytes]], IO[bytes]]:
         try:
             cm = self.storage.open(self.rel, "rb")
             f = cm.__enter__()
@@ -279,13 +281,13 @@ class VerifiedFile:
             f.seek(at)
         return cm, f
 
-    def _handle(self) -> Any:
+    def _handle(self) -> IO[bytes]:
         if self._f is None:
             self._cm, self._f = self._open(self.pos)
             _advise_sequential(self._f)
         return self._f
 
-    def _peek_handle(self) -> Any:
+    def _peek_handle(self) -> IO[bytes]:
         if self._peek_f is None:
             self._peek_cm, self._peek_f = self._open(0)
         return self._peek_f
@@ -465,7 +467,7 @@ class VerifiedFile:
             self.close()
             self._finished = True
 
-    def _check(self, size: int, hasher: Any, when: str) -> None:
+    def _check(self, size: int, hasher: Hasher | None, when: str) -> None:
         assert self.record is not None
         if size != self.record.size:
             raise IntegrityError(f"{self.where}: {size} bytes{when}, manifest says {self.record.size} (truncated or overwritten)")
@@ -519,7 +521,7 @@ def _feed(ranges: list[_Range], view: memoryview, start: int, where: str) -> lis
     return left
 
 
-def _advise_sequential(f: Any) -> None:
+def _advise_sequential(f: IO[bytes]) -> None:
     """Tell the kernel a local file is read front to back (a larger readahead window); a no-op
     for files without a descriptor (object stores) or systems without ``posix_fadvise``."""
     try:
@@ -528,8 +530,9 @@ def _advise_sequential(f: Any) -> None:
         pass
 
 
-def _readinto(f: Any, view: memoryview) -> int:
-    """Fill ``view`` from ``f`` as far as the file goes (files may return short reads)."""
+def _readinto(f: IO[bytes], view: memoryview) -> int:
+    """Fill ``view`` from ``f`` as far as the file goes (files may return short reads; ``readinto``
+    where the file has it, else ``read``)."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:]) if hasattr(f, "readinto") else None
@@ -543,7 +546,7 @@ def _readinto(f: Any, view: memoryview) -> int:
     return got
 
 
-def _read_bytes(f: Any, n: int) -> bytes:
+def _read_bytes(f: IO[bytes], n: int) -> bytes:
     """Up to ``n`` bytes from ``f`` (fewer only at the end of the file)."""
     data = f.read(n)
     if len(data) < n:
@@ -584,7 +587,7 @@ class _Peek(ByteRange):
         self._windows.append((start, data))
         return start, data
 
-    def readinto(self, b: Any) -> int:
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(b).cast("B")
         n = min(len(view), self._len - self._pos)
         if n <= 0:
@@ -599,7 +602,7 @@ class _Peek(ByteRange):
         return got
 
 
-def read_metadata(storage: Any, manifest: Manifest, verify: bool = True) -> Any:
+def read_metadata(storage: Storage, manifest: Manifest, verify: bool = True) -> Metadata:
     """DCP metadata of a committed step, unpickled safely and (``verify``) checked against the
     manifest: read through :class:`StepFiles`, the one read path."""
     return StepFiles(storage, step_dir(manifest.step), manifest=manifest, verify=verify).metadata()

@@ -12,13 +12,25 @@ import io
 import pickle
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from distckpt.state import shape as _shape
 from distckpt._compat import PyTorchFileReader, dtype_from_storage_name
+
+
+class RecordStream(Protocol):
+    """One ``torch.save`` record to read: a seekable binary stream (a :class:`ByteRange` over a
+    data file, a file, ``io.BytesIO``)."""
+
+    def read(self, size: int = -1, /) -> bytes | None: ...
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int: ...
+
+    def tell(self) -> int: ...
 
 
 class ByteRange(io.RawIOBase):
@@ -49,31 +61,6 @@ class ByteRange(io.RawIOBase):
         """The position changed (a stream over a file handle follows it there)."""
 
 
-class FileSlice(ByteRange):
-    """Bytes ``[offset, offset + length)`` of a binary file, as a seekable read-only stream."""
-
-    def __init__(self, raw: Any, offset: int, length: int) -> None:
-        super().__init__(offset, length)
-        self._raw = raw
-        raw.seek(offset)
-
-    def _moved(self) -> None:
-        self._raw.seek(self._start + self._pos)
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = min(len(view), self._len - self._pos)
-        if n <= 0:
-            return 0
-        got = self._raw.readinto(view[:n]) if hasattr(self._raw, "readinto") else None
-        if got is None:
-            data = self._raw.read(n)
-            got = len(data)
-            view[:got] = data
-        self._pos += got
-        return got
-
-
 class _LayoutUnpickler(pickle.Unpickler):
     """Reads the layout of the one tensor in a ``torch.save`` record without loading its data.
 
@@ -81,7 +68,7 @@ class _LayoutUnpickler(pickle.Unpickler):
     caller falls back to ``torch.load(weights_only=True)``.
     """
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> Callable[..., object]:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
         if (module, name) == ("collections", "OrderedDict"):
@@ -91,7 +78,7 @@ class _LayoutUnpickler(pickle.Unpickler):
             return dtype_from_storage_name(name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: tuple[str, torch.dtype, str, str, int]) -> tuple[torch.dtype, str, int]:
         typename, dtype, key, _location, numel = pid
         if typename != "storage" or not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError(str(typename))
@@ -113,7 +100,7 @@ class RawLayout:
 HEAD = 4096
 
 
-def raw_layout(record: Any) -> RawLayout | None:
+def raw_layout(record: RecordStream) -> RawLayout | None:
     """Layout of the single tensor saved in ``record`` (a seekable file-like of one record).
 
     Found from the record's head where possible (:func:`head_layout`): that is where a reader
@@ -165,7 +152,7 @@ def head_layout(head: bytes) -> RawLayout | None:
     return None
 
 
-def _zip_layout(record: Any) -> RawLayout | None:
+def _zip_layout(record: RecordStream) -> RawLayout | None:
     """:func:`raw_layout` through torch's zip reader (the central directory)."""
     try:
         record.seek(0)
@@ -180,7 +167,9 @@ def _zip_layout(record: Any) -> RawLayout | None:
     return _layout(sdtype, snumel, offset, size, stride, start)
 
 
-def _layout(sdtype: torch.dtype, snumel: int, offset: int, size: tuple, stride: tuple, start: int) -> RawLayout | None:
+def _layout(
+    sdtype: torch.dtype, snumel: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...], start: int
+) -> RawLayout | None:
     """A plain row-major tensor of ``size`` at element ``offset`` of a storage of ``snumel``
     elements whose bytes start at ``start``; ``None`` for anything else."""
     numel = _shape.numel(size)

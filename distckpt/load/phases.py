@@ -15,22 +15,36 @@ it, O(keys) per rank instead of O(world x keys).
 
 from __future__ import annotations
 
+import hashlib
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
 
-from distckpt.state import rng, scope, values
 from distckpt._compat import flatten_state_dict, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
-from distckpt.errors import cause_of, from_causes
+from distckpt.errors import IntegrityError, cause_of, from_causes
 from distckpt.integrity.manifest import Manifest
+from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
 from distckpt.state.entries import Entry, tied_duplicates
-from distckpt.errors import IntegrityError
+
+#: key -> (shape in the checkpoint, shape in the state)
+Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+#: key -> global shape of what the checkpoint stores (``None``: a non-tensor value), see
+#: :func:`metadata_index`
+KeyShapes = Mapping[str, tuple[int, ...] | None]
+#: Where DCP's flattening found each flat key in the nested state (keys and list indices).
+FlatMapping = dict[str, tuple[str | int, ...]]
+#: What one rank shares of its load plan (:func:`plan_load`): missing keys, mismatched keys, a
+#: digest and the count of the keys it requests, per-rank entries that cannot be resharded.
+LoadView = tuple[list[str], Mismatches, str, dict[str, tuple[int, int]], int]
 
 
 @dataclass
@@ -48,7 +62,7 @@ class LoadReport:
     step: int
     missing: list[str]
     unexpected: list[str]
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    mismatched: Mismatches
     skipped: dict[str, str] = field(default_factory=dict)
     per_rank: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -60,11 +74,11 @@ class LoadReport:
 def plan_load(
     group: Group,
     manifest: Manifest,
-    index: dict[str, tuple[int, ...] | None],
+    index: KeyShapes,
     state: MutableMapping[str, Any],
     restore_rng: bool,
     selection: Selection | None = None,
-) -> tuple[LoadPlan, Any]:
+) -> tuple[LoadPlan, LoadView]:
     """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
     selection = selection or Selection()
     entries = [e for e in build_entries(state) if selection.entry(e.name)]
@@ -89,7 +103,7 @@ def plan_load(
     flat, mappings = flatten_state_dict(targets)
 
     missing: list[str] = []
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    mismatched: Mismatches = {}
     later = tied_duplicates(flat)
     tied = {**later, **{first: dup for dup, first in later.items()}}  # both directions
     for key, value in flat.items():
@@ -112,13 +126,11 @@ def plan_load(
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 
 
-def _keys_digest(keys: Any) -> str:
-    import hashlib
-
+def _keys_digest(keys: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:32]
 
 
-def metadata_index(metadata: Any) -> dict[str, tuple[int, ...] | None]:
+def metadata_index(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
     """(any rank, not collective) key -> global shape (``None``: a non-tensor value) of a DCP
     ``Metadata``: built by every rank from the metadata the coordinator read and verified, so
     it need not travel beside it."""
@@ -129,7 +141,7 @@ def metadata_index(metadata: Any) -> dict[str, tuple[int, ...] | None]:
     return index
 
 
-def requested_keys(group: Group, index: Mapping[str, Any], plan: LoadPlan, views: list[Any]) -> set[str]:
+def requested_keys(group: Group, index: KeyShapes, plan: LoadPlan, views: list[LoadView]) -> set[str]:
     """(all ranks, identical result) The keys some rank requests.
 
     One collective, only when the ranks' request digests differ: a max-reduce of a byte per
@@ -151,8 +163,8 @@ def read(
     group: Group,
     where: str,
     request: dict[str, Any],
-    reader: Any,
-    planner: Any,
+    reader: StorageReader,
+    planner: LoadPlanner,
     then: Callable[[], None] | None = None,
 ) -> None:
     """(all ranks, one collective) Read this rank's ``request`` through DCP, then run ``then``.
@@ -262,7 +274,7 @@ class LoadPlan:
 
     entries: list[Entry]
     flat: dict[str, Any]
-    mappings: dict[str, Any]
+    mappings: FlatMapping
     request: dict[str, Any]
     rng_key: str | None
     names: set[str]
@@ -271,8 +283,8 @@ class LoadPlan:
 
 def judge(
     step: int,
-    index: Mapping[str, Any],
-    views: list[Any],
+    index: KeyShapes,
+    views: list[LoadView],
     names: set[str] | None,
     selection: Selection | None = None,
     requested: set[str] | None = None,
@@ -282,7 +294,7 @@ def judge(
     missing nor unexpected."""
     selection = selection or Selection()
     missing = sorted({k for v in views for k in v[0]})
-    mismatched: dict[str, Any] = {}
+    mismatched: Mismatches = {}
     per_rank: dict[str, tuple[int, int]] = {}
     for v in views:
         mismatched.update(v[1])

@@ -18,7 +18,6 @@ import os
 import pickle
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -44,11 +43,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def __init__(
         self,
-        *args: Any,
+        *args: bool,
         value_digests: Mapping[str, str] | None = None,
         where: str = "",
         safe_types: safetypes.SafeTypesLike = None,
-        **kwargs: Any,
+        **kwargs: bool,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.value_digests = value_digests

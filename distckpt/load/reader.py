@@ -15,7 +15,8 @@ verifying, and with fewer copies.
   stores alike (no random reads, no second handle). Everything else takes DCP's path.
 * Files are read side by side by up to ``thread_count`` threads, as many as the bytes pay for
   (:attr:`~distckpt.storage.base.Storage.read_bytes_per_thread`): on a local disk a small load
-  runs faster in one thread than in two whose per-tensor Python work contends for the GIL.
+  runs faster in one thread than in two whose per-tensor Python work contends for the GIL
+  (measured: benchmarks/README.md).
 
 Call order is DCP's (all ranks: ``read_metadata``, ``set_up_storage_reader``, ``read_data``).
 """
@@ -25,29 +26,31 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from distckpt.integrity.shards import load_record
-from distckpt.integrity.stepfiles import StepFiles
-from distckpt.integrity.torchfile import HEAD, head_layout
 from distckpt.errors import IntegrityError
+from distckpt.integrity.manifest import FileRecord
+from distckpt.integrity.shards import load_record
+from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
+from distckpt.integrity.torchfile import HEAD, head_layout
 from distckpt.storage.base import Storage
 
 
 def checkpoint_reader(
     storage: Storage,
     *parts: str,
-    files: Mapping[str, Any] | None = None,
+    files: Mapping[str, FileRecord] | None = None,
     checksum: str | None = None,
     thread_count: int = 2,
-    metadata: Any = None,
+    metadata: Metadata | None = None,
 ) -> CheckpointReader:
     """(each rank) A DCP ``StorageReader`` for the step directory ``parts`` under ``storage``,
     verifying ``files`` (the manifest's records) if given and serving ``metadata`` if it was read
@@ -57,17 +60,16 @@ def checkpoint_reader(
 
 
 class CheckpointReader(FileSystemReader):
-    """A DCP ``StorageReader`` for one step directory (:meth:`StepFiles.reader`)."""
+    """A DCP ``StorageReader`` for one step directory (made by :func:`checkpoint_reader`)."""
 
-    def __init__(self, step: Any, thread_count: int = 2) -> None:
+    def __init__(self, step: StepFiles, thread_count: int = 2) -> None:
         super().__init__(step.storage.join(step.dirname))
         self.step = step
         self.storage = step.storage
         self.fs = step.storage.dcp_filesystem()
         self.path = step.storage.dcp_path(step.dirname)
         self.thread_count = max(1, thread_count)
-        self.fast_reads = 0  # tensors read straight into their destination (for tests/benchmarks)
-        self._count_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its _DeviceSink
         self._sinks: list[_DeviceSink] = []
 
@@ -79,17 +81,15 @@ class CheckpointReader(FileSystemReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         metadata = self.step.metadata()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        per_file: dict[str, list[Any]] = {}
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         # Opened up front: a file the manifest does not list fails before anything is read.
@@ -112,7 +112,7 @@ class CheckpointReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _threads_worth(self, items: list[Any]) -> int:
+    def _threads_worth(self, items: list[ReadItem]) -> int:
         """How many reader threads the bytes of ``items`` pay for on this storage."""
         per_thread = self.storage.read_bytes_per_thread
         if not per_thread:
@@ -120,9 +120,9 @@ class CheckpointReader(FileSystemReader):
         stored = {item.storage_index for item in items}
         return max(1, sum(self.storage_data[i].length for i in stored) // per_thread)
 
-    def _read_file(self, f: Any, reqs: list[Any], planner: Any) -> None:
+    def _read_file(self, f: VerifiedFile, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one file in one pass: serve every request from it, then check it whole."""
-        by_item: dict[tuple[int, int], list[Any]] = {}
+        by_item: dict[tuple[int, int], list[ReadItem]] = {}
         for req in reqs:
             info = self.storage_data[req.storage_index]
             by_item.setdefault((info.offset, info.length), []).append(req)
@@ -157,7 +157,7 @@ class CheckpointReader(FileSystemReader):
         if failure is not None:
             raise failure
 
-    def _direct_targets(self, reqs: list[Any], planner: Any) -> list[tuple[Any, Any]] | None:
+    def _direct_targets(self, reqs: list[ReadItem], planner: LoadPlanner) -> list[tuple[ReadItem, torch.Tensor]] | None:
         """The requests of one stored tensor that can be read straight into their destinations,
         with those destinations (sorted by their first row), or ``None``.
 
@@ -187,7 +187,13 @@ class CheckpointReader(FileSystemReader):
         return out
 
     def _read_direct(
-        self, f: Any, offset: int, length: int, head: bytes, targets: list[tuple[Any, Any]], planner: Any
+        self,
+        f: VerifiedFile,
+        offset: int,
+        length: int,
+        head: bytes,
+        targets: list[tuple[ReadItem, torch.Tensor]],
+        planner: LoadPlanner,
     ) -> bool:
         """Read a stored tensor's rows straight into their destinations if its record's ``head``
         shows plain bytes of their dtype and row shape: the part of them inside the head is
@@ -218,12 +224,10 @@ class CheckpointReader(FileSystemReader):
                     self._fill(f, offset, head, start, sink.buffer(nbytes), req)
                     sink.copy_to(target)
             planner.commit_tensor(req, target)
-            with self._count_lock:
-                self.fast_reads += 1
         return True
 
     @staticmethod
-    def _fill(f: Any, offset: int, head: bytes, start: int, view: memoryview, req: Any) -> None:
+    def _fill(f: VerifiedFile, offset: int, head: bytes, start: int, view: memoryview, req: ReadItem) -> None:
         """Bytes ``[start, start + len(view))`` of the record at ``offset`` into ``view``: what the
         head holds is copied, the rest read by the pass."""
         in_head = max(0, min(len(head) - start, len(view)))
@@ -238,11 +242,11 @@ class CheckpointReader(FileSystemReader):
         sink = getattr(self._local, "sink", None)
         if sink is None:
             sink = self._local.sink = _DeviceSink()
-            with self._count_lock:
+            with self._lock:
                 self._sinks.append(sink)
         return sink
 
-    def _serve(self, data: bytes, item_reqs: list[Any], planner: Any, where: str) -> None:
+    def _serve(self, data: bytes, item_reqs: list[ReadItem], planner: LoadPlanner, where: str) -> None:
         """Deserialize one stored item and hand it to every request that reads from it."""
         for req in item_reqs:
             info = self.storage_data[req.storage_index]
@@ -261,8 +265,9 @@ class CheckpointReader(FileSystemReader):
             planner.commit_tensor(req, target)
 
 
-def _narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
-    """The part of a stored shard a request reads: ``lengths`` elements from ``offsets`` per dim."""
+def _narrow(tensor: Any, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
+    """The part of a stored shard a request reads: ``lengths`` elements from ``offsets`` per dim
+    (``tensor``, what the record held, is returned as it is if it is no tensor)."""
     if not isinstance(tensor, torch.Tensor):
         return tensor  # the shape check below reports it
     for dim, (start, length) in enumerate(zip(offsets, lengths)):
@@ -279,11 +284,11 @@ class _DeviceSink:
     default stream sees every loaded value). Not thread-safe: one per reader thread."""
 
     def __init__(self) -> None:
-        self._buffers: list[Any] = [None, None]
-        self._events: list[Any] = [None, None]
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._stream: Any = None
-        self._pending: Any = None  # the buffer handed out by buffer(), awaiting copy_to()
+        self._stream: torch.cuda.Stream | None = None
+        self._pending: torch.Tensor | None = None  # the buffer handed out by buffer(), awaiting copy_to()
 
     def buffer(self, nbytes: int) -> memoryview:
         """A pinned host buffer of ``nbytes`` to read into (free of earlier copies)."""

@@ -51,41 +51,35 @@ from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
 
 from distckpt._compat import flatten_state_dict, mesh_without_groups, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import CheckpointError
 from distckpt.save import phases as _saving
 from distckpt.save.protocol import PlanCache
-from distckpt.save.shared_arena import attach, descriptor
+from distckpt.save.shared_arena import Slot, attach, descriptor, view
 
-from torch.distributed.tensor import DTensor
+#: flat key -> where DCP's flattening found it in the nested state (keys and list indices)
+Mappings = dict[str, tuple[str | int, ...]]
 
 
 # ---------------------------------------------------------------------------------------------
-# what crosses the pipe
-@dataclass(frozen=True)
-class _Ref:
-    """A tensor staged in the arena: byte offset, dtype, shape."""
-
-    offset: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
+# what crosses the pipe (a tensor staged in the arena travels as its :class:`Slot`)
 @dataclass(frozen=True)
 class _DRef:
     """A staged DTensor shard: its local tensor plus what DCP needs of its layout."""
 
-    local: _Ref | torch.Tensor
+    local: Slot | torch.Tensor
     mesh: list
     dim_names: tuple[str, ...] | None
-    placements: tuple
+    placements: tuple[Placement, ...]
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
 
-def encode(staged: dict[str, Any], arena: torch.Tensor) -> tuple[dict[str, Any], Any]:
+def encode(staged: dict[str, Any], arena: torch.Tensor) -> tuple[dict[str, Any], Mappings]:
     """(training side) ``staged`` as flat key -> value with arena tensors replaced by references.
 
     Tensors outside the arena (a quantized tensor staged by a fresh copy) travel pickled.
@@ -93,10 +87,10 @@ def encode(staged: dict[str, Any], arena: torch.Tensor) -> tuple[dict[str, Any],
     flat, mappings = flatten_state_dict(staged)
     base, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
 
-    def ref(t: torch.Tensor) -> _Ref | torch.Tensor:
+    def ref(t: torch.Tensor) -> Slot | torch.Tensor:
         if t.is_quantized or t.numel() == 0 or not base <= t.data_ptr() < end:
             return t  # small, or not staged in the arena: pickled
-        return _Ref(t.data_ptr() - base, t.dtype, tuple(t.shape))
+        return Slot(t.data_ptr() - base, t.dtype, tuple(t.shape))
 
     out: dict[str, Any] = {}
     for key, value in flat.items():
@@ -118,23 +112,16 @@ def encode(staged: dict[str, Any], arena: torch.Tensor) -> tuple[dict[str, Any],
     return out, mappings
 
 
-def decode(flat: dict[str, Any], mappings: Any, arena: torch.Tensor, rank: int) -> dict[str, Any]:
+def decode(flat: dict[str, Any], mappings: Mappings, arena: torch.Tensor, rank: int) -> dict[str, Any]:
     """(writer side) The staged state dict again, its tensors views of the mapped ``arena``."""
-    meshes: dict[Any, Any] = {}
-
-    def tensor(r: _Ref) -> torch.Tensor:
-        n = r.dtype.itemsize
-        for s in r.shape:
-            n *= s
-        return arena[r.offset : r.offset + n].view(r.dtype).view(r.shape)
-
+    meshes: dict[tuple[str, tuple[str, ...] | None], DeviceMesh] = {}
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if isinstance(value, _DRef):
             mk = (repr(value.mesh), value.dim_names)
             if mk not in meshes:
                 meshes[mk] = mesh_without_groups(value.mesh, value.dim_names, rank)
-            local = tensor(value.local) if isinstance(value.local, _Ref) else value.local
+            local = view(arena, value.local) if isinstance(value.local, Slot) else value.local
             out[key] = DTensor.from_local(
                 local,
                 meshes[mk],
@@ -143,8 +130,8 @@ def decode(flat: dict[str, Any], mappings: Any, arena: torch.Tensor, rank: int) 
                 shape=torch.Size(value.shape),
                 stride=value.stride,
             )
-        elif isinstance(value, _Ref):
-            out[key] = tensor(value)
+        elif isinstance(value, Slot):
+            out[key] = view(arena, value)
         else:
             out[key] = value
     return unflatten_state_dict(out, mappings)
@@ -157,12 +144,12 @@ class Job:
     opts: _saving.SaveOptions
     prepared: _saving.Prepared  # its state_dict replaced by (flat, mappings) below
     flat: dict[str, Any]
-    mappings: Any
+    mappings: Mappings
     arena_path: str | None
     arena_nbytes: int
 
 
-def _send(conn: Connection, obj: Any) -> None:
+def _send(conn: Connection, obj: object) -> None:
     # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's pickler
     # that pass tensors through multiprocessing's resource sharer, which a process started
     # outside multiprocessing cannot use. The few tensors that travel (quantized ones, fingerprint
@@ -171,20 +158,22 @@ def _send(conn: Connection, obj: Any) -> None:
 
 
 def _recv(conn: Connection) -> Any:
+    """The next message :func:`_send` sent: the writer's settings (a dict) first, then
+    ``(kind, payload)`` tuples, whose payload depends on the kind (checked by the reader)."""
     return pickle.loads(conn.recv_bytes())
 
 
 # ---------------------------------------------------------------------------------------------
 # training side
-def _detached_from_job_signals() -> dict[str, Any]:
+def _detached_from_job_signals() -> dict[str, int | bool]:
     """``Popen`` arguments that put the writer in a process group of its own.
 
     Signals sent to the job's process group (torchrun's SIGTERM on preemption, a terminal's
     Ctrl-C) then never reach it, not even while it starts up: its training process decides when
     it stops. A new process *group*, not a new session: Linux's autogroup scheduler gives every
     session an equal share of the CPU whatever its processes' niceness, so a writer in a
-    session of its own would take as much CPU as the whole training job (measured: training at
-    world size 2 ran at 0.61x its speed during a background save). Inside the job's session its
+    session of its own would take as much CPU as the whole training job, slowing training down
+    markedly while it writes (measured: benchmarks/README.md). Inside the job's session its
     niceness holds. Python 3.10 has no ``process_group``: there the writer gets a session of its
     own and nices that session's autogroup instead (:func:`_nice_own_autogroup`).
     """
@@ -207,7 +196,9 @@ def _address() -> str:
 class WriterProcess:
     """The training side of one rank's background writer process."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Connection, rank: int, store: Any) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], conn: Connection, rank: int, store: torch.distributed.TCPStore | None
+    ) -> None:
         # What the writer's plan cache holds (its plans stay in the writer): the token each
         # save's view reports, so repeated async saves skip planning as sync ones do.
         self.plans = PlanCache()
@@ -315,7 +306,7 @@ class WriterProcess:
         if job.arena_path is not None:
             self._arena_sent = job.arena_path
 
-    def result(self) -> Any:
+    def result(self) -> _saving.Written:
         """(each rank, background thread) The writer's :class:`~distckpt.save.phases.Written`; its
         failure raised (the same on every rank: the writers gathered their outcomes)."""
         msg = self._recv()
@@ -400,7 +391,7 @@ def _serve(conn: Connection) -> None:
                         os.close(fd)  # the mapping keeps the memory
                 job.prepared.state_dict = decode(job.flat, job.mappings, arena, init["rank"])
                 written = _saving.write(job.opts, group, job.prepared, plans)
-                reply: Any = ("ok", (written, plans.stamp()))
+                reply: tuple[str, object] = ("ok", (written, plans.stamp()))
             except BaseException as exc:  # noqa: BLE001 - reported to the training process
                 reply = ("err", capture(exc))
             job = None

@@ -48,6 +48,7 @@ from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group
 from distckpt.save.assign import PlanInput
+from distckpt.save.planner import Observe
 from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
 from distckpt.save.writer import checkpoint_writer
 from distckpt._version import __version__
@@ -363,12 +364,20 @@ def check_staging(expected: Mapping[str, int], seen: Mapping[str, int], written:
 
 # 5. write ----------------------------------------------------------------------------------------
 def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache | None = None) -> Written:
-    """(all ranks) Plan, compare replicas, write this rank's data; the coordinator ``.metadata``.
+    """(all ranks) Plan, write this rank's data, check it, compare replicas; the coordinator
+    writes ``.metadata``. A pipeline of named steps (each timed in ``Written.phases``):
+
+    1. ``plan``: DCP's protocol settles what this rank writes (:class:`~distckpt.save.protocol.SaveRun`);
+    2. ``write``: the writer threads write it, observing each tensor (:class:`~distckpt.save.planner.Observe`)
+       while, meanwhile, the copies this rank holds but does not write are digested;
+    3. ``verify_staging``: every staged tensor written equals the state at the call (:func:`check_staging`);
+    4. ``fingerprint``: this rank's fingerprint parts and replica digests;
+    5. ``replicas``: one all-reduce compares replicated copies (:func:`_drifted`);
+    6. ``metadata``: every rank's outcome, files, parts and item digests gathered; ``.metadata``.
 
     Collectives (all ranks, in order): the plan gather and scatter, unless every rank reuses
-    ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); one all-reduce of the
-    replica check when replicas are compared; the gather of outcomes, write results,
-    fingerprint parts and non-tensor item digests; the broadcast of the outcome. See :mod:`distckpt.save.protocol`.
+    ``cache``'s plans (``prepared.plan.hit``, decided by :func:`agree`); the replica check's
+    all-reduce when replicas are compared; the gather of outcomes and the broadcast of the result.
 
     Args:
         cache: the plans of the previous save on this rank (the checkpointer's; read and
@@ -379,7 +388,6 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         CheckpointError: on every rank, naming each failed rank's cause.
     """
     step = prepared.step
-    where = opts.storage.display(step_dir(step))
     writer = checkpoint_writer(
         opts.storage,
         step_dir(step),
@@ -389,79 +397,50 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         skip_record_crc=opts.skip_record_crc,
     )
     plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
-    run = SaveRun(group, writer, plan, cache, f"writing step {step} to {where}")
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = phases.get(name, 0.0) + now - clock
-        clock = now
-
+    run = SaveRun(group, writer, plan, cache, f"writing step {step} to {opts.storage.display(step_dir(step))}")
+    laps = _Laps()
+    # 1. plan (which settles the replicas the ranks compare: see SaveRun._compare_shared_by_parts)
     run.plan(prepared.state_dict)
-    lap("plan")
+    compare = _compares_replicas(opts, plan)
+    observe = Observe(
+        fingerprints=opts.fingerprint,
+        compared=_compared_keys(plan) if compare else frozenset(),
+        on_device=prepared.on_device,
+        staging=prepared.staging_digests,
+    )
+    run.planner.watch(observe)
+    laps("plan")
     item_digests = values.record_item_digests(run.planner)  # non-tensor items, as written
     written_keys = {item.index.fqn for item in run.final.items} if run.final is not None else set()
-    held: list[Any] = []  # fingerprint parts: what this rank writes, and copies compared in record()
-    copies: dict[str, Any] = {}  # replica digests of this rank's copies of compared keys
-    dchecked = plan.dchecked or []
-    # One rank holds the only copy of everything: nothing to compare (and no digests to take).
-    compare = (
-        opts.fingerprint and opts.on_replica_drift != "ignore" and plan.world_size > 1 and bool(plan.checked or dchecked)
-    )
-    compared = frozenset(plan.checked) | frozenset(k for k, _ in dchecked)
-    if opts.fingerprint:
-        # Every copy this rank holds, in DCP's keys. What it writes (its shards, its share of
-        # replicas): fingerprinted, and digested where compared, by the writer threads as they
-        # write it. The copies it holds but another rank writes: digested here meanwhile
-        # (fingerprinted only where record() compares them). (Async) the replicas it did not
-        # stage: digested while staging.
-        run.planner.fingerprints = held
-        if compare:
-            run.planner.copies, run.planner.compared, run.planner.on_device = copies, compared, prepared.on_device
-        others = {k: v for k, v in flatten_state_dict(prepared.state_dict)[0].items() if k not in written_keys}
-
-        def aside_work() -> tuple[list[Any], dict[str, Any]]:
-            digested = {k: v for k, v in others.items() if k in compared} if compare else {}
-            rest = {k: v for k, v in others.items() if k not in digested}
-            return fingerprint.local_parts(rest), statecheck.copy_digests(digested, prepared.on_device)
-
-        aside = _in_background(aside_work)
-    if prepared.staging_digests:
-        run.planner.staging_expected = prepared.staging_digests
+    # 2. write (and, meanwhile, the copies this rank holds but another writes)
+    aside = _in_background(lambda: _held_aside(prepared, written_keys, observe)) if opts.fingerprint else None
     run.write()
-    lap("write")
+    laps("write")
+    # 3. verify_staging
     if prepared.staging_digests:
-        run.attempt(
-            lambda: check_staging(prepared.staging_digests, run.planner.staging_seen, written_keys, step, group.rank)
-        )
-        lap("verify_staging")
-    if opts.fingerprint:
-        run.planner.fingerprints = run.planner.copies = None
+        run.attempt(lambda: check_staging(prepared.staging_digests, run.planner.observed.staging, written_keys, step, group.rank))
+        laps("verify_staging")
+    # 4. fingerprint parts and replica digests
+    held, copies = list(run.planner.observed.parts), dict(run.planner.observed.copies)
+    if aside is not None:
         aside_parts, aside_copies = run.attempt(aside) or ([], {})
-        held = list(held) + aside_parts
+        held += aside_parts
         copies.update(aside_copies)
         copies.update(prepared.replica_digests)
-    lap("fingerprint")
-    phases.update(writer.fs.timings.breakdown())
-    drifted: list[str] = []
-    if compare:
-        # Every rank contributes a vector of the same length, even one that failed (empty slots).
-        vector = run.attempt(lambda: statecheck.replica_vector(copies, plan.checked, dchecked, written_keys))
-        if vector is None:
-            vector = statecheck.replica_vector({}, plan.checked, dchecked, set())
-        summed = group.all_reduce(vector)
-        run.stats.collectives += 1
-        drifted = statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
-    lap("replicas")
-    parts: list[Any] = []
+    laps("fingerprint")
+    phases = dict(writer.fs.timings.breakdown())
+    # 5. replicas
+    drifted = _drifted(group, run, plan, copies, written_keys) if compare else []
+    laps("replicas")
+    parts: list[fingerprint.Part] = []
     if opts.fingerprint:
         parts = run.attempt(lambda: statecheck.parts_to_send(held, written_keys, plan.writers, plan.dchecked)) or []
-    lap("fingerprint")
+    laps("fingerprint")
+    # 6. metadata
     drift_copies = {k: copies[k] for k in drifted if k in copies}
     gathered = run.finish((writer.files, parts, item_digests, drift_copies))
-    lap("metadata")
+    laps("metadata")
+    phases.update(laps.seconds)
     if gathered is None:
         return Written(plan=run.stats, phases=phases)
     files = [g[0] for g in gathered]
@@ -475,6 +454,61 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         plan=run.stats,
         phases=phases,
     )
+
+
+class _Laps:
+    """Seconds per named step, accumulated (a step may be timed in several laps)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._clock
+        self._clock = now
+
+
+def _compares_replicas(opts: SaveOptions, plan: PlanInput) -> bool:
+    """Whether this save compares replicated copies: with fingerprints, unless told to ignore
+    drift, and only where some rank's copy is not the only one."""
+    return (
+        opts.fingerprint
+        and opts.on_replica_drift != "ignore"
+        and plan.world_size > 1
+        and bool(plan.checked or plan.dchecked)
+    )
+
+
+def _compared_keys(plan: PlanInput) -> frozenset[str]:
+    return frozenset(plan.checked) | frozenset(k for k, _ in plan.dchecked or [])
+
+
+def _held_aside(
+    prepared: Prepared, written: set[str], observe: Observe
+) -> tuple[list[fingerprint.Part], dict[str, statecheck.Copy]]:
+    """(a background thread, during the write) What this rank holds but another rank writes:
+    digests of the compared copies, fingerprint parts of the rest (where a later comparison
+    needs them, :func:`statecheck.parts_to_send` keeps them). (Async saves: the replicas it did
+    not stage were digested while staging.)"""
+    others = {k: v for k, v in flatten_state_dict(prepared.state_dict)[0].items() if k not in written}
+    digested = {k: v for k, v in others.items() if k in observe.compared}
+    rest = {k: v for k, v in others.items() if k not in digested}
+    return fingerprint.local_parts(rest), statecheck.copy_digests(digested, observe.on_device)
+
+
+def _drifted(
+    group: Group, run: SaveRun, plan: PlanInput, copies: Mapping[str, statecheck.Copy], written: set[str]
+) -> list[str]:
+    """(all ranks, one all-reduce) Replicated keys whose copies differ (:func:`statecheck.replica_vector`).
+    Every rank contributes a vector of the same length, even one that failed (empty slots)."""
+    dchecked = plan.dchecked or []
+    vector = run.attempt(lambda: statecheck.replica_vector(copies, plan.checked, dchecked, written))
+    if vector is None:
+        vector = statecheck.replica_vector({}, plan.checked, dchecked, set())
+    summed = group.all_reduce(vector)
+    run.stats.collectives += 1
+    return statecheck.replica_mismatches(summed, plan.checked, dchecked, plan.world_size)
 
 
 def _in_background(fn: Callable[[], Any]) -> Callable[[], Any]:

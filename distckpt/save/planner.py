@@ -7,8 +7,10 @@ digest of what it serializes (``verify_staging``). Each rank's own object; not c
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.metadata import (
     Metadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.tensor import DTensor
 
 from distckpt.state import fingerprint, statecheck
@@ -27,58 +29,80 @@ from distckpt.state.placements import writes_dtensor
 from distckpt.save.metadata import apply_delta, build_global, encode_plan
 
 
-# The planner (DCP's SavePlanner interface) and the wire form of plans
+@dataclass(frozen=True)
+class Observe:
+    """What the writer threads take of each tensor as they write it (fixed before the write).
+
+    Attributes:
+        fingerprints: the fingerprint part of every block written (:func:`fingerprint.part_of`).
+        compared: keys whose copies the replica check compares: their replica digests
+            (:func:`statecheck.copy_digest`); ``on_device``: those taken from accelerator tensors.
+        staging: (``verify_staging``) key -> the staging digest of the live tensor at the save
+            call; the digest of the tensor serialized for it is taken to compare.
+    """
+
+    fingerprints: bool = False
+    compared: frozenset[str] = frozenset()
+    on_device: frozenset[str] = frozenset()
+    staging: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Observed:
+    """What the writer threads took (see :class:`Observe`), filled while they write."""
+
+    parts: list[fingerprint.Part] = field(default_factory=list)
+    copies: dict[str, statecheck.Copy] = field(default_factory=dict)
+    staging: dict[str, int] = field(default_factory=dict)
+
+
 class DistckptSavePlanner(DefaultSavePlanner):
     """DCP save planner whose local plan lists only what this rank writes (see module docstring).
 
     Usable with ``dcp.save`` too (``create_global_plan`` then runs :func:`build_global`);
-    distckpt drives it through :class:`SaveRun`.
+    distckpt drives it through :class:`~distckpt.save.protocol.SaveRun`. The writer threads hand
+    it every item they take (:meth:`resolve_data`) and every tensor they serialize
+    (:meth:`serializing`): what :meth:`watch` asked for is taken then, in parallel and while the
+    memory is about to be read anyway, into :attr:`observed`.
     """
 
     def __init__(self, plan: PlanInput) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
         self.plan_input = plan
-        # Fingerprint parts of the blocks this rank writes, computed by the writer threads as
-        # they take each tensor (in parallel, and while its memory is about to be read anyway);
-        # None: not collected.
-        self.fingerprints: list[Any] | None = None
-        # Replica digests (statecheck.copy_digest) of the compared keys among what this rank
-        # writes, key -> digest; None: not collected. ``on_device``: keys whose copies were taken
-        # from accelerator tensors.
-        self.copies: dict[str, Any] | None = None
-        self.compared: frozenset[str] = frozenset()
-        self.on_device: frozenset[str] = frozenset()
-        self._fingerprints_lock = threading.Lock()
-        # verify_staging: key -> staging digest of the live tensor at the save call (set by the
-        # write phase), and key -> the digest of the tensor serialized for it (see :meth:`serializing`).
-        self.staging_expected: Mapping[str, int] = {}
-        self.staging_seen: dict[str, int] = {}
+        self.observe = Observe()
+        self.observed = Observed()
+        self._lock = threading.Lock()
 
-    def serializing(self, write_item: Any, tensor: torch.Tensor) -> None:
+    def watch(self, observe: Observe) -> None:
+        """What the writer threads take of each tensor: set after planning (the plan settles
+        which replicas are compared) and before writing."""
+        self.observe = observe
+        self.observed = Observed()
+
+    def serializing(self, write_item: WriteItem, tensor: torch.Tensor) -> None:
         """(writer threads) ``tensor`` is about to be serialized for ``write_item``, exactly as
         written: take its staging digest where the save verifies staging (see
         :func:`distckpt.save.phases.check_staging`)."""
         key = write_item.index.fqn
-        if key in self.staging_expected:
-            value = staging_digest(tensor)
-            with self._fingerprints_lock:
-                self.staging_seen[key] = int(value)
+        if key in self.observe.staging:
+            value = int(staging_digest(tensor))
+            with self._lock:
+                self.observed.staging[key] = value
 
-    def resolve_data(self, write_item: Any) -> Any:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
         td = write_item.tensor_data
-        if self.fingerprints is not None and td is not None and isinstance(data, torch.Tensor):
-            chunk = td.chunk
+        if self.observe.fingerprints and td is not None and isinstance(data, torch.Tensor):
             key = write_item.index.fqn
-            part = fingerprint.part_of(key, data, chunk.offsets, td.size)
+            part = fingerprint.part_of(key, data, td.chunk.offsets, td.size)
             copy = None
-            if self.copies is not None and key in self.compared:
-                copy = statecheck.copy_digest(data, chunk.offsets, key in self.on_device)
-            with self._fingerprints_lock:
+            if key in self.observe.compared:
+                copy = statecheck.copy_digest(data, td.chunk.offsets, key in self.observe.on_device)
+            with self._lock:
                 if part is not None:
-                    self.fingerprints.append(part)
+                    self.observed.parts.append(part)
                 if copy is not None:
-                    self.copies[key] = copy
+                    self.observed.copies[key] = copy
         return data
 
     def create_local_plan(self) -> SavePlan:

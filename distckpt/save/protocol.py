@@ -40,6 +40,7 @@ from distckpt.errors import CheckpointError, from_causes
 from distckpt.save.assign import PlanInput
 from distckpt.save.metadata import apply_delta, build_global, encode_plan
 from distckpt.save.planner import DistckptSavePlanner
+from distckpt.save.writer import CheckpointWriter
 
 
 # -------------------------------------------------------------------------------------------------
@@ -131,7 +132,14 @@ class SaveRun:
     that carries outcomes (the plan scatter, or :meth:`finish`).
     """
 
-    def __init__(self, group: Group, writer: Any, plan: PlanInput, cache: PlanCache | None, what: str) -> None:
+    def __init__(
+        self,
+        group: Group,
+        writer: CheckpointWriter,
+        plan: PlanInput,
+        cache: PlanCache | None,
+        what: str,
+    ) -> None:
         self.group = group
         self.writer = writer
         self.input = plan

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distckpt.state.shape import numel
+
 ALIGN = 64  # bytes: every tensor starts on a cache line
 PREFIX = "distckpt-stage-"  # names of staging files: PREFIX + "<pid>-" + a unique part
 
@@ -51,10 +53,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape) * self.dtype.itemsize
 
 
 def plan_slots(layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, Slot], int]:

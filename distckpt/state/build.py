@@ -25,7 +25,7 @@ from distckpt.state.entries import (
     contains,
     optimizer_params,
 )
-from distckpt.state.scope import unwrap
+from distckpt.state.scope import Declared, unwrap
 from distckpt.state.zero import ZeroOptimizerEntry
 
 RESERVED_PREFIX = "_"
@@ -40,7 +40,7 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
         raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
     modules: list[ModuleEntry] = []
     others: list[tuple[str, Any]] = []
-    declared: dict[str, tuple[str | None, Any]] = {}
+    declared: dict[str, tuple[str | None, Declared | None]] = {}
     for name, obj in state.items():
         if not isinstance(name, str) or not name or "." in name or name.startswith(RESERVED_PREFIX):
             raise ValueError(

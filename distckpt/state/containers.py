@@ -18,7 +18,7 @@ SAVE_DEPTH = 100  # nesting a save accepts (deeper: refused, naming the key)
 LOAD_DEPTH = 200  # nesting a load walks (checkpoints from before SAVE_DEPTH may nest deeper)
 
 
-def dcp_leaf(value: Any, depth: int = 0) -> bool:
+def dcp_leaf(value: object, depth: int = 0) -> bool:
     """Whether DCP's flattening stores ``value`` as one item (mirrors ``traverse_state_dict``:
     mappings are entered, lists only when they hold tensors, mappings or such lists). Lists
     nested beyond :data:`SAVE_DEPTH` count as items, which the save then refuses, naming them."""
@@ -72,7 +72,7 @@ def restore_containers(loaded: Any, like: Any, depth: int = 0) -> Any:
     return loaded
 
 
-def _stores_items(value: Any, depth: int = 0) -> bool:
+def _stores_items(value: object, depth: int = 0) -> bool:
     """Whether DCP's flattening of ``value`` yields any item (an empty dict yields none)."""
     if depth > LOAD_DEPTH:
         return True

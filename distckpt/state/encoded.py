@@ -56,8 +56,8 @@ import fractions
 import pathlib
 import uuid
 import zoneinfo
-from collections.abc import Iterable, Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -146,6 +146,23 @@ def _sorted_items(items: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(sorted(items, key=lambda v: (type(v).__qualname__, repr(v))))
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+def _changed(pairs: Iterable[tuple[K, Any]], encode: Callable[[K, Any], Any], tensors_pass: bool) -> dict[K, Any]:
+    """``key -> encode(key, value)`` for the ``(key, value)`` pairs whose encoded value is a new
+    object; empty if none changed. Native values (and, with ``tensors_pass``, tensors) pass
+    without a call."""
+    out: dict[K, Any] = {}
+    for k, v in pairs:
+        if type(v) in NATIVE or (tensors_pass and isinstance(v, torch.Tensor)):  # most leaves: cheap to pass
+            continue
+        e = encode(k, v)
+        if e is not v:
+            out[k] = e
+    return out
+
+
 class _Encoder:
     def __init__(self, allow: SafeTypes) -> None:
         self.allow = allow
@@ -157,16 +174,8 @@ class _Encoder:
         if depth > SAVE_DEPTH:
             _too_deep(key)
         if isinstance(value, Mapping):
-            new: dict[Any, Any] | None = None
-            for k, v in value.items():
-                if type(v) in NATIVE or isinstance(v, torch.Tensor):  # most leaves: cheap to pass
-                    continue
-                e = self.traversed(v, f"{key}.{k}", depth + 1)
-                if e is not v:
-                    if new is None:
-                        new = dict(value)
-                    new[k] = e
-            return value if new is None else new
+            new = _changed(value.items(), lambda k, v: self.traversed(v, f"{key}.{k}", depth + 1), tensors_pass=True)
+            return {**value, **new} if new else value
         if isinstance(value, list) and not dcp_leaf(value):
             items = [self.traversed(v, f"{key}.{i}", depth + 1) for i, v in enumerate(value)]
             return value if all(a is b for a, b in zip(items, value)) else items
@@ -199,16 +208,13 @@ class _Encoder:
 
     def _items(self, value: Iterable[Any], key: str, depth: int) -> tuple[Any, ...] | None:
         """The encoded items of a sequence as a tuple, or ``None`` if none changed."""
-        out = None
-        for i, v in enumerate(value):
-            if type(v) in NATIVE:
-                continue
-            e = self.pickled(v, f"{key}[{i}]", depth + 1)
-            if e is not v:
-                if out is None:
-                    out = list(value)
-                out[i] = e
-        return None if out is None else tuple(out)
+        new = _changed(enumerate(value), lambda i, v: self.pickled(v, f"{key}[{i}]", depth + 1), tensors_pass=False)
+        if not new:
+            return None
+        out = list(value)
+        for i, e in new.items():
+            out[i] = e
+        return tuple(out)
 
     def _dict(self, value: Mapping[Any, Any], key: str, depth: int) -> Mapping[Any, Any]:
         pairs = []

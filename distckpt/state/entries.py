@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from distckpt.state import containers, encoded, module_keys, values
+from distckpt.state.scope import Declared
 
 _FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -86,7 +88,7 @@ class Entry:
     def __init__(self, name: str) -> None:
         self.name = name
         self.declared: str | None = None
-        self.holder: Any = None
+        self.holder: Declared | None = None
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind}
@@ -118,7 +120,7 @@ class ModuleEntry(Entry):
             out["layout"] = layout
         return out
 
-    def save_state(self) -> Any:
+    def save_state(self) -> dict[str, Any]:
         # get_model_state_dict's result, its key mapping cached per module structure.
         sd, self._raw_of = module_keys.state_dict(self.module)
         return sd
@@ -220,14 +222,14 @@ class OptimizerEntry(Entry):
             "initialized": bool(self.optim.state),
         }
 
-    def save_state(self) -> Any:
+    def save_state(self) -> dict[str, Any]:
         if not self.optim.state:
             # get_optimizer_state_dict would run a zero-grad step() to create state; saving must
             # never change the optimizer, so an optimizer that has not stepped saves its groups.
             return flat_param_groups(self.optim, self.module.param_fqns())
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
 
-    def load_target(self, saved: Mapping[str, Any]) -> Any:
+    def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         if not saved.get("initialized", True):
             return flat_param_groups(self.optim, self.module.param_fqns())
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
@@ -245,21 +247,21 @@ class StatefulEntry(Entry):
 
     kind = "stateful"
 
-    def __init__(self, name: str, obj: Any) -> None:
+    def __init__(self, name: str, obj: Stateful) -> None:
         super().__init__(name)
         self.obj = obj
-        self._like: Any = None  # the object's own state at load: its containers and keys
+        self._like: dict[str, Any] | None = None  # the object's own state at load: its containers and keys
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "class": type(self.obj).__name__}
 
-    def save_state(self) -> Any:
+    def save_state(self) -> dict[str, Any]:
         sd = self.obj.state_dict()
         if not isinstance(sd, Mapping):
             raise TypeError(f"state[{self.name!r}].state_dict() returned {type(sd).__name__}, not a dict")
         return dict(sd)
 
-    def load_target(self, saved: Mapping[str, Any]) -> Any:
+    def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         self._like = self.save_state()
         return self._like
 
@@ -280,7 +282,7 @@ class TensorEntry(Entry):
         super().__init__(name)
         self.tensor = tensor
 
-    def save_state(self) -> Any:
+    def save_state(self) -> torch.Tensor:
         return self.tensor
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
@@ -339,7 +341,7 @@ class ValueEntry(Entry):
         self.value = value
         self.plain = values.stores_as_json(value)
 
-    def save_state(self) -> Any:
+    def save_state(self) -> str | encoded.TopLevel:
         return values.encode(self.value, self.name) if self.plain else encoded.TopLevel(self.value)
 
     def describe(self) -> dict[str, Any]:
@@ -362,7 +364,7 @@ class ValueEntry(Entry):
             state[self.name] = value
 
 
-def contains(value: Any, kind: type = torch.Tensor) -> bool:
+def contains(value: object, kind: type = torch.Tensor) -> bool:
     """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere."""
     if isinstance(value, kind):
         return True
@@ -373,7 +375,7 @@ def contains(value: Any, kind: type = torch.Tensor) -> bool:
     return False
 
 
-def tied_duplicates(tensors: Mapping[str, Any]) -> dict[str, str]:
+def tied_duplicates(tensors: Mapping[str, object]) -> dict[str, str]:
     """Key -> the earlier key whose value is the very same tensor (tied weights, e.g. a language
     model's ``lm_head.weight`` and its input embeddings); DTensors compared by local shard."""
     from torch.distributed.tensor import DTensor

@@ -28,8 +28,8 @@ it (the manifest's ``fingerprint_version``), used a linear 32-bit-weighted sum i
 flips cancel half of the time; those checkpoints are still checked with it. Neither is a
 cryptographic hash: they detect accidents, not an attacker who can also rewrite the manifest.
 
-Cost: a few vectorised integer operations per element, in NumPy for host memory (about 2 GB/s
-per core for version 2) and torch on the tensor's own device for accelerator memory (summed
+Cost: a few vectorised integer operations per element, in NumPy for host memory (throughput:
+benchmarks/README.md) and torch on the tensor's own device for accelerator memory (summed
 there without synchronizing, brought back once).
 """
 

@@ -8,7 +8,7 @@ bits are ``b``. Two constructions exist; a manifest records which one its finger
 **Version 1** (manifests written before distckpt 0.9, and the staging digest of an async save):
 ``b`` is an element's bits as a signed integer of its width, ``f = M1[g >> 20] * wrap_w(b *
 T1[g & (2**20 - 1)])`` with 32-bit odd weights, ``w = max(32, element bits)``. Cheap (one
-multiply and one add per element, ~7 GB/s per core) and it always sees a single changed
+multiply and one add per element) and it always sees a single changed
 element, but it is linear with 32-bit products: a sign flip moves a product by exactly
 ``+-2**31`` whatever the weight, so two sign flips cancel half of the time (``x`` and ``-x`` of
 two elements collide 54% of the time).
@@ -26,7 +26,8 @@ half, and the odd block multiplier keeps every nonzero difference nonzero: a sin
 word always changes the sum, and the differences of several changed words are spread over all
 64 bits instead of sharing trailing zeros, so that changes of a few elements (sign flips, bit
 flips, swaps, one ulp) cancel only by a ~2**-64 accident (measured: ``tests/test_fingerprint.py``).
-It costs three vector operations per word more than version 1 (~2 GB/s per core in NumPy).
+It costs three vector operations per word more than version 1 (throughput of both:
+benchmarks/README.md).
 
 Both are sums of a function of (global index, bits): any split of a tensor into disjoint runs
 sums to the same total, which is what makes fingerprints independent of sharding.

@@ -4,10 +4,11 @@
 same keys, in the same order, the same tensors), and :func:`load` does what
 ``set_model_state_dict(module, sd, options=StateDictOptions(strict=False))`` does. torch's helpers
 recompute every key's FQN on every call by walking the module tree from the root for each key
-(``_verify_options`` and ``_get_fqns``: about 1,000 walks for a 200-tensor model, 20-50 ms per
-call here), although the mapping depends only on the module tree's names and wrapper types.
-Here it is computed once (with torch's own rule, :func:`distckpt._compat.model_key_fqns`) and
-reused while the module tree keeps the same names and types; any change recomputes it.
+(``_verify_options`` and ``_get_fqns``: about 1,000 walks for a 200-tensor model, a cost paid on
+every save and load; measured: benchmarks/README.md), although the mapping depends only on the
+module tree's names and wrapper types. Here it is computed once (with torch's own rule,
+:func:`distckpt._compat.model_key_fqns`) and reused while the module tree keeps the same names
+and types; any change recomputes it.
 
 Modules wrapped in FSDP1 (``FullyShardedDataParallel``), whose state dicts need torch's
 state-dict-type context, go through torch's helpers unchanged.

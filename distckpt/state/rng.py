@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import json
 import random
+import types
 import zlib
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
 NAMESPACE = "_rng"
 
 
-def _numpy() -> Any:
+def _numpy() -> types.ModuleType | None:
     try:
         import numpy
 
@@ -34,9 +35,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def capture() -> dict[str, Any]:
+def capture() -> dict[str, torch.Tensor | str]:
     """This rank's generator states as a DCP-storable dict (tensors and JSON strings)."""
-    state: dict[str, Any] = {
+    state: dict[str, torch.Tensor | str] = {
         "python": json.dumps(_py_state_to_json(random.getstate())),
         "torch": torch.get_rng_state(),
     }
@@ -52,7 +53,7 @@ def capture() -> dict[str, Any]:
     return state
 
 
-def restore(state: dict[str, Any]) -> None:
+def restore(state: Mapping[str, torch.Tensor | str]) -> None:
     """Set this rank's generators from :func:`capture`'s output."""
     if "python" in state:
         random.setstate(_py_state_from_json(json.loads(state["python"])))

@@ -46,12 +46,15 @@ _PER_RANK_KINDS = {
 }
 
 
-class _Declared:
+class Declared:
+    """The wrapper a declared scope comes in (:class:`PerRank`, :class:`Global`): ``obj`` is
+    the user's object, whatever it is."""
+
     __slots__ = ("obj",)
     scope = ""
 
     def __init__(self, obj: Any) -> None:
-        if isinstance(obj, _Declared):
+        if isinstance(obj, Declared):
             raise TypeError(f"{type(self).__name__}({type(obj).__name__}(...)): declare the scope once")
         self.obj = obj
 
@@ -59,7 +62,7 @@ class _Declared:
         return f"{type(self).__name__}({self.obj!r})"
 
 
-class PerRank(_Declared):
+class PerRank(Declared):
     """Declare an entry of ``state`` as per-rank: stored once per rank, loaded back by each rank.
 
     ``state["loader"] = distckpt.PerRank(loader)``. A plain value inside is replaced in the
@@ -70,7 +73,7 @@ class PerRank(_Declared):
     scope = PER_RANK
 
 
-class Global(_Declared):
+class Global(Declared):
     """Declare an entry of ``state`` as global: it must be identical on every rank (stored once).
 
     A save where it differs between ranks fails on every rank, naming the entry and the ranks
@@ -80,9 +83,9 @@ class Global(_Declared):
     scope = GLOBAL
 
 
-def unwrap(obj: Any) -> tuple[Any, str | None, _Declared | None]:
+def unwrap(obj: Any) -> tuple[Any, str | None, Declared | None]:
     """``(object, declared scope or None, the wrapper or None)`` of a ``state`` value."""
-    if isinstance(obj, _Declared):
+    if isinstance(obj, Declared):
         return obj.obj, obj.scope, obj
     declared = getattr(type(obj), "distckpt_scope", None)
     if declared is not None:
@@ -95,7 +98,7 @@ def unwrap(obj: Any) -> tuple[Any, str | None, _Declared | None]:
     return obj, None, None
 
 
-def digest(value: Any) -> str:
+def digest(value: object) -> str:
     """A digest of a state value (nested containers, tensors, plain values) that is equal on two
     ranks exactly when their values are equal (tensors compared by dtype, shape and bytes)."""
     h = hashlib.blake2b(digest_size=16)
@@ -103,7 +106,7 @@ def digest(value: Any) -> str:
     return h.hexdigest()
 
 
-def _feed(h: Any, value: Any) -> None:
+def _feed(h: hashlib.blake2b, value: object) -> None:
     if isinstance(value, torch.Tensor):
 
         t = value.detach()

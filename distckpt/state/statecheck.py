@@ -165,8 +165,8 @@ Copy = tuple  # (shard offsets, digest): one copy of a compared tensor on one ra
 def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = False) -> Copy | None:
     """(any rank, not collective) The digest of one copy of a replicated tensor (or of one
     replicated shard, at ``offsets``) for the replica check, which needs only equal copies to
-    give equal digests: a CRC-32C of the bytes of a host copy (about three times as fast as a
-    fingerprint on one core), the fingerprint sum of an accelerator copy (summed on its device,
+    give equal digests: a CRC-32C of the bytes of a host copy (cheaper than a fingerprint on one
+    core; measured: benchmarks/README.md), the fingerprint sum of an accelerator copy (summed on its device,
     no copy to the host). ``on_device``: the copy was taken from an accelerator tensor (a copy
     staged to host memory takes its replicas' kind of digest). ``None``: not comparable
     (sparse, quantized, meta)."""

@@ -18,12 +18,13 @@ import io
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from distckpt.errors import IntegrityError
+from distckpt.integrity.checksums import Buffer
 from distckpt.state.containers import SAVE_DEPTH
 
 PREFIX = "distckpt-json:"
@@ -32,25 +33,22 @@ _DICT = "__distckpt_dict__"
 _FLOAT = "__distckpt_float__"
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
-#: What a non-tensor item is read or written as (``BytesIO.getbuffer()``, ``bytes`` ...).
-Buffer = Union[bytes, bytearray, memoryview]
-
 
 # Plain top-level values ------------------------------------------------------------------------
-def is_plain(value: Any) -> bool:
+def is_plain(value: object) -> bool:
     """True if ``value`` is a plain value :func:`encode` can store as JSON text (subclasses of
     the plain types included: they come back as their base type)."""
     return _fits(value, exact=False)
 
 
-def stores_as_json(value: Any) -> bool:
+def stores_as_json(value: object) -> bool:
     """True if the JSON form gives ``value`` back exactly: plain types only, no subclasses
     (``np.float64`` is a float, an ``IntEnum`` an int, a NamedTuple a tuple; JSON would return
     their base types, so they are stored in the encoded form instead)."""
     return _fits(value, exact=True)
 
 
-def _fits(value: Any, exact: bool) -> bool:
+def _fits(value: object, exact: bool) -> bool:
     try:
         _check(value, "", 0, exact)
     except (TypeError, RecursionError):

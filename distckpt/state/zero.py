@@ -13,37 +13,27 @@ Nothing here calls ``consolidate_state_dict`` or moves state between ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from distckpt.state.entries import _FLAT_OPTIM, Entry, flat_param_groups, load_flat_param_groups
-
-if TYPE_CHECKING:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from distckpt.state.entries import ModuleEntry
+from distckpt.state.entries import _FLAT_OPTIM, ModuleEntry, OptimizerEntry, flat_param_groups, load_flat_param_groups
 
 
-class ZeroOptimizerEntry(Entry):
-    """A ``ZeroRedundancyOptimizer``: each rank saves and loads only its own partition."""
+class ZeroOptimizerEntry(OptimizerEntry):
+    """A ``ZeroRedundancyOptimizer``: each rank saves and loads only its own partition.
 
-    kind = "optimizer"
-    scoped = False
+    Described as the optimizer it wraps (``optim``: ZeRO's local optimizer), with
+    ``"parallel": "zero"``.
+    """
 
     def __init__(self, name: str, zero: ZeroRedundancyOptimizer, module: ModuleEntry) -> None:
-        super().__init__(name)
+        super().__init__(name, zero.optim, module)
         self.zero = zero
-        self.module = module
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "module": self.module.name,
-            "class": type(self.zero.optim).__name__,
-            "parallel": "zero",
-            "initialized": bool(self.zero.optim.state),
-        }
+        return {**super().describe(), "parallel": "zero"}
 
     def _sync_wrapper_to_local(self) -> None:
         # ZeRO copies the wrapper's hyper-parameters (where LR schedulers write) into the local
@@ -60,14 +50,14 @@ class ZeroOptimizerEntry(Entry):
                 if key != "params":
                     dst[key] = value
 
-    def save_state(self) -> Any:
+    def save_state(self) -> dict[str, Any]:
         self._sync_wrapper_to_local()
         local = self.zero.optim
         if not local.state:
             return flat_param_groups(local, self.module.param_fqns())
         return get_optimizer_state_dict(self.module.module, local, options=_FLAT_OPTIM)
 
-    def load_target(self, saved: Mapping[str, Any]) -> Any:
+    def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         fqns = self.module.param_fqns()
         # Hyper-parameters of *all* parameters (small values) so that every rank restores the
         # wrapper's groups identically, also for groups with no parameter on this rank.

@@ -20,11 +20,12 @@ error messages or manifests.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Protocol
 
 import fsspec
+from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 
@@ -35,7 +36,7 @@ _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "a
 _CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
 
 
-def _flat_namespace(fs: Any) -> bool:
+def _flat_namespace(fs: AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in _FLAT_PROTOCOLS for p in protocols)
 
@@ -92,6 +93,20 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class WritableFile(Protocol):
+    """A binary file open for writing, as :meth:`Storage.sync_file` takes it: a local file, an
+    fsspec file, or what a DCP filesystem's ``create_stream`` yields (``fileno`` may raise where
+    there is no descriptor)."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int | None: ...
+
+    def tell(self) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def fileno(self) -> int: ...
+
+
 # kind -> implementation: "local" (LocalStorage), "url" (FsspecStorage); each registers itself
 # when its module is imported, which importing the distckpt.storage package does.
 _KINDS: dict[str, type[Storage]] = {}
@@ -113,6 +128,7 @@ class Storage:
             the two kinds of storage is in their methods, not in callers' branches).
         flat: whether the root is on an object store without real directories.
         url: the root for messages (no credentials); ``path``: the root for the filesystem.
+        fs: the fsspec filesystem the root lives on (set by each implementation).
 
     Not collective: any rank may create one. The checkpointer lets only the coordinator list,
     commit and delete.
@@ -120,6 +136,7 @@ class Storage:
 
     is_local = False
     flat = False
+    fs: AbstractFileSystem
 
     @property
     def shared_between_processes(self) -> bool:
@@ -129,22 +146,21 @@ class Storage:
 
         return not isinstance(self.fs, MemoryFileSystem)
 
-    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if kind is not None:
             _KINDS[kind] = cls
 
-    def __new__(cls, root: str | os.PathLike | None = None, storage_options: dict[str, Any] | None = None) -> Storage:
+    def __new__(cls, root: str | os.PathLike | None = None, storage_options: Mapping[str, object] | None = None) -> Storage:
         if cls is Storage:
             protocol = fsspec.utils.get_protocol(os.fspath(root)) if root is not None else "file"
             cls = _KINDS["local" if protocol in ("file", "local") else "url"]
         return super().__new__(cls)
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
         self.path = ""
         self.url = ""
-        self.fs: Any = None
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -301,9 +317,10 @@ class Storage:
         accessible (object stores only; elsewhere nothing to check)."""
 
     @contextmanager
-    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
-        """A file under the root. Local reads refuse symbolic links and non-regular files
-        (:class:`~distckpt.errors.UnsafeCheckpointError` naming the file)."""
+    def open(self, rel: str, mode: str = "rb") -> Iterator[IO[bytes]]:
+        """A binary file under the root (``mode`` ``"rb"`` or ``"wb"``). Local reads refuse
+        symbolic links and non-regular files (:class:`~distckpt.errors.UnsafeCheckpointError`
+        naming the file)."""
         raise NotImplementedError
         yield  # pragma: no cover
 
@@ -311,11 +328,11 @@ class Storage:
         """The DCP filesystem object for this root (shares our fsspec instance and options)."""
         raise NotImplementedError
 
-    def dcp_path(self, *parts: str) -> Any:
+    def dcp_path(self, *parts: str) -> str | os.PathLike[str]:
         """``parts`` as the path type :meth:`dcp_filesystem` takes."""
         return self.join(*parts)
 
-    def sync_file(self, f: Any) -> None:
+    def sync_file(self, f: WritableFile) -> None:
         """Make a written file durable before it is closed (local disks: flush Python's buffer,
         then ``fsync``; object stores: nothing, closing the file is what commits it)."""
 

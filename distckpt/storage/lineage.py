@@ -22,8 +22,9 @@ state (they all load the same step).
 from __future__ import annotations
 
 import uuid
-from typing import Any
+
 from distckpt.integrity.manifest import read_manifest
+from distckpt.storage.base import Storage
 
 
 def check_job(job: str | None) -> None:
@@ -62,7 +63,7 @@ class Lineage:
             self._job = uuid.uuid4().hex[:16]
         return self._job
 
-    def owns(self, storage: Any, step: int) -> bool:
+    def owns(self, storage: Storage, step: int) -> bool:
         """Whether committed ``step`` under ``storage`` is this job's (its manifest is read once
         and remembered: a committed manifest never changes). A step whose manifest cannot be read
         is not ours: retention leaves what it cannot attribute."""
@@ -78,6 +79,6 @@ class Lineage:
             return self._legacy
         return recorded == self.job
 
-    def forget(self, storage: Any, step: int) -> None:
+    def forget(self, storage: Storage, step: int) -> None:
         """Drop what is remembered of ``step`` (deleted, so its number may be saved again)."""
         self._jobs.pop((id(storage), step), None)

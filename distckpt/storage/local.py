@@ -15,16 +15,16 @@ import shutil
 import stat
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, BinaryIO
 
 import fsspec
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from distckpt.storage.base import NEW_DIR_PREFIX, Storage, _fsync_dir, named_os_error
+from distckpt.storage.base import NEW_DIR_PREFIX, Storage, WritableFile, _fsync_dir, named_os_error
 from distckpt.errors import UnsafeCheckpointError
 
 
@@ -33,7 +33,7 @@ class LocalStorage(Storage, kind="local"):
 
     is_local = True
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:
         super().__init__(root, storage_options)
         root = os.fspath(root)
         if "://" in root:
@@ -199,7 +199,7 @@ class LocalStorage(Storage, kind="local"):
 
     # files ------------------------------------------------------------------------------------
     @contextmanager
-    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+    def open(self, rel: str, mode: str = "rb") -> Iterator[IO[bytes]]:
         if "r" in mode and "+" not in mode:
             with self._open_read(tuple(p for p in rel.split("/") if p)) as f:
                 yield f
@@ -211,7 +211,7 @@ class LocalStorage(Storage, kind="local"):
         except OSError as exc:  # a full disk: say which file
             raise named_os_error(exc, path) from exc
 
-    def _open_read(self, parts: tuple[str, ...]) -> Any:
+    def _open_read(self, parts: tuple[str, ...]) -> BinaryIO:
         """Open ``parts`` for reading without following any symbolic link below the root: every
         file a load, verify, inspect or convert reads stays inside it."""
 
@@ -235,14 +235,13 @@ class LocalStorage(Storage, kind="local"):
     def dcp_filesystem(self) -> FileSystemBase:
         return _LocalDcpFS()
 
-    def dcp_path(self, *parts: str) -> Any:
+    def dcp_path(self, *parts: str) -> Path:
         return Path(self.join(*parts))
 
-    def sync_file(self, f: Any) -> None:
+    def sync_file(self, f: WritableFile) -> None:
         f.flush()
         os.fsync(f.fileno())
 
     # A second reader thread of a small load costs more than it saves: its per-tensor Python
-    # work contends for the GIL with the first (a 10 MiB state of 125 tensors loaded in 26 ms
-    # with one thread, 43 ms with two; even at 100 MiB; two win from about 200 MiB).
+    # work contends for the GIL with the first (measured: benchmarks/README.md).
     read_bytes_per_thread = 64 * 1024 * 1024

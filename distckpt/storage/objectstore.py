@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
@@ -26,7 +26,7 @@ from distckpt.storage.base import Storage, _flat_namespace, _redact
 class FsspecStorage(Storage, kind="url"):
     """A root given as a URL of any fsspec filesystem other than the local one."""
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:
         super().__init__(root, storage_options)
         root = os.fspath(root)
         self.fs, path = url_to_fs(root, **self.storage_options)
@@ -60,7 +60,7 @@ class FsspecStorage(Storage, kind="url"):
         with self._at(*parts):
             return bool(self.fs.exists(path))
 
-    def _ls(self, *parts: str) -> list[dict[str, Any]]:
+    def _ls(self, *parts: str) -> list[dict[str, Any]]:  # fsspec's detail entries
         self.refresh()
         try:
             with self._at(*parts):
@@ -189,7 +189,7 @@ class FsspecStorage(Storage, kind="url"):
 
     # files ------------------------------------------------------------------------------------
     @contextmanager
-    def open(self, rel: str, mode: str = "rb") -> Iterator[Any]:
+    def open(self, rel: str, mode: str = "rb") -> Iterator[IO[bytes]]:
         with self.fs.open(self.join(rel), mode) as f:
             yield f
 
@@ -199,7 +199,7 @@ class FsspecStorage(Storage, kind="url"):
         return fs
 
 
-def _stamp(value: Any) -> float | None:
+def _stamp(value: object) -> float | None:
     """A listing's time field (float seconds, ``datetime`` or ISO string) as a Unix time."""
     if isinstance(value, bool):
         return None

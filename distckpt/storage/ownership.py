@@ -56,10 +56,9 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Collection
-from typing import Any
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import NEW_DIR_PREFIX
+from distckpt.storage.base import NEW_DIR_PREFIX, Storage
 
 log = logging.getLogger("distckpt")
 
@@ -85,13 +84,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _write_record(storage: Any, dirname: str, data: bytes) -> None:
+def _write_record(storage: Storage, dirname: str, data: bytes) -> None:
     """Replace the owner record of ``dirname`` without ever creating the directory (a directory
     moved away by cleanup must stay gone): :meth:`~distckpt.storage.base.Storage.rewrite_bytes`."""
     storage.rewrite_bytes(data, dirname, OWNER_NAME)
 
 
-def mark_released(storage: Any, dirname: str) -> None:
+def mark_released(storage: Storage, dirname: str) -> None:
     """Write a released owner record into ``dirname`` (retention does before uncommitting a
     step, so that a crash half-way leaves a directory the next cleanup removes at once)."""
     _write_record(storage, dirname, _record("released", released=True))
@@ -106,7 +105,7 @@ class Lease:
         lease_s: how long a record stays valid without a refresh.
     """
 
-    def __init__(self, storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(self, storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S) -> None:
         self.storage = storage
         self.dirname = dirname
         self.lease_s = lease_s
@@ -167,7 +166,7 @@ class Lease:
             pass
 
 
-def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> bool:
+def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: float | None = None) -> bool:
     """(coordinator) Whether an incomplete step directory may be removed (see the module doc).
 
     A directory without a record is stale only ``lease_s`` after its last change (or at once if
@@ -201,7 +200,7 @@ def is_stale(storage: Any, dirname: str, lease_s: float = DEFAULT_LEASE_S, now: 
     return not isinstance(stamp, (int, float)) or now - stamp > lease_s
 
 
-def _tombstone(storage: Any, dirname: str) -> str | None:
+def _tombstone(storage: Storage, dirname: str) -> str | None:
     """Atomically move ``dirname`` to a unique tombstone name and return that name; ``dirname``
     itself where the storage has no atomic rename (object stores: nothing moves); ``None`` if
     it is gone."""
@@ -213,7 +212,7 @@ def _tombstone(storage: Any, dirname: str) -> str | None:
     return tomb if moved else dirname
 
 
-def _restore(storage: Any, tomb: str, dirname: str) -> None:
+def _restore(storage: Storage, tomb: str, dirname: str) -> None:
     """Move a tombstone that turned out to hold a commit back to its name (or keep it, warned)."""
     try:
         storage.move_dir(tomb, dirname)
@@ -230,7 +229,7 @@ def _restore(storage: Any, tomb: str, dirname: str) -> None:
     )
 
 
-def remove_uncommitted(storage: Any, dirname: str, dispose: Callable[[str], None] | None = None) -> bool:
+def remove_uncommitted(storage: Storage, dirname: str, dispose: Callable[[str], None] | None = None) -> bool:
     """(one process) Remove ``dirname`` unless it holds a manifest, even one written meanwhile.
 
     Where the storage can rename atomically (local roots): re-check, move to a tombstone, check
@@ -259,7 +258,7 @@ def remove_uncommitted(storage: Any, dirname: str, dispose: Callable[[str], None
     return True
 
 
-def remove_stale_leftovers(storage: Any, lease_s: float = DEFAULT_LEASE_S, busy: Collection[str] = ()) -> None:
+def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, busy: Collection[str] = ()) -> None:
     """(coordinator, or the replica's uploader) Remove what interrupted saves left under the
     root: step directories without a manifest whose lease is stale, temporary directories of a
     step being created once stale, and tombstones of interrupted removals. Never a committed

@@ -6,12 +6,13 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+
 from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
+from distckpt.storage.base import Storage
 from distckpt.storage.ownership import mark_released, remove_uncommitted
 
 
-def check_keep_last(keep_last: Any) -> None:
+def check_keep_last(keep_last: object) -> None:
     """Raise ``ValueError`` unless ``keep_last`` is ``None`` or an int >= 1."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
@@ -33,7 +34,7 @@ def steps_to_delete(committed: Iterable[int], keep_last: int | None) -> list[int
 class Reaper:
     """Deletes tombstones of retired steps in a background thread (one per checkpointer's
     coordinator), so that a save returns without waiting for its predecessor's files to be
-    unlinked (on this machine's disk ~25 ms per 100 MiB, 0.5 s per GiB).
+    unlinked (which takes time in proportion to their size; measured: benchmarks/README.md).
 
     What is handed over is garbage already: a directory renamed out of the root's step names,
     checked to hold no manifest (:func:`distckpt.storage.ownership.remove_uncommitted`). The
@@ -44,7 +45,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[Any, str]] = []  # (storage, tombstone), the first one being deleted
+        self._pending: list[tuple[Storage, str]] = []  # (storage, tombstone), the first one being deleted
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
@@ -54,11 +55,11 @@ class Reaper:
         with self._lock:
             return frozenset(name for _, name in self._pending)
 
-    def dispose(self, storage: Any) -> Callable[[str], None]:
+    def dispose(self, storage: Storage) -> Callable[[str], None]:
         """A ``dispose`` callback for :func:`~distckpt.storage.ownership.remove_uncommitted` on ``storage``."""
         return lambda name: self._submit(storage, name)
 
-    def _submit(self, storage: Any, name: str) -> None:
+    def _submit(self, storage: Storage, name: str) -> None:
         with self._lock:
             self._pending.append((storage, name))
             if self._thread is None:
@@ -88,7 +89,7 @@ class Reaper:
 
 
 def delete_old_steps(
-    storage: Any, keep_last: int | None, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None
+    storage: Storage, keep_last: int | None, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None
 ) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -53,7 +54,7 @@ def _split_parent(location: str) -> tuple[str, str]:
     return os.path.dirname(text), os.path.basename(text)
 
 
-def locate(location: str, storage_options: dict[str, Any] | None = None, step: int | None = None) -> StepFiles:
+def locate(location: str, storage_options: Mapping[str, object] | None = None, step: int | None = None) -> StepFiles:
     """Resolve ``location`` (step directory, root or plain DCP directory) to one checkpoint,
     opened for verified reads (:class:`~distckpt.integrity.stepfiles.StepFiles`).
 

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 import warnings
-from typing import Any, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
 from fsspec.core import url_to_fs
 
@@ -103,8 +103,8 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
+def _storage_options(pairs: list[str]) -> dict[str, object]:
+    options: dict[str, object] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
@@ -116,7 +116,7 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def _check_options_apply(args: argparse.Namespace, opts: dict[str, Any]) -> None:
+def _check_options_apply(args: argparse.Namespace, opts: dict[str, object]) -> None:
     """Storage options configure fsspec filesystems for URLs; local paths take none. Given with
     local paths only, they would be ignored silently (a typo'd ``s3://`` that became a path)."""
     if not opts:
@@ -155,7 +155,7 @@ def _message(exc: BaseException) -> str:
 
 # -------------------------------------------------------------------------------------------------
 # commands
-def _cmd_ls(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+def _cmd_ls(args: argparse.Namespace, opts: dict[str, object]) -> int:
     storage = Storage(args.root, opts)
     rows = list_steps(storage)
     if args.json:
@@ -174,7 +174,7 @@ def _cmd_ls(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     return 0
 
 
-def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+def _cmd_inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
     info = describe(locate(args.ckpt, opts, args.step))
     if args.json:
         json.dump(info, sys.stdout, indent=1, default=str)
@@ -210,7 +210,7 @@ def _cmd_inspect(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     found = locate(args.ckpt, opts, args.step)
     if found.manifest is None:
         raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
@@ -275,7 +275,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, Any]) -> int:
     return 1 if problems else 0
 
 
-def _cmd_convert(args: argparse.Namespace, opts: dict[str, Any]) -> int:
+def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
     if args.model_only and args.all:
         raise _Usage("--model-only and --all exclude each other")
     if args.to == "dcp":

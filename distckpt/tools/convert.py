@@ -27,7 +27,7 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import torch
 
@@ -38,6 +38,7 @@ from distckpt._compat import (
     storage_name_of_dtype,
 )
 from distckpt.load.reader import CheckpointReader
+from distckpt.integrity.checksums import Buffer
 from distckpt.integrity.shards import CheckpointSource, TensorInfo
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.state import values
@@ -56,7 +57,7 @@ def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return cast_dtype(info.key, info.dtype, dtype)
 
 
-def write_tensor(f: BinaryIO, source: CheckpointSource, key: str, dtype: torch.dtype, nbytes: int) -> None:
+def write_tensor(f: IO[bytes], source: CheckpointSource, key: str, dtype: torch.dtype, nbytes: int) -> None:
     """Stream tensor ``key`` of ``source`` (cast to ``dtype``) into ``f`` as row-major bytes.
 
     Raises:
@@ -70,6 +71,13 @@ def write_tensor(f: BinaryIO, source: CheckpointSource, key: str, dtype: torch.d
         raise RuntimeError(f"tensor {key}: wrote {written} bytes, expected {nbytes}")
 
 
+def open_source(found: StepFiles, out: str, storage_options: Mapping[str, object] | None) -> CheckpointSource:
+    """The checkpoint an export reads, once its output ``out`` is checked (before anything is
+    read: :func:`~distckpt.tools.outputs.check_output`)."""
+    check_output(out, storage_options)
+    return CheckpointSource(found, CheckpointReader)
+
+
 def export_safetensors(
     found: StepFiles,
     out: str,
@@ -77,7 +85,7 @@ def export_safetensors(
     model_only: bool = True,
     key: str | None = None,
     dtype: torch.dtype | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Write the selected tensors of ``found`` to one safetensors file, streaming.
@@ -85,8 +93,7 @@ def export_safetensors(
     Returns:
         A summary: output, tensors, bytes.
     """
-    check_output(out, storage_options)
-    source = CheckpointSource(found, CheckpointReader)
+    source = open_source(found, out, storage_options)
     picked = select_tensors(found, source, model_only=model_only, key=key)
     dtypes: dict[str, torch.dtype] = {}
     for name, k in picked:
@@ -135,7 +142,7 @@ class _StorageRef:
 class _StubPickler(pickle.Pickler):
     """Pickles :class:`_Stub` exactly as ``torch.save`` pickles a contiguous CPU tensor."""
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> object:
         if isinstance(obj, _Stub):
             return (
                 rebuild_tensor_v2,
@@ -143,7 +150,7 @@ class _StubPickler(pickle.Pickler):
             )
         return NotImplemented
 
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> tuple[str, type, str, str, int] | None:
         if isinstance(obj, _StorageRef):
             stub = obj.stub
             storage_type = getattr(torch, storage_name_of_dtype(stub.dtype))
@@ -158,7 +165,7 @@ def export_torch(
     model_only: bool = False,
     key: str | None = None,
     dtype: torch.dtype | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Write ``found`` as one ``torch.save``-format file, streaming one tensor at a time.
@@ -170,8 +177,7 @@ def export_torch(
     Returns:
         A summary: output, tensors, bytes, skipped values.
     """
-    check_output(out, storage_options)
-    source = CheckpointSource(found, CheckpointReader)
+    source = open_source(found, out, storage_options)
     stubs: list[_Stub] = []
     skipped: list[str] = []
 
@@ -237,12 +243,12 @@ class _Sink:
     :meth:`disarm`, writes are counted and dropped, so the writer can always finish.
     """
 
-    def __init__(self, f: Any, where: str) -> None:
-        self._f: Any = f
+    def __init__(self, f: IO[bytes], where: str) -> None:
+        self._f: IO[bytes] | None = f
         self._where = where
         self.error: OSError | None = None
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Buffer) -> int:
         n = memoryview(data).nbytes
         if self._f is not None:
             try:
@@ -265,7 +271,7 @@ class _Sink:
 
 
 def _write_torch_records(
-    writer: Any,
+    writer: PyTorchFileWriter,
     data: bytes,
     stubs: list[_Stub],
     source: CheckpointSource,

@@ -24,8 +24,9 @@ with the same arguments, and an error on any rank is raised on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from distckpt.errors import StateMismatchError
-from distckpt.load.phases import read
+from distckpt.load.phases import Mismatches, read
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
 from distckpt.tools.hf_publish import (
@@ -54,6 +55,18 @@ from distckpt.tools.hf_publish import (
     replace_patterns,
 )
 from distckpt.tools.safetensors_io import SafetensorsIndex, SafetensorsReader
+
+
+#: What each rank of :func:`load_pretrained` shares of its plan: missing, unexpected and
+#: mismatched keys, tied keys, tied pairs the checkpoint stores under both keys.
+_PlanView = tuple[list[str], list[str], Mismatches, dict[str, str], list[tuple[str, str]]]
+
+
+class HFConfig(Protocol):
+    """What :func:`save_pretrained` takes as ``config``: a ``transformers`` config, or anything
+    that writes itself as ``config.json``."""
+
+    def to_json_string(self) -> str: ...
 
 
 @dataclass
@@ -72,12 +85,12 @@ class PretrainedReport:
     loaded: int
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    mismatched: Mismatches = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     bytes_read: int = 0
 
 
-def _group(process_group: Any) -> Group:
+def _group(process_group: dist.ProcessGroup | Group | None) -> Group:
     if isinstance(process_group, Group):
         return process_group
     return Group(process_group if dist.is_available() and dist.is_initialized() else None)
@@ -98,11 +111,11 @@ def load_pretrained(
     path: str,
     *,
     strict: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
     key_map: Callable[[str], str | None] | None = None,
-    process_group: Any = None,
+    process_group: dist.ProcessGroup | None = None,
     thread_count: int = 2,
 ) -> PretrainedReport:
     """(all ranks, collective) Load Hugging Face safetensors weights into ``module`` in place.
@@ -141,7 +154,7 @@ def load_pretrained(
     storage = Storage(path, dict(storage_options or {}))
     where = storage.display()
 
-    def plan() -> tuple[tuple[dict[str, Any], dict[str, str], SafetensorsIndex, dict[str, str]], Any]:
+    def plan() -> tuple[tuple[dict[str, torch.Tensor], dict[str, str], SafetensorsIndex, dict[str, str]], _PlanView]:
         index = SafetensorsIndex(storage)
         # FSDP2 parameters left unsharded (after a no_grad forward) would keep serving the old
         # values to the next forward: reshard first (local), as Checkpointer.load does.
@@ -159,8 +172,8 @@ def load_pretrained(
             else:
                 rename[target] = ckpt_key
         missing, tied = [], {}
-        mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        request: dict[str, Any] = {}
+        mismatched: Mismatches = {}
+        request: dict[str, torch.Tensor] = {}
         for key, value in sd.items():
             if key in rename:
                 span = index.spans[rename[key]]
@@ -188,7 +201,7 @@ def load_pretrained(
     pairs = sorted({p for v in views for p in v[4]})
     missing = sorted({k for v in views for k in v[0]})
     unexpected = sorted(set(views[0][1]).intersection(*[set(v[1]) for v in views]))
-    mismatched: dict[str, Any] = {}
+    mismatched: Mismatches = {}
     tied: dict[str, str] = {}
     for v in views:
         mismatched.update(v[2])
@@ -196,7 +209,7 @@ def load_pretrained(
     report = PretrainedReport(len(request), missing, unexpected, mismatched, tied)
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing, unexpected, mismatched, f"Hugging Face checkpoint {where}")
-    aside: dict[str, Any] = {}
+    aside: dict[str, torch.Tensor] = {}
     if pairs:
         aside, report.bytes_read = _read_tied_pairs(group, where, index, rename, request, pairs, thread_count)
     reader = SafetensorsReader(index, {k: rename[k] for k in request if rename[k] != k}, thread_count=thread_count)
@@ -211,10 +224,10 @@ def _read_tied_pairs(
     where: str,
     index: SafetensorsIndex,
     rename: dict[str, str],
-    request: dict[str, Any],
+    request: dict[str, torch.Tensor],
     pairs: list[tuple[str, str]],
     thread_count: int,
-) -> tuple[dict[str, Any], int]:
+) -> tuple[dict[str, torch.Tensor], int]:
     """(all ranks) Tied weights the checkpoint stores under both keys (``pairs``: duplicate, key
     it is tied to). Read into buffers of their own and compared before anything is loaded:
     read into the model's one tensor, whichever came last in the files would win unreported.
@@ -231,7 +244,7 @@ def _read_tied_pairs(
     reader = SafetensorsReader(index, {k: rename[k] for k in keys if rename[k] != k}, thread_count=thread_count)
     read(group, where, aside, reader, DefaultLoadPlanner(allow_partial_load=True))
 
-    def local(t: Any) -> torch.Tensor:
+    def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
     differ = [(a, b) for a, b in pairs if not torch.equal(local(aside[a]), local(aside[b]))]
@@ -258,12 +271,12 @@ def save_pretrained(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
-    storage_options: Mapping[str, Any] | None = None,
-    config: Any = None,
+    storage_options: Mapping[str, object] | None = None,
+    config: HFConfig | None = None,
     strip_prefix: str | None = None,
     overwrite: bool = False,
     replace: str | Iterable[str] = (),
-    process_group: Any = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """(all ranks, collective) Write ``module``'s weights as a Hugging Face checkpoint directory.
 
@@ -304,11 +317,11 @@ def save_pretrained(
     limit = parse_size(max_shard_size)
     patterns = replace_patterns(replace)
 
-    def prepare() -> tuple[tuple[dict[str, Any], list[list[PlannedTensor]]], Any]:
+    def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]]], str]:
         sd = get_model_state_dict(module)
         tied = tied_duplicates(sd)
         planned: list[PlannedTensor] = []
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for key, value in sd.items():
             if key in tied or not isinstance(value, torch.Tensor):
                 continue
@@ -338,7 +351,7 @@ def save_pretrained(
         load[r] += sum(t.nbytes for t in files[i])
 
     publish = on_coordinator(group, f"save_pretrained to {where}", lambda: Publish.begin(storage, layout, overwrite, patterns, out))
-    target = Storage(publish.staged, opts) if publish.staged != storage.url else storage
+    target = publish.target(storage)
     try:
         _write_shards(group, where, target, layout, owner, tensors)
         on_coordinator(group, f"commit of {where}", lambda: publish.commit(storage, layout))
@@ -349,7 +362,9 @@ def save_pretrained(
     return {"output": where, "files": layout.names, "tensors": sum(len(e) for e in files), "bytes": layout.total}
 
 
-def _write_shards(group: Group, where: str, target: Storage, layout: Layout, owner: dict[int, int], tensors: dict[str, Any]) -> None:
+def _write_shards(
+    group: Group, where: str, target: Storage, layout: Layout, owner: dict[int, int], tensors: dict[str, torch.Tensor]
+) -> None:
     """(all ranks) Write each rank's shard files into ``target`` (durably: synced before closed)."""
     # Every rank walks the same tensors in the same order, since gathering a DTensor is
     # collective. An I/O error on an owner must not leave the others inside a gather: it is
@@ -357,8 +372,8 @@ def _write_shards(group: Group, where: str, target: Storage, layout: Layout, own
     error: BaseException | None = None
     for i, entries in enumerate(layout.files):
         mine = owner[i] == group.rank and error is None
-        cm: Any = None
-        f: Any = None
+        cm: AbstractContextManager[IO[bytes]] | None = None
+        f: IO[bytes] | None = None
         if mine:
             try:
                 cm = target.open(layout.names[i], "wb")

@@ -21,11 +21,9 @@ from typing import Any
 import torch
 
 from distckpt.checkpointer import Checkpointer
-from distckpt.load.reader import CheckpointReader
-from distckpt.integrity.shards import CheckpointSource
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.storage.base import Storage
-from distckpt.tools.convert import write_tensor
+from distckpt.tools.convert import open_source, write_tensor
 from distckpt.tools.hf_publish import (
     Layout,
     PlannedTensor,
@@ -45,7 +43,7 @@ def import_hf(
     out_root: str,
     *,
     step: int = 0,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
     """Import a Hugging Face safetensors directory as entry ``model`` of a distckpt checkpoint.
 
@@ -69,7 +67,7 @@ def import_hf(
         # The files themselves (local), or a download of them; re-validated against those bytes.
         local = source.local_dir(sorted({s.file for s in index.spans.values()}), tmp)
         index = SafetensorsIndex(Storage(local))
-        maps: dict[str, Any] = {}
+        maps: dict[str, mmap.mmap] = {}
         tensors: dict[str, torch.Tensor] = {}
         try:
             for key, span in index.spans.items():
@@ -109,7 +107,7 @@ def export_hf(
     key: str | None = None,
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Write a distckpt checkpoint's model as a Hugging Face directory (sharded safetensors + index).
@@ -135,8 +133,7 @@ def export_hf(
         A summary: output, files, tensors, bytes.
     """
     opts = dict(storage_options or {})
-    check_output(out, opts)  # before anything is read
-    source = CheckpointSource(found, CheckpointReader)
+    source = open_source(found, out, opts)
     picked = select_tensors(found, source, model_only=key is None, key=key)
     # Tensors in the order their bytes lie in the checkpoint's data files (as the other exports
     # read them): writing the shard files one after another then reads each data file once,
@@ -149,7 +146,7 @@ def export_hf(
     layout = Layout(plan_files(planned, parse_size(max_shard_size)))
     storage = publish_folder(out, opts)
     publish = Publish.begin(storage, layout, overwrite=False, patterns=[], out=out)
-    target = Storage(publish.staged, opts) if publish.staged != storage.url else storage
+    target = publish.target(storage)
     done = 0
     try:
         for i, entries in enumerate(layout.files):

@@ -26,7 +26,6 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -149,7 +148,7 @@ class Layout:
 
 # --------------------------------------------------------------------------------------------------
 # what distckpt wrote into a folder
-def publish_folder(out: str, storage_options: dict[str, Any]) -> Storage:
+def publish_folder(out: str, storage_options: Mapping[str, object]) -> Storage:
     """The storage of a folder to publish into. A local folder reached through a symbolic link
     is published at its target: the shards are staged beside the folder itself (same
     filesystem, so they can be renamed into it), and a new folder replaces no link."""
@@ -178,17 +177,19 @@ def replace_patterns(replace: str | Iterable[str] | None) -> list[str]:
     """
     if replace is None:
         return []
-    items: Any = [replace] if isinstance(replace, str) else replace
+    given: Iterable[object] = [replace] if isinstance(replace, str) else replace
     try:
-        items = list(items)
+        items = list(given)
     except TypeError:
         raise TypeError(f"replace must be a file name or a list of file names, got {type(replace).__name__}") from None
+    names: list[str] = []
     for p in items:
         if not isinstance(p, str):
             raise TypeError(f"replace entries must be file names (str), got {p!r:.60} ({type(p).__name__})")
         if not p or "/" in p or "\\" in p or p in (".", "..") or "\x00" in p:
             raise ValueError(f"replace entry {p!r:.100} is not a file name: name files directly in the folder (or a pattern such as '*.safetensors')")
-    return items
+        names.append(p)
+    return names
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,11 @@ class Publish:
         if plan.in_place:
             plan._claim(storage)
         return plan
+
+    def target(self, storage: Storage) -> Storage:
+        """(every writer) Where the shard files are written: ``staged``, opened with the options
+        of ``storage`` (the folder the publish began on)."""
+        return Storage(self.staged, storage.storage_options) if self.staged != storage.url else storage
 
     def _claim(self, storage: Storage) -> None:
         """Name every file of the previous and this publish in the record before one is written

@@ -30,7 +30,7 @@ _STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _PREFIXES = ("module.", "_orig_mod.")
 
 
-def _is_tensor_dict(obj: Any) -> bool:
+def _is_tensor_dict(obj: object) -> bool:
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj) and any(
         isinstance(v, torch.Tensor) for v in obj.values()
     )
@@ -48,7 +48,7 @@ def import_torch_save(
     out_root: str,
     *,
     step: int | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
     """Import a ``torch.save`` file (a state dict, or a dict holding one) as a distckpt checkpoint.
 
@@ -117,7 +117,7 @@ def import_torch_save(
 
 
 @contextmanager
-def _local_copy(src: str, storage_options: Mapping[str, Any]) -> Iterator[str]:
+def _local_copy(src: str, storage_options: Mapping[str, object]) -> Iterator[str]:
     """A local path of ``src``: itself, or a temporary download of a URL."""
     if not is_url(src):
         path = os.path.abspath(os.path.expanduser(src.split("://", 1)[-1]))

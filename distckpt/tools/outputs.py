@@ -14,8 +14,9 @@ import posixpath
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
+from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
@@ -29,7 +30,7 @@ def is_url(location: str) -> bool:
     return "://" in location and not location.startswith("file://")
 
 
-def check_output(out: str, storage_options: Mapping[str, Any] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
+def check_output(out: str, storage_options: Mapping[str, object] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
     """Refuse an output that would write into a checkpoint or over an input. Not collective.
 
     Refused (local paths are checked as given and with symbolic links resolved, so a link into a
@@ -88,9 +89,9 @@ def check_output(out: str, storage_options: Mapping[str, Any] | None = None, *, 
             d = parent if parent != d else ""
 
 
-def _in_checkpoint_root(fs: Any, d: str) -> bool:
+def _in_checkpoint_root(fs: AbstractFileSystem, d: str) -> bool:
     """Whether folder ``d`` (named like a step) holds DCP data files or lies beside a committed step."""
-    def entries(where: str) -> list[dict[str, Any]]:
+    def entries(where: str) -> list[dict[str, Any]]:  # fsspec's detail entries
         try:
             return list(fs.ls(where, detail=True))
         except (FileNotFoundError, NotADirectoryError):
@@ -108,7 +109,7 @@ def _in_checkpoint_root(fs: Any, d: str) -> bool:
 
 
 @contextmanager
-def open_output(out: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
+def open_output(out: str, storage_options: Mapping[str, object] | None = None) -> Iterator[IO[bytes]]:
     """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
 
     Local: written to a temporary name beside ``out`` and renamed. Object stores: one upload,

@@ -16,10 +16,11 @@ Not collective by itself: DCP's ``load`` drives it on every rank.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import IO
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -35,8 +36,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
+from distckpt.integrity.manifest import json_object
 from distckpt.integrity.stepfiles import _readinto
 from distckpt.state.shape import numel
+from distckpt.storage.base import Storage
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -106,7 +109,7 @@ def header_bytes(
     follow the header in this order. ``listed``: names the header lists first, in this order
     (its offsets still follow ``tensors``); ``metadata``: the ``__metadata__`` entry.
     """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
     header.update({name: {} for name in listed})
     offset = 0
     for name, dtype, shape in tensors:
@@ -118,7 +121,9 @@ def header_bytes(
     return len(raw).to_bytes(8, "little") + raw
 
 
-def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, where: str) -> dict[str, TensorSpan]:
+def parse_header(
+    raw_len: bytes, read_header: Callable[[int], bytes], file_size: int, name: str, where: str
+) -> dict[str, TensorSpan]:
     """Validate a safetensors header and return tensor name -> :class:`TensorSpan`.
 
     Args:
@@ -136,13 +141,7 @@ def parse_header(raw_len: bytes, read_header: Any, file_size: int, name: str, wh
     n = int.from_bytes(raw_len, "little")
     if n > MAX_HEADER or 8 + n > file_size:
         raise IntegrityError(f"{where}: header length {n} is larger than the file or the 100 MB limit")
-    text = read_header(n)
-    try:
-        header = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise IntegrityError(f"{where}: header is not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
-        raise IntegrityError(f"{where}: header is a {type(header).__name__}, not an object")
+    header = json_object(read_header(n), f"{where}: header", IntegrityError)
     data_start = 8 + n
     data_len = file_size - data_start
     spans: dict[str, TensorSpan] = {}
@@ -202,18 +201,14 @@ class SafetensorsIndex:
         FileNotFoundError: no safetensors files.
     """
 
-    def __init__(self, storage: Any) -> None:
+    def __init__(self, storage: Storage) -> None:
         self.storage = storage
         files = storage.list_files()
         if INDEX_NAME in files:
             where = storage.display(INDEX_NAME)
             if files[INDEX_NAME] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
-            try:
-                index = json.loads(storage.read_bytes(INDEX_NAME))
-            except (ValueError, RecursionError) as exc:
-                raise IntegrityError(f"{where}: not valid JSON ({type(exc).__name__})") from None
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            weight_map = json_object(storage.read_bytes(INDEX_NAME), where, IntegrityError).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
@@ -295,14 +290,14 @@ class SafetensorsReader(StorageReader):
         self.thread_count = max(1, thread_count)
         self.bytes_read = 0
 
-    def reset(self, checkpoint_id: Any = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         metadata = self.index.metadata()
         inverse = {v: k for k, v in self.rename.items()}
         metadata.state_dict_metadata = {inverse.get(k, k): v for k, v in metadata.state_dict_metadata.items()}
@@ -312,7 +307,7 @@ class SafetensorsReader(StorageReader):
         metadata.storage_meta = StorageMeta()
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -352,7 +347,9 @@ class SafetensorsReader(StorageReader):
         return nbytes
 
 
-def _read_block(f: Any, span: TensorSpan, offsets: tuple, lengths: tuple, target: torch.Tensor, where: str, key: str) -> torch.Tensor:
+def _read_block(
+    f: IO[bytes], span: TensorSpan, offsets: Sequence[int], lengths: Sequence[int], target: torch.Tensor, where: str, key: str
+) -> torch.Tensor:
     """The block ``offsets``/``lengths`` of a stored tensor, read with the fewest bytes possible.
 
     A block of whole rows (all dims but the first complete) is one contiguous byte range, read
