@@ -14,7 +14,8 @@ state on its device, trains a few steps, then times, alternating methods within 
   bytes, one file, one stream, fsync), ``raw_write_parallel_s`` (the same bytes from
   ``--threads`` threads into as many files, fsync), ``raw_read_h2d_s`` (the files read back into
   pinned buffers and copied to the device);
-* ``distckpt_sync_s`` / ``dcp_sync_s``: a blocking save; ``distckpt_load_s`` / ``dcp_load_s``: a load
+* ``distckpt_sync_s`` / ``dcp_sync_s``: a blocking save (``distckpt_sync_unproven_s``: with
+  ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` / ``dcp_load_s``: a load
   at the same world size, into the live objects;
 * ``distckpt_async_blocked_first_s`` (a new Checkpointer's first async save, after
   ``prepare_staging(state)`` was called before the training steps that precede it, as the README
@@ -140,10 +141,11 @@ class Bench:
                     t.copy_(h, non_blocking=True)
 
     # -- distckpt and DCP
-    def distckpt_sync(self) -> None:
+    def distckpt_sync(self, verify_staging: bool | str = "auto") -> None:
         import distckpt
 
-        with distckpt.Checkpointer(str(self.fresh("distckpt")), thread_count=self.args.threads) as ckpt:
+        root = str(self.fresh("distckpt"))
+        with distckpt.Checkpointer(root, thread_count=self.args.threads, verify_staging=verify_staging) as ckpt:
             ckpt.save(self.n, self.state())
         self.last_distckpt = ckpt.storage.path
 
@@ -244,6 +246,9 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         add("raw_write_parallel_s", _timed(lambda: files.extend(b.raw_write(args.threads)), b.device))
         for f in files:
             f.unlink()
+        # What proving each device-to-host copy costs a sync save (verify_staging, distckpt/save/d2h.py).
+        add("distckpt_sync_unproven_s", _timed(lambda: b.distckpt_sync(verify_staging=False), b.device))
+        shutil.rmtree(b.last_distckpt, ignore_errors=True)
         add("distckpt_sync_s", _timed(b.distckpt_sync, b.device))
         add("dcp_sync_s", _timed(b.dcp_sync, b.device))
         add("distckpt_load_s", _timed(b.distckpt_load, b.device))

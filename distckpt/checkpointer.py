@@ -100,7 +100,8 @@ class Checkpointer:
             save on every rank (``StagingMismatchError``, raised by ``wait()``), nothing is
             committed. ``"auto"`` (default): for accelerator tensors (digested on the device,
             beside their staging copy); ``True``: host tensors too (a NumPy pass over them while
-            training is blocked); ``False``: off.
+            training is blocked); ``False``: off. Sync saves prove each copy of an accelerator
+            tensor to host memory alike (:mod:`distckpt.save.d2h`) unless ``False``.
     """
 
     def __init__(

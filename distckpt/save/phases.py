@@ -395,6 +395,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         sync_files=opts.sync_files,
         checksum=opts.checksum,
         skip_record_crc=opts.skip_record_crc,
+        prove_copies=opts.verify_staging is not False,
     )
     plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
     run = SaveRun(group, writer, plan, cache, f"writing step {step} to {opts.storage.display(step_dir(step))}")

@@ -110,7 +110,7 @@ class Stager:
         self.arena: SharedArena | None = None
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._buffers: dict[str, torch.Tensor] = {}
-        self._streams: dict[int, Any] = {}  # CUDA device index -> side stream
+        self._streams: dict[int, torch.cuda.Stream] = {}  # CUDA device index -> side stream
         self._reserving: threading.Thread | None = None  # reserve()'s allocation, until stage() joins it
         self._reserve_error: BaseException | None = None
 
@@ -137,9 +137,9 @@ class Stager:
 
     def _local_tensors(
         self, state_dict: dict[str, Any], skip: frozenset[str] | set[str]
-    ) -> tuple[dict[str, Any], Any, dict[str, torch.Tensor]]:
-        """The flattened state (without ``skip``), its mappings, and its tensors as staged (a
-        DTensor by its local shard)."""
+    ) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]], dict[str, torch.Tensor]]:
+        """The flattened state (without ``skip``), its mappings (flat key -> path in the nested
+        state), and its tensors as staged (a DTensor by its local shard)."""
         flat, mappings = flatten_state_dict(state_dict)
         flat = {k: v for k, v in flat.items() if k not in skip}
         tensors = {
@@ -157,9 +157,14 @@ class Stager:
         shapes, dtypes and devices are read here, never their values."""
         self._await_reserve()
         _, _, tensors = self._local_tensors(state_dict, skip)
+        # A new thread's current CUDA device is device 0: registering pinned memory there would
+        # create a context on device 0 from every rank of a node. It works on the state's device.
+        device = next((t.device for t in tensors.values() if t.device.type == "cuda"), None)
 
         def allocate() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 if self.shared:
                     self._prepare_arena(tensors)
                     arena = self.arena
@@ -188,7 +193,7 @@ class Stager:
         self,
         state_dict: dict[str, Any],
         skip: frozenset[str] | set[str] = frozenset(),
-        verify: Callable[[str, Any], bool] | None = None,
+        verify: Callable[[str, torch.Tensor], bool] | None = None,
     ) -> Staged:
         """(each rank) A copy of ``state_dict`` whose tensors live in host buffers.
 
@@ -244,7 +249,7 @@ class Stager:
                 staged[key] = copy.deepcopy(value)
         return Staged(unflatten_state_dict(staged, mappings), digests)
 
-    def _side_stream(self, device: torch.device) -> Any:
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream copies from a CUDA ``device`` run on (``None`` for host memory and
         other accelerators), made to wait for that device's current stream first."""
         if device.type != "cuda":
@@ -298,7 +303,7 @@ def _by_device(tensors: dict[str, torch.Tensor]) -> dict[torch.device, list[str]
     return out
 
 
-def _on_stream(stream: Any) -> Any:
+def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
     """``torch.cuda.stream(stream)`` (which also makes its device current), or nothing."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 

@@ -18,19 +18,20 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
+from distckpt.integrity.checksums import Buffer, new_hasher
 from distckpt.save.records import write_items
-from distckpt.storage.base import Storage, named_os_error
-from distckpt.integrity.checksums import new_hasher
+from distckpt.storage.base import Storage, WritableFile, named_os_error
 
 
 _BUFFER = 1 << 20
@@ -71,9 +72,16 @@ class _ChecksumStream(io.RawIOBase):
     """
 
     def __init__(
-        self, raw: Any, on_close: Any, algorithm: str | None, on_error: Any, sync: Any, timings: WriteTimings
+        self,
+        raw: WritableFile | None,
+        on_close: Callable[[int, str | None], None],
+        algorithm: str | None,
+        on_error: Callable[[BaseException], None],
+        sync: Callable[[WritableFile], None] | None,
+        timings: WriteTimings,
     ) -> None:
-
+        """``raw``: the file (``None``: it could not be created, the error is recorded already);
+        ``on_close(size, digest)`` once it is written whole; ``sync(raw)`` makes it durable."""
         self._timings = timings
         self._t_checksum = 0.0
         self._t_write = 0.0
@@ -92,7 +100,7 @@ class _ChecksumStream(io.RawIOBase):
         self.failed = True
         self._on_error(exc)
 
-    def write(self, b: Any) -> int:  # type: ignore[override]
+    def write(self, b: Buffer) -> int:  # type: ignore[override]
         # Called for every piece torch.save writes (thousands per save): kept lean, timings
         # summed here and handed over once, at close.
         if self.failed:
@@ -148,11 +156,13 @@ class _ChecksummingFS(FileSystemBase):
     raised inside DCP's writer threads; see :class:`_ChecksumStream`.
     """
 
-    def __init__(self, inner: FileSystemBase, algorithm: str | None, sync: Any = None) -> None:
+    def __init__(
+        self, inner: FileSystemBase, algorithm: str | None, sync: Callable[[WritableFile], None] | None = None
+    ) -> None:
         self.inner = inner
         self.algorithm = algorithm
         self.sync = sync  # makes a written file durable (Storage.sync_file), or None
-        self.files: dict[str, tuple[int, str]] = {}
+        self.files: dict[str, tuple[int, str | None]] = {}
         self.errors: list[BaseException] = []
         self.timings = WriteTimings()
         self._lock = threading.Lock()
@@ -172,7 +182,7 @@ class _ChecksummingFS(FileSystemBase):
         name = os.path.basename(os.fspath(path))
         where = os.fspath(path)
 
-        def record(size: int, digest: str) -> None:
+        def record(size: int, digest: str | None) -> None:
             with self._lock:
                 self.files[name] = (size, digest)
 
@@ -235,26 +245,37 @@ class _ChecksummingFS(FileSystemBase):
 
 
 class CheckpointWriter(FileSystemWriter):
-    """DCP's file writer on a :class:`Storage`, recording a checksum of each file it writes.
+    """(each rank) DCP's file writer for the directory ``parts`` under ``storage``, recording a
+    checksum of each file it writes.
 
     Call order is DCP's (all ranks: ``set_up_storage_writer``, ``prepare_local_plan``,
     ``write_data``; coordinator: ``prepare_global_plan``, ``finish``). After ``dcp.save``
     returns, :attr:`files` maps each file this rank wrote to ``(size, digest)``.
+
+    Args:
+        storage, parts: where the step's files go.
+        thread_count: files (and writer threads) per rank.
+        sync_files: make each file durable before it is closed (:meth:`Storage.sync_file`).
+        checksum: the algorithm of the recorded digests (``None``: sizes only).
+        skip_record_crc: leave out torch.save's per-record CRC where ``checksum`` covers the file.
+        prove_copies: prove every copy of an accelerator tensor to host memory it makes
+            (``verify_staging``, :mod:`distckpt.save.d2h`).
     """
 
     def __init__(
         self,
         storage: Storage,
-        path: str,
-        *,
+        *parts: str,
         thread_count: int = 2,
         sync_files: bool = True,
         checksum: str | None = DEFAULT_CHECKSUM,
         skip_record_crc: bool = True,
+        prove_copies: bool = True,
     ) -> None:
         # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
         # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
         # to os.sync() per file; closing an fsspec file is what commits it).
+        path = storage.dcp_path(*parts)
         super().__init__(
             path,
             single_file_per_rank=True,
@@ -266,27 +287,29 @@ class CheckpointWriter(FileSystemWriter):
         )
         self.storage = storage
         self.skip_record_crc = skip_record_crc
+        self.prove_copies = prove_copies
         self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None)
         self.path = path
 
     @property
-    def files(self) -> dict[str, tuple[int, str]]:
+    def files(self) -> dict[str, tuple[int, str | None]]:
         return dict(self.fs.files)
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # DCP's files, written by distckpt.save.records: DCP (2.13) runs writer threads whose
         # exceptions are printed and lost (the save would commit without their items), and its
         # torch.save computes a CRC-32 of every record that only a process-wide switch turns off.
         # torch's record CRC is left out where distckpt's own checksum covers the file.
         crc = not (self.skip_record_crc and self.fs.algorithm)
         results = write_items(
-            self.fs, self.path, plan.storage_data.prefix, plan.items, planner, self.transforms, self.thread_count, crc
-        )
+            self.fs, self.path, plan.storage_data.prefix, plan.items, planner, self.transforms, self.thread_count, crc,
+            self.prove_copies,
+        )  # fmt: skip
         if self.fs.errors:
             raise self.fs.errors[0]
         if len(results) != len(plan.items):
             raise OSError(f"only {len(results)} of {len(plan.items)} items were written (a writer thread failed)")
-        fut: Future[list[Any]] = Future()
+        fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
@@ -299,21 +322,6 @@ class CheckpointWriter(FileSystemWriter):
         return True
 
 
-def checkpoint_writer(
-    storage: Storage,
-    *parts: str,
-    thread_count: int = 2,
-    sync_files: bool = True,
-    checksum: str | None = DEFAULT_CHECKSUM,
-    skip_record_crc: bool = True,
-) -> CheckpointWriter:
-    """(each rank) A DCP ``StorageWriter`` for the directory ``parts`` under ``storage`` that
-    records per-file checksums (:class:`CheckpointWriter`)."""
-    return CheckpointWriter(
-        storage,
-        storage.dcp_path(*parts),
-        thread_count=thread_count,
-        sync_files=sync_files,
-        checksum=checksum,
-        skip_record_crc=skip_record_crc,
-    )
+#: (each rank) A DCP ``StorageWriter`` for the directory ``parts`` under ``storage`` that records
+#: per-file checksums: ``checkpoint_writer(storage, *parts, thread_count=..., ...)``.
+checkpoint_writer = CheckpointWriter
