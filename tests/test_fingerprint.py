@@ -312,3 +312,19 @@ def test_x_and_minus_x_differ(n):
     assert same[2] == 0
     if n == 2:
         assert same[1] > 50
+
+
+def test_sums_left_on_the_device_settle_to_the_eager_values():
+    # A sync save's writer threads leave accelerator tensors' sums on the device (part_of and
+    # copy_digest with lazy=True) and settle them once the write is done; run here on the CPU
+    # through the device kernels, the settled parts and copies must be the eager ones.
+    from distckpt.state import statecheck
+
+    x = torch.randn(300, 70, generator=torch.Generator().manual_seed(5))
+    eager = fp.part_of("k", x[100:200], (100, 0), (300, 70))
+    lazy = fp._lazy_sum(x[100:200], (100, 0), (300, 70), fp.VERSION)
+    assert isinstance(lazy, torch.Tensor) and lazy.dim() == 0
+    assert fp.settled([eager[:5] + (lazy,), eager]) == [eager, eager]
+    copy = statecheck.copy_digest(x, (0, 0), on_device=True)
+    lazy_copy = ((0, 0), fp._lazy_sum(x, (0, 0), x.shape, fp.VERSION))
+    assert statecheck.settled_copies({"a": lazy_copy, "b": copy}) == {"a": copy, "b": copy}

@@ -422,7 +422,9 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         run.attempt(lambda: check_staging(prepared.staging_digests, run.planner.observed.staging, written_keys, step, group.rank))
         laps("verify_staging")
     # 4. fingerprint parts and replica digests
-    held, copies = list(run.planner.observed.parts), dict(run.planner.observed.copies)
+    # The writer threads left accelerator tensors' sums on their devices: one transfer each now.
+    observed = run.planner.observed
+    held, copies = run.attempt(lambda: (fingerprint.settled(observed.parts), statecheck.settled_copies(observed.copies))) or ([], {})
     if aside is not None:
         aside_parts, aside_copies = run.attempt(aside) or ([], {})
         held += aside_parts

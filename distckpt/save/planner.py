@@ -34,7 +34,8 @@ class Observe:
     """What the writer threads take of each tensor as they write it (fixed before the write).
 
     Attributes:
-        fingerprints: the fingerprint part of every block written (:func:`fingerprint.part_of`).
+        fingerprints: the fingerprint part of every block written (:func:`fingerprint.part_of`;
+            an accelerator block's sum stays a device tensor until :func:`fingerprint.settled`).
         compared: keys whose copies the replica check compares: their replica digests
             (:func:`statecheck.copy_digest`); ``on_device``: those taken from accelerator tensors.
         staging: (``verify_staging``) key -> the staging digest of the live tensor at the save
@@ -94,10 +95,12 @@ class DistckptSavePlanner(DefaultSavePlanner):
         td = write_item.tensor_data
         if self.observe.fingerprints and td is not None and isinstance(data, torch.Tensor):
             key = write_item.index.fqn
-            part = fingerprint.part_of(key, data, td.chunk.offsets, td.size)
+            # Lazy: an accelerator tensor's sums stay on its device until the write is done (see
+            # distckpt.save.phases.write), so this writer thread does not wait for each one.
+            part = fingerprint.part_of(key, data, td.chunk.offsets, td.size, lazy=True)
             copy = None
             if key in self.observe.compared:
-                copy = statecheck.copy_digest(data, td.chunk.offsets, key in self.observe.on_device)
+                copy = statecheck.copy_digest(data, td.chunk.offsets, key in self.observe.on_device, lazy=True)
             with self._lock:
                 if part is not None:
                     self.observed.parts.append(part)

@@ -51,7 +51,7 @@ VERSION = 2
 
 __all__ = [
     "VERSION", "VERSIONS", "Part", "add", "combine", "digest", "local_parts", "mix", "mix_value",
-    "of_tensor", "part_of", "partial_sum", "run_sum", "supported",
+    "lazy_partial_sum", "of_tensor", "part_of", "partial_sum", "run_sum", "settled", "supported",
 ]
 
 
@@ -207,16 +207,43 @@ def _lazy_sum(local: torch.Tensor, offsets: Sequence[int], global_shape: Sequenc
 
 
 def part_of(
-    key: str, local: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], version: int = VERSION
+    key: str,
+    local: torch.Tensor,
+    offsets: Sequence[int],
+    global_shape: Sequence[int],
+    version: int = VERSION,
+    lazy: bool = False,
 ) -> Part | None:
     """The fingerprint part of one block DCP writes (``local`` at ``offsets`` of a tensor of
-    ``global_shape``), as :func:`local_parts` gives it; ``None`` if it cannot be fingerprinted."""
+    ``global_shape``), as :func:`local_parts` gives it; ``None`` if it cannot be fingerprinted.
+
+    ``lazy``: an accelerator block's sum may be left a device tensor, computed without waiting
+    for the device (one wait per tensor would stall the writer thread calling it);
+    :func:`settled` turns such parts into ints, with one transfer per device."""
     if not isinstance(local, torch.Tensor) or not supported(local):
         return None
     offsets = tuple(int(o) for o in offsets)
     global_shape = tuple(int(d) for d in global_shape)
-    total = partial_sum(local, global_shape, offsets, version)
+    total = lazy_partial_sum(local, global_shape, offsets, version) if lazy else partial_sum(local, global_shape, offsets, version)
     return (key, offsets, tuple(local.shape), global_shape, str(local.dtype), total)
+
+
+def lazy_partial_sum(
+    local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int], version: int = VERSION
+) -> int | torch.Tensor:
+    """:func:`partial_sum`, left a 0-dim device tensor for an accelerator block that is one
+    contiguous run (a whole tensor, a row shard): no wait for the device. Give such sums to
+    :func:`distckpt.state.fpkernels.settle` (or parts to :func:`settled`)."""
+    if local.device.type == "cpu":
+        return partial_sum(local, global_shape, offsets, version)
+    return _lazy_sum(local, tuple(int(o) for o in offsets), global_shape, version)
+
+
+def settled(parts: Sequence[Part]) -> list[Part]:
+    """``parts`` (from :func:`part_of` with ``lazy``) with every sum an int in ``[0, 2**64)``:
+    device sums are brought back with one transfer per device, which waits for their kernels."""
+    totals = fpkernels.settle([p[5] for p in parts])
+    return [tuple(p[:5]) + (t,) for p, t in zip(parts, totals)]
 
 
 def combine(parts_by_rank: Sequence[Sequence[Part]], version: int = VERSION) -> tuple[dict[str, str], dict[str, list[list[int]]]]:

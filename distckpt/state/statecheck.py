@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from distckpt.state import fingerprint
+from distckpt.state import fingerprint, fpkernels
 from distckpt.errors import StateMismatchError
 from distckpt.integrity.shards import ShardSource
 from distckpt.integrity.checksums import new_hasher
@@ -162,19 +162,22 @@ _LOW32 = (1 << 32) - 1
 Copy = tuple  # (shard offsets, digest): one copy of a compared tensor on one rank
 
 
-def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = False) -> Copy | None:
+def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = False, lazy: bool = False) -> Copy | None:
     """(any rank, not collective) The digest of one copy of a replicated tensor (or of one
     replicated shard, at ``offsets``) for the replica check, which needs only equal copies to
     give equal digests: a CRC-32C of the bytes of a host copy (cheaper than a fingerprint on one
     core; measured: benchmarks/README.md), the fingerprint sum of an accelerator copy (summed on its device,
     no copy to the host). ``on_device``: the copy was taken from an accelerator tensor (a copy
     staged to host memory takes its replicas' kind of digest). ``None``: not comparable
-    (sparse, quantized, meta)."""
+    (sparse, quantized, meta). ``lazy``: an accelerator copy's digest may be left a device
+    tensor (no wait for the device; :func:`settled_copies` turns them into ints)."""
     if not fingerprint.supported(local):
         return None
     local = local.detach()
     if on_device or local.device.type != "cpu":
-        value = fingerprint.partial_sum(local, local.shape, (0,) * local.dim())
+        zeros = (0,) * local.dim()
+        lazy_sum = fingerprint.lazy_partial_sum if lazy else fingerprint.partial_sum
+        value = lazy_sum(local, local.shape, zeros)
     else:
 
         flat = local.contiguous().reshape(-1)
@@ -185,6 +188,14 @@ def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = F
             hasher.update(memoryview(flat.view(torch.uint8).numpy()))
         value = int(hasher.hexdigest(), 16)
     return (tuple(int(o) for o in offsets), value)
+
+
+def settled_copies(copies: Mapping[str, Copy]) -> dict[str, Copy]:
+    """``copies`` (from :func:`copy_digest` with ``lazy``) with every digest an int: device digests
+    brought back with one transfer per device."""
+    keys = list(copies)
+    values = fpkernels.settle([copies[k][1] for k in keys])
+    return {k: (copies[k][0], v) for k, v in zip(keys, values)}
 
 
 def copy_digests(flat: Mapping[str, object], on_device: Iterable[str] = (), threads: int = 1) -> dict[str, Copy]:

@@ -31,7 +31,9 @@ def test_a_sync_save_copies_through_the_pinned_ring_and_proves_each_copy(tmp_pat
         assert len(issued) == 24 and all(issued)
         assert sorted(proven) == sorted(f"w.t{i}" for i in range(24))
         dest = {"w": {k: torch.zeros_like(v) for k, v in state.items()}}
-        ckpt.load(dest)
+        # verify_state: the fingerprints the writer threads left on the device and settled after
+        # the write (fingerprint.settled) are the ones the loaded values give.
+        ckpt.load(dest, verify_state=True)
     assert all(torch.equal(dest["w"][k], v) for k, v in state.items())
 
 
