@@ -48,7 +48,10 @@ Methods (all ranks run each; time = wall time from a barrier before to a barrier
 
 ``--device cuda`` keeps the state on each rank's GPU (raw I/O then goes through a pinned host
 buffer, as any save of GPU state must); ``--dir /dev/shm`` puts every file in memory, where the
-disk cannot hide CPU cost.
+disk cannot hide CPU cost. For the GPU figures and targets (issue 32) run ``benchmarks/gpu.py``
+instead: one process per GPU, every row in under 4 minutes; ``--device cuda`` here runs this
+whole matrix (S3, training, several world sizes) on GPU state and is not bounded in time
+(``--quick`` or ``--only`` narrows it).
 
 Peak resident memory per rank is measured for every method with the kernel's high-water mark
 (``/proc/self/clear_refs`` + ``VmHWM``) and given as the growth over the RSS before the method.
@@ -771,6 +774,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < max(worlds):
             p.error(f"--device cuda needs {max(worlds)} GPU(s)")
+        print("save_throughput: for the GPU rows and targets of issue 32 run benchmarks/gpu.py (< 4 min on one GPU)", file=sys.stderr)
     from dist_harness import run_ranks
 
     own_dir = args.dir is None
