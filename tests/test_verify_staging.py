@@ -206,3 +206,30 @@ def test_prepare_staging_allocates_before_the_first_save(tmp_path, monkeypatch, 
         ckpt.save(2, bigger, blocking=False)  # another structure: staged into new buffers
         ckpt.wait()
         assert ckpt.steps() == [1, 2]
+
+
+def _failed_reservation(rank: int, world: int, root: str) -> dict:
+    """Rank 1's background reservation fails; the next prepare_staging must say so on both ranks
+    (raised on rank 1 alone, rank 0 would wait in its next collective until the timeout)."""
+    from distckpt.save import staging
+
+    if rank == 1:
+        def broke(*args, **kwargs):
+            raise MemoryError("no pinned memory left (injected)")
+
+        staging.Stager._prepare_arena = broke
+        staging.Stager._buffer = broke
+    state = {"w": torch.randn(64), "b": torch.randn(7)}
+    out = {}
+    with distckpt.Checkpointer(root, async_mode="thread") as ckpt:
+        ckpt.prepare_staging(state)  # rank 1's allocation fails in the background
+        try:
+            ckpt.prepare_staging(state)
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_failed_reservation_is_raised_on_every_rank(tmp_path):
+    out = run_ranks(_failed_reservation, 2, tmp_path, str(tmp_path / "ck"), timeout=120)
+    assert all("no pinned memory left" in o.get("error", "") for o in out), out

@@ -94,6 +94,7 @@ from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
     Pointer,
     PointerRecord,
+    check_pointer_path,
     delete_unreferenced,
     dir_of,
     dir_url,
@@ -213,7 +214,8 @@ class DistckptCheckpointIO(CheckpointIO):
             TypeError: ``storage_options`` given (configure storage in the constructor), or a
                 value distckpt cannot store safely (its key named).
             ValueError: no valid ``global_step``; a full save after a weights-only save at the
-                same global step.
+                same global step; a ``path`` inside a checkpoint (the root's step directories or
+                any folder holding ``manifest.json``/``.metadata``), the root itself, or a directory.
             StepExistsError: the root holds this global step from another run or job.
             RuntimeError: called on one rank of several (a strategy other than
                 :class:`DistckptDDPStrategy`).
@@ -228,6 +230,9 @@ class DistckptCheckpointIO(CheckpointIO):
         if type(step) is not int or step < 0:
             raise ValueError(f"a Lightning checkpoint must hold 'global_step', an int >= 0, got {step!r}")
         keys, state, layout = prepare(checkpoint, copy_values=self.async_save)
+        # Before anything is saved, on every rank alike: a pointer must not land in a checkpoint
+        # (it would replace a committed step's files) nor be refused after the step committed.
+        on_coordinator(Group(), f"checking Lightning checkpoint path {os.fspath(path)}", lambda: check_pointer_path(path, self.root))
         self._remember(path)
         ckpt = self.checkpointer
         epoch = checkpoint.get("epoch")
@@ -368,25 +373,30 @@ class DistckptCheckpointIO(CheckpointIO):
     def _apply(self, actions: Iterable[_Action]) -> tuple[str | None, list[int]]:
         """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
         ckpt = self.checkpointer
-        orphans: set[int] = set()
+        # (step, job) of the pointers replaced or removed: a pointer names a step of ITS job (of
+        # another root, maybe); only this job's steps can be orphaned by it, never a step of this
+        # root that merely has the same number.
+        orphans: set[tuple[int, str | None]] = set()
         job = None
         for kind, path, record in actions:
             old = try_pointer(path)
             if kind == "point" and record is not None:
+                check_pointer_path(path, self.root)  # again, right before writing (checked before the save)
                 job = ckpt.manifest(record["step"]).job  # committed: read back what it recorded
                 if self._options.get("job") is None:
                     self._job = job
                 write_pointer(path, pointer_bytes(self.root, job, record))
-                if old is not None and old["step"] != record["step"]:
-                    orphans.add(old["step"])
+                if old is not None and (old["step"], old.get("job")) != (record["step"], job):
+                    orphans.add((old["step"], old.get("job")))
             elif old is not None:
                 remove_file(path)
-                orphans.add(old["step"])
+                orphans.add((old["step"], old.get("job")))
             elif exists(path):
                 warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
         if self._job is None:
             return job, []
-        return job, delete_unreferenced(ckpt, orphans, self._job, self._visible_pointers)
+        mine = {step for step, of in orphans if of == self._job}
+        return job, delete_unreferenced(ckpt, mine, self._job, self._visible_pointers)
 
     def _visible_pointers(self) -> Iterable[Pointer]:
         """(rank 0) Every pointer in the directories known (seen paths' directories and the

@@ -25,10 +25,16 @@ import fsspec.implementations.local
 from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
-from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
-from distckpt.storage.ownership import mark_released, remove_uncommitted
+from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir, step_dir
+from distckpt.storage.base import NEW_DIR_PREFIX
+from distckpt.storage.ownership import (
+    TOMBSTONE_PREFIX,
+    mark_released,
+    remove_uncommitted,
+)
+from distckpt.tools.outputs import check_output
 
-__all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
+__all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
            "pointer_bytes", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
@@ -57,6 +63,60 @@ class Pointer(TypedDict):
     job: str | None
     epoch: object
     keys: list[str]
+
+
+def _is_local(location: str) -> bool:
+    return "://" not in location or location.startswith("file://")
+
+
+def _fs(path: str | os.PathLike) -> tuple[AbstractFileSystem, str]:
+    """The filesystem of ``path`` and the path in it. A local path is taken literally: fsspec's
+    URL parsing would read ``::`` in a file name (``epoch=1::x.ckpt``) as a chain of URLs and
+    open another file (``epoch=1``)."""
+    location = os.fspath(path)
+    if _is_local(location):
+        return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(location.removeprefix("file://")))
+    return fsspec.core.url_to_fs(location)
+
+
+def _named(fs: AbstractFileSystem, path: str) -> str:
+    """``path`` of ``fs`` as :func:`_fs` opens it again (local: the plain absolute path)."""
+    return path if isinstance(fs, fsspec.implementations.local.LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+def check_pointer_path(path: str | os.PathLike, root: str) -> None:
+    """Refuse a pointer path that would write into a checkpoint: (rank 0, before a save)
+
+    * a path in the plugin's ``root`` that is, or lies in, one of its step directories (also one
+      a later save would create) or its temporary folders, or the root itself: the pointer would
+      replace a committed file (``manifest.json``, ``.metadata``) or block a later save;
+    * a path inside any other checkpoint (a folder holding ``manifest.json`` or ``.metadata``,
+      a step folder of a checkpoint root: :func:`distckpt.tools.outputs.check_output`);
+    * an existing directory (a pointer is a file; found out after the save, it would leave the
+      committed step with nothing pointing at it).
+
+    Raises:
+        ValueError: naming the path and why.
+    """
+    location = os.fspath(path)
+    fs, p = _fs(location)
+    if _is_local(location) == _is_local(root):
+        if _is_local(root):
+            mine, base = os.path.realpath(p), os.path.realpath(_fs(root)[1])
+        else:  # URLs compared as written (no filesystem is made for the root here)
+            mine, base = location.rstrip("/"), root.rstrip("/")
+        if mine == base or mine.startswith(base.rstrip("/") + "/"):
+            first = mine[len(base):].strip("/").split("/", 1)[0]
+            if mine == base or parse_step_dir(first) is not None or first.startswith((NEW_DIR_PREFIX, TOMBSTONE_PREFIX)):
+                what = "is the root" if mine == base else "is, or lies in, a step directory"
+                raise ValueError(
+                    f"checkpoint path {location} {what} of this DistckptCheckpointIO's root {root}: a pointer there "
+                    "would replace a checkpoint's files or block a later save; save Lightning checkpoints elsewhere "
+                    f"(ModelCheckpoint(dirpath=...)): beside the steps ({root}/<name>.ckpt) or in a folder of your own"
+                )
+    if fs.isdir(p):
+        raise ValueError(f"checkpoint path {location} is a directory: DistckptCheckpointIO writes a pointer file there")
+    check_output(location)
 
 
 def pointer_bytes(root: str, job: str | None, record: PointerRecord) -> bytes:
@@ -96,7 +156,7 @@ def _read_small(fs: AbstractFileSystem, path: str) -> bytes:
 
 
 def try_pointer(path: str) -> Pointer | None:
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = _fs(path)
     try:
         if not fs.isfile(p):
             return None
@@ -106,14 +166,14 @@ def try_pointer(path: str) -> Pointer | None:
 
 
 def exists(path: str) -> bool:
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = _fs(path)
     return bool(fs.exists(p))
 
 
 def write_pointer(path: str, data: bytes) -> None:
     """Replace the file at ``path`` atomically (local: a temporary file, fsync, rename; object
     stores: one put)."""
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = _fs(path)
     parent = posixpath.dirname(p)
     if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         if parent:
@@ -140,7 +200,7 @@ def write_pointer(path: str, data: bytes) -> None:
 
 
 def remove_file(path: str) -> None:
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = _fs(path)
     try:
         fs.rm_file(p)
     except FileNotFoundError:
@@ -149,14 +209,14 @@ def remove_file(path: str) -> None:
 
 def dir_of(path: str | os.PathLike) -> str:
     """The directory holding ``path``, as a URL fsspec opens again (``file:///...`` when local)."""
-    fs, p = fsspec.core.url_to_fs(os.fspath(path))
-    return fs.unstrip_protocol(posixpath.dirname(p))
+    fs, p = _fs(path)
+    return _named(fs, posixpath.dirname(p))
 
 
 def dir_url(dirpath: str | os.PathLike) -> str:
     """A directory, as :func:`dir_of` names it."""
-    fs, p = fsspec.core.url_to_fs(os.fspath(dirpath))
-    return fs.unstrip_protocol(p.rstrip("/") or "/")
+    fs, p = _fs(dirpath)
+    return _named(fs, p.rstrip("/") or "/")
 
 
 def _root_id(root: str) -> str:
@@ -174,7 +234,7 @@ def read_pointer(path: str) -> Pointer:
         ValueError: ``path`` is a directory, or a file that is no pointer (a ``torch.save``
             checkpoint from Lightning's default ``TorchCheckpointIO`` is named as such).
     """
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = _fs(path)
     if not fs.exists(p):
         raise FileNotFoundError(f"Lightning checkpoint not found: {path}")
     if fs.isdir(p):
@@ -198,7 +258,7 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
         OSError: a directory, or a file in it, cannot be read (a missing directory holds none).
     """
     for d in sorted(dirs):
-        fs, base = fsspec.core.url_to_fs(d)
+        fs, base = _fs(d)
         try:
             listing = fs.ls(base, detail=True)
         except (FileNotFoundError, NotADirectoryError):

@@ -128,7 +128,8 @@ class SaveDriver:
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Plan as a save of ``state`` would, and reserve its staging buffers in the
-        background (:meth:`~distckpt.save.staging.Stager.reserve`)."""
+        background (:meth:`~distckpt.save.staging.Stager.reserve`); waits for an in-flight save
+        first. The failure of an earlier reservation is raised here, on every rank."""
         self.wait()
         with gc_paused():
             group = self.groups.get()
@@ -139,7 +140,9 @@ class SaveDriver:
             )
             phases.agree(prepared, views, group.rank)
             skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
-            self._stager(self._writes_in_process(group)).reserve(prepared.state_dict, skip)
+            stager = self._stager(self._writes_in_process(group))
+            # A previous reservation's failure surfaces here (or the state's): on every rank alike.
+            all_ranks(group, "prepare_staging", lambda: stager.reserve(prepared.state_dict, skip))
 
     @property
     def in_flight(self) -> bool:

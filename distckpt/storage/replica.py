@@ -38,6 +38,7 @@ where one step stands.
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import shutil
 import threading
@@ -47,11 +48,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from distckpt.storage import ownership
 from distckpt.errors import CheckpointError, StepExistsError
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, step_dir
-from distckpt.storage.retention import check_keep_last, delete_old_steps
+from distckpt.integrity.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    committed_steps,
+    step_dir,
+)
+from distckpt.storage import ownership
 from distckpt.storage.base import Storage
+from distckpt.storage.retention import check_keep_last, delete_old_steps
 
 log = logging.getLogger("distckpt")
 
@@ -90,6 +96,16 @@ class ReplicaStatus:
     failed: tuple[tuple[int, str], ...]
     skipped: tuple[int, ...]
     pending: tuple[int, ...]
+
+
+def _warn(message: str) -> None:
+    """Warn from the upload thread. A warning turned into an error (``-W error``) has nobody to
+    reach there and would end the thread: the failure is recorded (and raised by ``wait()``)
+    and logged; the warning is not raised."""
+    try:
+        warnings.warn(message, stacklevel=2)
+    except Exception:  # noqa: BLE001
+        log.warning("%s", message)
 
 
 def _default_is_coordinator() -> bool:
@@ -210,8 +226,12 @@ class Replicator:
             ReplicationError: ``raise_on_failure`` and uploads of the steps waited for failed,
                 each step with its cause.
         """
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be None or >= 0, got {timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf")
+        ):
+            raise ValueError(f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+            raise ValueError(f"step must be None or an int, got {step!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def waited(s: int) -> bool:
@@ -256,7 +276,17 @@ class Replicator:
             try:
                 if step is _STOP:
                     return
-                self._handle(step)
+                try:
+                    self._handle(step)
+                except BaseException as exc:  # noqa: BLE001 - this thread must outlive any one step
+                    # E.g. warnings turned into errors (``-W error``), or an error while deciding
+                    # whether a failed step was skipped: recorded as that step's failure (raised by
+                    # wait()), and the thread goes on with the next step instead of dying with
+                    # later steps left pending (wait() would never return).
+                    with self._lock:
+                        recorded = any(s == step for s, _ in self.failed) or step in self.uploaded or step in self.skipped
+                        if not recorded:
+                            self.failed.append((step, f"{type(exc).__name__}: {exc}"))
             finally:
                 if step is not _STOP:
                     with self._lock:
@@ -274,7 +304,7 @@ class Replicator:
 
     def _handle(self, step: int) -> None:
         if self._superseded(step):
-            self.skipped.append(step)
+            self._record(self.skipped, step)
             return
         t0 = time.perf_counter()
         try:
@@ -284,18 +314,17 @@ class Replicator:
                 isinstance(exc, FileNotFoundError) and not self.local.exists(step_dir(step), MANIFEST_NAME) and self._newer_local(step)
             ):
                 # Deleted locally by retention after a newer step committed: nothing lost.
-                self.skipped.append(step)
+                self._record(self.skipped, step)
                 return
             msg = f"{type(exc).__name__}: {exc}"
-            self.failed.append((step, msg))
+            self._record(self.failed, (step, msg))
             log.error("replication of step %d to %s failed: %s", step, self.remote.display(), msg)
-            warnings.warn(
+            _warn(
                 f"distckpt: step {step} was committed locally at {self.local.display(step_dir(step))} "
-                f"but its upload to {self.remote.display(step_dir(step))} failed: {msg}",
-                stacklevel=1,
+                f"but its upload to {self.remote.display(step_dir(step))} failed: {msg}"
             )
             return
-        self.uploaded.append(step)
+        self._record(self.uploaded, step)
         log.info(
             "replicated step %d to %s: %.1f MB in %.2fs",
             step,
@@ -306,7 +335,11 @@ class Replicator:
         try:
             self._apply_retention()
         except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"distckpt: retention on {self.remote.display()} failed: {exc}", stacklevel=1)
+            _warn(f"distckpt: retention on {self.remote.display()} failed: {exc}")
+
+    def _record(self, where: list, item: object) -> None:
+        with self._lock:
+            where.append(item)
 
     def _newer_local(self, step: int) -> bool:
         return any(s > step for s in committed_steps(self.local))
