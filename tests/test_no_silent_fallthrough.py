@@ -182,5 +182,7 @@ def test_named_jobs_and_steps_saved_before_jobs_were_recorded(tmp_path):
         assert resumed.steps() == [2, 4, 5, 6]
         resumed.save(7, _state())
         assert resumed.steps() == [4, 5, 6, 7]
-    with pytest.raises(ValueError, match="job must be None or a non-empty string"):
-        distckpt.Checkpointer(str(tmp_path), job="")
+    for bad in ("", " ", "a\nb", "nul\x00", "x" * 201, 5):
+        with pytest.raises(ValueError, match="job must be None or a string of at most 200 characters, not blank"):
+            distckpt.Checkpointer(str(tmp_path), job=bad)
+    distckpt.Checkpointer(str(tmp_path), job="../x/é").close()  # never a path: any visible name

@@ -28,9 +28,18 @@ from distckpt.storage.base import Storage
 
 
 def check_job(job: str | None) -> None:
-    """``ValueError`` unless ``job`` is ``None`` or a non-empty string of at most 200 characters."""
-    if job is not None and (not isinstance(job, str) or not job or len(job) > 200):
-        raise ValueError(f"job must be None or a non-empty string of at most 200 characters, got {job!r}")
+    """``ValueError`` unless ``job`` is ``None`` or a string of at most 200 characters with a
+    visible one and no control characters (a name shown in ``distckpt ls`` and errors: a
+    blank or a newline would read as no job, or split a line)."""
+    if job is not None and (
+        not isinstance(job, str)
+        or not job.strip()
+        or len(job) > 200
+        or any(ord(c) < 32 or ord(c) == 127 for c in job)
+    ):
+        raise ValueError(
+            f"job must be None or a string of at most 200 characters, not blank and without control characters, got {job!r}"
+        )
 
 
 class Lineage:
