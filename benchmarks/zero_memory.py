@@ -20,7 +20,6 @@ Run ``python benchmarks/zero_memory.py --help``; ``--quick`` is a tiny smoke run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -1,13 +1,34 @@
 """Every private torch API distckpt relies on, in one place.
 
-torch has no public equivalent for these in 2.13. Each may change in a torch release without
-notice; this module is what to check (and the import test in ``tests/test_compat.py`` is what
-fails) when pyproject's torch range moves. Small helpers that torch keeps private but that are
-trivial (narrowing a tensor by offsets, copying ZeRO's hyper-parameters) are written out in
-distckpt instead of imported.
+torch has no public equivalent for these in 2.11-2.14. Each may change in a torch release without
+notice; this module is what to check (and ``tests/test_compat.py``, which imports and exercises
+each of them, is what fails) when pyproject's torch range moves. Small helpers that torch keeps
+private but that are trivial (narrowing a tensor by offsets, copying ZeRO's hyper-parameters) are
+written out in distckpt instead of imported.
+
+Checked against torch 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (2026-11-25, their installed sources read
+side by side, and ``tests/compat.sh VERSION`` run for each): every API below has the same
+signature and behaviour in all four, so no branch by version is needed yet. A difference found
+later goes here as a branch on ``TORCH_VERSION`` with the releases it covers named. Differences
+seen nearby that distckpt does not depend on:
+
+* 2.11: ``FileSystemWriter.finish`` stamps ``metadata.version`` on a copy (``dataclasses.replace``),
+  2.12+ on the object passed in; distckpt passes its own copy either way (its save run's finish).
+* 2.11: ``dcp.load``'s error when no ``.metadata`` can be read is a bare "metadata is None"
+  (2.12+ add the causes); distckpt reads and verifies ``.metadata`` itself before DCP does.
+* 2.11: ``DefaultSavePlanner(enable_plan_caching=True)`` caches the local plan before the global
+  plan is validated (2.12+ after); distckpt's planner does not use DCP's plan cache.
+* 2.14: ``FileSystemWriter`` warns instead of calling ``os.sync()`` when a stream has no
+  ``fileno()``; distckpt writes files through its own writer (``CheckpointWriter.write_data``).
+* ``DeviceMesh.__init__`` was restructured between 2.11 and 2.13 (layout checks), keeping the
+  ``_init_backend`` and ``_rank`` keywords :func:`mesh_without_groups` uses.
+* CUDA builds (PyPI's default for 2.11, 2.12 and 2.14) hold ~260 MB more resident memory after
+  ``import torch`` than the 2.13 CPU build; nothing here depends on the build.
 """
 
 from __future__ import annotations
+
+import re
 
 # DCP's flattening of nested state dicts into dotted keys, and its inverse. DCP's planners do the
 # same internally (flatten_state_dict=True); distckpt needs the key mapping itself to stage async
@@ -31,16 +52,19 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 # tensor at a time, which torch.save cannot do without holding everything in memory.
 import torch
 
+#: The running torch's release as a tuple, e.g. (2, 11, 0), for branches by version.
+#: "2.14.0a0+git..." (a source build) gives (2, 14, 0).
+TORCH_VERSION: tuple[int, ...] = tuple(int(x) for x in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
+
 PyTorchFileReader = torch._C.PyTorchFileReader
 PyTorchFileWriter = torch._C.PyTorchFileWriter
 
 
-def storage_alignment() -> int | None:
-    """torch.save's storage alignment for new files (``None`` on torch versions without it)."""
+def storage_alignment() -> int:
+    """torch.save's storage alignment for new files (every torch of pyproject's range has one)."""
     import torch.serialization as ser
 
-    fn = getattr(ser, "_get_storage_alignment", None)
-    return fn() if fn is not None else None
+    return ser._get_storage_alignment()
 
 
 def dtype_from_storage_name(name: str) -> torch.dtype:
@@ -75,7 +99,7 @@ def group_is_registered(pg: object) -> bool:
 
 def mesh_without_groups(mesh: list, dim_names: tuple[str, ...] | None, rank: int) -> object:
     """A CPU ``DeviceMesh`` of the given global ranks, seen from global ``rank``, that creates no
-    process groups (``_init_backend=False``, ``_rank``: private keywords of torch 2.13).
+    process groups (``_init_backend=False``, ``_rank``: private keywords of torch 2.11-2.14).
 
     distckpt's background writer process rebuilds the DTensors a rank staged with it: DCP needs
     only each DTensor's mesh shape, coordinate and placements to write a shard, and the writer
@@ -141,5 +165,5 @@ def write_torch_record(obj: object, stream: object, crc: bool) -> None:
 # dimension again with it (``_StridedShard`` on the FSDP mesh dimension). In torch 2.13 it is not
 # a ``Shard`` subclass and its ``is_shard()`` is False, yet it shards the tensor, and torch's
 # chunk helper (``compute_local_shape_and_global_offset``, the block DCP writes) shards by it:
-# the save planner must count it as sharding (distckpt.save.plan.replica_dims).
+# the save planner must count it as sharding (distckpt.state.placements.replica_dims).
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401

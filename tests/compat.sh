@@ -8,7 +8,7 @@
 # Creates (or reuses) the venv .compat/torch-VERSION/ (git ignores .compat/), installs torch
 # VERSION there (the CPU build where one can be had: the local CPU wheel for 2.13.0, PyTorch's CPU
 # index when it is reachable; otherwise PyPI's default build, CUDA, with its nvidia-* wheels:
-# several GB), then distckpt with its test extras under a constraints file that pins torch, so
+# several GB; exit 3 if that install fails), then distckpt with its test extras under a constraints file that pins torch, so
 # pip cannot replace it; it checks that torch is still VERSION afterwards. Then it runs pytest
 # (-n 2, or COMPAT_WORKERS) and prints the summary line with the torch build and the date: the
 # rows of the README's table "torch version -> suite result". Reruns reuse the venv (distckpt is
@@ -52,11 +52,14 @@ if [ "${have%%+*}" != "$VERSION" ]; then
     start=$(date +%s)
     if [ "$VERSION" != "2.13.0" ] && curl -sfI --max-time 10 https://download.pytorch.org/whl/cpu/torch/ >/dev/null 2>&1; then
         echo "compat: torch==$VERSION from PyTorch's CPU index" >&2
-        pipq --index-url https://download.pytorch.org/whl/cpu "torch==$VERSION"
+        args=(--index-url https://download.pytorch.org/whl/cpu "torch==$VERSION")
     else
         echo "compat: torch==$VERSION from the configured indexes (2.13.0: the local CPU wheel; else PyPI)" >&2
-        pipq "torch==$VERSION"
+        args=("torch==$VERSION")
     fi
+    # Exit 3 (not 1) when torch cannot be installed: no test ran, which .ci/run reports apart
+    # from a failing suite (a registry out of reach is not a fault of distckpt's).
+    pipq "${args[@]}" || { echo "compat: could not install torch==$VERSION" >&2; exit 3; }
     echo "compat: torch installed in $(( $(date +%s) - start )) s, venv now $(du -sh "$VENV" | cut -f1)" >&2
     rm -f "$VENV/.distckpt-installed"
 fi

@@ -1,18 +1,80 @@
-"""distckpt's private torch APIs (distckpt/_compat.py) exist in the torch under test, and that torch
-is inside the range pyproject.toml declares (the range is what has been tested)."""
+"""distckpt's private torch APIs (distckpt/_compat.py) exist and behave as distckpt expects in the
+torch under test, and that torch is inside the range pyproject.toml declares (the range is what
+has been tested: ``bash tests/compat.sh VERSION`` runs this suite under each release of it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+def _declared_torch_requirement() -> str:
+    """The torch requirement of ``[project] dependencies`` in pyproject.toml, e.g. ``torch>=2.11,<2.15``."""
+    text = (REPO / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        found = re.findall(r'^\s*"(torch\s*[<>=!~][^"]*)"', text, re.MULTILINE)
+    else:
+        deps = tomllib.loads(text)["project"]["dependencies"]
+        found = [d for d in deps if re.match(r"torch\s*[<>=!~]", d)]
+    assert len(found) == 1, f"expected one torch requirement in pyproject.toml, found {found}"
+    return found[0]
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """``2.14.1+cu130`` -> (2, 14, 1); ``2.11`` -> (2, 11, 0)."""
+    parts = [int(x) for x in re.match(r"\d+(?:\.\d+)*", text).group(0).split(".")]
+    return tuple((parts + [0, 0, 0])[:3])
+
+
+def _contains_simple(spec: str, version: str) -> bool:
+    """Whether ``version`` satisfies ``spec`` (``>=2.11,<2.15``), comparing releases only: the
+    operators a torch range uses, for where ``packaging`` is not installed."""
+    ops = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
+           "<": lambda a, b: a < b, "==": lambda a, b: a == b, "!=": lambda a, b: a != b}  # fmt: skip
+    current = _release(version)
+    for clause in spec.split(","):
+        op, bound = re.match(r"\s*(>=|<=|==|!=|<|>)\s*([\d.]+)\s*$", clause).groups()
+        if not ops[op](current, _release(bound)):
+            return False
+    return True
+
+
+def _contains(spec: str, version: str) -> bool:
+    """Whether ``version`` satisfies ``spec``: packaging's rule where it is installed."""
+    try:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+    except ImportError:
+        return _contains_simple(spec, version)
+    # A nightly of a release inside the range counts as inside; local labels (+cpu) are ignored.
+    return SpecifierSet(spec).contains(Version(version), prereleases=True)
+
+
+@pytest.mark.parametrize("contains", [_contains, _contains_simple])
+def test_range_parser(contains):
+    assert contains(">=2.11,<2.15", "2.11.0+cu130") and contains(">=2.11,<2.15", "2.14.1")
+    assert contains(">=2.11,<2.15", "2.13.0+cpu") and contains(">=2.11, <2.15", "2.12.1")
+    assert not contains(">=2.11,<2.15", "2.10.1") and not contains(">=2.11,<2.15", "2.15.0")
+
+
+def test_torch_under_test_is_inside_the_declared_range():
+    requirement = _declared_torch_requirement()
+    spec = re.sub(r"^torch\s*", "", requirement).split(";")[0].strip()
+    # A range with a tested floor and ceiling, not one pinned minor and not open-ended.
+    assert ">=" in spec and "<" in spec.replace("<=", ""), f"pyproject's {requirement!r} is not a bounded range"
+    assert _contains(spec, torch.__version__), (
+        f"torch {torch.__version__} is outside pyproject's {requirement!r}: run `bash tests/compat.sh "
+        f"{torch.__version__.split('+')[0]}` and widen the range (and the README's table) if it passes"
+    )
 
 
 def test_every_private_api_resolves():
@@ -25,12 +87,91 @@ def test_every_private_api_resolves():
     assert _compat.storage_name_of_dtype(torch.bfloat16) == "BFloat16Storage"
     assert _compat.dtype_from_storage_name("FloatStorage") == torch.float32
     assert callable(_compat.rebuild_tensor_v2)
+    assert callable(_compat.split_by_size_and_type)
+    assert [f.name for f in dataclasses.fields(_compat.StorageInfo)][:3] == ["relative_path", "offset", "length"]
+    assert set(_compat.MEM_FORMAT_ENCODING.__members__) >= {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST"}
+    assert _compat.StridedShard is not None
+    assert _compat.TORCH_VERSION == _release(torch.__version__)
 
 
-def test_torch_under_test_is_inside_the_declared_range():
-    text = (REPO / "pyproject.toml").read_text()
-    spec = re.search(r'"torch(>=[^"]+)"', text).group(1)
-    lower = re.search(r">=\s*([\d.]+)", spec).group(1)
-    upper = re.search(r"<\s*([\d.]+)", spec).group(1)
-    current = _version(torch.__version__)
-    assert _version(lower) <= current < _version(upper), (torch.__version__, spec)
+def test_nested_dict_round_trip_and_set_element():
+    from distckpt import _compat
+
+    nested = {"model": {"w": torch.ones(2)}, "opt": {"state": {0: {"step": 3}}}, "lst": [1, {"a": 2}]}
+    flat, mapping = _compat.flatten_state_dict(nested)
+    assert set(flat) == {"model.w", "opt.state.0.step", "lst.0", "lst.1.a"}
+    assert mapping["model.w"] == ("model", "w") and mapping["lst.1.a"] == ("lst", 1, "a")
+    back = _compat.unflatten_state_dict(flat, mapping)
+    assert back["lst"] == [1, {"a": 2}] and torch.equal(back["model"]["w"], torch.ones(2))
+    target = {"model": {"w": None}}
+    _compat.set_element(target, mapping["model.w"], 7)
+    assert target == {"model": {"w": 7}}
+
+
+def test_torch_record_writer_and_reader():
+    """write_torch_record is torch.save's zip format (torch.load reads it back, with or without
+    record CRCs); the reader finds each record and its offset, as distckpt's readers need."""
+    from distckpt import _compat
+
+    value = {"t": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    for crc in (True, False):
+        buf = io.BytesIO()
+        _compat.write_torch_record(value, buf, crc)
+        data = buf.getvalue()
+        assert torch.equal(torch.load(io.BytesIO(data), weights_only=True)["t"], value["t"])
+        reader = _compat.PyTorchFileReader(io.BytesIO(data))
+        storage = next(r for r in reader.get_all_records() if r.startswith("data/"))
+        offset = reader.get_record_offset(storage)
+        assert data[offset : offset + 24] == value["t"].numpy().tobytes()
+        assert reader.get_record(storage) == value["t"].numpy().tobytes()
+        # torch.save pickles tensors with this rebuild function, by name (exports must too).
+        assert b"torch._utils\n_rebuild_tensor_v2" in reader.get_record("data.pkl")
+    rebuild = _compat.rebuild_tensor_v2
+    assert (rebuild.__module__, rebuild.__name__) == ("torch._utils", "_rebuild_tensor_v2")
+    alignment = _compat.storage_alignment()
+    assert alignment >= 1
+
+
+def test_strided_shard_and_mesh_without_groups():
+    """A mesh built without process groups has the coordinate of the rank it is given, and torch's
+    chunk helper (the block DCP writes for a DTensor) shards by ``_StridedShard`` as by ``Shard``
+    (distckpt's planner counts both as sharding; ``is_shard()`` says False for the strided one)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from distckpt import _compat
+
+    for rank in (0, 1):
+        mesh = _compat.mesh_without_groups([0, 1], ("dp",), rank)
+        assert tuple(mesh.get_coordinate()) == (rank,) and mesh.mesh.tolist() == [0, 1]
+        for placement in (Shard(0), _compat.StridedShard(0, split_factor=2)):
+            shape, _ = compute_local_shape_and_global_offset((8, 3), mesh, [placement])
+            assert tuple(shape) == (4, 3), placement
+        shape, offset = compute_local_shape_and_global_offset((8, 3), mesh, [Replicate()])
+        assert tuple(shape) == (8, 3) and tuple(offset) == (0, 0)
+    assert not _compat.group_is_registered(object())
+
+
+def test_model_key_fqns_strips_wrappers():
+    from distckpt import _compat
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert _compat.model_key_fqns(model, "0.weight") == "0.weight"
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = model
+
+    # torch strips "module." only for DDP (and "_orig_mod." for torch.compile), not any attribute.
+    assert _compat.model_key_fqns(Wrapper(), "module.0.weight") == "module.0.weight"
+    assert _compat.model_key_fqns(torch.compile(model), "_orig_mod.0.weight") == "0.weight"
+
+
+@pytest.mark.parametrize("name", ["FsspecDcpFileSystem"])
+def test_fsspec_filesystem_has_dcp_interface(name):
+    from distckpt import _compat
+
+    cls = getattr(_compat, name)
+    for method in ("create_stream", "concat_path", "rename", "init_path", "mkdir", "exists", "rm_file"):
+        assert callable(getattr(cls, method, None)), method

@@ -4,7 +4,6 @@ the same way, read each file once, and check what they read, wherever the direct
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 

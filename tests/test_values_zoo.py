@@ -26,7 +26,6 @@ import inspect
 import io
 import math
 import pathlib
-import pickle
 import random
 import threading
 import uuid

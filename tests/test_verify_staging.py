@@ -175,7 +175,7 @@ def test_prepare_staging_allocates_before_the_first_save(tmp_path, monkeypatch, 
     # Checkpointer.prepare_staging(state) reserves the staging memory in the background: the
     # first async save then allocates nothing while training waits, and saves exactly; a save
     # of another structure still allocates what it needs.
-    from distckpt.save import shared_arena, staging
+    from distckpt.save import shared_arena
 
     made = []
     real_arena = shared_arena.SharedArena.__init__

@@ -215,11 +215,11 @@ def export_torch(
     buf = io.BytesIO()
     _StubPickler(buf, protocol=2).dump(obj)
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
-    crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
+    crc = torch.serialization.get_crc32_options()
     alignment = storage_alignment()
     with open_output(out, storage_options) as f:
         sink = _Sink(f, out)
-        writer = PyTorchFileWriter(sink, crc, alignment) if alignment is not None else PyTorchFileWriter(sink)
+        writer = PyTorchFileWriter(sink, crc, alignment)
         try:
             _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink)
             sink.raise_error()
@@ -275,7 +275,7 @@ def _write_torch_records(
     data: bytes,
     stubs: list[_Stub],
     source: CheckpointSource,
-    alignment: int | None,
+    alignment: int,
     total: int,
     progress: Progress | None,
     sink: _Sink,
@@ -284,9 +284,8 @@ def _write_torch_records(
     done = 0
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
-    if alignment is not None:
-        text = str(alignment)
-        writer.write_record(".storage_alignment", text, len(text))
+    text = str(alignment)
+    writer.write_record(".storage_alignment", text, len(text))
     writer.write_record("byteorder", "little", len("little"))
     # Records in the order the tensors lie in the checkpoint's files (each file read once, front
     # to back); the pickled object refers to them by index, so its order is the checkpoint's.
