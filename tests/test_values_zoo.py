@@ -572,6 +572,50 @@ def test_marker_lookalikes_and_odd_keys_round_trip_unchanged(tmp_path, monkeypat
     assert same(fresh["bag"].state, odd) is None and same(fresh["top"], (MARKER, "value", 1)) is None
 
 
+@pytest.mark.parametrize("mode, blocking", [("process", True), ("process", False), ("thread", False)])
+def test_lists_holding_empty_dicts_save_the_same_keys_sync_and_async(tmp_path, mode, blocking):
+    """DCP enters a list that holds a mapping, and stores nothing for an empty one: ``[{}, 3]`` is
+    the item ``a.1``. Async saves stage flattened; unflattened with ``None`` where the ``{}`` was,
+    the list read as plain values to DCP and was written as one item ``a``: the async save wrote
+    other keys than a sync save of the same state, and loading it into that state failed."""
+    tree = {"a": [{}, 3, {"b": {}}], "nested": [[{}, 5], {"c": [{}, None]}], "t": torch.ones(2), "n": [None, {}]}
+    with distckpt.Checkpointer(tmp_path, async_mode=mode) as ckpt:
+        ckpt.save(1, {"extra": tree}, blocking=blocking)
+        ckpt.wait()
+        import torch.distributed.checkpoint as dcp
+
+        keys = set(dcp.FileSystemReader(str(tmp_path / step_dir(1))).read_metadata().state_dict_metadata)
+        assert {k for k in keys if k.startswith("extra.")} == {
+            "extra.a.1", "extra.nested.0.1", "extra.nested.1.c.1", "extra.t", "extra.n.0"
+        }  # fmt: skip
+        fresh = {"extra": {"a": [{}, 0, {"b": {}}], "nested": [[{}, 0], {"c": [{}, 1]}], "t": torch.zeros(2), "n": [1, {}]}}
+        ckpt.load(fresh)
+    assert fresh["extra"]["a"] == [{}, 3, {"b": {}}] and fresh["extra"]["nested"] == [[{}, 5], {"c": [{}, None]}]
+    assert fresh["extra"]["n"] == [None, {}] and torch.equal(fresh["extra"]["t"], torch.ones(2))
+
+
+def test_unflattening_for_dcp_gives_the_same_keys_seeded():
+    """Seeded trees of dicts, lists, empty containers, None, tensors and plain values: what async
+    staging hands DCP (flattened, then ``unflatten_for_dcp``) flattens into the keys, and the
+    values, of the state itself."""
+    from distckpt._compat import flatten_state_dict
+
+    def tree(rng: random.Random, depth: int) -> Any:
+        kind = rng.choice(["dict", "list", "leaf", "leaf"] if depth < 4 else ["leaf"])
+        if kind == "dict":
+            return {f"k{i}": tree(rng, depth + 1) for i in range(rng.randint(0, 3))}
+        if kind == "list":
+            return [tree(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+        return rng.choice([None, 1, "s", 2.5, torch.ones(1), {}, [], [None], [{}], [1, None]])
+
+    for seed in range(300):
+        state = {"root": tree(random.Random(seed), 0)}
+        flat, mappings = flatten_state_dict(state)
+        again, _ = flatten_state_dict(containers.unflatten_for_dcp(flat, mappings))
+        assert list(again) == list(flat), seed
+        assert all(again[k] is flat[k] for k in flat), seed
+
+
 def test_sets_are_written_in_an_order_independent_of_the_hash_seed():
     """Set order follows string hashing, which differs between processes (ranks): the encoded
     form sorts, so ranks holding equal sets write equal bytes and agree that the entry is global."""

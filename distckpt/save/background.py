@@ -54,12 +54,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from distckpt._compat import flatten_state_dict, mesh_without_groups, unflatten_state_dict
+from distckpt._compat import flatten_state_dict, mesh_without_groups
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import CheckpointError
 from distckpt.save import phases as _saving
 from distckpt.save.protocol import PlanCache
 from distckpt.save.shared_arena import Slot, attach, descriptor, view
+from distckpt.state.containers import unflatten_for_dcp
 
 #: flat key -> where DCP's flattening found it in the nested state (keys and list indices)
 Mappings = dict[str, tuple[str | int, ...]]
@@ -134,7 +135,7 @@ def decode(flat: dict[str, Any], mappings: Mappings, arena: torch.Tensor, rank: 
             out[key] = view(arena, value)
         else:
             out[key] = value
-    return unflatten_state_dict(out, mappings)
+    return unflatten_for_dcp(out, mappings)
 
 
 @dataclass

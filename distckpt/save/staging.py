@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from distckpt._compat import flatten_state_dict, unflatten_state_dict
+from distckpt._compat import flatten_state_dict
 from distckpt.save.shared_arena import SharedArena, plan_slots, view
 from distckpt.state import fingerprint, fpkernels
+from distckpt.state.containers import unflatten_for_dcp
 
 from torch.distributed.tensor import DTensor
 
@@ -247,7 +248,7 @@ class Stager:
                 # Non-tensor leaves are small (hyper-parameters, JSON text); a deep copy
                 # freezes them against later mutation by the training loop.
                 staged[key] = copy.deepcopy(value)
-        return Staged(unflatten_state_dict(staged, mappings), digests)
+        return Staged(unflatten_for_dcp(staged, mappings), digests)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The side stream copies from a CUDA ``device`` run on (``None`` for host memory and

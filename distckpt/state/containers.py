@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from distckpt._compat import unflatten_state_dict
+
 SAVE_DEPTH = 100  # nesting a save accepts (deeper: refused, naming the key)
 LOAD_DEPTH = 200  # nesting a load walks (checkpoints from before SAVE_DEPTH may nest deeper)
 
@@ -30,6 +32,47 @@ def dcp_leaf(value: object, depth: int = 0) -> bool:
         if isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not dcp_leaf(v, depth + 1)):
             return False
     return True
+
+
+def unflatten_for_dcp(flat: Mapping[str, Any], mappings: Mapping[str, tuple[str | int, ...]]) -> dict[str, Any]:
+    """The nested state of a flattened one (``flatten_state_dict``), such that DCP flattens it
+    into the same keys again.
+
+    Flattening stores nothing for a mapping without items (``{}``, ``{"b": {}}``); torch's
+    unflattening pads the list positions they held with ``None``, and DCP does not enter a list
+    of plain values: ``[{}, 3]`` (items ``a.1``) came back as ``[None, 3]`` (one item ``a``), so
+    an async save (which stages flattened) wrote other keys than a sync save of the same state,
+    and could not be loaded into it. Positions no key reaches are filled with ``{}`` instead;
+    a ``None`` that was saved has a key and stays.
+    """
+    nested = unflatten_state_dict(dict(flat), dict(mappings))
+    reached: set[tuple[tuple[str | int, ...], int]] = set()
+    for path in mappings.values():
+        for i, part in enumerate(path):
+            if isinstance(part, int):
+                reached.add((tuple(path[:i]), part))
+    if not reached:
+        return nested
+    entered = {path for path, _ in reached}  # lists DCP entered (a list stored whole is a value)
+
+    def fill(value: Any, path: tuple[str | int, ...]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                fill(v, (*path, k))
+        elif isinstance(value, list) and path in entered:
+            for i, v in enumerate(value):
+                if v is None and (path, i) not in reached:
+                    value[i] = {}
+                else:
+                    fill(v, (*path, i))
+            # Every list here was entered (its items have keys); if what is left of it reads as
+            # plain values (``[None, {}]`` lost its trailing ``{}``), one ``{}`` more makes DCP
+            # enter it again, and stores nothing.
+            if dcp_leaf(value):
+                value.append({})
+
+    fill(nested, ())
+    return nested
 
 
 def restore_containers(loaded: Any, like: Any, depth: int = 0) -> Any:
