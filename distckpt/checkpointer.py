@@ -9,6 +9,7 @@ and process-level concerns to :mod:`distckpt._process`. Read those for *how*.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
+from distckpt.errors import IntegrityError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
 from distckpt.load import run as loading
@@ -25,6 +27,7 @@ from distckpt.save.run import SaveDriver, SaveStats
 from distckpt.storage import ownership
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
+from distckpt.storage.local_tier import LocalTier
 from distckpt.storage.replica import Replicator
 
 __all__ = ["Checkpointer", "SaveStats"]
@@ -102,6 +105,16 @@ class Checkpointer:
             beside their staging copy); ``True``: host tensors too (a NumPy pass over them while
             training is blocked); ``False``: off. Sync saves prove each copy of an accelerator
             tensor to host memory alike (:mod:`distckpt.save.d2h`) unless ``False``.
+        local_dir: the fast recovery tier (:mod:`distckpt.storage.local_tier`): a directory on
+            each node (a tmpfs such as ``/dev/shm/JOB``; every rank of a node passes the same)
+            where every committed step is also kept, each rank's files written there by its
+            writer as they go to the root, and sent to its peer node. ``load`` then resumes
+            from the newest step complete in the surviving nodes' tiers (files a node lost are
+            sent by a node that has them), not older than the root's newest, without reading
+            the root; else from the root. ``None`` (default): off.
+        local_keep: committed steps each node keeps in ``local_dir``.
+        local_peers: ``1``: each rank's files are also kept by the rank of the same local rank
+            on the next node, so that losing one node loses no file; ``0``: no peer copies.
     """
 
     def __init__(
@@ -130,11 +143,15 @@ class Checkpointer:
         verify_staging: bool | str = "auto",
         job: str | None = None,
         safe_types: Sequence[type] = (),
+        local_dir: str | os.PathLike | None = None,
+        local_keep: int = 2,
+        local_peers: int = 1,
     ) -> None:
         self.options = CheckpointerOptions(
             root, keep_last, storage_options, process_group, backend, timeout, thread_count, sync_files, checksum,
             save_rng, verify, background_nice, replicate_to, replicate_storage_options, fingerprint, on_replica_drift,
-            verify_state, lease_s, skip_torch_record_crc, async_mode, verify_staging, job, safe_types,
+            verify_state, lease_s, skip_torch_record_crc, async_mode, verify_staging, job, safe_types, local_dir,
+            local_keep, local_peers,
         )  # fmt: skip
         options = self.options
         self.storage = Storage(options.root, options.storage_options)
@@ -150,7 +167,10 @@ class Checkpointer:
                 is_coordinator=lambda: self._groups.is_coordinator,
                 owned=self._lineage.owns,
             )
-        self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica)
+        self.local: LocalTier | None = None
+        if options.local_dir is not None:
+            self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.url)
+        self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False
         self.last_load_report: LoadReport | None = None
         close_at_exit(self)
@@ -324,10 +344,36 @@ class Checkpointer:
         self._open("load")
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         with gc_paused():
-            loaded = loading.load(
-                self._groups.get(), self.options, self._tiers(), state, step, strict, restore_rng, verify_state, only, exclude
-            )
+            group = self._groups.get()
+            loaded = None
+            if self.local is not None:
+                loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)
+            if loaded is None:
+                loaded = loading.load(group, self.options, self._tiers(), state, step, strict, restore_rng, verify_state, only, exclude)
         if not (only or exclude):  # a resume (not a new run from part of it): continue its job
             self._lineage.adopt(loaded.manifest.job)
         self.last_load_report = loaded.report
         return loaded.step
+
+    def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
+        """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
+        warning said why). A local copy that fails to load (a file damaged after it was
+        checked) falls back to the root too; a state that does not match the checkpoint does not."""
+        local = self.local
+        assert local is not None
+
+        def root_newest() -> int | None:
+            return self.latest_step()
+
+        chosen, sources = local.recover(group, step, root_newest, self.options.verify)
+        if chosen is None:
+            return None
+        try:
+            loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
+        except (IntegrityError, OSError) as exc:
+            if group.is_coordinator:
+                warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); loading from the root", stacklevel=3)
+            return None
+        loaded.report.tier = "local"
+        loaded.report.sources = sources
+        return loaded

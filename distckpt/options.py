@@ -26,6 +26,7 @@ from distckpt.state.safetypes import SafeTypes
 from distckpt.storage import ownership
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import check_job
+from distckpt.storage.local_tier import check_local_dir
 from distckpt.storage.retention import check_keep_last
 
 ASYNC_MODES = ("process", "thread")
@@ -62,6 +63,9 @@ class CheckpointerOptions:
     verify_staging: bool | str = "auto"
     job: str | None = None
     safe_types: Sequence[type] | SafeTypes = field(default_factory=tuple)
+    local_dir: str | os.PathLike | None = None
+    local_keep: int = 2
+    local_peers: int = 1
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last)
@@ -94,6 +98,19 @@ class CheckpointerOptions:
         # pickled into a writer process's job, where classes defined in __main__ cannot be
         # unpickled; the writer needs none of them (values are encoded before staging).
         self.safe_types = SafeTypes.of(self.safe_types)
+        self.local_dir = check_local_dir(self.local_dir)
+        if self.local_dir is not None and ("://" not in self.root or self.root.startswith("file://")):
+            # The tier deletes its old steps: it must not be (in) the root, nor hold it.
+            root = os.path.abspath(self.root.removeprefix("file://"))
+            if os.path.commonpath([root, self.local_dir]) in (root, self.local_dir):
+                raise ValueError(
+                    f"local_dir {self.local_dir!r} and root {self.root!r} overlap: the local tier needs a directory "
+                    "of its own (it keeps only its newest steps)"
+                )
+        if isinstance(self.local_keep, bool) or not isinstance(self.local_keep, int) or self.local_keep < 1:
+            raise ValueError(f"local_keep must be an int >= 1, got {self.local_keep!r}")
+        if isinstance(self.local_peers, bool) or self.local_peers not in (0, 1):
+            raise ValueError(f"local_peers must be 0 or 1 (one peer node keeps each rank's files), got {self.local_peers!r}")
 
     def save_options(self, storage: Storage) -> SaveOptions:
         """What the save phases take, for a save to ``storage``."""
@@ -109,4 +126,5 @@ class CheckpointerOptions:
             on_replica_drift=self.on_replica_drift,
             lease_s=self.lease_s,
             verify_staging=self.verify_staging,
+            local_dir=self.local_dir,
         )

@@ -57,6 +57,10 @@ class LoadReport:
         unexpected: keys the checkpoint holds that nothing in the state asked for.
         mismatched: key -> (shape in checkpoint, shape in state).
         skipped: entry -> why it was not loaded (per-rank state saved at another world size).
+        tier: where the step was read from: ``"root"`` (the root or its replica) or ``"local"``
+            (the node-local recovery tier, see :mod:`distckpt.storage.local_tier`).
+        sources: with ``tier == "local"``, per file of the step, where this node's copy came
+            from: ``"local"`` (kept on this node) or ``"rank N"`` (sent by rank N at recovery).
     """
 
     step: int
@@ -65,6 +69,8 @@ class LoadReport:
     mismatched: Mismatches
     skipped: dict[str, str] = field(default_factory=dict)
     per_rank: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tier: str = "root"
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -79,6 +80,7 @@ class SaveOptions:
     on_replica_drift: str
     lease_s: float
     verify_staging: bool | str = "auto"
+    local_dir: str | None = None  # this node's local tier (distckpt.storage.local_tier), if any
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Written:
     drifted: dict[str, list[list[int]]] = field(default_factory=dict)
     plan: PlanStats = field(default_factory=PlanStats)
     phases: dict[str, float] = field(default_factory=dict)
+    local_errors: list[str] = field(default_factory=list)
 
 
 # 1. prepare --------------------------------------------------------------------------------------
@@ -396,6 +399,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         checksum=opts.checksum,
         skip_record_crc=opts.skip_record_crc,
         prove_copies=opts.verify_staging is not False,
+        local_dir=os.path.join(opts.local_dir, step_dir(step)) if opts.local_dir else None,
     )
     plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
     run = SaveRun(group, writer, plan, cache, f"writing step {step} to {opts.storage.display(step_dir(step))}")
@@ -444,8 +448,9 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
     gathered = run.finish((writer.files, parts, item_digests, drift_copies))
     laps("metadata")
     phases.update(laps.seconds)
+    local_errors = writer.fs.local_errors
     if gathered is None:
-        return Written(plan=run.stats, phases=phases)
+        return Written(plan=run.stats, phases=phases, local_errors=local_errors)
     files = [g[0] for g in gathered]
     files[0] = writer.files  # the coordinator's, now with .metadata
     merged = {k: v for g in gathered for k, v in g[2].items()}  # each item has one writer
@@ -456,6 +461,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         drifted=statecheck.name_drift([g[3] for g in gathered], drifted),
         plan=run.stats,
         phases=phases,
+        local_errors=local_errors,
     )
 
 

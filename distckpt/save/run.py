@@ -36,6 +36,7 @@ from distckpt.save.staging import Stager, replicated_shares
 from distckpt.storage import ownership
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
+from distckpt.storage.local_tier import LocalTier
 from distckpt.storage.replica import Replicator
 from distckpt.storage.retention import Reaper
 
@@ -97,12 +98,20 @@ class SaveDriver:
         groups: its process group (created on first use).
         lineage: which committed steps are this job's (retention, the manifest's ``job``).
         replica: where committed steps are uploaded, if anywhere.
+        local: the node-local recovery tier every committed step is also kept in, if any.
     """
 
     def __init__(
-        self, options: CheckpointerOptions, storage: Storage, groups: GroupHolder, lineage: Lineage, replica: Replicator | None
+        self,
+        options: CheckpointerOptions,
+        storage: Storage,
+        groups: GroupHolder,
+        lineage: Lineage,
+        replica: Replicator | None,
+        local: LocalTier | None = None,
     ) -> None:
         self.options = options
+        self.local = local
         self.storage = storage
         self.groups = groups
         self.lineage = lineage
@@ -202,6 +211,9 @@ class SaveDriver:
         plans = self.writer.plans if in_process and self.writer is not None else self.plan_cache
         stats = SaveStats(step, 0.0)
         t1 = time.perf_counter()
+        local = self.local
+        if local is not None:
+            local.nodes_of(group)  # collective the first time: every rank is here
 
         # Phases 1-3: prepare and agree on every rank, claim on the coordinator (async saves: in
         # the background, after refusing a committed step here).
@@ -209,6 +221,8 @@ class SaveDriver:
             extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
             if not blocking and group.is_coordinator:
                 phases.refuse_committed(opts, step)
+            if local is not None:  # before any rank writes (the writes follow this exchange)
+                local.clear_step(group, step)
             return phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
@@ -318,14 +332,19 @@ class SaveDriver:
             stats.phases.update(written.phases)
             t0 = time.perf_counter()
 
-            def commit() -> int:
+            def commit() -> tuple[int, bytes | None]:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 self._release_lease(committed=True)
                 phases.apply_retention(opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s))
-                return manifest.total_bytes
+                return manifest.total_bytes, manifest.to_json() if self.local is not None else None
 
-            stats.bytes_written = on_coordinator(group, f"commit of step {prepared.step}", commit)
+            stats.bytes_written, manifest_json = on_coordinator(group, f"commit of step {prepared.step}", commit)
             stats.phases["commit"] = time.perf_counter() - t0
+            if self.local is not None and manifest_json is not None:
+                t1 = time.perf_counter()
+                # Committed at the root: the local tier's failures are warnings (never raised).
+                self.local.after_commit(group, prepared.step, manifest_json, written.local_errors)
+                stats.phases["local_tier"] = time.perf_counter() - t1
         finally:
             self._release_lease(committed=False)  # no-op after a commit
 

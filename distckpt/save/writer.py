@@ -32,6 +32,7 @@ from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.checksums import Buffer, new_hasher
 from distckpt.save.records import write_items
 from distckpt.storage.base import Storage, WritableFile, named_os_error
+from distckpt.storage.local_tier import LocalCopy, rename_copy
 
 
 _BUFFER = 1 << 20
@@ -79,9 +80,12 @@ class _ChecksumStream(io.RawIOBase):
         on_error: Callable[[BaseException], None],
         sync: Callable[[WritableFile], None] | None,
         timings: WriteTimings,
+        copy: LocalCopy | None = None,
     ) -> None:
         """``raw``: the file (``None``: it could not be created, the error is recorded already);
-        ``on_close(size, digest)`` once it is written whole; ``sync(raw)`` makes it durable."""
+        ``on_close(size, digest)`` once it is written whole; ``sync(raw)`` makes it durable;
+        ``copy``: the node-local tier's copy of the file, written alike (never failing it)."""
+        self._copy = copy
         self._timings = timings
         self._t_checksum = 0.0
         self._t_write = 0.0
@@ -114,6 +118,8 @@ class _ChecksumStream(io.RawIOBase):
         except OSError as exc:
             self._fail(exc)
             return memoryview(b).nbytes
+        if self._copy is not None:
+            self._copy.write(b)
         t2 = time.perf_counter()
         self._t_checksum += t1 - t0
         self._t_write += t2 - t1
@@ -144,6 +150,11 @@ class _ChecksumStream(io.RawIOBase):
                 self._timings.add("fsync", time.perf_counter() - t0)
             if not self.failed:
                 self._on_close(self._size, self._hasher.hexdigest() if self._hasher is not None else None)
+            if self._copy is not None:
+                if self.failed:
+                    self._copy.abandon()
+                else:
+                    self._copy.finish()
             self._timings.add("checksum", self._t_checksum)
             self._timings.add("io_write", self._t_write)
         super().close()
@@ -157,9 +168,16 @@ class _ChecksummingFS(FileSystemBase):
     """
 
     def __init__(
-        self, inner: FileSystemBase, algorithm: str | None, sync: Callable[[WritableFile], None] | None = None
+        self,
+        inner: FileSystemBase,
+        algorithm: str | None,
+        sync: Callable[[WritableFile], None] | None = None,
+        local_dir: str | None = None,
     ) -> None:
         self.inner = inner
+        # The node-local tier's directory for this step: every file is also written there.
+        self.local_dir = local_dir
+        self.local_errors: list[str] = []
         self.algorithm = algorithm
         self.sync = sync  # makes a written file durable (Storage.sync_file), or None
         self.files: dict[str, tuple[int, str | None]] = {}
@@ -196,7 +214,8 @@ class _ChecksummingFS(FileSystemBase):
         except OSError as exc:  # cannot even create the file: nothing written, error recorded
             on_error(exc)
             cm, raw = None, None
-        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings)
+        copy = LocalCopy(self.local_dir, name, self.local_errors) if self.local_dir and raw is not None else None
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings, copy)
         # torch.save writes each item in ~40 pieces, most of a few bytes: a C-level buffer in
         # front of the (Python) checksumming stream turns them into a few large writes.
         buffered = io.BufferedWriter(stream, buffer_size=_BUFFER)
@@ -223,6 +242,8 @@ class _ChecksummingFS(FileSystemBase):
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)
         old, new = os.path.basename(os.fspath(path)), os.path.basename(os.fspath(new_path))
+        if self.local_dir:
+            rename_copy(self.local_dir, old, new)
         with self._lock:
             if old in self.files:
                 self.files[new] = self.files.pop(old)
@@ -260,6 +281,9 @@ class CheckpointWriter(FileSystemWriter):
         skip_record_crc: leave out torch.save's per-record CRC where ``checksum`` covers the file.
         prove_copies: prove every copy of an accelerator tensor to host memory it makes
             (``verify_staging``, :mod:`distckpt.save.d2h`).
+        local_dir: the node-local tier's directory for this step: each file is also written
+            there (:class:`~distckpt.storage.local_tier.LocalCopy`); its failures are recorded in
+            ``fs.local_errors``, never raised.
     """
 
     def __init__(
@@ -271,6 +295,7 @@ class CheckpointWriter(FileSystemWriter):
         checksum: str | None = DEFAULT_CHECKSUM,
         skip_record_crc: bool = True,
         prove_copies: bool = True,
+        local_dir: str | None = None,
     ) -> None:
         # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
         # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
@@ -288,7 +313,9 @@ class CheckpointWriter(FileSystemWriter):
         self.storage = storage
         self.skip_record_crc = skip_record_crc
         self.prove_copies = prove_copies
-        self.fs = _ChecksummingFS(storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None)
+        self.fs = _ChecksummingFS(
+            storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None, local_dir=local_dir
+        )
         self.path = path
 
     @property

@@ -1,0 +1,280 @@
+"""Time to resume from the fast recovery tier (``Checkpointer(local_dir=...)``, issue 33) against
+the persistent root, and what the tier costs a training job.
+
+Four ranks as two simulated nodes of two (``LOCAL_WORLD_SIZE=2``; each node's ``local_dir`` in
+``/dev/shm``), a transformer-like fp32 state (default 1 GiB in all) sharded over the four ranks as
+DTensors (``Shard(0)``, as FSDP2 shards), one run; each repetition alternates the methods and
+every figure is the median over ``--repeats`` (>= 3) repetitions:
+
+* ``recover_local_s``: ``load`` on every rank from the node's own tier (nothing transferred);
+* ``recover_peer_s``: the same after node 1's tier was wiped (a lost node): node 1's files come
+  from node 0's ranks over the process group (gloo), then the load reads the tier;
+* ``recover_disk_cold_s``: ``load`` from the root on local disk, its files evicted from the page
+  cache first (``posix_fadvise``); ``recover_s3_s``: from the root on S3 (a moto server on
+  127.0.0.1), same state;
+* ``save_blocked_with_tier_s`` / ``save_blocked_without_tier_s``: how long an async save blocks
+  training with and without the tier (a warm checkpointer: staging buffers and writer reused);
+* ``train_ratio_with_tier``: steps/s of a small DDP model while an async save with the tier is in
+  flight (writer, tee, manifest and peer transfer) over steps/s while one without it is.
+
+Targets (issue 33, this 2-core machine): peer recovery >= 5x faster than S3 and >= 2x faster than
+the cold disk; the tier adds <= 10% to the blocked time and costs training <= 3% steps/s.
+
+    python benchmarks/recovery.py [--gib 1] [--repeats 3] [--no-s3]    # --quick: a tiny smoke run
+
+Writes ``benchmarks/results/recovery.json`` (``rows``: the figures above) and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GiB, REPO, drop_cache, machine_info, make_tensors, median, publish, transformer_like_shapes  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORLD = 4
+PER_NODE = 2
+TARGETS = {"peer_vs_s3": 5.0, "peer_vs_disk_cold": 2.0, "blocked_with_vs_without": 1.10, "train_ratio": 0.97}
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import distckpt
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    full = make_tensors(transformer_like_shapes(int(cfg["size_bytes"])))
+    # Every rank built the same tensors: no broadcast, each keeps its shard.
+    shards = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
+    del full
+    state = {"model": shards}
+    scratch = Path(cfg["dir"])
+    shm = Path(cfg["shm"])
+    node = rank // PER_NODE
+    records: list[dict[str, Any]] = []
+
+    def barrier() -> None:
+        dist.barrier()
+
+    def timed(rep: int, name: str, fn: Any) -> Any:
+        barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        barrier()
+        records.append({"rep": rep, "method": name, "time_s": time.perf_counter() - t0})
+        return out
+
+    def on_rank0(fn: Any) -> None:
+        if rank == 0:
+            fn()
+        barrier()
+
+    root, tier = scratch / "root", shm / f"node{node}"
+    with_tier = distckpt.Checkpointer(str(root), local_dir=str(tier), keep_last=2)
+    without = distckpt.Checkpointer(str(scratch / "plain"), keep_last=2)
+    s3_ck = None
+    if cfg.get("s3"):
+        s3_ck = distckpt.Checkpointer(f"s3://{cfg['s3']['bucket']}/recovery", storage_options=cfg["s3"]["storage_options"])
+        s3_ck.save(0, state)  # once, untimed: the S3 root's checkpoint of the same state
+    # Warm: groups, writer processes, staging buffers.
+    for ck in (with_tier, without):
+        ck.save(0, state, blocking=False)
+        ck.wait()
+
+    # A small DDP model for the training-cost rows.
+    torch.manual_seed(0)
+    h = cfg["train_hidden"]
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, h)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(cfg["train_batch"], h)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    step = 0
+    for rep in range(cfg["repeats"]):
+        # -- saves: blocked time, and training while the save is in flight ----------------------
+        for name, ck in (("with_tier", with_tier), ("without_tier", without)) if rep % 2 == 0 else (("without_tier", without), ("with_tier", with_tier)):
+            step += 1
+            barrier()
+            t0 = time.perf_counter()
+            ck.save(step, state, blocking=False)
+            blocked = time.perf_counter() - t0
+            done, t1 = 0, time.perf_counter()
+            t_end = t1
+            while ck.in_flight:
+                train_step()
+                done += 1
+                t_end = time.perf_counter()
+            ck.wait()
+            barrier()
+            records.append({"rep": rep, "method": f"save_blocked_{name}", "time_s": blocked})
+            records.append({"rep": rep, "method": f"train_{name}", "steps_per_s": done / (t_end - t1) if done else None})
+        # -- recoveries (fresh checkpointers: a restarted job) ----------------------------------
+        order = ["local", "peer", "disk_cold", "s3"]
+        if rep % 2:
+            order.reverse()
+        for what in order:
+            fresh = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+            if what == "local":
+                ck = distckpt.Checkpointer(str(root), local_dir=str(tier))
+            elif what == "peer":
+                on_rank0(lambda: shutil.rmtree(shm / "node1", ignore_errors=True))
+                ck = distckpt.Checkpointer(str(root), local_dir=str(tier))
+            elif what == "disk_cold":
+                on_rank0(lambda: drop_cache(root))
+                ck = distckpt.Checkpointer(str(root))
+            else:
+                if s3_ck is None:
+                    continue
+                ck = distckpt.Checkpointer(f"s3://{cfg['s3']['bucket']}/recovery", storage_options=cfg["s3"]["storage_options"])
+            ck._groups.get()  # a restarted job's group exists before it loads
+            timed(rep, f"recover_{what}", lambda: ck.load(fresh))
+            if what in ("local", "peer"):
+                assert ck.last_load_report is not None and ck.last_load_report.tier == "local", what
+                if what == "peer" and node == 1:
+                    assert any(s != "local" for s in ck.last_load_report.sources.values())
+            ck.close()
+            for k, v in shards.items():  # what was loaded is the state: a cheap spot check
+                if not torch.equal(fresh["model"][k].to_local() if hasattr(fresh["model"][k], "to_local") else fresh["model"][k], v.to_local()):
+                    raise AssertionError(f"recover_{what}: {k} differs from the saved state")
+                break
+    for ck in (with_tier, without, s3_ck):
+        if ck is not None:
+            ck.close()
+    return {"records": records}
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    recs = per_rank[0]["records"]
+
+    def med(method: str, key: str = "time_s") -> float | None:
+        return median([r[key] for r in recs if r["method"] == method and r.get(key) is not None])
+
+    def worst_blocked(name: str) -> float | None:
+        # Blocked time: the slowest rank's, per repetition.
+        by_rep: dict[int, float] = {}
+        for pr in per_rank:
+            for r in pr["records"]:
+                if r["method"] == name:
+                    by_rep[r["rep"]] = max(by_rep.get(r["rep"], 0.0), r["time_s"])
+        return median(list(by_rep.values()))
+
+    def train(name: str) -> float | None:
+        vals = [r["steps_per_s"] for pr in per_rank for r in pr["records"] if r["method"] == name and r.get("steps_per_s")]
+        return median(vals)
+
+    with_s, without_s = train("train_with_tier"), train("train_without_tier")
+    return {
+        "recover_local_s": med("recover_local"),
+        "recover_peer_s": med("recover_peer"),
+        "recover_disk_cold_s": med("recover_disk_cold"),
+        "recover_s3_s": med("recover_s3"),
+        "save_blocked_with_tier_s": worst_blocked("save_blocked_with_tier"),
+        "save_blocked_without_tier_s": worst_blocked("save_blocked_without_tier"),
+        "train_ratio_with_tier": (with_s / without_s) if with_s and without_s else None,
+    }
+
+
+def targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    def ratio(a: str, b: str) -> float | None:
+        return rows[b] / rows[a] if rows.get(a) and rows.get(b) else None
+
+    out = []
+    for name, value, target, higher in (
+        ("peer_vs_s3", ratio("recover_peer_s", "recover_s3_s"), TARGETS["peer_vs_s3"], True),
+        ("peer_vs_disk_cold", ratio("recover_peer_s", "recover_disk_cold_s"), TARGETS["peer_vs_disk_cold"], True),
+        ("blocked_with_vs_without", ratio("save_blocked_without_tier_s", "save_blocked_with_tier_s"), TARGETS["blocked_with_vs_without"], False),
+        ("train_ratio", rows.get("train_ratio_with_tier"), TARGETS["train_ratio"], True),
+    ):
+        met = None if value is None else (value >= target if higher else value <= target)
+        out.append({"name": name, "value": value, "target": target, "higher_is_better": higher, "met": met})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="state size (all ranks together)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="include the S3 row (moto)")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (16 MiB, 1 repetition)")
+    p.add_argument("--dir", default=None, help="scratch directory on disk (default benchmarks/.scratch)")
+    p.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.gib, args.repeats = 1 / 64, 1
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    sys.path.insert(0, str(REPO / "tests"))
+    from dist_harness import run_ranks
+
+    scratch = Path(args.dir or (HERE / ".scratch")) / f"recovery-{os.getpid()}"
+    shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else scratch
+    shm = shm_base / f"distckpt-recovery-{os.getpid()}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    server = None
+    cfg: dict[str, Any] = {
+        "dir": str(scratch),
+        "shm": str(shm),
+        "size_bytes": int(args.gib * GiB),
+        "repeats": args.repeats,
+        "train_hidden": 128 if args.quick else 512,
+        "train_batch": 16 if args.quick else 64,
+    }
+    try:
+        if args.s3:
+            import logging
+
+            from s3_server import S3Server
+
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            server = S3Server().start()
+            cfg["s3"] = {"bucket": server.make_bucket("distckpt-recovery"), "storage_options": server.storage_options}
+        t0 = time.perf_counter()
+        per_rank = run_ranks(_rank, WORLD, scratch / "harness", cfg, timeout=1800, pg_timeout=900)
+        wall = time.perf_counter() - t0
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = summarize(per_rank)
+    result = {
+        "benchmark": "recovery",
+        "machine": machine_info(),
+        "config": {"world_size": WORLD, "nodes": WORLD // PER_NODE, "state_bytes": cfg["size_bytes"], "repeats": args.repeats, "s3": args.s3, "local_dir": str(shm_base)},
+        "rows": rows,
+        "targets": targets(rows),
+        "wall_s": round(wall, 1),
+    }
+    lines = [
+        f"Recovery of {cfg['size_bytes'] / GiB:.2f} GiB at world size {WORLD} (2 simulated nodes), medians of {args.repeats}",
+        "",
+        "| row | value |",
+        "|---|---:|",
+    ]
+    for k, v in rows.items():
+        lines.append(f"| {k} | {'-' if v is None else f'{v:.3f}'} |")
+    lines += ["", "| target | value | target | met |", "|---|---:|---:|---|"]
+    for t in result["targets"]:
+        val = "-" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"| {t['name']} | {val} | {'>=' if t['higher_is_better'] else '<='} {t['target']} | {t['met']} |")
+    return publish(result, "\n".join(lines), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""The fast recovery tier: node-local copies of each step's files, and a peer node's copy of them.
+
+A job that loses a node restarts all its processes; without this tier every restart reads the
+whole state back from the checkpoint root (object storage, at scale). With
+``Checkpointer(local_dir=...)`` every committed step also lives in ``local_dir`` on each node
+(a tmpfs such as ``/dev/shm/JOB``: it survives the restart of the worker processes, not of the
+machine), as the same files the root holds:
+
+* each rank's writer writes its files to the root and, byte for byte, to its node's
+  ``local_dir/step_<N>/`` (:class:`LocalCopy`, a tee inside the writer: no second pass);
+* after the commit the coordinator's ``manifest.json`` and ``.metadata`` go to every node, and
+  each rank sends its files to its peer (``local_peers=1``: the rank with the same local rank on
+  the next node, ring by node) over distckpt's process group, which keeps them in its own
+  ``local_dir``. Two nodes then hold every file of a step; a lost node costs no file;
+* each node keeps the newest ``local_keep`` committed steps.
+
+Recovery (:meth:`LocalTier.recover`, from ``load``): every rank reports which files of which
+steps its node holds, each file's checksum checked on the node against the manifest; the ranks
+agree on the newest step whose every file some node holds intact (never older than the root's
+newest step, and never when the manifests of the nodes disagree); files a node lacks are sent
+to it by a node that has them; the load then reads the node's ``local_dir`` like any root (same
+verification, resharding and state check). Nothing is read from the root. A step no longer
+complete in the surviving nodes, a damaged copy on every node, or a transfer that fails: the
+root, with one warning saying why.
+
+Nodes are told apart by ``LOCAL_WORLD_SIZE`` (``torchrun`` sets it; rank // LOCAL_WORLD_SIZE is
+the node), else by host name. Failures of the local tier never fail a save: the step is
+committed at the root; a warning names what was skipped (a full tmpfs, for instance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import socket
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distckpt._dist import Group
+from distckpt.errors import one_line
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, digest_of, parse_step_dir, step_dir
+from distckpt.storage.base import Storage
+
+log = logging.getLogger("distckpt")
+
+METADATA = ".metadata"
+#: Beside each step's manifest in the tier: the root the step was committed to. A tier left by
+#: another job (another root) in the same directory is never recovered from.
+ROOT_MARK = ".distckpt-root"
+_PART = ".part"  # suffix of a file being written; renamed once whole (a crash leaves only these)
+_ROUND_BYTES = 512 * 2**20  # bytes one rank sends or receives per round of transfers
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data files: __<rank>_<n>.distcp
+
+
+def check_local_dir(local_dir: object) -> str | None:
+    """``local_dir`` as a path string (``None`` stays), ``ValueError`` for a URL or blank."""
+    if local_dir is None:
+        return None
+    if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir).strip():
+        raise ValueError(f"local_dir must be a local directory path (a tmpfs such as /dev/shm/JOB), got {local_dir!r}")
+    path = os.fspath(local_dir)
+    if "://" in path:
+        raise ValueError(f"local_dir must be a local directory path on each node, not a URL: {path!r}")
+    return os.path.abspath(path)
+
+
+# -- the tee in the writer -----------------------------------------------------------------------
+class LocalCopy:
+    """(writer thread) A node-local copy of one file being written: ``write`` what the root
+    gets, ``finish`` once it is whole (renamed into place), ``abandon`` otherwise. A failure
+    (a full tmpfs) drops the copy and is recorded, never raised: the root's file is what counts.
+    """
+
+    def __init__(self, directory: str, name: str, errors: list[str]) -> None:
+        self.path = os.path.join(directory, name)
+        self._errors = errors
+        self._f: Any = None
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._f = open(self.path + _PART, "wb")  # noqa: SIM115 - closed by finish/abandon
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self._errors.append(f"{self.path}: {one_line(exc)}")
+        self.abandon()
+
+    def write(self, data: Any) -> None:
+        if self._f is not None:
+            try:
+                self._f.write(data)
+            except OSError as exc:
+                self._fail(exc)
+
+    def finish(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+                os.replace(self.path + _PART, self.path)
+            except OSError as exc:
+                self._fail(exc)
+            self._f = None
+
+    def abandon(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            f.close()
+        try:
+            os.unlink(self.path + _PART)
+        except OSError:
+            pass
+
+
+def rename_copy(directory: str, old: str, new: str) -> None:
+    """(writer) Mirror a rename of the root's file (DCP writes ``.metadata.tmp``, then renames)."""
+    try:
+        os.replace(os.path.join(directory, old), os.path.join(directory, new))
+    except OSError:
+        pass  # no copy (it failed and was recorded): nothing to rename
+
+
+# -- nodes ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Nodes:
+    """Which node each rank of the group runs on (node indices in order of first rank)."""
+
+    of: tuple[int, ...]
+
+    @classmethod
+    def gather(cls, group: Group) -> Nodes:
+        """(all ranks, one collective) ``LOCAL_WORLD_SIZE`` where set, else host names."""
+        lws = os.environ.get("LOCAL_WORLD_SIZE", "")
+        key = f"lws:{group.rank // int(lws)}" if lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
+        keys = group.all_gather(key)
+        index: dict[str, int] = {}
+        return cls(tuple(index.setdefault(k, len(index)) for k in keys))
+
+    @property
+    def count(self) -> int:
+        return max(self.of) + 1
+
+    def ranks(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.of) if n == node]
+
+    def local_rank(self, rank: int) -> int:
+        return self.ranks(self.of[rank]).index(rank)
+
+    def peer(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s files: same local rank on the next node (``None``: one node)."""
+        if self.count < 2:
+            return None
+        ranks = self.ranks((self.of[rank] + 1) % self.count)
+        return ranks[self.local_rank(rank) % len(ranks)]
+
+
+# -- recovery plan (pure: every rank computes the same) ------------------------------------------
+@dataclass
+class Holding:
+    """What one rank reports of one step in its node's ``local_dir``."""
+
+    manifest_sha: str
+    files: list[str]  # every file the step needs (manifest.json included), from the manifest
+    intact: list[str]  # files this rank checked and found intact (its share of the node's)
+
+
+@dataclass
+class Decision:
+    """The step to recover and the transfers that complete every node's copy."""
+
+    step: int | None
+    reason: str
+    transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (file, from rank, to rank)
+
+
+def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_newest: int | None, want: int | None) -> Decision:
+    """(every rank alike) The newest step every file of which is intact on some node, not older
+    than ``root_newest`` (``want``: that step only), and who sends which file to which node."""
+    steps = sorted({s for rep in reports for s in rep}, reverse=True)
+    why = "no committed step in the local tier of any node"
+    for step in steps:
+        if want is not None and step != want:
+            continue
+        if root_newest is not None and step < root_newest:
+            why = f"the root's step {root_newest} is newer than the local tier's {step}"
+            break
+        held = [(r, rep[step]) for r, rep in enumerate(reports) if step in rep]
+        shas = {h.manifest_sha for _, h in held}
+        if len(shas) != 1:
+            why = f"the nodes hold different manifests of step {step}"
+            continue
+        needed = held[0][1].files
+        holders: dict[str, list[int]] = {f: [] for f in needed}
+        for r, h in held:
+            for f in h.intact:
+                if f in holders:
+                    holders[f].append(r)
+        lost = [f for f, hs in holders.items() if not hs]
+        if lost:
+            why = f"step {step}: {len(lost)} file(s) intact on no node (e.g. {lost[0]})"
+            continue
+        transfers: list[tuple[str, int, int]] = []
+        for node in range(nodes.count):
+            on_node = set()
+            for r in nodes.ranks(node):
+                if step in reports[r]:
+                    on_node.update(reports[r][step].intact)
+            receivers = nodes.ranks(node)
+            missing = [f for f in needed if f not in on_node]
+            for i, f in enumerate(missing):
+                hs = holders[f]
+                transfers.append((f, hs[i % len(hs)], receivers[i % len(receivers)]))
+        return Decision(step, "", transfers)
+    return Decision(None, why if want is None or want in steps else f"step {want} is not in the local tier")
+
+
+# -- the tier -------------------------------------------------------------------------------------
+class LocalTier:
+    """One checkpointer's node-local tier (see the module doc). Every method taking a group is
+    collective (all ranks, same order).
+
+    Args:
+        local_dir: this node's directory (may differ per node; every rank of a node passes the same).
+        keep: committed steps each node keeps.
+        peers: 1: each rank's files are also kept by its peer on the next node; 0: no peer copies.
+        root: the URL of the checkpointer's root, recorded with each step (:data:`ROOT_MARK`).
+    """
+
+    def __init__(self, local_dir: str, keep: int, peers: int, root: str) -> None:
+        self.dir = local_dir
+        self.root = root
+        self.keep = keep
+        self.peers = peers
+        self.storage = Storage(local_dir)
+        self.nodes: Nodes | None = None
+        self._warned_one_node = False
+
+    def nodes_of(self, group: Group) -> Nodes:
+        """(all ranks, collective the first time) The nodes of the group's ranks."""
+        return self._nodes(group)
+
+    def _nodes(self, group: Group) -> Nodes:
+        if self.nodes is None:
+            self.nodes = Nodes.gather(group)
+        return self.nodes
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.dir, step_dir(step))
+
+    # -- save side ----------------------------------------------------------------------------
+    def clear_step(self, group: Group, step: int) -> None:
+        """(each rank, before a save's writes; one rank per node acts) Remove an older life's
+        copy of ``step`` so that no file of it mixes with the new one."""
+        nodes = self.nodes
+        if nodes is not None and nodes.local_rank(group.rank) == 0:
+            _remove_tree(self.step_path(step))
+
+    def after_commit(self, group: Group, step: int, manifest_json: bytes, local_errors: list[str]) -> None:
+        """(all ranks) Complete the committed ``step`` in every node's tier: the coordinator's
+        manifest and ``.metadata`` to every node, each rank's files to its peer, then retention.
+        Never raises: what failed is one warning on every rank (the root holds the step)."""
+        nodes = self._nodes(group)
+        problems = list(local_errors)
+        manifest = Manifest.from_json(manifest_json)
+        # 1. manifest and .metadata to every node (the coordinator's copy of .metadata).
+        meta: bytes | None = None
+        if group.is_coordinator:
+            try:
+                with open(os.path.join(self.step_path(step), METADATA), "rb") as f:
+                    meta = f.read()
+            except OSError as exc:
+                problems.append(f"{METADATA}: {one_line(exc)}")
+        meta = group.broadcast(meta)
+        # 2. each rank's files to its peer.
+        peer = nodes.peer(group.rank) if self.peers else None
+        if self.peers and peer is None and not self._warned_one_node and group.is_coordinator:
+            self._warned_one_node = True
+            warnings.warn(
+                "distckpt: local_peers=1 but every rank runs on one node: the local tier keeps no peer copies "
+                "(nodes are told apart by LOCAL_WORLD_SIZE or the host name)",
+                stacklevel=4,
+            )
+        sends: list[tuple[str, int, int]] = []
+        if self.peers and nodes.count > 1:
+            for name in sorted(manifest.files):
+                m = _RANK_FILE.match(name)
+                if m and int(m.group(1)) < len(nodes.of):
+                    src = int(m.group(1))
+                    dst = nodes.peer(src)
+                    if dst is not None and nodes.of[dst] != nodes.of[src]:
+                        sends.append((name, src, dst))
+        received, failures = transfer(group, self.step_path(step), sends, manifest)
+        problems += failures
+        # 3. the node's manifest last: the step is committed in this node's tier once it is there.
+        if nodes.local_rank(group.rank) == 0:
+            try:
+                if meta is None:
+                    raise OSError(f"no {METADATA} from the coordinator")
+                _write_atomic(self.step_path(step), METADATA, meta)
+                _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+                _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
+            except OSError as exc:
+                problems.append(f"{self.step_path(step)}: {one_line(exc)}")
+            self.retain(step)
+        everyone = group.all_gather(problems)
+        if group.is_coordinator and any(everyone):
+            first = next(p for ps in everyone for p in ps)
+            count = sum(len(ps) for ps in everyone)
+            warnings.warn(
+                f"distckpt: step {step} is committed at the root, but its local-tier copy is incomplete "
+                f"({count} problem(s); first: {first}); recovery falls back to the root where a file is missing",
+                stacklevel=4,
+            )
+
+    def retain(self, newest: int) -> None:
+        """(one rank per node) Keep the newest ``keep`` committed steps of this node's tier;
+        remove older ones and leftovers (no manifest) older than ``newest``."""
+        committed = sorted(s for s in self._steps() if os.path.exists(os.path.join(self.step_path(s), MANIFEST_NAME)))
+        keep = set(committed[-self.keep :])
+        for s in self._steps():
+            if s not in keep and s <= newest:
+                _remove_tree(self.step_path(s))
+
+    def _steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return []
+        return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
+
+    # -- load side ----------------------------------------------------------------------------
+    def recover(
+        self, group: Group, want: int | None, root_newest: Callable[[], int | None], check: bool
+    ) -> tuple[int | None, dict[str, str]]:
+        """(all ranks) Make this node's tier hold a step every rank can load, newest first.
+
+        Returns ``(step, sources)``: the step (``None``: load from the root, a warning said
+        why) and, per file of it, where this node's copy came from (``"local"`` or
+        ``"rank N"``). ``root_newest`` runs on the coordinator only (an unreachable root counts
+        as no step); ``check``: verify checksums (``Checkpointer(verify=...)``).
+        """
+        nodes = self._nodes(group)
+        report: dict[int, Holding] | None = None
+        newest: int | None = None
+        try:
+            report = self._inventory(nodes, group.rank, check)
+        except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
+            log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
+        if group.is_coordinator:
+            try:
+                newest = root_newest()
+            except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
+                log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
+        gathered = group.all_gather((report or {}, newest))
+        reports = [r for r, _ in gathered]
+        decision = decide(nodes, reports, gathered[0][1], want)
+        if decision.step is None:
+            if any(reports):
+                _warn_root(decision.reason, group)
+            return None, {}
+        step = decision.step
+        manifest_json = None
+        # The chosen manifest: from a rank that holds it, for the nodes that lack it.
+        sha = next(h.manifest_sha for rep in reports for s, h in rep.items() if s == step)
+        try:
+            with open(os.path.join(self.step_path(step), MANIFEST_NAME), "rb") as f:
+                mine = f.read()
+            if hashlib.sha256(mine).hexdigest() == sha:
+                manifest_json = mine
+        except OSError:
+            pass
+        holder = min(r for r, rep in enumerate(reports) if step in rep)
+        manifest_json = _from(group, holder, manifest_json)
+        manifest = Manifest.from_json(manifest_json)
+        files = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
+        received, failures = transfer(group, self.step_path(step), files, manifest)
+        if nodes.local_rank(group.rank) == 0 and not failures:
+            try:
+                _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+                _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
+            except OSError as exc:
+                failures.append(f"{self.step_path(step)}: {one_line(exc)}")
+        everyone = group.all_gather(failures)
+        if any(everyone):
+            first = next(p for ps in everyone for p in ps)
+            _warn_root(f"completing step {step} in the local tier failed ({first})", group)
+            return None, {}
+        here = nodes.of[group.rank]
+        came = {f: f"rank {src}" for f, src, dst in decision.transfers if nodes.of[dst] == here}
+        if MANIFEST_NAME in came:  # the manifest came with the broadcast from ``holder``
+            came[MANIFEST_NAME] = f"rank {holder}"
+        sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME]}
+        log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
+        return step, sources
+
+    def _inventory(self, nodes: Nodes, rank: int, check: bool) -> dict[int, Holding]:
+        """(each rank) The committed steps of this node's tier, each with the files this rank
+        checked (its share of the node's files: one pass over them per node)."""
+        ranks = nodes.ranks(nodes.of[rank])
+        mine = ranks.index(rank)
+        out: dict[int, Holding] = {}
+        for step in self._steps():
+            path = self.step_path(step)
+            try:
+                with open(os.path.join(path, ROOT_MARK), "rb") as f:
+                    if f.read().decode(errors="replace") != self.root:
+                        continue  # another root's step (a tier left by another job)
+                with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+                    raw = f.read()
+                manifest = Manifest.from_json(raw, where=os.path.join(path, MANIFEST_NAME))
+            except (OSError, ValueError):
+                continue  # not committed here (or damaged): this node does not hold the step
+            if manifest.step != step:
+                continue
+            names = sorted(manifest.files)
+            intact = [MANIFEST_NAME] if mine == 0 else []
+            for i, name in enumerate(names):
+                if i % len(ranks) == mine and _intact(os.path.join(path, name), manifest, name, check):
+                    intact.append(name)
+            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact)
+        return out
+
+
+def _from(group: Group, holder: int, value: Any) -> Any:
+    """(all ranks) ``value`` of rank ``holder`` on every rank."""
+    return group.all_gather(value if group.rank == holder else None)[holder]
+
+
+def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
+    record = manifest.files[name]
+    try:
+        if os.path.getsize(path) != record.size:
+            return False
+        if not check or record.checksum is None or manifest.checksum_algorithm is None:
+            return True
+        with open(path, "rb") as f:
+            return digest_of(f.read(), manifest.checksum_algorithm) == record.checksum
+    except OSError:
+        return False
+
+
+def transfer(
+    group: Group, directory: str, moves: Iterable[tuple[str, int, int]], manifest: Manifest
+) -> tuple[list[str], list[str]]:
+    """(all ranks) Send each ``(file, from rank, to rank)`` of the step in ``directory`` over
+    the group; the receiver checks it against ``manifest`` and writes it whole into its
+    ``directory``. Every rank passes the same ``moves``. Returns (files received, problems)."""
+    moves = list(moves)
+    received: list[str] = []
+    problems: list[str] = []
+    if not moves or not group.enabled:
+        return received, problems
+    device = _transfer_device(group)
+    rounds: list[list[tuple[str, int, int]]] = [[]]
+    load: dict[int, int] = {}
+    for move in moves:
+        size = manifest.files[move[0]].size
+        if rounds[-1] and any(load.get(r, 0) + size > _ROUND_BYTES for r in move[1:]):
+            rounds.append([])
+            load = {}
+        rounds[-1].append(move)
+        for r in move[1:]:
+            load[r] = load.get(r, 0) + size
+    me = group.rank
+    for batch in rounds:
+        ops, inbox = [], []
+        for name, src, dst in batch:
+            size = manifest.files[name].size
+            if src == me:
+                try:
+                    with open(os.path.join(directory, name), "rb") as f:
+                        data = bytearray(f.read())
+                    if len(data) != size:
+                        raise OSError(f"{name} is {len(data)} bytes, the manifest says {size}")
+                except OSError as exc:
+                    problems.append(f"sending {name} to rank {dst}: {one_line(exc)}")
+                    data = bytearray(size)  # the receiver still expects the bytes; it finds them wrong
+                buf = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.isend, buf.to(device), _global(group, dst), group.pg))
+            if dst == me:
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                inbox.append((name, src, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, _global(group, src), group.pg))
+        try:
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        except Exception as exc:  # noqa: BLE001 - a peer died: reported, the root stays
+            problems.append(f"transfer with a peer failed: {one_line(exc)}")
+            return received, problems
+        for name, src, buf in inbox:
+            try:
+                data = buf.cpu().numpy().tobytes()
+                record = manifest.files[name]
+                if record.checksum is not None and digest_of(data, manifest.checksum_algorithm) != record.checksum:
+                    problems.append(f"{name} from rank {src} does not match its checksum")
+                    continue
+                _write_atomic(directory, name, data)
+                received.append(name)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+                problems.append(f"writing {os.path.join(directory, name)}: {one_line(exc)}")
+    return received, problems
+
+
+def _transfer_device(group: Group) -> torch.device:
+    """Where the group's backend takes tensors from: NCCL needs them on the current GPU."""
+    backend = dist.get_backend(group.pg)
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global(group: Group, rank: int) -> int:
+    return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
+
+
+def _write_atomic(directory: str, name: str, data: bytes) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, name + _PART)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(directory, name))
+
+
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _warn_root(reason: str, group: Group) -> None:
+    if group.is_coordinator:
+        warnings.warn(f"distckpt: loading from the root, not the local tier: {reason}", stacklevel=4)

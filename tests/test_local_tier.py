@@ -1,0 +1,231 @@
+"""The fast recovery tier (issue 33): every committed step also kept in each node's ``local_dir``
+and in a peer node's; recovery from there without reading the root.
+
+Four gloo ranks as two simulated nodes of two (``LOCAL_WORLD_SIZE=2``, one ``local_dir`` per
+node), FSDP2 model + AdamW. One run saves (async) two steps; a second run resumes, one scenario
+after another, each set up by rank 0 between barriers:
+
+* node 1's tier wiped and the root moved away (no byte of it can be read): step 2 from node 0's
+  copies, node 1's files sent by node 0's ranks, bit-exact;
+* node 0's own copy of a file damaged (root still away): that file from node 1's replica;
+* both copies of one file damaged, root back: the root, exact (never a wrong state);
+* both nodes' tiers wiped: the root;
+* the root newer than the local tier: the root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import distckpt
+from dist_harness import run_ranks
+from distckpt.storage import local_tier
+from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
+
+pytestmark = [pytest.mark.xdist_group("local_tier"), pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")]
+WORLD = 4
+
+
+def _node_dir(base: str, rank: int) -> str:
+    return f"{base}/node{rank // 2}"
+
+
+def _save_body(rank: int, world: int, root: str, nodes: str) -> tuple:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # two simulated nodes of two ranks
+    model = wrap(make_model(seed=0), "fsdp", world)
+    optim = make_optimizer(model, "fsdp")
+    train_steps(model, optim, range(2), rank, world)
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim, "step": 1}, blocking=False)
+        train_steps(model, optim, range(2, 3), rank, world)
+        ckpt.save(2, {"model": model, "optim": optim, "step": 2}, blocking=False)
+        ref = full_model_state(model), full_optim_state(model, optim)  # the state at save(2)
+        ckpt.wait()
+    return ref
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _prepare(scenario: str, root: Path, nodes: Path) -> None:
+    """(rank 0, between barriers) Set the scene of one scenario on disk."""
+    away = root.with_name(root.name + ".away")
+    step2 = "step_000000002"
+    if scenario == "peer":
+        shutil.rmtree(nodes / "node1")
+        root.rename(away)
+    elif scenario == "damaged_own_copy":
+        _flip(nodes / "node0" / step2 / "__0_0.distcp")
+    elif scenario == "both_copies_damaged":
+        away.rename(root)
+        for node in ("node0", "node1"):
+            _flip(nodes / node / step2 / "__1_0.distcp")
+    elif scenario == "both_nodes_lost":
+        shutil.rmtree(nodes)
+    elif scenario == "root_newer":
+        # Local tiers hold step 2 again (the last load restored them); the root gets a step 3.
+        pass
+
+
+def _load_body(rank: int, world: int, root: str, nodes: str, scenarios: list[str]) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    out = {}
+    for scenario in scenarios:
+        if rank == 0:
+            _prepare(scenario, Path(root), Path(nodes))
+        dist.barrier()
+        if scenario == "root_newer":
+            # A save of step 3 to the root only (no local tier): the root is newer.
+            model = wrap(make_model(seed=0), "fsdp", world)
+            optim = make_optimizer(model, "fsdp")
+            train_steps(model, optim, range(1), rank, world)
+            with distckpt.Checkpointer(root) as plain:
+                plain.save(3, {"model": model, "optim": optim, "step": 3})
+        model = wrap(make_model(seed=1), "fsdp", world)
+        optim = make_optimizer(model, "fsdp")
+        state = {"model": model, "optim": optim, "step": 0}
+        with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+            step = ckpt.load(state)
+            report = ckpt.last_load_report
+        out[scenario] = (step, state["step"], report.tier, dict(report.sources), full_model_state(model), full_optim_state(model, optim))
+        dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_recovery_from_the_local_tier_and_peers_without_the_root(tmp_path):
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    refs = run_ranks(_save_body, WORLD, tmp_path, str(root), str(nodes), timeout=200)
+    ref_model, ref_optim = refs[0]
+    # Both nodes hold every file of both steps (own files teed by the writers, the peer's sent).
+    files = {p.name for p in (root / "step_000000002").iterdir()}
+    for node in ("node0", "node1"):
+        for step in ("step_000000001", "step_000000002"):
+            assert {p.name for p in (nodes / node / step).iterdir()} == files | {local_tier.ROOT_MARK}, (node, step)
+    scenarios = ["peer", "damaged_own_copy", "both_copies_damaged", "both_nodes_lost", "root_newer"]
+    results = run_ranks(_load_body, WORLD, tmp_path, str(root), str(nodes), scenarios, timeout=250)
+
+    for rank, res in enumerate(results):
+        step, step_value, tier, sources, model_sd, optim_sd = res["peer"]
+        assert (step, step_value, tier) == (2, 2, "local"), rank
+        assert_same(ref_model, model_sd, f"rank {rank} model (peer)")
+        assert_same(ref_optim, optim_sd, f"rank {rank} optimizer (peer)")
+        if rank >= 2:  # node 1 lost everything: its files came from node 0's ranks
+            assert sources["__2_0.distcp"] in ("rank 0", "rank 1") and sources["manifest.json"] == "rank 0"
+        else:
+            assert set(sources.values()) == {"local"}
+
+        step, _, tier, sources, model_sd, optim_sd = res["damaged_own_copy"]
+        assert (step, tier) == (2, "local"), rank
+        assert_same(ref_model, model_sd, f"rank {rank} model (damaged own copy)")
+        if rank < 2:
+            assert sources["__0_0.distcp"] in ("rank 2", "rank 3")
+
+        step, _, tier, _, model_sd, optim_sd = res["both_copies_damaged"]
+        assert (step, tier) == (2, "root"), rank
+        assert_same(ref_model, model_sd, f"rank {rank} model (both copies damaged)")
+        assert_same(ref_optim, optim_sd, f"rank {rank} optimizer (both copies damaged)")
+
+        step, _, tier, _, model_sd, _ = res["both_nodes_lost"]
+        assert (step, tier) == (2, "root"), rank
+        assert_same(ref_model, model_sd, f"rank {rank} model (both nodes lost)")
+
+        step, step_value, tier, _, _, _ = res["root_newer"]
+        assert (step, step_value, tier) == (3, 3, "root"), rank
+
+
+def test_decide_is_pure_and_prefers_intact_copies():
+    """The recovery decision on hand-made reports: the newest step whose every file is intact
+    somewhere; transfers only to nodes that lack a file; a disagreement of manifests skips a step."""
+    nodes = local_tier.Nodes((0, 0, 1, 1))
+    files = ["__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"]
+
+    def holding(intact, sha="a"):
+        return local_tier.Holding(sha, files, intact)
+
+    # Step 5 complete on node 0 only; node 1 lost everything.
+    reports = [{5: holding(["manifest.json", "__0_0.distcp", ".metadata"])}, {5: holding(["__1_0.distcp"])}, {}, {}]
+    d = local_tier.decide(nodes, reports, root_newest=4, want=None)
+    assert d.step == 5 and {(f, dst) for f, _, dst in d.transfers} == {(f, r) for f, r in zip(files, [2, 3, 2, 3])}
+    assert all(src in (0, 1) for _, src, _ in d.transfers)
+    # The root is newer: no local step.
+    assert local_tier.decide(nodes, reports, root_newest=6, want=None).step is None
+    # A file intact nowhere: not recoverable.
+    reports[1] = {5: holding([])}
+    d = local_tier.decide(nodes, reports, root_newest=None, want=None)
+    assert d.step is None and "__1_0.distcp" in d.reason
+    # Different manifests for the same step: skipped for an older complete step.
+    full = ["manifest.json", "__0_0.distcp", ".metadata", "__1_0.distcp"]
+    reports = [{7: holding(full, "x"), 6: holding(full)}, {}, {7: holding(full, "y"), 6: holding(full)}, {}]
+    d = local_tier.decide(nodes, reports, root_newest=None, want=None)
+    assert d.step == 6 and d.transfers == []
+    assert local_tier.decide(nodes, reports, root_newest=None, want=7).step is None
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="local_dir"):
+        distckpt.Checkpointer("/tmp/x", local_dir="s3://bucket/tier")
+    with pytest.raises(ValueError, match="local_keep"):
+        distckpt.Checkpointer("/tmp/x", local_dir="/tmp/y", local_keep=0)
+    with pytest.raises(ValueError, match="local_peers"):
+        distckpt.Checkpointer("/tmp/x", local_dir="/tmp/y", local_peers=2)
+    for local in ("/tmp/x", "/tmp/x/tier", "/tmp"):  # the tier deletes its old steps: never the root's
+        with pytest.raises(ValueError, match="overlap"):
+            distckpt.Checkpointer("/tmp/x", local_dir=local)
+
+
+@pytest.mark.parametrize("blocking, mode", [(True, "process"), (False, "thread"), (False, "process")])
+def test_one_process_resumes_from_its_tier_without_the_root(tmp_path, blocking, mode):
+    """One process (one node, no peers): sync, thread and writer-process saves all keep their
+    files in the tier; the newest step loads from there, exactly, with the root moved away."""
+    import torch
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    model = torch.nn.Linear(8, 4)
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=2, async_mode=mode) as ckpt:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            ckpt.save(step, {"model": model, "step": step}, blocking=blocking)
+        ckpt.wait()
+    assert sorted(p.name for p in tier.iterdir()) == ["step_000000002", "step_000000003"]  # local_keep=2
+    in_root = {p.name for p in (root / "step_000000003").iterdir()}
+    assert {p.name for p in (tier / "step_000000003").iterdir()} == in_root | {local_tier.ROOT_MARK}
+    want = model.weight.detach().clone()
+    root.rename(tmp_path / "away")
+    fresh = {"model": torch.nn.Linear(8, 4), "step": 0}
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        assert ckpt.load(fresh) == 3 and fresh["step"] == 3
+        assert ckpt.last_load_report.tier == "local" and set(ckpt.last_load_report.sources.values()) == {"local"}
+    assert torch.equal(fresh["model"].weight, want)
+    # The same tier under another root (another job's, left in the same directory): not recovered from.
+    with distckpt.Checkpointer(tmp_path / "other_root", local_dir=tier) as ckpt:
+        with pytest.raises(FileNotFoundError):
+            ckpt.load({"model": torch.nn.Linear(8, 4), "step": 0})
+
+
+def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
+    """A local tier that fails (here a file where the step's directory must go; a full tmpfs
+    alike) does not fail the save: the step is committed at the root, one warning names the
+    problem, and the load reads the root."""
+    import torch
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    tier.mkdir()
+    (tier / "step_000000001").write_text("in the way")
+    model = torch.nn.Linear(4, 4)
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        with pytest.warns(UserWarning, match="local-tier copy is incomplete"):
+            ckpt.save(1, {"model": model})
+        assert ckpt.steps() == [1]
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        assert ckpt.load({"model": torch.nn.Linear(4, 4)}) == 1
+        assert ckpt.last_load_report.tier == "root"
