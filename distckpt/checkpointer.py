@@ -357,22 +357,29 @@ class Checkpointer:
 
     def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
         """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
-        warning said why). A local copy that fails to load (a file damaged after it was
-        checked) falls back to the root too; a state that does not match the checkpoint does not."""
+        warning said why). A state that does not match the checkpoint is raised as from the root.
+
+        First attempt: the nodes' copies judged by their sizes (the load checks every byte it
+        reads anyway). A damaged copy then fails that load with an ``IntegrityError`` on every
+        rank; the second attempt checks every copy's checksum first and takes the intact one
+        (a damaged copy is replaced by a peer's). Then the root."""
         local = self.local
         assert local is not None
-
-        def root_newest() -> int | None:
-            return self.latest_step()
-
-        chosen, sources = local.recover(group, step, root_newest, self.options.verify)
-        if chosen is None:
-            return None
-        try:
-            loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
-        except (IntegrityError, OSError) as exc:
-            if group.is_coordinator:
-                warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); loading from the root", stacklevel=3)
+        for attempt, check in enumerate((False, self.options.verify)):
+            chosen, sources = local.recover(group, step, self.latest_step, check)
+            if chosen is None:
+                return None
+            try:
+                loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
+                break
+            except (IntegrityError, OSError) as exc:
+                last = attempt == 1 or not self.options.verify
+                if group.is_coordinator:
+                    then = "loading from the root" if last else "checking every local copy and retrying"
+                    warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
+                if last:
+                    return None
+        else:  # pragma: no cover - the loop breaks or returns
             return None
         loaded.report.tier = "local"
         loaded.report.sources = sources
