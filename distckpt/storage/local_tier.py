@@ -497,7 +497,7 @@ def transfer(
             return received, problems
         for name, src, buf in inbox:
             try:
-                data = buf.cpu().numpy().tobytes()
+                data = memoryview(buf.cpu().numpy())  # no copy for a CPU buffer
                 record = manifest.files[name]
                 if record.checksum is not None and digest_of(data, manifest.checksum_algorithm) != record.checksum:
                     problems.append(f"{name} from rank {src} does not match its checksum")
@@ -521,7 +521,7 @@ def _global(group: Group, rank: int) -> int:
     return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
 
 
-def _write_atomic(directory: str, name: str, data: bytes) -> None:
+def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, name + _PART)
     with open(tmp, "wb") as f:
