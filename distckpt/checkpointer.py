@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
-from distckpt.errors import IntegrityError, one_line
+from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
 from distckpt.load import run as loading
@@ -355,6 +355,14 @@ class Checkpointer:
         self.last_load_report = loaded.report
         return loaded.step
 
+    def _root_steps(self) -> list[int] | None:
+        """(coordinator, for the local tier) Committed steps of the root and its replica; ``None``
+        where neither exists (a root moved away or unreachable: the local tier decides)."""
+        tiers = self._tiers()
+        if not any(t.root_exists() for t in tiers):
+            return None
+        return sorted({s for t in tiers for s in committed_steps(t)})
+
     def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
         """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
         warning said why). A state that does not match the checkpoint is raised as from the root.
@@ -365,14 +373,15 @@ class Checkpointer:
         (a damaged copy is replaced by a peer's). Then the root."""
         local = self.local
         assert local is not None
-        for attempt, check in enumerate((False, self.options.verify)):
-            chosen, sources = local.recover(group, step, self.latest_step, check)
+        # With verify=False the load checks nothing: the tier's copies are checked up front.
+        for attempt, check in enumerate((False, True) if self.options.verify else (True,)):
+            chosen, sources = local.recover(group, step, self._root_steps, check)
             if chosen is None:
                 return None
             try:
                 loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
                 break
-            except (IntegrityError, OSError) as exc:
+            except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                 last = attempt == 1 or not self.options.verify
                 if group.is_coordinator:
                     then = "loading from the root" if last else "checking every local copy and retrying"

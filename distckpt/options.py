@@ -101,8 +101,10 @@ class CheckpointerOptions:
         self.local_dir = check_local_dir(self.local_dir)
         if self.local_dir is not None and ("://" not in self.root or self.root.startswith("file://")):
             # The tier deletes its old steps: it must not be (in) the root, nor hold it.
-            root = os.path.abspath(self.root.removeprefix("file://"))
-            if os.path.commonpath([root, self.local_dir]) in (root, self.local_dir):
+            # Resolved as the storage resolves them (~, symbolic links): one directory by two names overlaps.
+            root = os.path.realpath(os.path.expanduser(self.root.removeprefix("file://")))
+            local = os.path.realpath(self.local_dir)
+            if os.path.commonpath([root, local]) in (root, local):
                 raise ValueError(
                     f"local_dir {self.local_dir!r} and root {self.root!r} overlap: the local tier needs a directory "
                     "of its own (it keeps only its newest steps)"

@@ -153,21 +153,27 @@ def test_decide_is_pure_and_prefers_intact_copies():
 
     # Step 5 complete on node 0 only; node 1 lost everything.
     reports = [{5: holding(["manifest.json", "__0_0.distcp", ".metadata"])}, {5: holding(["__1_0.distcp"])}, {}, {}]
-    d = local_tier.decide(nodes, reports, root_newest=4, want=None)
+    d = local_tier.decide(nodes, reports, root_steps=[4, 5], want=None)
     assert d.step == 5 and {(f, dst) for f, _, dst in d.transfers} == {(f, r) for f, r in zip(files, [2, 3, 2, 3])}
     assert all(src in (0, 1) for _, src, _ in d.transfers)
-    # The root is newer: no local step.
-    assert local_tier.decide(nodes, reports, root_newest=6, want=None).step is None
+    assert local_tier.decide(nodes, reports, root_steps=None, want=None).step == 5  # root unreachable
+    # The root's newest is another step: not this one (newer: the tier lags; older: step 5 was
+    # deleted at the root, or is an earlier life's), unless asked for by number.
+    assert local_tier.decide(nodes, reports, root_steps=[4, 6], want=None).step is None
+    assert local_tier.decide(nodes, reports, root_steps=[4], want=None).step is None
+    assert local_tier.decide(nodes, reports, root_steps=[4], want=5).step == 5
+    assert local_tier.decide(nodes, reports, root_steps=[], want=None).step is None
     # A file intact nowhere: not recoverable.
     reports[1] = {5: holding([])}
-    d = local_tier.decide(nodes, reports, root_newest=None, want=None)
+    d = local_tier.decide(nodes, reports, root_steps=None, want=None)
     assert d.step is None and "__1_0.distcp" in d.reason
-    # Different manifests for the same step: skipped for an older complete step.
+    # Different manifests for the same step (root unreachable): an older complete step.
     full = ["manifest.json", "__0_0.distcp", ".metadata", "__1_0.distcp"]
     reports = [{7: holding(full, "x"), 6: holding(full)}, {}, {7: holding(full, "y"), 6: holding(full)}, {}]
-    d = local_tier.decide(nodes, reports, root_newest=None, want=None)
+    d = local_tier.decide(nodes, reports, root_steps=None, want=None)
     assert d.step == 6 and d.transfers == []
-    assert local_tier.decide(nodes, reports, root_newest=None, want=7).step is None
+    assert local_tier.decide(nodes, reports, root_steps=None, want=7).step is None
+    assert local_tier.decide(nodes, reports, root_steps=[6, 7], want=None).step is None
 
 
 def test_options_are_checked():
@@ -213,9 +219,9 @@ def test_one_process_resumes_from_its_tier_without_the_root(tmp_path, blocking, 
 
 
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
-    """A local tier that fails (here a file where the step's directory must go; a full tmpfs
-    alike) does not fail the save: the step is committed at the root, one warning names the
-    problem, and the load reads the root."""
+    """A local tier that cannot take a step (here a file where the step's directory must go,
+    which the tier never removes: it is not the tier's) does not fail the save: the step is
+    committed at the root, one warning names the problem, and the load reads the root."""
     import torch
 
     root, tier = tmp_path / "root", tmp_path / "tier"
@@ -223,7 +229,7 @@ def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
     (tier / "step_000000001").write_text("in the way")
     model = torch.nn.Linear(4, 4)
     with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
-        with pytest.warns(UserWarning, match="local-tier copy is incomplete"):
+        with pytest.warns(UserWarning, match="keeps no local-tier copy"):
             ckpt.save(1, {"model": model})
         assert ckpt.steps() == [1]
     with distckpt.Checkpointer(root, local_dir=tier) as ckpt:

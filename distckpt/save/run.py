@@ -221,16 +221,24 @@ class SaveDriver:
             extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
             if not blocking and group.is_coordinator:
                 phases.refuse_committed(opts, step)
-            if local is not None:  # before any rank writes (the writes follow this exchange)
-                local.clear_step(group, step)
             return phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
         phases.agree(prepared, views, group.rank)
+        tier = None
+        if local is not None:
+            # Every node's tier must be able to take the step (nothing of another root's in the
+            # way), or this save keeps no local copy anywhere.
+            if all(group.all_gather(local.usable_for(group, step))):
+                tier = local
+            else:
+                local.skipped(step, group)
+        if tier is None:
+            opts = replace(opts, local_dir=None)
         stats.phases["prepare"] = time.perf_counter() - t1
         if blocking:
-            self._claim(group, opts, step, stats)
-            self._write_and_commit(group, opts, prepared, stats)
+            self._claim(group, opts, step, stats, tier)
+            self._write_and_commit(group, opts, prepared, stats, tier=tier)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
             self._done(stats)
             return
@@ -251,8 +259,8 @@ class SaveDriver:
         def run() -> None:
             lower_priority(self.options.background_nice)
             try:
-                self._claim(group, opts, step, stats)
-                self._write_and_commit(group, opts, prepared, stats, write)
+                self._claim(group, opts, step, stats, tier)
+                self._write_and_commit(group, opts, prepared, stats, write, tier)
                 stats.total_s = time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
                 job.error = exc
@@ -273,8 +281,10 @@ class SaveDriver:
         # The writers' group must number ranks as the job does: DTensor meshes name global ranks.
         return not group.enabled or group.world_size == dist.get_world_size()
 
-    def _claim(self, group: Group, opts: phases.SaveOptions, step: int, stats: SaveStats) -> None:
-        """(all ranks) Phase 3: the coordinator creates the step directory under this writer's lease."""
+    def _claim(self, group: Group, opts: phases.SaveOptions, step: int, stats: SaveStats, tier: LocalTier | None = None) -> None:
+        """(all ranks) Phase 3: the coordinator creates the step directory under this writer's
+        lease; then each node's local tier (``tier``) opens its directory of the step (after the
+        claim: a refused save leaves the tier's copy of a committed step alone)."""
         t0 = time.perf_counter()
 
         def claim() -> None:
@@ -287,6 +297,8 @@ class SaveDriver:
                 raise CheckpointError(f"save of step {step}: could not create {where}: {one_line(exc)}") from exc
 
         on_coordinator(group, f"save of step {step}", claim)
+        if tier is not None:
+            tier.open_step(group, step)
         stats.phases["claim"] = time.perf_counter() - t0
 
     def _write_in_process(
@@ -321,6 +333,7 @@ class SaveDriver:
         prepared: phases.Prepared,
         stats: SaveStats,
         write: Callable[[], phases.Written] | None = None,
+        tier: LocalTier | None = None,
     ) -> None:
         """(all ranks) Phases 5-7: write, commit, retention, recorded in ``stats``.
 
@@ -336,14 +349,14 @@ class SaveDriver:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 self._release_lease(committed=True)
                 phases.apply_retention(opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s))
-                return manifest.total_bytes, manifest.to_json() if self.local is not None else None
+                return manifest.total_bytes, manifest.to_json() if tier is not None else None
 
             stats.bytes_written, manifest_json = on_coordinator(group, f"commit of step {prepared.step}", commit)
             stats.phases["commit"] = time.perf_counter() - t0
-            if self.local is not None and manifest_json is not None:
+            if tier is not None and manifest_json is not None:
                 t1 = time.perf_counter()
                 # Committed at the root: the local tier's failures are warnings (never raised).
-                self.local.after_commit(group, prepared.step, manifest_json, written.local_errors)
+                tier.after_commit(group, prepared.step, manifest_json, written.local_errors)
                 stats.phases["local_tier"] = time.perf_counter() - t1
         finally:
             self._release_lease(committed=False)  # no-op after a commit

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from distckpt._dist import Group
 from distckpt.errors import one_line
+from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, digest_of, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
 
@@ -69,7 +71,7 @@ def check_local_dir(local_dir: object) -> str | None:
     path = os.fspath(local_dir)
     if "://" in path:
         raise ValueError(f"local_dir must be a local directory path on each node, not a URL: {path!r}")
-    return os.path.abspath(path)
+    return os.path.abspath(os.path.expanduser(path))
 
 
 # -- the tee in the writer -----------------------------------------------------------------------
@@ -138,7 +140,10 @@ class Nodes:
     def gather(cls, group: Group) -> Nodes:
         """(all ranks, one collective) ``LOCAL_WORLD_SIZE`` where set, else host names."""
         lws = os.environ.get("LOCAL_WORLD_SIZE", "")
-        key = f"lws:{group.rank // int(lws)}" if lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
+        # torchrun numbers ranks node by node: the node of a *global* rank (a subgroup's own
+        # numbering says nothing about nodes).
+        me = _global(group, group.rank) if group.enabled else 0
+        key = f"lws:{me // int(lws)}" if lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
         keys = group.all_gather(key)
         index: dict[str, int] = {}
         return cls(tuple(index.setdefault(k, len(index)) for k in keys))
@@ -180,17 +185,27 @@ class Decision:
     transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (file, from rank, to rank)
 
 
-def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_newest: int | None, want: int | None) -> Decision:
-    """(every rank alike) The newest step every file of which is intact on some node, not older
-    than ``root_newest`` (``want``: that step only), and who sends which file to which node."""
+def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_steps: list[int] | None, want: int | None) -> Decision:
+    """(every rank alike) Which step to recover, and who sends which file to which node.
+
+    ``want``: that step (the tier may serve a step the root no longer keeps). Otherwise, when the
+    root could be listed (``root_steps``), its newest step and only that one: a newer step in the
+    tier was deleted at the root or is left from an earlier life of the job (a rollback), and an
+    older one is not what a resume wants. When it could not (``None``: unreachable), the newest
+    step of the tier. A step is recoverable when the nodes that hold it agree on its manifest and
+    every file of it is intact on some node."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
-    why = "no committed step in the local tier of any node"
-    for step in steps:
-        if want is not None and step != want:
-            continue
-        if root_newest is not None and step < root_newest:
-            why = f"the root's step {root_newest} is newer than the local tier's {step}"
-            break
+    if want is not None:
+        candidates = [want] if want in steps else []
+        why = f"step {want} is not in the local tier"
+    elif root_steps is not None:
+        newest = max(root_steps) if root_steps else None
+        candidates = [newest] if newest in steps else []
+        why = "the root holds no committed step" if newest is None else f"the root's newest step {newest} is not in the local tier"
+    else:
+        candidates = steps
+        why = "no committed step in the local tier of any node"
+    for step in candidates:
         held = [(r, rep[step]) for r, rep in enumerate(reports) if step in rep]
         shas = {h.manifest_sha for _, h in held}
         if len(shas) != 1:
@@ -218,7 +233,7 @@ def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_newest: int | N
                 hs = holders[f]
                 transfers.append((f, hs[i % len(hs)], receivers[i % len(receivers)]))
         return Decision(step, "", transfers)
-    return Decision(None, why if want is None or want in steps else f"step {want} is not in the local tier")
+    return Decision(None, why)
 
 
 # -- the tier -------------------------------------------------------------------------------------
@@ -255,17 +270,47 @@ class LocalTier:
         return os.path.join(self.dir, step_dir(step))
 
     # -- save side ----------------------------------------------------------------------------
-    def clear_step(self, group: Group, step: int) -> None:
-        """(each rank, before a save's writes; one rank per node acts) Remove an older life's
-        copy of ``step`` so that no file of it mixes with the new one."""
-        nodes = self.nodes
-        if nodes is not None and nodes.local_rank(group.rank) == 0:
-            _remove_tree(self.step_path(step))
+    def _owned(self, step: int) -> bool | None:
+        """Whether this node's ``step`` directory is this root's (``None``: there is none)."""
+        path = self.step_path(step)
+        if not os.path.lexists(path):
+            return None
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        try:
+            with open(os.path.join(path, ROOT_MARK), "rb") as f:
+                return f.read().decode(errors="replace") == self.root
+        except OSError:
+            return False
+
+    def usable_for(self, group: Group, step: int) -> bool:
+        """(each rank, no collectives: call it inside the save's exchange) Whether this node's
+        tier can take ``step``: no directory of that name, or one of this root's (a re-save).
+        Another root's, or something else by that name, is never touched: the save then keeps
+        no local copy (one warning)."""
+        return self._owned(step) is not False
+
+    def open_step(self, group: Group, step: int) -> None:
+        """(all ranks, one collective; after the step was claimed at the root, before any write)
+        One rank per node replaces an earlier life's copy of ``step`` with an empty directory
+        holding this root's mark; the rest wait for it."""
+        nodes = self._nodes(group)
+        problem = None
+        if nodes.local_rank(group.rank) == 0:
+            try:
+                if self._owned(step):
+                    _remove_tree(self.step_path(step))
+                os.makedirs(self.step_path(step), exist_ok=True)
+                _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+            except OSError as exc:  # the tee records its own failures; this is only a note
+                problem = one_line(exc)
+        group.all_gather(problem)
 
     def after_commit(self, group: Group, step: int, manifest_json: bytes, local_errors: list[str]) -> None:
         """(all ranks) Complete the committed ``step`` in every node's tier: the coordinator's
         manifest and ``.metadata`` to every node, each rank's files to its peer, then retention.
-        Never raises: what failed is one warning on every rank (the root holds the step)."""
+        Never raises for a failure of the tier: one warning on every rank (the root holds the
+        step)."""
         nodes = self._nodes(group)
         problems = list(local_errors)
         manifest = Manifest.from_json(manifest_json)
@@ -279,14 +324,6 @@ class LocalTier:
                 problems.append(f"{METADATA}: {one_line(exc)}")
         meta = group.broadcast(meta)
         # 2. each rank's files to its peer.
-        peer = nodes.peer(group.rank) if self.peers else None
-        if self.peers and peer is None and not self._warned_one_node and group.is_coordinator:
-            self._warned_one_node = True
-            warnings.warn(
-                "distckpt: local_peers=1 but every rank runs on one node: the local tier keeps no peer copies "
-                "(nodes are told apart by LOCAL_WORLD_SIZE or the host name)",
-                stacklevel=4,
-            )
         sends: list[tuple[str, int, int]] = []
         if self.peers and nodes.count > 1:
             for name in sorted(manifest.files):
@@ -296,7 +333,7 @@ class LocalTier:
                     dst = nodes.peer(src)
                     if dst is not None and nodes.of[dst] != nodes.of[src]:
                         sends.append((name, src, dst))
-        received, failures = transfer(group, self.step_path(step), sends, manifest)
+        _, failures = transfer(group, self.step_path(step), sends, manifest)
         problems += failures
         # 3. the node's manifest last: the step is committed in this node's tier once it is there.
         if nodes.local_rank(group.rank) == 0:
@@ -310,7 +347,16 @@ class LocalTier:
                 problems.append(f"{self.step_path(step)}: {one_line(exc)}")
             self.retain(step)
         everyone = group.all_gather(problems)
-        if group.is_coordinator and any(everyone):
+        # Warnings after the last collective, on every rank: one turned into an error by the
+        # caller's filters then fails every rank alike instead of stranding the others.
+        if self.peers and nodes.count < 2 and not self._warned_one_node:
+            self._warned_one_node = True
+            warnings.warn(
+                "distckpt: local_peers=1 but every rank runs on one node: the local tier keeps no peer copies "
+                "(nodes are told apart by LOCAL_WORLD_SIZE or the host name)",
+                stacklevel=4,
+            )
+        if any(everyone):
             first = next(p for ps in everyone for p in ps)
             count = sum(len(ps) for ps in everyone)
             warnings.warn(
@@ -319,13 +365,26 @@ class LocalTier:
                 stacklevel=4,
             )
 
+    def skipped(self, step: int, group: Group) -> None:
+        """(every rank) The warning of a save that kept no local copy: the tier's directory of
+        ``step`` is another root's, or not a directory."""
+        warnings.warn(
+            f"distckpt: step {step} keeps no local-tier copy: {self.step_path(step)} exists and is not this root's "
+            f"({self.root}); the local tier never touches what it did not write",
+            stacklevel=4,
+        )
+
     def retain(self, newest: int) -> None:
-        """(one rank per node) Keep the newest ``keep`` committed steps of this node's tier;
-        remove older ones and leftovers (no manifest) older than ``newest``."""
-        committed = sorted(s for s in self._steps() if os.path.exists(os.path.join(self.step_path(s), MANIFEST_NAME)))
+        """(one rank per node) Keep the newest ``keep`` committed steps of this root in this
+        node's tier, up to ``newest`` (the step just committed). A step of this root newer than
+        ``newest`` is an earlier life's (the job went back to an older step) and goes; so do
+        this root's leftovers (no manifest). Another root's steps, and anything without this
+        root's mark, are never touched."""
+        mine = [s for s in self._steps() if self._owned(s)]
+        committed = sorted(s for s in mine if s <= newest and os.path.isfile(os.path.join(self.step_path(s), MANIFEST_NAME)))
         keep = set(committed[-self.keep :])
-        for s in self._steps():
-            if s not in keep and s <= newest:
+        for s in mine:
+            if s not in keep:
                 _remove_tree(self.step_path(s))
 
     def _steps(self) -> list[int]:
@@ -337,33 +396,36 @@ class LocalTier:
 
     # -- load side ----------------------------------------------------------------------------
     def recover(
-        self, group: Group, want: int | None, root_newest: Callable[[], int | None], check: bool
+        self, group: Group, want: int | None, root_steps: Callable[[], list[int] | None], check: bool
     ) -> tuple[int | None, dict[str, str]]:
-        """(all ranks) Make this node's tier hold a step every rank can load, newest first.
+        """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
-        Returns ``(step, sources)``: the step (``None``: load from the root, a warning said
-        why) and, per file of it, where this node's copy came from (``"local"`` or
-        ``"rank N"``). ``root_newest`` runs on the coordinator only (an unreachable root counts
-        as no step); ``check``: verify checksums (``Checkpointer(verify=...)``).
+        Returns ``(step, sources)``: the step (``None``: load from the root; a warning on every
+        rank said why, where the tier should have served it) and, per file of it, where this
+        node's copy came from (``"local"`` or ``"rank N"``). ``root_steps`` runs on the
+        coordinator only: the root's committed steps, ``None`` where it cannot be listed
+        (see :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
         """
         nodes = self._nodes(group)
         report: dict[int, Holding] | None = None
-        newest: int | None = None
+        listed: list[int] | None = None
         try:
             report = self._inventory(nodes, group.rank, check)
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
         if group.is_coordinator:
             try:
-                newest = root_newest()
+                listed = root_steps()
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
-        gathered = group.all_gather((report or {}, newest))
+        gathered = group.all_gather((report or {}, listed))
         reports = [r for r, _ in gathered]
         decision = decide(nodes, reports, gathered[0][1], want)
         if decision.step is None:
-            if any(reports):
-                _warn_root(decision.reason, group)
+            if any(reports) and want is None:  # a step the tier should have served
+                _warn_root(decision.reason)
+            else:
+                log.info("distckpt: loading from the root: %s", decision.reason)
             return None, {}
         step = decision.step
         manifest_json = None
@@ -379,18 +441,28 @@ class LocalTier:
         holder = min(r for r, rep in enumerate(reports) if step in rep)
         manifest_json = _from(group, holder, manifest_json)
         manifest = Manifest.from_json(manifest_json)
-        files = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
-        received, failures = transfer(group, self.step_path(step), files, manifest)
-        if nodes.local_rank(group.rank) == 0 and not failures:
+        # A node that lacks the step gets its directory, with this root's mark, before any file.
+        failures: list[str] = []
+        if nodes.local_rank(group.rank) == 0:
             try:
+                if self._owned(step) is False:  # another root's directory of that name: never touched
+                    raise OSError(f"{self.step_path(step)} is not this root's")
+                os.makedirs(self.step_path(step), exist_ok=True)
                 _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
-                _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
             except OSError as exc:
                 failures.append(f"{self.step_path(step)}: {one_line(exc)}")
+        if not any(group.all_gather(failures)):
+            files = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
+            _, failures = transfer(group, self.step_path(step), files, manifest)
+            if nodes.local_rank(group.rank) == 0 and not failures:
+                try:
+                    _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
+                except OSError as exc:
+                    failures.append(f"{self.step_path(step)}: {one_line(exc)}")
         everyone = group.all_gather(failures)
         if any(everyone):
             first = next(p for ps in everyone for p in ps)
-            _warn_root(f"completing step {step} in the local tier failed ({first})", group)
+            _warn_root(f"completing step {step} in the local tier failed ({first})")
             return None, {}
         here = nodes.of[group.rank]
         came = {f: f"rank {src}" for f, src, dst in decision.transfers if nodes.of[dst] == here}
@@ -401,19 +473,17 @@ class LocalTier:
         return step, sources
 
     def _inventory(self, nodes: Nodes, rank: int, check: bool) -> dict[int, Holding]:
-        """(each rank) The committed steps of this node's tier, each with the files this rank
-        checked (its share of the node's files: one pass over them per node)."""
+        """(each rank) The committed steps of this root in this node's tier, each with the files
+        this rank checked (its share of the node's files: one pass over them per node)."""
         ranks = nodes.ranks(nodes.of[rank])
         mine = ranks.index(rank)
         out: dict[int, Holding] = {}
         for step in self._steps():
+            if not self._owned(step):
+                continue  # another root's step (a tier left by another job), or not a directory
             path = self.step_path(step)
             try:
-                with open(os.path.join(path, ROOT_MARK), "rb") as f:
-                    if f.read().decode(errors="replace") != self.root:
-                        continue  # another root's step (a tier left by another job)
-                with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-                    raw = f.read()
+                raw = _read_regular(os.path.join(path, MANIFEST_NAME))
                 manifest = Manifest.from_json(raw, where=os.path.join(path, MANIFEST_NAME))
             except (OSError, ValueError):
                 continue  # not committed here (or damaged): this node does not hold the step
@@ -433,15 +503,31 @@ def _from(group: Group, holder: int, value: Any) -> Any:
     return group.all_gather(value if group.rank == holder else None)[holder]
 
 
+def _read_regular(path: str) -> bytes:
+    """A regular file's bytes (``OSError`` for a symbolic link or anything else)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+_CHUNK = 8 * 2**20
+
+
 def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
+    """Whether ``path`` is a regular file (not a link) of the manifest's size and checksum."""
     record = manifest.files[name]
     try:
-        if os.path.getsize(path) != record.size:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
             return False
         if not check or record.checksum is None or manifest.checksum_algorithm is None:
             return True
+        hasher = new_hasher(manifest.checksum_algorithm)
         with open(path, "rb") as f:
-            return digest_of(f.read(), manifest.checksum_algorithm) == record.checksum
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+        return hasher.hexdigest() == record.checksum
     except OSError:
         return False
 
@@ -471,17 +557,27 @@ def transfer(
     me = group.rank
     for batch in rounds:
         ops, inbox = [], []
-        for name, src, dst in batch:
-            size = manifest.files[name].size
+        # The senders read first; what one could not read is skipped by both ends (never bytes
+        # standing in for a file, which a step without checksums could not tell apart).
+        outbox: dict[int, bytearray] = {}
+        unreadable: list[int] = []
+        for i, (name, src, dst) in enumerate(batch):
             if src == me:
                 try:
-                    with open(os.path.join(directory, name), "rb") as f:
-                        data = bytearray(f.read())
-                    if len(data) != size:
-                        raise OSError(f"{name} is {len(data)} bytes, the manifest says {size}")
+                    data = bytearray(_read_regular(os.path.join(directory, name)))
+                    if len(data) != manifest.files[name].size:
+                        raise OSError(f"{name} is {len(data)} bytes, the manifest says {manifest.files[name].size}")
+                    outbox[i] = data
                 except OSError as exc:
                     problems.append(f"sending {name} to rank {dst}: {one_line(exc)}")
-                    data = bytearray(size)  # the receiver still expects the bytes; it finds them wrong
+                    unreadable.append(i)
+        skip = {i for part in group.all_gather(unreadable) for i in part}
+        for i, (name, src, dst) in enumerate(batch):
+            size = manifest.files[name].size
+            if i in skip:
+                continue
+            if src == me:
+                data = outbox[i]
                 buf = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.isend, buf.to(device), _global(group, dst), group.pg))
             if dst == me:
@@ -533,6 +629,6 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _warn_root(reason: str, group: Group) -> None:
-    if group.is_coordinator:
-        warnings.warn(f"distckpt: loading from the root, not the local tier: {reason}", stacklevel=4)
+def _warn_root(reason: str) -> None:
+    """(every rank, after the tier's last collective) Why the load reads the root."""
+    warnings.warn(f"distckpt: loading from the root, not the local tier: {reason}", stacklevel=4)

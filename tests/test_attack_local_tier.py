@@ -1,0 +1,390 @@
+"""Attacks on the fast recovery tier (``Checkpointer(local_dir=...)``, distckpt.storage.local_tier).
+
+Each test states the property it checks. Single-process tests run as one node (no peers);
+distributed ones use run_ranks with ``LOCAL_WORLD_SIZE=2`` to simulate two nodes of two ranks
+(one ``local_dir`` per node), as tests/test_local_tier.py does.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distckpt
+from dist_harness import run_ranks
+from distckpt.storage import local_tier
+
+pytestmark = [
+    pytest.mark.xdist_group("local_tier_attack"),
+    pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:distckpt:UserWarning"),
+]
+
+STEP = "step_{:09d}".format
+
+
+def _model(value: float) -> torch.nn.Linear:
+    m = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        m.weight.fill_(value)
+        m.bias.fill_(value)
+    return m
+
+
+def _save_steps(root, tier, steps, **kw) -> None:
+    with distckpt.Checkpointer(root, local_dir=tier, **kw) as ckpt:
+        for s in steps:
+            ckpt.save(s, {"model": _model(float(s)), "step": s})
+
+
+def _load(root, tier, step=None, **kw) -> tuple[int, float, str]:
+    state = {"model": _model(-1.0), "step": -1}
+    with distckpt.Checkpointer(root, local_dir=tier, **kw) as ckpt:
+        got = ckpt.load(state, step=step)
+        tier_used = ckpt.last_load_report.tier
+    return got, float(state["model"].weight[0, 0]), tier_used
+
+
+# -- wrong state: a step the root no longer holds is resurrected from the tier ----------------
+def test_step_deleted_at_the_root_is_not_resurrected_from_the_tier(tmp_path):
+    """A user rolls back (deletes the bad newest step at the root) and restarts: ``load()`` must
+    resume the root's newest step (2), not the deleted step 3 that the tier still holds."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2, 3])
+    shutil.rmtree(root / STEP(3))  # rollback: step 3 is gone from the root
+    step, value, _ = _load(root, tier)
+    assert (step, value) == (2, 2.0)
+
+
+def test_stale_newer_step_from_an_earlier_life_is_not_loaded_after_a_rollback(tmp_path):
+    """Rollback then new saves: steps 1..4 saved, root steps 3-4 deleted, training resumes from 2
+    and saves a new step 3. The tier keeps the old step 4 (retention never removes steps newer
+    than the save), and the next ``load()`` must still resume the new step 3."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2, 3, 4])
+    for s in (3, 4):
+        shutil.rmtree(root / STEP(s))
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(3, {"model": _model(33.0), "step": 3})
+    step, value, _ = _load(root, tier)
+    assert (step, value) == (3, 33.0)
+
+
+# -- load(step=N) for a step only the tier holds -----------------------------------------------
+def test_load_of_an_older_step_only_the_tier_holds(tmp_path):
+    """keep_last=1 at the root, local_keep=2: the tier still holds step 1 intact; load(step=1)
+    should read it (or at least not fail with FileNotFoundError while an intact copy exists)."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2], keep_last=1, local_keep=2)
+    assert (tier / STEP(1) / "manifest.json").exists() and not (root / STEP(1)).exists()
+    step, value, where = _load(root, tier, step=1)
+    assert (step, value, where) == (1, 1.0, "local")
+
+
+# -- deleting what it did not write ------------------------------------------------------------
+def test_local_dir_that_is_the_root_through_a_symlink_is_refused_or_harmless(tmp_path):
+    """local_dir is a symlink to the root: the overlap check compares unresolved paths, and the
+    tier's retention (local_keep=1) then deletes committed steps of the root (keep_last=None)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    link = tmp_path / "tier_link"
+    link.symlink_to(root, target_is_directory=True)
+    try:
+        _save_steps(root, link, [1, 2, 3], local_keep=1)
+    except ValueError:
+        return  # refused up front: fine
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [STEP(1), STEP(2), STEP(3)]
+
+
+def test_root_with_tilde_and_local_dir_expanded_is_refused_or_harmless(tmp_path, monkeypatch):
+    """The root expands ``~`` (LocalStorage), the overlap check does not: root ``~/ckpt`` and
+    local_dir ``$HOME/ckpt`` are the same directory, accepted, and retention deletes root steps."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    try:
+        _save_steps("~/ckpt", home / "ckpt", [1, 2, 3], local_keep=1)
+    except ValueError:
+        return
+    assert sorted(p.name for p in (home / "ckpt").iterdir() if p.name.startswith("step_")) == [STEP(1), STEP(2), STEP(3)]
+
+
+def test_local_dir_with_tilde_is_expanded_like_the_root(tmp_path, monkeypatch):
+    """``local_dir="~/tier"`` should mean $HOME/tier (as the root does), not a directory named
+    ``~`` in the current directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    _save_steps(tmp_path / "root", "~/tier", [1])
+    assert not (cwd / "~").exists()
+    assert (home / "tier" / STEP(1) / "manifest.json").exists()
+
+
+def test_refused_resave_of_a_committed_step_keeps_its_tier_copy(tmp_path):
+    """save(2) twice: the second is refused (StepExistsError), but clear_step already removed
+    the tier's copy of the committed step 2 (it runs in the prepare exchange, before the claim)."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(1, {"model": _model(1.0), "step": 1})
+        ckpt.save(2, {"model": _model(2.0), "step": 2})
+        with pytest.raises(distckpt.errors.StepExistsError):
+            ckpt.save(2, {"model": _model(9.0), "step": 2})
+    assert (tier / STEP(2) / "manifest.json").exists()
+    root.rename(tmp_path / "away")  # root unreachable: the tier decides
+    step, value, where = _load(root, tier)
+    assert (step, value, where) == (2, 2.0, "local")  # not step 1 (an older state)
+
+
+def test_two_roots_sharing_one_local_dir_do_not_delete_each_others_steps(tmp_path):
+    """Two checkpointers (two roots, e.g. model and data loader) share local_dir. Retention
+    counts the other root's steps as its own (it ignores .distckpt-root): B's fresh step 1 is
+    deleted right after its commit because A's steps 2-3 are newer."""
+    tier = tmp_path / "tier"
+    _save_steps(tmp_path / "a", tier, [1, 2, 3])
+    _save_steps(tmp_path / "b", tier, [1])
+    (tmp_path / "b").rename(tmp_path / "b_away")
+    step, value, where = _load(tmp_path / "b", tier)
+    assert (step, value, where) == (1, 1.0, "local")
+
+
+def test_save_to_another_root_does_not_remove_this_roots_tier_copy(tmp_path):
+    """B (another root, same local_dir) saving step 3 removes A's committed tier copy of step 3
+    (clear_step does not look at .distckpt-root): files the tier did not write for B."""
+    tier = tmp_path / "tier"
+    _save_steps(tmp_path / "a", tier, [2, 3])
+    _save_steps(tmp_path / "b", tier, [3])
+    (tmp_path / "a").rename(tmp_path / "a_away")
+    step, value, where = _load(tmp_path / "a", tier)
+    assert (step, value, where) == (3, 3.0, "local")
+
+
+# -- hostile contents ---------------------------------------------------------------------------
+def test_symlinked_step_file_in_the_tier_falls_back_to_the_root(tmp_path):
+    """A step file in the tier replaced by a symlink to identical bytes elsewhere: the inventory
+    follows it (intact), the load refuses it with UnsafeCheckpointError, which _load_local does
+    not catch: the whole load fails although the root holds the step."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1])
+    target = tier / STEP(1) / "__0_0.distcp"
+    elsewhere = tmp_path / "elsewhere.bin"
+    shutil.copyfile(target, elsewhere)
+    target.unlink()
+    target.symlink_to(elsewhere)
+    step, value, _ = _load(root, tier)
+    assert (step, value) == (1, 1.0)
+
+
+def test_step_dir_symlink_in_the_tier_falls_back_to_the_root(tmp_path):
+    """The tier's step directory is a symlink to a copy of itself elsewhere."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1])
+    moved = tmp_path / "moved_step"
+    shutil.move(str(tier / STEP(1)), moved)
+    (tier / STEP(1)).symlink_to(moved, target_is_directory=True)
+    step, value, _ = _load(root, tier)
+    assert (step, value) == (1, 1.0)
+    assert moved.exists()  # nothing deleted through the link
+
+
+def test_forged_manifest_with_traversal_is_ignored(tmp_path):
+    """(passes) A forged manifest naming ``../`` files is rejected by the manifest parser; the
+    load reads the root."""
+    import json
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1])
+    man = tier / STEP(1) / "manifest.json"
+    raw = json.loads(man.read_text())
+    raw["files"]["../../evil"] = {"size": 1, "checksum": None}
+    man.write_text(json.dumps(raw))
+    step, value, where = _load(root, tier)
+    assert (step, value, where) == (1, 1.0, "root")
+
+
+def test_leftover_part_files_and_manifestless_step_do_not_count(tmp_path):
+    """(passes) A crash left .part files and a newer step without manifest: the newest
+    committed step loads from the tier; the leftovers never win."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2])
+    junk = tier / STEP(3)
+    junk.mkdir()
+    (junk / "__0_0.distcp.part").write_bytes(b"x" * 10)
+    (tier / STEP(2) / "__0_0.distcp.part").write_bytes(b"y" * 10)
+    step, value, where = _load(root, tier)
+    assert (step, value, where) == (2, 2.0, "local")
+
+
+def test_root_mark_missing_or_different_reads_the_root(tmp_path):
+    """(passes) No .distckpt-root, or another root's: never recovered from."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1])
+    (tier / STEP(1) / local_tier.ROOT_MARK).unlink()
+    assert _load(root, tier)[2] == "root"
+    (tier / STEP(1) / local_tier.ROOT_MARK).write_text(str(tmp_path / "other"))
+    assert _load(root, tier)[2] == "root"
+
+
+def test_pathlike_relative_and_trailing_slash_local_dir_are_one_tier(tmp_path, monkeypatch):
+    """(passes) Path, relative str and trailing slash name the same tier."""
+    monkeypatch.chdir(tmp_path)
+    _save_steps(tmp_path / "root", Path("tier"), [1])
+    (tmp_path / "root").rename(tmp_path / "away")
+    assert _load(tmp_path / "root", str(tmp_path / "tier") + "/") == (1, 1.0, "local")
+
+
+# -- distributed ----------------------------------------------------------------------------
+def _node_dir(base: str, rank: int) -> str:
+    return f"{base}/node{rank // 2}"
+
+
+FULL = torch.arange(64, dtype=torch.float32)
+
+
+def _sharded(world: int, fill: torch.Tensor):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return distribute_tensor(fill.clone(), mesh, [Shard(0)], src_data_rank=None)
+
+
+def _enospc_tee_save_body(rank: int, world: int, root: str, nodes: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    if rank == 1:  # node 0's tmpfs is full for rank 1's file (its root write succeeds)
+
+        def full_tmpfs(self, data):
+            if self._f is not None:
+                self._fail(OSError(errno.ENOSPC, "No space left on device"))
+
+        local_tier.LocalCopy.write = full_tmpfs
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank), checksum=None) as ckpt:
+        ckpt.save(1, {"w": _sharded(world, FULL), "step": 1})
+
+
+def _sharded_load_body(rank: int, world: int, root: str, nodes: str, lws: str) -> tuple:
+    os.environ["LOCAL_WORLD_SIZE"] = lws
+    state = {"w": _sharded(world, torch.zeros(64)), "step": 0}
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+        try:
+            step = ckpt.load(state)
+        except Exception as exc:  # noqa: BLE001
+            return ("error", f"{type(exc).__name__}: {exc}"[:300])
+        report = ckpt.last_load_report
+    return step, state["step"], report.tier, state["w"].full_tensor()
+
+
+@pytest.mark.timeout(200)
+def test_failed_tee_never_becomes_a_zero_filled_peer_copy(tmp_path):
+    """checksum=None; rank 1's tee fails (ENOSPC). after_commit still sends rank 1's file to its
+    peer: the sender cannot read it and sends zeros (local_tier.transfer), the receiver has no
+    checksum to reject them and keeps them under the final name, and node 1's manifest is
+    written. That zero-filled file is 'intact' (right size) to recovery: it is sent to node 0
+    and loaded. The load must restore the saved tensor (from the root if need be)."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_enospc_tee_save_body, 4, tmp_path, str(root), str(nodes), timeout=120)
+    peer_copy = nodes / "node1" / STEP(1) / "__1_0.distcp"
+    root_copy = root / STEP(1) / "__1_0.distcp"
+    results = run_ranks(_sharded_load_body, 4, tmp_path, str(root), str(nodes), "2", timeout=120)
+    for rank, res in enumerate(results):
+        assert res[0] != "error", (rank, res)
+        step, value, _, full = res
+        assert (step, value) == (1, 1) and torch.equal(full, FULL), rank  # holds: the load's own checks catch it
+    # ... but the tier keeps a zero-filled file under its final name, recorded as step 1's.
+    assert not (peer_copy.exists() and peer_copy.read_bytes() != root_copy.read_bytes()), "zero-filled peer copy kept"
+
+
+def _save_4_body(rank: int, world: int, root: str, nodes: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+        ckpt.save(1, {"w": _sharded(world, FULL), "step": 1}, blocking=False)
+        ckpt.wait()
+
+
+@pytest.mark.timeout(250)
+def test_saved_at_4_ranks_on_2_nodes_loads_at_2_ranks_from_the_tier(tmp_path):
+    """(passes) Save at 4 ranks as two nodes, load at 2 ranks on one node (node 0's tier, which
+    holds node 1's files as peer copies), root moved away: exact, from the tier."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_save_4_body, 4, tmp_path, str(root), str(nodes), timeout=120)
+    root.rename(tmp_path / "away")
+    results = run_ranks(_sharded_load_body, 2, tmp_path, str(root), str(nodes), "2", timeout=120)
+    for rank, res in enumerate(results):
+        assert res[0] != "error", (rank, res)
+        step, value, tier, full = res
+        assert (step, value, tier) == (1, 1, "local") and torch.equal(full, FULL), rank
+
+
+def _one_node_error_warnings_body(rank: int, world: int, root: str, tier: str) -> tuple:
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # one host: one node
+    warnings.filterwarnings("error", message=r".*local_peers=1 but every rank runs on one node")
+    t0 = time.monotonic()
+    ckpt = distckpt.Checkpointer(root, local_dir=tier, timeout=15)
+    try:
+        ckpt.save(1, {"x": torch.ones(4)})
+        outcome = "saved"
+    except BaseException as exc:  # noqa: BLE001 - training goes on (e.g. a retry policy)
+        outcome = type(exc).__name__
+    elapsed = time.monotonic() - t0
+    dist.barrier()  # the job goes on: rank 0 is alive, not gone
+    return outcome, elapsed
+
+
+@pytest.mark.timeout(150)
+def test_a_coordinator_only_warning_turned_error_never_strands_the_other_ranks(tmp_path):
+    """Warnings as errors (pytest -W error, filterwarnings=error): after_commit warns 'one node'
+    on the coordinator only, between collectives; the coordinator leaves the save with the
+    exception while rank 1 waits in the final all_gather until the group's timeout. Every rank
+    must end the save alike, and promptly (the root committed the step)."""
+    res = run_ranks(_one_node_error_warnings_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "tier"), timeout=120)
+    assert res[0][0] == res[1][0], res
+    assert max(r[1] for r in res) < 12, res
+
+
+def _subgroup_body(rank: int, world: int, root: str, nodes: str) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # ranks 0,1 on node 0; ranks 2,3 on node 1
+    pg = dist.new_group([0, 2], backend="gloo")  # one rank per node checkpoints
+    if rank in (0, 2):
+        with distckpt.Checkpointer(root, process_group=pg, local_dir=_node_dir(nodes, rank)) as ckpt:
+            ckpt.save(1, {"x": torch.arange(8.0)})
+    dist.barrier()
+
+
+@pytest.mark.timeout(150)
+def test_nodes_of_a_subgroup_are_the_ranks_nodes(tmp_path):
+    """process_group=new_group([0, 2]) in a job of two nodes of two: Nodes.gather takes the
+    group rank // LOCAL_WORLD_SIZE (0 and 0), so global ranks 0 and 2 count as one node: no peer
+    copies, and node 1's tier never gets a manifest (only 'local rank 0' writes it)."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_subgroup_body, 4, tmp_path, str(root), str(nodes), timeout=120)
+    got = sorted(p.name for p in (nodes / "node1" / STEP(1)).iterdir()) if (nodes / "node1" / STEP(1)).exists() else []
+    assert "manifest.json" in got and "__0_0.distcp" in got, got
+
+
+def test_damaged_tier_copy_with_verify_false_is_not_loaded_over_the_intact_root(tmp_path):
+    """verify=False (skip checksums on load): the tier judges its copies by size only (both
+    attempts of _load_local use check=verify), so a tier copy with one float changed is loaded
+    while the root's copy is intact. README: 'A damaged copy: the other copy ... never a wrong
+    state'; without the tier this load returns the saved state."""
+    import struct
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1], verify=False)
+    one = struct.pack("<4f", 1.0, 1.0, 1.0, 1.0)
+    f = next(p for p in sorted((tier / STEP(1)).glob("__0_*.distcp")) if one in p.read_bytes())
+    data = f.read_bytes()
+    f.write_bytes(data.replace(one, struct.pack("<4f", 7.0, 1.0, 1.0, 1.0), 1))
+    state = {"model": _model(-1.0), "step": -1}
+    with distckpt.Checkpointer(root, local_dir=tier, verify=False) as ckpt:
+        assert ckpt.load(state) == 1
+    assert torch.equal(state["model"].weight, torch.ones(3, 4)) and torch.equal(state["model"].bias, torch.ones(3))
