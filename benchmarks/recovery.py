@@ -49,16 +49,21 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import distckpt
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     full = make_tensors(transformer_like_shapes(int(cfg["size_bytes"])))
-    # Every rank built the same tensors: no broadcast, each keeps its shard.
-    shards = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
-    del full
+    # Every rank built the same tensors: no broadcast, each keeps a copy of its shard only (a
+    # view would keep the whole tensor alive: four ranks x the state).
+    shards = {}
+    for k in list(full):
+        v = full.pop(k)
+        d = distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
+        shards[k] = DTensor.from_local(d.to_local().clone(), mesh, [Shard(0)], run_check=False, shape=d.shape, stride=d.stride())
+        del v, d
     state = {"model": shards}
     scratch = Path(cfg["dir"])
     shm = Path(cfg["shm"])
@@ -88,10 +93,12 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("s3"):
         s3_ck = distckpt.Checkpointer(f"s3://{cfg['s3']['bucket']}/recovery", storage_options=cfg["s3"]["storage_options"])
         s3_ck.save(0, state)  # once, untimed: the S3 root's checkpoint of the same state
-    # Warm: groups, writer processes, staging buffers.
+    # Warm: groups, writer processes, staging buffers (and how long a save takes, below).
+    save_s = 0.0
     for ck in (with_tier, without):
         ck.save(0, state, blocking=False)
-        ck.wait()
+        stats = ck.wait()
+        save_s = max(save_s, stats.total_s or 0.0)
 
     # A small DDP model for the training-cost rows.
     torch.manual_seed(0)
@@ -105,6 +112,23 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         model(x).square().mean().backward()
         opt.step()
 
+    # The first load of a process pays one-off costs (imports, first reads): untimed, here.
+    warm = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+    with distckpt.Checkpointer(str(root)) as ck:
+        ck.load(warm, step=0)
+    del warm
+    for _ in range(3):
+        train_step()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        train_step()
+    steps_per_s = 10 / (time.perf_counter() - t0)
+    # Every rank runs the same number of steps (DDP all-reduces in each): enough to outlast a
+    # save; only those taken while the save is in flight are counted.
+    n = torch.tensor([int(min(3000, max(20, 2.0 * save_s * steps_per_s)))])
+    dist.broadcast(n, 0)
+    n_during = int(n.item())
+
     step = 0
     for rep in range(cfg["repeats"]):
         # -- saves: blocked time, and training while the save is in flight ----------------------
@@ -116,10 +140,11 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             blocked = time.perf_counter() - t0
             done, t1 = 0, time.perf_counter()
             t_end = t1
-            while ck.in_flight:
+            for _ in range(n_during):
                 train_step()
-                done += 1
-                t_end = time.perf_counter()
+                if ck.in_flight:
+                    done += 1
+                    t_end = time.perf_counter()
             ck.wait()
             barrier()
             records.append({"rep": rep, "method": f"save_blocked_{name}", "time_s": blocked})

@@ -453,7 +453,9 @@ class LocalTier:
                 failures.append(f"{self.step_path(step)}: {one_line(exc)}")
         if not any(group.all_gather(failures)):
             files = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
-            _, failures = transfer(group, self.step_path(step), files, manifest)
+            # Unchecked on the way in where the load checks what it reads (the first attempt); a
+            # damaged copy then fails the load and the second attempt checks everything.
+            _, failures = transfer(group, self.step_path(step), files, manifest, verify=check)
             if nodes.local_rank(group.rank) == 0 and not failures:
                 try:
                     _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
@@ -533,11 +535,12 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
 
 
 def transfer(
-    group: Group, directory: str, moves: Iterable[tuple[str, int, int]], manifest: Manifest
+    group: Group, directory: str, moves: Iterable[tuple[str, int, int]], manifest: Manifest, verify: bool = True
 ) -> tuple[list[str], list[str]]:
     """(all ranks) Send each ``(file, from rank, to rank)`` of the step in ``directory`` over
-    the group; the receiver checks it against ``manifest`` and writes it whole into its
-    ``directory``. Every rank passes the same ``moves``. Returns (files received, problems)."""
+    the group; the receiver checks it against ``manifest`` (``verify``; else its size only, for a
+    caller whose load checks every byte it reads) and writes it whole into its ``directory``.
+    Every rank passes the same ``moves``. Returns (files received, problems)."""
     moves = list(moves)
     received: list[str] = []
     problems: list[str] = []
@@ -595,7 +598,7 @@ def transfer(
             try:
                 data = memoryview(buf.cpu().numpy())  # no copy for a CPU buffer
                 record = manifest.files[name]
-                if record.checksum is not None and digest_of(data, manifest.checksum_algorithm) != record.checksum:
+                if verify and record.checksum is not None and digest_of(data, manifest.checksum_algorithm) != record.checksum:
                     problems.append(f"{name} from rank {src} does not match its checksum")
                     continue
                 _write_atomic(directory, name, data)
