@@ -20,6 +20,7 @@ from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
+from distckpt.integrity.stepfiles import read_metadata
 from distckpt.load import run as loading
 from distckpt.load.phases import LoadReport
 from distckpt.options import ASYNC_MODES, CheckpointerOptions  # noqa: F401 (ASYNC_MODES: public before)
@@ -373,9 +374,16 @@ class Checkpointer:
         (a damaged copy is replaced by a peer's). Then the root."""
         local = self.local
         assert local is not None
+        _, restore_rng, _, only, exclude = args
+
+        def needs(manifest: Manifest) -> set[str]:
+            # What this rank's load will read: a node is sent only what its ranks read.
+            metadata = read_metadata(local.storage, manifest, verify=True)
+            return loading.files_read(group, manifest, metadata, state, restore_rng, only, exclude)
+
         # With verify=False the load checks nothing: the tier's copies are checked up front.
         for attempt, check in enumerate((False, True) if self.options.verify else (True,)):
-            chosen, sources = local.recover(group, step, self._root_steps, check)
+            chosen, sources = local.recover(group, step, self._root_steps, check, needs)
             if chosen is None:
                 return None
             try:

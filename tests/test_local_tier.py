@@ -5,9 +5,10 @@ Four gloo ranks as two simulated nodes of two (``LOCAL_WORLD_SIZE=2``, one ``loc
 node), FSDP2 model + AdamW. One run saves (async) two steps; a second run resumes, one scenario
 after another, each set up by rank 0 between barriers:
 
-* node 1's tier wiped and the root moved away (no byte of it can be read): step 2 from node 0's
-  copies, node 1's files sent by node 0's ranks, bit-exact;
-* node 0's own copy of a file damaged (root still away): that file from node 1's replica;
+* the root moved away (no byte of it can be read) and node 0's own copy of a file damaged: that
+  file from node 1's replica, bit-exact;
+* node 1's tier wiped too: step 2 from node 0's copies, what node 1's ranks read sent by node 0's
+  ranks, bit-exact;
 * both copies of one file damaged, root back: the root, exact (never a wrong state);
 * both nodes' tiers wiped: the root;
 * the root newer than the local tier: the root.
@@ -59,15 +60,16 @@ def _prepare(scenario: str, root: Path, nodes: Path) -> None:
     """(rank 0, between barriers) Set the scene of one scenario on disk."""
     away = root.with_name(root.name + ".away")
     step2 = "step_000000002"
-    if scenario == "peer":
-        shutil.rmtree(nodes / "node1")
+    if scenario == "damaged_own_copy":
         root.rename(away)
-    elif scenario == "damaged_own_copy":
         _flip(nodes / "node0" / step2 / "__0_0.distcp")
+    elif scenario == "peer":
+        shutil.rmtree(nodes / "node1")
     elif scenario == "both_copies_damaged":
         away.rename(root)
         for node in ("node0", "node1"):
-            _flip(nodes / node / step2 / "__1_0.distcp")
+            if (nodes / node / step2 / "__1_0.distcp").exists():  # node 1 got back only what it reads
+                _flip(nodes / node / step2 / "__1_0.distcp")
     elif scenario == "both_nodes_lost":
         shutil.rmtree(nodes)
     elif scenario == "root_newer":
@@ -110,7 +112,7 @@ def test_recovery_from_the_local_tier_and_peers_without_the_root(tmp_path):
     for node in ("node0", "node1"):
         for step in ("step_000000001", "step_000000002"):
             assert {p.name for p in (nodes / node / step).iterdir()} == files | {local_tier.ROOT_MARK}, (node, step)
-    scenarios = ["peer", "damaged_own_copy", "both_copies_damaged", "both_nodes_lost", "root_newer"]
+    scenarios = ["damaged_own_copy", "peer", "both_copies_damaged", "both_nodes_lost", "root_newer"]
     results = run_ranks(_load_body, WORLD, tmp_path, str(root), str(nodes), scenarios, timeout=250)
 
     for rank, res in enumerate(results):
@@ -118,8 +120,11 @@ def test_recovery_from_the_local_tier_and_peers_without_the_root(tmp_path):
         assert (step, step_value, tier) == (2, 2, "local"), rank
         assert_same(ref_model, model_sd, f"rank {rank} model (peer)")
         assert_same(ref_optim, optim_sd, f"rank {rank} optimizer (peer)")
-        if rank >= 2:  # node 1 lost everything: its files came from node 0's ranks
+        if rank >= 2:  # node 1 lost everything: what its ranks read came from node 0's ranks
             assert sources["__2_0.distcp"] in ("rank 0", "rank 1") and sources["manifest.json"] == "rank 0"
+            # (What node 1's ranks read includes node 0's files here: replicated optimizer values
+            # are written once, by any rank; test_a_node_gets_only_the_files_its_ranks_read.)
+            assert sources[".metadata"] in ("rank 0", "rank 1")
         else:
             assert set(sources.values()) == {"local"}
 
@@ -321,3 +326,52 @@ def test_a_peer_that_dies_while_receiving_never_leaves_a_wrong_step(tmp_path):
     for rank, (step, value, tier, weight) in enumerate(results):
         assert (step, value) == (2, 2) and tier in ("root", "local"), (rank, tier)
         assert torch.equal(weight, want), rank
+
+
+def _sharded_save_body(rank: int, world: int, root: str, nodes: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"model": {f"w{i}": distribute_tensor(torch.arange(64.0).reshape(16, 4) * (i + 1), mesh, [Shard(0)]) for i in range(3)}}
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank), save_rng=False) as ckpt:
+        ckpt.save(1, state)
+
+
+def _sharded_load_body(rank: int, world: int, root: str, nodes: str) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"model": {f"w{i}": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]) for i in range(3)}}
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank), save_rng=False) as ckpt:
+        ckpt.load(state)
+        report = ckpt.last_load_report
+    exact = all(torch.equal(state["model"][f"w{i}"].full_tensor(), torch.arange(64.0).reshape(16, 4) * (i + 1)) for i in range(3))
+    return report.tier, dict(report.sources), exact
+
+
+@pytest.mark.timeout(200)
+def test_a_node_gets_only_the_files_its_ranks_read(tmp_path):
+    """A purely sharded state (each rank's shards in its own file): after node 1 lost its tier,
+    it is sent its ranks' files and .metadata, not node 0's."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_sharded_save_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
+    shutil.rmtree(nodes / "node1")
+    root.rename(tmp_path / "away")
+    results = run_ranks(_sharded_load_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
+    for rank, (tier, sources, exact) in enumerate(results):
+        assert tier == "local" and exact, rank
+        if rank >= 2:
+            got = {f for f, src in sources.items() if src != "local"}
+            data = {f for f in got if f.endswith(".distcp")}
+            assert got - data == {".metadata", "manifest.json"} and data, sources
+            assert all(f.startswith(("__2_", "__3_")) for f in data), sources  # node 1's ranks' files only
+    kept = [p.name for p in (nodes / "node1" / "step_000000001").iterdir() if p.name.endswith(".distcp")]
+    assert kept and all(n.startswith(("__2_", "__3_")) for n in kept), kept

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
 from distckpt._dist import Group, exchange, on_coordinator
 from distckpt.errors import StateMismatchError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
@@ -139,6 +141,27 @@ def load(
             stacklevel=3,
         )
     return Loaded(manifest.step, storage, manifest, report)
+
+
+def files_read(
+    group: Group,
+    manifest: Manifest,
+    metadata: Any,
+    state: MutableMapping[str, Any],
+    restore_rng: bool,
+    only: str | list[str] | None,
+    exclude: str | list[str] | None,
+) -> set[str]:
+    """(each rank, no collectives) The files of a step a :func:`load` of ``state`` on this rank
+    would read (relative names), planned as the load plans: what the fast recovery tier sends a
+    node that lacks them (:mod:`distckpt.storage.local_tier`)."""
+    index = metadata_index(metadata)
+    selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
+    plan, _ = plan_load(group, manifest, index, state, restore_rng, selection)
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner(plan.request, metadata, is_coordinator=False)
+    storage = metadata.storage_data
+    return {storage[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
 def _read_index(tiers: Sequence[Storage], step: int | None, check: bool) -> tuple[int, Manifest, Any]:

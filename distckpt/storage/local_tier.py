@@ -396,7 +396,12 @@ class LocalTier:
 
     # -- load side ----------------------------------------------------------------------------
     def recover(
-        self, group: Group, want: int | None, root_steps: Callable[[], list[int] | None], check: bool
+        self,
+        group: Group,
+        want: int | None,
+        root_steps: Callable[[], list[int] | None],
+        check: bool,
+        needs: Callable[[Manifest], set[str]] | None = None,
     ) -> tuple[int | None, dict[str, str]]:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
@@ -405,6 +410,9 @@ class LocalTier:
         node's copy came from (``"local"`` or ``"rank N"``). ``root_steps`` runs on the
         coordinator only: the root's committed steps, ``None`` where it cannot be listed
         (see :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
+        ``needs(manifest)`` (each rank, once this node holds the step's ``.metadata``): the files
+        this rank's load will read; a node is then sent only what its ranks read (``None``, or
+        a rank that cannot tell: every file of the step).
         """
         nodes = self._nodes(group)
         report: dict[int, Holding] | None = None
@@ -451,11 +459,34 @@ class LocalTier:
                 _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
             except OSError as exc:
                 failures.append(f"{self.step_path(step)}: {one_line(exc)}")
+        moves: list[tuple[str, int, int]] = []
         if not any(group.all_gather(failures)):
-            files = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
-            # Unchecked on the way in where the load checks what it reads (the first attempt); a
-            # damaged copy then fails the load and the second attempt checks everything.
-            _, failures = transfer(group, self.step_path(step), files, manifest, verify=check)
+            moves = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
+            if needs is not None:
+                # .metadata first (every node needs it to plan), then only what a node's ranks read.
+                first = [t for t in moves if t[0] == METADATA]
+                _, failures = transfer(group, self.step_path(step), first, manifest, verify=True)
+                if any(group.all_gather(failures)) and not failures:  # decided alike on every rank
+                    failures = ["sending .metadata failed on another rank"]
+                wanted: set[str] | None = None
+                if not failures:
+                    try:
+                        wanted = set(needs(manifest)) | {METADATA}
+                    except Exception as exc:  # noqa: BLE001 - this rank then takes every file
+                        log.info("distckpt: rank %d could not plan its load (%s): every file", group.rank, one_line(exc))
+                per_rank = group.all_gather(wanted)
+                per_node: dict[int, set[str] | None] = {}
+                for r, w in enumerate(per_rank):
+                    n = nodes.of[r]
+                    per_node[n] = None if w is None or per_node.get(n, set()) is None else per_node.get(n, set()) | w
+                moves = first + [
+                    t for t in moves if t[0] != METADATA and (per_node[nodes.of[t[2]]] is None or t[0] in per_node[nodes.of[t[2]]])
+                ]
+            if not failures:
+                # Unchecked on the way in where the load checks what it reads (the first
+                # attempt); a damaged copy then fails the load and the second attempt checks all.
+                rest = [t for t in moves if t[0] != METADATA] if needs is not None else moves
+                _, failures = transfer(group, self.step_path(step), rest, manifest, verify=check)
             if nodes.local_rank(group.rank) == 0 and not failures:
                 try:
                     _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
@@ -467,10 +498,12 @@ class LocalTier:
             _warn_root(f"completing step {step} in the local tier failed ({first})")
             return None, {}
         here = nodes.of[group.rank]
-        came = {f: f"rank {src}" for f, src, dst in decision.transfers if nodes.of[dst] == here}
-        if MANIFEST_NAME in came:  # the manifest came with the broadcast from ``holder``
-            came[MANIFEST_NAME] = f"rank {holder}"
-        sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME]}
+        came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here}
+        if any(f == MANIFEST_NAME and nodes.of[dst] == here for f, _, dst in decision.transfers):
+            came[MANIFEST_NAME] = f"rank {holder}"  # it came with the broadcast from ``holder``
+        # Files this node neither had nor needed (its ranks do not read them) are left out.
+        have = set(os.listdir(self.step_path(step)))
+        sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME] if f in came or f in have}
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
         return step, sources
 
