@@ -153,6 +153,19 @@ def drop_cache(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
+def steps_while_in_flight(ckpt: Any, step: Any, n: int) -> tuple[int, float]:
+    """Run ``n`` training steps (the same number on every rank: DDP all-reduces in each one) and
+    return how many ran while ``ckpt``'s async save was in flight, and the seconds they took."""
+    done, t0 = 0, time.perf_counter()
+    t_end = t0
+    for _ in range(n):
+        step()
+        if ckpt.in_flight:
+            done += 1
+            t_end = time.perf_counter()
+    return done, t_end - t0
+
+
 def median(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None

@@ -85,6 +85,7 @@ from _common import (  # noqa: E402
     peak_rss,
     reset_peak_rss,
     split_greedy,
+    steps_while_in_flight,
     remove_scratch,
     save_figure,
     transformer_like_shapes,
@@ -444,18 +445,12 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 ck.save(1, b.state, blocking=False)
                 t1 = time.perf_counter()
-                done = 0
-                t_end = t1
-                for _ in range(n_during):
-                    step_fn()
-                    if ck.in_flight:
-                        done += 1
-                        t_end = time.perf_counter()
+                done, seconds = steps_while_in_flight(ck, step_fn, n_during)
                 stats = ck.wait()
                 return {
                     "blocking_s": t1 - t0,
                     "steps_in_flight": done,
-                    "steps_per_s": done / (t_end - t1) if done and t_end > t1 else None,
+                    "steps_per_s": done / seconds if done and seconds > 0 else None,
                     "total_s": stats.total_s if stats else None,
                 }
 
