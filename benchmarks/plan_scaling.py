@@ -503,7 +503,7 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
                     (view, structure, sizes), t = _timed(lambda: distckpt_view(st), collect=False)
                     views.append(view)
                     structures.append((structure, sizes))
-                    del st
+                    st = None  # frees it (not del: lambdas in this function close over the name)
         for r in range(world):
             with fake_rank(r, world):
                 st = sharded_state(shapes, world, r)
@@ -519,7 +519,7 @@ def measure(layout: str, shapes: list, world: int, planners: list[str], saves: l
                         (_, _, _), t_view = _timed(lambda: distckpt_view(st), collect=False)
                         local_s = max(local_s, t_view + t_decide + t_local)
                         repeat_local_s = max(repeat_local_s, t_view + t_decide)
-                del st
+                st = None  # frees it (not del: lambdas in this function close over the name)
     if "dcp" in planners and dcp_plans:  # not for MESH_LAYOUTS
         rows += measure_dcp(layout, shapes, world, dcp_plans, dcp_local, dcp_repeat_local, saves)
         del dcp_plans
@@ -561,7 +561,7 @@ def _mesh_plans(layout: str, shapes: list, world: int) -> tuple[list[Any], list[
                     repeat_local_s = max(repeat_local_s, t_view + t_decide)
                 plans.append(plan)
                 payloads.append(payload)
-                del st
+                st = None  # frees it (not del: lambdas in this function close over the name)
     return plans, payloads, local_s, repeat_local_s
 
 

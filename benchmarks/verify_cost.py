@@ -82,7 +82,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     state = {"model": layout(Shard(0))}
     colsplit = {"model": layout(Shard(1))} if world > 1 else None
-    del full
+    full = {}  # frees the full tensors (not del: layout() above closes over the name)
     root = cfg["root"]
     ckpt = distckpt.Checkpointer(root)
     ckpt.save(1, state)
