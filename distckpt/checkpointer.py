@@ -382,22 +382,20 @@ class Checkpointer:
             return loading.files_read(group, manifest, metadata, state, restore_rng, only, exclude)
 
         # With verify=False the load checks nothing: the tier's copies are checked up front.
-        for attempt, check in enumerate((False, True) if self.options.verify else (True,)):
+        checks = (False, True) if self.options.verify else (True,)
+        for attempt, check in enumerate(checks):
             chosen, sources = local.recover(group, step, self._root_steps, check, needs)
             if chosen is None:
                 return None
             try:
                 loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
-                break
             except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
-                last = attempt == 1 or not self.options.verify
+                last = attempt == len(checks) - 1
                 if group.is_coordinator:
                     then = "loading from the root" if last else "checking every local copy and retrying"
                     warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
-                if last:
-                    return None
-        else:  # pragma: no cover - the loop breaks or returns
-            return None
-        loaded.report.tier = "local"
-        loaded.report.sources = sources
-        return loaded
+                continue
+            loaded.report.tier = "local"
+            loaded.report.sources = sources
+            return loaded
+        return None

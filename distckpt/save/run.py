@@ -229,10 +229,10 @@ class SaveDriver:
         if local is not None:
             # Every node's tier must be able to take the step (nothing of another root's in the
             # way), or this save keeps no local copy anywhere.
-            if all(group.all_gather(local.usable_for(group, step))):
+            if all(group.all_gather(local.usable_for(step))):
                 tier = local
             else:
-                local.skipped(step, group)
+                local.skipped(step)
         if tier is None:
             opts = replace(opts, local_dir=None)
         stats.phases["prepare"] = time.perf_counter() - t1

@@ -34,7 +34,7 @@ def dcp_leaf(value: object, depth: int = 0) -> bool:
     return True
 
 
-def unflatten_for_dcp(flat: Mapping[str, Any], mappings: Mapping[str, tuple[str | int, ...]]) -> dict[str, Any]:
+def unflatten_for_dcp(flat: dict[str, Any], mappings: dict[str, tuple[str | int, ...]]) -> dict[str, Any]:
     """The nested state of a flattened one (``flatten_state_dict``), such that DCP flattens it
     into the same keys again.
 
@@ -45,7 +45,7 @@ def unflatten_for_dcp(flat: Mapping[str, Any], mappings: Mapping[str, tuple[str 
     and could not be loaded into it. Positions no key reaches are filled with ``{}`` instead;
     a ``None`` that was saved has a key and stays.
     """
-    nested = unflatten_state_dict(dict(flat), dict(mappings))
+    nested = unflatten_state_dict(flat, mappings)
     reached: set[tuple[tuple[str | int, ...], int]] = set()
     for path in mappings.values():
         for i, part in enumerate(path):

@@ -259,9 +259,6 @@ class LocalTier:
 
     def nodes_of(self, group: Group) -> Nodes:
         """(all ranks, collective the first time) The nodes of the group's ranks."""
-        return self._nodes(group)
-
-    def _nodes(self, group: Group) -> Nodes:
         if self.nodes is None:
             self.nodes = Nodes.gather(group)
         return self.nodes
@@ -283,7 +280,7 @@ class LocalTier:
         except OSError:
             return False
 
-    def usable_for(self, group: Group, step: int) -> bool:
+    def usable_for(self, step: int) -> bool:
         """(each rank, no collectives: call it inside the save's exchange) Whether this node's
         tier can take ``step``: no directory of that name, or one of this root's (a re-save).
         Another root's, or something else by that name, is never touched: the save then keeps
@@ -294,7 +291,7 @@ class LocalTier:
         """(all ranks, one collective; after the step was claimed at the root, before any write)
         One rank per node replaces an earlier life's copy of ``step`` with an empty directory
         holding this root's mark; the rest wait for it."""
-        nodes = self._nodes(group)
+        nodes = self.nodes_of(group)
         problem = None
         if nodes.local_rank(group.rank) == 0:
             try:
@@ -311,7 +308,7 @@ class LocalTier:
         manifest and ``.metadata`` to every node, each rank's files to its peer, then retention.
         Never raises for a failure of the tier: one warning on every rank (the root holds the
         step)."""
-        nodes = self._nodes(group)
+        nodes = self.nodes_of(group)
         problems = list(local_errors)
         manifest = Manifest.from_json(manifest_json)
         # 1. manifest and .metadata to every node (the coordinator's copy of .metadata).
@@ -333,7 +330,7 @@ class LocalTier:
                     dst = nodes.peer(src)
                     if dst is not None and nodes.of[dst] != nodes.of[src]:
                         sends.append((name, src, dst))
-        _, failures = transfer(group, self.step_path(step), sends, manifest)
+        failures = transfer(group, self.step_path(step), sends, manifest)
         problems += failures
         # 3. the node's manifest last: the step is committed in this node's tier once it is there.
         if nodes.local_rank(group.rank) == 0:
@@ -365,7 +362,7 @@ class LocalTier:
                 stacklevel=4,
             )
 
-    def skipped(self, step: int, group: Group) -> None:
+    def skipped(self, step: int) -> None:
         """(every rank) The warning of a save that kept no local copy: the tier's directory of
         ``step`` is another root's, or not a directory."""
         warnings.warn(
@@ -414,11 +411,12 @@ class LocalTier:
         this rank's load will read; a node is then sent only what its ranks read (``None``, or
         a rank that cannot tell: every file of the step).
         """
-        nodes = self._nodes(group)
+        nodes = self.nodes_of(group)
         report: dict[int, Holding] | None = None
+        raw: dict[int, bytes] = {}
         listed: list[int] | None = None
         try:
-            report = self._inventory(nodes, group.rank, check)
+            report, raw = self._inventory(nodes, group.rank, check)
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
         if group.is_coordinator:
@@ -436,18 +434,9 @@ class LocalTier:
                 log.info("distckpt: loading from the root: %s", decision.reason)
             return None, {}
         step = decision.step
-        manifest_json = None
-        # The chosen manifest: from a rank that holds it, for the nodes that lack it.
-        sha = next(h.manifest_sha for rep in reports for s, h in rep.items() if s == step)
-        try:
-            with open(os.path.join(self.step_path(step), MANIFEST_NAME), "rb") as f:
-                mine = f.read()
-            if hashlib.sha256(mine).hexdigest() == sha:
-                manifest_json = mine
-        except OSError:
-            pass
+        # The chosen manifest, as a rank that holds it read it, for the nodes that lack it.
         holder = min(r for r, rep in enumerate(reports) if step in rep)
-        manifest_json = _from(group, holder, manifest_json)
+        manifest_json = _from(group, holder, raw.get(step))
         manifest = Manifest.from_json(manifest_json)
         # A node that lacks the step gets its directory, with this root's mark, before any file.
         failures: list[str] = []
@@ -465,7 +454,7 @@ class LocalTier:
             if needs is not None:
                 # .metadata first (every node needs it to plan), then only what a node's ranks read.
                 first = [t for t in moves if t[0] == METADATA]
-                _, failures = transfer(group, self.step_path(step), first, manifest, verify=True)
+                failures = transfer(group, self.step_path(step), first, manifest, verify=True)
                 if any(group.all_gather(failures)) and not failures:  # decided alike on every rank
                     failures = ["sending .metadata failed on another rank"]
                 wanted: set[str] | None = None
@@ -486,7 +475,7 @@ class LocalTier:
                 # Unchecked on the way in where the load checks what it reads (the first
                 # attempt); a damaged copy then fails the load and the second attempt checks all.
                 rest = [t for t in moves if t[0] != METADATA] if needs is not None else moves
-                _, failures = transfer(group, self.step_path(step), rest, manifest, verify=check)
+                failures = transfer(group, self.step_path(step), rest, manifest, verify=check)
             if nodes.local_rank(group.rank) == 0 and not failures:
                 try:
                     _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
@@ -507,12 +496,14 @@ class LocalTier:
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
         return step, sources
 
-    def _inventory(self, nodes: Nodes, rank: int, check: bool) -> dict[int, Holding]:
+    def _inventory(self, nodes: Nodes, rank: int, check: bool) -> tuple[dict[int, Holding], dict[int, bytes]]:
         """(each rank) The committed steps of this root in this node's tier, each with the files
-        this rank checked (its share of the node's files: one pass over them per node)."""
+        this rank checked (its share of the node's files: one pass over them per node), and
+        each step's manifest as read."""
         ranks = nodes.ranks(nodes.of[rank])
         mine = ranks.index(rank)
         out: dict[int, Holding] = {}
+        raws: dict[int, bytes] = {}
         for step in self._steps():
             if not self._owned(step):
                 continue  # another root's step (a tier left by another job), or not a directory
@@ -530,7 +521,8 @@ class LocalTier:
                 if i % len(ranks) == mine and _intact(os.path.join(path, name), manifest, name, check):
                     intact.append(name)
             out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact)
-        return out
+            raws[step] = raw
+        return out, raws
 
 
 def _from(group: Group, holder: int, value: Any) -> Any:
@@ -569,16 +561,15 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
 
 def transfer(
     group: Group, directory: str, moves: Iterable[tuple[str, int, int]], manifest: Manifest, verify: bool = True
-) -> tuple[list[str], list[str]]:
+) -> list[str]:
     """(all ranks) Send each ``(file, from rank, to rank)`` of the step in ``directory`` over
     the group; the receiver checks it against ``manifest`` (``verify``; else its size only, for a
     caller whose load checks every byte it reads) and writes it whole into its ``directory``.
-    Every rank passes the same ``moves``. Returns (files received, problems)."""
+    Every rank passes the same ``moves``. Returns the problems (empty: every file arrived)."""
     moves = list(moves)
-    received: list[str] = []
     problems: list[str] = []
     if not moves or not group.enabled:
-        return received, problems
+        return problems
     device = _transfer_device(group)
     rounds: list[list[tuple[str, int, int]]] = [[]]
     load: dict[int, int] = {}
@@ -626,7 +617,7 @@ def transfer(
                     work.wait()
         except Exception as exc:  # noqa: BLE001 - a peer died: reported, the root stays
             problems.append(f"transfer with a peer failed: {one_line(exc)}")
-            return received, problems
+            return problems
         for name, src, buf in inbox:
             try:
                 data = memoryview(buf.cpu().numpy())  # no copy for a CPU buffer
@@ -635,10 +626,9 @@ def transfer(
                     problems.append(f"{name} from rank {src} does not match its checksum")
                     continue
                 _write_atomic(directory, name, data)
-                received.append(name)
             except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
                 problems.append(f"writing {os.path.join(directory, name)}: {one_line(exc)}")
-    return received, problems
+    return problems
 
 
 def _transfer_device(group: Group) -> torch.device:
