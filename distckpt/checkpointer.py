@@ -391,9 +391,10 @@ class Checkpointer:
                 loaded = loading.load(group, self.options, [local.storage], state, chosen, *args)
             except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                 last = attempt == len(checks) - 1
-                if group.is_coordinator:
-                    then = "loading from the root" if last else "checking every local copy and retrying"
-                    warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
+                then = "loading from the root" if last else "checking every local copy and retrying"
+                # On every rank (the error is the same on all): one turned into an error by the
+                # caller's filters then ends the load on every rank alike, not on the coordinator alone.
+                warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
                 continue
             loaded.report.tier = "local"
             loaded.report.sources = sources

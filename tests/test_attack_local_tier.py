@@ -388,3 +388,35 @@ def test_damaged_tier_copy_with_verify_false_is_not_loaded_over_the_intact_root(
     with distckpt.Checkpointer(root, local_dir=tier, verify=False) as ckpt:
         assert ckpt.load(state) == 1
     assert torch.equal(state["model"].weight, torch.ones(3, 4)) and torch.equal(state["model"].bias, torch.ones(3))
+
+
+def _damaged_copy_error_warnings_body(rank: int, world: int, root: str, tier: str) -> tuple:
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # one host: one node
+    ckpt = distckpt.Checkpointer(root, local_dir=tier, timeout=15)
+    ckpt.save(1, {"x": torch.arange(64.0)})
+    ckpt.close()
+    if rank == 0:  # one byte of a data file of the tier's copy, same size: the first load fails
+        victim = sorted(Path(tier, STEP(1)).glob("__*.distcp"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    warnings.filterwarnings("error", message=r".*from the local tier failed")
+    t0 = time.monotonic()
+    try:
+        with distckpt.Checkpointer(root, local_dir=tier, timeout=15) as again:
+            again.load({"x": torch.zeros(64)})
+        outcome = "loaded"
+    except BaseException as exc:  # noqa: BLE001 - the warning, raised as an error
+        outcome = type(exc).__name__
+    return outcome, time.monotonic() - t0
+
+
+@pytest.mark.timeout(150)
+def test_a_retry_warning_turned_error_fails_every_rank_alike(tmp_path):
+    """A damaged tier copy fails the first local load, and the retry is announced with a warning.
+    With warnings as errors, that warning must end the load on every rank alike, at once: warned
+    on the coordinator only, it left rank 1 waiting in the retry's collectives until the timeout."""
+    res = run_ranks(_damaged_copy_error_warnings_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "tier"), timeout=120)
+    assert res[0][0] == res[1][0] == "UserWarning", res
+    assert max(r[1] for r in res) < 12, res
