@@ -375,3 +375,25 @@ def test_a_node_gets_only_the_files_its_ranks_read(tmp_path):
             assert all(f.startswith(("__2_", "__3_")) for f in data), sources  # node 1's ranks' files only
     kept = [p.name for p in (nodes / "node1" / "step_000000001").iterdir() if p.name.endswith(".distcp")]
     assert kept and all(n.startswith(("__2_", "__3_")) for n in kept), kept
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", None])
+def test_a_tier_load_reads_the_metadata_once_per_rank(tmp_path, monkeypatch, checksum):
+    """Recovery reads and verifies the step's ``.metadata`` on each rank to plan the files it
+    needs; the load then reuses it rather than reading it again on the coordinator. Without
+    checksums the copies cannot be told apart: the load reads the coordinator's, as from the root."""
+    import torch
+
+    from distckpt.load import run as load_run
+
+    reads = []
+    real = load_run._read_index
+    monkeypatch.setattr(load_run, "_read_index", lambda *a: reads.append(a) or real(*a))
+    model = torch.nn.Linear(4, 4)
+    with distckpt.Checkpointer(tmp_path / "root", local_dir=tmp_path / "tier", checksum=checksum) as ckpt:
+        ckpt.save(1, {"model": model})
+    fresh = {"model": torch.nn.Linear(4, 4)}
+    with distckpt.Checkpointer(tmp_path / "root", local_dir=tmp_path / "tier", checksum=checksum) as ckpt:
+        assert ckpt.load(fresh) == 1 and ckpt.last_load_report.tier == "local"
+    assert torch.equal(fresh["model"].weight, model.weight)
+    assert len(reads) == (0 if checksum else 1)

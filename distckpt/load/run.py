@@ -83,11 +83,17 @@ def load(
     verify_state: bool | None,
     only: str | list[str] | None,
     exclude: str | list[str] | None,
+    preread: tuple[Manifest, Any] | None = None,
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
-    :meth:`distckpt.Checkpointer.load` for the arguments and errors)."""
-    # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
-    tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify))
+    :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
+    manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
+    none): the first tier's step is loaded without reading them again."""
+    if preread is not None:
+        tier, (manifest, metadata) = 0, preread
+    else:
+        # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify))
     index = metadata_index(metadata)
     storage = tiers[tier]
     where = storage.display(step_dir(manifest.step))

@@ -38,18 +38,17 @@ import shutil
 import socket
 import stat
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
 
 from distckpt._dist import Group
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, digest_of, parse_step_dir, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
+from distckpt.storage.transfer import _global, transfer
 
 log = logging.getLogger("distckpt")
 
@@ -58,7 +57,6 @@ METADATA = ".metadata"
 #: another job (another root) in the same directory is never recovered from.
 ROOT_MARK = ".distckpt-root"
 _PART = ".part"  # suffix of a file being written; renamed once whole (a crash leaves only these)
-_ROUND_BYTES = 512 * 2**20  # bytes one rank sends or receives per round of transfers
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data files: __<rank>_<n>.distcp
 
 
@@ -557,90 +555,6 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
         return hasher.hexdigest() == record.checksum
     except OSError:
         return False
-
-
-def transfer(
-    group: Group, directory: str, moves: Iterable[tuple[str, int, int]], manifest: Manifest, verify: bool = True
-) -> list[str]:
-    """(all ranks) Send each ``(file, from rank, to rank)`` of the step in ``directory`` over
-    the group; the receiver checks it against ``manifest`` (``verify``; else its size only, for a
-    caller whose load checks every byte it reads) and writes it whole into its ``directory``.
-    Every rank passes the same ``moves``. Returns the problems (empty: every file arrived)."""
-    moves = list(moves)
-    problems: list[str] = []
-    if not moves or not group.enabled:
-        return problems
-    device = _transfer_device(group)
-    rounds: list[list[tuple[str, int, int]]] = [[]]
-    load: dict[int, int] = {}
-    for move in moves:
-        size = manifest.files[move[0]].size
-        if rounds[-1] and any(load.get(r, 0) + size > _ROUND_BYTES for r in move[1:]):
-            rounds.append([])
-            load = {}
-        rounds[-1].append(move)
-        for r in move[1:]:
-            load[r] = load.get(r, 0) + size
-    me = group.rank
-    for batch in rounds:
-        ops, inbox = [], []
-        # The senders read first; what one could not read is skipped by both ends (never bytes
-        # standing in for a file, which a step without checksums could not tell apart).
-        outbox: dict[int, bytearray] = {}
-        unreadable: list[int] = []
-        for i, (name, src, dst) in enumerate(batch):
-            if src == me:
-                try:
-                    data = bytearray(_read_regular(os.path.join(directory, name)))
-                    if len(data) != manifest.files[name].size:
-                        raise OSError(f"{name} is {len(data)} bytes, the manifest says {manifest.files[name].size}")
-                    outbox[i] = data
-                except OSError as exc:
-                    problems.append(f"sending {name} to rank {dst}: {one_line(exc)}")
-                    unreadable.append(i)
-        skip = {i for part in group.all_gather(unreadable) for i in part}
-        for i, (name, src, dst) in enumerate(batch):
-            size = manifest.files[name].size
-            if i in skip:
-                continue
-            if src == me:
-                data = outbox[i]
-                buf = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-                ops.append(dist.P2POp(dist.isend, buf.to(device), _global(group, dst), group.pg))
-            if dst == me:
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
-                inbox.append((name, src, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, _global(group, src), group.pg))
-        try:
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-        except Exception as exc:  # noqa: BLE001 - a peer died: reported, the root stays
-            problems.append(f"transfer with a peer failed: {one_line(exc)}")
-            return problems
-        for name, src, buf in inbox:
-            try:
-                data = memoryview(buf.cpu().numpy())  # no copy for a CPU buffer
-                record = manifest.files[name]
-                if verify and record.checksum is not None and digest_of(data, manifest.checksum_algorithm) != record.checksum:
-                    problems.append(f"{name} from rank {src} does not match its checksum")
-                    continue
-                _write_atomic(directory, name, data)
-            except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
-                problems.append(f"writing {os.path.join(directory, name)}: {one_line(exc)}")
-    return problems
-
-
-def _transfer_device(group: Group) -> torch.device:
-    """Where the group's backend takes tensors from: NCCL needs them on the current GPU."""
-    backend = dist.get_backend(group.pg)
-    if "nccl" in str(backend).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _global(group: Group, rank: int) -> int:
-    return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
 
 
 def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
