@@ -45,6 +45,9 @@ def _body(rank: int, world: int, base: str, scenario: str) -> tuple[list[str], d
     if scenario == "symlink" and rank == 0:
         os.replace(here / "other.distcp", here / "real")
         os.symlink(here / "real", here / "other.distcp")
+    if scenario == "fifo" and rank == 0:  # opening it must not wait for a writer
+        os.unlink(here / "other.distcp")
+        os.mkfifo(here / "other.distcp")
     if scenario in ("read-fails", "read") and rank == 0:
         tr._map = lambda fd: None  # the pieces are read (preadv), not sent from a mapping
     if scenario == "read-fails" and rank == 0:
@@ -56,7 +59,7 @@ def _body(rank: int, world: int, base: str, scenario: str) -> tuple[list[str], d
         tr._read_piece = failing
     moves = [(name, 0, 1) for name in FILES]
     problems = tr.transfer(Group(), str(here), moves, manifest, verify=scenario != "sizes-only")
-    got = {p.name: p.read_bytes() for p in sorted(here.iterdir()) if p.is_file() and not p.is_symlink()}
+    got = {p.name: p.read_bytes() for p in sorted(here.iterdir()) if p.is_file() and not p.is_symlink()}  # is_file: no FIFO
     return problems, got if rank == 1 else {}, sorted(os.listdir(here))
 
 
@@ -91,8 +94,9 @@ def test_a_read_failure_half_way_keeps_no_file_and_no_part(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_symlink_is_not_followed_and_is_skipped_by_both_ends(tmp_path):
-    (sent_problems, _, _), (problems, got, names) = run_ranks(_body, 2, tmp_path, str(tmp_path / "dirs"), "symlink", timeout=100)
+@pytest.mark.parametrize("scenario", ["symlink", "fifo"])
+def test_a_file_that_is_not_regular_is_skipped_by_both_ends(tmp_path, scenario):
+    (sent_problems, _, _), (problems, got, names) = run_ranks(_body, 2, tmp_path, str(tmp_path / "dirs"), scenario, timeout=60)
     assert any("other.distcp" in p for p in sent_problems), sent_problems
     assert "other.distcp" not in got and "other.distcp.part" not in names
     assert got["big.distcp"] == _payload("big.distcp", FILES["big.distcp"])

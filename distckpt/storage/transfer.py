@@ -259,7 +259,8 @@ def _finish(wave: _Wave, incoming: dict[int, _Incoming]) -> str | None:
 
 def _open_regular(path: str, size: int) -> int:
     """A descriptor of ``path``, a regular file (not a link) of ``size`` bytes, else ``OSError``."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # O_NONBLOCK: a FIFO by that name would block the open until a writer came (then refused below).
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
