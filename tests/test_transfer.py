@@ -57,6 +57,12 @@ def _body(rank: int, world: int, base: str, scenario: str) -> tuple[list[str], d
             return False if piece.move == 0 and piece.offset == 2 * tr.PIECE else real(fd, piece, into)
 
         tr._read_piece = failing
+    if scenario == "no-memory" and rank == 1:  # the receiver fails before posting anything
+
+        def no_memory(self, slot, start, length):
+            raise MemoryError("no buffer")
+
+        tr._Pools.host = no_memory
     moves = [(name, 0, 1) for name in FILES]
     problems = tr.transfer(Group(), str(here), moves, manifest, verify=scenario != "sizes-only")
     got = {p.name: p.read_bytes() for p in sorted(here.iterdir()) if p.is_file() and not p.is_symlink()}  # is_file: no FIFO
@@ -120,3 +126,14 @@ def test_waves_bound_each_ranks_bytes_and_pieces_cover_each_file():
                 for r in moves[p.move][1:]:
                     per_rank[r] = per_rank.get(r, 0) + p.length
             assert max(per_rank.values()) <= tr.WAVE
+
+
+@pytest.mark.timeout(120)
+def test_an_unexpected_error_on_one_rank_is_reported_on_both_and_keeps_nothing(tmp_path):
+    """The receiver raises (no memory for a buffer) before it posted a receive: no exception
+    escapes, no collective is left unmatched; both ranks report the failure."""
+    results = run_ranks(_body, 2, tmp_path, str(tmp_path / "dirs"), "no-memory", timeout=100, pg_timeout=20)
+    for problems, _, _ in results:
+        assert any(p.startswith("transfer with a peer failed") for p in problems), problems
+    assert any("no buffer" in p for p in results[1][0]), results[1][0]  # its own reason, at least
+    assert results[1][1] == {} and not [n for n in results[1][2] if n.endswith(".part")]

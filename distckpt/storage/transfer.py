@@ -101,7 +101,10 @@ def transfer(
         for i, (name, src, dst) in enumerate(moves):
             if dst == me and i not in skip:
                 incoming[i] = _open_part(directory, name, manifest if verify else None)
-        broken = _run_waves(group, moves, [p for p in _pieces(sizes) if p.move not in skip], sources, incoming, failed_sends, device)
+        try:
+            broken = _run_waves(group, moves, [p for p in _pieces(sizes) if p.move not in skip], sources, incoming, failed_sends, device)
+        except Exception as exc:  # noqa: BLE001 - e.g. no memory for a buffer: reported on every rank below
+            broken = f"rank {me}: {one_line(exc)}"
         for i in failed_sends:
             problems.append(f"sending {moves[i][0]} to rank {moves[i][2]}: reading it failed")
         # 2. Every rank's failures (a dead peer fails this exchange too), then the receivers
@@ -110,8 +113,8 @@ def transfer(
             everyone = group.all_gather((failed_sends, broken))
         except Exception as exc:  # noqa: BLE001 - a peer died
             everyone = [([], broken or one_line(exc))]
-        wire = next((b for _, b in everyone if b), None)
-        if wire is not None:
+        wire = "; ".join(dict.fromkeys(b for _, b in everyone if b))  # every rank's reason, once
+        if wire:
             problems.append(f"transfer with a peer failed: {wire}")
             return problems
         bad_sends = {i for sent, _ in everyone for i in sent}
