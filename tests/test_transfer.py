@@ -132,7 +132,7 @@ def test_waves_bound_each_ranks_bytes_and_pieces_cover_each_file():
 def test_an_unexpected_error_on_one_rank_is_reported_on_both_and_keeps_nothing(tmp_path):
     """The receiver raises (no memory for a buffer) before it posted a receive: no exception
     escapes, no collective is left unmatched; both ranks report the failure."""
-    results = run_ranks(_body, 2, tmp_path, str(tmp_path / "dirs"), "no-memory", timeout=100, pg_timeout=20)
+    results = run_ranks(_body, 2, tmp_path, str(tmp_path / "dirs"), "no-memory", timeout=100, pg_timeout=8)
     for problems, _, _ in results:
         assert any(p.startswith("transfer with a peer failed") for p in problems), problems
     assert any("no buffer" in p for p in results[1][0]), results[1][0]  # its own reason, at least
