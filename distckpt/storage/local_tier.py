@@ -42,13 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from distckpt._dist import Group
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.transfer import _global, transfer
+from distckpt.storage.transfer import global_rank, transfer
 
 log = logging.getLogger("distckpt")
 
@@ -140,7 +139,7 @@ class Nodes:
         lws = os.environ.get("LOCAL_WORLD_SIZE", "")
         # torchrun numbers ranks node by node: the node of a *global* rank (a subgroup's own
         # numbering says nothing about nodes).
-        me = _global(group, group.rank) if group.enabled else 0
+        me = global_rank(group, group.rank) if group.enabled else 0
         key = f"lws:{me // int(lws)}" if lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
         keys = group.all_gather(key)
         index: dict[str, int] = {}

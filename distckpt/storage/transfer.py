@@ -168,13 +168,13 @@ def _run_waves(
                     if not _read_piece(sources[piece.move], piece, host) and piece.move not in failed_sends:
                         failed_sends.append(piece.move)
                 wire = pools.wire(host)
-                ops.append(dist.P2POp(dist.isend, wire, _global(group, dst), group.pg))
+                ops.append(dist.P2POp(dist.isend, wire, global_rank(group, dst), group.pg))
             else:
                 host = pools.host(k % 2, used, piece.length)
                 used += piece.length
                 wire = pools.wire_empty(host)
                 wave.received.append((piece, wire, host))
-                ops.append(dist.P2POp(dist.irecv, wire, _global(group, src), group.pg))
+                ops.append(dist.P2POp(dist.irecv, wire, global_rank(group, src), group.pg))
             wave.keep.append(wire)  # alive until the wave is finished (an accelerator's copy)
         try:
             wave.works = dist.batch_isend_irecv(ops) if ops else []
@@ -353,5 +353,6 @@ def _transfer_device(group: Group) -> torch.device:
     return torch.device("cpu")
 
 
-def _global(group: Group, rank: int) -> int:
+def global_rank(group: Group, rank: int) -> int:
+    """The default group's number of ``group``'s rank ``rank`` (what point-to-point ops take)."""
     return dist.get_global_rank(group.pg, rank) if group.pg is not None else rank
