@@ -47,7 +47,7 @@ from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.transfer import global_rank, transfer
+from distckpt.storage.transfer import create_fresh, global_rank, transfer
 
 log = logging.getLogger("distckpt")
 
@@ -84,7 +84,7 @@ class LocalCopy:
         self._f: Any = None
         try:
             os.makedirs(directory, exist_ok=True)
-            self._f = open(self.path + _PART, "wb")  # noqa: SIM115 - closed by finish/abandon
+            self._f = os.fdopen(create_fresh(self.path + _PART), "wb")  # closed by finish/abandon
         except OSError as exc:
             self._fail(exc)
 
@@ -559,7 +559,7 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
 def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, name + _PART)
-    with open(tmp, "wb") as f:
+    with os.fdopen(create_fresh(tmp), "wb") as f:
         f.write(data)
     os.replace(tmp, os.path.join(directory, name))
 

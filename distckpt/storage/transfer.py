@@ -77,7 +77,9 @@ def transfer(
     checks it against ``manifest`` (``verify``; else its size only, for a caller whose load
     checks every byte it reads) and renames it into its ``directory`` once whole. Returns this
     rank's problems (empty: every file it sent or received arrived)."""
-    moves = list(moves)
+    # One move per (file, receiver): two would share the receiver's ``.part`` (the first to
+    # finish would rename the other's bytes into place). Every rank drops the same ones.
+    moves = list({(name, dst): (name, src, dst) for name, src, dst in reversed(list(moves))}.values())[::-1]
     problems: list[str] = []
     if not moves or not group.enabled:
         return problems
@@ -149,7 +151,7 @@ def _run_waves(
     ``failed_sends``. Returns why the wire failed (``None``: every piece moved)."""
     me = group.rank
     pools = _Pools(device)
-    maps = {i: m for i, fd in sources.items() if (m := _map(fd)) is not None}
+    maps = {i: m for i, fd in sources.items() if (m := _map(fd, sum(p.length for p in pieces if p.move == i))) is not None}
     pending: _Wave | None = None
     for k, wave in enumerate(_waves(pieces, moves)):
         ops: list[Any] = []
@@ -276,16 +278,16 @@ def _open_regular(path: str, size: int) -> int:
     return fd
 
 
-def _map(fd: int) -> torch.Tensor | None:
-    """The whole file of ``fd`` as a read-only mapping (``None``: empty, or it cannot be mapped;
-    the pieces are then read with ``preadv``). Reading a tmpfs file through a mapping costs half
+def _map(fd: int, size: int) -> torch.Tensor | None:
+    """The whole file of ``fd`` as a read-only mapping, if it still holds the ``size`` bytes it was
+    opened with (``None``: empty, changed, or it cannot be mapped; the pieces are then read with
+    ``preadv``, which reports a short read). Reading a tmpfs file through a mapping costs half
     what ``read`` costs on the machines measured (the kernel's copy to user memory is the slow
     part), and gloo sends straight from it. A mapping turns a file truncated under it into
     SIGBUS: these are the tier's own files (written once, renamed into place, never truncated by
     distckpt), in the job's own ``local_dir``."""
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        if size == 0 or os.fstat(fd).st_size != size:
             return None
         m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
     except (OSError, ValueError):
@@ -315,10 +317,18 @@ def _open_part(directory: str, name: str, manifest: Manifest | None) -> _Incomin
         hasher = new_hasher(manifest.checksum_algorithm)
     try:
         os.makedirs(directory, exist_ok=True)
-        fd = os.open(os.path.join(directory, name + _PART), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        fd = create_fresh(os.path.join(directory, name + _PART))
     except OSError as exc:
         return _Incoming(None, hasher, one_line(exc))
     return _Incoming(fd, hasher)
+
+
+def create_fresh(path: str) -> int:
+    """A descriptor of a new, empty file at ``path`` for writing. Whatever is there (a leftover of
+    a crash, a symbolic or hard link to another file) is unlinked first, never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
