@@ -35,7 +35,6 @@ def s3_bucket(s3_server) -> str:
     return s3_server.make_bucket(f"t-{uuid.uuid4().hex[:16]}")
 
 
-
 def _loadgroup(config) -> bool:
     return getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", None) == "loadgroup"
 

@@ -47,7 +47,7 @@ from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.transfer import create_fresh, global_rank, transfer
+from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer
 
 log = logging.getLogger("distckpt")
 
@@ -55,7 +55,6 @@ METADATA = ".metadata"
 #: Beside each step's manifest in the tier: the root the step was committed to. A tier left by
 #: another job (another root) in the same directory is never recovered from.
 ROOT_MARK = ".distckpt-root"
-_PART = ".part"  # suffix of a file being written; renamed once whole (a crash leaves only these)
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data files: __<rank>_<n>.distcp
 
 
@@ -84,7 +83,7 @@ class LocalCopy:
         self._f: Any = None
         try:
             os.makedirs(directory, exist_ok=True)
-            self._f = os.fdopen(create_fresh(self.path + _PART), "wb")  # closed by finish/abandon
+            self._f = os.fdopen(create_fresh(self.path + PART), "wb")  # closed by finish/abandon
         except OSError as exc:
             self._fail(exc)
 
@@ -103,7 +102,7 @@ class LocalCopy:
         if self._f is not None:
             try:
                 self._f.close()
-                os.replace(self.path + _PART, self.path)
+                os.replace(self.path + PART, self.path)
             except OSError as exc:
                 self._fail(exc)
             self._f = None
@@ -113,7 +112,7 @@ class LocalCopy:
         if f is not None:
             f.close()
         try:
-            os.unlink(self.path + _PART)
+            os.unlink(self.path + PART)
         except OSError:
             pass
 
@@ -558,7 +557,7 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
 
 def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, name + _PART)
+    tmp = os.path.join(directory, name + PART)
     with os.fdopen(create_fresh(tmp), "wb") as f:
         f.write(data)
     os.replace(tmp, os.path.join(directory, name))

@@ -5,9 +5,9 @@ One call moves a list of ``(file, from rank, to rank)``; every rank passes the s
 Files travel as pieces of at most :data:`PIECE` bytes, in waves of at most :data:`WAVE` bytes
 per rank, two waves in flight: while one wave is on the wire the receivers write the previous
 one's pieces to their disk (senders send from a read-only mapping of each file, else read the
-next wave's pieces meanwhile). So a transfer costs about
-what its slowest stage costs, not the sum of reading, sending and writing, and each rank holds
-at most two waves of buffers (reused) whatever the files' sizes. Measured on gloo over loopback
+next wave's pieces meanwhile). So a transfer costs about what its slowest stage costs, not the
+sum of reading, sending and writing, and each rank holds at most two waves of buffers (reused)
+whatever the files' sizes. Measured on gloo over loopback
 (2 cores, benchmarks/README.md): one 256 MiB message takes about twice as long as the same
 bytes in 16 MiB pieces.
 
@@ -42,7 +42,7 @@ from distckpt.integrity.manifest import Manifest
 PIECE = 16 * 2**20
 #: Bytes one rank sends plus receives per wave; two waves are in flight (read, wire, write).
 WAVE = 64 * 2**20
-_PART = ".part"
+PART = ".part"  # suffix of a file being written; renamed once whole (a crash leaves only these)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ def transfer(
     rank's problems (empty: every file it sent or received arrived)."""
     # One move per (file, receiver): two would share the receiver's ``.part`` (the first to
     # finish would rename the other's bytes into place). Every rank drops the same ones.
-    moves = list({(name, dst): (name, src, dst) for name, src, dst in reversed(list(moves))}.values())[::-1]
+    unique: dict[tuple[str, int], tuple[str, int, int]] = {}
+    for name, src, dst in moves:
+        unique.setdefault((name, dst), (name, src, dst))
+    moves = list(unique.values())
     problems: list[str] = []
     if not moves or not group.enabled:
         return problems
@@ -104,7 +107,7 @@ def transfer(
             if dst == me and i not in skip:
                 incoming[i] = _open_part(directory, name, manifest if verify else None)
         try:
-            broken = _run_waves(group, moves, [p for p in _pieces(sizes) if p.move not in skip], sources, incoming, failed_sends, device)
+            broken = _run_waves(group, moves, sizes, [p for p in _pieces(sizes) if p.move not in skip], sources, incoming, failed_sends, device)
         except Exception as exc:  # noqa: BLE001 - e.g. no memory for a buffer: reported on every rank below
             broken = f"rank {me}: {one_line(exc)}"
         for i in failed_sends:
@@ -140,6 +143,7 @@ def transfer(
 def _run_waves(
     group: Group,
     moves: list[tuple[str, int, int]],
+    sizes: list[int],
     pieces: list[_Piece],
     sources: dict[int, int],
     incoming: dict[int, _Incoming],
@@ -151,7 +155,7 @@ def _run_waves(
     ``failed_sends``. Returns why the wire failed (``None``: every piece moved)."""
     me = group.rank
     pools = _Pools(device)
-    maps = {i: m for i, fd in sources.items() if (m := _map(fd, sum(p.length for p in pieces if p.move == i))) is not None}
+    maps = {i: m for i, fd in sources.items() if (m := _map(fd, sizes[i])) is not None}
     pending: _Wave | None = None
     for k, wave in enumerate(_waves(pieces, moves)):
         ops: list[Any] = []
@@ -317,7 +321,7 @@ def _open_part(directory: str, name: str, manifest: Manifest | None) -> _Incomin
         hasher = new_hasher(manifest.checksum_algorithm)
     try:
         os.makedirs(directory, exist_ok=True)
-        fd = create_fresh(os.path.join(directory, name + _PART))
+        fd = create_fresh(os.path.join(directory, name + PART))
     except OSError as exc:
         return _Incoming(None, hasher, one_line(exc))
     return _Incoming(fd, hasher)
@@ -339,7 +343,7 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
 
 def _close_part(directory: str, name: str, inc: _Incoming, keep: bool) -> str | None:
     """Close a received file; rename it into place (``keep``) or remove it. Returns a problem."""
-    part = os.path.join(directory, name + _PART)
+    part = os.path.join(directory, name + PART)
     fd, inc.fd = inc.fd, None
     problem = None
     try:
