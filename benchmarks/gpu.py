@@ -15,12 +15,14 @@ state on its device, trains a few steps, then times, alternating methods within 
   ``--threads`` threads into as many files, fsync), ``raw_read_h2d_s`` (the files read back into
   pinned buffers and copied to the device);
 * ``distckpt_sync_s`` / ``dcp_sync_s``: a blocking save (``distckpt_sync_unproven_s``: with
-  ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` / ``dcp_load_s``: a load
-  at the same world size, into the live objects;
+  ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` /
+  ``dcp_load_s``: a load at the same world size, into the live objects, which were zeroed first
+  (untimed); the benchmark stops if a load did not restore every tensor bit for bit;
 * ``distckpt_async_blocked_first_s`` (a new Checkpointer's first async save, after
   ``prepare_staging(state)`` was called before the training steps that precede it, as the README
   recommends; ``distckpt_async_blocked_first_unprepared_s``: without it),
-  ``distckpt_async_blocked_steady_s`` (its later ones), ``dcp_async_blocked_steady_s``;
+  ``distckpt_async_blocked_steady_s`` (its second and third), ``dcp_async_blocked_steady_s``;
+  a new prepared Checkpointer per repeat, so each row has ``--repeats`` samples or more;
 * ``train_ratio_distckpt`` / ``train_ratio_dcp``: training steps/s while an async save runs in the
   background over steps/s without one.
 
@@ -81,9 +83,7 @@ class Bench:
         self.x = torch.randn(args.batch, d, device=self.device)
         for _ in range(2):
             self.step()
-        self.tensors = [p.detach() for p in self.model.parameters()] + [
-            v for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        ]
+        self.tensors = self.live()
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         pin = self.device.type == "cuda"
         self.pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.tensors]
@@ -91,6 +91,30 @@ class Bench:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         self.n = 0
+
+    def live(self) -> list[Any]:
+        """The state's tensors as the model and optimizer hold them now (a load may replace the
+        optimizer's)."""
+        torch = self.torch
+        return [p.detach() for p in self.model.parameters()] + [
+            v for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+        ]
+
+    def zeroed(self) -> list[Any]:
+        """Copies of the state's tensors, then the live ones zeroed: a load that skipped or
+        misplaced anything is caught by :meth:`check_restored` (outside the timed region)."""
+        expected = [t.clone() for t in self.live()]
+        for t in self.live():
+            t.zero_()
+        return expected
+
+    def check_restored(self, expected: list[Any], who: str) -> None:
+        torch = self.torch
+        now = self.live()
+        bad = [i for i, (t, e) in enumerate(zip(now, expected)) if not torch.equal(t, e)]
+        if len(now) != len(expected) or bad:
+            raise SystemExit(f"{who}: the load restored wrong values in {len(bad)}/{len(expected)} tensors")
+        self.tensors = now
 
     def step(self) -> None:
         torch = self.torch
@@ -196,18 +220,28 @@ class Bench:
                 t = time.perf_counter()
                 cold.save(0, self.state(), blocking=False)
                 out["unprepared"].append(time.perf_counter() - t)
-        ckpt = distckpt.Checkpointer(str(self.fresh("async")), keep_last=1, thread_count=self.args.threads)
-        ckpt.prepare_staging(self.state())  # reserved while the baseline steps below run
-        for i in range(repeats + 1):
+        # A new, prepared Checkpointer per repeat (so that the first save has `repeats` samples
+        # too), saving three times: its first save, then two steady ones (they reuse its
+        # buffers). Plain DCP's async save runs once per repeat, after the second.
+        ckpt = None
+        for i in range(3 * repeats):
+            first, with_dcp = i % 3 == 0, i % 3 == 1
+            if first:
+                if ckpt is not None:
+                    ckpt.close()
+                ckpt = distckpt.Checkpointer(str(self.fresh("async")), keep_last=1, thread_count=self.args.threads)
+                ckpt.prepare_staging(self.state())  # reserved while the baseline steps below run
             out["train_base"].append(self.steps_per_s(self.args.train_steps))
             t = time.perf_counter()
             ckpt.save(i, self.state(), blocking=False)
-            out["first" if i == 0 else "steady"].append(time.perf_counter() - t)
+            out["first" if first else "steady"].append(time.perf_counter() - t)
             speed = self.steps_per_s(self.args.train_steps)
             still = ckpt.in_flight
             ckpt.wait()
-            if i and still:  # the save was still writing through the whole measurement
+            if not first and still:  # the save was still writing through the whole measurement
                 out["train_distckpt"].append(speed)
+            if not with_dcp:
+                continue
             model_sd, optim_sd = get_state_dict(self.model, self.optim)
             path = self.fresh("dcp-async")
             t = time.perf_counter()
@@ -216,10 +250,9 @@ class Bench:
             speed = self.steps_per_s(self.args.train_steps)
             still = not future.done()
             future.result()
-            if i:
-                out["dcp_steady"].append(blocked)
-                if still:
-                    out["train_dcp"].append(speed)
+            out["dcp_steady"].append(blocked)
+            if still:
+                out["train_dcp"].append(speed)
             shutil.rmtree(path, ignore_errors=True)
         ckpt.close()
         return out
@@ -251,8 +284,14 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(b.last_distckpt, ignore_errors=True)
         add("distckpt_sync_s", _timed(b.distckpt_sync, b.device))
         add("dcp_sync_s", _timed(b.dcp_sync, b.device))
+        # Each load starts from a zeroed state and must restore the saved values exactly.
+        expected = b.zeroed()
         add("distckpt_load_s", _timed(b.distckpt_load, b.device))
+        b.check_restored(expected, "distckpt")
+        expected = b.zeroed()
         add("dcp_load_s", _timed(b.dcp_load, b.device))
+        b.check_restored(expected, "plain DCP")
+        del expected
         shutil.rmtree(b.last_distckpt, ignore_errors=True)
         shutil.rmtree(b.last_dcp, ignore_errors=True)
     runs = b.async_runs(args.repeats)
