@@ -233,3 +233,58 @@ def _failed_reservation(rank: int, world: int, root: str) -> dict:
 def test_a_failed_reservation_is_raised_on_every_rank(tmp_path):
     out = run_ranks(_failed_reservation, 2, tmp_path, str(tmp_path / "ck"), timeout=120)
     assert all("no pinned memory left" in o.get("error", "") for o in out), out
+
+
+def test_digests_run_on_their_own_side_stream_beside_the_copies(monkeypatch):
+    """(structure; CUDA streams faked on the CPU) Each device's staging copies are issued on its
+    copy stream and the verify_staging digests on a digest stream of their own, both made to
+    follow the caller's stream, and both synchronized before ``stage`` returns."""
+    import contextlib
+
+    from distckpt.save import staging
+
+    class Stream:
+        def __init__(self, use):
+            self.use, self.synced, self.followed = use, 0, 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    streams = {"copy": Stream("copy"), "digest": Stream("digest")}
+    current = [None]
+
+    def side_stream(self, device, use="copy"):
+        streams[use].followed += 1
+        return streams[use]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        before, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    issued = []
+    real_copy, real_digest = staging.Stager._copy, staging.staging_digest
+
+    def copy(self, key, src):
+        issued.append(("copy", key, current[0].use))
+        return real_copy(self, key, src)
+
+    def digest(t):
+        issued.append(("digest", None, current[0].use))
+        return real_digest(t)
+
+    monkeypatch.setattr(staging.Stager, "_side_stream", side_stream)
+    monkeypatch.setattr(staging, "_on_stream", on_stream)
+    monkeypatch.setattr(staging.Stager, "_copy", copy)
+    monkeypatch.setattr(staging, "staging_digest", digest)
+    state = {"a": torch.randn(10), "b": torch.arange(6), "c": "text"}
+    staged = staging.Stager().stage(state, verify=lambda key, value: True)
+    assert sorted(k for kind, k, _ in issued if kind == "copy") == ["a", "b"]
+    assert {(kind, use) for kind, _, use in issued} == {("copy", "copy"), ("digest", "digest")}
+    assert [s.followed for s in streams.values()] == [1, 1] and [s.synced for s in streams.values()] == [1, 1]
+    assert set(staged.digests) == {"a", "b"}
+    assert staged.digests["a"] == real_digest(state["a"])
+    assert torch.equal(staged.state_dict["a"], state["a"]) and staged.state_dict["c"] == "text"

@@ -111,7 +111,7 @@ class Stager:
         self.arena: SharedArena | None = None
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         self._buffers: dict[str, torch.Tensor] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}  # CUDA device index -> side stream
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}  # (use, CUDA device index) -> side stream
         self._reserving: threading.Thread | None = None  # reserve()'s allocation, until stage() joins it
         self._reserve_error: BaseException | None = None
 
@@ -222,12 +222,16 @@ class Stager:
             with _on_stream(stream):
                 for k in keys:
                     copies[k] = self._copy(k, tensors[k])
-                    if k in checked:
-                        # After the copy, on the same stream: both read the tensor before
-                        # training's next kernel can change it.
-                        pending[k] = staging_digest(tensors[k])
-            if stream is not None:
-                streams.append(stream)
+            # The digests on a side stream of their own: their kernels run on the device's cores
+            # while the copies above run on its copy engine, instead of each digest waiting for
+            # its tensor's copy. Both streams follow the work training queued before the call,
+            # only read the tensors, and are synchronized below, before training may go on.
+            proofs = [k for k in keys if k in checked]
+            digest_stream = self._side_stream(device, "digest") if proofs else None
+            with _on_stream(digest_stream):
+                for k in proofs:
+                    pending[k] = staging_digest(tensors[k])
+            streams.extend(s for s in (stream, digest_stream) if s is not None)
         for stream in streams:
             stream.synchronize()
         digests = dict(zip(pending, fpkernels.settle(list(pending.values()))))
@@ -250,14 +254,15 @@ class Stager:
                 staged[key] = copy.deepcopy(value)
         return Staged(unflatten_for_dcp(staged, mappings), digests)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The side stream copies from a CUDA ``device`` run on (``None`` for host memory and
-        other accelerators), made to wait for that device's current stream first."""
+    def _side_stream(self, device: torch.device, use: str = "copy") -> torch.cuda.Stream | None:
+        """The side stream of a CUDA ``device`` for ``use`` (``"copy"``: the staging copies;
+        ``"digest"``: the ``verify_staging`` digests), ``None`` for host memory and other
+        accelerators; made to wait for that device's current stream first."""
         if device.type != "cuda":
             return None
-        stream = self._streams.get(device.index)
+        stream = self._streams.get((use, device.index))
         if stream is None:
-            stream = self._streams[device.index] = torch.cuda.Stream(device=device)
+            stream = self._streams[(use, device.index)] = torch.cuda.Stream(device=device)
         # Copies must see every kernel training queued on this device before save() was called.
         stream.wait_stream(torch.cuda.current_stream(device))
         return stream
