@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,71 @@ def test_host_tensors_of_larger_storages_give_the_records_clones_would(make):
     records.write_torch_record(t.clone(), clone, False)
     assert alias.getvalue() == clone.getvalue()
     assert torch.equal(torch.load(io.BytesIO(alias.getvalue())), t)
+
+
+def test_the_host_digest_runs_beside_the_write_and_ends_before_the_room_is_reused(host_pipelined, monkeypatch):
+    # The digest of copy n waits until the writer got tensor n (a digest taken before the hand-out
+    # would wait forever: the assert below fails it), and no room is given back before its
+    # digest returned.
+    real_digest = d2h.staging_digest
+    written = [threading.Event() for _ in range(5)]
+    done: list[int] = []
+    threads = set()
+
+    def digest(t):
+        if t.data_ptr() not in origin:  # a copy in the ring (device tensors are digested before their copy)
+            threads.add(threading.current_thread().name)
+            assert written[len(done)].wait(30), "the digest of a copy ran before the writer got it"
+            done.append(t.data_ptr())
+        return real_digest(t)
+
+    real_give_back = d2h.Ring.give_back
+    given = []
+
+    def give_back(self, offset):
+        assert len(done) == len(given) + 1, "a room was given back before its digest returned"
+        given.append(offset)
+        real_give_back(self, offset)
+
+    monkeypatch.setattr(d2h, "staging_digest", digest)
+    monkeypatch.setattr(d2h.Ring, "give_back", give_back)
+    tensors = {f"t{i}": torch.randn(100) for i in range(5)}
+    origin = {t.data_ptr() for t in tensors.values()}
+    items = [_item(k, t) for k, t in tensors.items()]
+    out = []
+    gen = d2h.host_tensors(items, lambda it: tensors[it.index.fqn], records._host_tensor, prove=True, capacity=1024)
+    for n, (_, _, host) in enumerate(gen):
+        assert len(given) == n  # this tensor's room is still taken
+        out.append(host.clone())
+        written[n].set()  # "written": its digest may end now
+    assert [torch.equal(a, b) for a, b in zip(out, tensors.values())] == [True] * 5
+    assert len(done) == 5 and len(given) == 5
+    assert threads and all(n.startswith("distckpt-d2h-proof") for n in threads)
+
+
+def test_closing_the_writer_waits_for_the_digest_still_reading_the_ring(host_pipelined, monkeypatch):
+    real_digest = d2h.staging_digest
+    started, release = threading.Event(), threading.Event()
+    order = []
+
+    def digest(t):
+        if t.data_ptr() not in origin:
+            started.set()
+            assert release.wait(30)
+            order.append("digest done")
+        return real_digest(t)
+
+    monkeypatch.setattr(d2h, "staging_digest", digest)
+    tensors = {f"t{i}": torch.randn(100) for i in range(3)}
+    origin = {t.data_ptr() for t in tensors.values()}
+    items = [_item(k, t) for k, t in tensors.items()]
+    gen = d2h.host_tensors(items, lambda it: tensors[it.index.fqn], records._host_tensor, prove=True, capacity=1024)
+    next(gen)
+    assert started.wait(30)
+    closer = threading.Thread(target=lambda: (gen.close(), order.append("closed")))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # (a close that did not wait would have returned by now)
+    release.set()
+    closer.join(30)
+    assert order == ["digest done", "closed"]
