@@ -49,6 +49,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+#: The phases the table shows (all are in the JSON): an async save blocks for prepare + stage.
+_SHOWN = ("prepare", "stage", "write", "serialize", "checksum", "io_write", "fsync", "commit", "total_s")
+
+
+def _phases(stats: Any) -> dict[str, float]:
+    """A save's ``SaveStats``: its blocked time and phases (``prepare`` and ``stage`` are what an
+    async save blocks for), in seconds."""
+    if stats is None:
+        return {}
+    return {"blocking_s": stats.blocking_s, "total_s": stats.total_s, **stats.phases}
+
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -91,6 +103,7 @@ class Bench:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         self.n = 0
+        self.phases: dict[str, list[dict[str, float]]] = {}  # SaveStats.phases per kind of save
 
     def live(self) -> list[Any]:
         """The state's tensors as the model and optimizer hold them now (a load may replace the
@@ -172,6 +185,7 @@ class Bench:
         with distckpt.Checkpointer(root, thread_count=self.args.threads, verify_staging=verify_staging) as ckpt:
             ckpt.save(self.n, self.state())
         self.last_distckpt = ckpt.storage.path
+        self.phases.setdefault(f"sync_verify_staging_{verify_staging}", []).append(_phases(ckpt.last_save))
 
     def distckpt_load(self) -> None:
         import distckpt
@@ -237,7 +251,8 @@ class Bench:
             out["first" if first else "steady"].append(time.perf_counter() - t)
             speed = self.steps_per_s(self.args.train_steps)
             still = ckpt.in_flight
-            ckpt.wait()
+            stats = ckpt.wait()
+            self.phases.setdefault("async_first" if first else "async_steady", []).append(_phases(stats))
             if not first and still:  # the save was still writing through the whole measurement
                 out["train_distckpt"].append(speed)
             if not with_dcp:
@@ -307,6 +322,11 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         "rank": rank,
         "state_bytes": b.state_bytes,
         "samples": samples,
+        # Medians of each phase per kind of save: where the blocked and the total time go.
+        "phases": {
+            kind: {k: statistics.median(p[k] for p in runs_ if k in p) for k in sorted({k for p in runs_ for k in p})}
+            for kind, runs_ in b.phases.items()
+        },
         "device": torch.cuda.get_device_name(b.device) if b.device.type == "cuda" else "cpu",
     }
 
@@ -364,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dir": args.dir,
         "rows": rows,
         "samples": [r["samples"] for r in results],
+        "phases": [r["phases"] for r in results],  # per process: median SaveStats phases per kind of save
         "targets": {},
         "wall_s": time.perf_counter() - t0,
         "date": time.strftime("%Y-%m-%d"),
@@ -371,6 +392,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = [f"# GPU benchmark: {out['device']}, torch {out['torch']}, {out['state_bytes'] / 1e9:.2f} GB state per process, "
              f"{args.nproc} process(es), {args.threads} threads, {out['date']}", "", "| row | seconds / ratio |", "|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v:.4f} |" for k, v in rows.items()]
+    phases = results[0]["phases"]
+    if phases:  # the first process's: where a save's time goes
+        lines += ["", "| save (process 0), medians | blocked | " + " | ".join(_SHOWN) + " |", "|---|---|" + "---|" * len(_SHOWN)]
+        for kind, p in phases.items():
+            lines.append(f"| {kind} | {p.get('blocking_s', float('nan')):.4f} | " + " | ".join(f"{p.get(k, float('nan')):.4f}" for k in _SHOWN) + " |")
     lines += ["", "| target | ratio | met |", "|---|---|---|"]
     for a, b, text, ok in TARGETS:
         ratio = rows[a] if b is None else rows[b] / rows[a]
