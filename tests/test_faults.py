@@ -6,9 +6,11 @@ import os
 import pickle
 import random
 import signal
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import crash
@@ -309,8 +311,13 @@ def test_bad_step_on_one_rank_raises_on_every_rank(tmp_path):
 
 
 def _peer_gone_before_the_group_body(rank: int, world: int, root: str) -> str:
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
+        # Not before rank 0 has joined the job too: leaving while its default group still
+        # connected failed the job's own init_process_group on rank 0 (a flaky test, not this case).
+        store.wait(["rank 0 joined"], timedelta(seconds=60))
         os._exit(0)  # leaves right after joining the job, before distckpt's group exists
+    store.set("rank 0 joined", "1")
     try:
         distckpt.Checkpointer(root, timeout=3).save(1, {"model": nn.Linear(2, 2)})
     except distckpt.CheckpointError as exc:
