@@ -17,7 +17,6 @@ any synchronization the user would not do, and compares, bit for bit:
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -105,16 +104,15 @@ def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def read_files(step_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint step as plain DCP reads it, on the CPU, by flattened key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Every tensor of a checkpoint step as plain DCP reads it, on the CPU, by flattened key:
+    what ``dcp_to_torch_save`` loads, without its round trip through a ``torch.save`` file (two
+    thirds of the I/O of a 2.6 GB CUDA-tier test)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    fd, path = tempfile.mkstemp(suffix=".pt")
-    os.close(fd)
-    try:
-        dcp_to_torch_save(step_dir, path)
-        raw = torch.load(path, weights_only=False)
-    finally:
-        os.remove(path)
+    raw: dict[str, Any] = {}
+    _load_state_dict(raw, storage_reader=FileSystemReader(step_dir), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:

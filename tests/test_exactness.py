@@ -39,3 +39,28 @@ def test_fsdp2_saves_are_exact(tmp_path):
 
 def test_special_values_are_exact(tmp_path):
     assert exactness.special_values_are_exact(str(tmp_path), CPU) == []
+
+
+def test_the_oracle_sees_one_flipped_bit_and_not_a_nan(tmp_path):
+    # Negative control of the files' side: read_files (plain DCP, no checksums) and differing
+    # (bits) report a tensor whose file holds one flipped bit, and never a NaN equal to itself.
+    import distckpt
+
+    w = torch.arange(1000, dtype=torch.float32) * 1.5
+    w[3] = float("nan")
+    state = {"w": w, "v": torch.ones(7)}
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"t": state})
+    step = next(tmp_path.glob("step_*"))
+    expected = {f"t.{k}": v.clone() for k, v in state.items()}
+    assert exactness.differing(expected, exactness.read_files(str(step))) == []
+    needle = w.numpy().tobytes()
+    for f in step.glob("*.distcp"):
+        raw = bytearray(f.read_bytes())
+        at = raw.find(needle)
+        if at >= 0:
+            raw[at + 2001] ^= 0x10
+            f.write_bytes(bytes(raw))
+            break
+    else:
+        raise AssertionError("the tensor's bytes are in no file")
+    assert exactness.differing(expected, exactness.read_files(str(step))) == ["t.w"]
