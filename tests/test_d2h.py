@@ -6,6 +6,7 @@ The CUDA-only parts (pinned memory, side streams, events) run in tests/gpu/ (syn
 from __future__ import annotations
 
 import io
+import os
 import random
 import threading
 from pathlib import Path
@@ -221,10 +222,15 @@ def test_the_host_digest_runs_beside_the_write_and_ends_before_the_room_is_reuse
     done: list[int] = []
     threads = set()
 
+    given_early = threading.Event()
+
     def digest(t):
         if t.data_ptr() not in origin:  # a copy in the ring (device tensors are digested before their copy)
             threads.add(threading.current_thread().name)
             assert written[len(done)].wait(30), "the digest of a copy ran before the writer got it"
+            # Room for a give_back that does not wait for this digest to show itself (bounded:
+            # a correct one waits for this digest, so nothing comes).
+            given_early.wait(0.2)
             done.append(t.data_ptr())
         return real_digest(t)
 
@@ -232,7 +238,9 @@ def test_the_host_digest_runs_beside_the_write_and_ends_before_the_room_is_reuse
     given = []
 
     def give_back(self, offset):
-        assert len(done) == len(given) + 1, "a room was given back before its digest returned"
+        if len(done) != len(given) + 1:
+            given_early.set()
+            raise AssertionError("a room was given back before its digest returned")
         given.append(offset)
         real_give_back(self, offset)
 
@@ -278,3 +286,52 @@ def test_closing_the_writer_waits_for_the_digest_still_reading_the_ring(host_pip
     release.set()
     closer.join(30)
     assert order == ["digest done", "closed"]
+
+
+@pytest.mark.parametrize("flip", ["first", "middle", "last"])
+def test_a_wrong_copy_fails_the_proof_wherever_it_is_in_the_file(host_pipelined, monkeypatch, flip):
+    # The last tensor's digest is checked when the writer comes back after writing it (the end of
+    # the file): a wrong last copy must fail like any other.
+    tensors = {f"t{i}": torch.randn(100) for i in range(4)}
+    bad = {"first": "t0", "middle": "t2", "last": "t3"}[flip]
+    real = d2h._Copier.issue
+
+    def issue(self, pending, prove):
+        real(self, pending, prove)
+        if pending.item.index.fqn == bad:
+            self.memory[pending.offset + 7] ^= 4
+
+    monkeypatch.setattr(d2h._Copier, "issue", issue)
+    items = [_item(k, t) for k, t in tensors.items()]
+    got = []
+    with pytest.raises(StagingMismatchError, match=rf"f\.distcp: verify_staging: {bad} was copied"):
+        for item, _, _ in d2h.host_tensors(items, lambda it: tensors[it.index.fqn], records._host_tensor, prove=True, capacity=1024, where="f.distcp"):
+            got.append(item.index.fqn)
+    assert got == list(tensors)[: list(tensors).index(bad) + 1]  # it was handed out (written), then failed
+
+
+def test_a_save_made_while_the_interpreter_exits_still_proves_its_copies(tmp_path):
+    # Executors refuse new work once the interpreter is shutting down (atexit handlers, threads
+    # outliving the main one): the digest is then taken in the writer thread itself.
+    script = tmp_path / "atexit_save.py"
+    script.write_text(
+        "import atexit, torch\n"
+        "from distckpt.save import d2h, records\n"
+        "from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties\n"
+        "from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType\n"
+        "def item(k, t):\n"
+        "    return WriteItem(index=MetadataIndex(k), type=WriteItemType.TENSOR, tensor_data=TensorWriteData(\n"
+        "        chunk=ChunkStorageMetadata(offsets=torch.Size([0]), sizes=t.shape), properties=TensorProperties(dtype=t.dtype), size=t.shape))\n"
+        "def at_exit():\n"
+        "    d2h.PIPELINED = frozenset({'cpu'})\n"
+        "    ts = {f't{i}': torch.randn(64) for i in range(3)}\n"
+        "    out = list(d2h.host_tensors([item(k, t) for k, t in ts.items()], lambda it: ts[it.index.fqn], records._host_tensor, prove=True, capacity=1024))\n"
+        "    print('proved', len(out), flush=True)\n"
+        "atexit.register(at_exit)\n"
+    )
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "proved 3" in proc.stdout, proc.stderr[-2000:]

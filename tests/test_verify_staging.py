@@ -288,3 +288,59 @@ def test_digests_run_on_their_own_side_stream_beside_the_copies(monkeypatch):
     assert set(staged.digests) == {"a", "b"}
     assert staged.digests["a"] == real_digest(state["a"])
     assert torch.equal(staged.state_dict["a"], state["a"]) and staged.state_dict["c"] == "text"
+
+
+def test_each_device_has_a_copy_and_a_digest_stream_that_follow_the_callers(monkeypatch):
+    # The real Stager._side_stream with torch's CUDA stream objects faked: two distinct streams per
+    # device (one per use), each made to wait for the caller's current stream at every call,
+    # kept for the next save.
+    from distckpt.save import staging
+
+    made, waits = [], []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = device
+            made.append(self)
+
+        def wait_stream(self, other):
+            waits.append((self, other))
+
+    caller = object()
+    monkeypatch.setattr(staging.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(staging.torch.cuda, "current_stream", lambda device=None: caller)
+    stager = staging.Stager()
+    dev = torch.device("cuda", 0)
+    copy, digest = stager._side_stream(dev, "copy"), stager._side_stream(dev, "digest")
+    assert copy is not digest and len(made) == 2
+    assert stager._side_stream(dev) is copy and stager._side_stream(dev, "digest") is digest  # reused
+    assert stager._side_stream(torch.device("cuda", 1), "digest") not in (copy, digest)  # per device
+    assert waits[:4] == [(copy, caller), (digest, caller), (copy, caller), (digest, caller)]
+    assert stager._side_stream(torch.device("cpu")) is None
+
+
+def test_a_failing_digest_still_synchronizes_the_copies_issued(monkeypatch):
+    # No copy may still be landing in the staging buffers when stage raises (they may be reused
+    # or unmapped next).
+    import contextlib
+
+    from distckpt.save import staging
+
+    class Stream:
+        def __init__(self):
+            self.synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    streams = {"copy": Stream(), "digest": Stream()}
+    monkeypatch.setattr(staging.Stager, "_side_stream", lambda self, device, use="copy": streams[use])
+    monkeypatch.setattr(staging, "_on_stream", lambda stream: contextlib.nullcontext())
+
+    def digest(t):
+        raise torch.OutOfMemoryError("no memory for the digest's temporaries")
+
+    monkeypatch.setattr(staging, "staging_digest", digest)
+    with pytest.raises(torch.OutOfMemoryError):
+        staging.Stager().stage({"a": torch.randn(10), "b": torch.randn(3)}, verify=lambda key, value: True)
+    assert streams["copy"].synced == 1 and streams["digest"].synced == 1

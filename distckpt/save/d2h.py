@@ -274,7 +274,7 @@ def host_tensors(
             assert copier is not None and ring is not None
             host = copier.host(head)
             if checker is not None:
-                proof = checker.submit(staging_digest, host)
+                proof = _digest_beside(checker, host)
             yield head.item, head.data, host
             if proof is not None:
                 # Before its room is reused, and before the file can be committed.
@@ -300,6 +300,17 @@ def _planned_bytes(items: list[WriteItem]) -> int:
                 n *= int(d)
             total += Ring.room(n)
     return total
+
+
+def _digest_beside(checker: ThreadPoolExecutor, host: torch.Tensor) -> Future[int | torch.Tensor]:
+    """:func:`staging_digest` of ``host`` on the helper thread; here, at once, where no thread can
+    take it (a save made while the interpreter exits: executors then refuse new work)."""
+    try:
+        return checker.submit(staging_digest, host)
+    except RuntimeError:
+        done: Future[int | torch.Tensor] = Future()
+        done.set_result(staging_digest(host))
+        return done
 
 
 def _prove(pending: _Pending, host_digest: int | torch.Tensor, where: str) -> None:

@@ -203,7 +203,7 @@ class Stager:
         (flattened names of replicated tensors another rank writes) are left out. For the keys
         ``verify(key, value)`` accepts, the :func:`staging_digest` of the live tensor (a
         DTensor's local shard) is taken at the call, before training can change it: accelerator
-        tensors on the device, after their copy on the same side stream; host tensors here.
+        tensors on the device, on a side stream of their own beside the copies'; host tensors here.
         """
         self._await_reserve()
         flat, mappings, tensors = self._local_tensors(state_dict, skip)
@@ -216,24 +216,32 @@ class Stager:
         checked = {k for k in tensors if verify is not None and fingerprint.supported(tensors[k]) and verify(k, flat[k])}
         copies: dict[str, torch.Tensor] = {}
         pending: dict[str, int | torch.Tensor] = {}
-        streams = []
-        for device, keys in _by_device(tensors).items():
-            stream = self._side_stream(device)
-            with _on_stream(stream):
-                for k in keys:
-                    copies[k] = self._copy(k, tensors[k])
-            # The digests on a side stream of their own: their kernels run on the device's cores
-            # while the copies above run on its copy engine, instead of each digest waiting for
-            # its tensor's copy. Both streams follow the work training queued before the call,
-            # only read the tensors, and are synchronized below, before training may go on.
-            proofs = [k for k in keys if k in checked]
-            digest_stream = self._side_stream(device, "digest") if proofs else None
-            with _on_stream(digest_stream):
-                for k in proofs:
-                    pending[k] = staging_digest(tensors[k])
-            streams.extend(s for s in (stream, digest_stream) if s is not None)
-        for stream in streams:
-            stream.synchronize()
+        streams: list[torch.cuda.Stream] = []
+        try:
+            for device, keys in _by_device(tensors).items():
+                stream = self._side_stream(device)
+                if stream is not None:
+                    streams.append(stream)
+                with _on_stream(stream):
+                    for k in keys:
+                        copies[k] = self._copy(k, tensors[k])
+                # The digests on a side stream of their own: their kernels run on the device's
+                # cores while the copies above run on its copy engine, instead of each digest
+                # waiting for its tensor's copy. Both streams follow the work training queued
+                # before the call, only read the tensors, and are synchronized below, before
+                # training may go on.
+                proofs = [k for k in keys if k in checked]
+                digest_stream = self._side_stream(device, "digest") if proofs else None
+                if digest_stream is not None:
+                    streams.append(digest_stream)
+                with _on_stream(digest_stream):
+                    for k in proofs:
+                        pending[k] = staging_digest(tensors[k])
+        finally:
+            # Also when a copy or a digest failed (no device memory for a temporary): no copy
+            # issued may still be landing in buffers that are about to be reused or unmapped.
+            for stream in streams:
+                stream.synchronize()
         digests = dict(zip(pending, fpkernels.settle(list(pending.values()))))
         staged: dict[str, Any] = {}
         for key, value in flat.items():
