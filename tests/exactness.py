@@ -17,6 +17,7 @@ any synchronization the user would not do, and compares, bit for bit:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,6 +102,20 @@ def differing(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]
 
 def nonfinite(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def flip_a_stored_bit(root: Path, t: torch.Tensor, at: int = 5) -> None:
+    """Flip one bit of the stored bytes of ``t`` (found by its exact bytes in a ``.distcp`` file
+    under ``root``): a corruption for negative controls."""
+    raw = t.numpy().tobytes()
+    for f in root.rglob("*.distcp"):
+        data = bytearray(f.read_bytes())
+        found = data.find(raw)
+        if found >= 0:
+            data[found + at] ^= 0x10
+            f.write_bytes(bytes(data))
+            return
+    raise AssertionError("tensor bytes not found")
 
 
 def read_files(step_dir: str) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 
 import distckpt
 from dist_harness import run_ranks
+from exactness import flip_a_stored_bit
 from distckpt.state.statecheck import StateDivergedError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
@@ -100,25 +101,13 @@ def test_a_pattern_wrong_on_one_rank_fails_every_rank(tmp_path):
     assert all("exclude='_rgn'" in o for o in out), out
 
 
-def _flip_a_stored_bit(root: Path, t: torch.Tensor) -> None:
-    raw = t.numpy().tobytes()
-    for f in root.rglob("*.distcp"):
-        data = bytearray(f.read_bytes())
-        at = data.find(raw)
-        if at >= 0:
-            data[at + 5] ^= 0x01
-            f.write_bytes(bytes(data))
-            return
-    raise AssertionError("tensor bytes not found")
-
-
 def test_a_checkpoint_without_checksums_is_verified_by_its_fingerprints(tmp_path):
     # The probe: a flipped bit loaded as 512.00006 with no error, although the manifest held the
     # tensor's fingerprint. Checked by default now; verify_state=False opts out explicitly.
     w = torch.full((64,), 512.0)
     with distckpt.Checkpointer(str(tmp_path), checksum=None) as ckpt:
         ckpt.save(1, {"w": w.clone()})
-    _flip_a_stored_bit(tmp_path, w)
+    flip_a_stored_bit(tmp_path, w)
     with distckpt.Checkpointer(str(tmp_path)) as ckpt:
         with pytest.raises(StateDivergedError, match="w"):
             ckpt.load({"w": torch.zeros(64)})
