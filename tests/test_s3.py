@@ -445,3 +445,23 @@ def test_replica_wait_times_out_naming_the_pending_step(tmp_path):
     finally:
         release.set()
         replica_mod.Replicator._put = original
+
+
+def test_an_unreachable_store_is_not_reported_as_a_missing_bucket(tmp_path):
+    # s3fs's exists() answers False when it cannot reach the store at all: that must surface as
+    # an OSError naming the failed check (a save then names its step), not as a missing bucket.
+    from dist_harness import free_port
+
+    opts = {
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 1, "read_timeout": 2},
+        "skip_instance_cache": True,
+    }
+    storage = distckpt.Storage(f"s3://nowhere-{uuid.uuid4().hex[:8]}/run", opts)
+    with pytest.raises(OSError, match=r"could not check bucket 'nowhere-") as info:
+        storage.check_bucket()
+    assert not isinstance(info.value, FileNotFoundError) and SECRET_KEY not in str(info.value)
+    with pytest.raises(distckpt.CheckpointError, match=r"save of step 3: could not create"):
+        distckpt.Checkpointer(f"s3://nowhere-{uuid.uuid4().hex[:8]}/run", storage_options=opts).save(3, {"w": torch.ones(2)})

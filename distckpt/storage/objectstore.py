@@ -181,11 +181,23 @@ class FsspecStorage(Storage, kind="url"):
         bucket = self.path.split("/", 1)[0]
         with self._at():
             ok = bool(self.fs.exists(bucket))
-        if not ok:
-            raise FileNotFoundError(
-                f"{self.display()}: bucket {bucket!r} does not exist or is not accessible with the "
-                "given credentials (storage_options or the AWS environment); distckpt never creates buckets"
-            )
+        if ok:
+            return
+        # exists() answers False for a store it could not reach too (s3fs swallows every error of
+        # its bucket probes): a listing tells a missing or forbidden bucket from an unreachable
+        # store, which is no caller mistake and must not be reported as one.
+        try:
+            self.fs.ls(bucket, detail=False)
+        except (FileNotFoundError, PermissionError):
+            pass
+        except Exception as exc:  # noqa: BLE001 - whatever the store's client raises
+            raise OSError(f"{self.display()}: could not check bucket {bucket!r}: {type(exc).__name__}: {exc}") from exc
+        else:
+            return  # listed: it exists after all
+        raise FileNotFoundError(
+            f"{self.display()}: bucket {bucket!r} does not exist or is not accessible with the "
+            "given credentials (storage_options or the AWS environment); distckpt never creates buckets"
+        )
 
     # files ------------------------------------------------------------------------------------
     @contextmanager
