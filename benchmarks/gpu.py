@@ -117,12 +117,10 @@ class Bench:
         self.phases: dict[str, list[dict[str, float]]] = {}  # SaveStats.phases per kind of save
 
     def live(self) -> list[Any]:
-        """The state's tensors as the model and optimizer hold them now (a load may replace the
-        optimizer's)."""
-        torch = self.torch
-        return [p.detach() for p in self.model.parameters()] + [
-            v for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-        ]
+        """The state's tensors with data (not the 0-dim step counters), as the model and optimizer
+        hold them now (a load may replace the optimizer's), in :meth:`named`'s order: parameter
+        order, which a load cannot change, so ``self.pinned`` stays paired with them."""
+        return [t for t in self.named().values() if t.dim()]
 
     def named(self) -> dict[str, Any]:
         """Every tensor of the state by name (parameters, then each one's optimizer state, the
