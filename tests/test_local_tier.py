@@ -397,3 +397,91 @@ def test_a_tier_load_reads_the_metadata_once_per_rank(tmp_path, monkeypatch, che
         assert ckpt.load(fresh) == 1 and ckpt.last_load_report.tier == "local"
     assert torch.equal(fresh["model"].weight, model.weight)
     assert len(reads) == (0 if checksum else 1)
+
+
+def _counted_load_body(rank: int, world: int, root: str, nodes: str) -> dict:
+    """``_sharded_load_body`` counting this rank's load planning (distckpt's and DCP's) and
+    distckpt's collectives during the load."""
+    import torch.distributed.checkpoint.default_planner as dcp_planner
+
+    from distckpt import _dist
+    from distckpt.load import run as load_run
+
+    counts = {"plan_load": 0, "dcp_plan": 0, "all_gather": 0}
+
+    def counting(owner: object, name: str, key: str) -> None:
+        real = getattr(owner, name)
+
+        def counted(*args: object, **kwargs: object) -> object:
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    counting(load_run, "plan_load", "plan_load")
+    counting(dcp_planner, "create_default_local_load_plan", "dcp_plan")
+    counting(_dist.Group, "all_gather", "all_gather")
+    tier, sources, exact = _sharded_load_body(rank, world, root, nodes)
+    return {"tier": tier, "exact": exact, "sources": sources, **counts}
+
+
+def _tier_files(node: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(node)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in node.rglob("*") if p.is_file()}
+
+
+@pytest.mark.timeout(200)
+def test_a_recovery_plans_once_and_a_restart_rewrites_nothing(tmp_path):
+    """Recovery plans each rank's load to know which files a node needs; the load then reuses
+    that plan (DCP's planning of a sharded state is a tenth of a tier load). A restart whose
+    nodes all hold the step sends, writes and gathers nothing beyond what it must: the tier's
+    files are untouched (same inode, same mtime) and the load takes at most six collectives
+    (distckpt's group of a fresh Checkpointer, the nodes, the inventory, whether every rank
+    planned, the plan exchange, the read; twelve before the fast path)."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_sharded_save_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
+    before = {n: _tier_files(nodes / n) for n in ("node0", "node1")}
+    results = run_ranks(_counted_load_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
+    for rank, got in enumerate(results):
+        assert got["tier"] == "local" and got["exact"], (rank, got)
+        assert set(got["sources"].values()) == {"local"}, got
+        assert (got["plan_load"], got["dcp_plan"]) == (1, 1), (rank, got["plan_load"], got["dcp_plan"], got["all_gather"])
+        assert got["all_gather"] <= 6, (rank, got)
+    assert {n: _tier_files(nodes / n) for n in ("node0", "node1")} == before
+    # A lost node: its files come from the peer, and still one plan per rank.
+    shutil.rmtree(nodes / "node1")
+    results = run_ranks(_counted_load_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
+    for rank, got in enumerate(results):
+        assert got["tier"] == "local" and got["exact"], (rank, got)
+        assert (got["plan_load"], got["dcp_plan"]) == (1, 1), (rank, got["plan_load"], got["dcp_plan"], got["all_gather"])
+    assert any(src != "local" for src in results[2]["sources"].values())
+
+
+def test_a_plan_made_for_other_metadata_is_not_reused(tmp_path, monkeypatch):
+    """``load(planned=...)`` reuses a plan only with the very metadata it was made with (the
+    preread one); given another, the load plans again, and loads the same values."""
+    import torch
+
+    from distckpt._dist import Group
+    from distckpt.integrity.manifest import read_manifest
+    from distckpt.integrity.stepfiles import read_metadata
+    from distckpt.load import run as load_run
+    from distckpt.options import CheckpointerOptions
+    from distckpt.storage.base import Storage
+
+    model = torch.nn.Linear(4, 4)
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(1, {"model": model})
+    storage = Storage(str(tmp_path / "root"))
+    manifest = read_manifest(storage, 1)
+    plans = []
+    real = load_run.plan_load
+    monkeypatch.setattr(load_run, "plan_load", lambda *a, **k: plans.append(1) or real(*a, **k))
+    for same in (True, False):
+        fresh = {"model": torch.nn.Linear(4, 4)}
+        made_with = read_metadata(storage, manifest, verify=True)
+        planned = load_run.plan_ahead(Group(), manifest, made_with, fresh, True, None, None)
+        used = made_with if same else read_metadata(storage, manifest, verify=True)
+        plans.clear()
+        load_run.load(Group(), CheckpointerOptions(str(tmp_path / "root")), [storage], fresh, 1, True, True, None, None, None, preread=(manifest, used), planned=planned)
+        assert len(plans) == (0 if same else 1), same
+        assert torch.equal(fresh["model"].weight, model.weight) and torch.equal(fresh["model"].bias, model.bias)

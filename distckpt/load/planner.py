@@ -17,11 +17,11 @@ import io
 import os
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from distckpt.state import decoding, safetypes, values
 from distckpt.errors import UnsafeCheckpointError
@@ -39,6 +39,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         where: the step directory, as errors name it.
         safe_types: the classes (Enum, dataclass, NamedTuple) encoded values may be rebuilt as
             (``Checkpointer(safe_types=...)``); ``None``: :data:`distckpt.state.safetypes.DEFAULT_SAFE_TYPES`.
+        local_plan: the read items DCP's default planning gives for the state dict this planner
+            will be set up with, planned before the load (:func:`distckpt.load.run.plan_ahead`):
+            returned by :meth:`create_local_plan` instead of planning again. ``None``: planned here.
     """
 
     def __init__(
@@ -47,12 +50,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         value_digests: Mapping[str, str] | None = None,
         where: str = "",
         safe_types: safetypes.SafeTypesLike = None,
+        local_plan: Sequence[ReadItem] | None = None,
         **kwargs: bool,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.local_plan = None if local_plan is None else tuple(local_plan)
         self.value_digests = value_digests
         self.where = where
         self.safe_types = safetypes.SafeTypes.of(safe_types)
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.local_plan is not None:
+            return LoadPlan(list(self.local_plan))
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

@@ -18,13 +18,26 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from distckpt._dist import Group, exchange, on_coordinator
 from distckpt.errors import StateMismatchError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
 from distckpt.load import verify
-from distckpt.load.phases import LoadReport, Selection, apply_load, judge, metadata_index, plan_load, read, requested_keys
+from distckpt.load.phases import (
+    LoadPlan,
+    LoadReport,
+    LoadView,
+    Selection,
+    apply_load,
+    judge,
+    metadata_index,
+    plan_load,
+    read,
+    requested_keys,
+)
 from distckpt.load.planner import SafeLoadPlanner
 from distckpt.load.reader import checkpoint_reader
 from distckpt.options import CheckpointerOptions
@@ -40,6 +53,20 @@ class Loaded:
     storage: Storage
     manifest: Manifest
     report: LoadReport
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One rank's plan of a load, made before the load (:func:`plan_ahead`): the fast recovery
+    tier plans which files each node needs, and the load then reuses that plan instead of
+    planning again (DCP's planning of a sharded state is a tenth of a local-tier recovery).
+    Valid only for the same ``state``, ``metadata`` object and selection it was made with."""
+
+    plan: LoadPlan
+    view: LoadView
+    metadata: Metadata
+    items: tuple[ReadItem, ...]  # DCP's local read plan of ``plan.request``
+    files: frozenset[str]  # the step's files those items read (relative names)
 
 
 def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
@@ -84,11 +111,14 @@ def load(
     only: str | list[str] | None,
     exclude: str | list[str] | None,
     preread: tuple[Manifest, Any] | None = None,
+    planned: Planned | None = None,
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
     :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
     manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
-    none): the first tier's step is loaded without reading them again."""
+    none): the first tier's step is loaded without reading them again. ``planned``: this rank's
+    plan of this load (:func:`plan_ahead` with the same state, selection and ``preread``
+    metadata; any rank may pass it or not): used instead of planning again."""
     if preread is not None:
         tier, (manifest, metadata) = 0, preread
     else:
@@ -101,9 +131,14 @@ def load(
     values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
     selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
 
+    if planned is not None and (preread is None or planned.metadata is not metadata):
+        planned = None  # made for other metadata: never trusted for this one
+
     def plan_here() -> Any:
         # Inside the exchange: patterns a rank got wrong fail every rank alike.
         refuse_dead_patterns(only, exclude, index, where)
+        if planned is not None:
+            return planned.plan, planned.view
         return plan_load(group, manifest, index, state, restore_rng, selection)
 
     plan, views = exchange(group, f"load of {where}", plan_here)
@@ -135,7 +170,12 @@ def load(
         plan.request,
         reader,
         # Non-tensor items' bytes are checked against the manifest before unpickling.
-        SafeLoadPlanner(value_digests=manifest.value_digests, where=where, safe_types=options.safe_types),
+        SafeLoadPlanner(
+            value_digests=manifest.value_digests,
+            where=where,
+            safe_types=options.safe_types,
+            local_plan=planned.items if planned is not None else None,
+        ),
         then=lambda: apply_load(group, manifest, plan, state),
     )
     if verify.due(explicit, manifest, group.world_size, plan.entries, where):
@@ -149,6 +189,30 @@ def load(
     return Loaded(manifest.step, storage, manifest, report)
 
 
+def plan_ahead(
+    group: Group,
+    manifest: Manifest,
+    metadata: Metadata,
+    state: MutableMapping[str, Any],
+    restore_rng: bool,
+    only: str | list[str] | None,
+    exclude: str | list[str] | None,
+) -> Planned:
+    """(each rank, no collectives) This rank's plan of a :func:`load` of ``state``, made as the
+    load makes it, before the load: which files it will read (what the fast recovery tier sends
+    a node that lacks them, :mod:`distckpt.storage.local_tier`), and the plan the load reuses
+    (``load(planned=...)``). Errors (a pattern that selects nothing ...) are left to the load,
+    which raises them on every rank alike."""
+    index = metadata_index(metadata)
+    selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
+    plan, view = plan_load(group, manifest, index, state, restore_rng, selection)
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner(plan.request, metadata, is_coordinator=False)
+    items = tuple(planner.create_local_plan().items)
+    storage = metadata.storage_data
+    return Planned(plan, view, metadata, items, frozenset(storage[item.storage_index].relative_path for item in items))
+
+
 def files_read(
     group: Group,
     manifest: Manifest,
@@ -159,15 +223,8 @@ def files_read(
     exclude: str | list[str] | None,
 ) -> set[str]:
     """(each rank, no collectives) The files of a step a :func:`load` of ``state`` on this rank
-    would read (relative names), planned as the load plans: what the fast recovery tier sends a
-    node that lacks them (:mod:`distckpt.storage.local_tier`)."""
-    index = metadata_index(metadata)
-    selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
-    plan, _ = plan_load(group, manifest, index, state, restore_rng, selection)
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    planner.set_up_planner(plan.request, metadata, is_coordinator=False)
-    storage = metadata.storage_data
-    return {storage[item.storage_index].relative_path for item in planner.create_local_plan().items}
+    would read (relative names), planned as the load plans (see :func:`plan_ahead`)."""
+    return set(plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude).files)
 
 
 def _read_index(tiers: Sequence[Storage], step: int | None, check: bool) -> tuple[int, Manifest, Any]:

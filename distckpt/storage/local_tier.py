@@ -172,6 +172,15 @@ class Holding:
     intact: list[str]  # files this rank checked and found intact (its share of the node's)
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`LocalTier.recover` made of the tiers."""
+
+    step: int | None  # the step this node's tier now holds whole; None: load from the root
+    sources: dict[str, str]  # per file of this node's copy: "local" or "rank N" (sent by it)
+    planned: bool = False  # needs() succeeded on every rank (each rank's plan may be reused)
+
+
 @dataclass
 class Decision:
     """The step to recover and the transfers that complete every node's copy."""
@@ -395,17 +404,21 @@ class LocalTier:
         root_steps: Callable[[], list[int] | None],
         check: bool,
         needs: Callable[[Manifest], set[str]] | None = None,
-    ) -> tuple[int | None, dict[str, str]]:
+    ) -> Recovery:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
-        Returns ``(step, sources)``: the step (``None``: load from the root; a warning on every
-        rank said why, where the tier should have served it) and, per file of it, where this
-        node's copy came from (``"local"`` or ``"rank N"``). ``root_steps`` runs on the
+        Returns a :class:`Recovery`: the step (``None``: load from the root; a warning on every
+        rank said why, where the tier should have served it), where each file of this node's
+        copy came from, and whether ``needs`` succeeded on every rank. ``root_steps`` runs on the
         coordinator only: the root's committed steps, ``None`` where it cannot be listed
         (see :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
         ``needs(manifest)`` (each rank, once this node holds the step's ``.metadata``): the files
         this rank's load will read; a node is then sent only what its ranks read (``None``, or
         a rank that cannot tell: every file of the step).
+
+        Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
+        every node holds the step (a restart of the worker processes), two: the inventory and
+        whether ``needs`` succeeded everywhere. A node that lacks files adds the transfers.
         """
         nodes = self.nodes_of(group)
         report: dict[int, Holding] | None = None
@@ -428,15 +441,43 @@ class LocalTier:
                 _warn_root(decision.reason)
             else:
                 log.info("distckpt: loading from the root: %s", decision.reason)
-            return None, {}
+            return Recovery(None, {})
         step = decision.step
-        # The chosen manifest, as a rank that holds it read it, for the nodes that lack it.
-        holder = min(r for r, rep in enumerate(reports) if step in rep)
-        manifest_json = _from(group, holder, raw.get(step))
+        if all(step in rep for rep in reports):
+            # Every rank read the step's manifest, the same one (decide() compared their digests).
+            manifest_json = raw[step]
+        else:
+            # The chosen manifest, as a rank that holds it read it, for the nodes that lack it.
+            holder = min(r for r, rep in enumerate(reports) if step in rep)
+            manifest_json = _from(group, holder, raw.get(step))
         manifest = Manifest.from_json(manifest_json)
+        if not decision.transfers:
+            # Every node holds every file: nothing to send, nothing to write, nothing that can fail.
+            planned = _plan(needs, manifest, group.rank) is not None if needs is not None else False
+            log.info("distckpt: recovering step %d from the local tier (every node holds it)", step)
+            return Recovery(step, {f: "local" for f in list(manifest.files) + [MANIFEST_NAME]}, all(group.all_gather(planned)))
+        return self._complete(group, nodes, decision, reports, manifest, manifest_json, check, needs)
+
+    def _complete(
+        self,
+        group: Group,
+        nodes: Nodes,
+        decision: Decision,
+        reports: list[dict[int, Holding]],
+        manifest: Manifest,
+        manifest_json: bytes,
+        check: bool,
+        needs: Callable[[Manifest], set[str]] | None,
+    ) -> Recovery:
+        """(all ranks) :meth:`recover` of a step some node lacks files of: the transfers."""
+        step = decision.step
+        assert step is not None
+        here = nodes.of[group.rank]
+        holds = any(step in reports[r] for r in nodes.ranks(here))  # this node's directory exists, this root's
+        gets_manifest = any(f == MANIFEST_NAME and nodes.of[dst] == here for f, _, dst in decision.transfers)
         # A node that lacks the step gets its directory, with this root's mark, before any file.
         failures: list[str] = []
-        if nodes.local_rank(group.rank) == 0:
+        if nodes.local_rank(group.rank) == 0 and not holds:
             try:
                 if self._owned(step) is False:  # another root's directory of that name: never touched
                     raise OSError(f"{self.step_path(step)} is not this root's")
@@ -445,24 +486,25 @@ class LocalTier:
             except OSError as exc:
                 failures.append(f"{self.step_path(step)}: {one_line(exc)}")
         moves: list[tuple[str, int, int]] = []
+        planned = False
         if not any(group.all_gather(failures)):
             moves = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
             if needs is not None:
                 # .metadata first (every node needs it to plan), then only what a node's ranks read.
                 first = [t for t in moves if t[0] == METADATA]
                 failures = transfer(group, self.step_path(step), first, manifest, verify=True)
+                # Its own collective, not merged into the next one: a receiver renames the file
+                # into place after transfer()'s last collective, and the other ranks of its node
+                # read it in needs() only once they know every receiver is done.
                 if any(group.all_gather(failures)) and not failures:  # decided alike on every rank
                     failures = ["sending .metadata failed on another rank"]
-                wanted: set[str] | None = None
-                if not failures:
-                    try:
-                        wanted = set(needs(manifest)) | {METADATA}
-                    except Exception as exc:  # noqa: BLE001 - this rank then takes every file
-                        log.info("distckpt: rank %d could not plan its load (%s): every file", group.rank, one_line(exc))
+                wanted = None if failures else _plan(needs, manifest, group.rank)
                 per_rank = group.all_gather(wanted)
+                planned = all(w is not None for w in per_rank)
                 per_node: dict[int, set[str] | None] = {}
                 for r, w in enumerate(per_rank):
                     n = nodes.of[r]
+                    w = None if w is None else w | {METADATA}
                     per_node[n] = None if w is None or per_node.get(n, set()) is None else per_node.get(n, set()) | w
                 moves = first + [
                     t for t in moves if t[0] != METADATA and (per_node[nodes.of[t[2]]] is None or t[0] in per_node[nodes.of[t[2]]])
@@ -472,25 +514,25 @@ class LocalTier:
                 # attempt); a damaged copy then fails the load and the second attempt checks all.
                 rest = [t for t in moves if t[0] != METADATA] if needs is not None else moves
                 failures = transfer(group, self.step_path(step), rest, manifest, verify=check)
-            if nodes.local_rank(group.rank) == 0 and not failures:
+            if nodes.local_rank(group.rank) == 0 and not failures and gets_manifest:
                 try:
                     _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
                 except OSError as exc:
                     failures.append(f"{self.step_path(step)}: {one_line(exc)}")
         everyone = group.all_gather(failures)
         if any(everyone):
-            first = next(p for ps in everyone for p in ps)
-            _warn_root(f"completing step {step} in the local tier failed ({first})")
-            return None, {}
-        here = nodes.of[group.rank]
+            first_problem = next(p for ps in everyone for p in ps)
+            _warn_root(f"completing step {step} in the local tier failed ({first_problem})")
+            return Recovery(None, {})
         came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here}
-        if any(f == MANIFEST_NAME and nodes.of[dst] == here for f, _, dst in decision.transfers):
-            came[MANIFEST_NAME] = f"rank {holder}"  # it came with the broadcast from ``holder``
+        if gets_manifest:
+            holder = min(r for r, rep in enumerate(reports) if step in rep)
+            came[MANIFEST_NAME] = f"rank {holder}"  # it came with the manifest's exchange from ``holder``
         # Files this node neither had nor needed (its ranks do not read them) are left out.
         have = set(os.listdir(self.step_path(step)))
         sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME] if f in came or f in have}
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
-        return step, sources
+        return Recovery(step, sources, planned)
 
     def _inventory(self, nodes: Nodes, rank: int, check: bool) -> tuple[dict[int, Holding], dict[int, bytes]]:
         """(each rank) The committed steps of this root in this node's tier, each with the files
@@ -519,6 +561,15 @@ class LocalTier:
             out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact)
             raws[step] = raw
         return out, raws
+
+
+def _plan(needs: Callable[[Manifest], set[str]], manifest: Manifest, rank: int) -> set[str] | None:
+    """``needs(manifest)``, or ``None`` (logged) where this rank cannot tell what it reads."""
+    try:
+        return set(needs(manifest))
+    except Exception as exc:  # noqa: BLE001 - this rank then takes every file
+        log.info("distckpt: rank %d could not plan its load (%s): every file", rank, one_line(exc))
+        return None
 
 
 def _from(group: Group, holder: int, value: Any) -> Any:
