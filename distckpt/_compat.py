@@ -89,6 +89,17 @@ rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MEM_FORMAT_ENCODING  # noqa: E402,F401
 
 
+def object_collective_device(pg: object) -> str:
+    """The device type torch's object collectives use on ``pg`` (``"cpu"`` where a CPU backend
+    serves the group, e.g. gloo or ``cpu:gloo,cuda:nccl``; ``"cuda"`` for NCCL alone)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    pick = getattr(c10d, "_get_object_coll_device", None)
+    if pick is not None:
+        return pick(pg)
+    return "cuda" if torch.distributed.get_backend(pg) == "nccl" else "cpu"
+
+
 def group_is_registered(pg: object) -> bool:
     """Whether ``pg`` is still one of torch.distributed's live groups (destroy_process_group()
     of the default group unregisters every group)."""

@@ -18,6 +18,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from distckpt._compat import object_collective_device
 from distckpt.errors import CheckpointError, one_line
 
 T = TypeVar("T")
@@ -61,22 +62,24 @@ class Group:
         return hosts.count(hosts[self.rank])
 
     def all_gather(self, obj: T) -> list[T]:
-        """(all ranks) Every rank's ``obj`` (picklable), in rank order."""
+        """(all ranks) Every rank's ``obj`` (picklable), in rank order.
+
+        One collective where every rank's pickled ``obj`` fits a slot of :func:`_slot` bytes (the
+        usual case: outcomes, reports, digests), two otherwise. torch's ``all_gather_object``
+        always takes two (the sizes, then the bytes): on a busy node each costs milliseconds, and
+        a save or a load makes several of these exchanges."""
         if not self.enabled:
             return [obj]
-        out: list[T | None] = [None] * self.world_size
         with _peer_failures("all_gather"):
-            dist.all_gather_object(out, obj, group=self.pg)
-        return cast("list[T]", out)
+            return cast("list[T]", _all_gather_objects(obj, self.pg, self.world_size))
 
     def broadcast(self, obj: T) -> T:
-        """(all ranks) The coordinator's ``obj`` on every rank."""
+        """(all ranks) The coordinator's ``obj`` on every rank (one collective where it fits a
+        slot of :func:`_slot` bytes, else two)."""
         if not self.enabled:
             return obj
-        box = [obj]
         with _peer_failures("broadcast"):
-            dist.broadcast_object_list(box, src=self.coordinator_global_rank, group=self.pg)
-        return box[0]
+            return cast(T, _broadcast_object(obj if self.is_coordinator else None, self.pg, self.world_size, self.coordinator_global_rank))
 
     def gather(self, obj: T) -> list[T] | None:
         """(all ranks) Every rank's ``obj`` in rank order on the coordinator; ``None`` elsewhere.
@@ -116,6 +119,65 @@ class Group:
         with _peer_failures("all_reduce"):
             dist.all_reduce(work, op=reduce_op, group=self.pg)
         return work.cpu()
+
+
+_HEAD = 8  # bytes of a slot's length header (little-endian)
+
+
+def _slot(world: int) -> int:
+    """Bytes of each rank's slot in an object collective's first round: 4 KiB at small world
+    sizes, less at large ones (a rank receives ``world`` slots; at most 256 KiB in all)."""
+    return max(256, min(4096, 262144 // max(1, world)))
+
+
+def _framed(data: bytes, slot: int) -> bytearray:
+    """A slot: ``data``'s length, then as much of ``data`` as fits."""
+    out = bytearray(slot)
+    out[:_HEAD] = len(data).to_bytes(_HEAD, "little")
+    n = min(len(data), slot - _HEAD)
+    out[_HEAD : _HEAD + n] = data[:n]
+    return out
+
+
+def _all_gather_objects(obj: object, pg: dist.ProcessGroup | None, world: int) -> list[object]:
+    """Every rank's ``obj`` (see :meth:`Group.all_gather`)."""
+    device = object_collective_device(pg)
+    data = pickle.dumps(obj)
+    slot = _slot(world)
+    send = torch.frombuffer(_framed(data, slot), dtype=torch.uint8).to(device)
+    out = torch.empty(world * slot, dtype=torch.uint8, device=device)
+    dist.all_gather(list(out.split(slot)), send, group=pg)
+    first = out.cpu().numpy().tobytes()
+    sizes = [int.from_bytes(first[r * slot : r * slot + _HEAD], "little") for r in range(world)]
+    if max(sizes) <= slot - _HEAD:
+        return [pickle.loads(first[r * slot + _HEAD : r * slot + _HEAD + n]) for r, n in enumerate(sizes)]
+    # Some rank's object is larger: every rank sends its whole pickle, padded to the largest
+    # (every rank saw every size: all take this second round alike).
+    width = max(sizes)
+    padded = bytearray(width)
+    padded[: len(data)] = data
+    send = torch.frombuffer(padded, dtype=torch.uint8).to(device)
+    out = torch.empty(world * width, dtype=torch.uint8, device=device)
+    dist.all_gather(list(out.split(width)), send, group=pg)
+    whole = out.cpu().numpy().tobytes()
+    return [pickle.loads(whole[r * width : r * width + n]) for r, n in enumerate(sizes)]
+
+
+def _broadcast_object(obj: object, pg: dist.ProcessGroup | None, world: int, src: int) -> object:
+    """The ``src`` (global) rank's ``obj`` on every rank (see :meth:`Group.broadcast`)."""
+    device = object_collective_device(pg)
+    slot = _slot(world)
+    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    buf = torch.frombuffer(_framed(data, slot), dtype=torch.uint8).to(device)
+    dist.broadcast(buf, src=src, group=pg)
+    first = buf.cpu().numpy().tobytes()
+    size = int.from_bytes(first[:_HEAD], "little")
+    if size <= slot - _HEAD:
+        return pickle.loads(first[_HEAD : _HEAD + size])
+    # Larger than a slot: the rest in a second round (every rank read the size: all take it).
+    rest = torch.frombuffer(bytearray(data[slot - _HEAD :]) if data else bytearray(size - (slot - _HEAD)), dtype=torch.uint8).to(device)
+    dist.broadcast(rest, src=src, group=pg)
+    return pickle.loads(first[_HEAD:] + rest.cpu().numpy().tobytes())
 
 
 @contextmanager

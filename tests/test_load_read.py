@@ -14,28 +14,35 @@ from dist_harness import run_ranks
 from models import make_model, wrap
 
 
-# torch.distributed's object collectives and the position of the argument each rank sends.
-_COLLECTIVES = (("all_gather_object", 1), ("gather_object", 0), ("scatter_object_list", 1), ("broadcast_object_list", 0))
+# torch.distributed's object collectives (DCP's collective load uses them) and distckpt's own
+# (distckpt._dist.Group), each with the position of the argument each rank sends.
+_TORCH = (("all_gather_object", 1), ("gather_object", 0), ("scatter_object_list", 1), ("broadcast_object_list", 0))
+_OURS = (("all_gather", 1), ("gather", 1), ("scatter", 1), ("broadcast", 1))
 
 
 def _counting_collectives(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Count torch.distributed's object collectives: name -> pickled size of each call's input."""
+    """Count object collectives: name -> pickled size of each call's input (torch's under their
+    names, distckpt's ``Group`` methods as ``Group.<name>``)."""
     import torch.distributed as dist
+
+    from distckpt._dist import Group
 
     seen: dict[str, list[int]] = {}
 
-    def counted(name: str, arg: int):
-        real = getattr(dist, name)
+    def counted(owner: object, name: str, arg: int, label: str):
+        real = getattr(owner, name)
 
         def call(*args, **kwargs):
             obj = args[arg] if len(args) > arg else next(iter(kwargs.values()))
-            seen.setdefault(name, []).append(len(pickle.dumps(obj)))
+            seen.setdefault(label, []).append(len(pickle.dumps(obj)))
             return real(*args, **kwargs)
 
         return call
 
-    for name, arg in _COLLECTIVES:
-        monkeypatch.setattr(dist, name, counted(name, arg))
+    for name, arg in _TORCH:
+        monkeypatch.setattr(dist, name, counted(dist, name, arg, name))
+    for name, arg in _OURS:
+        monkeypatch.setattr(Group, name, counted(Group, name, arg, f"Group.{name}"))
     return seen
 
 
@@ -63,13 +70,15 @@ def test_a_load_gathers_no_plans_and_sends_the_same_bytes_for_4_or_64_tensors(tm
             small, large = per_size[4, checked], per_size[64, checked]
             for seen in (small, large):
                 # DCP's collective load gathers every rank's read items on the coordinator and
-                # scatters them back, then all-gathers the outcome.
-                assert "gather_object" not in seen and "scatter_object_list" not in seen, seen
+                # scatters them back, then all-gathers the outcome: none of torch's object
+                # collectives runs, nor a gather or scatter of distckpt's.
+                assert not set(seen) & {name for name, _ in _TORCH}, seen
+                assert "Group.gather" not in seen and "Group.scatter" not in seen, seen
             # Views (digests) and the read's outcome, and with the state check its error
             # agreement (its sums travel in all-reduces of O(keys), not gathers of every
             # rank's parts): O(1) per rank, whatever the number of tensors.
-            assert len(small["all_gather_object"]) == len(large["all_gather_object"]) == 2 + checked, small
-            assert large["all_gather_object"] == small["all_gather_object"], (rank, checked, small, large)
+            assert len(small["Group.all_gather"]) == len(large["Group.all_gather"]) == 2 + checked, small
+            assert large["Group.all_gather"] == small["Group.all_gather"], (rank, checked, small, large)
 
 
 def _failure_body(rank: int, world: int, root: str, where: str) -> str:
