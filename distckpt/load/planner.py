@@ -13,6 +13,7 @@ recorded at save (:func:`distckpt.state.values.check_item`).
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -55,6 +56,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.local_plan = None if local_plan is None else tuple(local_plan)
+        self._decoded: dict[bytes, object] = {}  # a record's bytes -> its value, as decoded
         self.value_digests = value_digests
         self.where = where
         self.safe_types = safetypes.SafeTypes.of(safe_types)
@@ -66,13 +68,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        raw = value.getbuffer()
         if self.value_digests is not None:
-            values.check_item(value.getbuffer(), read_item.storage_index.fqn, self.value_digests, self._file_of(read_item))
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
-        obj = decoding.decode_loaded(obj, fqn, self.safe_types)
+            values.check_item(raw, read_item.storage_index.fqn, self.value_digests, self._file_of(read_item))
+        # Optimizer states repeat their hyperparameters per parameter (param_groups.<fqn>.lr ...):
+        # hundreds of identical small records, each a torch.save archive that takes torch.load
+        # a fraction of a millisecond. Equal bytes decode to equal values: decoded once, copied.
+        key = bytes(raw) if len(raw) <= _DECODED_MAX else None
+        obj = _fresh(self._decoded[key]) if key is not None and key in self._decoded else _MISSING
+        if obj is _MISSING:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
+            obj = decoding.decode_loaded(obj, fqn, self.safe_types)
+            if key is not None and (kept := _fresh(obj)) is not _MISSING:
+                self._decoded[key] = kept
         if self.flatten_state_dict:
 
             set_element(self.original_state_dict, self.mappings[fqn], obj)
@@ -85,6 +96,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         info = metadata.storage_data.get(read_item.storage_index) if metadata is not None else None
         name = os.fspath(info.relative_path) if info is not None else "?"
         return f"{self.where}/{name}" if self.where else name
+
+
+#: Records up to this size are decoded once per load and their value copied for equal records.
+_DECODED_MAX = 64 * 1024
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None))
+_MISSING = object()
+
+
+def _fresh(obj: object) -> object:
+    """``obj`` itself where it cannot change (numbers, strings, tuples of them), else a deep
+    copy: each key gets its own value, as if decoded on its own. ``_MISSING`` where it cannot
+    be copied (the record is then decoded again)."""
+    if isinstance(obj, _IMMUTABLE) or (type(obj) is tuple and all(isinstance(v, _IMMUTABLE) for v in obj)):
+        return obj
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # noqa: BLE001 - a value whose class refuses copying: decoded per record
+        return _MISSING
 
 
 def refusal(key: str, where: str, exc: BaseException) -> str:
