@@ -126,7 +126,8 @@ _HEAD = 8  # bytes of a slot's length header (little-endian)
 
 def _slot(world: int) -> int:
     """Bytes of each rank's slot in an object collective's first round: 4 KiB at small world
-    sizes, less at large ones (a rank receives ``world`` slots; at most 256 KiB in all)."""
+    sizes, less at large ones (a rank receives ``world`` slots: 256 KiB in all up to 1,024
+    ranks, 256 bytes per rank beyond)."""
     return max(256, min(4096, 262144 // max(1, world)))
 
 
@@ -135,8 +136,13 @@ def _framed(data: bytes, slot: int) -> bytearray:
     out = bytearray(slot)
     out[:_HEAD] = len(data).to_bytes(_HEAD, "little")
     n = min(len(data), slot - _HEAD)
-    out[_HEAD : _HEAD + n] = data[:n]
+    out[_HEAD : _HEAD + n] = memoryview(data)[:n]
     return out
+
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a uint8 tensor as a memoryview of host memory (copied off a device)."""
+    return memoryview(t.cpu().numpy())
 
 
 def _all_gather_objects(obj: object, pg: dist.ProcessGroup | None, world: int) -> list[object]:
@@ -147,7 +153,7 @@ def _all_gather_objects(obj: object, pg: dist.ProcessGroup | None, world: int) -
     send = torch.frombuffer(_framed(data, slot), dtype=torch.uint8).to(device)
     out = torch.empty(world * slot, dtype=torch.uint8, device=device)
     dist.all_gather(list(out.split(slot)), send, group=pg)
-    first = out.cpu().numpy().tobytes()
+    first = _host_view(out)
     sizes = [int.from_bytes(first[r * slot : r * slot + _HEAD], "little") for r in range(world)]
     if max(sizes) <= slot - _HEAD:
         return [pickle.loads(first[r * slot + _HEAD : r * slot + _HEAD + n]) for r, n in enumerate(sizes)]
@@ -157,27 +163,33 @@ def _all_gather_objects(obj: object, pg: dist.ProcessGroup | None, world: int) -
     padded = bytearray(width)
     padded[: len(data)] = data
     send = torch.frombuffer(padded, dtype=torch.uint8).to(device)
+    del padded, data
     out = torch.empty(world * width, dtype=torch.uint8, device=device)
     dist.all_gather(list(out.split(width)), send, group=pg)
-    whole = out.cpu().numpy().tobytes()
+    whole = _host_view(out)
     return [pickle.loads(whole[r * width : r * width + n]) for r, n in enumerate(sizes)]
 
 
 def _broadcast_object(obj: object, pg: dist.ProcessGroup | None, world: int, src: int) -> object:
-    """The ``src`` (global) rank's ``obj`` on every rank (see :meth:`Group.broadcast`)."""
+    """The ``src`` (global) rank's ``obj`` on every rank (see :meth:`Group.broadcast`); ``src``
+    keeps ``obj`` itself, as with torch's ``broadcast_object_list``."""
     device = object_collective_device(pg)
     slot = _slot(world)
-    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    sending = dist.get_rank() == src
+    data = pickle.dumps(obj) if sending else b""
     buf = torch.frombuffer(_framed(data, slot), dtype=torch.uint8).to(device)
     dist.broadcast(buf, src=src, group=pg)
-    first = buf.cpu().numpy().tobytes()
+    first = _host_view(buf)
     size = int.from_bytes(first[:_HEAD], "little")
-    if size <= slot - _HEAD:
-        return pickle.loads(first[_HEAD : _HEAD + size])
-    # Larger than a slot: the rest in a second round (every rank read the size: all take it).
-    rest = torch.frombuffer(bytearray(data[slot - _HEAD :]) if data else bytearray(size - (slot - _HEAD)), dtype=torch.uint8).to(device)
-    dist.broadcast(rest, src=src, group=pg)
-    return pickle.loads(first[_HEAD:] + rest.cpu().numpy().tobytes())
+    if size > slot - _HEAD:
+        # Larger than a slot: the rest in a second round (every rank read the size: all take it).
+        tail = bytearray(memoryview(data)[slot - _HEAD :]) if sending else bytearray(size - (slot - _HEAD))
+        rest = torch.frombuffer(tail, dtype=torch.uint8).to(device)
+        dist.broadcast(rest, src=src, group=pg)
+        if sending:
+            return obj
+        return pickle.loads(b"".join((first[_HEAD:], _host_view(rest))))
+    return obj if sending else pickle.loads(first[_HEAD : _HEAD + size])
 
 
 @contextmanager

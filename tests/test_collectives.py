@@ -63,6 +63,16 @@ def _body(rank: int, world: int) -> dict:
             rounds.clear()
             out[name] = group.broadcast(obj if rank == 0 else "not this") == obj
             out[f"{name}_rounds"] = len(rounds)
+        marker = ["the coordinator keeps its own object", "x" * slot]
+        got = group.broadcast(marker if rank == 0 else None)  # every rank calls it
+        out["b_identity"] = got is marker if rank == 0 else got == marker
+        for n in (4, 4 * slot):  # and so at both sizes
+            kept = ["k" * n]
+            got = group.broadcast(kept if rank == 0 else None)
+            out["b_identity"] = out["b_identity"] and (got is kept if rank == 0 else got == kept)
+        from distckpt._compat import object_collective_device
+
+        out["device"] = object_collective_device(None) == "cpu"  # gloo: objects travel in host memory
         out["b_edge"] = all(
             group.broadcast(b"z" * n if rank == 0 else None) == b"z" * n for n in range(slot - 48, slot + 8)
         )
@@ -89,7 +99,7 @@ def real_gather_object(out: list, obj: object) -> None:
 def test_object_collectives_match_torch_and_take_one_round_when_small(tmp_path):
     results = run_ranks(_body, WORLD, tmp_path, timeout=100)
     for rank, out in enumerate(results):
-        for name in ("small", "none", "one_large", "all_large", "exceptions", "edge", "b_small", "b_large", "b_none", "b_edge"):
+        for name in ("small", "none", "one_large", "all_large", "exceptions", "edge", "b_small", "b_large", "b_none", "b_edge", "b_identity", "device"):
             assert out[name] is True, (rank, name, out)
         assert (out["small_rounds"], out["none_rounds"], out["b_small_rounds"], out["b_none_rounds"]) == (1, 1, 1, 1), out
         assert (out["one_large_rounds"], out["all_large_rounds"], out["b_large_rounds"]) == (2, 2, 2), out

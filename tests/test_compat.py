@@ -92,6 +92,10 @@ def test_every_private_api_resolves():
     assert set(_compat.MEM_FORMAT_ENCODING.__members__) >= {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST"}
     assert _compat.StridedShard is not None
     assert _compat.TORCH_VERSION == _release(torch.__version__)
+    # object_collective_device asks torch (its fallback only guesses from the backend's name)
+    import torch.distributed.distributed_c10d as c10d
+
+    assert callable(getattr(c10d, "_get_object_coll_device", None))
 
 
 def test_nested_dict_round_trip_and_set_element():

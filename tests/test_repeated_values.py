@@ -5,6 +5,7 @@ against its own digest before anything is decoded."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 from pathlib import Path
@@ -22,6 +23,12 @@ from distckpt.state.values import item_digest
 
 class Color(enum.Enum):
     RED = 1
+
+
+@dataclasses.dataclass
+class Cfg:
+    items: list
+    name: str = "cfg"
 
 
 class Bag:
@@ -47,6 +54,7 @@ def _extras(k: int) -> dict:
         out[f"path{i}"] = Path(f"/data/shard{k}")
         out[f"enum{i}"] = Color.RED
         out[f"tuple{i}"] = (0.9 * k, 0.999)
+        out[f"cfg{i}"] = Cfg([k, 2])
     return out
 
 
@@ -56,7 +64,7 @@ def test_equal_records_decode_once_into_separate_equal_values(tmp_path, monkeypa
     model(torch.randn(2, 3)).sum().backward()
     optim.step()
     saved = _extras(1)
-    with distckpt.Checkpointer(tmp_path, safe_types=[Color], save_rng=False) as ckpt:
+    with distckpt.Checkpointer(tmp_path, safe_types=[Color, Cfg], save_rng=False) as ckpt:
         ckpt.save(1, {"model": model, "optim": optim, "extra": Bag(saved)})
     loads = []
     real = torch.load
@@ -64,7 +72,7 @@ def test_equal_records_decode_once_into_separate_equal_values(tmp_path, monkeypa
     fresh_model = torch.nn.Linear(3, 3)
     fresh_optim = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
     state = {"model": fresh_model, "optim": fresh_optim, "extra": Bag(_extras(0))}
-    with distckpt.Checkpointer(tmp_path, safe_types=[Color]) as ckpt:
+    with distckpt.Checkpointer(tmp_path, safe_types=[Color, Cfg]) as ckpt:
         ckpt.load(state)
     got = state["extra"].state
     assert set(got) == set(saved)
@@ -77,9 +85,11 @@ def test_equal_records_decode_once_into_separate_equal_values(tmp_path, monkeypa
     got["list0"][2]["x"] = 99
     got["dict0"]["lr"] = 7
     got["array0"][0] = -1
+    got["cfg0"].items.append(5)
+    assert got["cfg1"] == Cfg([1, 2]) and got["cfg1"] is not got["cfg0"]
     assert got["list1"] == [1, 2, {"x": 3}] and got["dict1"]["lr"] == 0.1 and got["array1"][0] == 0 and got["array1"][1] == 1
     assert fresh_optim.param_groups[0]["lr"] == optim.param_groups[0]["lr"]
-    # Far fewer decodes than records: seven distinct extras (six copies each) plus the optimizer's
+    # Far fewer decodes than records: eight distinct extras (six copies each) plus the optimizer's
     # distinct hyperparameters, instead of one torch.load per record.
     records = len(saved) + len(optim.param_groups[0]) * 2
     assert len(loads) < records / 2, (len(loads), records)

@@ -56,7 +56,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.local_plan = None if local_plan is None else tuple(local_plan)
-        self._decoded: dict[bytes, object] = {}  # a record's bytes -> its value, as decoded
+        self._seen: set[bytes] = set()  # records read once (their bytes)
+        self._twins: dict[bytes, object] = {}  # records read twice or more -> torch.load's output
+        self._twin_bytes = 0
         self.value_digests = value_digests
         self.where = where
         self.safe_types = safetypes.SafeTypes.of(safe_types)
@@ -71,24 +73,42 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         raw = value.getbuffer()
         if self.value_digests is not None:
             values.check_item(raw, read_item.storage_index.fqn, self.value_digests, self._file_of(read_item))
-        # Optimizer states repeat their hyperparameters per parameter (param_groups.<fqn>.lr ...):
-        # hundreds of identical small records, each a torch.save archive that takes torch.load
-        # a fraction of a millisecond. Equal bytes decode to equal values: decoded once, copied.
-        key = bytes(raw) if len(raw) <= _DECODED_MAX else None
-        obj = _fresh(self._decoded[key]) if key is not None and key in self._decoded else _MISSING
-        if obj is _MISSING:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
-            obj = decoding.decode_loaded(obj, fqn, self.safe_types)
-            if key is not None and (kept := _fresh(obj)) is not _MISSING:
-                self._decoded[key] = kept
+        obj = self._unpickled(raw, value, fqn, read_item)
+        obj = decoding.decode_loaded(obj, fqn, self.safe_types)
         if self.flatten_state_dict:
 
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+    def _unpickled(self, raw: memoryview, value: io.BytesIO, fqn: str, read_item: ReadItem) -> object:
+        """What ``torch.load(weights_only=True)`` gives for a record (before decoding).
+
+        Optimizer states repeat their hyperparameters per parameter (``param_groups.<fqn>.lr``
+        ...): hundreds of equal small records, each a torch.save archive that costs torch.load a
+        fraction of a millisecond. From the second record with the same bytes on, its output is
+        kept (plain data: containers, numbers, strings, tensors) and later twins get a copy of
+        it; each record is still decoded on its own, so each key gets its own value, decoded as
+        if alone. Bounded: records up to 64 KiB, 32 MiB of them per load."""
+        key = bytes(raw) if len(raw) <= _TWIN_MAX else None
+        kept = self._twins.get(key, _MISSING) if key is not None else _MISSING
+        if kept is not _MISSING:
+            copied = _copy_plain(kept)
+            if copied is not _MISSING:
+                return copied
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
+        if key is not None and self._twin_bytes + len(key) <= _TWINS_TOTAL:
+            if key in self._seen:
+                copied = _copy_plain(obj)
+                if copied is not _MISSING:
+                    self._twins[key] = copied
+            else:
+                self._seen.add(key)
+            self._twin_bytes += len(key)
+        return obj
 
     def _file_of(self, read_item: ReadItem) -> str:
         """The file the item is read from (its record in the verified ``.metadata``), as errors name it."""
@@ -98,21 +118,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return f"{self.where}/{name}" if self.where else name
 
 
-#: Records up to this size are decoded once per load and their value copied for equal records.
-_DECODED_MAX = 64 * 1024
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None))
+#: Records up to this size are unpickled once per load and copied for equal records; at most
+#: this many bytes of them are remembered.
+_TWIN_MAX = 64 * 1024
+_TWINS_TOTAL = 32 * 2**20
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
 _MISSING = object()
 
 
-def _fresh(obj: object) -> object:
-    """``obj`` itself where it cannot change (numbers, strings, tuples of them), else a deep
-    copy: each key gets its own value, as if decoded on its own. ``_MISSING`` where it cannot
-    be copied (the record is then decoded again)."""
-    if isinstance(obj, _IMMUTABLE) or (type(obj) is tuple and all(isinstance(v, _IMMUTABLE) for v in obj)):
+def _copy_plain(obj: object) -> object:
+    """A copy of what ``torch.load(weights_only=True)`` gave (``obj`` itself where it is a plain
+    number or string, or a tuple of them: it cannot change); ``_MISSING`` where it cannot be
+    copied (the record is then unpickled again)."""
+    if type(obj) in _PLAIN or (type(obj) is tuple and all(type(v) in _PLAIN for v in obj)):
         return obj
     try:
         return copy.deepcopy(obj)
-    except Exception:  # noqa: BLE001 - a value whose class refuses copying: decoded per record
+    except Exception:  # noqa: BLE001 - e.g. a class the user allowed torch.load, refusing copies
         return _MISSING
 
 
