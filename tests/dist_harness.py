@@ -48,7 +48,7 @@ def _entry(
     out = Path(out_dir)
     try:
         store = dist.FileStore(store_path, world_size)
-        if "cuda" in backend:
+        if "cuda" in backend or backend == "nccl":
             torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)

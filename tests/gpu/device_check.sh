@@ -30,8 +30,8 @@ if [[ " $WHAT " == *" tests "* ]]; then
   # The tests not yet run on a GPU first (the H100 call of 2026-11-26 ran out of time before them).
   X=tests/gpu/test_cuda_exactness.py
   timeout "${TIER_TIMEOUT:-350}" python3 -m pytest -v -p no:cacheprovider -rA --durations=0 \
-    $X::test_sync_saves_are_exact $X::test_fsdp2_saves_are_exact $X::test_special_values_are_exact \
-    tests/gpu/test_cuda_d2h.py $X::test_async_saves_are_exact > "$O/tests_gpu.txt" 2>&1
+    tests/gpu/test_nccl_collectives.py $X::test_sync_saves_are_exact $X::test_fsdp2_saves_are_exact \
+    $X::test_special_values_are_exact tests/gpu/test_cuda_d2h.py $X::test_async_saves_are_exact > "$O/tests_gpu.txt" 2>&1
   stamp $? "$O/tests_gpu.txt"
 fi
 wait
