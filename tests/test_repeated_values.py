@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 import distckpt
 from distckpt.load import planner as load_planner
 from distckpt.state.values import item_digest
+from test_values_zoo import Bag
 
 
 class Color(enum.Enum):
@@ -29,19 +30,6 @@ class Color(enum.Enum):
 class Cfg:
     items: list
     name: str = "cfg"
-
-
-class Bag:
-    """A stateful object whose state is whatever it was given."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.state = sd
 
 
 def _extras(k: int) -> dict:

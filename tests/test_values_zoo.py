@@ -10,7 +10,7 @@ back with exactly its types and values; what a load could not read must fail the
 and type; forged encoded values must fail the load clearly and never run code.
 
 ``random_zoo``, ``skeleton``, ``same``, ``Bag`` and ``SAFE_TYPES`` are also used by
-``tests/fuzz_checkpoints.py``.
+``tests/fuzz_checkpoints.py`` (``Bag`` by ``tests/test_repeated_values.py`` too).
 """
 
 from __future__ import annotations
