@@ -376,34 +376,33 @@ class Checkpointer:
         assert local is not None
         _, restore_rng, _, only, exclude = args
 
-        pre: dict[int, tuple[Manifest, Any]] = {}
-        planned: dict[int, loading.Planned] = {}
+        planned: dict[int, tuple[Manifest, loading.Planned]] = {}
 
         def needs(manifest: Manifest) -> set[str]:
             # What this rank's load will read: a node is sent only what its ranks read.
             metadata = read_metadata(local.storage, manifest, verify=True)
-            if manifest.checksum_algorithm:  # checked against the agreed manifest: the load may reuse it
-                pre[manifest.step] = (manifest, metadata)
             ahead = loading.plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude)
-            planned[manifest.step] = ahead  # the load reuses this plan (with that metadata only)
+            planned[manifest.step] = (manifest, ahead)  # the load reuses this plan and its metadata
             return set(ahead.files)
 
         # With verify=False the load checks nothing: the tier's copies are checked up front.
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
-            pre.clear()
             planned.clear()
             recovery = local.recover(group, step, self._root_steps, check, needs)
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:
                 return None
             # Every rank read and verified the step's .metadata to plan its files: the load
-            # reuses it instead of reading it again (on every rank alike, or on none: recover
-            # agreed on whether every rank's needs() succeeded).
-            ready = pre.get(chosen) if recovery.planned else None
+            # reuses it and the plan instead of reading and planning again (on every rank alike,
+            # or on none: recover agreed on whether every rank's needs() succeeded). Only with a
+            # checksum was the metadata checked against the agreed manifest.
+            made = planned.get(chosen) if recovery.planned else None
+            ready = (made[0], made[1].metadata) if made is not None and made[0].checksum_algorithm else None
             try:
                 loaded = loading.load(
-                    group, self.options, [local.storage], state, chosen, *args, preread=ready, planned=planned.get(chosen)
+                    group, self.options, [local.storage], state, chosen, *args, preread=ready,
+                    planned=made[1] if ready is not None else None,
                 )
             except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                 last = attempt == len(checks) - 1
