@@ -278,6 +278,8 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
     if args.model_only and args.all:
         raise _Usage("--model-only and --all exclude each other")
+    if args.encoded_values and args.to != "torch":
+        raise _Usage("--encoded-values applies to --to torch")
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all:
             raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
@@ -313,7 +315,8 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
                 )
             else:
                 summary = convert.export_torch(
-                    found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts, progress=bar
+                    found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts, progress=bar,
+                    encoded_values=args.encoded_values,
                 )
         finally:
             bar.close()
@@ -377,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every tensor under its full key (default for torch, with values)")
     p.add_argument("--key", metavar="PREFIX", help="only tensors under PREFIX (e.g. the name of one model), prefix removed")
     p.add_argument("--dtype", choices=sorted(("fp32", "bf16", "fp16")), help="cast floating-point tensors")
+    p.add_argument("--encoded-values", action="store_true",
+                   help="--to torch: write non-JSON values (NumPy scalars, Enums, paths...) in distckpt's encoded "
+                        "form, as plain dcp.load sees them (default: decoded, in plain types, or skipped)")
     p.add_argument("--step", type=int, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_convert)

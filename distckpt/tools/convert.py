@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from distckpt._compat import (
@@ -41,7 +42,10 @@ from distckpt.load.reader import CheckpointReader
 from distckpt.integrity.checksums import Buffer
 from distckpt.integrity.shards import CheckpointSource, TensorInfo
 from distckpt.integrity.stepfiles import StepFiles
+from distckpt.errors import UnsafeCheckpointError
 from distckpt.state import values
+from distckpt.state.decoding import decode_loaded
+from distckpt.state.encoded import TopLevel
 from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
 from distckpt.tools.outputs import check_output, open_output
@@ -167,12 +171,18 @@ def export_torch(
     dtype: torch.dtype | None = None,
     storage_options: Mapping[str, object] | None = None,
     progress: Progress | None = None,
+    encoded_values: bool = False,
 ) -> dict[str, Any]:
     """Write ``found`` as one ``torch.save``-format file, streaming one tensor at a time.
 
     With ``model_only`` or ``key``: a flat state dict for ``model.load_state_dict``. Otherwise
     ``{top-level name: {rest of key: tensor or value}}`` with plain values (epoch, optimizer
-    hyper-parameters) included; distckpt's RNG states are left out.
+    hyper-parameters) included; distckpt's RNG states are left out. Values are decoded as a load
+    decodes them and written in plain types (``np.float64`` as a float), so that
+    ``torch.load(weights_only=True)`` reads the file; values plain data cannot hold (Enum and
+    dataclass members, NumPy arrays, paths...) are left out and listed in ``skipped`` with the
+    reason. ``encoded_values``: write values as plain ``dcp.load`` sees them instead (distckpt's
+    encoded form, ``("__distckpt_value__", kind, payload)``; those holding tensors skipped).
 
     Returns:
         A summary: output, tensors, bytes, skipped values.
@@ -203,9 +213,9 @@ def export_torch(
                 # A value that cannot be read (damaged, altered, or needing code to unpickle)
                 # fails the export like a tensor would; only a readable value that is not plain
                 # data (a torch.save file holds no custom classes) is left out and reported.
-                item = source.read_value(k)
-                if not values.is_plain(item):
-                    skipped.append(f"{k} (not a plain value)")
+                item, why = _exported_value(source.read_value(k), k, encoded_values)
+                if why is not None:
+                    skipped.append(f"{k} ({why})")
                     continue
             if not rest or entries.get(top, {}).get("kind") == "value":
                 obj[top] = item
@@ -232,6 +242,73 @@ def export_torch(
             del writer
             raise
     return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped, "unverified": found.unverified}
+
+
+def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str | None]:
+    """A value as read (``raw``: distckpt's encoded form for what JSON cannot hold) as the output
+    holds it: decoded as a load decodes it, in plain types (``np.float64`` a float, a subclass
+    of ``int`` an int), so that ``torch.load(weights_only=True)`` reads the file. Or ``(None,
+    why)`` for a value the output cannot hold: one of a class of the training code (Enum,
+    dataclass, NamedTuple: only a process holding the class can rebuild it), or one that is no
+    plain data (NumPy arrays, paths, sets, tensors inside values...).
+
+    Raises:
+        IntegrityError: ``raw`` is a malformed encoded value (damaged or forged), as a load would.
+
+    ``encoded``: ``raw`` as it is, if it is plain data (``encoded_values`` of :func:`export_torch`).
+    """
+    if encoded:
+        return (raw, None) if values.is_plain(raw) else (None, "not a plain value")
+    try:
+        value = decode_loaded(raw, key)
+    except UnsafeCheckpointError:
+        return None, "a value of a class of the training code: load it with Checkpointer(safe_types=...)"
+    if isinstance(value, TopLevel):  # a top-level entry that was stored encoded
+        value = value.value
+    value = _numpy_scalars_as_python(value)
+    if not values.is_plain(value):
+        return None, f"not plain data: {_type_name(value)}"
+    return _plain(value), None
+
+
+def _numpy_scalars_as_python(value: Any, depth: int = 0) -> Any:
+    """``value`` with each NumPy bool, integer or float scalar (a schedule's ``np.int64`` step)
+    as the Python scalar holding the same number; containers rebuilt only where one changed."""
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    if depth > 64:
+        return value  # is_plain() then reports it as too deep
+    if type(value) in (list, tuple):
+        items = [_numpy_scalars_as_python(v, depth + 1) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    if type(value) is dict:
+        pairs = [(_numpy_scalars_as_python(k, depth + 1), _numpy_scalars_as_python(v, depth + 1)) for k, v in value.items()]
+        return value if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())) else dict(pairs)
+    return value
+
+
+def _type_name(value: Any) -> str:
+    """The first type in ``value`` that is no plain data (a container's element's, if that)."""
+    if isinstance(value, (list, tuple)):
+        return next((_type_name(v) for v in value if not values.is_plain(v)), type(value).__name__)
+    if isinstance(value, dict):
+        return next((_type_name(v) for v in value.values() if not values.is_plain(v)), "a dict key")
+    return type(value).__name__
+
+
+def _plain(value: Any) -> Any:
+    """``value`` (plain data, :func:`values.is_plain`) in exactly the plain types: a subclass of
+    one (``np.float64``, ``np.bool_`` is none) as its base type, containers rebuilt."""
+    for base in (bool, int, float, str):
+        if isinstance(value, base):
+            return base(value)
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return {_plain(k): _plain(v) for k, v in value.items()}
 
 
 class _Sink:

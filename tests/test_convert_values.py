@@ -1,0 +1,83 @@
+"""``convert --to torch`` writes values as a load gives them back, never distckpt's encoded form.
+
+Values JSON cannot hold (``np.float64`` hyper-parameters, tuples of them, Enum members, paths,
+arrays) are stored in distckpt's encoded form (:mod:`distckpt.state.encoded`). The export used to
+copy that form into the output as if it were the value: ``('__distckpt_value__', 'value', ...)``
+tuples where the training code had a float or an Enum. Now each value is decoded as a load
+decodes it; what plain data can hold is written in plain types (``torch.load(weights_only=True)``
+reads the file), the rest is left out and reported with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distckpt import Checkpointer
+from distckpt.state.encoded import MARKER
+from distckpt.tools.catalog import locate
+from distckpt.tools.convert import export_torch
+
+
+class Phase(enum.Enum):
+    WARMUP = 1
+    MAIN = 2
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for kv in value.items() for v in kv for s in _strings(v)]
+    return []
+
+
+def test_values_are_exported_decoded_in_plain_types_or_reported(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim.param_groups[0]["lr"] = np.float64(0.25)  # as a NumPy schedule writes it
+    state = {
+        "model": model,
+        "optim": optim,
+        "epoch": 3,
+        "best": np.float64(0.5),
+        "pair": (np.int64(7), "x"),
+        "phase": Phase.MAIN,
+        "out": Path("/runs/a"),
+        "arr": np.arange(4),
+    }
+    with Checkpointer(str(tmp_path / "root"), safe_types=(Phase,)) as ckpt:
+        ckpt.save(1, state)
+    summary = export_torch(locate(str(tmp_path / "root")), str(tmp_path / "full.pt"))
+    got = torch.load(tmp_path / "full.pt", weights_only=True)  # plain types only: no allow-list needed
+
+    assert got["epoch"] == 3
+    assert got["best"] == 0.5 and type(got["best"]) is float
+    assert got["pair"] == (7, "x") and type(got["pair"]) is tuple and type(got["pair"][0]) is int
+    lrs = [v for k, v in got["optim"].items() if k.endswith(".lr")]
+    assert lrs == [0.25, 0.25] and all(type(v) is float for v in lrs), got["optim"]
+    assert torch.equal(got["model"]["weight"], model.weight.detach())
+    assert not [s for s in _strings(got) if MARKER in s], "distckpt's encoded form leaked into the export"
+    reasons = dict(item.split(" (", 1) for item in summary["skipped"])
+    assert set(reasons) == {"phase", "out", "arr"}, summary["skipped"]
+    assert "safe_types" in reasons["phase"] and "PosixPath" in reasons["out"] and "ndarray" in reasons["arr"]
+    assert not {"phase", "out", "arr"} & set(got)
+
+
+def test_encoded_values_on_request_and_only_for_torch(tmp_path, capsys):
+    """``--encoded-values`` keeps the form plain ``dcp.load`` sees (what the export wrote before)."""
+    from distckpt.tools.cli import main
+
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(2, 2), "best": np.float64(0.5), "out": Path("/runs/a")})
+    assert main(["convert", str(tmp_path / "root"), str(tmp_path / "enc.pt"), "--to", "torch", "--encoded-values", "-q"]) == 0
+    got = torch.load(tmp_path / "enc.pt", weights_only=True)
+    assert got["best"] == (MARKER, "value", (MARKER, "numpy.scalar", ("<f8", 0.5))), got["best"]
+    assert got["out"][0] == MARKER
+    assert main(["convert", str(tmp_path / "root"), str(tmp_path / "o.safetensors"), "--to", "safetensors", "--encoded-values"]) != 0
+    assert "--encoded-values applies to --to torch" in capsys.readouterr().err
