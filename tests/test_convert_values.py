@@ -10,6 +10,7 @@ reads the file), the rest is left out and reported with the reason.
 
 from __future__ import annotations
 
+import collections
 import enum
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_values_are_exported_decoded_in_plain_types_or_reported(tmp_path):
         "phase": Phase.MAIN,
         "out": Path("/runs/a"),
         "arr": np.arange(4),
+        "counts": collections.OrderedDict(a=np.int32(1)),
     }
     with Checkpointer(str(tmp_path / "root"), safe_types=(Phase,)) as ckpt:
         ckpt.save(1, state)
@@ -58,6 +60,7 @@ def test_values_are_exported_decoded_in_plain_types_or_reported(tmp_path):
 
     assert got["epoch"] == 3
     assert got["best"] == 0.5 and type(got["best"]) is float
+    assert got["counts"] == {"a": 1} and type(got["counts"]["a"]) is int
     assert got["pair"] == (7, "x") and type(got["pair"]) is tuple and type(got["pair"][0]) is int
     lrs = [v for k, v in got["optim"].items() if k.endswith(".lr")]
     assert lrs == [0.25, 0.25] and all(type(v) is float for v in lrs), got["optim"]

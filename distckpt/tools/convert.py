@@ -278,10 +278,10 @@ def _numpy_scalars_as_python(value: Any, depth: int = 0) -> Any:
         return value.item()
     if depth > 64:
         return value  # is_plain() then reports it as too deep
-    if type(value) in (list, tuple):
+    if isinstance(value, (list, tuple)):  # subclasses (a NamedTuple reaches here only decoded) as their base
         items = [_numpy_scalars_as_python(v, depth + 1) for v in value]
-        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
-    if type(value) is dict:
+        return value if all(a is b for a, b in zip(items, value)) else (tuple if isinstance(value, tuple) else list)(items)
+    if isinstance(value, dict):  # an OrderedDict or defaultdict is written as a dict (_plain) anyway
         pairs = [(_numpy_scalars_as_python(k, depth + 1), _numpy_scalars_as_python(v, depth + 1)) for k, v in value.items()]
         return value if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())) else dict(pairs)
     return value
