@@ -38,11 +38,11 @@ from distckpt._compat import (
     storage_alignment,
     storage_name_of_dtype,
 )
+from distckpt.errors import UnsafeCheckpointError
 from distckpt.load.reader import CheckpointReader
 from distckpt.integrity.checksums import Buffer
 from distckpt.integrity.shards import CheckpointSource, TensorInfo
 from distckpt.integrity.stepfiles import StepFiles
-from distckpt.errors import UnsafeCheckpointError
 from distckpt.state import values
 from distckpt.state.decoding import decode_loaded
 from distckpt.state.encoded import TopLevel
@@ -250,12 +250,11 @@ def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str
     of ``int`` an int), so that ``torch.load(weights_only=True)`` reads the file. Or ``(None,
     why)`` for a value the output cannot hold: one of a class of the training code (Enum,
     dataclass, NamedTuple: only a process holding the class can rebuild it), or one that is no
-    plain data (NumPy arrays, paths, sets, tensors inside values...).
+    plain data (NumPy arrays, paths, sets, tensors inside values...). ``encoded``: ``raw`` as
+    it is, if it is plain data (``encoded_values`` of :func:`export_torch`).
 
     Raises:
         IntegrityError: ``raw`` is a malformed encoded value (damaged or forged), as a load would.
-
-    ``encoded``: ``raw`` as it is, if it is plain data (``encoded_values`` of :func:`export_torch`).
     """
     if encoded:
         return (raw, None) if values.is_plain(raw) else (None, "not a plain value")
