@@ -257,3 +257,38 @@ def test_a_tombstone_the_reaper_could_not_delete_is_removed_by_the_next_cleanup(
     ckpt.save(3, _state(3.0))  # cleanup: the tombstone is nobody's any more
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(3)]
+
+
+def test_a_temporary_directory_of_a_killed_creator_is_stale_at_once(tmp_path):
+    """A writer killed between creating a step's temporary directory and writing the owner
+    record inside leaves a directory nobody claims (seen, rarely, by test_faults' SIGKILL
+    trials: the next save then left it for the lease's 600 s). Its name says which process of which host made it: gone
+    means stale now, not after the lease; a live creator, another host or an older name (no
+    creator in it) keep the lease."""
+    import subprocess
+    import sys
+
+    from distckpt.storage.base import NEW_DIR_PREFIX, new_dir_creator, new_dir_name
+
+    storage = Storage(str(tmp_path))
+    mine = new_dir_name()
+    assert new_dir_creator(mine) == os.getpid()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    tag = mine[len(NEW_DIR_PREFIX):].split("-")[1]
+    names = {
+        "dead": f"{NEW_DIR_PREFIX}{dead_pid}-{tag}-0123456789ab",
+        "alive": mine,
+        "other_host": f"{NEW_DIR_PREFIX}{dead_pid}-zzzzzzzz-0123456789ab",
+        "old_name": f"{NEW_DIR_PREFIX}0123456789ab",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "partial").write_bytes(b"x")  # not empty, just changed: no record inside
+    assert {k: ownership.is_stale(storage, n) for k, n in names.items()} == {
+        "dead": True, "alive": False, "other_host": False, "old_name": False,
+    }
+    ownership.remove_stale_leftovers(storage)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(NEW_DIR_PREFIX)) == sorted(
+        n for k, n in names.items() if k != "dead"
+    )

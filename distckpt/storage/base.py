@@ -19,7 +19,10 @@ error messages or manifests.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import IO, Protocol
@@ -31,6 +34,25 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode(errors="replace")).hexdigest()[:8]
+
+
+def new_dir_name() -> str:
+    """A unique name for a temporary step directory, naming its creator (pid and a digest of the
+    host name): one left by a process killed before it could write the owner record inside is
+    then recognised as dead at once (:func:`new_dir_creator`), not only after the lease."""
+    return f"{NEW_DIR_PREFIX}{os.getpid()}-{_host_tag()}-{uuid.uuid4().hex[:12]}"
+
+
+def new_dir_creator(name: str) -> int | None:
+    """The pid that created temporary directory ``name`` on this host (``None``: another host,
+    or a name without one, such as an older distckpt's)."""
+    pid, _, rest = name[len(NEW_DIR_PREFIX):].partition("-") if name.startswith(NEW_DIR_PREFIX) else ("", "", "")
+    host, _, _ = rest.partition("-")
+    return int(pid) if pid.isdigit() and host == _host_tag() else None
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
 # Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
 _CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")

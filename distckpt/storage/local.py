@@ -24,7 +24,7 @@ import fsspec
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from distckpt.storage.base import NEW_DIR_PREFIX, Storage, WritableFile, _fsync_dir, named_os_error
+from distckpt.storage.base import Storage, WritableFile, _fsync_dir, named_os_error, new_dir_name
 from distckpt.errors import UnsafeCheckpointError
 
 
@@ -109,7 +109,7 @@ class LocalStorage(Storage, kind="local"):
         # without its file (a writer killed in between leaves only a temporary directory).
         # rename() refuses a non-empty target: the first writer wins.
         os.makedirs(self.path, exist_ok=True)
-        tmp = f"{NEW_DIR_PREFIX}{uuid.uuid4().hex[:12]}"
+        tmp = new_dir_name()
         os.mkdir(self.join(tmp))
         try:
             self.write_bytes(data, tmp, name)

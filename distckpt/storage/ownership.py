@@ -58,7 +58,7 @@ import warnings
 from collections.abc import Callable, Collection
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import NEW_DIR_PREFIX, Storage
+from distckpt.storage.base import NEW_DIR_PREFIX, Storage, new_dir_creator
 
 log = logging.getLogger("distckpt")
 
@@ -170,13 +170,18 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
     """(coordinator) Whether an incomplete step directory may be removed (see the module doc).
 
     A directory without a record is stale only ``lease_s`` after its last change (or at once if
-    it is empty and its store reports no times). A record that cannot be read for another
-    reason than its absence (an I/O error) leaves the directory alone.
+    it is empty and its store reports no times, or if it is a temporary directory whose name
+    says a process of this host made it that is gone: killed before its record was written). A
+    record that cannot be read for another reason than its absence (an I/O error) leaves the
+    directory alone.
     """
     now = time.time() if now is None else now
     try:
         raw = storage.read_bytes(dirname, OWNER_NAME)
     except FileNotFoundError:
+        creator = new_dir_creator(dirname)
+        if creator is not None and not _pid_alive(creator):
+            return True
         changed, count = storage.last_change(dirname)
         if changed is None:
             return count == 0
