@@ -117,6 +117,10 @@ def _async_body(rank: int, world: int, root: str, mode: str) -> dict:
         for _ in range(20):
             dist.all_reduce(t)
             visible.append(ckpt.steps())  # step 1 stays until step 2 is committed
+        # One more collective: the coordinator must not let step 2 commit while another rank is
+        # still listing the steps of its last round (the loop's all_reduce alone let rank 1 list
+        # after rank 0 had left the loop and opened its gate: it saw [1, 2], once in a full run).
+        dist.all_reduce(t)
         gate.opened.set()  # every rank has passed the loop above: let step 2 commit
         while ckpt.in_flight:
             time.sleep(0.01)
