@@ -262,9 +262,9 @@ def test_a_tombstone_the_reaper_could_not_delete_is_removed_by_the_next_cleanup(
 def test_a_temporary_directory_of_a_killed_creator_is_stale_at_once(tmp_path):
     """A writer killed between creating a step's temporary directory and writing the owner
     record inside leaves a directory nobody claims (seen, rarely, by test_faults' SIGKILL
-    trials: the next save then left it for the lease's 600 s). Its name says which process of which host made it: gone
-    means stale now, not after the lease; a live creator, another host or an older name (no
-    creator in it) keep the lease."""
+    trials: the next save then left it for the lease's 600 s). Its name says which process of
+    which host made it: gone means stale now, not after the lease; a live creator, another host
+    or an older name (no creator in it) keep the lease."""
     import subprocess
     import sys
 

@@ -34,6 +34,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
+_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
+# Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
+_CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
 
 
 def _host_tag() -> str:
@@ -53,9 +56,6 @@ def new_dir_creator(name: str) -> int | None:
     pid, _, rest = name[len(NEW_DIR_PREFIX):].partition("-") if name.startswith(NEW_DIR_PREFIX) else ("", "", "")
     host, _, _ = rest.partition("-")
     return int(pid) if pid.isdigit() and host == _host_tag() else None
-_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
-# Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
-_CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
 
 
 def _flat_namespace(fs: AbstractFileSystem) -> bool:

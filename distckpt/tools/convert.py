@@ -46,6 +46,7 @@ from distckpt.integrity.stepfiles import StepFiles
 from distckpt.state import values
 from distckpt.state.decoding import decode_loaded
 from distckpt.state.encoded import TopLevel
+from distckpt.state.containers import SAVE_DEPTH
 from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
 from distckpt.tools.outputs import check_output, open_output
@@ -264,26 +265,10 @@ def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str
         return None, "a value of a class of the training code: load it with Checkpointer(safe_types=...)"
     if isinstance(value, TopLevel):  # a top-level entry that was stored encoded
         value = value.value
-    value = _numpy_scalars_as_python(value)
+    value = _as_plain(value)
     if not values.is_plain(value):
         return None, f"not plain data: {_type_name(value)}"
-    return _plain(value), None
-
-
-def _numpy_scalars_as_python(value: Any, depth: int = 0) -> Any:
-    """``value`` with each NumPy bool, integer or float scalar (a schedule's ``np.int64`` step)
-    as the Python scalar holding the same number; containers rebuilt only where one changed."""
-    if isinstance(value, (np.bool_, np.integer, np.floating)):
-        return value.item()
-    if depth > 64:
-        return value  # is_plain() then reports it as too deep
-    if isinstance(value, (list, tuple)):  # subclasses (a NamedTuple reaches here only decoded) as their base
-        items = [_numpy_scalars_as_python(v, depth + 1) for v in value]
-        return value if all(a is b for a, b in zip(items, value)) else (tuple if isinstance(value, tuple) else list)(items)
-    if isinstance(value, dict):  # an OrderedDict or defaultdict is written as a dict (_plain) anyway
-        pairs = [(_numpy_scalars_as_python(k, depth + 1), _numpy_scalars_as_python(v, depth + 1)) for k, v in value.items()]
-        return value if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())) else dict(pairs)
-    return value
+    return value, None
 
 
 def _type_name(value: Any) -> str:
@@ -295,19 +280,25 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _plain(value: Any) -> Any:
-    """``value`` (plain data, :func:`values.is_plain`) in exactly the plain types: a subclass of
-    one (``np.float64``, ``np.bool_`` is none) as its base type, containers rebuilt."""
+def _as_plain(value: Any, depth: int = 0) -> Any:
+    """``value`` in exactly the plain types where it holds plain data: a NumPy bool, integer or
+    float scalar (a schedule's ``np.int64`` step) as the Python scalar of the same number, a
+    subclass of a plain type (``np.float64``, an ``OrderedDict``) as its base type, containers
+    rebuilt. Anything else is left as it is, for :func:`values.is_plain` to refuse."""
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
     for base in (bool, int, float, str):
         if isinstance(value, base):
             return base(value)
-    if value is None:
-        return None
+    if depth > SAVE_DEPTH:
+        return value  # too deep: is_plain() refuses it
     if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+        return tuple(_as_plain(v, depth + 1) for v in value)
     if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return {_plain(k): _plain(v) for k, v in value.items()}
+        return [_as_plain(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {_as_plain(k, depth + 1): _as_plain(v, depth + 1) for k, v in value.items()}
+    return value
 
 
 class _Sink:
