@@ -314,8 +314,12 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     b = Bench(args, rank)
     samples: dict[str, list[float]] = {}
 
+    t0 = time.perf_counter()
+
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
+        # Each sample as it is measured: a run cut short by a device's time limit still tells.
+        print(f"[{rank} +{time.perf_counter() - t0:.0f}s] {name} {value:.4f}", flush=True)
 
     for _ in range(args.repeats):
         add("d2h_floor_s", _timed(b.d2h, b.device))
@@ -345,6 +349,7 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(b.last_distckpt, ignore_errors=True)
         shutil.rmtree(b.last_dcp, ignore_errors=True)
     runs = b.async_runs(args.repeats)
+    print(f"[{rank} +{time.perf_counter() - t0:.0f}s] async runs: " + json.dumps(runs), flush=True)
     samples["distckpt_async_blocked_first_s"] = runs["first"]
     samples["distckpt_async_blocked_first_unprepared_s"] = runs["unprepared"]
     samples["distckpt_async_blocked_steady_s"] = runs["steady"]
