@@ -185,6 +185,9 @@ def test_a_save_through_the_ring_writes_the_same_files_and_loads_exactly(tmp_pat
     ringed = distckpt.Checkpointer(tmp_path / "ring", save_rng=False, verify_staging=True)
     ringed.save(1, state)
     assert _distcp_bytes(tmp_path / "ring") == _distcp_bytes(tmp_path / "plain")
+    # Where the copies' time went (SaveStats.phases, thread-seconds): only a save through the ring.
+    assert set(d2h.PARTS) <= set(ringed.last_save.phases), ringed.last_save.phases
+    assert not set(d2h.PARTS) & set(plain.last_save.phases)
     fresh = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 7))
     dest = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters()), "extra": {k: torch.zeros_like(v) for k, v in extra.items()}}
     ringed.load(dest)

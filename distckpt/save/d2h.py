@@ -27,10 +27,12 @@ turn comes, in order. Not collective; one call per writer thread.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
@@ -47,6 +49,19 @@ RING_BYTES = 256 << 20
 ALIGN = 64
 #: Device types whose tensors go through the ring (pinned memory and streams are CUDA's).
 PIPELINED = frozenset({"cuda"})
+
+
+class Timings(Protocol):
+    """Where :func:`host_tensors` adds the seconds its thread spent on copies and proofs
+    (:class:`distckpt.save.writer.WriteTimings`)."""
+
+    def add(self, part: str, dt: float) -> None: ...
+
+
+#: The parts :func:`host_tensors` times (thread-seconds, summed over writer threads):
+#: issuing copies (and the device digests before them), waiting for a copy to land, waiting for
+#: the host digest of a written tensor (the proof).
+PARTS = ("d2h_issue", "d2h_wait", "proof_wait")
 
 
 class Ring:
@@ -211,13 +226,15 @@ def host_tensors(
     callers: Mapping[int, torch.cuda.Stream] | None = None,
     capacity: int | None = None,
     where: str = "",
+    timings: Timings | None = None,
 ) -> Iterator[tuple[WriteItem, torch.Tensor, torch.Tensor]]:
     """(one writer thread) ``(item, data, host)`` for each tensor item in order: ``data`` what
     ``resolve`` gave, ``host`` its values in host memory, valid until the next item is asked for.
 
     Pipelined tensors (:func:`pipelined`) are copied ahead into a pinned ring of at most
     ``capacity`` bytes (default :data:`RING_BYTES`; see the module docstring); the others, and tensors larger than the ring,
-    are made host tensors by ``as_host`` when their turn comes.
+    are made host tensors by ``as_host`` when their turn comes. ``timings`` gets the seconds of
+    each of :data:`PARTS` (where a sync save's time goes that is neither writing nor checksums).
 
     Raises:
         StagingMismatchError: ``prove`` and a copy's bytes differ from its device tensor's
@@ -234,6 +251,8 @@ def host_tensors(
     # before each write, added its whole time to the save.
     checker = ThreadPoolExecutor(1, thread_name_prefix="distckpt-d2h-proof") if prove else None
     proof: Future[int | torch.Tensor] | None = None
+    spent = dict.fromkeys(PARTS, 0.0)
+    clock = time.perf_counter
     try:
         while True:
             # Place as many of the next tensors as the ring has room for, in order.
@@ -262,7 +281,9 @@ def host_tensors(
                         break  # no room until the tensors before it are written
                     ahead.offset = offset
                     if offset is not None:
+                        t0 = clock()
                         copier.issue(ahead, prove)
+                        spent["d2h_issue"] += clock() - t0
                 pending.append(ahead)
                 ahead = None
             if not pending:
@@ -272,20 +293,27 @@ def host_tensors(
                 yield head.item, head.data, as_host(head.data)
                 continue
             assert copier is not None and ring is not None
+            t0 = clock()
             host = copier.host(head)
+            spent["d2h_wait"] += clock() - t0
             if checker is not None:
                 proof = _digest_beside(checker, host)
             yield head.item, head.data, host
             if proof is not None:
                 # Before its room is reused, and before the file can be committed.
+                t0 = clock()
                 got, proof = proof.result(), None
                 _prove(head, got, where)
+                spent["proof_wait"] += clock() - t0
             ring.give_back(head.offset)  # written: its room is free for the next copies
     finally:
         if checker is not None:
             checker.shutdown(wait=True)  # no digest may still read memory about to be reused
         if copier is not None:
             copier.finish()  # no copy may still land in memory that is about to be reused
+        if timings is not None:
+            for part, dt in spent.items():
+                timings.add(part, dt)
 
 
 def _planned_bytes(items: list[WriteItem]) -> int:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from distckpt._compat import StorageInfo, split_by_size_and_type, write_torch_record
-from distckpt.save.d2h import caller_streams, follow, host_tensors
+from distckpt.save.d2h import Timings, caller_streams, follow, host_tensors
 
 DCP_SUFFIX = ".distcp"
 
@@ -84,10 +84,12 @@ def _write_file(
     crc: bool,
     prove: bool = False,
     callers: Mapping[int, torch.cuda.Stream] | None = None,
+    timings: Timings | None = None,
 ) -> list[WriteResult]:
     """One file: byte items, then tensors, each at the stream's position (DCP's order).
     Accelerator tensors reach host memory through :func:`distckpt.save.d2h.host_tensors`
-    (``prove``: each copy proven, ``callers``: the streams the copies follow)."""
+    (``prove``: each copy proven, ``callers``: the streams the copies follow, ``timings``: where
+    its waits are counted)."""
     results = []
     byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
     tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
@@ -118,7 +120,9 @@ def _write_file(
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"item {item.index.fqn}: bytes to write must be io.BytesIO, got {type(data).__name__}")
             record(item, lambda to: to.write(data.getbuffer()))
-        tensors = host_tensors(tensor_items, planner.resolve_data, _host_tensor, prove=prove, callers=callers, where=file_name)
+        tensors = host_tensors(
+            tensor_items, planner.resolve_data, _host_tensor, prove=prove, callers=callers, where=file_name, timings=timings
+        )
         with contextlib.closing(tensors):  # on an error too, no copy is left landing in the ring
             for item, _, host in tensors:
                 if serializing is not None:  # (verify_staging of an async save's staged copy)
@@ -167,7 +171,10 @@ def write_items(
             except queue.Empty:
                 return
             try:
-                done = _write_file(fs.create_stream, path, name, bucket, planner, transforms, crc, prove_copies, callers)
+                done = _write_file(
+                    fs.create_stream, path, name, bucket, planner, transforms, crc, prove_copies, callers,
+                    getattr(fs, "timings", None),
+                )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - raised below, on the calling thread
                 with lock:
                     errors.append(exc)

@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.checksums import Buffer, new_hasher
+from distckpt.save.d2h import PARTS as D2H_PARTS
 from distckpt.save.records import write_items
 from distckpt.storage.base import Storage, WritableFile, named_os_error
 from distckpt.storage.local_tier import LocalCopy, rename_copy
@@ -42,23 +43,29 @@ class WriteTimings:
     """Seconds the writer threads spent in each part of writing files (summed over threads).
 
     ``files``: from opening each file to closing it (all of the work for it); ``checksum``,
-    ``io_write`` and ``fsync`` are the parts distckpt can see; the rest of ``files`` is DCP's
-    serialization (``torch.save`` of each item). Thread-safe.
+    ``io_write`` and ``fsync`` are the parts distckpt can see, and so are the device-to-host
+    copies' parts of a sync save (:data:`distckpt.save.d2h.PARTS`: issuing copies, waiting for
+    them, waiting for their proofs); the rest of ``files`` is DCP's serialization (``torch.save``
+    of each item). Thread-safe.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.seconds: dict[str, float] = {"files": 0.0, "checksum": 0.0, "io_write": 0.0, "fsync": 0.0}
+        self.seconds.update(dict.fromkeys(D2H_PARTS, 0.0))
 
     def add(self, part: str, dt: float) -> None:
         with self._lock:
             self.seconds[part] += dt
 
     def breakdown(self) -> dict[str, float]:
-        """``serialize``, ``checksum``, ``io_write``, ``fsync`` (thread-seconds)."""
+        """``serialize``, ``checksum``, ``io_write``, ``fsync`` (thread-seconds), and the parts of
+        device-to-host copies that took any time."""
         s = dict(self.seconds)
-        seen = s["checksum"] + s["io_write"] + s["fsync"]
-        return {"serialize": max(0.0, s["files"] - seen), "checksum": s["checksum"], "io_write": s["io_write"], "fsync": s["fsync"]}
+        seen = s["checksum"] + s["io_write"] + s["fsync"] + sum(s[p] for p in D2H_PARTS)
+        out = {"serialize": max(0.0, s["files"] - seen), "checksum": s["checksum"], "io_write": s["io_write"], "fsync": s["fsync"]}
+        out.update({p: s[p] for p in D2H_PARTS if s[p]})
+        return out
 
 
 class _ChecksumStream(io.RawIOBase):
