@@ -54,7 +54,8 @@ sys.path.insert(0, str(REPO))
 
 
 #: The phases the table shows (all are in the JSON): an async save blocks for prepare + stage.
-_SHOWN = ("prepare", "stage", "verify_staging", "write", "serialize", "checksum", "io_write", "fsync", "commit", "total_s")
+_SHOWN = ("prepare", "stage", "verify_staging", "write", "serialize", "checksum", "io_write", "fsync",
+          "d2h_issue", "d2h_wait", "proof_wait", "commit", "total_s")  # fmt: skip
 
 
 def _bits(t: Any) -> Any:
@@ -115,6 +116,17 @@ class Bench:
         self.dir.mkdir(parents=True)
         self.n = 0
         self.phases: dict[str, list[dict[str, float]]] = {}  # SaveStats.phases per kind of save
+        self.t0 = time.perf_counter()
+
+    def log(self, what: str) -> None:
+        """One line as soon as it is known: a run cut short by a device's time limit still tells."""
+        print(f"[{self.rank} +{time.perf_counter() - self.t0:.0f}s] {what}", flush=True)
+
+    def record(self, kind: str, stats: Any) -> None:
+        """Keep (and print) the phases of one save of ``kind``."""
+        p = _phases(stats)
+        self.phases.setdefault(kind, []).append(p)
+        self.log(f"phases {kind}: " + " ".join(f"{k}={v:.3f}" for k, v in p.items()))
 
     def live(self) -> list[Any]:
         """The state's tensors with data (not the 0-dim step counters), as the model and optimizer
@@ -208,7 +220,7 @@ class Bench:
         with distckpt.Checkpointer(root, thread_count=self.args.threads, verify_staging=verify_staging) as ckpt:
             ckpt.save(self.n, self.state())
         self.last_distckpt = ckpt.storage.path
-        self.phases.setdefault(f"sync_verify_staging_{verify_staging}", []).append(_phases(ckpt.last_save))
+        self.record(f"sync_verify_staging_{verify_staging}", ckpt.last_save)
 
     def distckpt_load(self) -> None:
         import distckpt
@@ -252,11 +264,16 @@ class Bench:
         out: dict[str, list[float]] = {
             k: [] for k in ("first", "unprepared", "steady", "dcp_steady", "train_distckpt", "train_dcp", "train_base")
         }
+
+        def add(key: str, value: float) -> None:
+            out[key].append(value)
+            self.log(f"async {key} {value:.4f}")
+
         for _ in range(repeats):
             with distckpt.Checkpointer(str(self.fresh("first")), thread_count=self.args.threads) as cold:
                 t = time.perf_counter()
                 cold.save(0, self.state(), blocking=False)
-                out["unprepared"].append(time.perf_counter() - t)
+                add("unprepared", time.perf_counter() - t)
             shutil.rmtree(cold.storage.path, ignore_errors=True)
         # Plain DCP's first async save in this process pays its one-off costs: untimed, as
         # distckpt's first saves above are measured apart from its steady ones.
@@ -278,16 +295,16 @@ class Bench:
                 ckpt.prepare_staging(self.state())  # reserved while the steps below run
             base = self.steps_per_s(self.args.train_steps)
             if not first:  # (not while prepare_staging still reserves in the background)
-                out["train_base"].append(base)
+                add("train_base", base)
             t = time.perf_counter()
             ckpt.save(i, self.state(), blocking=False)
-            out["first" if first else "steady"].append(time.perf_counter() - t)
+            add("first" if first else "steady", time.perf_counter() - t)
             speed = self.steps_per_s(self.args.train_steps)
             still = ckpt.in_flight
             stats = ckpt.wait()
-            self.phases.setdefault("async_first" if first else "async_steady", []).append(_phases(stats))
+            self.record("async_first" if first else "async_steady", stats)
             if not first and still:  # the save was still writing through the whole measurement
-                out["train_distckpt"].append(speed)
+                add("train_distckpt", speed)
             if not with_dcp:
                 continue
             model_sd, optim_sd = get_state_dict(self.model, self.optim)
@@ -298,9 +315,9 @@ class Bench:
             speed = self.steps_per_s(self.args.train_steps)
             still = not future.done()
             future.result()
-            out["dcp_steady"].append(blocked)
+            add("dcp_steady", blocked)
             if still:
-                out["train_dcp"].append(speed)
+                add("train_dcp", speed)
             shutil.rmtree(path, ignore_errors=True)
         if ckpt is not None:
             ckpt.close()
@@ -308,21 +325,18 @@ class Bench:
 
 
 def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One process: every measurement, methods alternated within each repeat."""
-    import torch
-
+    """One process: every measurement (of ``--parts``), methods alternated within each repeat."""
     b = Bench(args, rank)
     samples: dict[str, list[float]] = {}
 
-    t0 = time.perf_counter()
-
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
-        # Each sample as it is measured: a run cut short by a device's time limit still tells.
-        print(f"[{rank} +{time.perf_counter() - t0:.0f}s] {name} {value:.4f}", flush=True)
+        b.log(f"{name} {value:.4f}")
 
     for _ in range(args.repeats):
         add("d2h_floor_s", _timed(b.d2h, b.device))
+        if "sync" not in args.parts:
+            continue
         files: list[Path] = []
         add("raw_write_s", _timed(lambda: files.extend(b.raw_write(1)), b.device))
         add("raw_read_h2d_s", _timed(lambda: b.raw_read_h2d(files), b.device))
@@ -348,8 +362,10 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         del expected
         shutil.rmtree(b.last_distckpt, ignore_errors=True)
         shutil.rmtree(b.last_dcp, ignore_errors=True)
+    if "async" not in args.parts:
+        shutil.rmtree(b.dir, ignore_errors=True)
+        return _result(b, rank, samples)
     runs = b.async_runs(args.repeats)
-    print(f"[{rank} +{time.perf_counter() - t0:.0f}s] async runs: " + json.dumps(runs), flush=True)
     samples["distckpt_async_blocked_first_s"] = runs["first"]
     samples["distckpt_async_blocked_first_unprepared_s"] = runs["unprepared"]
     samples["distckpt_async_blocked_steady_s"] = runs["steady"]
@@ -358,6 +374,12 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     samples["train_ratio_distckpt"] = [s / base for s in runs["train_distckpt"]] or [float("nan")]
     samples["train_ratio_dcp"] = [s / base for s in runs["train_dcp"]] or [float("nan")]
     shutil.rmtree(b.dir, ignore_errors=True)
+    return _result(b, rank, samples)
+
+
+def _result(b: Bench, rank: int, samples: dict[str, list[float]]) -> dict[str, Any]:
+    import torch
+
     return {
         "rank": rank,
         "state_bytes": b.state_bytes,
@@ -394,9 +416,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=8, help="writer/reader threads (distckpt) and parallel raw writes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=10, help="steps per training-speed measurement")
+    p.add_argument("--parts", default="sync,async", type=lambda v: set(v.split(",")),
+                   help="which rows: sync (floors, sync saves, loads), async (async saves, training), or both")
     p.add_argument("--dir", default=None, help="scratch directory (default: benchmarks/.scratch/gpu)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
     args = p.parse_args(argv)
+    if not args.parts or args.parts - {"sync", "async"}:
+        p.error(f"--parts: a comma-separated list of sync and async, got {','.join(sorted(args.parts))!r}")
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -420,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "nproc": args.nproc,
         "threads": args.threads,
+        "parts": sorted(args.parts),
         "state_bytes": results[0]["state_bytes"],
         "dir": args.dir,
         "rows": rows,
@@ -435,12 +462,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = results[0]["phases"]
     if phases:  # the first process's: where a save's time goes
         lines += ["", "Phases (`SaveStats.phases`, process 0): each column its own median; serialize, checksum, "
-                  "io_write and fsync are summed over the writer threads, not wall time.", ""]  # fmt: skip
+                  "io_write, fsync and the d2h/proof parts are summed over the writer threads, not wall time.", ""]  # fmt: skip
         lines += ["| save | blocked | " + " | ".join(_SHOWN) + " |", "|---|---|" + "---|" * len(_SHOWN)]
         for kind, p in phases.items():
             lines.append(f"| {kind} | {p.get('blocking_s', float('nan')):.4f} | " + " | ".join(f"{p.get(k, float('nan')):.4f}" for k in _SHOWN) + " |")
     lines += ["", "| target | ratio | met |", "|---|---|---|"]
     for a, b, text, ok in TARGETS:
+        if a not in rows or (b is not None and b not in rows):
+            continue  # a part not run (--parts)
         ratio = rows[a] if b is None else rows[b] / rows[a]
         met = ratio == ratio and bool(ok(rows))  # a NaN (no sample) is not met
         out["targets"][text] = {"ratio": ratio, "met": met}
