@@ -1,13 +1,17 @@
 #!/bin/bash
-# The GPU checks of one lent device call (../.library/device): the CUDA tier, the overflow probe,
-# the bitwise rerun of the first probe's gpu_correct.py, then benchmarks/gpu.py alone. Logs go to
-# $OUT (or /tmp/device_check). Only the checkout travels: carry `.whl` holding the crc32c wheel for
-# the machine's Python (3.12); its torch (2.11) is used as is.
-#   usage: bash tests/gpu/device_check.sh [tests] [probes] [bench]     (default: tests bench)
-# Measured on one H100 (2026-11-26): probes ~190 s, benchmark ~160 s, the tier over 320 s
-# (11 of its 17 tests in 320 s beside the probes; their answer is in results/h100-2026-11-26,
-# so they are no longer run by default). A session has 15 minutes of device time, the machine's
-# start included: run the default once, with timeout_s 600.
+# The GPU checks of one lent device call (../.library/device). Logs go to $OUT (or /tmp/device_check).
+# Only the checkout travels: carry `.whl` holding the crc32c wheel for the machine's Python (3.12);
+# its torch (2.11) is used as is.
+#   usage: bash tests/gpu/device_check.sh [bench] [bench-disk] [tests] [probes]   (default: bench bench-disk)
+#   bench:      benchmarks/gpu.py with its scratch in /dev/shm (tmpfs), up to BENCH_TIMEOUT (300 s)
+#   bench-disk: the same on the machine's disk (benchmarks/.scratch), up to DISK_TIMEOUT (250 s)
+#   tests:      the CUDA tier, up to TIER_TIMEOUT (350 s; it needs ~410 s on an H200: select with TIER)
+#   probes:     the overflow probe and the bitwise rerun of the first probe's gpu_correct.py
+# Measured: on one H100 (2026-11-26) probes ~190 s, benchmark ~160 s on its disk; on one H200
+# (2026-11-26) the whole tier passed in ~410 s (results/h200-2026-11-26), the benchmark's sync part
+# took 72 s on tmpfs and more than 230 s on the disk. gpu.py prints every sample as it is measured,
+# so a cut run still reports. A session has 15 minutes of device time, the machine's start included
+# (~30 s): run the default once, with timeout_s 600.
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,8 +19,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/device_check}; mkdir -p "$O"
-T0=$(date +%s); WHAT=${*:-tests bench}
-rm -rf /tmp/pytest-of-* benchmarks/.scratch /tmp/gcb  # a warm machine keeps the last call's GBs
+T0=$(date +%s); WHAT=${*:-bench bench-disk}
+rm -rf /tmp/pytest-of-* benchmarks/.scratch /tmp/gcb /dev/shm/distckpt-gpu  # a warm machine keeps the last call's GBs
 { nvidia-smi -L; python3 -c 'import torch,sys;print(torch.__version__, torch.version.cuda, sys.version)'
   python3 -m pip list 2>/dev/null | grep -i -E '^(pytest|pytest-xdist|pytest-timeout|numpy|fsspec|crc32c) '
   df -h /tmp /dev/shm; nproc; free -g; } > "$O/env.txt" 2>&1
@@ -27,18 +31,22 @@ if [[ " $WHAT " == *" probes "* ]]; then
     stamp $? "$O/correct_bits.txt"; rm -rf /tmp/gcb ) &
 fi
 if [[ " $WHAT " == *" tests "* ]]; then
-  # The tests not yet run on a GPU first (the H100 call of 2026-11-26 ran out of time before them).
   X=tests/gpu/test_cuda_exactness.py
+  # shellcheck disable=SC2086
   timeout "${TIER_TIMEOUT:-350}" python3 -m pytest -v -p no:cacheprovider -rA --durations=0 \
-    tests/gpu/test_nccl_collectives.py $X::test_sync_saves_are_exact $X::test_fsdp2_saves_are_exact \
-    $X::test_special_values_are_exact tests/gpu/test_cuda_d2h.py $X::test_async_saves_are_exact > "$O/tests_gpu.txt" 2>&1
+    ${TIER:-tests/gpu/test_nccl_collectives.py tests/gpu/test_cuda_d2h.py $X} > "$O/tests_gpu.txt" 2>&1
   stamp $? "$O/tests_gpu.txt"
 fi
 wait
 if [[ " $WHAT " == *" bench "* ]]; then
-  timeout "${BENCH_TIMEOUT:-230}" python3 benchmarks/gpu.py --repeats 3 --out "$O/gpu.json" > "$O/bench.txt" 2>&1
-  stamp $? "$O/bench.txt"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -W ignore benchmarks/gpu.py --repeats 3 --dir /dev/shm/distckpt-gpu \
+    --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
+  stamp $? "$O/bench.txt"; rm -rf /dev/shm/distckpt-gpu
 fi
-for f in env overflow correct_bits tests_gpu bench; do
+if [[ " $WHAT " == *" bench-disk "* ]]; then
+  timeout "${DISK_TIMEOUT:-250}" python3 -W ignore benchmarks/gpu.py --repeats 3 --out "$O/gpu_disk.json" > "$O/bench_disk.txt" 2>&1
+  stamp $? "$O/bench_disk.txt"
+fi
+for f in env overflow correct_bits tests_gpu bench bench_disk; do
   [ -f "$O/$f.txt" ] && { echo "=== $f"; grep -v -i warn "$O/$f.txt" | tail -n 24 | cut -c1-220; }
 done
