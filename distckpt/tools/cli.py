@@ -29,8 +29,10 @@ from typing import NoReturn, TextIO
 from fsspec.core import url_to_fs
 
 from distckpt._version import __version__
-from distckpt.load.reader import CheckpointReader
+from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.shards import CheckpointSource
+from distckpt.load.reader import CheckpointReader
+from distckpt.state.decoding import decode_loaded
 from distckpt.state.statecheck import compare_files
 from distckpt.storage.base import Storage
 from distckpt.tools import convert, importer
@@ -210,6 +212,17 @@ def _cmd_inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
     return 0
 
 
+def _decoded_as_loaded(value: object, key: str) -> None:
+    """Decode a value read from a checkpoint as a load does (distckpt's encoded form rebuilt), so
+    that what a load would refuse as malformed fails verify. A value of a class of the training
+    code is no error: only a process holding the class rebuilds it (``safe_types``), and this
+    command never imports a class a checkpoint names."""
+    try:
+        decode_loaded(value, key)
+    except UnsafeCheckpointError:
+        pass
+
+
 def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     found = locate(args.ckpt, opts, args.step)
     if found.manifest is None:
@@ -240,7 +253,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
                 )
             for key in source.values:
                 try:
-                    source.read_value(key)
+                    _decoded_as_loaded(source.read_value(key), key)
                 except Exception as exc:  # noqa: BLE001 - reported as a problem
                     problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
             try:
