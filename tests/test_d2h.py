@@ -227,7 +227,7 @@ def test_the_host_digest_runs_beside_the_write_and_ends_before_the_room_is_reuse
 
     given_early = threading.Event()
 
-    def digest(t):
+    def digest(t, chunk=None):
         if t.data_ptr() not in origin:  # a copy in the ring (device tensors are digested before their copy)
             threads.add(threading.current_thread().name)
             assert written[len(done)].wait(30), "the digest of a copy ran before the writer got it"
@@ -235,7 +235,8 @@ def test_the_host_digest_runs_beside_the_write_and_ends_before_the_room_is_reuse
             # a correct one waits for this digest, so nothing comes).
             given_early.wait(0.2)
             done.append(t.data_ptr())
-        return real_digest(t)
+            assert chunk == d2h.PROOF_CHUNK  # in calls few enough not to queue on the GIL
+        return real_digest(t, chunk)
 
     real_give_back = d2h.Ring.give_back
     given = []
@@ -268,12 +269,12 @@ def test_closing_the_writer_waits_for_the_digest_still_reading_the_ring(host_pip
     started, release = threading.Event(), threading.Event()
     order = []
 
-    def digest(t):
+    def digest(t, chunk=None):
         if t.data_ptr() not in origin:
             started.set()
             assert release.wait(30)
             order.append("digest done")
-        return real_digest(t)
+        return real_digest(t, chunk)
 
     monkeypatch.setattr(d2h, "staging_digest", digest)
     tensors = {f"t{i}": torch.randn(100) for i in range(3)}

@@ -67,7 +67,7 @@ class Staged:
     digests: dict[str, int] = field(default_factory=dict)
 
 
-def staging_digest(t: torch.Tensor) -> int | torch.Tensor:
+def staging_digest(t: torch.Tensor, chunk: int | None = None) -> int | torch.Tensor:
     """The digest an async save records of a tensor when it stages it, and checks against the
     tensor its writer serializes (``verify_staging``): the version-1 fingerprint sum of the
     tensor's elements in row-major order from index 0 (:mod:`distckpt.state.fpkernels`; any single
@@ -75,8 +75,10 @@ def staging_digest(t: torch.Tensor) -> int | torch.Tensor:
     Version 1 rather than 2: it is one multiply and one sum per element, which on an accelerator
     runs at memory speed beside the staging copy (version 2's extra 64-bit passes would not).
 
-    Host tensors give an int; accelerator tensors a 0-dim device tensor, computed on the current
-    stream without synchronizing (:func:`distckpt.state.fpkernels.settle` brings them back)."""
+    Host tensors give an int (``chunk``: elements per NumPy call, see
+    :func:`distckpt.state.fpkernels.host_run_sum`); accelerator tensors a 0-dim device tensor,
+    computed on the current stream without synchronizing (:func:`distckpt.state.fpkernels.settle`
+    brings them back)."""
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -84,7 +86,7 @@ def staging_digest(t: torch.Tensor) -> int | torch.Tensor:
         t = torch.view_as_real(t)
     bits = fpkernels.bits(t)
     if t.device.type == "cpu":
-        return fpkernels.host_run_sum(bits, 0, 1)
+        return fpkernels.host_run_sum(bits, 0, 1, chunk)
     return fpkernels.device_run_sum(bits, 0, 1)
 
 

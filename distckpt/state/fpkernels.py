@@ -190,10 +190,12 @@ def _runs(start: int, n: int, version: int) -> list[tuple[int, int, int]]:
 
 # ---------------------------------------------------------------------------------------------
 # host: NumPy
-def host_run_sum(b: torch.Tensor, start: int, version: int) -> int:
+def host_run_sum(b: torch.Tensor, start: int, version: int, chunk: int | None = None) -> int:
     """(host tensor) Sum of ``f`` over the elements ``b`` (from :func:`bits`) at global indices
-    ``[start, start + len(b))``, as an int in ``[0, 2**64)``."""
+    ``[start, start + len(b))``, as an int in ``[0, 2**64)``. ``chunk``: elements per NumPy call
+    (default :data:`_CHUNK`; any size gives the same sum)."""
     check_version(version)
+    step = chunk or _CHUNK
     b, start = _words(b, start, version)
     n = b.numel()
     if n == 0:
@@ -203,26 +205,26 @@ def host_run_sum(b: torch.Tensor, start: int, version: int) -> int:
     total = 0
     if version == 1:
         weights = _host_table(1, "64" if host.dtype == np.int64 else "32")
-        buf = np.empty(min(n, _CHUNK), dtype=weights.dtype)
+        buf = np.empty(min(n, step), dtype=weights.dtype)
         for pos, length, q in _runs(start, n, 1):
             lo = (start + pos) & (size - 1)
             sub = 0
-            for c in range(0, length, _CHUNK):
-                take = min(_CHUNK, length - c)
+            for c in range(0, length, step):
+                take = min(step, length - c)
                 np.multiply(host[pos + c : pos + c + take], weights[lo + c : lo + c + take], out=buf[:take])
                 sub += int(np.add.reduce(buf[:take], dtype=np.int64))
             total = (total + block_multiplier(1, q) * sub) & MASK64
         return total
     words = host.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[host.dtype.itemsize])
     weights = _host_table(2, "u64")
-    prod = np.empty(min(n, _CHUNK), dtype=np.uint64)
+    prod = np.empty(min(n, step), dtype=np.uint64)
     high = np.empty_like(prod)
     shift = np.uint64(32)
     for pos, length, q in _runs(start, n, 2):
         lo = (start + pos) & (size - 1)
         sub = 0
-        for c in range(0, length, _CHUNK):
-            take = min(_CHUNK, length - c)
+        for c in range(0, length, step):
+            take = min(step, length - c)
             y, h = prod[:take], high[:take]
             np.multiply(words[pos + c : pos + c + take], weights[lo + c : lo + c + take], out=y)
             np.right_shift(y, shift, out=h)
