@@ -114,6 +114,8 @@ def test_the_device_path_equals_the_host_path(dtype, version):
         # Any NumPy call size gives the same sum (a sync save's proof uses d2h.PROOF_CHUNK).
         for chunk in (1000, 1 << 20, 1 << 22):
             assert fpkernels.host_run_sum(b, start, version, chunk) == expected, (start, chunk)
+    with pytest.raises(ValueError, match="chunk"):
+        fpkernels.host_run_sum(b, 0, version, -1)  # (a negative step would sum nothing)
     rows, starts, run = fpkernels.bits(x[: 200 * 97]).view(200, 97), [r * 1000 + 3 for r in range(200)], 97
     if version == 2 and rows.dtype == torch.int64:  # what rows_sum hands on: 32-bit words
         rows, starts, run = rows.view(torch.int32), [2 * s for s in starts], 2 * run

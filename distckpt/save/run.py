@@ -59,9 +59,10 @@ class SaveStats:
         phases: seconds per phase on this rank: ``prepare`` (state dict, views, agreement),
             ``claim`` (the step directory), ``stage`` (async), then the write phase's parts
             (``fingerprint``, ``plan``, ``replicas``, ``write`` and inside it the writer threads'
-            ``serialize``/``checksum``/``io_write``/``fsync`` thread-seconds, ``metadata``,
-            ``verify_staging``; for an async save measured in its writer) and ``commit``
-            (manifest and retention).
+            ``serialize``/``checksum``/``io_write``/``fsync`` thread-seconds, and in a sync save
+            of accelerator state ``d2h_issue``/``d2h_wait``/``proof_wait``, its copies to host
+            memory (:data:`distckpt.save.d2h.PARTS`), ``metadata``, ``verify_staging``; for an
+            async save measured in its writer) and ``commit`` (manifest and retention).
     """
 
     step: int

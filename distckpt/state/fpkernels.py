@@ -195,6 +195,8 @@ def host_run_sum(b: torch.Tensor, start: int, version: int, chunk: int | None = 
     ``[start, start + len(b))``, as an int in ``[0, 2**64)``. ``chunk``: elements per NumPy call
     (default :data:`_CHUNK`; any size gives the same sum)."""
     check_version(version)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
     step = chunk or _CHUNK
     b, start = _words(b, start, version)
     n = b.numel()
