@@ -18,7 +18,8 @@ state on its device, trains a few steps, then times, alternating methods within 
   ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` /
   ``dcp_load_s``: a load at the same world size, into the live objects, whose every bit was set
   first (untimed); the benchmark stops unless a load restored every tensor (the optimizer's step
-  counters too) bit for bit, by name;
+  counters too) bit for bit, by name; ``distckpt_sync_ab_chunk_s`` (``--ab-proof-chunk N``): the
+  proven save again, its proof's host digest in NumPy calls of N elements;
 * ``distckpt_async_blocked_first_s`` (a new Checkpointer's first async save, after
   ``prepare_staging(state)`` was called before the training steps that precede it, as the README
   recommends; ``distckpt_async_blocked_first_unprepared_s``: without it),
@@ -213,14 +214,24 @@ class Bench:
                     t.copy_(h, non_blocking=True)
 
     # -- distckpt and DCP
-    def distckpt_sync(self, verify_staging: bool | str = "auto") -> None:
+    def distckpt_sync(self, verify_staging: bool | str = "auto", kind: str | None = None) -> None:
         import distckpt
 
         root = str(self.fresh("distckpt"))
         with distckpt.Checkpointer(root, thread_count=self.args.threads, verify_staging=verify_staging) as ckpt:
             ckpt.save(self.n, self.state())
         self.last_distckpt = ckpt.storage.path
-        self.record(f"sync_verify_staging_{verify_staging}", ckpt.last_save)
+        self.record(kind or f"sync_verify_staging_{verify_staging}", ckpt.last_save)
+
+    def with_proof_chunk(self, chunk: int, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with the sync save's proof digesting in NumPy calls of ``chunk`` elements."""
+        from distckpt.save import d2h
+
+        kept, d2h.PROOF_CHUNK = d2h.PROOF_CHUNK, chunk
+        try:
+            return fn()
+        finally:
+            d2h.PROOF_CHUNK = kept
 
     def distckpt_load(self) -> None:
         import distckpt
@@ -350,6 +361,11 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         add("distckpt_sync_unproven_s", _timed(lambda: b.distckpt_sync(verify_staging=False), b.device))
         shutil.rmtree(b.last_distckpt, ignore_errors=True)
         add("distckpt_sync_s", _timed(b.distckpt_sync, b.device))
+        if args.ab_proof_chunk:
+            # The same proven save with the proof's host digest in calls of another size: an A/B
+            # of distckpt.save.d2h.PROOF_CHUNK within this run.
+            shutil.rmtree(b.last_distckpt, ignore_errors=True)
+            add("distckpt_sync_ab_chunk_s", _timed(lambda: b.with_proof_chunk(args.ab_proof_chunk, lambda: b.distckpt_sync(kind="sync_ab_chunk")), b.device))
         add("dcp_sync_s", _timed(b.dcp_sync, b.device))
         # Each load starts from a scrambled state and must restore the saved values exactly.
         expected = b.scrambled()
@@ -418,6 +434,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--train-steps", type=int, default=10, help="steps per training-speed measurement")
     p.add_argument("--parts", default="sync,async", type=lambda v: set(v.split(",")),
                    help="which rows: sync (floors, sync saves, loads), async (async saves, training), or both")
+    p.add_argument("--ab-proof-chunk", type=int, default=0, metavar="N",
+                   help="also time each proven sync save with the proof's host digest in calls of N elements "
+                        "(distckpt_sync_ab_chunk_s; distckpt.save.d2h.PROOF_CHUNK is the default)")
     p.add_argument("--dir", default=None, help="scratch directory (default: benchmarks/.scratch/gpu)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
     args = p.parse_args(argv)

@@ -3,7 +3,8 @@
 # Only the checkout travels: carry `.whl` holding the crc32c wheel for the machine's Python (3.12);
 # its torch (2.11) is used as is.
 #   usage: bash tests/gpu/device_check.sh [bench] [bench-disk] [tests] [probes]   (default: bench bench-disk)
-#   bench:      benchmarks/gpu.py with its scratch in /dev/shm (tmpfs), up to BENCH_TIMEOUT (300 s)
+#   bench:      benchmarks/gpu.py with its scratch in /dev/shm (tmpfs), up to BENCH_TIMEOUT (300 s),
+#               with the proof's former 64 Ki-element digest calls as an A/B row
 #   bench-disk: the same on the machine's disk (benchmarks/.scratch), up to DISK_TIMEOUT (250 s)
 #   tests:      the CUDA tier, up to TIER_TIMEOUT (350 s; it needs ~410 s on an H200: select with TIER)
 #   probes:     the overflow probe and the bitwise rerun of the first probe's gpu_correct.py
@@ -40,7 +41,7 @@ fi
 wait
 if [[ " $WHAT " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -W ignore benchmarks/gpu.py --repeats 3 --dir /dev/shm/distckpt-gpu \
-    --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
+    --ab-proof-chunk 65536 --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
   stamp $? "$O/bench.txt"; rm -rf /dev/shm/distckpt-gpu
 fi
 if [[ " $WHAT " == *" bench-disk "* ]]; then
