@@ -127,6 +127,25 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert not (tmp_path / "scratch" / "rank0").exists()  # scratch files removed
 
 
+
+def test_gpu_benchmark_parts_and_the_proof_chunk_ab(tmp_path: Path) -> None:
+    # --parts sync: the sync rows and their targets only; --ab-proof-chunk: one more proven sync
+    # save (its own row and phase kind); every sample printed as it is measured.
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--size-gb", "0.01", "--repeats", "1", "--threads", "2",
+           "--parts", "sync", "--ab-proof-chunk", "1000", "--dir", str(tmp_path / "scratch"), "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["parts"] == ["sync"]
+    assert res["rows"]["distckpt_sync_ab_chunk_s"] > 0 and "sync_ab_chunk" in res["phases"][0]
+    assert not any(k.startswith(("distckpt_async", "dcp_async", "train_ratio")) for k in res["rows"])
+    assert len(res["targets"]) == 4  # the sync save's and the load's
+    assert "] distckpt_sync_ab_chunk_s " in proc.stdout
+    bad = subprocess.run(cmd[:2] + ["--parts", "sync,asnyc"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--parts" in bad.stderr and "asnyc" in bad.stderr
+
 @pytest.mark.timeout(150)
 def test_recovery_quick(tmp_path: Path) -> None:
     pytest.importorskip("moto")
