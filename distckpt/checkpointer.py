@@ -260,6 +260,8 @@ class Checkpointer:
         of its blocked time). Call it once the model and optimizer exist (after a first optimizer
         step, so that the optimizer's state exists too), e.g. right after ``load``; training
         goes on meanwhile. A later save of another structure allocates anew, as without it.
+        With ``async_mode="process"`` it also starts the writer process (collective), so that
+        its start-up does not delay the first async save's commit.
 
         Raises:
             The same errors a save of ``state`` would raise while preparing (on every rank).

@@ -208,6 +208,37 @@ def test_prepare_staging_allocates_before_the_first_save(tmp_path, monkeypatch, 
         assert ckpt.steps() == [1, 2]
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_prepare_staging_starts_the_writer_process(tmp_path, mode):
+    # The writer process of async_mode="process" starts at prepare_staging (its interpreter's
+    # start-up, seconds on a GPU machine, then delays no save's commit), and the first async
+    # save is written by that same process; async_mode="thread" starts none.
+    import psutil
+
+    def writers() -> list[int]:
+        return [
+            c.pid for c in psutil.Process().children()
+            if "distckpt.save.background" in " ".join(c.cmdline())
+        ]  # fmt: skip
+
+    state = {"w": torch.randn(256), "step": 3}
+    assert writers() == []
+    with distckpt.Checkpointer(str(tmp_path), async_mode=mode) as ckpt:
+        ckpt.prepare_staging(state)
+        started = writers()
+        assert len(started) == (1 if mode == "process" else 0), started
+        ckpt.prepare_staging(state)  # a second call starts no other one
+        assert writers() == started
+        for step in (1, 2):
+            ckpt.save(step, state, blocking=False)
+            ckpt.wait()
+            assert writers() == started
+        back = {"w": torch.zeros(256), "step": 0}
+        ckpt.load(back)
+        assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+    assert writers() == []  # close() reaps it
+
+
 def _failed_reservation(rank: int, world: int, root: str) -> dict:
     """Rank 1's background reservation fails; the next prepare_staging must say so on both ranks
     (raised on rank 1 alone, rank 0 would wait in its next collective until the timeout)."""

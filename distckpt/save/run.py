@@ -150,7 +150,12 @@ class SaveDriver:
             )
             phases.agree(prepared, views, group.rank)
             skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
-            stager = self._stager(self._writes_in_process(group))
+            in_process = self._writes_in_process(group)
+            if in_process:
+                # Started now, its interpreter's start-up (seconds: Python, torch) runs beside
+                # training instead of delaying the first async save's commit.
+                self._start_writer(group)
+            stager = self._stager(in_process)
             # A previous reservation's failure surfaces here (or the state's): on every rank alike.
             all_ranks(group, "prepare_staging", lambda: stager.reserve(prepared.state_dict, skip))
 
@@ -199,15 +204,8 @@ class SaveDriver:
         group = self.groups.get()
         opts = self.opts
         in_process = not blocking and self._writes_in_process(group)
-        if in_process and self.writer is None:
-            self.writer = WriterProcess.start(
-                group,
-                timeout=self.options.timeout,
-                nice=self.options.background_nice,
-                threads=background_threads(self.options.thread_count, self.groups.local_ranks),
-            )
-            # A checkpointer dropped without close() must not leave its writer running until exit.
-            weakref.finalize(self, self.writer.detach)
+        if in_process:
+            self._start_writer(group)
         # The plans of whoever writes this save: this process, or the writer process.
         plans = self.writer.plans if in_process and self.writer is not None else self.plan_cache
         stats = SaveStats(step, 0.0)
@@ -269,6 +267,20 @@ class SaveDriver:
         job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
         self.inflight = job
         job.thread.start()
+
+    def _start_writer(self, group: Group) -> None:
+        """(all ranks, collective) Start this rank's writer process unless it runs already
+        (:meth:`WriterProcess.start` does not wait for it to be ready)."""
+        if self.writer is not None:
+            return
+        self.writer = WriterProcess.start(
+            group,
+            timeout=self.options.timeout,
+            nice=self.options.background_nice,
+            threads=background_threads(self.options.thread_count, self.groups.local_ranks),
+        )
+        # A checkpointer dropped without close() must not leave its writer running until exit.
+        weakref.finalize(self, self.writer.detach)
 
     def _stager(self, shared: bool) -> Stager:
         if self.stager is None:
