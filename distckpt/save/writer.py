@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint import FileSystemWriter
@@ -37,13 +38,20 @@ from distckpt.storage.local_tier import LocalCopy, rename_copy
 
 
 _BUFFER = 1 << 20
+#: Pieces of at least this many bytes (a tensor's data: torch.save hands it over in one piece)
+#: are checksummed on a helper thread while they are written, instead of before: on a lent H100
+#: a sync save of 4 GB to tmpfs spent 0.43 of its 3.4 writer-thread-seconds on CRC-32C, in line
+#: with the writes. Both only read the piece; the write returns after both are done, so the
+#: digest still takes the pieces in order. Smaller pieces are not worth a thread handoff.
+BESIDE_BYTES = 4 << 20
 
 
 class WriteTimings:
     """Seconds the writer threads spent in each part of writing files (summed over threads).
 
-    ``files``: from opening each file to closing it (all of the work for it); ``checksum``,
-    ``io_write`` and ``fsync`` are the parts distckpt can see, and so are the device-to-host
+    ``files``: from opening each file to closing it (all of the work for it); ``checksum`` (the
+    writer threads' part of it: large pieces are checksummed beside their write, and count only
+    for the wait after it), ``io_write`` and ``fsync`` are the parts distckpt can see, and so are the device-to-host
     copies' parts of a sync save (:data:`distckpt.save.d2h.PARTS`: issuing copies, waiting for
     them, waiting for their proofs); the rest of ``files`` is DCP's serialization (``torch.save``
     of each item). Thread-safe.
@@ -103,6 +111,7 @@ class _ChecksumStream(io.RawIOBase):
         self._on_error = on_error
         self._sync = sync
         self.failed = raw is None
+        self._beside: ThreadPoolExecutor | None = None  # checksums large pieces (BESIDE_BYTES)
 
     def writable(self) -> bool:
         return True
@@ -116,20 +125,34 @@ class _ChecksumStream(io.RawIOBase):
         # summed here and handed over once, at close.
         if self.failed:
             return memoryview(b).nbytes
+        hashing = None
         t0 = time.perf_counter()
         if self._hasher is not None:
-            self._hasher.update(b)
+            if memoryview(b).nbytes >= BESIDE_BYTES:
+                if self._beside is None:
+                    self._beside = ThreadPoolExecutor(1, thread_name_prefix="distckpt-checksum")
+                hashing = self._beside.submit(self._hasher.update, b)
+            else:
+                self._hasher.update(b)
         t1 = time.perf_counter()
         try:
-            n = self._raw.write(b)
-        except OSError as exc:
-            self._fail(exc)
-            return memoryview(b).nbytes
-        if self._copy is not None:
-            self._copy.write(b)
-        t2 = time.perf_counter()
-        self._t_checksum += t1 - t0
-        self._t_write += t2 - t1
+            try:
+                n = self._raw.write(b)
+            except OSError as exc:
+                self._fail(exc)
+                return memoryview(b).nbytes
+            if self._copy is not None:
+                self._copy.write(b)
+        finally:
+            t2 = time.perf_counter()
+            if hashing is not None:
+                # ``b`` is only valid until this call returns, and the next piece must follow it.
+                hashing.result()
+            t3 = time.perf_counter()
+            # checksum: what the writer thread spent on it (a piece hashed beside its write
+            # counts only the wait after the write).
+            self._t_checksum += (t1 - t0) + (t3 - t2)
+            self._t_write += t2 - t1
         n = memoryview(b).nbytes if n is None else n
         self._size += n
         return n
@@ -164,6 +187,9 @@ class _ChecksumStream(io.RawIOBase):
                     self._copy.finish()
             self._timings.add("checksum", self._t_checksum)
             self._timings.add("io_write", self._t_write)
+            if self._beside is not None:
+                self._beside.shutdown(wait=True)
+                self._beside = None
         super().close()
 
 

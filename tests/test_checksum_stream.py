@@ -1,0 +1,87 @@
+"""The checksum of a written file, with large pieces hashed on a helper thread beside their write
+(distckpt.save.writer.BESIDE_BYTES): the recorded digest is still the one of the file's bytes in
+order, whatever mix of small and large pieces, and a failing write neither hangs nor records one."""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+
+import crc32c
+import pytest
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from distckpt.integrity.checksums import new_hasher
+from distckpt.save import writer as _writer
+
+
+class _Recording:
+    """The default hasher, noting which thread hashed each piece."""
+
+    def __init__(self, threads: list[str]) -> None:
+        self._inner = new_hasher("crc32c")
+        self._threads = threads
+
+    def update(self, data) -> None:
+        self._threads.append(threading.current_thread().name)
+        self._inner.update(data)
+
+    def hexdigest(self) -> str:
+        return self._inner.hexdigest()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pieces_hashed_beside_their_write_give_the_file_s_digest(tmp_path, monkeypatch, seed):
+    # Above the 1 MiB buffer the stream's writer coalesces small pieces into.
+    monkeypatch.setattr(_writer, "BESIDE_BYTES", 2 << 20)
+    threads: list[str] = []
+    monkeypatch.setattr(_writer, "new_hasher", lambda algorithm: _Recording(threads))
+    rng = random.Random(seed)
+    pieces = [rng.randbytes(rng.choice([1, 100, 5000, 300_000, 1 << 20, 3 << 20])) for _ in range(30)]
+    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None)
+    path = tmp_path / "f.distcp"
+    with fs.create_stream(path, "wb") as stream:
+        for p in pieces:
+            stream.write(memoryview(p))
+    data = path.read_bytes()
+    assert data == b"".join(pieces)
+    assert fs.files["f.distcp"] == (len(data), f"{crc32c.crc32c(data):08x}")
+    assert any(t.startswith("distckpt-checksum") for t in threads), "no piece was hashed beside its write"
+    assert any(not t.startswith("distckpt-checksum") for t in threads), "small pieces are hashed in line"
+    timings = fs.timings.breakdown()
+    assert timings["checksum"] >= 0 and timings["io_write"] > 0
+
+
+def test_a_failing_write_of_a_large_piece_is_recorded_without_a_digest(tmp_path, monkeypatch):
+    monkeypatch.setattr(_writer, "BESIDE_BYTES", 64 << 10)
+    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None)
+    path = tmp_path / "g.distcp"
+    real_open = FileSystem.create_stream
+
+    class Full:
+        def __init__(self, raw) -> None:
+            self.raw = raw
+
+        def write(self, b):
+            if memoryview(b).nbytes >= 64 << 10:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.raw.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    from contextlib import contextmanager
+
+    @contextmanager
+    def full_stream(self, p, mode):
+        with real_open(self, p, mode) as raw:
+            yield Full(raw)
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_stream)
+    with fs.create_stream(path, "wb") as stream:
+        stream.write(b"x" * 10)
+        stream.write(memoryview(bytes(1 << 20)))
+        stream.write(b"y" * 10)
+    assert "g.distcp" not in fs.files
+    assert len(fs.errors) == 1 and fs.errors[0].errno == errno.ENOSPC and "g.distcp" in str(fs.errors[0])
