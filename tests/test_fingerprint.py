@@ -101,6 +101,38 @@ def test_block_multipliers_agree_between_python_and_torch(version):
 
 
 @pytest.mark.parametrize("version", fp.VERSIONS)
+@pytest.mark.parametrize("cached", [0, 3, None])
+def test_the_device_path_s_cached_block_multipliers(version, cached, monkeypatch):
+    # device_run_sum takes the multipliers of whole blocks from a per-device table of the first
+    # blocks (fpkernels._MULT_BLOCKS) and computes those past it: runs inside, across and past
+    # the table's end sum as the host path does. (cached=0: nothing cached, 3: a small table.)
+    if cached is not None:
+        monkeypatch.setattr(fpkernels, "_MULT_BLOCKS", {1: cached, 2: cached})
+    monkeypatch.setattr(fpkernels, "_mult_tables", {})
+    size = 1 << fpkernels._TABLE_BITS[version]
+    x = torch.randint(-128, 128, (5 * size + 11,), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    for start in (0, 1, size - 2, 2 * size + 3, (4095 << 20) - 7, (65535 << 16) + 2):
+        lazy = fpkernels.device_run_sum(x, start, version)
+        assert fpkernels.settle([lazy]) == [fpkernels.host_run_sum(x, start, version)], (cached, start)
+    if cached is None:
+        # Each op a writer thread launches costs it the GIL: a tensor of whole blocks takes its
+        # terms, their row sums, one multiply and one sum (before the table: ~30 ops).
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            ops: list[str] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        whole = x[: 4 * size]
+        with Count() as count:
+            fpkernels.device_run_sum(whole, 0, version)
+        assert len(count.ops) <= (7 if version == 1 else 12), count.ops
+
+
+@pytest.mark.parametrize("version", fp.VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.int64])
 def test_the_device_path_equals_the_host_path(dtype, version):
     # Accelerator tensors are summed by torch without synchronizing (fpkernels.device_run_sum);

@@ -137,6 +137,30 @@ def table(version: int, device: torch.device, dtype: torch.dtype | None = None) 
     return t
 
 
+#: Block multipliers kept on each device for the first blocks (tensors of up to 2**32 elements,
+#: or words for version 2, from index 0): a digest of a tensor then takes four kernels instead
+#: of ~25 (computing ``M`` with splitmix64 is ~19 small ones), and each launch costs a writer
+#: thread the GIL (a sync save's copy proof digests every tensor it copies).
+_MULT_BLOCKS = {1: 1 << 12, 2: 1 << 16}
+_mult_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _multipliers(version: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    """``M[first:last]`` as :func:`block_multipliers` gives it, on ``device``: a view of the
+    device's cached table where it covers them, else computed there (no host transfer, which
+    would synchronize the stream)."""
+    if last <= _MULT_BLOCKS[version]:
+        key = (version, device)
+        t = _mult_tables.get(key)
+        if t is None:
+            # Computed on the host and copied synchronously, as ``table`` is: kernels queued on
+            # this thread's stream could still be running when another thread's stream reads it.
+            cpu = block_multipliers(version, torch.arange(_MULT_BLOCKS[version], dtype=torch.int64))
+            t = _mult_tables[key] = cpu.to(device)
+        return t[first:last]
+    return block_multipliers(version, torch.arange(first, last, dtype=torch.int64, device=device))
+
+
 _host_tables: dict[tuple[int, str], np.ndarray] = {}
 
 
@@ -256,10 +280,10 @@ def device_run_sum(b: torch.Tensor, start: int, version: int) -> torch.Tensor:
     check_version(version)
     b, start = _words(b, start, version)
     device = b.device
-    acc = torch.zeros((), dtype=torch.int64, device=device)
     n = b.numel()
     if n == 0:
-        return acc
+        return torch.zeros((), dtype=torch.int64, device=device)
+    parts: list[torch.Tensor] = []  # added at the end: no kernel for a zero to start from
     bits_per = _TABLE_BITS[version]
     size = 1 << bits_per
     weights = table(version, device)
@@ -268,7 +292,7 @@ def device_run_sum(b: torch.Tensor, start: int, version: int) -> torch.Tensor:
     if head:  # the end of a block the run starts inside
         lo = start & (size - 1)
         terms = _device_terms(b[:head], weights[lo : lo + head], version)
-        acc += terms.sum(dtype=torch.int64) * _signed(block_multiplier(version, start >> bits_per))
+        parts.append(terms.sum(dtype=torch.int64) * _signed(block_multiplier(version, start >> bits_per)))
         pos = head
     full = (n - pos) // size
     per_group = max(1, _DEVICE_GROUP // size)
@@ -277,14 +301,15 @@ def device_run_sum(b: torch.Tensor, start: int, version: int) -> torch.Tensor:
         rows = b[pos + g0 * size : pos + g1 * size].view(g1 - g0, size)
         sums = _device_terms(rows, weights, version).sum(1, dtype=torch.int64)
         first = (start + pos) >> bits_per
-        # Built on the device: a host tensor moved there would synchronize the stream.
-        mult = block_multipliers(version, torch.arange(first + g0, first + g1, dtype=torch.int64, device=device))
-        acc += (sums * mult).sum()
+        parts.append((sums * _multipliers(version, first + g0, first + g1, device)).sum())
     pos += full * size
     if pos < n:  # the start of the block the run ends inside
         tail = n - pos
         terms = _device_terms(b[pos:], weights[:tail], version)
-        acc += terms.sum(dtype=torch.int64) * _signed(block_multiplier(version, (start + pos) >> bits_per))
+        parts.append(terms.sum(dtype=torch.int64) * _signed(block_multiplier(version, (start + pos) >> bits_per)))
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = acc + part
     return acc
 
 
