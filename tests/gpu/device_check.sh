@@ -3,8 +3,8 @@
 # Only the checkout travels: carry `.whl` holding the crc32c wheel for the machine's Python (3.12);
 # its torch (2.11) is used as is.
 #   usage: bash tests/gpu/device_check.sh [bench] [bench-disk] [tests] [probes]   (default: bench bench-disk)
-#   bench:      benchmarks/gpu.py with its scratch in /dev/shm (tmpfs), up to BENCH_TIMEOUT (300 s),
-#               with the proof's former 64 Ki-element digest calls as an A/B row
+#   bench:      benchmarks/gpu.py with its scratch in /dev/shm (tmpfs), up to BENCH_TIMEOUT (300 s);
+#               BENCH_ARGS adds options (e.g. "--parts sync --ab-proof-chunk 4194304")
 #   bench-disk: the same on the machine's disk (benchmarks/.scratch), up to DISK_TIMEOUT (250 s)
 #   tests:      the CUDA tier, up to TIER_TIMEOUT (350 s; it needs ~410 s on an H200: select with TIER)
 #   probes:     the overflow probe and the bitwise rerun of the first probe's gpu_correct.py
@@ -12,7 +12,8 @@
 # (2026-11-26) the whole tier passed in ~410 s (results/h200-2026-11-26), the benchmark's sync part
 # took 72 s on tmpfs and more than 230 s on the disk. gpu.py prints every sample as it is measured,
 # so a cut run still reports. A session has 15 minutes of device time, the machine's start included
-# (~30 s): run the default once, with timeout_s 600.
+# (~30 s): run the default once, with timeout_s 600. On one H100 (2026-11-27) the tmpfs run took
+# 209 s (with an A/B row), the disk run more than 250 s (cut in its async rows).
 set -u
 REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -40,8 +41,9 @@ if [[ " $WHAT " == *" tests "* ]]; then
 fi
 wait
 if [[ " $WHAT " == *" bench "* ]]; then
+  # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -W ignore benchmarks/gpu.py --repeats 3 --dir /dev/shm/distckpt-gpu \
-    --ab-proof-chunk 65536 --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
+    ${BENCH_ARGS:-} --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
   stamp $? "$O/bench.txt"; rm -rf /dev/shm/distckpt-gpu
 fi
 if [[ " $WHAT " == *" bench-disk "* ]]; then
