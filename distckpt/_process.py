@@ -107,6 +107,23 @@ def background_threads(thread_count: int, local_ranks: int) -> int:
     return max(1, min(thread_count, cores // max(1, local_ranks)))
 
 
+def has_spare_cores(threads: int) -> bool:
+    """Whether this host has a core for a helper thread beside each of ``threads`` busy threads
+    of every co-located rank (``LOCAL_WORLD_SIZE``, torchrun's; 1 without it). Work moved to a
+    helper thread (a checksum beside its write) only shortens a save where such a core is idle;
+    on a host whose cores the writers already fill it only adds thread switches (and takes
+    cores from training beside an async save)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return cores >= 2 * max(1, threads) * local
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused while a save or load runs in the caller's

@@ -39,7 +39,7 @@ def test_pieces_hashed_beside_their_write_give_the_file_s_digest(tmp_path, monke
     monkeypatch.setattr(_writer, "new_hasher", lambda algorithm: _Recording(threads))
     rng = random.Random(seed)
     pieces = [rng.randbytes(rng.choice([1, 100, 5000, 300_000, 1 << 20, 3 << 20])) for _ in range(30)]
-    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None)
+    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None, beside=True)
     path = tmp_path / "f.distcp"
     with fs.create_stream(path, "wb") as stream:
         for p in pieces:
@@ -55,7 +55,7 @@ def test_pieces_hashed_beside_their_write_give_the_file_s_digest(tmp_path, monke
 
 def test_a_failing_write_of_a_large_piece_is_recorded_without_a_digest(tmp_path, monkeypatch):
     monkeypatch.setattr(_writer, "BESIDE_BYTES", 64 << 10)
-    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None)
+    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None, beside=True)
     path = tmp_path / "g.distcp"
     real_open = FileSystem.create_stream
 
@@ -85,3 +85,18 @@ def test_a_failing_write_of_a_large_piece_is_recorded_without_a_digest(tmp_path,
         stream.write(b"y" * 10)
     assert "g.distcp" not in fs.files
     assert len(fs.errors) == 1 and fs.errors[0].errno == errno.ENOSPC and "g.distcp" in str(fs.errors[0])
+
+
+def test_pieces_are_hashed_beside_their_write_only_with_a_spare_core(monkeypatch):
+    # A helper thread per writer needs a core of its own: on a host the writers of every
+    # co-located rank fill, the checksum stays in line (no thread switches, no cores taken from
+    # training beside an async save).
+    from distckpt import _process
+
+    for cores, local, threads, beside in [(16, None, 8, True), (2, None, 2, False), (16, "2", 8, False), (16, "2", 4, True), (4, "x", 2, True)]:
+        monkeypatch.setattr(_process.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        if local is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert _process.has_spare_cores(threads) is beside, (cores, local, threads)

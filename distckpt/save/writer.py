@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from distckpt._process import has_spare_cores
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.checksums import Buffer, new_hasher
 from distckpt.save.d2h import PARTS as D2H_PARTS
@@ -39,7 +40,8 @@ from distckpt.storage.local_tier import LocalCopy, rename_copy
 
 _BUFFER = 1 << 20
 #: Pieces of at least this many bytes (a tensor's data: torch.save hands it over in one piece)
-#: are checksummed on a helper thread while they are written, instead of before: on a lent H100
+#: are checksummed on a helper thread while they are written, instead of before, where the host
+#: has a spare core for it (:func:`distckpt._process.has_spare_cores`): on a lent H100
 #: a sync save of 4 GB to tmpfs spent 0.43 of its 3.4 writer-thread-seconds on CRC-32C, in line
 #: with the writes. Both only read the piece; the write returns after both are done, so the
 #: digest still takes the pieces in order. Smaller pieces are not worth a thread handoff.
@@ -96,10 +98,13 @@ class _ChecksumStream(io.RawIOBase):
         sync: Callable[[WritableFile], None] | None,
         timings: WriteTimings,
         copy: LocalCopy | None = None,
+        beside: bool = False,
     ) -> None:
         """``raw``: the file (``None``: it could not be created, the error is recorded already);
         ``on_close(size, digest)`` once it is written whole; ``sync(raw)`` makes it durable;
-        ``copy``: the node-local tier's copy of the file, written alike (never failing it)."""
+        ``copy``: the node-local tier's copy of the file, written alike (never failing it);
+        ``beside``: checksum large pieces beside their write (:data:`BESIDE_BYTES`)."""
+        self._beside_ok = beside
         self._copy = copy
         self._timings = timings
         self._t_checksum = 0.0
@@ -128,7 +133,7 @@ class _ChecksumStream(io.RawIOBase):
         hashing = None
         t0 = time.perf_counter()
         if self._hasher is not None:
-            if memoryview(b).nbytes >= BESIDE_BYTES:
+            if self._beside_ok and memoryview(b).nbytes >= BESIDE_BYTES:
                 if self._beside is None:
                     self._beside = ThreadPoolExecutor(1, thread_name_prefix="distckpt-checksum")
                 hashing = self._beside.submit(self._hasher.update, b)
@@ -206,8 +211,10 @@ class _ChecksummingFS(FileSystemBase):
         algorithm: str | None,
         sync: Callable[[WritableFile], None] | None = None,
         local_dir: str | None = None,
+        beside: bool = False,
     ) -> None:
         self.inner = inner
+        self.beside = beside  # checksum large pieces beside their write (writer.BESIDE_BYTES)
         # The node-local tier's directory for this step: every file is also written there.
         self.local_dir = local_dir
         self.local_errors: list[str] = []
@@ -248,7 +255,7 @@ class _ChecksummingFS(FileSystemBase):
             on_error(exc)
             cm, raw = None, None
         copy = LocalCopy(self.local_dir, name, self.local_errors) if self.local_dir and raw is not None else None
-        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings, copy)
+        stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings, copy, self.beside)
         # torch.save writes each item in ~40 pieces, most of a few bytes: a C-level buffer in
         # front of the (Python) checksumming stream turns them into a few large writes.
         buffered = io.BufferedWriter(stream, buffer_size=_BUFFER)
@@ -347,7 +354,11 @@ class CheckpointWriter(FileSystemWriter):
         self.skip_record_crc = skip_record_crc
         self.prove_copies = prove_copies
         self.fs = _ChecksummingFS(
-            storage.dcp_filesystem(), checksum, sync=storage.sync_file if sync_files else None, local_dir=local_dir
+            storage.dcp_filesystem(),
+            checksum,
+            sync=storage.sync_file if sync_files else None,
+            local_dir=local_dir,
+            beside=has_spare_cores(thread_count),
         )
         self.path = path
 
