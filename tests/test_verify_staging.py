@@ -239,6 +239,33 @@ def test_prepare_staging_starts_the_writer_process(tmp_path, mode):
     assert writers() == []  # close() reaps it
 
 
+def test_a_writer_killed_after_prepare_staging_fails_only_the_first_save(tmp_path):
+    # prepare_staging starts the writer process before any save: killed while it waits (the OOM
+    # killer, a stray pkill), the first async save fails cleanly (nothing committed) and the
+    # next one starts a new writer, as after a writer killed between two saves.
+    import os
+    import signal
+
+    import psutil
+
+    state = {"w": torch.randn(300), "n": 1}
+    with distckpt.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.prepare_staging(state)
+        (writer,) = [c for c in psutil.Process().children() if "distckpt.save.background" in " ".join(c.cmdline())]
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(30)
+        with pytest.raises(distckpt.CheckpointError, match="writer process"):
+            ckpt.save(1, state, blocking=False)
+            ckpt.wait()
+        assert ckpt.steps() == []
+        ckpt.save(2, state, blocking=False)
+        ckpt.wait()
+        assert ckpt.steps() == [2]
+        back = {"w": torch.zeros(300), "n": 0}
+        ckpt.load(back)
+        assert torch.equal(back["w"], state["w"]) and back["n"] == 1
+
+
 def _failed_reservation(rank: int, world: int, root: str) -> dict:
     """Rank 1's background reservation fails; the next prepare_staging must say so on both ranks
     (raised on rank 1 alone, rank 0 would wait in its next collective until the timeout)."""
