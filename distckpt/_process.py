@@ -107,9 +107,10 @@ def background_threads(thread_count: int, local_ranks: int) -> int:
     return max(1, min(thread_count, cores // max(1, local_ranks)))
 
 
-def has_spare_cores(threads: int) -> bool:
+def has_spare_cores(threads: int, local_ranks: int | None = None) -> bool:
     """Whether this host has a core for a helper thread beside each of ``threads`` busy threads
-    of every co-located rank (``LOCAL_WORLD_SIZE``, torchrun's; 1 without it). Work moved to a
+    of every co-located rank (``local_ranks``; without it ``LOCAL_WORLD_SIZE``, torchrun's, else
+    1). Work moved to a
     helper thread (a checksum beside its write) only shortens a save where such a core is idle;
     on a host whose cores the writers already fill it only adds thread switches (and takes
     cores from training beside an async save)."""
@@ -117,10 +118,13 @@ def has_spare_cores(threads: int) -> bool:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
+    if local_ranks is not None:
+        local = max(1, local_ranks)
+    else:
+        try:
+            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local = 1
     return cores >= 2 * max(1, threads) * local
 
 

@@ -10,8 +10,10 @@ import threading
 
 import crc32c
 import pytest
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+import distckpt
 from distckpt.integrity.checksums import new_hasher
 from distckpt.save import writer as _writer
 
@@ -100,3 +102,39 @@ def test_pieces_are_hashed_beside_their_write_only_with_a_spare_core(monkeypatch
         else:
             monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
         assert _process.has_spare_cores(threads) is beside, (cores, local, threads)
+    # The ranks on this host, when the caller knows them, rule over the environment.
+    monkeypatch.setattr(_process.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _process.has_spare_cores(1) is True
+    assert _process.has_spare_cores(1, local_ranks=2) is False  # 2 ranks' writers fill 2 cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _process.has_spare_cores(1, local_ranks=1) is True
+
+
+def _writer_cores(rank: int, world: int, root: str) -> list:
+    """Each save's writer is told how many ranks share this host (both ranks here)."""
+    from distckpt.save import writer
+
+    asked = []
+    real = writer.has_spare_cores
+
+    def spy(threads, local_ranks=None):
+        asked.append((threads, local_ranks))
+        return real(threads, local_ranks)
+
+    writer.has_spare_cores = spy
+    with distckpt.Checkpointer(root, async_mode="thread") as ckpt:
+        ckpt.save(1, {"w": torch.randn(64)})
+        ckpt.save(2, {"w": torch.randn(64)}, blocking=False)
+        ckpt.wait()
+    return asked
+
+
+def test_the_writers_know_the_ranks_on_their_host(tmp_path, monkeypatch):
+    # Without LOCAL_WORLD_SIZE (not torchrun) the save still counts both ranks of this host, so
+    # 2 ranks of 1-2 writer threads on 2 cores keep their checksums in line.
+    from dist_harness import run_ranks
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for asked in run_ranks(_writer_cores, 2, tmp_path, str(tmp_path / "root")):
+        assert [local for _, local in asked] == [2, 2], asked

@@ -81,6 +81,7 @@ class SaveOptions:
     lease_s: float
     verify_staging: bool | str = "auto"
     local_dir: str | None = None  # this node's local tier (distckpt.storage.local_tier), if any
+    local_ranks: int = 1  # ranks of the job on this host (what a writer's helper threads share)
 
 
 @dataclass
@@ -400,6 +401,7 @@ def write(opts: SaveOptions, group: Group, prepared: Prepared, cache: PlanCache 
         skip_record_crc=opts.skip_record_crc,
         prove_copies=opts.verify_staging is not False,
         local_dir=os.path.join(opts.local_dir, step_dir(step)) if opts.local_dir else None,
+        local_ranks=opts.local_ranks,
     )
     plan = prepared.plan or PlanInput(rank=group.rank, world_size=group.world_size)
     run = SaveRun(group, writer, plan, cache, f"writing step {step} to {opts.storage.display(step_dir(step))}")

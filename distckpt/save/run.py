@@ -202,7 +202,7 @@ class SaveDriver:
     # -- one save ------------------------------------------------------------------------------
     def _save(self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
         group = self.groups.get()
-        opts = self.opts
+        opts = replace(self.opts, local_ranks=self.groups.local_ranks)  # known once the group is
         in_process = not blocking and self._writes_in_process(group)
         if in_process:
             self._start_writer(group)

@@ -324,6 +324,9 @@ class CheckpointWriter(FileSystemWriter):
         local_dir: the node-local tier's directory for this step: each file is also written
             there (:class:`~distckpt.storage.local_tier.LocalCopy`); its failures are recorded in
             ``fs.local_errors``, never raised.
+        local_ranks: the job's ranks on this host (default: ``LOCAL_WORLD_SIZE``, else 1): large
+            pieces are checksummed beside their write only where every rank's writer threads
+            leave a core per helper thread (:func:`distckpt._process.has_spare_cores`).
     """
 
     def __init__(
@@ -336,6 +339,7 @@ class CheckpointWriter(FileSystemWriter):
         skip_record_crc: bool = True,
         prove_copies: bool = True,
         local_dir: str | None = None,
+        local_ranks: int | None = None,
     ) -> None:
         # ``path`` is what the storage's DCP filesystem takes (Storage.dcp_path). Files are made
         # durable by Storage.sync_file (remote files have no fileno(), and DCP would fall back
@@ -358,7 +362,7 @@ class CheckpointWriter(FileSystemWriter):
             checksum,
             sync=storage.sync_file if sync_files else None,
             local_dir=local_dir,
-            beside=has_spare_cores(thread_count),
+            beside=has_spare_cores(thread_count, local_ranks),
         )
         self.path = path
 
