@@ -96,28 +96,28 @@ class GroupHolder:
             log.debug("releasing distckpt's process group: %s", exc)
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity; else the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def background_threads(thread_count: int, local_ranks: int) -> int:
     """Writer threads of an async save: ``thread_count``, but no more than this host's cores per
     co-located rank. A background writer competes with training for memory bandwidth and
     caches, which niceness does not share out (``benchmarks/README.md`` has the measurements)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(thread_count, cores // max(1, local_ranks)))
+    return max(1, min(thread_count, host_cores() // max(1, local_ranks)))
 
 
 def has_spare_cores(threads: int, local_ranks: int | None = None) -> bool:
     """Whether this host has a core for a helper thread beside each of ``threads`` busy threads
     of every co-located rank (``local_ranks``; without it ``LOCAL_WORLD_SIZE``, torchrun's, else
-    1). Work moved to a
-    helper thread (a checksum beside its write) only shortens a save where such a core is idle;
+    1). Work moved to a helper thread (a checksum beside its write) only shortens a save where
+    such a core is idle;
     on a host whose cores the writers already fill it only adds thread switches (and takes
     cores from training beside an async save)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
     if local_ranks is not None:
         local = max(1, local_ranks)
     else:
@@ -125,7 +125,7 @@ def has_spare_cores(threads: int, local_ranks: int | None = None) -> bool:
             local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         except ValueError:
             local = 1
-    return cores >= 2 * max(1, threads) * local
+    return host_cores() >= 2 * max(1, threads) * local
 
 
 @contextmanager

@@ -7,9 +7,12 @@ are saved bit-exactly and pass (the GPU probe that reported corruption compared 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+import crash
 import distckpt
 from dist_harness import run_ranks
 from distckpt.errors import StagingMismatchError
@@ -233,24 +236,14 @@ def test_prepare_staging_starts_the_writer_process(tmp_path, mode):
 
 
 def _writers() -> set[int]:
-    """This process's live async-save writer processes (zombies and vanished ones skipped)."""
-    import psutil
-
-    found = set()
-    for child in psutil.Process().children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "distckpt.save.background" in " ".join(child.cmdline()):
-                found.add(child.pid)
-        except psutil.Error:
-            continue
-    return found
+    """The pids of this process's live async-save writer processes."""
+    return {p.pid for p in crash._writers(os.getpid())}
 
 
 def test_a_writer_killed_after_prepare_staging_fails_only_the_first_save(tmp_path):
     # prepare_staging starts the writer process before any save: killed while it waits (the OOM
     # killer, a stray pkill), the first async save fails cleanly (nothing committed) and the
     # next one starts a new writer, as after a writer killed between two saves.
-    import os
     import signal
 
     import psutil

@@ -104,7 +104,7 @@ class _ChecksumStream(io.RawIOBase):
         ``on_close(size, digest)`` once it is written whole; ``sync(raw)`` makes it durable;
         ``copy``: the node-local tier's copy of the file, written alike (never failing it);
         ``beside``: checksum large pieces beside their write (:data:`BESIDE_BYTES`)."""
-        self._beside_ok = beside
+        self._hash_beside = beside
         self._copy = copy
         self._timings = timings
         self._t_checksum = 0.0
@@ -116,7 +116,7 @@ class _ChecksumStream(io.RawIOBase):
         self._on_error = on_error
         self._sync = sync
         self.failed = raw is None
-        self._beside: ThreadPoolExecutor | None = None  # checksums large pieces (BESIDE_BYTES)
+        self._hasher_thread: ThreadPoolExecutor | None = None  # made at the first large piece
 
     def writable(self) -> bool:
         return True
@@ -133,10 +133,10 @@ class _ChecksumStream(io.RawIOBase):
         hashing = None
         t0 = time.perf_counter()
         if self._hasher is not None:
-            if self._beside_ok and memoryview(b).nbytes >= BESIDE_BYTES:
-                if self._beside is None:
-                    self._beside = ThreadPoolExecutor(1, thread_name_prefix="distckpt-checksum")
-                hashing = self._beside.submit(self._hasher.update, b)
+            if self._hash_beside and memoryview(b).nbytes >= BESIDE_BYTES:
+                if self._hasher_thread is None:
+                    self._hasher_thread = ThreadPoolExecutor(1, thread_name_prefix="distckpt-checksum")
+                hashing = self._hasher_thread.submit(self._hasher.update, b)
             else:
                 self._hasher.update(b)
         t1 = time.perf_counter()
@@ -192,9 +192,9 @@ class _ChecksumStream(io.RawIOBase):
                     self._copy.finish()
             self._timings.add("checksum", self._t_checksum)
             self._timings.add("io_write", self._t_write)
-            if self._beside is not None:
-                self._beside.shutdown(wait=True)
-                self._beside = None
+            if self._hasher_thread is not None:
+                self._hasher_thread.shutdown(wait=True)
+                self._hasher_thread = None
         super().close()
 
 
