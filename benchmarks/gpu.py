@@ -18,14 +18,16 @@ state on its device, trains a few steps, then times, alternating methods within 
   ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` /
   ``dcp_load_s``: a load at the same world size, into the live objects, whose every bit was set
   first (untimed); the benchmark stops unless a load restored every tensor (the optimizer's step
-  counters too) bit for bit, by name; ``distckpt_sync_ab_chunk_s`` (``--ab-proof-chunk N``): the
+  counters too) bit for bit, by name (against copies kept on the GPU where it has room for them,
+  else in host memory); ``distckpt_sync_ab_chunk_s`` (``--ab-proof-chunk N``): the
   proven save again, its proof's host digest in NumPy calls of N elements;
 * ``distckpt_async_blocked_first_s`` (a new Checkpointer's first async save, after
   ``prepare_staging(state)`` was called before the training steps that precede it, as the README
-  recommends; ``distckpt_async_blocked_first_unprepared_s``: without it),
+  recommends; ``distckpt_async_blocked_first_unprepared_s``: without it, informational, with
+  ``--unprepared-repeats`` samples, 1 by default),
   ``distckpt_async_blocked_steady_s`` (its second and third), ``dcp_async_blocked_steady_s``
   (after one untimed first ``dcp.async_save`` of the process); a new prepared Checkpointer per
-  repeat, so each row has ``--repeats`` samples or more;
+  repeat, so each of these rows has ``--repeats`` samples or more;
 * ``train_ratio_distckpt`` / ``train_ratio_dcp``: training steps/s while an async save runs in the
   background over steps/s without one (the baseline never taken while ``prepare_staging`` still
   reserves memory in the background);
@@ -151,16 +153,28 @@ class Bench:
         """Host copies of the state's tensors, then every bit of the live ones set (no saved
         value is all ones: NaN payloads with every bit set do not come out of arithmetic): a
         load that skipped or misplaced anything is caught by :meth:`check_restored`. Untimed."""
-        expected = {k: t.to("cpu", copy=True) for k, t in self.named().items()}
+        keep = self.expected_device()
+        expected = {k: t.to(keep, copy=True) for k, t in self.named().items()}
         for t in self.named().values():
             _bits(t).fill_(-1)
         return expected
+
+    def expected_device(self) -> Any:
+        """Where :meth:`scrambled` keeps its copies: beside the state on the GPU when it has room
+        for them (comparing there takes milliseconds; a host copy and comparison of a 4 GB state
+        took ~10 s per load on an H100 machine, a sixth of a disk run), else host memory."""
+        torch = self.torch
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if free >= 2 * self.state_bytes + (2 << 30):  # (a load's own buffers beside them)
+                return self.device
+        return torch.device("cpu")
 
     def check_restored(self, expected: dict[str, Any], who: str) -> None:
         """Stop the benchmark unless the state equals ``expected`` bit for bit, tensor by name."""
         torch = self.torch
         now = self.named()
-        bad = [k for k in expected if k not in now or not torch.equal(_bits(now[k].cpu()), _bits(expected[k]))]
+        bad = [k for k in expected if k not in now or not torch.equal(_bits(now[k].to(expected[k].device)), _bits(expected[k]))]
         if bad or len(now) != len(expected):
             raise SystemExit(f"{who}: the load restored wrong values in {len(bad)}/{len(expected)} tensors, e.g. {bad[:3]}")
         self.tensors = self.live()  # a load may have replaced the optimizer's tensors
@@ -280,7 +294,8 @@ class Bench:
             out[key].append(value)
             self.log(f"async {key} {value:.4f}")
 
-        for _ in range(repeats):
+        # Informational (no target): each sample waits for a whole background save at close.
+        for _ in range(self.args.unprepared_repeats):
             with distckpt.Checkpointer(str(self.fresh("first")), thread_count=self.args.threads) as cold:
                 t = time.perf_counter()
                 cold.save(0, self.state(), blocking=False)
@@ -387,7 +402,8 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         return _result(b, rank, samples)
     runs = b.async_runs(args.repeats)
     samples["distckpt_async_blocked_first_s"] = runs["first"]
-    samples["distckpt_async_blocked_first_unprepared_s"] = runs["unprepared"]
+    if runs["unprepared"]:  # (--unprepared-repeats 0: no such row)
+        samples["distckpt_async_blocked_first_unprepared_s"] = runs["unprepared"]
     samples["distckpt_async_blocked_steady_s"] = runs["steady"]
     samples["dcp_async_blocked_steady_s"] = runs["dcp_steady"]
     base = statistics.median(runs["train_base"])
@@ -435,6 +451,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=None, help="training batch rows (default 8192 on a GPU, 16 on the CPU)")
     p.add_argument("--threads", type=int, default=8, help="writer/reader threads (distckpt) and parallel raw writes")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--unprepared-repeats", type=int, default=1, metavar="N",
+                   help="samples of distckpt_async_blocked_first_unprepared_s (informational, no target; each "
+                        "waits for a whole background save)")
     p.add_argument("--train-steps", type=int, default=10, help="steps per training-speed measurement")
     p.add_argument("--parts", default="sync,async", type=lambda v: set(v.split(",")),
                    help="which rows: sync (floors, sync saves, loads), async (async saves, training), or both")
@@ -444,6 +463,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dir", default=None, help="scratch directory (default: benchmarks/.scratch/gpu)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
     args = p.parse_args(argv)
+    if args.unprepared_repeats < 0:
+        p.error(f"--unprepared-repeats must be >= 0, got {args.unprepared_repeats}")
     if not args.parts or args.parts - {"sync", "async"}:
         p.error(f"--parts: a comma-separated list of sync and async, got {','.join(sorted(args.parts))!r}")
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -103,11 +104,13 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     # positive number of seconds, a median over its samples), and every target is judged.
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--size-gb", "0.02", "--repeats", "1",
-           "--train-steps", "2", "--threads", "2", "--dir", str(tmp_path / "scratch"), "--out", str(out)]  # fmt: skip
+           "--train-steps", "2", "--threads", "2", "--unprepared-repeats", "2",
+           "--dir", str(tmp_path / "scratch"), "--out", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert len(res["samples"][0]["distckpt_async_blocked_first_unprepared_s"]) == 2  # --unprepared-repeats
     assert res["device"] == "cpu" and res["state_bytes"] >= 0.5 * 0.02e9 and res["dir"] == str(tmp_path / "scratch")
     seconds = ["d2h_floor_s", "raw_write_s", "raw_write_parallel_s", "raw_read_h2d_s", "distckpt_sync_s", "dcp_sync_s", "distckpt_sync_unproven_s",
                "distckpt_load_s", "dcp_load_s", "distckpt_async_blocked_first_s", "distckpt_async_blocked_steady_s",
@@ -145,6 +148,29 @@ def test_gpu_benchmark_parts_and_the_proof_chunk_ab(tmp_path: Path) -> None:
     assert "] distckpt_sync_ab_chunk_s " in proc.stdout
     bad = subprocess.run(cmd[:2] + ["--parts", "sync,asnyc"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--parts" in bad.stderr and "asnyc" in bad.stderr
+
+def test_gpu_benchmark_stops_on_a_wrong_load(tmp_path: Path) -> None:
+    # The bit-for-bit check every timed load of gpu.py passes: copies kept where expected_device
+    # says (host memory here), a tensor left scrambled or one changed element stops the run.
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    args = argparse.Namespace(device="cpu", size_gb=0.0005, width=16, batch=4, dir=str(tmp_path / "scratch"))
+    b = gpu.Bench(args, 0)
+    assert b.expected_device().type == "cpu"
+    expected = b.scrambled()
+    with pytest.raises(SystemExit, match="wrong values in"):
+        b.check_restored(expected, "no load")
+    for k, t in b.named().items():
+        t.copy_(expected[k])
+    b.check_restored(expected, "restored")
+    w = next(t for t in b.live())
+    w.view(-1)[3] += 1
+    with pytest.raises(SystemExit, match="1/"):
+        b.check_restored(expected, "one element")
+
 
 @pytest.mark.timeout(150)
 def test_recovery_quick(tmp_path: Path) -> None:
