@@ -162,7 +162,7 @@ class Bench:
     def expected_device(self) -> Any:
         """Where :meth:`scrambled` keeps its copies: beside the state on the GPU when it has room
         for them (comparing there takes milliseconds; a host copy and comparison of a 4 GB state
-        took ~10 s per load on an H100 machine, a sixth of a disk run), else host memory."""
+        took ~5 s per load on the H100 disk runs of 2026-11-27), else host memory."""
         torch = self.torch
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
