@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,105 @@ def test_an_equal_record_with_a_wrong_digest_is_refused_even_after_its_twin_deco
     with pytest.raises(distckpt.IntegrityError, match="'b'"):
         planner.load_bytes(_item("b"), io.BytesIO(data))
     assert planner.original_state_dict["b"] is None
+
+
+# saving: one torch.save per distinct plain value ----------------------------------------------
+def _count_byte_records(monkeypatch) -> list:
+    """Every torch.save DCP's planner makes of a non-tensor item (distckpt's writer serializes
+    tensors itself), as the type of the value."""
+    from torch.distributed.checkpoint import default_planner
+
+    calls: list = []
+    real = torch.save
+    monkeypatch.setattr(default_planner.torch, "save", lambda obj, *a, **k: calls.append(type(obj)) or real(obj, *a, **k))
+    return calls
+
+
+def test_equal_hyperparameters_are_serialized_once_per_save_and_load_back(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    calls = _count_byte_records(monkeypatch)
+    with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.save(2, {"model": model, "optim": optim})
+    # get_optimizer_state_dict flattens the hyperparameters per parameter (16 parameters here).
+    per_param = len(optim.param_groups[0]) - 1  # all but "params"
+    records = 16 * per_param
+    distinct = len({distckpt.save.planner.plain_key(v) for k, v in optim.param_groups[0].items() if k != "params"})
+    assert distinct < per_param + 1 and len(calls) <= 2 * distinct + 2, (calls, records)
+    # Each key still loads its own value, with distckpt and with plain DCP.
+    fresh_model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.5, betas=(0.1, 0.2))
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh_model, "optim": fresh})
+    assert fresh.param_groups[0]["lr"] == 0.01 and fresh.param_groups[0]["betas"] == (0.8, 0.9)
+    import torch.distributed.checkpoint as dcp
+
+    plain = {"optim": {"param_groups": {"0.weight": {"lr": 0.0}, "7.bias": {"lr": 0.0, "betas": None}}}}
+    dcp.load(plain, checkpoint_id=str(tmp_path / "step_000000002"), no_dist=True)
+    assert plain["optim"]["param_groups"] == {"0.weight": {"lr": 0.01}, "7.bias": {"lr": 0.01, "betas": (0.8, 0.9)}}
+
+
+_NAN = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]  # a NaN with a payload
+
+
+def _tricky() -> dict:
+    """Values that Python calls equal (or that are NaN) but that are stored differently."""
+    values = {
+        "int": 1, "float": 1.0, "bool": True, "npfloat": np.float64(1.0), "enum": Color.RED,
+        "zero": 0.0, "negzero": -0.0, "nan": float("nan"), "payload": _NAN,
+        "tuple": (1,), "list": [1], "tuple_f": (1.0,), "str": "1", "bytes": b"1",
+        "nested": ((1, 2.0), "x"), "none": None,
+    }  # fmt: skip
+    out = {}
+    for name, value in values.items():
+        for i in range(3):
+            out[f"{name}{i}"] = value
+    # A list holding one list twice loads aliased; an equal list of two lists must not.
+    inner = [1, 2]
+    out["aliased"] = [inner, inner]
+    out["separate"] = [[1, 2], [1, 2]]
+    return out
+
+
+def _bits(v):
+    if type(v) is float:
+        return struct.pack("<d", v)
+    if type(v) in (tuple, list):
+        return type(v)(_bits(x) for x in v)
+    return v
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_values_equal_in_python_keep_their_own_type_and_bits(tmp_path, blocking):
+    saved = _tricky()
+    with distckpt.Checkpointer(tmp_path, safe_types=[Color], save_rng=False, async_mode="thread") as ckpt:
+        ckpt.save(1, {"extra": Bag(saved)}, blocking=blocking)
+        ckpt.wait()
+    state = {"extra": Bag({k: None for k in saved})}
+    with distckpt.Checkpointer(tmp_path, safe_types=[Color]) as ckpt:
+        ckpt.load(state)
+    got = state["extra"].state
+    for key, value in saved.items():
+        assert type(got[key]) is type(value), key
+        if isinstance(value, np.floating):
+            assert value.tobytes() == got[key].tobytes(), key
+        else:
+            assert _bits(got[key]) == _bits(value), key
+    assert got["aliased"][0] is got["aliased"][1]
+    assert got["separate"][0] is not got["separate"][1]
+    assert got["list0"] is not got["list1"]  # each key its own object
+
+
+def test_plain_key_tells_apart_what_is_stored_apart():
+    from distckpt.save.planner import plain_key
+
+    keys = [plain_key(v) for v in (1, 1.0, True, 0.0, -0.0, "1", b"1", (1,), [1], (1.0,), None, float("nan"), _NAN)]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert plain_key(0.1) == plain_key(0.1) and plain_key((0.9, 0.999)) == plain_key((0.9, 0.999))
+    # Not plain: subclasses, mutable containers inside containers, long or deep values.
+    for v in (np.float64(1.0), Color.RED, {"a": 1}, [[1]], ([1],), "x" * 65, 10**70, (((1,),),), list(range(65)), {1}, 1j):
+        assert plain_key(v) is None, v

@@ -8,6 +8,7 @@ digest of what it serializes (``verify_staging``). Each rank's own object; not c
 from __future__ import annotations
 
 import io
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.metadata import (
     Metadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from distckpt.state import fingerprint, statecheck
@@ -58,6 +59,42 @@ class Observed:
     staging: dict[str, int] = field(default_factory=dict)
 
 
+#: Distinct plain values whose records one save keeps for reuse (each ~1.3 KB).
+_RECORDS_KEPT = 4096
+_PLAIN_SCALARS = (type(None), bool, int, str, bytes)
+_PLAIN_LENGTH = 64  # longest tuple or list, string or bytes, and digits of an int taken
+
+
+def plain_key(value: Any, depth: int = 0) -> tuple[Any, ...] | None:
+    """A key that is equal for two values exactly when ``torch.save`` stores the same value for
+    both, for plain values only: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes`` (exact
+    types: not subclasses such as ``IntEnum`` or NumPy scalars, whose records differ), tuples of
+    them (nested at most twice) and a list of them at the top; short ones. ``None`` for anything
+    else. Types are part of the key (``1``, ``1.0`` and ``True`` are equal in Python, not on
+    disk), and floats are keyed by their bits (``0.0`` and ``-0.0`` are equal, NaNs never equal
+    themselves and carry payloads). Only immutable values sit inside a container: a list holding
+    one object twice loads as a list holding one object twice, which an equal list of two
+    distinct objects does not."""
+    kind = type(value)
+    if kind is float:
+        return (float, struct.pack("<d", value))
+    if kind in _PLAIN_SCALARS:
+        if kind is int and not -(10**_PLAIN_LENGTH) < value < 10**_PLAIN_LENGTH:
+            return None
+        if kind in (str, bytes) and len(value) > _PLAIN_LENGTH:
+            return None
+        return (kind, value)
+    if (kind is tuple and depth < 2 or kind is list and depth == 0) and len(value) <= _PLAIN_LENGTH:
+        parts = []
+        for v in value:
+            k = plain_key(v, depth + 1) if type(v) is not list else None
+            if k is None:
+                return None
+            parts.append(k)
+        return (kind, *parts)
+    return None
+
+
 class DistckptSavePlanner(DefaultSavePlanner):
     """DCP save planner whose local plan lists only what this rank writes (see module docstring).
 
@@ -74,6 +111,27 @@ class DistckptSavePlanner(DefaultSavePlanner):
         self.observe = Observe()
         self.observed = Observed()
         self._lock = threading.Lock()
+        self._records: dict[tuple[Any, ...], bytes] = {}  # see transform_object
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        """(writer threads) DCP's record of a non-tensor item (``torch.save`` of it into a
+        ``BytesIO``), made once per save for equal plain values (:func:`plain_key`) and reused:
+        an optimizer's hyper-parameters are flattened per parameter
+        (``optim.param_groups.<fqn>.lr``, ...), thousands of equal floats, tuples and flags for
+        a model with hundreds of parameters, and each ``torch.save`` costs ~0.1 ms of a writer
+        thread's time holding the GIL (benchmarks/README.md). The bytes are the ones DCP's own
+        ``transform_object`` makes for the first of them."""
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        key = plain_key(object)
+        if key is None:
+            return super().transform_object(write_item, object)
+        stored = self._records.get(key)
+        if stored is None:
+            stored = super().transform_object(write_item, object).getvalue()
+            if len(self._records) < _RECORDS_KEPT:
+                self._records[key] = stored  # one dict store: safe beside other writer threads
+        return io.BytesIO(stored)
 
     def watch(self, observe: Observe) -> None:
         """What the writer threads take of each tensor: set after planning (the plan settles
