@@ -18,7 +18,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
-if str(REPO) not in sys.path:
+
+
+
+def chosen_on_pythonpath() -> bool:
+    """Whether ``PYTHONPATH`` names a tree holding a distckpt: then that one is measured (e.g. an
+    older commit's worktree for a before/after run), not this checkout's. Putting the checkout
+    first regardless made such runs measure the checkout twice."""
+    return any((Path(p) / "distckpt" / "__init__.py").is_file() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+
+
+if str(REPO) not in sys.path and not chosen_on_pythonpath():
     sys.path.insert(0, str(REPO))
 
 MiB = 1024 * 1024

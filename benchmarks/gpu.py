@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import _common  # noqa: E402,F401 - this checkout's distckpt on the path, unless PYTHONPATH names another
 
 
 #: The phases the table shows (all are in the JSON): an async save blocks for prepare + stage.
