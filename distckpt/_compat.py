@@ -178,3 +178,36 @@ def write_torch_record(obj: object, stream: object, crc: bool) -> None:
 # chunk helper (``compute_local_shape_and_global_offset``, the block DCP writes) shards by it:
 # the save planner must count it as sharding (distckpt.state.placements.replica_dims).
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401
+
+
+# DCP's load without the public wrapper's per-value ``isinstance(value, Stateful)`` (twice per
+# value). ``Stateful`` is a runtime-checkable Protocol: each check inspects the value's class
+# statically, ~10 us; distckpt hands DCP a flat state dict, where a model with an optimizer has
+# thousands of values (9544 for 636 parameters with AdamW: 0.2 s of a ~1 s load, measured).
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: E402
+from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
+
+_NEVER_STATEFUL = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict})
+
+
+def load_flat(state_dict: dict, storage_reader: object, planner: object) -> None:
+    """``dcp.load(state_dict, storage_reader=..., planner=..., no_dist=True)``, the same calls in
+    the same order, for a flat state dict: values that are tensors (of classes without
+    ``state_dict``/``load_state_dict``) or plain built-in values skip the ``Stateful`` check; a
+    state dict holding any other value goes through ``dcp.load`` itself."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    for value in state_dict.values():
+        kind = type(value)
+        if kind in _NEVER_STATEFUL or kind is io.BytesIO:
+            continue
+        if isinstance(value, torch.Tensor) and not (hasattr(kind, "state_dict") or hasattr(kind, "load_state_dict")):
+            continue
+        if isinstance(value, Stateful):  # DCP loads it in place through its own methods
+            dcp.load(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
+            return
+    ordered = {key: state_dict[key] for key in sorted(state_dict)}  # dcp.load's order
+    _load_state_dict(state_dict=ordered, storage_reader=storage_reader, planner=planner, no_dist=True)
+    state_dict.update(ordered)  # what dcp.load does for values that are not Stateful

@@ -91,6 +91,7 @@ def test_every_private_api_resolves():
     assert [f.name for f in dataclasses.fields(_compat.StorageInfo)][:3] == ["relative_path", "offset", "length"]
     assert set(_compat.MEM_FORMAT_ENCODING.__members__) >= {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST"}
     assert _compat.StridedShard is not None
+    assert callable(_compat.load_flat) and _compat.Stateful is not None
     assert _compat.TORCH_VERSION == _release(torch.__version__)
     # object_collective_device asks torch (its fallback only guesses from the backend's name)
     import torch.distributed.distributed_c10d as c10d
@@ -179,3 +180,47 @@ def test_fsspec_filesystem_has_dcp_interface(name):
     cls = getattr(_compat, name)
     for method in ("create_stream", "concat_path", "rename", "init_path", "mkdir", "exists", "rm_file"):
         assert callable(getattr(cls, method, None)), method
+
+
+class _Counter:
+    """A stateful value inside a flat state dict: DCP loads it through its own methods."""
+
+    def __init__(self) -> None:
+        self.n = torch.zeros(3)
+        self.loaded = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+        self.loaded += 1
+
+
+def test_load_flat_is_dcp_load_without_the_stateful_checks(tmp_path, monkeypatch):
+    """load_flat loads what dcp.load loads, skips DCP's per-value Stateful check for tensors and
+    plain values, and hands a state dict holding a Stateful value to dcp.load itself."""
+    import torch.distributed.checkpoint as dcp
+
+    from distckpt import _compat
+
+    saved = {"w": torch.arange(6.0), "lr": 0.5, "betas": (0.9, 0.99), "name": "x", "c": _Counter()}
+    saved["c"].n = torch.tensor([1.0, 2.0, 3.0])
+    dcp.save(saved, checkpoint_id=str(tmp_path), no_dist=True)
+    checks = []
+    real = isinstance
+    from torch.distributed.checkpoint import state_dict_loader
+
+    for module in (_compat, state_dict_loader):  # distckpt's checks and dcp.load's own
+        monkeypatch.setattr(module, "isinstance", lambda v, t: checks.append(t) or real(v, t), raising=False)
+
+    flat = {"w": torch.zeros(6), "lr": 0.0, "betas": None, "name": ""}
+    _compat.load_flat(flat, dcp.FileSystemReader(str(tmp_path)), dcp.DefaultLoadPlanner())
+    assert torch.equal(flat["w"], torch.arange(6.0)) and flat["lr"] == 0.5 and flat["betas"] == (0.9, 0.99) and flat["name"] == "x"
+    assert _compat.Stateful not in checks
+
+    with_stateful = {"w": torch.zeros(6), "c": _Counter()}
+    _compat.load_flat(with_stateful, dcp.FileSystemReader(str(tmp_path)), dcp.DefaultLoadPlanner())
+    assert _compat.Stateful in checks  # dcp.load's own path
+    assert with_stateful["c"].loaded == 1 and torch.equal(with_stateful["c"].n, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(with_stateful["w"], torch.arange(6.0))

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from distckpt._compat import flatten_state_dict, unflatten_state_dict
+from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
 from distckpt.errors import IntegrityError, cause_of, from_causes
 from distckpt.integrity.manifest import Manifest
@@ -189,7 +188,7 @@ def read(
         with warnings.catch_warnings():
             # no_dist is chosen, not a fallback: DCP's warning that it "assumes" it would mislead.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(request, storage_reader=reader, planner=planner, no_dist=True)
+            load_flat(request, reader, planner)  # dcp.load, without its per-value Stateful checks
     except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         read_failure = cause_of(exc)
     if read_failure is None and then is not None:
