@@ -20,7 +20,6 @@ if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
 
-
 def chosen_on_pythonpath() -> bool:
     """Whether ``PYTHONPATH`` names a tree holding a distckpt: then that one is measured (e.g. an
     older commit's worktree for a before/after run), not this checkout's. Putting the checkout

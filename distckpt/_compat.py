@@ -181,11 +181,11 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 
 
 # DCP's load without the public wrapper's per-value ``isinstance(value, Stateful)`` (twice per
-# value). Added 2026-11-27 (third session), run against 2.13.0 and 2.11.0 (the CI's compat run)
-# only: 2.12 and 2.14 were not reinstalled for it (``dcp.load`` calls ``_load_state_dict`` with
-# these keywords since DCP's first release). ``Stateful`` is a runtime-checkable Protocol: each check inspects the value's class
+# value). ``Stateful`` is a runtime-checkable Protocol: each check inspects the value's class
 # statically, ~10 us; distckpt hands DCP a flat state dict, where a model with an optimizer has
 # thousands of values (9544 for 636 parameters with AdamW: 0.2 s of a ~1 s load, measured).
+# Added 2026-11-27 (third session) and run against 2.13.0 and 2.11.0 (the CI's compat run) only:
+# 2.12 and 2.14 were not reinstalled for it (2.11's ``_load_state_dict`` takes the same keywords).
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 
