@@ -28,6 +28,7 @@ seen nearby that distckpt does not depend on:
 
 from __future__ import annotations
 
+import io
 import re
 
 # DCP's flattening of nested state dicts into dotted keys, and its inverse. DCP's planners do the
@@ -189,7 +190,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 
-_NEVER_STATEFUL = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict})
+_NEVER_STATEFUL = frozenset({type(None), bool, int, float, complex, str, bytes, tuple, list, dict, io.BytesIO})
 
 
 def load_flat(state_dict: dict, storage_reader: object, planner: object) -> None:
@@ -197,13 +198,11 @@ def load_flat(state_dict: dict, storage_reader: object, planner: object) -> None
     the same order, for a flat state dict: values that are tensors (of classes without
     ``state_dict``/``load_state_dict``) or plain built-in values skip the ``Stateful`` check; a
     state dict holding any other value goes through ``dcp.load`` itself."""
-    import io
-
     import torch.distributed.checkpoint as dcp
 
     for value in state_dict.values():
         kind = type(value)
-        if kind in _NEVER_STATEFUL or kind is io.BytesIO:
+        if kind in _NEVER_STATEFUL:
             continue
         if isinstance(value, torch.Tensor) and not (hasattr(kind, "state_dict") or hasattr(kind, "load_state_dict")):
             continue

@@ -149,6 +149,7 @@ def test_gpu_benchmark_parts_and_the_proof_chunk_ab(tmp_path: Path) -> None:
     bad = subprocess.run(cmd[:2] + ["--parts", "sync,asnyc"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--parts" in bad.stderr and "asnyc" in bad.stderr
 
+
 def test_gpu_benchmark_stops_on_a_wrong_load(tmp_path: Path) -> None:
     # The bit-for-bit check every timed load of gpu.py passes: copies kept where expected_device
     # says (host memory here), a tensor left scrambled or one changed element stops the run.

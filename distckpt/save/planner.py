@@ -63,6 +63,7 @@ class Observed:
 _RECORDS_KEPT = 4096
 _PLAIN_SCALARS = (type(None), bool, int, str, bytes)
 _PLAIN_LENGTH = 64  # longest tuple or list, string or bytes, and digits of an int taken
+_PLAIN_INT = 10**_PLAIN_LENGTH
 
 
 def plain_key(value: Any, depth: int = 0) -> tuple[Any, ...] | None:
@@ -79,7 +80,7 @@ def plain_key(value: Any, depth: int = 0) -> tuple[Any, ...] | None:
     if kind is float:
         return (float, struct.pack("<d", value))
     if kind in _PLAIN_SCALARS:
-        if kind is int and not -(10**_PLAIN_LENGTH) < value < 10**_PLAIN_LENGTH:
+        if kind is int and not -_PLAIN_INT < value < _PLAIN_INT:
             return None
         if kind in (str, bytes) and len(value) > _PLAIN_LENGTH:
             return None
