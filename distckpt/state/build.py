@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distckpt.state.entries import (
     Entry,
@@ -26,7 +25,7 @@ from distckpt.state.entries import (
     optimizer_params,
 )
 from distckpt.state.scope import Declared, unwrap
-from distckpt.state.zero import ZeroOptimizerEntry
+from distckpt.state.zero import ZeroOptimizerEntry, is_zero
 
 RESERVED_PREFIX = "_"
 
@@ -64,7 +63,7 @@ def build_entries(state: Mapping[str, Any]) -> list[Entry]:
             raise TypeError(f"state[{name!r}]: optimizers follow their module; they take no PerRank/Global")
         if isinstance(obj, torch.optim.Optimizer):
             owner = _owner_of(name, obj, modules)
-            if isinstance(obj, ZeroRedundancyOptimizer):
+            if is_zero(obj):
                 entries.append(ZeroOptimizerEntry(name, obj, owner))
             else:
                 entries.append(OptimizerEntry(name, obj, owner))

@@ -12,13 +12,27 @@ Nothing here calls ``consolidate_state_dict`` or moves state between ranks.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distckpt.state.entries import _FLAT_OPTIM, ModuleEntry, OptimizerEntry, flat_param_groups, load_flat_param_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+#: The module defining ``ZeroRedundancyOptimizer``. Not imported here: ``torch.distributed.optim``
+#: scripts its functional optimizers at import, a third of a second of every process that imports
+#: distckpt (each background writer too); an instance exists only once a user imported it.
+ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+
+
+def is_zero(obj: object) -> bool:
+    """Whether ``obj`` is a ``ZeroRedundancyOptimizer`` (without importing its module)."""
+    module = sys.modules.get(ZERO_MODULE)
+    return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
 
 
 class ZeroOptimizerEntry(OptimizerEntry):
