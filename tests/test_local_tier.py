@@ -17,11 +17,13 @@ after another, each set up by rank 0 between barriers:
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import distckpt
 from dist_harness import run_ranks
@@ -375,6 +377,60 @@ def test_a_node_gets_only_the_files_its_ranks_read(tmp_path):
             assert all(f.startswith(("__2_", "__3_")) for f in data), sources  # node 1's ranks' files only
     kept = [p.name for p in (nodes / "node1" / "step_000000001").iterdir() if p.name.endswith(".distcp")]
     assert kept and all(n.startswith(("__2_", "__3_")) for n in kept), kept
+
+
+def _fsdp_adamw_body(rank: int, world: int, root: str, nodes: str, load: bool) -> tuple | None:
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    model = wrap(make_model(0), "fsdp", world)
+    optim = make_optimizer(model, "fsdp")
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
+    train_steps(model, optim, range(2), rank, world)
+    want = full_model_state(model), full_optim_state(model, optim)
+    if not load:
+        with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+            ckpt.save(1, {"model": model, "optim": optim, "sched": sched, "step": 2})
+        return None
+    fresh = wrap(make_model(1), "fsdp", world)
+    fresh_optim = make_optimizer(fresh, "fsdp")
+    state = {"model": fresh, "optim": fresh_optim, "sched": torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=3), "step": 0}
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
+        ckpt.load(state)
+        report = ckpt.last_load_report
+    assert_same(want[0], full_model_state(fresh), f"rank {rank} model")
+    assert_same(want[1], full_optim_state(fresh, fresh_optim), f"rank {rank} optim")
+    return report.tier, dict(report.sources), state["step"]
+
+
+@pytest.mark.timeout(200)
+def test_a_node_recovering_an_fsdp_state_with_an_optimizer_gets_its_share(tmp_path):
+    """With an optimizer and a scheduler (their replicated values are written by every rank), a
+    node that lost its tier is sent its ranks' files and the small files of values every rank
+    reads, never node 0's shards (it used to be sent every file of the step)."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_fsdp_adamw_body, WORLD, tmp_path, str(root), str(nodes), False, timeout=120)
+    step = root / "step_000000001"
+    sizes = {p.name: p.stat().st_size for p in step.iterdir() if p.name.endswith(".distcp")}
+    shutil.rmtree(nodes / "node1")
+    root.rename(tmp_path / "away")
+    results = run_ranks(_fsdp_adamw_body, WORLD, tmp_path, str(root), str(nodes), True, timeout=120)
+    md = pickle.loads((tmp_path / "away" / "step_000000001" / ".metadata").read_bytes())
+    sharded = {  # the files holding a shard (a chunk smaller than its tensor)
+        info.relative_path
+        for index, info in md.storage_data.items()
+        if isinstance(md.state_dict_metadata[index.fqn], TensorStorageMetadata)
+        and tuple(next(c for c in md.state_dict_metadata[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset)).sizes)
+        != tuple(md.state_dict_metadata[index.fqn].size)
+    }
+    node0 = {n for n in sizes if n.startswith(("__0_", "__1_"))}
+    assert node0 & sharded and node0 - sharded, sorted(sizes)
+    for rank, (tier, sources, value) in enumerate(results):
+        assert tier == "local" and value == 2, rank
+        if rank >= 2:
+            got = {f for f, src in sources.items() if src != "local" and f.endswith(".distcp")}
+            # Node 0's files of values every rank reads, none of node 0's shards.
+            assert got & node0 == node0 - sharded, (sorted(got), sorted(sharded))
 
 
 @pytest.mark.parametrize("checksum", ["crc32c", None])

@@ -1,17 +1,28 @@
 """Writing one rank's planned items into its data files, as DCP's ``FileSystemWriter`` does.
 
-The files are DCP's: the items split into ``thread_count`` buckets by DCP's own rule
+The files are DCP's: the items split into buckets by DCP's own rule
 (``split_by_size_and_type``), one file per bucket named ``<prefix><i>.distcp``, byte items first,
 every tensor a ``torch.save`` record, and the same :class:`WriteResult` for each item, so
-``.metadata`` and the files are those plain DCP writes and plain ``dcp.load`` reads them.
+``.metadata`` and the files are DCP's format and plain ``dcp.load`` reads them.
 
-What differs is one thing: torch.save computes a CRC-32 over every record's bytes (most of its
-CPU time; measured: benchmarks/README.md), and torch offers only a process-wide switch for it
-(``torch.serialization.set_crc32_options``). Each record is written with torch's own
-serializer (:func:`distckpt._compat.write_torch_record`: ``torch.serialization._save`` into a
-``PyTorchFileWriter``) with the CRC chosen for that one call, so distckpt can leave it out where
-its own checksum covers every byte of the file (``torch.load`` does not check it) without
-touching other ``torch.save`` calls in the process.
+Two things differ from DCP's ``FileSystemWriter``:
+
+* **Which items share a file** (:func:`buckets`). A rank that writes both items only it reads
+  back (its shards, its ZeRO partition) and items other ranks read back (non-tensor values: an
+  optimizer's hyper-parameters, the LR scheduler, plain values; and the replicated tensors
+  distckpt's planner gave it to write, such as FSDP2's step counters) writes the second kind
+  into file(s) of their own. DCP's rule deals byte items round
+  robin into every file, so every file held something every rank reads, and a load, which
+  verifies whole files, read the whole checkpoint on every rank: an FSDP2 state with AdamW at
+  world size 4 read 4x its share per rank, and a node recovering from a peer was sent every
+  file of the step. Now a rank reads its own files and the small shared ones.
+* torch.save computes a CRC-32 over every record's bytes (most of its CPU time; measured:
+  benchmarks/README.md), and torch offers only a process-wide switch for it
+  (``torch.serialization.set_crc32_options``). Each record is written with torch's own
+  serializer (:func:`distckpt._compat.write_torch_record`: ``torch.serialization._save`` into a
+  ``PyTorchFileWriter``) with the CRC chosen for that one call, so distckpt can leave it out where
+  its own checksum covers every byte of the file (``torch.load`` does not check it) without
+  touching other ``torch.save`` calls in the process.
 
 Not collective: each rank writes its own files, from ``thread_count`` threads.
 """
@@ -23,7 +34,7 @@ import io
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import IO, Protocol
 
@@ -131,6 +142,45 @@ def _write_file(
     return results
 
 
+#: Bytes of shared items (see :func:`buckets`) per file of their own, up to ``thread_count``
+#: files: mostly a few KiB of hyper-parameters (one file); a DDP model beside ZeRO's partitions,
+#: gigabytes, written and read by several threads.
+SHARED_FILE_BYTES = 64 << 20
+
+
+def item_bytes(item: WriteItem) -> int:
+    """The bytes of ``item``'s tensor chunk, from the plan (1 for a byte item: its size is not
+    known before it is serialized)."""
+    td = item.tensor_data
+    if td is None:
+        return 1
+    n = td.properties.dtype.itemsize
+    for d in td.chunk.sizes:
+        n *= int(d)
+    return n
+
+
+def buckets(items: list[WriteItem], thread_count: int, shared: Collection[str] | None = None) -> list[list[WriteItem]]:
+    """(pure) ``items`` split into the files of one rank, in file order.
+
+    Items other ranks read back too are the non-tensor values (hyper-parameters, a scheduler's
+    and the user's plain values; every rank of a ZeRO job reads every parameter's
+    hyper-parameters) and the keys in ``shared`` (a :class:`~distckpt.save.assign.PlanInput`'s
+    ``writers``: the replicated items this rank was given to write). Where a rank writes both
+    those and items only it reads (its shards), the second kind fills ``thread_count`` files by
+    DCP's rule and the first follows in files of its own (one per :data:`SHARED_FILE_BYTES`, at
+    most ``thread_count``), so that a load reading only the shared items does not read (and
+    verify) this rank's shards. Otherwise DCP's own split into ``thread_count`` files.
+    """
+    shared = shared or ()
+    common = [i for i in items if i.type == WriteItemType.BYTE_IO or i.index.fqn in shared]
+    if common and len(common) < len(items):
+        own = [i for i in items if not (i.type == WriteItemType.BYTE_IO or i.index.fqn in shared)]
+        files = max(1, min(thread_count, -(-sum(item_bytes(i) for i in common) // SHARED_FILE_BYTES)))
+        return split_by_size_and_type(thread_count, own) + split_by_size_and_type(files, common)
+    return split_by_size_and_type(thread_count, items)
+
+
 def write_items(
     fs: FileSystemBase,
     directory: str | os.PathLike,
@@ -152,7 +202,9 @@ def write_items(
     The first error of any thread is raised after all threads stopped (the file streams record
     I/O errors themselves, see :mod:`distckpt.save.writer`)."""
     jobs: queue.Queue[tuple[str | os.PathLike, str, list[WriteItem]]] = queue.Queue()
-    for i, bucket in enumerate(split_by_size_and_type(thread_count, items)):
+    plan_input = getattr(planner, "plan_input", None)  # distckpt's planner: who writes replicated items
+    shared = getattr(plan_input, "writers", None)
+    for i, bucket in enumerate(buckets(items, thread_count, shared)):
         name = f"{prefix}{i}{DCP_SUFFIX}"
         jobs.put((fs.concat_path(directory, name), name, bucket))
     results: list[WriteResult] = []
