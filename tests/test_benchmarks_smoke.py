@@ -74,6 +74,16 @@ def test_zero_memory_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_read_share_quick(tmp_path: Path) -> None:
+    res = _run("read_share.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    assert set(res["methods"]) == {"distckpt_load", "dcp_load"}
+    for v in res["methods"].values():
+        assert v["time_s"] > 0 and len(v["read_mib_per_rank"]) == 2
+    assert res["files"] > 2 and all(s > 0 for s in res["share_bytes_per_rank"])
+    assert [t["target"] for t in res["targets"]] == ["distckpt_read_vs_share"]
+
+
+@pytest.mark.timeout(150)
 def test_hf_load_quick(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     res = _run("hf_load.py", tmp_path, "--dir", str(tmp_path / "scratch"))
