@@ -13,6 +13,16 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 11))
 
 
+def make_wide_model(seed: int = 0) -> nn.Module:
+    """:func:`make_model`'s inputs and outputs, with four 500x500 layers between: ~4 MB of
+    parameters, so that each of 4 ranks holds megabytes of shards or of a ZeRO partition."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(10, 500), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(500, 500), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(500, 11))
+
+
 def _ddp(model: nn.Module) -> nn.Module:
     ddp = nn.parallel.DistributedDataParallel(model)
     # DDP re-orders its gradient buckets after the first backward, which changes the float

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import distckpt
 from dist_harness import run_ranks
 from distckpt.storage import local_tier
-from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
+from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, make_wide_model, train_steps, wrap
 
 pytestmark = [pytest.mark.xdist_group("local_tier"), pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")]
 WORLD = 4
@@ -383,7 +383,7 @@ def _fsdp_adamw_body(rank: int, world: int, root: str, nodes: str, load: bool) -
     import torch
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    model = wrap(make_model(0), "fsdp", world)
+    model = wrap(make_wide_model(0), "fsdp", world)
     optim = make_optimizer(model, "fsdp")
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
     train_steps(model, optim, range(2), rank, world)
@@ -392,7 +392,7 @@ def _fsdp_adamw_body(rank: int, world: int, root: str, nodes: str, load: bool) -
         with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:
             ckpt.save(1, {"model": model, "optim": optim, "sched": sched, "step": 2})
         return None
-    fresh = wrap(make_model(1), "fsdp", world)
+    fresh = wrap(make_wide_model(1), "fsdp", world)
     fresh_optim = make_optimizer(fresh, "fsdp")
     state = {"model": fresh, "optim": fresh_optim, "sched": torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=3), "step": 0}
     with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank)) as ckpt:

@@ -25,7 +25,7 @@ from dist_harness import run_ranks
 from distckpt.integrity.manifest import step_dir
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.save import records
-from models import assert_same, full_model_state, full_optim_state, make_model, make_optimizer, train_steps, wrap
+from models import assert_same, full_model_state, full_optim_state, make_optimizer, make_wide_model, train_steps, wrap
 
 
 # -- the split ----------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def _keys(files: list[list[WriteItem]]) -> list[set[str]]:
 
 
 def test_shared_items_get_files_of_their_own_only_beside_own_items():
-    own = [_item(f"model.w{i}", 4096) for i in range(4)]
+    own = [_item(f"model.w{i}", 1 << 20) for i in range(4)]
     hyper = [_item(f"optim.param_groups.w{i}.lr", None) for i in range(4)] + [_item("optim.state.w0.step", 4)]
     shared = {i.index.fqn for i in hyper}
     files = records.buckets(own + hyper, 2, shared)
@@ -61,20 +61,29 @@ def test_shared_items_get_files_of_their_own_only_beside_own_items():
     # Without the planner's writers, non-tensor values still leave the files of shards; a
     # replicated tensor (the step counter) is then not known as such.
     assert _keys(records.buckets(own + hyper, 2, None))[2] == shared - {"optim.state.w0.step"}
+    # No empty file where the own items are fewer than the threads.
+    files = records.buckets(own[:1] + hyper, 4, shared)
+    assert [len(f) for f in files] == [1, len(hyper)]
+    # Own items below OWN_FILE_MIN_BYTES (a DDP rank's RNG state): DCP's split, no file more.
+    rng = [_item("_rng.rank_0.torch", 5000)]
+    assert _keys(records.buckets(rng + hyper, 2, shared)) == _keys(records.split_by_size_and_type(2, rng + hyper))
 
 
 def test_large_shared_items_are_spread_over_up_to_thread_count_files(monkeypatch):
     monkeypatch.setattr(records, "SHARED_FILE_BYTES", 1000)
-    own = [_item("zero.w0", 4000)]
+    monkeypatch.setattr(records, "OWN_FILE_MIN_BYTES", 1000)
+    own = [_item(f"zero.w{i}", 4000) for i in range(4)]
     big = [_item(f"model.p{i}", 800) for i in range(10)]  # 8000 bytes: 8 files' worth, capped at 4
     files = records.buckets(own + big, 4, {i.index.fqn for i in big})
-    assert len(files) == 8 and all(files[4:])
+    assert len(files) == 8 and all(files)
     assert set().union(*_keys(files[4:])) == {i.index.fqn for i in big}
+    files = records.buckets(own + big[:2], 4, {i.index.fqn for i in big})  # 2 items: 2 files at most
+    assert len(files) == 6 and all(files)
 
 
 # -- what a load reads ----------------------------------------------------------------------------
 def _body(rank: int, world: int, root: str, parallel: str, mode: str) -> dict:
-    model = wrap(make_model(0), parallel, world)
+    model = wrap(make_wide_model(0), parallel, world)
     optim = make_optimizer(model, parallel)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
     train_steps(model, optim, range(2), rank, world)
@@ -83,7 +92,7 @@ def _body(rank: int, world: int, root: str, parallel: str, mode: str) -> dict:
         ckpt.wait()
     want_model, want_optim = full_model_state(model), full_optim_state(model, optim)
 
-    fresh = wrap(make_model(1), parallel, world)
+    fresh = wrap(make_wide_model(1), parallel, world)
     fresh_optim = make_optimizer(fresh, parallel)
     fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=3)
     opened: list[str] = []

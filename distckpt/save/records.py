@@ -146,6 +146,9 @@ def _write_file(
 #: files: mostly a few KiB of hyper-parameters (one file); a DDP model beside ZeRO's partitions,
 #: gigabytes, written and read by several threads.
 SHARED_FILE_BYTES = 64 << 20
+#: Below this many bytes of its own items (a DDP rank's RNG state), a rank's items share files as
+#: DCP splits them: what the other ranks then read needlessly costs less than a file more.
+OWN_FILE_MIN_BYTES = 1 << 20
 
 
 def item_bytes(item: WriteItem) -> int:
@@ -167,17 +170,18 @@ def buckets(items: list[WriteItem], thread_count: int, shared: Collection[str] |
     and the user's plain values; every rank of a ZeRO job reads every parameter's
     hyper-parameters) and the keys in ``shared`` (a :class:`~distckpt.save.assign.PlanInput`'s
     ``writers``: the replicated items this rank was given to write). Where a rank writes both
-    those and items only it reads (its shards), the second kind fills ``thread_count`` files by
-    DCP's rule and the first follows in files of its own (one per :data:`SHARED_FILE_BYTES`, at
-    most ``thread_count``), so that a load reading only the shared items does not read (and
-    verify) this rank's shards. Otherwise DCP's own split into ``thread_count`` files.
+    those and at least :data:`OWN_FILE_MIN_BYTES` of items only it reads (its shards), the second
+    kind fills ``thread_count`` files by DCP's rule (fewer if it has fewer items) and the first
+    follows in files of its own (one per :data:`SHARED_FILE_BYTES`, at most ``thread_count``), so
+    that a load reading only the shared items does not read (and verify) this rank's shards.
+    Otherwise DCP's own split into ``thread_count`` files.
     """
     shared = shared or ()
     common = [i for i in items if i.type == WriteItemType.BYTE_IO or i.index.fqn in shared]
-    if common and len(common) < len(items):
-        own = [i for i in items if not (i.type == WriteItemType.BYTE_IO or i.index.fqn in shared)]
-        files = max(1, min(thread_count, -(-sum(item_bytes(i) for i in common) // SHARED_FILE_BYTES)))
-        return split_by_size_and_type(thread_count, own) + split_by_size_and_type(files, common)
+    own = [i for i in items if not (i.type == WriteItemType.BYTE_IO or i.index.fqn in shared)]
+    if common and sum(item_bytes(i) for i in own) >= OWN_FILE_MIN_BYTES:
+        files = max(1, min(thread_count, len(common), -(-sum(item_bytes(i) for i in common) // SHARED_FILE_BYTES)))
+        return split_by_size_and_type(min(thread_count, len(own)), own) + split_by_size_and_type(files, common)
     return split_by_size_and_type(thread_count, items)
 
 
