@@ -3,8 +3,10 @@ the persistent root, and what the tier costs a training job.
 
 Four ranks as two simulated nodes of two (``LOCAL_WORLD_SIZE=2``; each node's ``local_dir`` in
 ``/dev/shm``), a transformer-like fp32 state (default 1 GiB in all) sharded over the four ranks as
-DTensors (``Shard(0)``, as FSDP2 shards), one run; each repetition alternates the methods and
-every figure is the median over ``--repeats`` (>= 3) repetitions:
+DTensors (``Shard(0)``, as FSDP2 shards) and, unless ``--no-values``, the plain values an
+optimizer and a scheduler add (per-parameter hyper-parameters, a step: written once by some rank
+and read back by every rank), one run; each repetition alternates the methods and every figure
+is the median over ``--repeats`` (>= 3) repetitions:
 
 * ``recover_local_s``: ``load`` on every rank from the node's own tier (nothing transferred);
 * ``recover_peer_s``: the same after node 1's tier was wiped (a lost node): node 1's files come
@@ -54,6 +56,14 @@ PER_NODE = 2
 TARGETS = {"peer_vs_s3": 5.0, "peer_vs_disk_cold": 2.0, "blocked_with_vs_without": 1.10, "train_ratio": 0.97}
 
 
+def _values(keys: list[str], lr: float = 1e-3) -> dict[str, Any]:
+    """What an optimizer and a scheduler add beside the tensors (``--values``): hyper-parameters
+    per parameter, as DCP's flat optimizer state holds them, and a step. Each is written once,
+    by some rank, and every rank reads them all back."""
+    hyper = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "maximize": False}
+    return {"hyper": {k: dict(hyper) for k in keys}, "sched": {"last_epoch": 100, "base_lrs": [lr]}, "step": 100}
+
+
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = str(PER_NODE)
     import torch
@@ -74,7 +84,9 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         d = distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None)
         shards[k] = DTensor.from_local(d.to_local().clone(), mesh, [Shard(0)], run_check=False, shape=d.shape, stride=d.stride())
         del v, d
-    state = {"model": shards}
+    state: dict[str, Any] = {"model": shards}
+    if cfg["values"]:
+        state.update(_values(list(shards)))
     scratch = Path(cfg["dir"])
     shm = Path(cfg["shm"])
     node = rank // PER_NODE
@@ -124,7 +136,9 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
 
     # The first load of a process pays one-off costs (imports, first reads): untimed, here.
-    warm = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+    warm: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+    if cfg["values"]:
+        warm.update(_values(list(shards), lr=0.0))
     with distckpt.Checkpointer(str(root)) as ck:
         ck.load(warm, step=0)
     del warm
@@ -160,6 +174,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             order.reverse()
         for what in order:
             fresh = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+            if cfg["values"]:
+                fresh.update(_values(list(shards), lr=0.0))
             if what == "local":
                 ck = distckpt.Checkpointer(str(root), local_dir=str(tier))
             elif what == "peer":
@@ -183,6 +199,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 if not torch.equal(fresh["model"][k].to_local() if hasattr(fresh["model"][k], "to_local") else fresh["model"][k], v.to_local()):
                     raise AssertionError(f"recover_{what}: {k} differs from the saved state")
                 break
+            if cfg["values"] and fresh["hyper"] != _values(list(shards))["hyper"]:
+                raise AssertionError(f"recover_{what}: the hyper-parameters differ from the saved ones")
     for ck in (with_tier, without, s3_ck):
         if ck is not None:
             ck.close()
@@ -242,6 +260,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="include the S3 row (moto)")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (16 MiB, 1 repetition)")
+    p.add_argument(
+        "--values", action=argparse.BooleanOptionalAction, default=True,
+        help="the state also holds an optimizer's and a scheduler's plain values (written once, read by every rank)",
+    )  # fmt: skip
     p.add_argument("--dir", default=None, help="scratch directory on disk (default benchmarks/.scratch)")
     p.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
     args = p.parse_args(argv)
@@ -266,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_batch": 16 if args.quick else 64,
         # --quick (the suite's smoke run) writes from threads: 8 writer processes would be most of its time.
         "async_mode": "thread" if args.quick else "process",
+        "values": args.values,
     }
     try:
         if args.s3:
@@ -288,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "recovery",
         "machine": machine_info(),
-        "config": {"world_size": WORLD, "nodes": WORLD // PER_NODE, "state_bytes": cfg["size_bytes"], "repeats": args.repeats, "s3": args.s3, "local_dir": str(shm_base)},
+        "config": {"world_size": WORLD, "nodes": WORLD // PER_NODE, "state_bytes": cfg["size_bytes"], "repeats": args.repeats, "s3": args.s3, "local_dir": str(shm_base), "values": args.values},
         "rows": rows,
         "targets": targets(rows),
         "wall_s": round(wall, 1),
