@@ -11,11 +11,11 @@ Two things differ from DCP's ``FileSystemWriter``:
   back (its shards, its ZeRO partition) and items other ranks read back (non-tensor values: an
   optimizer's hyper-parameters, the LR scheduler, plain values; and the replicated tensors
   distckpt's planner gave it to write, such as FSDP2's step counters) writes the second kind
-  into file(s) of their own. DCP's rule deals byte items round
-  robin into every file, so every file held something every rank reads, and a load, which
-  verifies whole files, read the whole checkpoint on every rank: an FSDP2 state with AdamW at
-  world size 4 read 4x its share per rank, and a node recovering from a peer was sent every
-  file of the step. Now a rank reads its own files and the small shared ones.
+  into file(s) of their own. DCP's rule deals byte items round robin into every file, so every
+  file held something every rank reads, and a load, which verifies whole files, read the whole
+  checkpoint on every rank: an FSDP2 state with AdamW at world size 4 read 4x its share per
+  rank, and a node recovering from a peer was sent every file of the step. Now a rank reads its
+  own files and the small shared ones.
 * torch.save computes a CRC-32 over every record's bytes (most of its CPU time; measured:
   benchmarks/README.md), and torch offers only a process-wide switch for it
   (``torch.serialization.set_crc32_options``). Each record is written with torch's own
