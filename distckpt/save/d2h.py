@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from distckpt.errors import StagingMismatchError
 from distckpt.save.staging import staging_digest
 from distckpt.state import fpkernels
+from distckpt.state.shape import numel
 
 #: Pinned host memory per writer thread for the copies ahead of it. Large enough that copies of
 #: the next tensors overlap the write of the current one at disk speeds; torch's caching host
@@ -321,18 +322,17 @@ def host_tensors(
                 timings.add(part, dt)
 
 
+def item_bytes(item: WriteItem) -> int:
+    """The bytes of ``item``'s tensor chunk, from the plan, without resolving it (1 for a byte
+    item: its size is not known before it is serialized)."""
+    td = item.tensor_data
+    return 1 if td is None else numel(td.chunk.sizes) * td.properties.dtype.itemsize
+
+
 def _planned_bytes(items: list[WriteItem]) -> int:
     """The bytes of ``items``' tensors, from the plan (without resolving them), each rounded up
     to the ring's alignment."""
-    total = 0
-    for item in items:
-        td = item.tensor_data
-        if td is not None:
-            n = td.properties.dtype.itemsize
-            for d in td.chunk.sizes:
-                n *= int(d)
-            total += Ring.room(n)
-    return total
+    return sum(Ring.room(item_bytes(item)) for item in items if item.tensor_data is not None)
 
 
 def _digest_beside(checker: ThreadPoolExecutor, host: torch.Tensor) -> Future[int | torch.Tensor]:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from distckpt._compat import StorageInfo, split_by_size_and_type, write_torch_record
-from distckpt.save.d2h import Timings, caller_streams, follow, host_tensors
+from distckpt.save.d2h import Timings, caller_streams, follow, host_tensors, item_bytes
 
 DCP_SUFFIX = ".distcp"
 
@@ -151,18 +151,6 @@ SHARED_FILE_BYTES = 64 << 20
 OWN_FILE_MIN_BYTES = 1 << 20
 
 
-def item_bytes(item: WriteItem) -> int:
-    """The bytes of ``item``'s tensor chunk, from the plan (1 for a byte item: its size is not
-    known before it is serialized)."""
-    td = item.tensor_data
-    if td is None:
-        return 1
-    n = td.properties.dtype.itemsize
-    for d in td.chunk.sizes:
-        n *= int(d)
-    return n
-
-
 def buckets(items: list[WriteItem], thread_count: int, shared: Collection[str] | None = None) -> list[list[WriteItem]]:
     """(pure) ``items`` split into the files of one rank, in file order.
 
@@ -177,8 +165,10 @@ def buckets(items: list[WriteItem], thread_count: int, shared: Collection[str] |
     Otherwise DCP's own split into ``thread_count`` files.
     """
     shared = shared or ()
-    common = [i for i in items if i.type == WriteItemType.BYTE_IO or i.index.fqn in shared]
-    own = [i for i in items if not (i.type == WriteItemType.BYTE_IO or i.index.fqn in shared)]
+    common: list[WriteItem] = []
+    own: list[WriteItem] = []
+    for item in items:
+        (common if item.type == WriteItemType.BYTE_IO or item.index.fqn in shared else own).append(item)
     if common and sum(item_bytes(i) for i in own) >= OWN_FILE_MIN_BYTES:
         files = max(1, min(thread_count, len(common), -(-sum(item_bytes(i) for i in common) // SHARED_FILE_BYTES)))
         return split_by_size_and_type(min(thread_count, len(own)), own) + split_by_size_and_type(files, common)
