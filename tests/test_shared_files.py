@@ -10,15 +10,12 @@ values into files of their own (:func:`distckpt.save.records.buckets`).
 
 from __future__ import annotations
 
-import pickle
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
 
 import distckpt
 from dist_harness import run_ranks
@@ -26,6 +23,7 @@ from distckpt.integrity.manifest import step_dir
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.save import records
 from models import assert_same, full_model_state, full_optim_state, make_optimizer, make_wide_model, train_steps, wrap
+from step_layout import keys_by_file
 
 
 # -- the split ----------------------------------------------------------------------------------
@@ -115,22 +113,6 @@ def _body(rank: int, world: int, root: str, parallel: str, mode: str) -> dict:
     return {"opened": sorted(set(opened))}
 
 
-def _by_file(step: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """file -> every key it stores, and file -> the keys of the tensor chunks it stores that are
-    not the whole tensor (shards)."""
-    md = pickle.loads((step / ".metadata").read_bytes())
-    keys: dict[str, set[str]] = {}
-    shards: dict[str, set[str]] = {}
-    for index, info in md.storage_data.items():
-        meta = md.state_dict_metadata[index.fqn]
-        keys.setdefault(info.relative_path, set()).add(index.fqn)
-        if isinstance(meta, TensorStorageMetadata) and not isinstance(meta, BytesStorageMetadata):
-            chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
-            if tuple(chunk.sizes) != tuple(meta.size):
-                shards.setdefault(info.relative_path, set()).add(index.fqn)
-    return keys, shards
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("parallel,mode", [("fsdp", "sync"), ("fsdp", "async"), ("zero", "sync")])
 def test_each_rank_reads_its_own_files_and_the_shared_ones_only(tmp_path, parallel, mode):
@@ -139,7 +121,7 @@ def test_each_rank_reads_its_own_files_and_the_shared_ones_only(tmp_path, parall
     step = tmp_path / "root" / step_dir(1)
     data = sorted(p.name for p in step.iterdir() if p.name.endswith(".distcp"))
     assert all(re.fullmatch(r"__\d+_\d+\.distcp", n) for n in data)
-    keys, shards = _by_file(step)
+    keys, shards = keys_by_file(step)
     for rank, res in enumerate(results):
         others = [n for n in res["opened"] if n.endswith(".distcp") and not n.startswith(f"__{rank}_")]
         assert others, rank  # the values other ranks wrote (hyper-parameters, the scheduler, ...)
