@@ -87,6 +87,14 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {"model": shards}
     if cfg["values"]:
         state.update(_values(list(shards)))
+
+    def blank() -> dict[str, Any]:
+        """A state of the same structure to load into: zeros, and values other than the saved."""
+        out: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
+        if cfg["values"]:
+            out.update(_values(list(shards), lr=0.0))
+        return out
+
     scratch = Path(cfg["dir"])
     shm = Path(cfg["shm"])
     node = rank // PER_NODE
@@ -136,9 +144,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
 
     # The first load of a process pays one-off costs (imports, first reads): untimed, here.
-    warm: dict[str, Any] = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
-    if cfg["values"]:
-        warm.update(_values(list(shards), lr=0.0))
+    warm = blank()
     with distckpt.Checkpointer(str(root)) as ck:
         ck.load(warm, step=0)
     del warm
@@ -173,9 +179,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if rep % 2:
             order.reverse()
         for what in order:
-            fresh = {"model": {k: torch.zeros_like(v) for k, v in shards.items()}}
-            if cfg["values"]:
-                fresh.update(_values(list(shards), lr=0.0))
+            fresh = blank()
             if what == "local":
                 ck = distckpt.Checkpointer(str(root), local_dir=str(tier))
             elif what == "peer":
@@ -199,7 +203,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 if not torch.equal(fresh["model"][k].to_local() if hasattr(fresh["model"][k], "to_local") else fresh["model"][k], v.to_local()):
                     raise AssertionError(f"recover_{what}: {k} differs from the saved state")
                 break
-            if cfg["values"] and fresh["hyper"] != _values(list(shards))["hyper"]:
+            if cfg["values"] and fresh["hyper"] != state["hyper"]:
                 raise AssertionError(f"recover_{what}: the hyper-parameters differ from the saved ones")
     for ck in (with_tier, without, s3_ck):
         if ck is not None:
