@@ -17,7 +17,12 @@ is the median over ``--repeats`` (>= 3) repetitions:
 * ``save_blocked_with_tier_s`` / ``save_blocked_without_tier_s``: how long an async save blocks
   training with and without the tier (a warm checkpointer: staging buffers and writer reused);
 * ``train_ratio_with_tier``: steps/s of a small DDP model while an async save with the tier is in
-  flight (writer, tee, manifest and peer transfer) over steps/s while one without it is.
+  flight (writer, tee, manifest and peer transfer) over steps/s while one without it is;
+* ``wire_peer_warm_s`` / ``wire_peer_fresh_s``: the floor under the peer row's transfer, measured
+  in the same run: plain gloo point-to-point, each rank of node 0 sending one rank's share of the
+  state (``size / world`` bytes, in the transfer's pieces) to its peer on node 1, received into
+  memory already touched (what receiving into the load's destination tensors would cost) and into
+  freshly allocated memory (what landing the bytes in new pages costs, a tier file or a buffer).
 
 Targets (issue 33, this 2-core machine): peer recovery >= 5x faster than S3 and >= 2x faster than
 the cold disk; the tier adds <= 10% to the blocked time and costs training <= 3% steps/s.
@@ -116,6 +121,23 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             fn()
         barrier()
 
+    from distckpt.storage.transfer import PIECE
+
+    share = int(cfg["size_bytes"]) // world
+    peer = (rank + PER_NODE) % world
+    # Node 0: the bytes it sends (resident, like its tier files); node 1: memory touched before.
+    sent = torch.ones(share, dtype=torch.uint8) if node == 0 else None
+    warm_into = torch.zeros(share, dtype=torch.uint8) if node == 1 else None
+
+    def wire(into: torch.Tensor | None) -> None:
+        """One rank's share from each rank of node 0 to its peer on node 1, in the transfer's
+        pieces; node 1 receives into ``into`` (``None``: memory allocated now, never touched)."""
+        buf = sent if sent is not None else (into if into is not None else torch.empty(share, dtype=torch.uint8))
+        op = dist.isend if node == 0 else dist.irecv
+        ops = [dist.P2POp(op, buf[o : o + PIECE], peer) for o in range(0, share, PIECE)]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
     root, tier = scratch / "root", shm / f"node{node}"
     mode = cfg["async_mode"]
     with_tier = distckpt.Checkpointer(str(root), local_dir=str(tier), keep_last=2, async_mode=mode)
@@ -205,6 +227,9 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 break
             if cfg["values"] and fresh["hyper"] != state["hyper"]:
                 raise AssertionError(f"recover_{what}: the hyper-parameters differ from the saved ones")
+        # -- the wire's floor under the peer row ------------------------------------------------
+        for what in ("warm", "fresh") if rep % 2 == 0 else ("fresh", "warm"):
+            timed(rep, f"wire_peer_{what}", lambda: wire(warm_into if what == "warm" else None))
     for ck in (with_tier, without, s3_ck):
         if ck is not None:
             ck.close()
@@ -239,6 +264,8 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "save_blocked_with_tier_s": worst_blocked("save_blocked_with_tier"),
         "save_blocked_without_tier_s": worst_blocked("save_blocked_without_tier"),
         "train_ratio_with_tier": (with_s / without_s) if with_s and without_s else None,
+        "wire_peer_warm_s": med("wire_peer_warm"),
+        "wire_peer_fresh_s": med("wire_peer_fresh"),
     }
 
 

@@ -189,7 +189,7 @@ def test_recovery_quick(tmp_path: Path) -> None:
     res = _run("recovery.py", tmp_path, "--dir", str(tmp_path / "scratch"))
     rows = res["rows"]
     for name in ("recover_local_s", "recover_peer_s", "recover_disk_cold_s", "recover_s3_s", "save_blocked_with_tier_s",
-                 "save_blocked_without_tier_s", "train_ratio_with_tier"):  # fmt: skip
+                 "save_blocked_without_tier_s", "train_ratio_with_tier", "wire_peer_warm_s", "wire_peer_fresh_s"):  # fmt: skip
         assert rows[name] is not None and rows[name] > 0, name
     assert {t["name"] for t in res["targets"]} == {"peer_vs_s3", "peer_vs_disk_cold", "blocked_with_vs_without", "train_ratio"}
     assert res["config"]["world_size"] == 4 and res["config"]["nodes"] == 2
