@@ -31,6 +31,9 @@ Behaviour:
   included); at another world size (``--dropout 0``) they agree to floating-point reduction order.
 * SIGTERM or SIGUSR1 on any rank: every rank finishes its step, saves synchronously and exits 0.
   ``torchrun`` forwards SIGTERM; add SIGUSR1 to ``--signals-to-handle`` for SLURM's warning.
+* ``--local-dir /dev/shm/JOB`` (the same path on every node): every committed step is also kept
+  in that node-local directory and each rank's files on the next node; a restart after a lost
+  node (its directory empty) resumes from the peers' copies without reading the root, and says so.
 * ``--log-file``: one JSON line per step from rank 0, ``{"step", "loss", "world_size"}`` (loss
   averaged over all ranks), appended across restarts (after a crash, steps since the last
   checkpoint appear again; the later line wins). Rank 0 prints steps/s and each save's blocking
@@ -72,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=100, help="save every K steps (and always at the last)")
     p.add_argument("--async", dest="async_save", action="store_true", help="save periodic checkpoints asynchronously")
     p.add_argument("--keep-last", type=int, default=None, help="keep only the newest k checkpoints")
+    p.add_argument(
+        "--local-dir", default=None,
+        help="fast recovery tier: a node-local directory (a tmpfs such as /dev/shm/JOB) that keeps every "
+        "committed step, its files also copied to the next node; a restart resumes from it (or from a peer "
+        "node's copy after a lost node) before reading the checkpoint root",
+    )  # fmt: skip
+    p.add_argument("--local-keep", type=int, default=2, help="committed steps the fast recovery tier keeps per node")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--device",
@@ -217,12 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed * 1_000_003 + 1 + rank)  # per-rank dropout stream (restored on resume)
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}
 
-    ckpt = distckpt.Checkpointer(args.ckpt_dir, keep_last=args.keep_last)
+    ckpt = distckpt.Checkpointer(args.ckpt_dir, keep_last=args.keep_last, local_dir=args.local_dir, local_keep=args.local_keep)
     n_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
     try:
         t = time.perf_counter()
         step = ckpt.load(state)
-        say(f"resumed from step {step} of {args.ckpt_dir} at world size {world} in {time.perf_counter() - t:.2f}s")
+        report = ckpt.last_load_report
+        tier = report is not None and report.tier == "local"
+        say(
+            f"resumed from step {step} of {args.ckpt_dir} at world size {world} in {time.perf_counter() - t:.2f}s"
+            + (" (from the local tier)" if tier else "")
+        )
+        fetched = [f for f, source in report.sources.items() if source != "local"] if tier and report is not None else []
+        if fetched and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node that lost its copy
+            print(f"[train] rank {rank}: {len(fetched)} file(s) of step {step} fetched from a peer node", flush=True)
     except FileNotFoundError:
         step = 0
         say(f"no checkpoint in {args.ckpt_dir}: starting from scratch")

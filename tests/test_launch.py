@@ -8,6 +8,9 @@ model is tiny: spawning torchrun and importing torch dominates the cost.
   resuming from one of the reference's asynchronous checkpoints is bit-identical too.
 * ZeRO, dropout 0.1: two torchrun agents rendezvous on 127.0.0.1 as two nodes; SIGUSR1 to one
   worker stops both nodes cleanly (exit 0); the checkpoint resumes on one node, bit for bit.
+* FSDP2, dropout 0.1, ``--local-dir`` per node: both nodes killed, one node's directory wiped and
+  the root moved away; the restarted job resumes from the other node's tier and its peer copies,
+  bit for bit.
 """
 
 from __future__ import annotations
@@ -238,6 +241,63 @@ def test_two_node_rendezvous_sigusr1_then_one_node(tmp_path: Path) -> None:
     text = run(2, [*ZERO, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--log-file", str(resumed_log)], tmp_path / "resumed.txt")
     assert f"resumed from step {last}" in text
     assert_continues(ref, losses(resumed_log), last, rel=0)  # dropout RNG restored per rank
+
+
+# FSDP2 with dropout and the fast recovery tier: a node lost, the root gone, resumed from the peer
+TIER = ["--parallel", "fsdp", "--dropout", "0.1", "--save-every", "5", "--async"]
+
+
+def test_two_nodes_lose_one_and_resume_from_its_peer_without_the_root(tmp_path: Path) -> None:
+    """Two torchrun agents as two nodes, each with its own ``--local-dir``. Both are killed
+    (SIGKILL, node 1 first: a lost node), node 1's directory is wiped and the root moved away;
+    restarted, the job resumes from node 0's tier and node 0's copies of node 1's files, and the
+    steps after the resumed one repeat the killed run's losses bit for bit."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    tiers = [tmp_path / f"tier{n}" for n in (0, 1)]
+
+    def agents(port: int, steps: str, extra: list[str], tag: str) -> tuple[list[subprocess.Popen], list[Path]]:
+        outs = [tmp_path / f"{tag}{n}.txt" for n in (0, 1)]
+        procs = [
+            _torchrun(
+                ["--nnodes=2", f"--node-rank={n}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=tier-{tag}"],
+                [*TIER, "--steps", steps, "--ckpt-dir", str(ckpt), "--local-dir", str(tiers[n]), "--log-file", str(log), *extra],
+                outs[n],
+            )  # fmt: skip
+            for n in (0, 1)
+        ]
+        return procs, outs
+
+    first, outs = agents(free_port(), "1000", ["--step-delay", "0.2"], "first")
+    try:
+        wait_for_steps(log, 13, first, outs[0])
+    finally:
+        for a in (first[1], first[0]):  # node 1 lost; node 0's worker would fail at its next collective
+            _kill_tree(a)
+            a.wait(timeout=60)
+    killed = losses(log)
+    steps_in_tier = committed_steps(tiers[0])
+    assert steps_in_tier, "node 0's tier holds no committed step"
+    shutil.rmtree(tiers[1])  # the replaced machine's tmpfs is empty
+    ckpt.rename(tmp_path / "root-gone")  # nothing can be read from the root
+    resumed_from = steps_in_tier[-1]
+    end = max(killed)
+    # At least two steps to compare: the first checks the model, data position and dropout RNG,
+    # the second also the optimizer's state (its update of the first).
+    assert end >= resumed_from + 2, (end, steps_in_tier)
+    log.rename(tmp_path / "killed.jsonl")
+
+    second, outs = agents(free_port(), str(end), [], "second")
+    texts = [_finish(a, o) for a, o in zip(second, outs)]
+    # c10d rendezvous numbers the ranks in arrival order: machine n runs rank 0 or 1, either way.
+    text = "".join(texts)
+    assert f"resumed from step {resumed_from} of {ckpt} at world size 2" in text and "(from the local tier)" in text, text[-3000:]
+    fetched = f"of step {resumed_from} fetched from a peer node"
+    assert fetched in texts[1] and fetched not in texts[0], text[-3000:]  # the lost machine's, only
+    resumed = losses(log)
+    assert sorted(resumed) == list(range(resumed_from + 1, end + 1))
+    for step, loss in resumed.items():  # dropout RNG, data position and optimizer state from the tier
+        assert loss == killed[step], f"step {step}: {loss!r} != {killed[step]!r} (not bit-identical)"
 
 
 def test_the_device_is_one_gpu_per_rank_or_the_cpu():
