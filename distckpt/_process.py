@@ -12,10 +12,11 @@ import atexit
 import gc
 import logging
 import os
+import socket
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
@@ -39,18 +40,31 @@ class GroupHolder:
             interleave with training collectives on the default group (sharing one deadlocks).
         backend: the backend of distckpt's own group (``"gloo"``: CPU collectives, safe beside NCCL).
         timeout: the timeout of its collectives.
+        agree: options every rank must pass alike (name -> a comparable value): checked when the
+            group is created, in the collective that exists anyway (see :meth:`get`).
     """
 
-    def __init__(self, user_pg: dist.ProcessGroup | None, backend: str | None, timeout: timedelta) -> None:
+    def __init__(
+        self, user_pg: dist.ProcessGroup | None, backend: str | None, timeout: timedelta, agree: Mapping[str, object] | None = None
+    ) -> None:
         self.user_pg = user_pg
         self.backend = backend
         self.timeout = timeout
+        self.agree = dict(agree or {})
         self.group: Group | None = None
         self.local_ranks = 1  # ranks of the group on this host (known once the group exists)
+        self._disagreement: ValueError | None = None
 
     def get(self) -> Group:
         """(all ranks, collective the first time) The group; a single-process one without
-        ``torch.distributed``."""
+        ``torch.distributed``.
+
+        Raises:
+            ValueError: on every rank, this time and every later one, where the ranks passed
+                different values of an ``agree`` option (naming each, with the ranks of each value).
+        """
+        if self._disagreement is not None:
+            raise self._disagreement
         if self.group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 self.group = Group(None)
@@ -67,7 +81,14 @@ class GroupHolder:
                         f"a peer rank died or did not call save/load within {self.timeout} ({type(exc).__name__}: {exc})"
                     ) from exc
                 self.group = Group(pg)
-            self.local_ranks = self.group.ranks_on_this_host()
+            if self.group.enabled:
+                # One gather for both: the ranks on each host, and the options that must agree.
+                seen = self.group.all_gather((socket.gethostname(), self.agree))
+                hosts = [h for h, _ in seen]
+                self.local_ranks = hosts.count(hosts[self.group.rank])
+                self._disagreement = disagreement([a for _, a in seen])
+                if self._disagreement is not None:
+                    raise self._disagreement
         return self.group
 
     @property
@@ -102,6 +123,38 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def disagreement(per_rank: list[dict[str, object]]) -> ValueError | None:
+    """(pure: every rank alike) The error naming every option whose value differs between ranks,
+    with the ranks that passed each value; ``None`` where all agree."""
+    lines = []
+    for name in sorted({n for options in per_rank for n in options}):
+        ranks: dict[str, list[int]] = {}
+        for rank, options in enumerate(per_rank):
+            ranks.setdefault(repr(options.get(name)), []).append(rank)
+        if len(ranks) > 1:
+            lines.append(f"{name}: " + "; ".join(f"{value} on ranks {_span(rs)}" for value, rs in ranks.items()))
+    if not lines:
+        return None
+    return ValueError(
+        "distckpt: the ranks created their Checkpointer with different options (every rank must pass the same: "
+        "these change which collectives a save or load takes, or what a committed step records): " + " | ".join(lines)
+    )
+
+
+def _span(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5`` (a thousand ranks stay one short line)."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)
 
 
 def background_threads(thread_count: int, local_ranks: int) -> int:

@@ -39,7 +39,11 @@ class Checkpointer:
 
     Every rank constructs one with the same arguments. ``save``, ``load``, ``wait`` and ``close``
     are collective: every rank of the job calls them, in the same order. ``steps`` and
-    ``latest_step`` only read storage, and any rank may call them alone.
+    ``latest_step`` only read storage, and any rank may call them alone. The options that change
+    the protocol (``local_dir`` set or not, ``local_peers``, ``async_mode``, ``checksum``) are
+    compared across ranks by the first collective call: where they differ it raises a
+    ``ValueError`` on every rank naming each option and the ranks of each value, and so does
+    every later call.
 
     Args:
         root: directory of step checkpoints: a local path or any fsspec URL (``s3://b/prefix``).
@@ -156,7 +160,7 @@ class Checkpointer:
         )  # fmt: skip
         options = self.options
         self.storage = Storage(options.root, options.storage_options)
-        self._groups = GroupHolder(process_group, backend, options.timeout)
+        self._groups = GroupHolder(process_group, backend, options.timeout, agree=options.must_agree())
         self._lineage = Lineage(options.job)
         self.replica: Replicator | None = None
         if replicate_to is not None:

@@ -114,6 +114,21 @@ class CheckpointerOptions:
         if isinstance(self.local_peers, bool) or self.local_peers not in (0, 1):
             raise ValueError(f"local_peers must be 0 or 1 (one peer node keeps each rank's files), got {self.local_peers!r}")
 
+    def must_agree(self) -> dict[str, object]:
+        """The options every rank must pass alike, checked when distckpt's group is created
+        (:class:`~distckpt._process.GroupHolder`): the local tier, its peer copies and the
+        writer process change which collectives a save or a load takes (ranks that differ
+        would wait for each other forever), and the checksum is recorded once per step (a rank
+        hashing with another algorithm commits a step that no load can verify). ``local_dir``
+        itself may differ between nodes; only whether it is set must agree."""
+        tier = self.local_dir is not None
+        return {
+            "local_dir": "set" if tier else None,
+            "local_peers": self.local_peers if tier else None,
+            "async_mode": self.async_mode,
+            "checksum": self.checksum,
+        }
+
     def save_options(self, storage: Storage) -> SaveOptions:
         """What the save phases take, for a save to ``storage``."""
         return SaveOptions(

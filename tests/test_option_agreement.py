@@ -1,0 +1,84 @@
+"""Ranks that create their Checkpointer with different options (a careless launch script: a flag
+given on one node only). Before, a tier on one rank only failed with ``unhashable type:
+'SaveView'``, different ``local_peers`` or ``async_mode`` hung every rank until the timeout, and
+different checksum algorithms committed a step that no load could verify ("corrupted"). Now the
+first collective call raises one ``ValueError`` on every rank naming each option and the ranks of
+each value, and every later call raises it again (never a collective on a broken protocol).
+Options that may differ (a node's ``local_dir`` path, ``local_keep``) still work."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_harness import run_ranks
+
+from distckpt._process import _span, disagreement
+
+# name -> (per-rank keyword arguments, what the error must name)
+DIFFER = {
+    "tier on one rank": (lambda r, d: {"local_dir": f"{d}/tier"} if r == 0 else {}, ["local_dir: 'set' on ranks 0; None on ranks 1"]),
+    "peers": (lambda r, d: {"local_dir": f"{d}/tier{r}", "local_peers": r}, ["local_peers: 0 on ranks 0; 1 on ranks 1"]),
+    "async mode": (lambda r, d: {"async_mode": "process" if r == 0 else "thread"}, ["async_mode: 'process' on ranks 0; 'thread' on ranks 1"]),
+    "checksum": (lambda r, d: {"checksum": "crc32c" if r == 0 else "sha256"}, ["checksum: 'crc32c' on ranks 0; 'sha256' on ranks 1"]),
+}
+
+
+def _body(rank: int, world: int, base: str) -> dict[str, object]:
+    import distckpt
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two simulated nodes: the tier has a peer
+    out: dict[str, object] = {}
+    for name, (kwargs, _) in DIFFER.items():
+        d = f"{base}/{name.replace(' ', '_')}"
+        ck = distckpt.Checkpointer(f"{d}/root", **kwargs(rank, d))
+        errors = []
+        for call in (lambda: ck.save(1, {"w": torch.ones(4)}), lambda: ck.load({"w": torch.zeros(4)})):
+            try:
+                call()
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        ck.close()
+        out[name] = (errors, sorted(os.listdir(f"{d}/root")) if os.path.isdir(f"{d}/root") else [])
+    # What may differ: each node's own tier path, how many steps each node keeps.
+    d = f"{base}/agree"
+    ck = distckpt.Checkpointer(f"{d}/root", local_dir=f"{d}/tier_of_node{rank}", local_keep=1 + rank)
+    ck.save(1, {"w": torch.full((4,), 1.0 + rank)})
+    state = {"w": torch.zeros(4)}
+    step = ck.load(state)
+    out["agree"] = (step, state["w"].tolist(), ck.last_load_report.tier)
+    ck.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_ranks_with_different_options_fail_alike_and_never_hang(tmp_path: Path) -> None:
+    results = run_ranks(_body, 2, tmp_path, str(tmp_path / "runs"), timeout=150, pg_timeout=30)
+    for name, (_, named) in DIFFER.items():
+        (errors0, listing0), (errors1, _) = results[0][name], results[1][name]
+        assert errors0 == errors1, name  # the same error on every rank
+        for error in errors0:  # save and then load: raised both times
+            assert error is not None and "different options" in error, (name, error)
+            for part in named:
+                assert part in error, (name, error)
+        assert not [n for n in listing0 if n.startswith("step_")], (name, listing0)  # nothing committed
+    for rank in (0, 1):
+        assert results[rank]["agree"] == (1, [1.0 + rank] * 4, "local"), results[rank]["agree"]
+
+
+def test_the_error_names_every_differing_option_with_ranks_as_spans() -> None:
+    per_rank = [{"checksum": "crc32c", "async_mode": "process"} for _ in range(1000)]
+    for r in (7, 8, 9, 500):
+        per_rank[r] = {"checksum": "sha256", "async_mode": "process"}
+    err = disagreement(per_rank)
+    assert err is not None and "async_mode" not in str(err)
+    assert "checksum: 'crc32c' on ranks 0-6, 10-499, 501-999; 'sha256' on ranks 7-9, 500" in str(err), str(err)
+    assert disagreement([{"checksum": None}] * 3) is None
+    assert disagreement([{"a": 1}, {}]) is not None  # an option one rank does not even send
+    assert _span([3]) == "3" and _span([0, 2, 3, 4, 9]) == "0, 2-4, 9"
