@@ -86,7 +86,7 @@ class GroupHolder:
                 seen = self.group.all_gather((socket.gethostname(), self.agree))
                 hosts = [h for h, _ in seen]
                 self.local_ranks = hosts.count(hosts[self.group.rank])
-                self._disagreement = disagreement([a for _, a in seen])
+                self._disagreement = disagreement([a for _, a in seen], OPTIONS_DIFFER)
                 if self._disagreement is not None:
                     raise self._disagreement
         return self.group
@@ -125,9 +125,15 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def disagreement(per_rank: list[dict[str, object]]) -> ValueError | None:
-    """(pure: every rank alike) The error naming every option whose value differs between ranks,
-    with the ranks that passed each value; ``None`` where all agree."""
+OPTIONS_DIFFER = (
+    "distckpt: the ranks created their Checkpointer with different options (every rank must pass the same: "
+    "these change which collectives a save or load takes, or what a committed step records)"
+)
+
+
+def disagreement(per_rank: list[dict[str, object]], what: str = OPTIONS_DIFFER) -> ValueError | None:
+    """(pure: every rank alike) The error (``what: ...``) naming every value that differs between
+    ranks, with the ranks that passed each; ``None`` where all agree."""
     lines = []
     for name in sorted({n for options in per_rank for n in options}):
         ranks: dict[str, list[int]] = {}
@@ -137,10 +143,17 @@ def disagreement(per_rank: list[dict[str, object]]) -> ValueError | None:
             lines.append(f"{name}: " + "; ".join(f"{value} on ranks {_span(rs)}" for value, rs in ranks.items()))
     if not lines:
         return None
-    return ValueError(
-        "distckpt: the ranks created their Checkpointer with different options (every rank must pass the same: "
-        "these change which collectives a save or load takes, or what a committed step records): " + " | ".join(lines)
-    )
+    return ValueError(f"{what}: " + " | ".join(lines))
+
+
+def same_arguments(group: Group, call: str, arguments: Mapping[str, object]) -> None:
+    """(all ranks, one collective) Raise one ``ValueError`` on every rank where the ranks passed
+    ``call`` different ``arguments`` (those that change which collectives it takes or what it
+    does on every rank), naming each and the ranks of each value."""
+    if group.enabled:
+        error = disagreement(group.all_gather(dict(arguments)), f"distckpt: the ranks called {call} with different arguments")
+        if error is not None:
+            raise error
 
 
 def _span(ranks: list[int]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
+from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused, same_arguments
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
@@ -242,10 +242,12 @@ class Checkpointer:
                 tensor, or plain value (same names on every rank).
             blocking: ``False`` returns once the state is copied to host memory and writes in
                 the background; ``wait()`` commits it. A previous in-flight save is waited for
-                first, and its error (if any) is raised here.
+                first, and its error (if any) is raised here. The same on every rank.
             metadata: JSON values recorded in the manifest (``extra``).
 
         Raises:
+            ValueError: the ranks passed different steps, entries or ``blocking`` (on every rank,
+                naming each rank's).
             StepExistsError: ``step`` is already committed, or another writer is writing it (an
                 async save finds the latter in its background part: raised by ``wait()``, the
                 next ``save`` or ``close()``, like its other errors).
@@ -344,6 +346,8 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no such root or committed step.
+            ValueError: the ranks passed different ``step``, ``strict`` or ``verify_state`` (on
+                every rank, naming each and the ranks of each value).
             StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched
                 keys are listed).
             CheckpointError: reading failed on some rank.
@@ -352,6 +356,9 @@ class Checkpointer:
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         with gc_paused():
             group = self._groups.get()
+            # Ranks asking for different steps would each be served the coordinator's; different
+            # strictness or state checks would raise on some ranks and wait on the others.
+            same_arguments(group, "load()", {"step": step, "strict": strict, "verify_state": verify_state})
             loaded = None
             if self.local is not None:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)

@@ -4,7 +4,9 @@ given on one node only). Before, a tier on one rank only failed with ``unhashabl
 different checksum algorithms committed a step that no load could verify ("corrupted"). Now the
 first collective call raises one ``ValueError`` on every rank naming each option and the ranks of
 each value, and every later call raises it again (never a collective on a broken protocol).
-Options that may differ (a node's ``local_dir`` path, ``local_keep``) still work."""
+Options that may differ (a node's ``local_dir`` path, ``local_keep``) still work. The same for
+the arguments of a call that must agree: ``save(blocking=...)``, ``load(step=, strict=,
+verify_state=)``."""
 
 from __future__ import annotations
 
@@ -82,3 +84,55 @@ def test_the_error_names_every_differing_option_with_ranks_as_spans() -> None:
     assert disagreement([{"checksum": None}] * 3) is None
     assert disagreement([{"a": 1}, {}]) is not None  # an option one rank does not even send
     assert _span([3]) == "3" and _span([0, 2, 3, 4, 9]) == "0, 2-4, 9"
+
+
+def _calls_body(rank: int, world: int, base: str, async_mode: str) -> dict[str, object]:
+    import distckpt
+
+    out: dict[str, object] = {}
+    ck = distckpt.Checkpointer(f"{base}/{async_mode}", async_mode=async_mode)
+    state = {"w": torch.full((4,), float(rank))}
+
+    def attempt(name: str, call) -> None:
+        try:
+            call()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+
+    # Before any writer process exists (process mode: the first async save starts them).
+    attempt("blocking, first save", lambda: ck.save(1, state, blocking=rank == 0))
+    ck.save(1, state, blocking=False)
+    ck.wait()
+    # The writers run now: compared in the save's own exchange.
+    attempt("blocking, later save", lambda: ck.save(2, state, blocking=rank == 1))
+    ck.save(2, state)
+    attempt("load step", lambda: ck.load({"w": torch.zeros(4)}, step=1 + rank))
+    attempt("load strict", lambda: ck.load({"w": torch.zeros(4)}, strict=rank == 0))
+    attempt("load verify_state", lambda: ck.load({"w": torch.zeros(4)}, verify_state=rank == 0))
+    loaded = {"w": torch.zeros(4)}
+    out["after"] = (ck.load(loaded), loaded["w"].tolist(), ck.steps())  # still usable, nothing half-done
+    ck.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("async_mode", ["process", "thread"])
+def test_ranks_calling_with_different_arguments_fail_alike_and_never_hang(tmp_path: Path, async_mode: str) -> None:
+    """``save(blocking=...)`` differing between ranks hung every rank (the first async save
+    starts writer processes, a collective the synchronous rank never takes); ``load(step=...)``
+    served every rank the coordinator's step silently; ``strict`` or ``verify_state`` differing
+    raised on some ranks only."""
+    results = run_ranks(_calls_body, 2, tmp_path, str(tmp_path / "roots"), async_mode, timeout=150, pg_timeout=30)
+    expect = {
+        "blocking, first save": "blocking",
+        "blocking, later save": "blocking",
+        "load step": "step: 1 on ranks 0; 2 on ranks 1",
+        "load strict": "strict: True on ranks 0; False on ranks 1",
+        "load verify_state": "verify_state: True on ranks 0; False on ranks 1",
+    }
+    for name, part in expect.items():
+        assert results[0][name] == results[1][name], name
+        assert results[0][name] is not None and part in results[0][name], (name, results[0][name])
+    for rank in (0, 1):
+        assert results[rank]["after"] == (2, [float(rank)] * 4, [1, 2]), results[rank]["after"]

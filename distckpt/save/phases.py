@@ -99,6 +99,7 @@ class SaveView:
             dtypes (ranks agreeing hold them replicated; see :mod:`distckpt.save.assign`).
         replicas: digest of this rank's DTensors with replicated mesh dimensions.
         cache: the plan cache's token for this rank's current structure, or None.
+        blocking: the save's ``blocking`` argument (must agree across ranks).
 
     Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
@@ -111,6 +112,7 @@ class SaveView:
     plain: dict[str, str] = field(default_factory=dict)
     replicas: str = ""
     cache: tuple[int, str] | None = None
+    blocking: bool = True  # must agree: a save is synchronous on every rank or on none
 
 
 @dataclass
@@ -228,6 +230,7 @@ def prepare(
     on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(
         step=step,
+        blocking=blocking,
         names=sorted(described),
         digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
         declared={e.name: e.declared for e in scoped},
@@ -255,6 +258,9 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
     if len({(v.step, tuple(v.names)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
         raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
+    if len({v.blocking for v in views}) > 1:
+        detail = "; ".join(f"rank {r}: blocking={v.blocking}" for r, v in enumerate(views))
+        raise ValueError(f"ranks called save() with different blocking: {detail} (a save is synchronous on every rank or on none)")
     if len({tuple(sorted(v.digests)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
         raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")

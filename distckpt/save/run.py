@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._dist import Group, all_ranks, exchange, on_coordinator
-from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority
+from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority, same_arguments
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.manifest import check_extra, step_dir
 from distckpt.options import CheckpointerOptions
@@ -203,7 +203,13 @@ class SaveDriver:
     def _save(self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
         group = self.groups.get()
         opts = replace(self.opts, local_ranks=self.groups.local_ranks)  # known once the group is
-        in_process = not blocking and self._writes_in_process(group)
+        writes_in_process = self._writes_in_process(group)
+        if writes_in_process and self.writer is None:
+            # Before the first async save starts the writer processes (a collective only the
+            # ranks saving asynchronously would take): ranks passing different ``blocking``
+            # would wait for each other forever. Later saves compare it in the prepare exchange.
+            same_arguments(group, "save()", {"blocking": blocking})
+        in_process = not blocking and writes_in_process
         if in_process:
             self._start_writer(group)
         # The plans of whoever writes this save: this process, or the writer process.
