@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused, same_arguments
+from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
@@ -356,9 +356,6 @@ class Checkpointer:
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         with gc_paused():
             group = self._groups.get()
-            # Ranks asking for different steps would each be served the coordinator's; different
-            # strictness or state checks would raise on some ranks and wait on the others.
-            same_arguments(group, "load()", {"step": step, "strict": strict, "verify_state": verify_state})
             loaded = None
             if self.local is not None:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)
@@ -402,7 +399,7 @@ class Checkpointer:
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
             planned.clear()
-            recovery = local.recover(group, step, self._root_steps, check, needs)
+            recovery = local.recover(group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2]))
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:
                 return None

@@ -113,6 +113,15 @@ def _calls_body(rank: int, world: int, base: str, async_mode: str) -> dict[str, 
     loaded = {"w": torch.zeros(4)}
     out["after"] = (ck.load(loaded), loaded["w"].tolist(), ck.steps())  # still usable, nothing half-done
     ck.close()
+    # From the fast recovery tier (two simulated nodes): its own first collective compares them.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    with distckpt.Checkpointer(f"{base}/{async_mode}-tier", local_dir=f"{base}/{async_mode}-node{rank}") as tiered:
+        tiered.save(1, state)
+        tiered.save(2, state)
+        attempt("tier load step", lambda: tiered.load({"w": torch.zeros(4)}, step=1 + rank))
+        attempt("tier load strict", lambda: tiered.load({"w": torch.zeros(4)}, strict=rank == 1))
+        loaded = {"w": torch.zeros(4)}
+        out["tier after"] = (tiered.load(loaded), loaded["w"].tolist(), tiered.last_load_report.tier)
     return out
 
 
@@ -130,9 +139,12 @@ def test_ranks_calling_with_different_arguments_fail_alike_and_never_hang(tmp_pa
         "load step": "step: 1 on ranks 0; 2 on ranks 1",
         "load strict": "strict: True on ranks 0; False on ranks 1",
         "load verify_state": "verify_state: True on ranks 0; False on ranks 1",
+        "tier load step": "step: 1 on ranks 0; 2 on ranks 1",
+        "tier load strict": "strict: False on ranks 0; True on ranks 1",
     }
     for name, part in expect.items():
         assert results[0][name] == results[1][name], name
         assert results[0][name] is not None and part in results[0][name], (name, results[0][name])
     for rank in (0, 1):
         assert results[rank]["after"] == (2, [float(rank)] * 4, [1, 2]), results[rank]["after"]
+        assert results[rank]["tier after"] == (2, [float(rank)] * 4, "local"), results[rank]["tier after"]

@@ -38,11 +38,12 @@ import shutil
 import socket
 import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt._dist import Group
+from distckpt._process import disagreement
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
@@ -404,6 +405,7 @@ class LocalTier:
         root_steps: Callable[[], list[int] | None],
         check: bool,
         needs: Callable[[Manifest], set[str]] | None = None,
+        agree: Mapping[str, object] | None = None,
     ) -> Recovery:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
@@ -414,7 +416,9 @@ class LocalTier:
         (see :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
         ``needs(manifest)`` (each rank, once this node holds the step's ``.metadata``): the files
         this rank's load will read; a node is then sent only what its ranks read (``None``, or
-        a rank that cannot tell: every file of the step).
+        a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
+        every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
+        rank, naming them, where they differ).
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -433,8 +437,11 @@ class LocalTier:
                 listed = root_steps()
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
-        gathered = group.all_gather((report or {}, listed))
-        reports = [r for r, _ in gathered]
+        gathered = group.all_gather((report or {}, listed, dict(agree or {})))
+        error = disagreement([a for _, _, a in gathered], "distckpt: the ranks called load() with different arguments")
+        if error is not None:
+            raise error
+        reports = [r for r, _, _ in gathered]
         decision = decide(nodes, reports, gathered[0][1], want)
         if decision.step is None:
             if any(reports) and want is None:  # a step the tier should have served
