@@ -157,17 +157,14 @@ def same_arguments(group: Group, call: str, arguments: Mapping[str, object]) -> 
 
 
 def _span(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5`` (a thousand ranks stay one short line)."""
-    out: list[str] = []
-    start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(out)
+    """``[0, 1, 2, 5]`` (ascending) as ``0-2, 5``: a thousand ranks stay one short line."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def background_threads(thread_count: int, local_ranks: int) -> int:

@@ -40,10 +40,10 @@ class Checkpointer:
     Every rank constructs one with the same arguments. ``save``, ``load``, ``wait`` and ``close``
     are collective: every rank of the job calls them, in the same order. ``steps`` and
     ``latest_step`` only read storage, and any rank may call them alone. The options that change
-    the protocol (``local_dir`` set or not, ``local_peers``, ``async_mode``, ``checksum``) are
-    compared across ranks by the first collective call: where they differ it raises a
-    ``ValueError`` on every rank naming each option and the ranks of each value, and so does
-    every later call.
+    the protocol (``local_dir`` set or not, ``local_peers``, ``async_mode``, ``checksum``,
+    ``verify_state``) are compared across ranks by the first collective call: where they differ
+    it raises a ``ValueError`` on every rank naming each option and the ranks of each value, and
+    so does every later call.
 
     Args:
         root: directory of step checkpoints: a local path or any fsspec URL (``s3://b/prefix``).

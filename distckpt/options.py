@@ -119,14 +119,16 @@ class CheckpointerOptions:
         (:class:`~distckpt._process.GroupHolder`): the local tier, its peer copies and the
         writer process change which collectives a save or a load takes (ranks that differ
         would wait for each other forever), and the checksum is recorded once per step (a rank
-        hashing with another algorithm commits a step that no load can verify). ``local_dir``
-        itself may differ between nodes; only whether it is set must agree."""
+        hashing with another algorithm commits a step that no load can verify); ``verify_state``
+        decides whether a load takes the state check's collectives. ``local_dir`` itself may
+        differ between nodes; only whether it is set must agree."""
         tier = self.local_dir is not None
         return {
             "local_dir": "set" if tier else None,
             "local_peers": self.local_peers if tier else None,
             "async_mode": self.async_mode,
             "checksum": self.checksum,
+            "verify_state": self.verify_state,
         }
 
     def save_options(self, storage: Storage) -> SaveOptions:

@@ -28,6 +28,7 @@ DIFFER = {
     "peers": (lambda r, d: {"local_dir": f"{d}/tier{r}", "local_peers": r}, ["local_peers: 0 on ranks 0; 1 on ranks 1"]),
     "async mode": (lambda r, d: {"async_mode": "process" if r == 0 else "thread"}, ["async_mode: 'process' on ranks 0; 'thread' on ranks 1"]),
     "checksum": (lambda r, d: {"checksum": "crc32c" if r == 0 else "sha256"}, ["checksum: 'crc32c' on ranks 0; 'sha256' on ranks 1"]),
+    "state check": (lambda r, d: {"verify_state": r == 0}, ["verify_state: True on ranks 0; False on ranks 1"]),
 }
 
 

@@ -48,6 +48,7 @@ from distckpt.state import encoded, fingerprint, rng, safetypes, scope, stateche
 from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group
+from distckpt._process import disagreement
 from distckpt.save.assign import PlanInput
 from distckpt.save.planner import Observe
 from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
@@ -258,9 +259,11 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
     if len({(v.step, tuple(v.names)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: step {v.step}, keys {v.names}" for r, v in enumerate(views))
         raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
-    if len({v.blocking for v in views}) > 1:
-        detail = "; ".join(f"rank {r}: blocking={v.blocking}" for r, v in enumerate(views))
-        raise ValueError(f"ranks called save() with different blocking: {detail} (a save is synchronous on every rank or on none)")
+    # A save is synchronous on every rank or on none (the same message as before a first async
+    # save, where the writer processes' start compares it).
+    different = disagreement([{"blocking": v.blocking} for v in views], "distckpt: the ranks called save() with different arguments")
+    if different is not None:
+        raise different
     if len({tuple(sorted(v.digests)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
         raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
