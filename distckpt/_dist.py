@@ -8,7 +8,6 @@ so no rank waits forever on a peer that gave up.
 from __future__ import annotations
 
 import pickle
-import socket
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,13 +52,6 @@ class Group:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
-
-    def ranks_on_this_host(self) -> int:
-        """(all ranks, collective) How many ranks of the group run on this rank's host."""
-        if not self.enabled:
-            return 1
-        hosts = self.all_gather(socket.gethostname())
-        return hosts.count(hosts[self.rank])
 
     def all_gather(self, obj: T) -> list[T]:
         """(all ranks) Every rank's ``obj`` (picklable), in rank order.

@@ -146,14 +146,20 @@ def disagreement(per_rank: list[dict[str, object]], what: str = OPTIONS_DIFFER) 
     return ValueError(f"{what}: " + " | ".join(lines))
 
 
+def refuse_different_arguments(call: str, per_rank: list[dict[str, object]]) -> None:
+    """(pure: every rank alike) ``ValueError`` where the ranks passed ``call`` different
+    arguments (``per_rank``: each rank's, gathered), naming each and the ranks of each value."""
+    error = disagreement(per_rank, f"distckpt: the ranks called {call} with different arguments")
+    if error is not None:
+        raise error
+
+
 def same_arguments(group: Group, call: str, arguments: Mapping[str, object]) -> None:
-    """(all ranks, one collective) Raise one ``ValueError`` on every rank where the ranks passed
-    ``call`` different ``arguments`` (those that change which collectives it takes or what it
-    does on every rank), naming each and the ranks of each value."""
+    """(all ranks, one collective) :func:`refuse_different_arguments` for ``arguments`` (those
+    that change which collectives ``call`` takes or what it does on every rank), gathered in a
+    collective of its own: only where no collective the call takes anyway can carry them."""
     if group.enabled:
-        error = disagreement(group.all_gather(dict(arguments)), f"distckpt: the ranks called {call} with different arguments")
-        if error is not None:
-            raise error
+        refuse_different_arguments(call, group.all_gather(dict(arguments)))
 
 
 def _span(ranks: list[int]) -> str:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from distckpt._dist import Group, exchange, on_coordinator
-from distckpt._process import disagreement
+from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
@@ -144,7 +144,7 @@ def load(
     plan, shared = exchange(group, f"load of {where}", plan_here)
     # In the exchange that exists anyway (no collective of its own): ranks passing different
     # arguments fail alike before anything is read.
-    refuse_different_arguments([a for _, a in shared])
+    refuse_different_arguments("load()", [a for _, a in shared])
     views = [v for v, _ in shared]
     # Digests first; the requested keys themselves only where ranks request different sets.
     requested_set = requested_keys(group, index, plan, views)
@@ -198,13 +198,6 @@ def arguments(step: int | None, strict: bool, verify_state: bool | None) -> dict
     each be served the coordinator's, and different strictness or state checks raise on some
     ranks while the others wait for them."""
     return {"step": step, "strict": strict, "verify_state": verify_state}
-
-
-def refuse_different_arguments(per_rank: list[dict[str, object]]) -> None:
-    """(pure: every rank alike) ``ValueError`` naming each argument the ranks passed differently."""
-    error = disagreement(per_rank, "distckpt: the ranks called load() with different arguments")
-    if error is not None:
-        raise error
 
 
 def plan_ahead(

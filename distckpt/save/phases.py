@@ -48,7 +48,7 @@ from distckpt.state import encoded, fingerprint, rng, safetypes, scope, stateche
 from distckpt.storage import ownership
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group
-from distckpt._process import disagreement
+from distckpt._process import refuse_different_arguments
 from distckpt.save.assign import PlanInput
 from distckpt.save.planner import Observe
 from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
@@ -261,9 +261,7 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
         raise ValueError(f"ranks called save() with different steps or state keys: {detail}")
     # A save is synchronous on every rank or on none (the same message as before a first async
     # save, where the writer processes' start compares it).
-    different = disagreement([{"blocking": v.blocking} for v in views], "distckpt: the ranks called save() with different arguments")
-    if different is not None:
-        raise different
+    refuse_different_arguments("save()", [{"blocking": v.blocking} for v in views])
     if len({tuple(sorted(v.digests)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
         raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distckpt._dist import Group
-from distckpt._process import disagreement
+from distckpt._process import refuse_different_arguments
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
@@ -438,9 +438,7 @@ class LocalTier:
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
         gathered = group.all_gather((report or {}, listed, dict(agree or {})))
-        error = disagreement([a for _, _, a in gathered], "distckpt: the ranks called load() with different arguments")
-        if error is not None:
-            raise error
+        refuse_different_arguments("load()", [a for _, _, a in gathered])
         reports = [r for r, _, _ in gathered]
         decision = decide(nodes, reports, gathered[0][1], want)
         if decision.step is None:
