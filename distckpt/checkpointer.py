@@ -413,6 +413,7 @@ class Checkpointer:
                 loaded = loading.load(
                     group, self.options, [local.storage], state, chosen, *args, preread=ready,
                     planned=made[1] if ready is not None else None,
+                    streams=recovery.streams if ready is not None else (),
                 )
             except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                 last = attempt == len(checks) - 1

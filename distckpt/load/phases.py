@@ -191,6 +191,14 @@ def read(
             load_flat(request, reader, planner)  # dcp.load, without its per-value Stateful checks
     except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         read_failure = cause_of(exc)
+    finish_streams = getattr(reader, "finish_streams", None)
+    if finish_streams is not None:
+        # A load that failed before its reads still sends and receives what its peers stream
+        # (they wait for it otherwise).
+        try:
+            finish_streams()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
+            read_failure = read_failure or exc
     if read_failure is None and then is not None:
         try:
             then()

@@ -42,6 +42,7 @@ from distckpt.integrity.shards import load_record
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
 from distckpt.integrity.torchfile import HEAD, head_layout
 from distckpt.storage.base import Storage
+from distckpt.storage.stream import StreamedFile, Streams
 
 
 def checkpoint_reader(
@@ -51,19 +52,22 @@ def checkpoint_reader(
     checksum: str | None = None,
     thread_count: int = 2,
     metadata: Metadata | None = None,
+    streams: Streams | None = None,
 ) -> CheckpointReader:
     """(each rank) A DCP ``StorageReader`` for the step directory ``parts`` under ``storage``,
     verifying ``files`` (the manifest's records) if given and serving ``metadata`` if it was read
-    and verified already."""
+    and verified already. ``streams``: files this rank receives from peers instead of reading
+    them, and sends to them (the local tier's recovery, :mod:`distckpt.storage.stream`)."""
     step = StepFiles(storage, "/".join(p.strip("/") for p in parts if p), files=files, algorithm=checksum, metadata=metadata)
-    return CheckpointReader(step, thread_count=thread_count)
+    return CheckpointReader(step, thread_count=thread_count, streams=streams)
 
 
 class CheckpointReader(FileSystemReader):
     """A DCP ``StorageReader`` for one step directory (made by :func:`checkpoint_reader`)."""
 
-    def __init__(self, step: StepFiles, thread_count: int = 2) -> None:
+    def __init__(self, step: StepFiles, thread_count: int = 2, streams: Streams | None = None) -> None:
         super().__init__(step.storage.join(step.dirname))
+        self.streams = streams
         self.step = step
         self.storage = step.storage
         self.fs = step.storage.dcp_filesystem()
@@ -92,18 +96,25 @@ class CheckpointReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        # Opened up front: a file the manifest does not list fails before anything is read.
-        jobs = [(self.step.file(name), reqs) for name, reqs in per_file.items()]
-        workers = min(self.thread_count, len(jobs), self._threads_worth(plan.items))
-        if workers <= 1:
-            for job in jobs:
-                self._read_file(*job, planner)
-        else:
-            # Files are independent and readinto/crc32c release the GIL: read them side by side.
-            # The planner's per-item callbacks touch disjoint destinations.
-            with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read") as pool:
-                for future in [pool.submit(self._read_file, *job, planner) for job in jobs]:
-                    future.result()
+        try:
+            if self.streams is not None:
+                self.streams.start()  # this rank's sends run beside its own reads
+            # Opened up front: a file the manifest does not list fails before anything is read.
+            jobs = [(self._open(name), reqs) for name, reqs in sorted(per_file.items())]
+            workers = min(self.thread_count, len(jobs), self._threads_worth(plan.items))
+            if self.streams is not None and self.streams.incoming:
+                workers = 1  # streamed files arrive one piece at a time, in order
+            if workers <= 1:
+                for job in jobs:
+                    self._read_file(*job, planner)
+            else:
+                # Files are independent and readinto/crc32c release the GIL: read them side by side.
+                # The planner's per-item callbacks touch disjoint destinations.
+                with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read") as pool:
+                    for future in [pool.submit(self._read_file, *job, planner) for job in jobs]:
+                        future.result()
+        finally:
+            self.finish_streams()
         # Every host-to-device copy done, so the default stream sees the loaded values when the
         # load returns (and the pinned buffers are free again).
         for sink in self._sinks:
@@ -111,6 +122,18 @@ class CheckpointReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _open(self, name: str) -> VerifiedFile | StreamedFile:
+        if self.streams is not None and name in self.streams.incoming:
+            return self.streams.open(name, self.step.display(name))
+        return self.step.file(name)
+
+    def finish_streams(self) -> None:
+        """(each rank, after its read, failed or not) Receive every stream to its end and send
+        every outgoing one, so that no peer waits for this rank (see
+        :meth:`~distckpt.storage.stream.Streams.finish`). Nothing without streams."""
+        if self.streams is not None:
+            self.streams.finish()
 
     def _threads_worth(self, items: list[ReadItem]) -> int:
         """How many reader threads the bytes of ``items`` pay for on this storage."""
@@ -120,7 +143,7 @@ class CheckpointReader(FileSystemReader):
         stored = {item.storage_index for item in items}
         return max(1, sum(self.storage_data[i].length for i in stored) // per_thread)
 
-    def _read_file(self, f: VerifiedFile, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, f: VerifiedFile | StreamedFile, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         """Read one file in one pass: serve every request from it, then check it whole."""
         by_item: dict[tuple[int, int], list[ReadItem]] = {}
         for req in reqs:
@@ -128,7 +151,13 @@ class CheckpointReader(FileSystemReader):
             by_item.setdefault((info.offset, info.length), []).append(req)
         failure: BaseException | None = None
         try:
-            for (offset, length), item_reqs in sorted(by_item.items()):
+            if isinstance(f, StreamedFile):
+                try:
+                    f.begin()
+                    f.place(self._placements(f, by_item, planner))
+                except Exception as exc:  # noqa: BLE001 - finish() below drains the stream
+                    failure = exc
+            for (offset, length), item_reqs in sorted(by_item.items()) if failure is None else ():
                 try:
                     head = b""
                     targets = self._direct_targets(item_reqs, planner)
@@ -156,6 +185,36 @@ class CheckpointReader(FileSystemReader):
             f.close()
         if failure is not None:
             raise failure
+
+    def _placements(
+        self, f: StreamedFile, by_item: dict[tuple[int, int], list[ReadItem]], planner: LoadPlanner
+    ) -> dict[int, torch.Tensor]:
+        """Where a streamed file's data ranges can be received in place: each stored tensor this
+        rank reads whole into one contiguous host destination of its dtype and shape (the
+        destination :meth:`_read_direct` fills), as ``{range start: its bytes}``."""
+        out: dict[int, torch.Tensor] = {}
+        for (offset, length), item_reqs in by_item.items():
+            span = f.data_range(offset)
+            if span is None:
+                continue
+            targets = self._direct_targets(item_reqs, planner)
+            if targets is None or len(targets) != 1:
+                continue
+            req, target = targets[0]
+            layout = head_layout(f.rest_bytes(offset, span[0]))
+            if (
+                layout is None
+                or offset + layout.data_offset != span[0]
+                or layout.nbytes != span[1] - span[0]
+                or target.device.type != "cpu"
+                or target.dtype != layout.dtype
+                or tuple(target.shape) != tuple(layout.shape)
+                or any(int(o) for o in req.storage_offsets)
+                or target.numel() * target.element_size() != layout.nbytes
+            ):
+                continue
+            out[span[0]] = target.view(-1).view(torch.uint8)
+        return out
 
     def _direct_targets(self, reqs: list[ReadItem], planner: LoadPlanner) -> list[tuple[ReadItem, torch.Tensor]] | None:
         """The requests of one stored tensor that can be read straight into their destinations,
@@ -188,7 +247,7 @@ class CheckpointReader(FileSystemReader):
 
     def _read_direct(
         self,
-        f: VerifiedFile,
+        f: VerifiedFile | StreamedFile,
         offset: int,
         length: int,
         head: bytes,
@@ -227,7 +286,7 @@ class CheckpointReader(FileSystemReader):
         return True
 
     @staticmethod
-    def _fill(f: VerifiedFile, offset: int, head: bytes, start: int, view: memoryview, req: ReadItem) -> None:
+    def _fill(f: VerifiedFile | StreamedFile, offset: int, head: bytes, start: int, view: memoryview, req: ReadItem) -> None:
         """Bytes ``[start, start + len(view))`` of the record at ``offset`` into ``view``: what the
         head holds is copied, the rest read by the pass."""
         in_head = max(0, min(len(head) - start, len(view)))

@@ -44,6 +44,7 @@ from distckpt.load.reader import checkpoint_reader
 from distckpt.options import CheckpointerOptions
 from distckpt.state import values
 from distckpt.storage.base import Storage
+from distckpt.storage.stream import Streams
 
 
 @dataclass
@@ -113,13 +114,17 @@ def load(
     exclude: str | list[str] | None,
     preread: tuple[Manifest, Any] | None = None,
     planned: Planned | None = None,
+    streams: Sequence[tuple[str, int, int]] = (),
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
     :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
     manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
     none): the first tier's step is loaded without reading them again. ``planned``: this rank's
     plan of this load (:func:`plan_ahead` with the same state, selection and ``preread``
-    metadata; any rank may pass it or not): used instead of planning again."""
+    metadata; any rank may pass it or not): used instead of planning again. ``streams`` (every
+    rank the same, with ``preread``): ``(file, from rank, to rank)`` of files that are not in the
+    first tier's directory of the receiving rank but sent by a rank whose directory holds them,
+    during the read (the local tier's recovery, :mod:`distckpt.storage.stream`)."""
     if preread is not None:
         tier, (manifest, metadata) = 0, preread
     else:
@@ -167,6 +172,7 @@ def load(
         checksum=manifest.checksum_algorithm if options.verify else None,
         metadata=metadata,
         thread_count=options.thread_count,
+        streams=Streams.plan(group, storage.join(step_dir(manifest.step)), manifest, metadata, streams) if streams else None,
     )
     read(
         group,

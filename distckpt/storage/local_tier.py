@@ -18,8 +18,11 @@ Recovery (:meth:`LocalTier.recover`, from ``load``): every rank reports which fi
 steps its node holds, each file's checksum checked on the node against the manifest; the ranks
 agree on the newest step whose every file some node holds intact (never older than the root's
 newest step, and never when the manifests of the nodes disagree); files a node lacks are sent
-to it by a node that has them; the load then reads the node's ``local_dir`` like any root (same
-verification, resharding and state check). Nothing is read from the root. A step no longer
+to it by a node that has them: streamed into the load of each rank that reads them
+(:mod:`distckpt.storage.stream`: tensors' bytes straight into their destinations, nothing
+written to the node's tier) where the manifest has checksums, else (and in a retry after a
+failed load) written into the node's tier first; the load reads the node's ``local_dir`` like
+any root (same verification, resharding and state check). Nothing is read from the root. A step no longer
 complete in the surviving nodes, a damaged copy on every node, or a transfer that fails: the
 root, with one warning saying why.
 
@@ -48,7 +51,7 @@ from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer
+from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer, transfer_device
 
 log = logging.getLogger("distckpt")
 
@@ -180,6 +183,9 @@ class Recovery:
     step: int | None  # the step this node's tier now holds whole; None: load from the root
     sources: dict[str, str]  # per file of this node's copy: "local" or "rank N" (sent by it)
     planned: bool = False  # needs() succeeded on every rank (each rank's plan may be reused)
+    # (file, from rank, to rank), every rank alike: files the load receives from the rank that
+    # holds them instead of reading them from this node's tier (see :mod:`distckpt.storage.stream`).
+    streams: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -491,6 +497,8 @@ class LocalTier:
             except OSError as exc:
                 failures.append(f"{self.step_path(step)}: {one_line(exc)}")
         moves: list[tuple[str, int, int]] = []
+        streams: list[tuple[str, int, int]] = []
+        per_rank: list[set[str] | None] = []
         planned = False
         if not any(group.all_gather(failures)):
             moves = [t for t in decision.transfers if t[0] != MANIFEST_NAME]
@@ -515,11 +523,17 @@ class LocalTier:
                     t for t in moves if t[0] != METADATA and (per_node[nodes.of[t[2]]] is None or t[0] in per_node[nodes.of[t[2]]])
                 ]
             if not failures:
+                rest = [t for t in moves if t[0] != METADATA] if needs is not None else moves
+                if planned and not check and _streamable(group, manifest):
+                    # Sent straight into the load of each rank that reads them (not written to
+                    # this node's tier, nor read back from it): the node's tier stays without
+                    # this step (no manifest; the next save brings one), the peer keeps its copy.
+                    streams = _streams(nodes, rest, per_rank)
+                    rest = []
                 # Unchecked on the way in where the load checks what it reads (the first
                 # attempt); a damaged copy then fails the load and the second attempt checks all.
-                rest = [t for t in moves if t[0] != METADATA] if needs is not None else moves
                 failures = transfer(group, self.step_path(step), rest, manifest, verify=check)
-            if nodes.local_rank(group.rank) == 0 and not failures and gets_manifest:
+            if nodes.local_rank(group.rank) == 0 and not failures and gets_manifest and not streams:
                 try:
                     _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
                 except OSError as exc:
@@ -529,7 +543,10 @@ class LocalTier:
             first_problem = next(p for ps in everyone for p in ps)
             _warn_root(f"completing step {step} in the local tier failed ({first_problem})")
             return Recovery(None, {})
-        came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here}
+        came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here and not streams}
+        if streams:
+            came = {f: f"rank {src}" for f, src, dst in moves if f == METADATA and nodes.of[dst] == here}
+            came.update({f: f"rank {src}" for f, src, dst in streams if dst == group.rank})
         if gets_manifest:
             holder = min(r for r, rep in enumerate(reports) if step in rep)
             came[MANIFEST_NAME] = f"rank {holder}"  # it came with the manifest's exchange from ``holder``
@@ -537,7 +554,7 @@ class LocalTier:
         have = set(os.listdir(self.step_path(step)))
         sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME] if f in came or f in have}
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
-        return Recovery(step, sources, planned)
+        return Recovery(step, sources, planned, tuple(streams))
 
     def _inventory(self, nodes: Nodes, rank: int, check: bool) -> tuple[dict[int, Holding], dict[int, bytes]]:
         """(each rank) The committed steps of this root in this node's tier, each with the files
@@ -566,6 +583,30 @@ class LocalTier:
             out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact)
             raws[step] = raw
         return out, raws
+
+
+def _streamable(group: Group, manifest: Manifest) -> bool:
+    """Whether the files a node lacks can be streamed into its ranks' load: only where every file
+    has a checksum (a sender that cannot read its copy sends zeros, which the checksum refuses)
+    and over a host backend (gloo: received into host memory, the reader's destinations)."""
+    if manifest.checksum_algorithm is None or any(r.checksum is None for r in manifest.files.values()):
+        return False
+    return transfer_device(group).type == "cpu"
+
+
+def _streams(nodes: Nodes, moves: list[tuple[str, int, int]], per_rank: list[set[str] | None]) -> list[tuple[str, int, int]]:
+    """(every rank alike) A stream ``(file, from rank, to rank)`` for each file a node's
+    ``moves`` would have brought it and each rank of that node that reads the file (``per_rank``:
+    every rank's files, all known), from the rank the move would have taken it from."""
+    source = {(f, nodes.of[dst]): src for f, src, dst in moves}
+    out = []
+    for rank, files in enumerate(per_rank):
+        assert files is not None
+        for f in sorted(files):
+            src = source.get((f, nodes.of[rank]))
+            if src is not None:
+                out.append((f, src, rank))
+    return out
 
 
 def _plan(needs: Callable[[Manifest], set[str]], manifest: Manifest, rank: int) -> set[str] | None:

@@ -87,7 +87,7 @@ def transfer(
     if not moves or not group.enabled:
         return problems
     me = group.rank
-    device = _transfer_device(group)
+    device = transfer_device(group)
     sizes = [manifest.files[name].size for name, _, _ in moves]
     # 1. Senders open their files first; one that cannot be opened is skipped by both ends.
     sources: dict[int, int] = {}
@@ -359,7 +359,7 @@ def _close_part(directory: str, name: str, inc: _Incoming, keep: bool) -> str | 
     return problem
 
 
-def _transfer_device(group: Group) -> torch.device:
+def transfer_device(group: Group) -> torch.device:
     """Where the group's backend takes tensors from: NCCL needs them on the current GPU."""
     backend = dist.get_backend(group.pg)
     if "nccl" in str(backend).lower() and torch.cuda.is_available():
