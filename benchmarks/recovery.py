@@ -9,8 +9,9 @@ and read back by every rank), one run; each repetition alternates the methods an
 is the median over ``--repeats`` (>= 3) repetitions:
 
 * ``recover_local_s``: ``load`` on every rank from the node's own tier (nothing transferred);
-* ``recover_peer_s``: the same after node 1's tier was wiped (a lost node): node 1's files come
-  from node 0's ranks over the process group (gloo), then the load reads the tier;
+* ``recover_peer_s``: the same after node 1's tier was wiped (a lost node): what node 1's ranks
+  read is streamed by node 0's ranks over the process group (gloo) into their load, tensors'
+  bytes straight into their destinations (``distckpt.storage.stream``);
 * ``recover_disk_cold_s``: ``load`` from the root on local disk, its files evicted from the page
   cache first (``posix_fadvise``); ``recover_s3_s``: from the root on S3 (a moto server on
   127.0.0.1), same state;
@@ -21,7 +22,7 @@ is the median over ``--repeats`` (>= 3) repetitions:
 * ``wire_peer_warm_s`` / ``wire_peer_fresh_s``: the floor under the peer row's transfer, measured
   in the same run: plain gloo point-to-point, each rank of node 0 sending one rank's share of the
   state (``size / world`` bytes, in the transfer's pieces) to its peer on node 1, received into
-  memory already touched (what receiving into the load's destination tensors would cost) and into
+  memory already touched (what the peer row's streams pay, receiving into the load's destination tensors) and into
   freshly allocated memory (what landing the bytes in new pages costs, a tier file or a buffer).
 
 Targets (issue 33, this 2-core machine): peer recovery >= 5x faster than S3 and >= 2x faster than
@@ -197,12 +198,17 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             records.append({"rep": rep, "method": f"save_blocked_{name}", "time_s": blocked})
             records.append({"rep": rep, "method": f"train_{name}", "steps_per_s": done / seconds if done and seconds > 0 else None})
         # -- recoveries (fresh checkpointers: a restarted job) ----------------------------------
+        # Node 1's tier as this rep's saves left it: a peer recovery streams into the load and
+        # leaves node 1's tier without the step, so the "local" row restores it first (untimed).
+        pristine = shm / "node1.pristine"
+        on_rank0(lambda: (shutil.rmtree(pristine, ignore_errors=True), shutil.copytree(shm / "node1", pristine)))
         order = ["local", "peer", "disk_cold", "s3"]
         if rep % 2:
             order.reverse()
         for what in order:
             fresh = blank()
             if what == "local":
+                on_rank0(lambda: (shutil.rmtree(shm / "node1", ignore_errors=True), shutil.copytree(pristine, shm / "node1")))
                 ck = distckpt.Checkpointer(str(root), local_dir=str(tier))
             elif what == "peer":
                 on_rank0(lambda: shutil.rmtree(shm / "node1", ignore_errors=True))
@@ -230,6 +236,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         # -- the wire's floor under the peer row ------------------------------------------------
         for what in ("warm", "fresh") if rep % 2 == 0 else ("fresh", "warm"):
             timed(rep, f"wire_peer_{what}", lambda: wire(warm_into if what == "warm" else None))
+        # The next rep's saves find node 1's tier as it was (its older steps, for retention).
+        on_rank0(lambda: (shutil.rmtree(shm / "node1", ignore_errors=True), shutil.move(str(pristine), str(shm / "node1"))))
     for ck in (with_tier, without, s3_ck):
         if ck is not None:
             ck.close()
