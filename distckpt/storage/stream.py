@@ -158,6 +158,7 @@ class StreamedFile:
         self._placed: set[int] = set()  # pieces received into a destination
         self._works: list[Any] = []  # posted receives, by piece
         self._waited = 0  # pieces received and hashed
+        self._released = 0  # pieces the reader has gone past (scratch ones freed)
         self._hashed = 0  # bytes of the file hashed, in file order
         self._ahead = 0  # scratch bytes posted, not yet hashed
         self.pos = 0
@@ -310,6 +311,12 @@ class StreamedFile:
                     pos += len(part)
             at = stop
         self.pos = end
+        # Scratch the reader has gone past is never read again (reads go forward): let it go,
+        # so a stream holds at most what is posted ahead, not the file.
+        while self._released < self._waited and sum(self._pieces[self._released]) <= self.pos:
+            if self._released not in self._placed:
+                self._landing[self._released] = memoryview(b"")
+            self._released += 1
         return end - offset
 
     def read_range(self, offset: int, length: int | None) -> bytes:
