@@ -101,6 +101,9 @@ class SaveView:
         replicas: digest of this rank's DTensors with replicated mesh dimensions.
         cache: the plan cache's token for this rank's current structure, or None.
         blocking: the save's ``blocking`` argument (must agree across ranks).
+        writer_exit: this rank's background writer process's exit code where it exited since
+            the last save (killed while idle, by the OOM killer say), else ``None``: any such
+            rank makes every rank restart its writer before this save (they form one group).
 
     Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
@@ -114,6 +117,7 @@ class SaveView:
     replicas: str = ""
     cache: tuple[int, str] | None = None
     blocking: bool = True  # must agree: a save is synchronous on every rank or on none
+    writer_exit: int | None = None
 
 
 @dataclass

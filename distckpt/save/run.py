@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -226,9 +227,28 @@ class SaveDriver:
             extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
             if not blocking and group.is_coordinator:
                 phases.refuse_committed(opts, step)
-            return phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
+            prepared, view = phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
+            if in_process and self.writer is not None:
+                view.writer_exit = self.writer.proc.poll()
+            return prepared, view
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
+        exited = {r: v.writer_exit for r, v in enumerate(views) if v.writer_exit is not None}
+        if exited:
+            # A writer that died between saves (the OOM killer, say) would fail this save on every
+            # rank: the writers form one group. Every rank restarts its own (the same views on
+            # every rank: all do), then prepares again with the new writer's empty plan cache.
+            warnings.warn(
+                "distckpt: the background writer process of "
+                + ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(exited.items()))
+                + f" exited since the last save; every rank restarts its writer before saving step {step}",
+                stacklevel=4,
+            )
+            self.stop_writer()
+            self._start_writer(group)
+            assert self.writer is not None
+            plans = self.writer.plans
+            prepared, views = exchange(group, f"save of step {step}", prepare)
         phases.agree(prepared, views, group.rank)
         tier = None
         if local is not None:
