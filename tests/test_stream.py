@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ import distckpt
 from dist_harness import run_ranks
 from distckpt.storage import stream
 
-pytestmark = [pytest.mark.xdist_group("local_tier"), pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")]
 
 
 def _state(seed: int):
@@ -97,12 +98,18 @@ def _load(rank: int, world: int, root: str, nodes: str, inject: bool = False) ->
     return step, report.tier, dict(report.sources), exact, copies.get("placed", 0), [str(w.message) for w in caught]
 
 
-@pytest.mark.timeout(200)
-def test_a_lost_node_recovers_streamed_in_place_and_keeps_no_copy(tmp_path):
+def _saved_then_node1_lost(tmp_path: Path) -> tuple[Path, Path]:
+    """Step 1 saved by both ranks; node 1's tier wiped and the root moved away."""
     root, nodes = tmp_path / "root", tmp_path / "nodes"
     run_ranks(_save, 2, tmp_path, str(root), str(nodes), timeout=120)
     shutil.rmtree(nodes / "node1")
     root.rename(tmp_path / "away")
+    return root, nodes
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_node_recovers_streamed_in_place_and_keeps_no_copy(tmp_path):
+    root, nodes = _saved_then_node1_lost(tmp_path)
     results = run_ranks(_load, 2, tmp_path, str(root), str(nodes), timeout=120)
     for rank, (step, tier, sources, exact, placed, _) in enumerate(results):
         assert (step, tier, exact) == (1, "local", True), (rank, results[rank])
@@ -149,10 +156,7 @@ def test_a_damaged_replica_fails_the_stream_and_the_root_serves(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_receiver_failing_before_it_reads_leaves_no_sender_waiting(tmp_path):
-    root, nodes = tmp_path / "root", tmp_path / "nodes"
-    run_ranks(_save, 2, tmp_path, str(root), str(nodes), timeout=120)
-    shutil.rmtree(nodes / "node1")
-    root.rename(tmp_path / "away")
+    root, nodes = _saved_then_node1_lost(tmp_path)
     results = run_ranks(_load, 2, tmp_path, str(root), str(nodes), True, timeout=120, pg_timeout=60)
     for rank, (step, tier, _, exact, _, messages) in enumerate(results):
         assert (step, tier, exact) == (1, "local", True), (rank, results[rank])
