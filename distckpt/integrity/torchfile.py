@@ -61,11 +61,16 @@ class ByteRange(io.RawIOBase):
         """The position changed (a stream over a file handle follows it there)."""
 
 
-class _LayoutUnpickler(pickle.Unpickler):
+class _LayoutUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Reads the layout of the one tensor in a ``torch.save`` record without loading its data.
 
     Admits only what ``torch.save`` writes for a plain tensor; anything else raises, and the
     caller falls back to ``torch.load(weights_only=True)``.
+
+    Python's pure unpickler, not the C one: the C unpickler keeps its memo in an array sized by
+    the largest index a ``PUT`` names, so one damaged byte in a record's head (an index of 2**30)
+    made it allocate and zero gigabytes (16 GiB measured) before failing; this one keeps a dict.
+    A head is a few dozen opcodes: the pure unpickler costs microseconds more per record.
     """
 
     def find_class(self, module: str, name: str) -> Callable[..., object]:
@@ -139,16 +144,18 @@ def head_layout(head: bytes) -> RawLayout | None:
     stream.seek(30 + nlen + elen)
     try:
         (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(stream).load()
-    except Exception:  # noqa: BLE001 - the pickle does not fit the window, or is unusual
+        target = prefix + b"data/" + skey.encode()
+        at = head.find(b"PK\x03\x04", stream.tell())
+        while at != -1 and at + 30 <= len(head):
+            compression, = struct.unpack_from("<H", head, at + 8)
+            tlen, textra = struct.unpack_from("<HH", head, at + 26)
+            if tlen == len(target) and head[at + 30 : at + 30 + tlen] == target and compression == 0:
+                return _layout(sdtype, snumel, offset, size, stride, at + 30 + tlen + textra)
+            at = head.find(b"PK\x03\x04", at + 1)
+    except Exception:  # noqa: BLE001 - the pickle does not fit the window, or is unusual, or
+        # unpickles into values of other types (a damaged record, or a value that is no tensor
+        # but pickles alike): never an error here, the caller's torch.load path decides
         return None
-    target = prefix + b"data/" + skey.encode()
-    at = head.find(b"PK\x03\x04", stream.tell())
-    while at != -1 and at + 30 <= len(head):
-        compression, = struct.unpack_from("<H", head, at + 8)
-        tlen, textra = struct.unpack_from("<HH", head, at + 26)
-        if tlen == len(target) and head[at + 30 : at + 30 + tlen] == target and compression == 0:
-            return _layout(sdtype, snumel, offset, size, stride, at + 30 + tlen + textra)
-        at = head.find(b"PK\x03\x04", at + 1)
     return None
 
 
