@@ -63,7 +63,7 @@ def _save(rank: int, world: int, root: str, nodes: str) -> None:
         ck.save(1, _state(1))  # replicated: every rank the same
 
 
-def _load(rank: int, world: int, root: str, nodes: str, inject: bool = False) -> tuple:
+def _load(rank: int, world: int, root: str, nodes: str, inject: str = "") -> tuple:
     import warnings
 
     import torch
@@ -79,7 +79,15 @@ def _load(rank: int, world: int, root: str, nodes: str, inject: bool = False) ->
         return real_place(self, placements)
 
     stream.StreamedFile.place = counting_place
-    if inject and rank == 1:
+    if inject == "sender" and rank == 0:
+        real_source = stream.Streams._source
+
+        def failing_source(self, name, size):
+            stream.Streams._source = real_source  # once
+            raise MemoryError("injected failure preparing a file to send")
+
+        stream.Streams._source = failing_source
+    if inject == "receiver" and rank == 1:
         real = reader_mod.CheckpointReader._placements
 
         def failing(self, *args):
@@ -157,10 +165,56 @@ def test_a_damaged_replica_fails_the_stream_and_the_root_serves(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_receiver_failing_before_it_reads_leaves_no_sender_waiting(tmp_path):
     root, nodes = _saved_then_node1_lost(tmp_path)
-    results = run_ranks(_load, 2, tmp_path, str(root), str(nodes), True, timeout=120, pg_timeout=60)
+    results = run_ranks(_load, 2, tmp_path, str(root), str(nodes), "receiver", timeout=120, pg_timeout=60)
     for rank, (step, tier, _, exact, _, messages) in enumerate(results):
         assert (step, tier, exact) == (1, "local", True), (rank, results[rank])
         assert any("injected failure" in m and "retrying" in m for m in messages), messages
+
+
+@pytest.mark.timeout(200)
+def test_a_sender_failing_to_prepare_a_file_still_sends_and_the_retry_loads(tmp_path):
+    """The sending thread fails preparing a file (here: no memory): it still sends every message
+    the receiver expects (zeros), whose checksum fails, and the retry loads exactly. Before, the
+    thread died silently and the receiver waited out the group's timeout, breaking the group."""
+    root, nodes = _saved_then_node1_lost(tmp_path)
+    results = run_ranks(_load, 2, tmp_path, str(root), str(nodes), "sender", timeout=120, pg_timeout=60)
+    for rank, (step, tier, _, exact, _, messages) in enumerate(results):
+        assert (step, tier, exact) == (1, "local", True), (rank, results[rank])
+        assert any("checksum" in m and "retrying" in m for m in messages), messages
+
+
+def _tuple_save(rank: int, world: int, root: str, nodes: str) -> None:
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    # A value whose torch.save record is large and whose pickle looks like a tensor's to a
+    # head parser (a tuple of a tuple holding a tensor, then ints): its sender used to crash.
+    value = ((torch.arange(20000.0).reshape(200, 100), 1, 2), 0, (5,), (1,))
+    with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}", save_rng=False) as ck:
+        ck.save(1, {"model": {"w": torch.ones(300, 256)}, "stats": value})
+
+
+def _tuple_load(rank: int, world: int, root: str, nodes: str) -> tuple:
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    state = {"model": {"w": torch.zeros(300, 256)}, "stats": ((torch.zeros(200, 100), 0, 0), 9, (0,), (0,))}
+    with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}", save_rng=False, timeout=60) as ck:
+        ck.load(state)
+        tier = ck.last_load_report.tier
+    (t, a, b), c, d, e = state["stats"]
+    exact = torch.equal(t, torch.arange(20000.0).reshape(200, 100)) and (a, b, c, d, e) == (1, 2, 0, (5,), (1,))
+    return tier, exact and torch.equal(state["model"]["w"], torch.ones(300, 256))
+
+
+@pytest.mark.timeout(200)
+def test_a_large_value_that_looks_like_a_tensor_streams(tmp_path):
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_tuple_save, 2, tmp_path, str(root), str(nodes), timeout=120)
+    shutil.rmtree(nodes / "node1")
+    root.rename(tmp_path / "away")
+    results = run_ranks(_tuple_load, 2, tmp_path, str(root), str(nodes), timeout=120, pg_timeout=60)
+    assert results == [("local", True), ("local", True)], results
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -81,7 +81,10 @@ def large_records(size: int, records: Sequence[tuple[int, int]]) -> list[tuple[i
 def data_range(head: bytes, offset: int, length: int) -> tuple[int, int]:
     """(sender) Where the plain tensor data of the record at ``offset`` lies in the file, from the
     record's ``head``; ``(0, 0)``: no plain tensor (its bytes travel with the rest)."""
-    layout = head_layout(head)
+    try:
+        layout = head_layout(head)
+    except Exception:  # noqa: BLE001 - an unchecked head: no plain tensor, whatever it holds
+        return (0, 0)
     if layout is None or layout.nbytes == 0 or layout.data_offset < 30 or layout.data_offset + layout.nbytes > length:
         return (0, 0)
     return (offset + layout.data_offset, offset + layout.data_offset + layout.nbytes)
@@ -431,34 +434,52 @@ class Streams:
     def _send_all(self) -> None:
         """(the sending thread) Post every message of every outgoing file, then wait for them
         all. Posted at once: a receiver reads its files in its own order, and gloo moves a
-        message only once its receiver asks for it (nothing is buffered)."""
+        message only once its receiver asks for it (nothing is buffered). Whatever goes wrong
+        short of the wire, every message its receiver expects is still sent (see
+        :meth:`_messages`): a receiver must never wait for a message that will not come."""
         works: list[Any] = []
         keep: list[torch.Tensor] = []
-        for name, dst, tag in self.outgoing:
-            size = self.manifest.files[name].size
+        try:
+            for name, dst, tag in self.outgoing:
+                messages = self._messages(name)
+                keep += messages
+                peer = global_rank(self.group, dst)
+                try:
+                    works += [dist.isend(m, peer, self.group.pg, tag) for m in messages]
+                except Exception as exc:  # noqa: BLE001 - the receiver died
+                    self._send_problems.append(f"{name} to rank {dst}: {one_line(exc)}")
+                    break
+            for work in works:
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - the receiver died
+                    self._send_problems.append(one_line(exc))
+                    break
+        except BaseException as exc:  # noqa: BLE001 - reported by finish(), never lost with the thread
+            self._send_problems.append(f"rank {self.group.rank}: {one_line(exc)}")
+
+    def _messages(self, name: str) -> list[torch.Tensor]:
+        """The messages of outgoing file ``name`` (:class:`Layout`). Its bytes are this node's
+        copy, unchecked: a damaged record head is no tensor's (its bytes travel with the rest),
+        and any failure preparing them sends zeros of the same shape of messages, which the
+        receiver's checksum refuses."""
+        size = self.manifest.files[name].size
+        large = large_records(size, self.records.get(name, []))
+        try:
             data = self._source(name, size)
-            large = large_records(size, self.records.get(name, []))
             ranges = [data_range(data[o : o + min(HEAD, n)].numpy().tobytes(), o, n) for o, n in large]
             layout = Layout(size, tuple(r for r in ranges if r != (0, 0)))
             rest = torch.empty(layout.rest_size, dtype=torch.uint8)
             for a, b, p in layout.rest_spans():
                 rest[p : p + b - a] = data[a:b]
-            messages = [torch.tensor([v for r in ranges for v in r], dtype=torch.int64)] if large else []
-            messages += [rest[a : a + n] for a, n in _chunks(0, layout.rest_size)]
-            messages += [data[a : a + n] for a, n in layout.data_pieces()]
-            keep += [data, rest, *messages]
-            peer = global_rank(self.group, dst)
-            try:
-                works += [dist.isend(m, peer, self.group.pg, tag) for m in messages]
-            except Exception as exc:  # noqa: BLE001 - the receiver died
-                self._send_problems.append(f"{name} to rank {dst}: {one_line(exc)}")
-                break
-        for work in works:
-            try:
-                work.wait()
-            except Exception as exc:  # noqa: BLE001 - the receiver died
-                self._send_problems.append(one_line(exc))
-                break
+        except Exception as exc:  # noqa: BLE001 - e.g. no memory for the rest
+            log.warning("distckpt: rank %d cannot send %s (%s): its receiver's checksum check will fail", self.group.rank, name, one_line(exc))
+            ranges, layout = [(0, 0)] * len(large), Layout(size, ())
+            data = rest = torch.zeros(size, dtype=torch.uint8)
+        messages = [torch.tensor([v for r in ranges for v in r], dtype=torch.int64)] if large else []
+        messages += [rest[a : a + n] for a, n in _chunks(0, layout.rest_size)]
+        messages += [data[a : a + n] for a, n in layout.data_pieces()]
+        return messages
 
     def _source(self, name: str, size: int) -> torch.Tensor:
         """The bytes of this node's copy of ``name`` (a read-only mapping), or zeros of its
