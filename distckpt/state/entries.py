@@ -303,7 +303,32 @@ class TreeEntry(Entry):
         return self.tree
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        if isinstance(self.tree, tuple):
+            # Immutable, and a terminal item to DCP (stored whole, its tensors with it): the
+            # entry is replaced by the loaded value, its tensors copied into the live ones where
+            # they fit (a tuple was left untouched before, silently: nothing to merge into).
+            value = _merged_tuple(self.tree, loaded)
+            if self.holder is not None:
+                self.holder.obj = value
+            else:
+                state[self.name] = value
+            return
         _merge_into(self.tree, loaded)
+
+
+def _merged_tuple(live: Any, loaded: Any) -> Any:
+    """``loaded`` for a live tuple: tensors into the live tensors of the same shape and dtype (in
+    place, on the live one's device), tuples (named ones too) rebuilt, anything else as loaded."""
+    if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        if live.shape == loaded.shape and live.dtype == loaded.dtype:
+            with torch.no_grad():
+                live.copy_(loaded)
+            return live
+        return loaded
+    if isinstance(live, tuple) and isinstance(loaded, (tuple, list)) and len(live) == len(loaded):
+        items = [_merged_tuple(a, b) for a, b in zip(live, loaded)]
+        return type(live)(*items) if hasattr(live, "_fields") else tuple(items)
+    return loaded
 
 
 def _merge_into(live: Any, loaded: Any) -> None:

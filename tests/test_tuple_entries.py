@@ -1,0 +1,53 @@
+"""A top-level state entry that is a tuple holding tensors (``state["stats"] = ((t, 1), "x")``,
+a NamedTuple of tensors) is restored on load. DCP stores a tuple whole (one item, its tensors
+inside); the load used to leave the live tuple untouched, silently: it had nothing to merge
+into. Its tensors now load into the live ones in place where they fit."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+import distckpt
+
+
+class Moments(NamedTuple):
+    mean: torch.Tensor
+    count: int
+
+
+def test_a_tuple_entry_with_tensors_is_restored(tmp_path):
+    saved = {
+        "stats": ((torch.full((4,), 7.0), 1), "x"),
+        "moments": Moments(torch.arange(3.0), 5),
+        "nested": {"pair": (torch.ones(2), "a")},
+        "step": 1,
+    }
+    with distckpt.Checkpointer(tmp_path, save_rng=False, safe_types=(Moments,)) as ckpt:
+        ckpt.save(1, saved)
+    live = torch.zeros(4)
+    fresh = {
+        "stats": ((live, 0), "y"),
+        "moments": Moments(torch.zeros(3), 0),
+        "nested": {"pair": (torch.zeros(2), "b")},
+        "step": 0,
+    }
+    with distckpt.Checkpointer(tmp_path, save_rng=False, safe_types=(Moments,)) as ckpt:
+        assert ckpt.load(fresh) == 1
+    (t, n), s = fresh["stats"]
+    assert torch.equal(t, torch.full((4,), 7.0)) and (n, s) == (1, "x")
+    assert t is live  # loaded into the live tensor, in place
+    assert isinstance(fresh["moments"], Moments) and torch.equal(fresh["moments"].mean, torch.arange(3.0))
+    assert fresh["moments"].count == 5
+    assert torch.equal(fresh["nested"]["pair"][0], torch.ones(2)) and fresh["nested"]["pair"][1] == "a"
+    assert fresh["step"] == 1
+
+
+def test_a_tuple_entry_whose_tensor_changed_shape_takes_the_saved_one(tmp_path):
+    with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
+        ckpt.save(1, {"stats": (torch.arange(6.0), 2)})
+    fresh = {"stats": (torch.zeros(3), 0)}
+    with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
+        ckpt.load(fresh)
+    assert torch.equal(fresh["stats"][0], torch.arange(6.0)) and fresh["stats"][1] == 2
