@@ -98,6 +98,38 @@ def test_head_layout_of_damaged_heads_is_none_or_self_consistent():
     assert returned > 100  # most mutations miss what the layout is read from
 
 
+def test_head_layout_of_a_memo_bomb_or_a_foreign_value_is_none_and_cheap():
+    """A damaged head whose pickle names a huge memo index (one byte: a ``'storage'`` string's
+    length, or a crafted ``LONG_BINPUT`` of 2**30) used to make the C unpickler allocate and zero
+    gigabytes before failing; a value that pickles alike but is no tensor (a tuple of a tuple
+    holding a tensor, then ints) raised AttributeError. Now: at once, in little memory, and
+    ``None`` where the head is no plain tensor's."""
+    import io
+    import resource
+    import time
+
+    rec = bytearray(_record(torch.randn(256, 128)))
+    at = rec.index(b"X\x07\x00\x00\x00storage")
+    heads = []
+    damaged = bytearray(rec[:HEAD])
+    damaged[at + 1] = 24  # the string's length byte
+    heads.append(bytes(damaged))
+    crafted = bytearray(rec[:HEAD])
+    proto = crafted.index(b"\x80\x02")
+    crafted[proto + 2 : proto + 2] = b"Nr" + (1 << 30).to_bytes(4, "little") + b"0"  # None, LONG_BINPUT 2**30, POP
+    heads.append(bytes(crafted))
+    buf = io.BytesIO()
+    torch.save(((torch.arange(20000.0).reshape(200, 100), 1, 2), 0, (5,), (1,)), buf)
+    heads.append(buf.getvalue()[:HEAD])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    got = [head_layout(h) for h in heads]
+    assert got[0] is None and got[2] is None, got  # (the crafted index alone harms nothing now)
+    assert time.perf_counter() - t0 < 2.0
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 512, grown_mib  # the C unpickler's memo: 2.9-16 GiB
+
+
 @pytest.mark.parametrize("n", [0, 1, HEAD, 10 * HEAD])
 def test_records_smaller_and_larger_than_the_head(n):
     data = _record(torch.arange(n, dtype=torch.float32))
