@@ -181,7 +181,7 @@ class Recovery:
     """What :meth:`LocalTier.recover` made of the tiers."""
 
     step: int | None  # the step this node's tier now holds whole; None: load from the root
-    sources: dict[str, str]  # per file of this node's copy: "local" or "rank N" (sent by it)
+    sources: dict[str, str]  # per file this rank's load uses: "local" or "rank N" (sent, or streamed, by it)
     planned: bool = False  # needs() succeeded on every rank (each rank's plan may be reused)
     # (file, from rank, to rank), every rank alike: files the load receives from the rank that
     # holds them instead of reading them from this node's tier (see :mod:`distckpt.storage.stream`).
