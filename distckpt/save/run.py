@@ -241,7 +241,8 @@ class SaveDriver:
             warnings.warn(
                 "distckpt: the background writer process of "
                 + ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(exited.items()))
-                + f" exited since the last save; every rank restarts its writer before saving step {step}",
+                + f" has exited (since the last save, or since prepare_staging started it); every rank restarts its"
+                f" writer before saving step {step}",
                 stacklevel=4,
             )
             self.stop_writer()
