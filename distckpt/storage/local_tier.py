@@ -543,10 +543,9 @@ class LocalTier:
             first_problem = next(p for ps in everyone for p in ps)
             _warn_root(f"completing step {step} in the local tier failed ({first_problem})")
             return Recovery(None, {})
-        came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here and not streams}
-        if streams:
-            came = {f: f"rank {src}" for f, src, dst in moves if f == METADATA and nodes.of[dst] == here}
-            came.update({f: f"rank {src}" for f, src, dst in streams if dst == group.rank})
+        # Streamed files went to a rank, not into this node's tier: .metadata alone came by move.
+        came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here and (not streams or f == METADATA)}
+        came.update({f: f"rank {src}" for f, src, dst in streams if dst == group.rank})
         if gets_manifest:
             holder = min(r for r, rep in enumerate(reports) if step in rep)
             came[MANIFEST_NAME] = f"rank {holder}"  # it came with the manifest's exchange from ``holder``
