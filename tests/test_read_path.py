@@ -206,6 +206,26 @@ def test_a_file_changed_between_two_reads_is_caught(tmp_path):
     f.finish()
 
 
+@pytest.mark.parametrize("extra", [1, 9 * 1024 * 1024 + 3])
+def test_a_data_file_longer_than_its_manifest_record_is_refused_whole(tmp_path, extra):
+    """The end of a verified pass reads what is left with a buffer sized to what the manifest
+    says is left: bytes appended beyond it (one, or more than a full chunk) are still read to the
+    end and refused by size, and the file's own bytes still load."""
+    model = _model(1)
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": model})
+    path = _largest_data_file(tmp_path / step_dir(1))
+    size = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"\x00" * extra)
+    with pytest.raises(distckpt.IntegrityError, match=rf"{size + extra} bytes, manifest says {size}"):
+        distckpt.Checkpointer(tmp_path).load({"model": _model(2)})
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    fresh = _model(2)
+    distckpt.Checkpointer(tmp_path).load({"model": fresh})
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
 def test_a_peek_ahead_is_confirmed_by_the_pass(tmp_path):
     from distckpt.integrity.stepfiles import StepFiles
 

@@ -329,13 +329,22 @@ class VerifiedFile:
         """Read (and hash) ``n`` bytes, or to the end with ``None``, in bounded chunks."""
         if n is not None and n <= 0:
             return
-        buf = memoryview(bytearray(CHUNK if n is None else min(CHUNK, n)))
+        if n is None:
+            # To the end: usually a few bytes of archive tail. A buffer sized to what the manifest
+            # says is left (plus one byte, to see a longer file end) spares zeroing 8 MiB per file.
+            left = self.record.size - self.pos if self.record is not None else CHUNK
+            size = min(CHUNK, max(left, 0) + 1)
+        else:
+            size = min(CHUNK, n)
+        buf = memoryview(bytearray(size))
         while n is None or n > 0:
             got = self._read_pass(buf if n is None or n >= len(buf) else buf[:n])
             if not got:
                 return
             if n is not None:
                 n -= got
+            elif got == len(buf) < CHUNK:
+                buf = memoryview(bytearray(CHUNK))  # longer than the manifest says: read on in full chunks
 
     def _goto(self, offset: int) -> bool:
         """Move the pass to ``offset``; False if it lies behind (verifying) and must be read aside."""
