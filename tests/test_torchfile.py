@@ -134,3 +134,38 @@ def test_head_layout_of_a_memo_bomb_or_a_foreign_value_is_none_and_cheap():
 def test_records_smaller_and_larger_than_the_head(n):
     data = _record(torch.arange(n, dtype=torch.float32))
     assert head_layout(data[:HEAD]) == _zip_layout(io.BytesIO(data))
+
+
+def test_alike_heads_are_parsed_once_and_every_head_gets_its_own_layout(monkeypatch):
+    """Heads already parsed are remembered up to their data (what a layout is read from): a
+    record whose head is byte for byte one seen before is not parsed again; one differing in
+    any of those bytes (another shape, dtype, storage offset, a damaged byte) is, and gets its
+    own layout, the one :func:`_zip_layout` (torch's reader) gives."""
+    from distckpt.integrity import torchfile
+
+    monkeypatch.setattr(torchfile, "_SEEN", {})
+    monkeypatch.setattr(torchfile, "_SEEN_LENGTHS", {})
+    parsed = []
+    inner = torchfile._parse_head
+    monkeypatch.setattr(torchfile, "_parse_head", lambda head: parsed.append(head) or inner(head))
+    base = torch.arange(64.0 * 32).reshape(64, 32)
+    views = [base, base + 1, base.to(torch.float64), base[:63].clone(), base.reshape(32, 64), base.flatten()[5:].view(-1)]
+    records = [_record(t) for t in views]
+    for _ in range(3):
+        for data in records:
+            assert head_layout(data[:HEAD]) == _zip_layout(io.BytesIO(data))
+    assert len(parsed) == 5  # base and base + 1 alike: 5 distinct heads, each parsed once
+    damaged = bytearray(records[0][:HEAD])
+    damaged[damaged.index(b"K@") + 1] = 0x3F  # a shape entry 64 -> 63: a new head, parsed
+    assert head_layout(bytes(damaged)) != head_layout(records[0][:HEAD]) and len(parsed) == 6
+
+
+def test_the_cache_of_heads_is_bounded(monkeypatch):
+    from distckpt.integrity import torchfile
+
+    monkeypatch.setattr(torchfile, "_SEEN", {})
+    monkeypatch.setattr(torchfile, "_SEEN_LENGTHS", {})
+    for n in range(1, 200):
+        data = _record(torch.zeros(n))
+        assert head_layout(data[:HEAD]) == _zip_layout(io.BytesIO(data))
+    assert len(torchfile._SEEN) == torchfile._SEEN_MAX

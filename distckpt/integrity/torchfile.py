@@ -90,7 +90,7 @@ class _LayoutUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         return (dtype, str(key), int(numel))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RawLayout:
     """A tensor stored as plain row-major bytes at ``data_offset`` inside its record."""
 
@@ -135,10 +135,34 @@ def head_layout(head: bytes) -> RawLayout | None:
     """
     if len(head) < 30 or head[:4] != b"PK\x03\x04":
         return None
+    for length in tuple(_SEEN_LENGTHS):
+        if len(head) >= length:
+            hit = _SEEN.get(head[:length])
+            if hit is not None:
+                return hit
+    layout, end = _parse_head(head)
+    if layout is not None and len(_SEEN) < _SEEN_MAX:
+        _SEEN[head[:end]] = layout
+        _SEEN_LENGTHS[end] = None
+    return layout
+
+
+# Heads already parsed, up to their data (what their layout is read from, and nothing more:
+# the same bytes give the same layout). A data file's records are mostly tensors of a few
+# shapes, whose heads are byte for byte alike: one parse each (the pure-Python unpickler costs
+# ~40 us a record). Bounded; dict reads and writes are atomic, so reader threads share it.
+_SEEN: dict[bytes, RawLayout] = {}
+_SEEN_LENGTHS: dict[int, None] = {}
+_SEEN_MAX = 64
+
+
+def _parse_head(head: bytes) -> tuple[RawLayout | None, int]:
+    """:func:`head_layout` without the cache of heads already parsed, and where the bytes it
+    depends on end (the start of the data entry's bytes: nothing after it is looked at)."""
     nlen, elen = struct.unpack_from("<HH", head, 26)
     name = head[30 : 30 + nlen]
     if not name.endswith(b"data.pkl"):
-        return None
+        return None, 0
     prefix = name[: -len(b"data.pkl")]
     stream = io.BytesIO(head)
     stream.seek(30 + nlen + elen)
@@ -150,13 +174,14 @@ def head_layout(head: bytes) -> RawLayout | None:
             compression, = struct.unpack_from("<H", head, at + 8)
             tlen, textra = struct.unpack_from("<HH", head, at + 26)
             if tlen == len(target) and head[at + 30 : at + 30 + tlen] == target and compression == 0:
-                return _layout(sdtype, snumel, offset, size, stride, at + 30 + tlen + textra)
+                start = at + 30 + tlen + textra
+                return _layout(sdtype, snumel, offset, size, stride, start), start
             at = head.find(b"PK\x03\x04", at + 1)
     except Exception:  # noqa: BLE001 - the pickle does not fit the window, or is unusual, or
         # unpickles into values of other types (a damaged record, or a value that is no tensor
         # but pickles alike): never an error here, the caller's torch.load path decides
-        return None
-    return None
+        return None, 0
+    return None, 0
 
 
 def _zip_layout(record: RecordStream) -> RawLayout | None:
