@@ -40,7 +40,7 @@ from distckpt.errors import IntegrityError
 from distckpt.integrity.manifest import FileRecord
 from distckpt.integrity.shards import load_record
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
-from distckpt.integrity.torchfile import HEAD, head_layout
+from distckpt.integrity.torchfile import HEAD, RawLayout, head_layout
 from distckpt.storage.base import Storage
 from distckpt.storage.stream import StreamedFile, Streams
 
@@ -150,17 +150,20 @@ class CheckpointReader(FileSystemReader):
             info = self.storage_data[req.storage_index]
             by_item.setdefault((info.offset, info.length), []).append(req)
         failure: BaseException | None = None
+        direct: dict[tuple[int, int], list[tuple[ReadItem, torch.Tensor]] | None] = {}
         try:
             if isinstance(f, StreamedFile):
                 try:
+                    direct = {key: self._direct_targets(item_reqs, planner) for key, item_reqs in by_item.items()}
                     f.begin()
-                    f.place(self._placements(f, by_item, planner))
+                    f.place(self._placements(f, direct))
                 except Exception as exc:  # noqa: BLE001 - finish() below drains the stream
                     failure = exc
             for (offset, length), item_reqs in sorted(by_item.items()) if failure is None else ():
                 try:
                     head = b""
-                    targets = self._direct_targets(item_reqs, planner)
+                    key = (offset, length)
+                    targets = direct[key] if key in direct else self._direct_targets(item_reqs, planner)
                     if targets is not None:
                         head = f.read_range(offset, min(HEAD, length))
                         if self._read_direct(f, offset, length, head, targets, planner):
@@ -187,31 +190,23 @@ class CheckpointReader(FileSystemReader):
             raise failure
 
     def _placements(
-        self, f: StreamedFile, by_item: dict[tuple[int, int], list[ReadItem]], planner: LoadPlanner
+        self, f: StreamedFile, direct: dict[tuple[int, int], list[tuple[ReadItem, torch.Tensor]] | None]
     ) -> dict[int, torch.Tensor]:
         """Where a streamed file's data ranges can be received in place: each stored tensor this
-        rank reads whole into one contiguous host destination of its dtype and shape (the
-        destination :meth:`_read_direct` fills), as ``{range start: its bytes}``."""
+        rank reads whole into one contiguous host destination (the destination
+        :meth:`_read_direct` fills, by the same :func:`_direct_plan`), as ``{range start: its
+        bytes}``. ``direct``: each record's :meth:`_direct_targets`."""
         out: dict[int, torch.Tensor] = {}
-        for (offset, length), item_reqs in by_item.items():
+        for (offset, length), targets in direct.items():
             span = f.data_range(offset)
-            if span is None:
+            if span is None or targets is None or len(targets) != 1:
                 continue
-            targets = self._direct_targets(item_reqs, planner)
-            if targets is None or len(targets) != 1:
-                continue
-            req, target = targets[0]
             layout = head_layout(f.rest_bytes(offset, span[0]))
-            if (
-                layout is None
-                or offset + layout.data_offset != span[0]
-                or layout.nbytes != span[1] - span[0]
-                or target.device.type != "cpu"
-                or target.dtype != layout.dtype
-                or tuple(target.shape) != tuple(layout.shape)
-                or any(int(o) for o in req.storage_offsets)
-                or target.numel() * target.element_size() != layout.nbytes
-            ):
+            plan = _direct_plan(layout, length, targets)
+            if layout is None or plan is None or offset + layout.data_offset != span[0] or layout.nbytes != span[1] - span[0]:
+                continue
+            (_, target, start), = plan
+            if target.device.type != "cpu" or start != layout.data_offset or target.numel() * target.element_size() != layout.nbytes:
                 continue
             out[span[0]] = target.view(-1).view(torch.uint8)
         return out
@@ -259,21 +254,10 @@ class CheckpointReader(FileSystemReader):
         copied, the rest read into place (CUDA destinations through a pinned host buffer, copied
         on a side stream, see :class:`_DeviceSink`). ``False`` (nothing written) if the layout
         is not that plain."""
-        layout = head_layout(head)
-        if layout is None or layout.data_offset + layout.nbytes > length:
+        plan = _direct_plan(head_layout(head), length, targets)
+        if plan is None:
             return False
-        rows = layout.shape[0] if layout.shape else 1
-        row_bytes = layout.nbytes // rows if rows else 0
-        for req, target in targets:
-            first = int(req.storage_offsets[0]) if layout.shape else 0
-            count = int(req.lengths[0]) if layout.shape else 1
-            if target.dtype != layout.dtype or tuple(req.lengths)[1:] != tuple(layout.shape)[1:] or first + count > rows:
-                return False
-            if not layout.shape and tuple(target.shape) != ():
-                return False
-        for req, target in targets:
-            first = int(req.storage_offsets[0]) if layout.shape else 0
-            start = layout.data_offset + first * row_bytes
+        for req, target, start in plan:
             nbytes = target.numel() * target.element_size()
             if nbytes:
                 if target.device.type == "cpu":
@@ -322,6 +306,29 @@ class CheckpointReader(FileSystemReader):
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _direct_plan(
+    layout: RawLayout | None, length: int, targets: list[tuple[ReadItem, torch.Tensor]]
+) -> list[tuple[ReadItem, torch.Tensor, int]] | None:
+    """Where in a record of ``length`` bytes each destination's bytes start, if the record holds
+    plain bytes (``layout``) of every destination's dtype and row shape, inside the record, and
+    each request's rows lie within the stored tensor's; else ``None``. ``targets``: from
+    :meth:`CheckpointReader._direct_targets` (whole rows, contiguous, sorted, disjoint)."""
+    if layout is None or layout.data_offset + layout.nbytes > length:
+        return None
+    rows = layout.shape[0] if layout.shape else 1
+    row_bytes = layout.nbytes // rows if rows else 0
+    plan = []
+    for req, target in targets:
+        first = int(req.storage_offsets[0]) if layout.shape else 0
+        count = int(req.lengths[0]) if layout.shape else 1
+        if target.dtype != layout.dtype or tuple(req.lengths)[1:] != tuple(layout.shape)[1:] or first + count > rows:
+            return None
+        if not layout.shape and tuple(target.shape) != ():
+            return None
+        plan.append((req, target, layout.data_offset + first * row_bytes))
+    return plan
 
 
 def _narrow(tensor: Any, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
