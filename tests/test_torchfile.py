@@ -169,3 +169,17 @@ def test_the_cache_of_heads_is_bounded(monkeypatch):
         data = _record(torch.zeros(n))
         assert head_layout(data[:HEAD]) == _zip_layout(io.BytesIO(data))
     assert len(torchfile._SEEN) == torchfile._SEEN_MAX
+
+
+def test_a_head_cut_inside_the_data_entrys_header_is_parsed_but_not_remembered(monkeypatch):
+    """A window that ends inside the data entry's extra field (torch's alignment padding) still
+    shows the layout, but its bytes end before what the layout depends on: no key of its own."""
+    from distckpt.integrity import torchfile
+
+    monkeypatch.setattr(torchfile, "_SEEN", {})
+    monkeypatch.setattr(torchfile, "_SEEN_LENGTHS", {})
+    data = _record(torch.arange(64.0))
+    full = _zip_layout(io.BytesIO(data))
+    assert full is not None and head_layout(data[: full.data_offset - 3]) == full
+    assert torchfile._SEEN == {}
+    assert head_layout(data[:HEAD]) == full and list(torchfile._SEEN_LENGTHS) == [full.data_offset]

@@ -141,7 +141,8 @@ def head_layout(head: bytes) -> RawLayout | None:
             if hit is not None:
                 return hit
     layout, end = _parse_head(head)
-    if layout is not None and len(_SEEN) < _SEEN_MAX:
+    # (a data entry whose header runs past the window has a key no head of this size can match)
+    if layout is not None and end <= len(head) and len(_SEEN) < _SEEN_MAX:
         _SEEN[head[:end]] = layout
         _SEEN_LENGTHS[end] = None
     return layout
