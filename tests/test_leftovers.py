@@ -188,11 +188,11 @@ def test_a_writer_blocked_in_a_collective_exits_when_its_training_process_dies(s
 def test_a_writer_honours_sigterm_sent_to_it_but_not_to_the_jobs_process_group(tmp_path):
     """SIGTERM to the training job's process group (torchrun, a terminal) misses the writer, so a
     final save requested from a signal handler is still written; SIGTERM to the writer itself
-    ends it (the old writer ignored it), and the next async save replaces it and commits. The training process ignores SIGTERM, a disposition every
-    exec'd child inherits: the writer must restore the default itself. The first save runs in
-    a thread that ends before the second: a writer must outlive the thread that started it (a
-    parent-death signal would fire at that thread's end, and a writer with one pending cannot
-    answer the second save)."""
+    ends it (the old writer ignored it), and the next async save replaces it and commits. The
+    training process ignores SIGTERM, a disposition every exec'd child inherits: the writer must
+    restore the default itself. The first save runs in a thread that ends before the second: a
+    writer must outlive the thread that started it (a parent-death signal would fire at that
+    thread's end, and a writer with one pending cannot answer the second save)."""
     child = _spawn("signals", str(tmp_path / "ck"))
     lines = _Lines(child)
     writer = None
