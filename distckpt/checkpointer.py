@@ -346,8 +346,8 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no such root or committed step.
-            ValueError: the ranks passed different ``step``, ``strict`` or ``verify_state`` (on
-                every rank, naming each and the ranks of each value).
+            ValueError: the ranks passed different ``step``, ``strict``, ``verify_state``, ``only``
+                or ``exclude`` (on every rank, naming each and the ranks of each value).
             StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched
                 keys are listed).
             CheckpointError: reading failed on some rank.
@@ -399,7 +399,7 @@ class Checkpointer:
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
             planned.clear()
-            recovery = local.recover(group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2]))
+            recovery = local.recover(group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude))
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:
                 return None

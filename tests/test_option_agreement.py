@@ -111,6 +111,12 @@ def _calls_body(rank: int, world: int, base: str, async_mode: str) -> dict[str, 
     attempt("load step", lambda: ck.load({"w": torch.zeros(4)}, step=1 + rank))
     attempt("load strict", lambda: ck.load({"w": torch.zeros(4)}, strict=rank == 0))
     attempt("load verify_state", lambda: ck.load({"w": torch.zeros(4)}, verify_state=rank == 0))
+    attempt("load only", lambda: ck.load({"w": torch.zeros(4)}, only="w" if rank == 0 else None))
+    attempt("load exclude", lambda: ck.load({"w": torch.zeros(4)}, exclude=["_rng", "_r*"] if rank == 1 else "_rng"))
+    attempt("load malformed only", lambda: ck.load({"w": torch.zeros(4)}, only=[] if rank == 0 else "w"))
+    # The same selection written differently on each rank is the same selection.
+    same = {"w": torch.zeros(4)}
+    out["same selection"] = (ck.load(same, only=["w", "w*"] if rank == 0 else ["w*", "w"]), same["w"].tolist())
     loaded = {"w": torch.zeros(4)}
     out["after"] = (ck.load(loaded), loaded["w"].tolist(), ck.steps())  # still usable, nothing half-done
     ck.close()
@@ -121,6 +127,7 @@ def _calls_body(rank: int, world: int, base: str, async_mode: str) -> dict[str, 
         tiered.save(2, state)
         attempt("tier load step", lambda: tiered.load({"w": torch.zeros(4)}, step=1 + rank))
         attempt("tier load strict", lambda: tiered.load({"w": torch.zeros(4)}, strict=rank == 1))
+        attempt("tier load only", lambda: tiered.load({"w": torch.zeros(4)}, only=None if rank == 0 else "w"))
         loaded = {"w": torch.zeros(4)}
         out["tier after"] = (tiered.load(loaded), loaded["w"].tolist(), tiered.last_load_report.tier)
     return out
@@ -132,7 +139,9 @@ def test_ranks_calling_with_different_arguments_fail_alike_and_never_hang(tmp_pa
     """``save(blocking=...)`` differing between ranks hung every rank (the first async save
     starts writer processes, a collective the synchronous rank never takes); ``load(step=...)``
     served every rank the coordinator's step silently; ``strict`` or ``verify_state`` differing
-    raised on some ranks only."""
+    raised on some ranks only; ``only``/``exclude`` differing failed one rank with a gloo
+    "connection reset" and the other with a wrong "unexpected keys" (or left an optimizer loaded
+    on some ranks only)."""
     results = run_ranks(_calls_body, 2, tmp_path, str(tmp_path / "roots"), async_mode, timeout=150, pg_timeout=30)
     expect = {
         "blocking, first save": "blocking",
@@ -142,10 +151,15 @@ def test_ranks_calling_with_different_arguments_fail_alike_and_never_hang(tmp_pa
         "load verify_state": "verify_state: True on ranks 0; False on ranks 1",
         "tier load step": "step: 1 on ranks 0; 2 on ranks 1",
         "tier load strict": "strict: False on ranks 0; True on ranks 1",
+        "load only": "only: ['w'] on ranks 0; None on ranks 1",
+        "load exclude": "exclude: ['_rng'] on ranks 0; ['_r*', '_rng'] on ranks 1",
+        "load malformed only": "load(only=...) takes a non-empty pattern or list of patterns, got []",
+        "tier load only": "only: None on ranks 0; ['w'] on ranks 1",
     }
     for name, part in expect.items():
         assert results[0][name] == results[1][name], name
         assert results[0][name] is not None and part in results[0][name], (name, results[0][name])
     for rank in (0, 1):
         assert results[rank]["after"] == (2, [float(rank)] * 4, [1, 2]), results[rank]["after"]
+        assert results[rank]["same selection"] == (2, [float(rank)] * 4), results[rank]["same selection"]
         assert results[rank]["tier after"] == (2, [float(rank)] * 4, "local"), results[rank]["tier after"]

@@ -135,18 +135,20 @@ def load(
     where = storage.display(step_dir(manifest.step))
     # Every rank alike (pure): a non-tensor item the save recorded must still be one.
     values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
-    selection = Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index))
-
     if planned is not None and (preread is None or planned.metadata is not metadata):
         planned = None  # made for other metadata: never trusted for this one
+    selected: list[Selection] = []
 
     def plan_here() -> Any:
-        # Inside the exchange: patterns a rank got wrong fail every rank alike.
+        # Inside the exchange: patterns a rank got wrong (malformed, or matching nothing) fail
+        # every rank alike; raised before it, one rank's ``only=[]`` hung the others.
         refuse_dead_patterns(only, exclude, index, where)
-        plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selection)
-        return plan, (view, arguments(step, strict, verify_state))
+        selected.append(Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index)))
+        plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
+        return plan, (view, arguments(step, strict, verify_state, only, exclude))
 
     plan, shared = exchange(group, f"load of {where}", plan_here)
+    selection = selected[0]
     # In the exchange that exists anyway (no collective of its own): ranks passing different
     # arguments fail alike before anything is read.
     refuse_different_arguments("load()", [a for _, a in shared])
@@ -199,11 +201,33 @@ def load(
     return Loaded(manifest.step, storage, manifest, report)
 
 
-def arguments(step: int | None, strict: bool, verify_state: bool | None) -> dict[str, object]:
+def arguments(
+    step: int | None,
+    strict: bool,
+    verify_state: bool | None,
+    only: object = None,
+    exclude: object = None,
+) -> dict[str, object]:
     """The arguments of a load every rank must pass alike: ranks asking for different steps would
     each be served the coordinator's, and different strictness or state checks raise on some
-    ranks while the others wait for them."""
-    return {"step": step, "strict": strict, "verify_state": verify_state}
+    ranks while the others wait for them. Different selections (``only``/``exclude``) broke the
+    exchange of per-rank state on one rank and blamed the other's state ("unexpected keys"), or
+    left a ZeRO/FSDP optimizer loaded on some ranks only; they are compared as sets of patterns
+    (``"model"`` and ``["model"]``, or a list in another order, agree). Pure and never raising:
+    a rank's malformed pattern is refused later, inside the load's exchange, on every rank."""
+    return {"step": step, "strict": strict, "verify_state": verify_state, "only": _as_set(only), "exclude": _as_set(exclude)}
+
+
+def _as_set(value: object) -> object:
+    """A selection argument as the patterns it means, comparable between ranks (its repr where
+    it is malformed: that rank's load raises the malformed pattern anyway)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
+        return sorted(set(value))
+    return repr(value)
 
 
 def plan_ahead(
