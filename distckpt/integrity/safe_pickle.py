@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.pickle_scan import refuse_memory_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
 _ALLOWED: set[tuple[str, str]] = {
@@ -91,8 +92,11 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     to every result, with the manifest's file sizes where it has them.
 
     Raises:
-        UnsafeCheckpointError: it would run code to unpickle, or is not DCP ``Metadata``.
+        UnsafeCheckpointError: it would run code to unpickle, declares memo slots or lengths
+            its size cannot hold (a memory bomb, :mod:`distckpt.integrity.pickle_scan`), or is
+            not DCP ``Metadata``.
     """
+    refuse_memory_bombs(data, where)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:

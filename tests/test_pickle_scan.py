@@ -1,0 +1,176 @@
+"""Memory bombs in ``.metadata``: a pickle that declares memo slots or lengths its size cannot
+hold. Before, the C unpickler took them at their word: eleven bytes with ``LONG_BINPUT
+500,000,000`` cost 8 GiB and 8 s of a load (a larger index, an OOM kill) before any check ran.
+Now :func:`distckpt.integrity.pickle_scan.refuse_memory_bombs` walks the opcodes first."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import pickletools
+import random
+import struct
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.pickle_scan import refuse_memory_bombs
+from distckpt.integrity.safe_pickle import load_metadata
+
+_STOP = b"."
+
+
+def _metadata(tmp_path: Path, n: int = 40) -> bytes:
+    state = {f"layers.{i}.attn.proj_r.weight": torch.zeros(3, 2) for i in range(n)}
+    state["step"] = torch.tensor(7)
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    return (tmp_path / ".metadata").read_bytes()
+
+
+def _with(data: bytes, ops: bytes) -> bytes:
+    """``data`` (ends in STOP) with ``ops`` run just before its STOP: the scan must walk every
+    opcode of ``data`` to reach them."""
+    assert data.endswith(_STOP)
+    return data[:-1] + ops + _STOP
+
+
+def _objects(rng: random.Random, depth: int = 0) -> object:
+    """Values of every kind pickle has an opcode for (the strings hold the bytes of PUT, GET and
+    the length prefixes, and newlines)."""
+    kinds = ["int", "big", "float", "str", "bytes", "none", "bool", "tuple", "list", "dict", "global", "size"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:7])
+    if kind == "int":
+        return rng.choice([0, 1, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31)])
+    if kind == "big":
+        return rng.choice([2**64 + 5, -(2**100), 10**40])
+    if kind == "float":
+        return rng.random() * 1e300
+    if kind == "str":
+        return "".join(rng.choice("rpqjhX\n\x8c\x95aé…") for _ in range(rng.randrange(0, 300)))
+    if kind == "bytes":
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "global":
+        return rng.choice([OrderedDict, datetime.timedelta(seconds=5), torch.float16, Path("a/b")])
+    if kind == "size":
+        return torch.Size([rng.randrange(9) for _ in range(rng.randrange(4))])
+    items = [_objects(rng, depth + 1) for _ in range(rng.randrange(0, 6))]
+    if kind == "tuple":
+        return tuple(items)
+    if kind == "list":
+        shared = items[:1] * 3  # memo: the same object again (GET)
+        return items + shared
+    return {f"k{i}": v for i, v in enumerate(items)}
+
+
+def test_real_metadata_and_pickles_of_every_protocol_pass(tmp_path: Path) -> None:
+    refuse_memory_bombs(_metadata(tmp_path), "ok")
+    rng = random.Random(5)
+    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
+        for _ in range(30):
+            data = pickle.dumps(_objects(rng), protocol=protocol)
+            refuse_memory_bombs(data, "ok")  # no false alarm
+            # ... and the scan walked all of it: a bomb before its STOP is found.
+            with pytest.raises(UnsafeCheckpointError, match="memo slot"):
+                refuse_memory_bombs(_with(data, b"Nr" + struct.pack("<I", len(data) + 9) + b"0"), "bomb")
+
+
+def test_a_bomb_at_any_opcode_of_real_metadata_is_refused(tmp_path: Path) -> None:
+    data = _metadata(tmp_path)
+    positions = [pos for _, _, pos in pickletools.genops(data)]
+    rng = random.Random(11)
+    for pos in rng.sample(positions, 60) + positions[-3:]:
+        bomb = data[:pos] + b"Nr" + struct.pack("<I", 50_000_000) + b"0" + data[pos:]
+        with pytest.raises(UnsafeCheckpointError, match="LONG_BINPUT writes memo slot 50,000,000"):
+            refuse_memory_bombs(bomb, "x")
+
+
+@pytest.mark.parametrize(
+    "ops, named",
+    [
+        (b"Nr" + struct.pack("<I", 50_000_000) + b"0", "LONG_BINPUT writes memo slot 50,000,000"),
+        (b"Np50000000\n0", "PUT writes memo slot 50,000,000"),
+        (b"Np +50_000_000\n0", "PUT writes memo slot 50,000,000"),  # as int() reads the line
+        (b"\x8e" + struct.pack("<Q", 1 << 40) + b"abc", "BINBYTES8 declares 1,099,511,627,776 bytes"),
+        (b"\x8d" + struct.pack("<Q", 1 << 40) + b"abc", "BINUNICODE8 declares"),
+        (b"\x96" + struct.pack("<Q", 1 << 40) + b"abc", "BYTEARRAY8 declares"),
+        (b"B" + struct.pack("<I", 1 << 31) + b"abc", "BINBYTES declares"),
+        (b"X" + struct.pack("<I", 1 << 31) + b"abc", "BINUNICODE declares"),
+    ],
+)
+def test_load_metadata_refuses_memory_bombs_by_name(tmp_path: Path, ops: bytes, named: str) -> None:
+    crafted = _with(_metadata(tmp_path, 4), ops)
+    where = str(tmp_path / ".metadata")
+    with pytest.raises(UnsafeCheckpointError) as info:
+        load_metadata(crafted, where)
+    assert named in str(info.value) and where in str(info.value), str(info.value)
+
+
+def test_what_the_scan_leaves_to_the_unpickler_is_still_refused(tmp_path: Path) -> None:
+    data = _metadata(tmp_path, 4)
+    for crafted in (data[: len(data) // 2], _with(data, b"\xff"), _with(data, b"p-3\n"), _with(data, b"pxyz\n"), b"", b"r\x00"):
+        refuse_memory_bombs(crafted, "x")  # not a bomb: the unpickler's own error
+        with pytest.raises(UnsafeCheckpointError, match="not valid DCP metadata|not DCP Metadata"):
+            load_metadata(crafted, "x")
+
+
+def test_fuzzed_metadata_raises_nothing_but_unsafe(tmp_path: Path) -> None:
+    """Seeded: flipped, inserted and deleted bytes anywhere: the scan raises nothing else (no
+    IndexError from a length at the end, no slow path on a huge digit line)."""
+    data = _metadata(tmp_path, 8)
+    rng = random.Random(int(os.environ.get("DISTCKPT_FUZZ_SEED", "3")))
+    for _ in range(400):
+        crafted = bytearray(data)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(crafted))
+            what = rng.randrange(3)
+            if what == 0:
+                crafted[at] = rng.randrange(256)
+            elif what == 1:
+                crafted[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+            else:
+                del crafted[at : at + rng.randrange(1, 9)]
+        try:
+            refuse_memory_bombs(bytes(crafted), "x")
+        except UnsafeCheckpointError:
+            pass
+    refuse_memory_bombs(b"p" + b"9" * 10_000 + b"\n.", "x")  # int() refuses it: left to the unpickler
+
+
+def test_the_scan_costs_a_fraction_of_the_unpickling(tmp_path: Path) -> None:
+    """Not a timing assertion: the scan's fast path is one regular expression per run of
+    fixed-size opcodes, so Python sees only the opcodes that carry a length or a line. Counted,
+    not timed: a DCP metadata of 300 items needs one Python step per string, not per opcode."""
+    import distckpt.integrity.pickle_scan as scan
+
+    data = _metadata(tmp_path, 300)
+    steps = 0
+    real = scan._COUNTED
+
+    class Counting(dict):
+        def get(self, key, default=None):  # type: ignore[override]
+            nonlocal steps
+            steps += 1
+            return real.get(key, default)
+
+    opcodes = sum(1 for _ in pickletools.genops(data))
+    strings = sum(1 for op, _, _ in pickletools.genops(data) if op.name in ("SHORT_BINUNICODE", "BINUNICODE"))
+    scan._COUNTED = Counting()
+    try:
+        refuse_memory_bombs(data, "x")
+    finally:
+        scan._COUNTED = real
+    assert steps <= strings + 2 and opcodes > 20 * steps, (steps, strings, opcodes)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
