@@ -69,23 +69,23 @@ def _body(rank: int, world: int, base: str, scenario: str):
         names = {**names, "r0.distcp": SIZE, "r1.distcp": SIZE}
         moves = [("r0.distcp", 0, 1), ("r1.distcp", 1, 0), ("z.distcp", 0, 1)]
     if scenario.startswith("truncated-before-map") and rank == 0:
-        real_map = tr._map
+        real_map = tr.map_file
 
         def shrink_then_map(fd, size):  # the file shrinks after the sender opened and checked it
             os.truncate(here / "a.distcp", SIZE // 2)
             return real_map(fd, size)
 
-        tr._map = shrink_then_map
+        tr.map_file = shrink_then_map
     if scenario == "truncated-before-read" and rank == 0:
-        tr._map = lambda fd, size: None
-        os_open = tr._open_regular
+        tr.map_file = lambda fd, size: None
+        os_open = tr.open_regular
 
         def open_then_shrink(path, size):
             fd = os_open(path, size)
             os.truncate(path, size // 2)
             return fd
 
-        tr._open_regular = open_then_shrink
+        tr.open_regular = open_then_shrink
     if scenario == "part-hardlink" and rank == 1:  # a leftover name.part hard-linked to another file
         (here / "precious").write_bytes(b"keep me" * 100)
         os.link(here / "precious", here / "a.distcp.part")

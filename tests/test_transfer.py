@@ -49,7 +49,7 @@ def _body(rank: int, world: int, base: str, scenario: str) -> tuple[list[str], d
         os.unlink(here / "other.distcp")
         os.mkfifo(here / "other.distcp")
     if scenario in ("read-fails", "read") and rank == 0:
-        tr._map = lambda fd, size: None  # the pieces are read (preadv), not sent from a mapping
+        tr.map_file = lambda fd, size: None  # the pieces are read (preadv), not sent from a mapping
     if scenario == "read-fails" and rank == 0:
         real = tr._read_piece
 

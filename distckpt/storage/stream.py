@@ -48,7 +48,7 @@ from distckpt.errors import CheckpointError, IntegrityError, one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import Manifest
 from distckpt.integrity.torchfile import HEAD, head_layout
-from distckpt.storage.transfer import PIECE, _map, _open_regular, global_rank
+from distckpt.storage.transfer import PIECE, global_rank, map_file, open_regular
 
 log = logging.getLogger("distckpt")
 
@@ -486,9 +486,9 @@ class Streams:
         size where it cannot be read: the receiver waits for every byte, and its checksum
         check refuses them."""
         try:
-            fd = _open_regular(os.path.join(self.directory, name), size)
+            fd = open_regular(os.path.join(self.directory, name), size)
             try:
-                mapped = _map(fd, size)
+                mapped = map_file(fd, size)
             finally:
                 os.close(fd)
             if mapped is not None or size == 0:

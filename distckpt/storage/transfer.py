@@ -95,7 +95,7 @@ def transfer(
     for i, (name, src, dst) in enumerate(moves):
         if src == me:
             try:
-                sources[i] = _open_regular(os.path.join(directory, name), sizes[i])
+                sources[i] = open_regular(os.path.join(directory, name), sizes[i])
             except OSError as exc:
                 problems.append(f"sending {name} to rank {dst}: {one_line(exc)}")
                 unopened.append(i)
@@ -155,7 +155,7 @@ def _run_waves(
     ``failed_sends``. Returns why the wire failed (``None``: every piece moved)."""
     me = group.rank
     pools = _Pools(device)
-    maps = {i: m for i, fd in sources.items() if (m := _map(fd, sizes[i])) is not None}
+    maps = {i: m for i, fd in sources.items() if (m := map_file(fd, sizes[i])) is not None}
     pending: _Wave | None = None
     for k, wave in enumerate(_waves(pieces, moves)):
         ops: list[Any] = []
@@ -266,7 +266,7 @@ def _finish(wave: _Wave, incoming: dict[int, _Incoming]) -> str | None:
     return None
 
 
-def _open_regular(path: str, size: int) -> int:
+def open_regular(path: str, size: int) -> int:
     """A descriptor of ``path``, a regular file (not a link) of ``size`` bytes, else ``OSError``."""
     # O_NONBLOCK: a FIFO by that name would block the open until a writer came (then refused below).
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -282,7 +282,7 @@ def _open_regular(path: str, size: int) -> int:
     return fd
 
 
-def _map(fd: int, size: int) -> torch.Tensor | None:
+def map_file(fd: int, size: int) -> torch.Tensor | None:
     """The whole file of ``fd`` as a read-only mapping, if it still holds the ``size`` bytes it was
     opened with (``None``: empty, changed, or it cannot be mapped; the pieces are then read with
     ``preadv``, which reports a short read). Reading a tmpfs file through a mapping costs half
