@@ -174,3 +174,72 @@ def test_the_scan_costs_a_fraction_of_the_unpickling(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# -- found by an attacker's review of the scan (2026-11-27) -------------------------------------
+
+
+def test_a_nul_in_a_put_line_hides_nothing_after_it() -> None:
+    """The unpickler reads a PUT line as a C string (up to a NUL): ``p150000000\\x00\\n`` is slot
+    150,000,000 to it, and the scan stopped at a line ``int()`` refused, so a bomb after
+    ``p0\\x00\\n`` went through (8 GiB)."""
+    # Slots of 30,000,000 (480 MB, should this regress), not the attack's 150,000,000.
+    for crafted in (b"Np30000000\x00\n.", b"Np0\x00\nNr" + struct.pack("<I", 30_000_000) + b"."):
+        with pytest.raises(UnsafeCheckpointError, match="memo slot"):
+            load_metadata(crafted, "x")
+
+
+def _metadata_with(storage_meta: object) -> bytes:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=storage_meta))
+
+
+@pytest.mark.parametrize(
+    "crafted, named",
+    [
+        # Path(p, p) again and again: 2**40 parts from 476 bytes (it never finished).
+        (b"\x80\x02cpathlib\nPosixPath\nq\x00h\x00X\x01\x00\x00\x00a\x85Rq\x01" + b"0h\x00h\x01h\x01\x86Rq\x01" * 40 + b".",
+         "pathlib.PosixPath(PosixPath, PosixPath)"),
+        # Path("a/" * 5000, ... 10,000 times): 383 MB from 20 KB.
+        (b"\x80\x02cpathlib\nPosixPath\nq\x00(X\x10'\x00\x00" + b"a/" * 5000 + b"q\x01" + b"2" * 10_000 + b"tR.",
+         "pathlib.PosixPath(str, str, str, str, ...)"),
+        # torch.Size of one list of 20,000 ints, made 2,000 times: 305 MB from 30 KB.
+        (b"\x80\x02ctorch\nSize\nq\x00]q\x01(" + b"K\x01" * 20_000 + b"e" + b"h\x00h\x01\x85R0" * 2_000 + b"N.",
+         "torch.Size(list)"),
+        (b"\x80\x02ccollections\nOrderedDict\n}\x85R.", "collections.OrderedDict(dict)"),
+        # A KeyError of a deep frozenset: its message recursed (a RecursionError escaped).
+        (b"\x80\x04ctorch.serialization\n_get_layout\n(" + b"(" * 5000 + b"\x91" * 5000 + b"tR.",
+         "torch.serialization._get_layout(frozenset)"),
+    ],
+)
+def test_admitted_constructors_take_only_what_dcp_gives_them(crafted: bytes, named: str) -> None:
+    with pytest.raises(UnsafeCheckpointError, match="which DCP metadata never does") as info:
+        load_metadata(crafted, "x/.metadata")
+    assert named in str(info.value), str(info.value)
+
+
+def test_metadata_with_paths_sizes_and_layouts_still_loads() -> None:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    for checkpoint_id in (Path("runs/a/step_1"), "s3://bucket/x", None):
+        loaded = load_metadata(_metadata_with(StorageMeta(checkpoint_id=checkpoint_id)), "x")
+        assert loaded.storage_meta.checkpoint_id == checkpoint_id
+    with pytest.raises(UnsafeCheckpointError, match="more than 4096 characters"):
+        load_metadata(_metadata_with(StorageMeta(checkpoint_id=Path("x" * 5000))), "x")
+
+
+def test_a_name_in_torch_is_looked_up_without_importing_anything() -> None:
+    """``getattr(torch, "_dynamo")`` imports torch._dynamo (a second of the load, for a crafted
+    name that is refused anyway); only torch's own attributes are looked at."""
+    import subprocess
+
+    code = (
+        "import sys, torch\nfrom distckpt.integrity.safe_pickle import load_metadata\n"
+        "for name in ('_dynamo', 'onnx'):\n"
+        "    try:\n        load_metadata(b'ctorch\\n' + name.encode() + b'\\n.', 'x')\n"
+        "    except Exception as exc:\n        assert 'references torch.' + name in str(exc), exc\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.onnx') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

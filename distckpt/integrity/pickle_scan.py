@@ -104,8 +104,10 @@ def refuse_memory_bombs(data: bytes, where: str) -> None:
             if end < 0:
                 return
             if op == _PUT:
-                try:  # as the unpickler reads it: int() also takes " +5_000\n"
-                    slot = int(data[i:end])
+                # As the unpickler reads the line: up to a NUL (C string), then int()'s syntax
+                # (" +5_000"). Stopping at a line int() refused let "p0\x00\n" hide what followed.
+                try:
+                    slot = int(data[i:end].split(b"\0", 1)[0])
                 except ValueError:
                     return
                 if slot >= n:

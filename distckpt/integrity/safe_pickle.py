@@ -40,6 +40,16 @@ _ALLOWED: set[tuple[str, str]] = {
 }
 
 
+#: Bounds on what the admitted constructors that take arguments are given: a pickle may hand
+#: the same argument to them again and again (memo), so each call is bounded, never the file.
+#: Unbounded, ``PosixPath(p, p)`` repeated doubled its parts each time (40 steps, 476 bytes:
+#: 2**40 of them) and ``torch.Size`` of one long list, repeated, cost 10,000x the file's size.
+MAX_PATH_PARTS, MAX_PATH_CHARS, MAX_DIMS = 64, 4096, 1024
+
+_BOUNDED = frozenset({("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"), ("torch", "Size"),
+                      ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")})  # fmt: skip
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, where: str) -> None:
         super().__init__(data)
@@ -48,14 +58,62 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Callable[..., object]:
         if name == "getattr" and module in ("builtins", "__builtin__"):  # protocol 2 says __builtin__
             return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
+        if (module, name) in _BOUNDED:
+            return self._bounded(module, name, super().find_class(module, name))
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        # Its own attributes only: torch's module __getattr__ imports lazy submodules (_dynamo:
+        # a second of a load, for one crafted name).
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
         raise UnsafeCheckpointError(
             f"refusing to read {self.where}: it references {module}.{name}, which DCP metadata never "
             "contains (a crafted file could run code through it)"
         )
+
+    def _bounded(self, module: str, name: str, real: Callable[..., object]) -> Callable[..., object]:
+        """``real`` for the arguments DCP's metadata gives it (as their ``__reduce__`` writes
+        them), bounded in size; anything else is refused (a class wanted by NEWOBJ: this is not
+        one, and the unpickler refuses it)."""
+        where = self.where
+
+        def refuse(args: tuple[object, ...]) -> UnsafeCheckpointError:
+            kinds = ", ".join(type(a).__name__ for a in args[:4]) + (", ..." if len(args) > 4 else "")
+            return UnsafeCheckpointError(f"refusing to read {where}: it calls {module}.{name}({kinds}), which DCP metadata never does")
+
+        if module == "pathlib":
+
+            def path(*parts: object) -> object:
+                if len(parts) > MAX_PATH_PARTS or not all(isinstance(p, str) for p in parts):
+                    raise refuse(parts)
+                if sum(len(p) for p in parts) > MAX_PATH_CHARS:  # type: ignore[arg-type]
+                    raise UnsafeCheckpointError(f"refusing to read {where}: it holds a path of more than {MAX_PATH_CHARS} characters")
+                return real(*parts)
+
+            return path
+        if name == "Size":
+
+            def size(dims: object = ()) -> object:
+                if not isinstance(dims, (tuple, list)) or len(dims) > MAX_DIMS or not all(type(d) is int for d in dims):
+                    raise refuse((dims,))
+                return real(dims)
+
+            return size
+        if name == "_get_layout":
+
+            def layout(text: object) -> object:
+                if not isinstance(text, str) or len(text) > 64:
+                    raise refuse((text,))
+                return real(text)
+
+            return layout
+
+        def ordered_dict(*args: object) -> object:  # its items come by SETITEMS, never as arguments
+            if args:
+                raise refuse(args)
+            return real()
+
+        return ordered_dict
 
     def _member_of_mem_format(self, owner: object, name: object) -> enum.Enum:
         """``getattr`` as CPython 3.11.0-3.11.2 pickle an enum member (``getattr(cls, name)``),
@@ -102,7 +160,16 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
-        raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {exc}") from None
+        raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {_text(exc)}") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, short, or nothing where building it fails: a crafted file's error may hold
+    an object whose repr recurses without end (a ``KeyError`` of a deeply nested frozenset)."""
+    try:
+        return str(exc)[:300]
+    except Exception:  # noqa: BLE001 - RecursionError, MemoryError, a raising __repr__
+        return "(its message could not be shown)"
