@@ -163,3 +163,16 @@ def test_ranks_calling_with_different_arguments_fail_alike_and_never_hang(tmp_pa
         assert results[rank]["after"] == (2, [float(rank)] * 4, [1, 2]), results[rank]["after"]
         assert results[rank]["same selection"] == (2, [float(rank)] * 4), results[rank]["same selection"]
         assert results[rank]["tier after"] == (2, [float(rank)] * 4, "local"), results[rank]["tier after"]
+
+
+def test_selections_are_compared_as_the_patterns_they_mean() -> None:
+    """Pure: what each rank sends for ``only``/``exclude``. A set's repr follows the string hash
+    of each process (torchrun's ranks are separate interpreters), so it is compared sorted."""
+    from distckpt.load.run import arguments
+
+    same = [arguments(None, True, None, only=v) for v in ("model", ["model"], ("model", "model"), {"model"})]
+    assert all(a == same[0] for a in same) and same[0]["only"] == ["model"], same
+    assert arguments(None, True, None, exclude={"b", "a"})["exclude"] == arguments(None, True, None, exclude=["a", "b"])["exclude"]
+    assert arguments(None, True, None)["only"] is None
+    # Malformed: its repr (the rank's load raises it, inside the exchange, on every rank).
+    assert arguments(None, True, None, only=[])["only"] == "[]" and arguments(None, True, None, only=3)["only"] == "3"

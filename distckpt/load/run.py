@@ -205,8 +205,8 @@ def arguments(
     step: int | None,
     strict: bool,
     verify_state: bool | None,
-    only: object = None,
-    exclude: object = None,
+    only: str | list[str] | None = None,
+    exclude: str | list[str] | None = None,
 ) -> dict[str, object]:
     """The arguments of a load every rank must pass alike: ranks asking for different steps would
     each be served the coordinator's, and different strictness or state checks raise on some
@@ -218,16 +218,15 @@ def arguments(
     return {"step": step, "strict": strict, "verify_state": verify_state, "only": _as_set(only), "exclude": _as_set(exclude)}
 
 
-def _as_set(value: object) -> object:
-    """A selection argument as the patterns it means, comparable between ranks (its repr where
-    it is malformed: that rank's load raises the malformed pattern anyway)."""
+def _as_set(value: Any) -> object:
+    """A selection argument as the patterns it means (:func:`patterns`), sorted: comparable
+    between ranks (its repr where it is malformed: that rank's load raises it anyway)."""
     if value is None:
         return None
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(p, str) for p in value):
-        return sorted(set(value))
-    return repr(value)
+    try:
+        return sorted(set(patterns(value, "")))
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def plan_ahead(
