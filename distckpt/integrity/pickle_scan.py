@@ -35,9 +35,10 @@ def _tables() -> tuple[re.Pattern[bytes], dict[int, tuple[int, bool]]]:
     for op in pickletools.opcodes:
         code = op.code.encode("latin-1")[0]
         n = 0 if op.arg is None else op.arg.n
-        if code in (_LONG_BINPUT, _PUT, _STOP):
-            if code != _STOP:
-                counted[code] = (4 if code == _LONG_BINPUT else 0, False)
+        if code == _STOP:
+            continue  # ends the scan
+        if code == _LONG_BINPUT:  # fixed-size, but its slot is checked: never in the fast run
+            counted[code] = (4, False)
         elif n >= 0:
             fixed.setdefault(n, []).append(code)
         elif n == pickletools.UP_TO_NEWLINE:

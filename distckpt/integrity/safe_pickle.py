@@ -21,9 +21,8 @@ from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.pickle_scan import refuse_memory_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
+# Besides _BOUNDED below (constructors given only the arguments DCP writes), admitted as they are.
 _ALLOWED: set[tuple[str, str]] = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
     ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
@@ -33,10 +32,6 @@ _ALLOWED: set[tuple[str, str]] = {
     ("torch.distributed.checkpoint.metadata", "TensorProperties"),
     ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
 }
 
 
