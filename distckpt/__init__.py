@@ -22,6 +22,7 @@ from distckpt.errors import (
     IntegrityError,
     StagingMismatchError,
     StateMismatchError,
+    StepDeletedError,
     StepExistsError,
     UnsafeCheckpointError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "StagingMismatchError",
     "StateDivergedError",
     "StateMismatchError",
+    "StepDeletedError",
     "StepExistsError",
     "Storage",
     "UnsafeCheckpointError",

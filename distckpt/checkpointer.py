@@ -346,6 +346,10 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no such root or committed step.
+            StepDeletedError: ``step`` (or, with ``strict=False``, the newest step) was deleted or
+                committed anew while it was read, e.g. by the retention of a job saving to the
+                same root; with ``step=None`` the newest committed step is loaded instead, with a
+                warning, a few times before this is raised.
             ValueError: the ranks passed different ``step``, ``strict``, ``verify_state``, ``only``
                 or ``exclude`` (on every rank, naming each and the ranks of each value).
             StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched

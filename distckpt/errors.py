@@ -37,6 +37,14 @@ class StepExistsError(ValueError):
     """``save`` was asked to write a step that is already committed under the root."""
 
 
+class StepDeletedError(FileNotFoundError):
+    """A committed step was deleted, or committed anew, while ``load`` read it: most likely by
+    the retention (``keep_last``) of a job saving to the same root. ``load(step=None)`` then loads
+    the newest committed step instead (a few times at most); with an explicit ``step`` (or
+    ``strict=False``) this is raised, on every rank. Like any failed load, the failed read may
+    have written part of the state; a strict load that succeeds overwrites all of it."""
+
+
 class StateMismatchError(KeyError):
     """The checkpoint and the state to load into disagree on keys or shapes (``strict=True``).
 

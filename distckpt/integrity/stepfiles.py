@@ -108,6 +108,14 @@ class StepFiles:
             manifest = load_manifest(storage, dirname)
         return cls(storage, dirname, manifest=manifest, verify=verify)
 
+    def changed_since(self, doing: str) -> str | None:
+        """After a read of this step failed: why the directory no longer holds the step that was
+        opened (its manifest gone or another in its place: deleted or committed anew while it was
+        being ``doing``), or ``None``: the failure is then the step's own."""
+        if self.manifest is None:
+            return None
+        return changed_since(self.storage, self.dirname, self.manifest, doing)
+
     # where -------------------------------------------------------------------------------------
     def display(self, *parts: str) -> str:
         """User-facing location of the directory or of ``parts`` inside it."""
@@ -609,6 +617,32 @@ class _Peek(ByteRange):
             view[:got] = data[self._pos - start : self._pos - start + got]
         self._pos += got
         return got
+
+
+def changed_since(storage: Storage, dirname: str, manifest: Manifest, doing: str) -> str | None:
+    """(one process, after a read of the step in ``dirname`` failed) Why that directory no longer
+    holds the step ``manifest`` was read from: its manifest gone (deleted while it was being
+    ``doing``: retention removes a step's manifest before its files), or another manifest in its
+    place (committed anew); ``None`` if it still holds it, or cannot be read now (no proof of
+    either: the first error stands)."""
+    where = storage.display(*[p for p in (dirname, MANIFEST_NAME) if p])
+    try:
+        now = load_manifest(storage, dirname)
+    except FileNotFoundError:
+        return deleted_while(storage, dirname, manifest.step, doing)
+    except Exception:  # noqa: BLE001 - unreadable now: no proof of a deletion
+        return None
+    if now != manifest:
+        return f"checkpoint step {manifest.step}: {where} was committed anew while the step was being {doing}"
+    return None
+
+
+def deleted_while(storage: Storage, dirname: str, step: int, doing: str) -> str:
+    """The message of a step deleted under a reader."""
+    return (
+        f"checkpoint step {step} at {storage.display(dirname)} was deleted while it was being {doing} (its "
+        f"{MANIFEST_NAME} is gone: old steps are deleted by the retention, keep_last, of a job saving to this root)"
+    )
 
 
 def read_metadata(storage: Storage, manifest: Manifest, verify: bool = True) -> Metadata:

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from distckpt._dist import Group, exchange, on_coordinator
 from distckpt._process import refuse_different_arguments
-from distckpt.errors import StateMismatchError
+from distckpt.errors import CheckpointError, StateMismatchError, StepDeletedError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
-from distckpt.integrity.stepfiles import read_metadata
+from distckpt.integrity.stepfiles import changed_since, deleted_while, read_metadata
 from distckpt.load import verify
 from distckpt.load.phases import (
     LoadPlan,
@@ -101,6 +101,12 @@ def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
     raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {committed_steps(root)})")
 
 
+#: How many times ``load(step=None)`` moves on to the newest step after the one it was reading
+#: was deleted under it (:class:`StepDeletedError`): a job that saves faster than another loads
+#: would otherwise keep it retrying.
+DELETED_RETRIES = 3
+
+
 def load(
     group: Group,
     options: CheckpointerOptions,
@@ -117,7 +123,42 @@ def load(
     streams: Sequence[tuple[str, int, int]] = (),
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
-    :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
+    :meth:`distckpt.Checkpointer.load` for the arguments and errors); :func:`load_step` does it.
+    A step deleted while it was read (another job's retention) is a :class:`StepDeletedError` on
+    every rank; with ``step=None`` (and ``strict``) the newest committed step is loaded instead,
+    with a warning, up to :data:`DELETED_RETRIES` times (every rank alike: the error comes from
+    the coordinator's decision)."""
+    for attempt in range(DELETED_RETRIES + 1):
+        try:
+            return load_step(
+                group, options, tiers, state, step, strict, restore_rng, verify_state, only, exclude, preread, planned, streams
+            )
+        except StepDeletedError as exc:
+            # Not with strict=False: keys the newer step lacks would keep what the failed
+            # attempt read into them, reported "missing" but no longer as they were.
+            if step is not None or not strict or preread is not None or attempt == DELETED_RETRIES:
+                raise
+            warnings.warn(f"distckpt: {exc}; loading the newest committed step instead", stacklevel=3)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def load_step(
+    group: Group,
+    options: CheckpointerOptions,
+    tiers: Sequence[Storage],
+    state: MutableMapping[str, Any],
+    step: int | None,
+    strict: bool,
+    restore_rng: bool,
+    verify_state: bool | None,
+    only: str | list[str] | None,
+    exclude: str | list[str] | None,
+    preread: tuple[Manifest, Any] | None = None,
+    planned: Planned | None = None,
+    streams: Sequence[tuple[str, int, int]] = (),
+) -> Loaded:
+    """(all ranks) One attempt of :func:`load`: ``step`` (default newest) of ``tiers`` into
+    ``state`` in place. ``preread``: the step's
     manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
     none): the first tier's step is loaded without reading them again. ``planned``: this rank's
     plan of this load (:func:`plan_ahead` with the same state, selection and ``preread``
@@ -176,20 +217,29 @@ def load(
         thread_count=options.thread_count,
         streams=Streams.plan(group, storage.join(step_dir(manifest.step)), manifest, metadata, streams) if streams else None,
     )
-    read(
-        group,
-        where,
-        plan.request,
-        reader,
-        # Non-tensor items' bytes are checked against the manifest before unpickling.
-        SafeLoadPlanner(
-            value_digests=manifest.value_digests,
-            where=where,
-            safe_types=options.safe_types,
-            local_plan=planned.items if planned is not None else None,
-        ),
-        then=lambda: apply_load(group, manifest, plan, state),
-    )
+    try:
+        read(
+            group,
+            where,
+            plan.request,
+            reader,
+            # Non-tensor items' bytes are checked against the manifest before unpickling.
+            SafeLoadPlanner(
+                value_digests=manifest.value_digests,
+                where=where,
+                safe_types=options.safe_types,
+                local_plan=planned.items if planned is not None else None,
+            ),
+            then=lambda: apply_load(group, manifest, plan, state),
+        )
+    except (CheckpointError, OSError) as exc:
+        # Raised on every rank alike, so every rank asks the coordinator: a file missing because
+        # the step was deleted under the load is not a damaged checkpoint.
+        if preread is None:
+            gone = on_coordinator(group, f"load of {where}", lambda: changed_since(storage, step_dir(manifest.step), manifest, "loaded"))
+            if gone:
+                raise StepDeletedError(gone) from exc
+        raise
     if verify.due(explicit, manifest, group.world_size, plan.entries, where):
         verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
     if not report.clean:
@@ -272,8 +322,17 @@ def _read_index(tiers: Sequence[Storage], step: int | None, check: bool) -> tupl
     (``check``), then handed to every rank: no rank reads it again, none unverified. The key
     index is derived by each rank (``metadata_index``) instead of travelling beside it."""
     storage, step = locate(tiers, step)
-    manifest = read_manifest(storage, step)
-    metadata = read_metadata(storage, manifest, verify=check)
+    try:
+        manifest = read_manifest(storage, step)
+    except FileNotFoundError:  # there a moment ago: deleted since
+        raise StepDeletedError(deleted_while(storage, step_dir(step), step, "loaded")) from None
+    try:
+        metadata = read_metadata(storage, manifest, verify=check)
+    except (CheckpointError, OSError) as exc:
+        gone = changed_since(storage, step_dir(step), manifest, "loaded")
+        if gone:
+            raise StepDeletedError(gone) from exc
+        raise
     return list(tiers).index(storage), manifest, metadata
 
 

@@ -20,16 +20,19 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import NoReturn, TextIO
 
 from fsspec.core import url_to_fs
 
 from distckpt._version import __version__
-from distckpt.errors import UnsafeCheckpointError
+from distckpt.errors import StepDeletedError, UnsafeCheckpointError
+from distckpt.integrity.stepfiles import StepFiles
 from distckpt.integrity.shards import CheckpointSource
 from distckpt.load.reader import CheckpointReader
 from distckpt.state.decoding import decode_loaded
@@ -176,8 +179,23 @@ def _cmd_ls(args: argparse.Namespace, opts: dict[str, object]) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _kept(found: StepFiles, doing: str) -> Iterator[None]:
+    """A command reading ``found`` while a training job's retention deletes it (an export of the
+    newest step, say) fails as :class:`StepDeletedError`, not as a damaged checkpoint."""
+    try:
+        yield
+    except Exception as exc:
+        why = found.changed_since(doing)
+        if why:
+            raise StepDeletedError(why) from exc
+        raise
+
+
 def _cmd_inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
-    info = describe(locate(args.ckpt, opts, args.step))
+    found = locate(args.ckpt, opts, args.step)
+    with _kept(found, "inspected"):
+        info = describe(found)
     if args.json:
         json.dump(info, sys.stdout, indent=1, default=str)
         print()
@@ -260,6 +278,10 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
                 source.finish()  # what was read for the fingerprints is what the checksums cover
             except Exception as exc:  # noqa: BLE001 - reported as a problem
                 problems.append(_message(exc))
+    if problems:
+        why = found.changed_since("verified")
+        if why:  # files missing because the step was deleted meanwhile: no damage to report
+            raise StepDeletedError(why)
     files = found.manifest.files
     # Checksums that are not there verify nothing: say so instead of "OK".
     unverified = found.unverified
@@ -308,29 +330,31 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
         found = locate(args.src, opts, args.step)
         bar = _Progress("hf ", not args.quiet)
         try:
-            summary = export_hf(
-                found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
-                max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
-            )  # fmt: skip
+            with _kept(found, "exported"):
+                summary = export_hf(
+                    found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
+                    max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
+                )  # fmt: skip
             summary.setdefault("unverified", found.unverified)
         finally:
             bar.close()
     else:
+        if args.to == "safetensors" and args.all and args.key:
+            raise _Usage("--all and --key exclude each other")
         found = locate(args.src, opts, args.step)
         dtype = convert.DTYPES[args.dtype] if args.dtype else None
         bar = _Progress(f"{args.to} ", not args.quiet)
         try:
-            if args.to == "safetensors":
-                if args.all and args.key:
-                    raise _Usage("--all and --key exclude each other")
-                summary = convert.export_safetensors(
-                    found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar
-                )
-            else:
-                summary = convert.export_torch(
-                    found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts, progress=bar,
-                    encoded_values=args.encoded_values,
-                )
+            with _kept(found, "exported"):
+                if args.to == "safetensors":
+                    summary = convert.export_safetensors(
+                        found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar
+                    )
+                else:
+                    summary = convert.export_torch(
+                        found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts,
+                        progress=bar, encoded_values=args.encoded_values,
+                    )
         finally:
             bar.close()
     unverified = summary.get("unverified") or []
