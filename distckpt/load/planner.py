@@ -97,7 +97,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             if copied is not _MISSING:
                 return copied
         try:
-            obj = torch.load(value, weights_only=True)
+            # On the host whatever device the saving rank's tensors were on (a tuple's tensors are
+            # stored inside it): the apply copies them into the live tensors, on their devices.
+            obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
         if key is not None and self._twin_bytes + len(key) <= _TWINS_TOTAL:

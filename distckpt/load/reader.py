@@ -41,9 +41,14 @@ from distckpt.integrity.manifest import FileRecord
 from distckpt.integrity.shards import load_record
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
 from distckpt.integrity.torchfile import HEAD, RawLayout, head_layout
+from distckpt.save.d2h import caller_streams, follow
 from distckpt.storage.base import Storage
 from distckpt.storage.stream import StreamedFile, Streams
 
+#: The largest piece of a stored tensor copied to a device through one pinned host buffer. Each
+#: reader thread holds two: pinned memory stays bounded (and cached by torch after the load) by
+#: this, not by the largest tensor; 64 MiB pieces still keep the copies at the link's speed.
+DEVICE_PIECE = 64 * 2**20
 
 def checkpoint_reader(
     storage: Storage,
@@ -109,16 +114,24 @@ class CheckpointReader(FileSystemReader):
                     self._read_file(*job, planner)
             else:
                 # Files are independent and readinto/crc32c release the GIL: read them side by side.
-                # The planner's per-item callbacks touch disjoint destinations.
-                with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read") as pool:
+                # The planner's per-item callbacks touch disjoint destinations. Each thread takes
+                # the caller's device and streams (a new thread's are device 0's defaults): its
+                # copies to a device then follow what the caller queued for the destinations,
+                # and no thread makes a CUDA context on a device the rank does not use.
+                callers = caller_streams(getattr(planner, "state_dict", {}).values())
+                with ThreadPoolExecutor(workers, thread_name_prefix="distckpt-read", initializer=follow, initargs=(callers,)) as pool:
                     for future in [pool.submit(self._read_file, *job, planner) for job in jobs]:
                         future.result()
         finally:
-            self.finish_streams()
-        # Every host-to-device copy done, so the default stream sees the loaded values when the
-        # load returns (and the pinned buffers are free again).
-        for sink in self._sinks:
-            sink.finish()
+            try:
+                self.finish_streams()
+            finally:
+                # Every host-to-device copy done, so the caller's streams see the loaded values
+                # when the load returns (and the pinned buffers are free again); after a failed
+                # read too: a retry, or the root after a failed local-tier load, writes the same
+                # destinations, and must not race copies still in flight.
+                for sink in self._sinks:
+                    sink.finish()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -260,14 +273,24 @@ class CheckpointReader(FileSystemReader):
         for req, target, start in plan:
             nbytes = target.numel() * target.element_size()
             if nbytes:
-                if target.device.type == "cpu":
+                if _on_host(target):
                     self._fill(f, offset, head, start, memoryview(target.view(-1).view(torch.uint8).numpy()), req)
                 else:
-                    sink = self._sink()
-                    self._fill(f, offset, head, start, sink.buffer(nbytes), req)
-                    sink.copy_to(target)
+                    self._to_device(f, offset, head, start, target, req)
             planner.commit_tensor(req, target)
         return True
+
+    def _to_device(self, f: VerifiedFile | StreamedFile, offset: int, head: bytes, start: int, target: torch.Tensor, req: ReadItem) -> None:
+        """:meth:`_fill` for a device destination: through this thread's :class:`_DeviceSink`, in
+        pieces of at most :data:`DEVICE_PIECE` (a thread pins two such buffers, not two of the
+        largest tensor: a 4 GiB one pinned 8 GiB per thread)."""
+        sink = self._sink()
+        dest = target.view(-1).view(torch.uint8)
+        nbytes = dest.numel()
+        for at in range(0, nbytes, DEVICE_PIECE):
+            n = min(DEVICE_PIECE, nbytes - at)
+            self._fill(f, offset, head, start + at, sink.buffer(n), req)
+            sink.copy_to(dest[at : at + n])
 
     @staticmethod
     def _fill(f: VerifiedFile | StreamedFile, offset: int, head: bytes, start: int, view: memoryview, req: ReadItem) -> None:
@@ -308,6 +331,12 @@ class CheckpointReader(FileSystemReader):
             planner.commit_tensor(req, target)
 
 
+def _on_host(target: torch.Tensor) -> bool:
+    """Whether bytes are read straight into ``target`` (host memory) or through a pinned buffer
+    and a copy (a device)."""
+    return target.device.type == "cpu"
+
+
 def _direct_plan(
     layout: RawLayout | None, length: int, targets: list[tuple[ReadItem, torch.Tensor]]
 ) -> list[tuple[ReadItem, torch.Tensor, int]] | None:
@@ -343,17 +372,20 @@ def _narrow(tensor: Any, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
 
 
 class _DeviceSink:
-    """Host-to-device copies of a reader thread: the bytes of a record are read into one of two
-    pinned host buffers, then copied to their CUDA destination on a side stream without blocking,
-    so the next record's read overlaps this copy. A buffer is reused only once its previous copy
-    finished (its event); :meth:`finish` waits for all (the load returns after it, so the
-    default stream sees every loaded value). Not thread-safe: one per reader thread."""
+    """Host-to-device copies of a reader thread: the bytes of a record (a piece of at most
+    :data:`DEVICE_PIECE`) are read into one of two pinned host buffers, then copied to their CUDA
+    destination on a side stream of the destination's device without blocking, so the next
+    piece's read overlaps this copy. A buffer is reused only once its previous copy finished
+    (its event, recorded on the stream that ran the copy: one side stream per device, as a
+    process may load into tensors on several); :meth:`finish` waits for all (the load returns
+    after it, so the caller's streams see every loaded value). Not thread-safe: one per reader
+    thread, whose current streams are the caller's (:func:`~distckpt.save.d2h.follow`)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._pending: torch.Tensor | None = None  # the buffer handed out by buffer(), awaiting copy_to()
 
     def buffer(self, nbytes: int) -> memoryview:
@@ -368,22 +400,28 @@ class _DeviceSink:
         return memoryview(self._pending.numpy())
 
     def copy_to(self, target: torch.Tensor) -> None:
-        """Copy the bytes read into the last :meth:`buffer` to ``target`` (CUDA, contiguous)."""
-        src = self._pending.view(target.dtype).view(target.shape)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=target.device)
-        # Ordered after whatever the default stream has queued for the destination.
-        self._stream.wait_stream(torch.cuda.current_stream(target.device))
-        with torch.cuda.stream(self._stream):
-            target.copy_(src, non_blocking=True)
+        """Copy the bytes read into the last :meth:`buffer` to ``target`` (CUDA, contiguous,
+        ``uint8``, as many bytes)."""
+        assert self._pending is not None
+        device = target.device
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device=device)
+        # Ordered after whatever the caller's stream on that device has queued for the destination.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            target.copy_(self._pending, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         self._events[self._turn] = event
         self._turn = 1 - self._turn
 
     def finish(self) -> None:
-        if self._stream is not None:
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-            self._stream.synchronize()
+        """(the thread that called the load) The caller's stream on each device waits for this
+        sink's copies there, and the host for all (the pinned buffers are then free)."""
+        for stream in self._streams.values():
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+            stream.synchronize()
+        self._streams = {}
         self._buffers = [None, None]
         self._events = [None, None]

@@ -318,13 +318,14 @@ class TreeEntry(Entry):
 
 def _merged_tuple(live: Any, loaded: Any) -> Any:
     """``loaded`` for a live tuple: tensors into the live tensors of the same shape and dtype (in
-    place, on the live one's device), tuples (named ones too) rebuilt, anything else as loaded."""
+    place, on the live one's device), others moved to the live one's device (they are read onto
+    the host), tuples (named ones too) rebuilt, anything else as loaded."""
     if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
         if live.shape == loaded.shape and live.dtype == loaded.dtype:
             with torch.no_grad():
                 live.copy_(loaded)
             return live
-        return loaded
+        return loaded if live.is_meta else loaded.to(live.device)
     if isinstance(live, tuple) and isinstance(loaded, (tuple, list)) and len(live) == len(loaded):
         items = [_merged_tuple(a, b) for a, b in zip(live, loaded)]
         return type(live)(*items) if hasattr(live, "_fields") else tuple(items)
