@@ -261,7 +261,7 @@ class Stager:
             else:
                 # Non-tensor leaves are small (hyper-parameters, JSON text); a deep copy
                 # freezes them against later mutation by the training loop.
-                staged[key] = copy.deepcopy(value)
+                staged[key] = frozen(value)
         return Staged(unflatten_for_dcp(staged, mappings), digests)
 
     def _side_stream(self, device: torch.device, use: str = "copy") -> torch.cuda.Stream | None:
@@ -309,6 +309,45 @@ class Stager:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+
+def frozen(value: Any) -> Any:
+    """(the thread that calls the save) A non-tensor leaf of the state as an async save stages it:
+    a deep copy, frozen against the training loop's later changes. Tensors it holds (a tuple's,
+    stored inside it) on an accelerator are copied to host memory first, here, on the caller's
+    stream: the writer (a thread on the default stream, or a process that must not touch the
+    GPU) then never reads device memory that stream may still be writing. Loads copy them back
+    into the live tensors, on their devices."""
+    if _holds_device_tensor(value):
+        value = _to_host(value)
+    return copy.deepcopy(value)
+
+
+def _holds_device_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, DTensor) and value.device.type not in ("cpu", "meta")
+    if isinstance(value, (tuple, list)):
+        return any(_holds_device_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_device_tensor(v) for v in value.values())
+    return False
+
+
+def _to_host(value: Any) -> Any:
+    """``value`` with its device tensors copied to the host (containers rebuilt, as they were)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True) if _holds_device_tensor(value) else value
+    if isinstance(value, tuple):
+        items = [_to_host(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _to_host(v)
+        return out
+    return value
 
 
 def _by_device(tensors: dict[str, torch.Tensor]) -> dict[torch.device, list[str]]:

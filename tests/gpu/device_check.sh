@@ -36,7 +36,7 @@ if [[ " $WHAT " == *" tests "* ]]; then
   X=tests/gpu/test_cuda_exactness.py
   # shellcheck disable=SC2086
   timeout "${TIER_TIMEOUT:-350}" python3 -m pytest -v -p no:cacheprovider -rA --durations=0 \
-    ${TIER:-tests/gpu/test_cuda_load.py tests/gpu/test_nccl_collectives.py tests/gpu/test_cuda_d2h.py $X} > "$O/tests_gpu.txt" 2>&1
+    ${TIER:-tests/gpu/test_cuda_load.py tests/gpu/test_cuda_tuple_values.py tests/gpu/test_nccl_collectives.py tests/gpu/test_cuda_d2h.py $X} > "$O/tests_gpu.txt" 2>&1
   stamp $? "$O/tests_gpu.txt"
 fi
 wait
