@@ -175,7 +175,7 @@ def test_a_job_that_deletes_every_step_under_the_load_stops_the_retries(tmp_path
     monkeypatch.setattr(load_run, "read_metadata", read_metadata)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with pytest.raises(distckpt.StepDeletedError):
+        with pytest.raises(distckpt.StepDeletedError, match=f"deleted under {load_run.DELETED_RETRIES + 1} loads in a row"):
             distckpt.Checkpointer(root).load(_blank())
     retried = [w for w in seen if "loading the newest committed step" in str(w.message)]
     assert len(retried) == load_run.DELETED_RETRIES
@@ -287,3 +287,114 @@ def test_a_non_strict_load_does_not_move_on(tmp_path, monkeypatch):
         with pytest.raises(distckpt.StepDeletedError, match="step 2 at"):
             distckpt.Checkpointer(root).load(_blank(), strict=False)
     assert ran
+
+
+def test_without_checksums_a_step_committed_anew_is_named_not_a_diverged_state(tmp_path, monkeypatch):
+    # checksum=None: the files are not checked, the state check (fingerprints) catches the new
+    # values; that they are a new commit of the step, not a diverged state, is what is said.
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    with distckpt.Checkpointer(root, save_rng=False, checksum=None) as ck:
+        ck.save(2, _state(2))
+    with distckpt.Checkpointer(other, save_rng=False, checksum=None) as ck:
+        ck.save(2, dict(_state(5), step=2))  # the same sizes and values: only tensors differ
+
+    def replace() -> None:
+        os.rename(os.path.join(root, step_dir(2)), tmp_path / "gone")
+        os.rename(os.path.join(other, step_dir(2)), os.path.join(root, step_dir(2)))
+
+    ran = _when(monkeypatch, "data", replace)
+    with pytest.raises(distckpt.StepDeletedError, match="committed anew while the step was being loaded"):
+        distckpt.Checkpointer(root).load(_blank(), step=2)
+    assert ran
+
+
+def _differing_body(rank: int, world: int, root: str, later: str) -> str:
+    import pytest as _pytest
+
+    # Rank 0 (the coordinator) loads the newest step, rank 1 asks for step 2; step 2 is deleted
+    # while the coordinator reads its .metadata, before the ranks compare their arguments.
+    with _pytest.MonkeyPatch.context() as mp:
+        _when(mp, "metadata", (lambda: _other_job_saves(root, later, 3)) if rank == 0 else (lambda: None))
+        ck = distckpt.Checkpointer(root)
+        try:
+            ck.load(_blank(), step=None if rank == 0 else 2)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            ck.close()
+    return "loaded"
+
+
+def test_ranks_passing_different_steps_fail_alike_when_the_step_is_deleted_first(tmp_path):
+    root, later = _prepare(tmp_path)
+    results = run_ranks(_differing_body, 2, tmp_path, root, later, timeout=120)
+    assert all(r.startswith("ValueError") and "step" in r for r in results), results
+
+
+def test_verify_on_s3_of_a_step_deleted_under_it(tmp_path, monkeypatch, s3_server, s3_bucket):
+    root, opts = f"s3://{s3_bucket}/run", s3_server.storage_options
+    with distckpt.Checkpointer(root, storage_options=opts, save_rng=False, job="train") as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s))
+
+    def other_job() -> None:
+        with distckpt.Checkpointer(root, storage_options=opts, keep_last=1, save_rng=False, job="train") as other:
+            other.save(3, _state(3))
+
+    # The listing of step 2's files is taken (and cached by s3fs) before the deletion: reads
+    # then fail as the objects are gone.
+    ran = _when(monkeypatch, "data", other_job)
+    import json
+
+    res = run_cli("verify", root, *[f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()])
+    assert ran, "the deletion never ran"
+    assert res.returncode == 1, res.stderr
+    assert "step 2 at s3://" in res.stderr and "was deleted while it was being verified" in res.stderr, res.stderr
+
+
+def test_verify_state_of_a_step_deleted_during_the_fingerprint_pass(tmp_path, monkeypatch):
+    from distckpt.tools import cli
+
+    root, later = _prepare(tmp_path)
+    real = cli.CheckpointSource
+    ran: list[int] = []
+
+    def source(*a, **k):  # the fingerprint pass begins: the checksum pass found nothing wrong
+        ran.append(1)
+        _other_job_saves(root, later, 3)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cli, "CheckpointSource", source)
+    res = run_cli("verify", "--state", root)
+    assert ran
+    assert res.returncode == 1 and "was deleted while it was being verified" in res.stderr, res.stderr
+    assert "missing" not in res.stderr.split("(its")[0]
+
+
+@pytest.mark.parametrize("command", ["verify", "export", "inspect"])
+def test_the_cli_finds_the_newest_step_gone_before_it_opens_it(tmp_path, monkeypatch, command):
+    # Retention removed step 2's manifest after the root was listed and before the step was
+    # opened: never "never committed", never a plain DCP directory exported unverified.
+    from distckpt.tools import catalog
+
+    root, later = _prepare(tmp_path)
+    real = catalog.committed_steps
+
+    def listed(storage):
+        steps = real(storage)
+        if steps == [1, 2]:
+            _other_job_saves(root, later, 3)
+        return steps
+
+    monkeypatch.setattr(catalog, "committed_steps", listed)
+    args = {
+        "verify": ["verify", root],
+        "export": ["convert", root, str(tmp_path / "out.pt"), "--to", "torch", "--all"],
+        "inspect": ["inspect", root],
+    }[command]
+    res = run_cli(*args)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "checkpoint step 2 at" in res.stderr and "was deleted while it was being opened" in res.stderr, res.stderr
+    assert not (tmp_path / "out.pt").exists()

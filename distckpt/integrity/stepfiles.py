@@ -637,11 +637,13 @@ def changed_since(storage: Storage, dirname: str, manifest: Manifest, doing: str
     return None
 
 
-def deleted_while(storage: Storage, dirname: str, step: int, doing: str) -> str:
-    """The message of a step deleted under a reader."""
+def deleted_while(storage: Storage, dirname: str, step: int | None, doing: str) -> str:
+    """The message of a step deleted under a reader (``step`` ``None``: not known yet)."""
+    where = storage.display(dirname) if dirname else storage.display()
+    what = f"checkpoint step {step} at {where}" if step is not None else f"checkpoint {where}"
     return (
-        f"checkpoint step {step} at {storage.display(dirname)} was deleted while it was being {doing} (its "
-        f"{MANIFEST_NAME} is gone: old steps are deleted by the retention, keep_last, of a job saving to this root)"
+        f"{what} was deleted while it was being {doing} (its {MANIFEST_NAME} is gone: deleted by another "
+        "process, such as the retention, keep_last, of a job saving to this root)"
     )
 
 

@@ -134,12 +134,25 @@ def load(
                 group, options, tiers, state, step, strict, restore_rng, verify_state, only, exclude, preread, planned, streams
             )
         except StepDeletedError as exc:
-            # Not with strict=False: keys the newer step lacks would keep what the failed
-            # attempt read into them, reported "missing" but no longer as they were.
-            if step is not None or not strict or preread is not None or attempt == DELETED_RETRIES:
+            # Decided as the coordinator decided where it raised before the ranks compared their
+            # arguments (``exc.retry``): ranks passing different ones then all retry, and the
+            # comparison fails them alike, instead of one retrying alone into a collective.
+            if preread is not None or not getattr(exc, "retry", retries(step, strict)):
                 raise
+            if attempt == DELETED_RETRIES:
+                raise StepDeletedError(
+                    f"{exc}; the newest committed step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
+                    "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
+                ) from exc
             warnings.warn(f"distckpt: {exc}; loading the newest committed step instead", stacklevel=3)
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def retries(step: int | None, strict: bool) -> bool:
+    """Whether a load whose step was deleted under it loads the newest committed step instead:
+    only with ``step=None``, and strict (with ``strict=False`` keys the newer step lacks would keep
+    what the failed attempt read into them, reported "missing" but no longer as they were)."""
+    return step is None and strict
 
 
 def load_step(
@@ -170,7 +183,7 @@ def load_step(
         tier, (manifest, metadata) = 0, preread
     else:
         # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
-        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify))
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, retries(step, strict)))
     index = metadata_index(metadata)
     storage = tiers[tier]
     where = storage.display(step_dir(manifest.step))
@@ -232,16 +245,17 @@ def load_step(
             ),
             then=lambda: apply_load(group, manifest, plan, state),
         )
-    except (CheckpointError, OSError) as exc:
+        if verify.due(explicit, manifest, group.world_size, plan.entries, where):
+            verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
+    except (CheckpointError, OSError, StateMismatchError) as exc:
         # Raised on every rank alike, so every rank asks the coordinator: a file missing because
-        # the step was deleted under the load is not a damaged checkpoint.
+        # the step was deleted under the load is not a damaged checkpoint, nor (without checksums)
+        # the values of a step committed anew a diverged state.
         if preread is None:
             gone = on_coordinator(group, f"load of {where}", lambda: changed_since(storage, step_dir(manifest.step), manifest, "loaded"))
             if gone:
                 raise StepDeletedError(gone) from exc
         raise
-    if verify.due(explicit, manifest, group.world_size, plan.entries, where):
-        verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "
@@ -317,23 +331,31 @@ def files_read(
     return set(plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude).files)
 
 
-def _read_index(tiers: Sequence[Storage], step: int | None, check: bool) -> tuple[int, Manifest, Any]:
+def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, retry: bool) -> tuple[int, Manifest, Any]:
     """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
     (``check``), then handed to every rank: no rank reads it again, none unverified. The key
     index is derived by each rank (``metadata_index``) instead of travelling beside it."""
-    storage, step = locate(tiers, step)
+    storage, found = locate(tiers, step)
     try:
-        manifest = read_manifest(storage, step)
+        manifest = read_manifest(storage, found)
     except FileNotFoundError:  # there a moment ago: deleted since
-        raise StepDeletedError(deleted_while(storage, step_dir(step), step, "loaded")) from None
+        raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), retry) from None
     try:
         metadata = read_metadata(storage, manifest, verify=check)
     except (CheckpointError, OSError) as exc:
-        gone = changed_since(storage, step_dir(step), manifest, "loaded")
+        gone = changed_since(storage, step_dir(found), manifest, "loaded")
         if gone:
-            raise StepDeletedError(gone) from exc
+            raise _deleted(gone, retry) from exc
         raise
     return list(tiers).index(storage), manifest, metadata
+
+
+def _deleted(message: str, retry: bool) -> StepDeletedError:
+    """A :class:`StepDeletedError` raised before the ranks compared their arguments, carrying the
+    coordinator's decision whether the load moves on (``retry``, see :func:`load`)."""
+    exc = StepDeletedError(message)
+    exc.retry = retry  # type: ignore[attr-defined]  # travels with the error (pickled with its __dict__)
+    return exc
 
 
 def patterns(value: str | list[str] | None, what: str) -> tuple[str, ...]:

@@ -21,15 +21,16 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from distckpt.errors import CheckpointError
+from distckpt.errors import CheckpointError, StepDeletedError
 from distckpt.integrity.manifest import (
     MANIFEST_NAME,
     committed_steps,
+    load_manifest,
     parse_step_dir,
     read_manifest,
     step_dir,
 )
-from distckpt.integrity.stepfiles import StepFiles
+from distckpt.integrity.stepfiles import StepFiles, deleted_while
 from distckpt.state.shape import numel
 from distckpt.storage.base import Storage
 
@@ -83,7 +84,7 @@ def locate(location: str, storage_options: Mapping[str, object] | None = None, s
     if not storage.root_exists():
         raise CheckpointNotFound(f"{storage.display()} does not exist")
     if storage.exists(MANIFEST_NAME):  # a committed step directory under another name
-        found = StepFiles.open(storage, "")
+        found = _open_committed(storage, "", None)
         if step is not None and step != found.step:
             raise ValueError(f"--step {step} contradicts {storage.display()}, which holds step {found.step}")
         return found
@@ -91,7 +92,7 @@ def locate(location: str, storage_options: Mapping[str, object] | None = None, s
         return _committed(storage, step)
     steps = committed_steps(storage)
     if steps:
-        return _committed(storage, steps[-1])
+        return _committed(storage, steps[-1], listed=True)
     if storage.exists(".metadata"):  # a plain DCP checkpoint directory
         return StepFiles(storage, "")
     if any(parse_step_dir(d) is not None for d in storage.list_dirs()):
@@ -110,13 +111,27 @@ def _refuse_file(storage: Storage, what: str) -> None:
         raise NotADirectoryError(f"{storage.display()} is a file, not {what}")
 
 
-def _committed(storage: Storage, step: int) -> StepFiles:
+def _committed(storage: Storage, step: int, listed: bool = False) -> StepFiles:
+    """Committed step ``step`` (``listed``: it was listed as committed a moment ago, so a missing
+    manifest now means it was deleted since)."""
     name = step_dir(step)
     if not storage.exists(name, MANIFEST_NAME):
+        if listed:
+            raise StepDeletedError(deleted_while(storage, name, step, "opened"))
         if storage.exists(name):
             raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
         raise CheckpointNotFound(f"checkpoint {storage.display(name)} does not exist")
-    return StepFiles.open(storage, name)
+    return _open_committed(storage, name, step)
+
+
+def _open_committed(storage: Storage, dirname: str, step: int | None) -> StepFiles:
+    """The committed step in ``dirname``, whose manifest was there a moment ago: gone now, it was
+    deleted since (retention removes a step's manifest first), not a plain DCP directory."""
+    try:
+        manifest = load_manifest(storage, dirname)
+    except FileNotFoundError:
+        raise StepDeletedError(deleted_while(storage, dirname, step, "opened")) from None
+    return StepFiles(storage, dirname, manifest=manifest)
 
 
 # ls ----------------------------------------------------------------------------------------------

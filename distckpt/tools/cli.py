@@ -245,39 +245,42 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     found = locate(args.ckpt, opts, args.step)
     if found.manifest is None:
         raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
-    problems = found.problems()
-    if not problems:
-        try:
-            found.metadata()
-        except Exception as exc:  # noqa: BLE001 - reported as a problem
-            problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
-    checked_state = checked_values = None
-    if args.state and not problems:
-        # Recompute every tensor's fingerprint from the files, as the saving ranks did.
-        if not found.manifest.fingerprints:
-            problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
-        else:
-            source = CheckpointSource(found, CheckpointReader)
-            bad, checked_state = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
-            problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
-            # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
-            # against the manifest's value_digests (manifests written before those: unverified).
-            checked_values = len(source.values) if found.manifest.value_digests is not None else 0
-            if found.manifest.value_digests is None and source.values:
-                print(
-                    f"WARNING {found.display()}: --state: the manifest predates value digests; its {len(source.values)} "
-                    "non-tensor items (optimizer hyper-parameters, scheduler fields, ...) are read but not verified",
-                    file=sys.stderr,
-                )
-            for key in source.values:
-                try:
-                    _decoded_as_loaded(source.read_value(key), key)
-                except Exception as exc:  # noqa: BLE001 - reported as a problem
-                    problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
+    # A read failing because the step is deleted meanwhile (an object store's read of a file listed
+    # a moment ago) says so, as do problems found for that reason (below).
+    with _kept(found, "verified"):
+        problems = found.problems()
+        if not problems:
             try:
-                source.finish()  # what was read for the fingerprints is what the checksums cover
+                found.metadata()
             except Exception as exc:  # noqa: BLE001 - reported as a problem
-                problems.append(_message(exc))
+                problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
+        checked_state = checked_values = None
+        if args.state and not problems:
+            # Recompute every tensor's fingerprint from the files, as the saving ranks did.
+            if not found.manifest.fingerprints:
+                problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
+            else:
+                source = CheckpointSource(found, CheckpointReader)
+                bad, checked_state = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
+                problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
+                # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
+                # against the manifest's value_digests (manifests written before those: unverified).
+                checked_values = len(source.values) if found.manifest.value_digests is not None else 0
+                if found.manifest.value_digests is None and source.values:
+                    print(
+                        f"WARNING {found.display()}: --state: the manifest predates value digests; its {len(source.values)} "
+                        "non-tensor items (optimizer hyper-parameters, scheduler fields, ...) are read but not verified",
+                        file=sys.stderr,
+                    )
+                for key in source.values:
+                    try:
+                        _decoded_as_loaded(source.read_value(key), key)
+                    except Exception as exc:  # noqa: BLE001 - reported as a problem
+                        problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
+                try:
+                    source.finish()  # what was read for the fingerprints is what the checksums cover
+                except Exception as exc:  # noqa: BLE001 - reported as a problem
+                    problems.append(_message(exc))
     if problems:
         why = found.changed_since("verified")
         if why:  # files missing because the step was deleted meanwhile: no damage to report
