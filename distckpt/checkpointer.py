@@ -364,7 +364,11 @@ class Checkpointer:
             if self.local is not None:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)
             if loaded is None:
-                loaded = loading.load(group, self.options, self._tiers(), state, step, strict, restore_rng, verify_state, only, exclude)
+                loaded = loading.moving_on(
+                    lambda: loading.load(group, self.options, self._tiers(), state, step, strict, restore_rng, verify_state, only, exclude),
+                    step,
+                    strict,
+                )
         if not (only or exclude):  # a resume (not a new run from part of it): continue its job
             self._lineage.adopt(loaded.manifest.job)
         self.last_load_report = loaded.report

@@ -210,16 +210,18 @@ def test_at_two_ranks_every_rank_moves_on_to_the_newest_step_alike(tmp_path):
         assert r == {"loaded": 3, "ran": r["ran"], "warned": True, "exact": True}
 
 
-def _explicit_body(rank: int, world: int, root: str, later: str) -> str:
+def _failing_body(rank: int, world: int, root: str, later: str, at: str, steps: tuple) -> str:
+    """One rank's load of ``steps[rank]`` while the other job (run by rank 0, the coordinator)
+    deletes step 2 at ``at``: ``"Type: message"`` of what it raised, or ``"loaded"``."""
     import pytest as _pytest
 
     with _pytest.MonkeyPatch.context() as mp:
-        _when(mp, "data", (lambda: _other_job_saves(root, later, 3)) if rank == 0 else (lambda: None))
+        _when(mp, at, (lambda: _other_job_saves(root, later, 3)) if rank == 0 else (lambda: None))
         ck = distckpt.Checkpointer(root)
         try:
-            ck.load(_blank(), step=2)
-        except distckpt.StepDeletedError as exc:
-            return str(exc)
+            ck.load(_blank(), step=steps[rank])
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return f"{type(exc).__name__}: {exc}"
         finally:
             ck.close()
     return "loaded"
@@ -227,9 +229,9 @@ def _explicit_body(rank: int, world: int, root: str, later: str) -> str:
 
 def test_at_two_ranks_an_explicit_step_deleted_is_the_same_error_on_every_rank(tmp_path):
     root, later = _prepare(tmp_path)
-    results = run_ranks(_explicit_body, 2, tmp_path, root, later, timeout=120)
+    results = run_ranks(_failing_body, 2, tmp_path, root, later, "data", (2, 2), timeout=120)
     assert results[0] == results[1]
-    assert "checkpoint step 2 at" in results[0] and "was deleted while it was being loaded" in results[0]
+    assert results[0].startswith("StepDeletedError: checkpoint step 2 at") and "was deleted while it was being loaded" in results[0]
 
 
 @pytest.mark.parametrize("command", ["verify", "export"])
@@ -249,22 +251,27 @@ def test_the_cli_says_deleted_not_damaged(tmp_path, monkeypatch, command):
     assert not (tmp_path / "out.pt").exists()
 
 
+def _s3_training_job(root: str, opts: dict):
+    """A training job (``job=``) that saved steps 1 and 2 to ``root``; returns its next save (step
+    3, ``keep_last=1``), run by a real Checkpointer: its retention deletes steps 1 and 2 (its own),
+    manifest first."""
+    with distckpt.Checkpointer(root, storage_options=opts, save_rng=False, job="train") as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s))
+
+    def next_save() -> None:
+        with distckpt.Checkpointer(root, storage_options=opts, keep_last=1, save_rng=False, job="train") as other:
+            other.save(3, _state(3))
+
+    return next_save
+
+
 @pytest.mark.parametrize("at", ["metadata", "data"])
 def test_on_s3_a_real_save_with_retention_under_the_load(tmp_path, monkeypatch, s3_server, s3_bucket, at):
     # The other job is a real Checkpointer (keep_last=1) saving step 3 to the same S3 root at the
     # moment the load reaches ``at``: its retention deletes steps 1 and 2 (manifest first).
     root, opts = f"s3://{s3_bucket}/run", s3_server.storage_options
-    # One training job (``job=``) saved steps 1 and 2 and goes on saving: its retention deletes
-    # its own steps only.
-    with distckpt.Checkpointer(root, storage_options=opts, save_rng=False, job="train") as ck:
-        for s in (1, 2):
-            ck.save(s, _state(s))
-
-    def other_job() -> None:
-        with distckpt.Checkpointer(root, storage_options=opts, keep_last=1, save_rng=False, job="train") as other:
-            other.save(3, _state(3))
-
-    ran = _when(monkeypatch, at, other_job)
+    ran = _when(monkeypatch, at, _s3_training_job(root, opts))
     out = _blank()
     ck = distckpt.Checkpointer(root, storage_options=opts)
     with pytest.warns(UserWarning, match=r"step 2 at s3://.* was deleted while it was being loaded"):
@@ -308,41 +315,17 @@ def test_without_checksums_a_step_committed_anew_is_named_not_a_diverged_state(t
     assert ran
 
 
-def _differing_body(rank: int, world: int, root: str, later: str) -> str:
-    import pytest as _pytest
-
-    # Rank 0 (the coordinator) loads the newest step, rank 1 asks for step 2; step 2 is deleted
-    # while the coordinator reads its .metadata, before the ranks compare their arguments.
-    with _pytest.MonkeyPatch.context() as mp:
-        _when(mp, "metadata", (lambda: _other_job_saves(root, later, 3)) if rank == 0 else (lambda: None))
-        ck = distckpt.Checkpointer(root)
-        try:
-            ck.load(_blank(), step=None if rank == 0 else 2)
-        except ValueError as exc:
-            return f"ValueError: {exc}"
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            ck.close()
-    return "loaded"
-
-
 def test_ranks_passing_different_steps_fail_alike_when_the_step_is_deleted_first(tmp_path):
     root, later = _prepare(tmp_path)
-    results = run_ranks(_differing_body, 2, tmp_path, root, later, timeout=120)
+    # Rank 0 (the coordinator) loads the newest step, rank 1 asks for step 2; step 2 is deleted
+    # while the coordinator reads its .metadata, before the ranks compare their arguments.
+    results = run_ranks(_failing_body, 2, tmp_path, root, later, "metadata", (None, 2), timeout=120)
     assert all(r.startswith("ValueError") and "step" in r for r in results), results
 
 
 def test_verify_on_s3_of_a_step_deleted_under_it(tmp_path, monkeypatch, s3_server, s3_bucket):
     root, opts = f"s3://{s3_bucket}/run", s3_server.storage_options
-    with distckpt.Checkpointer(root, storage_options=opts, save_rng=False, job="train") as ck:
-        for s in (1, 2):
-            ck.save(s, _state(s))
-
-    def other_job() -> None:
-        with distckpt.Checkpointer(root, storage_options=opts, keep_last=1, save_rng=False, job="train") as other:
-            other.save(3, _state(3))
-
+    other_job = _s3_training_job(root, opts)
     # The listing of step 2's files is taken (and cached by s3fs) before the deletion: reads
     # then fail as the objects are gone.
     ran = _when(monkeypatch, "data", other_job)

@@ -12,7 +12,7 @@ replica).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -107,6 +107,36 @@ def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
 DELETED_RETRIES = 3
 
 
+def moving_on(attempt: Callable[[], Loaded], step: int | None, strict: bool) -> Loaded:
+    """(all ranks) ``attempt()``, a :func:`load` from the root with these ``step`` and ``strict``.
+    A step deleted under it (another job's retention) is a :class:`StepDeletedError` on every
+    rank; with ``step=None`` (and ``strict``) the newest committed step is loaded instead, with a
+    warning, up to :data:`DELETED_RETRIES` times, every rank alike: the error and, where it was
+    raised before the ranks compared their arguments, the decision (``exc.retry``) are the
+    coordinator's, so ranks passing different ones all retry and the comparison fails them alike
+    instead of one retrying alone into a collective."""
+    for n in range(DELETED_RETRIES + 1):
+        try:
+            return attempt()
+        except StepDeletedError as exc:
+            if not getattr(exc, "retry", retries(step, strict)):
+                raise
+            if n == DELETED_RETRIES:
+                raise StepDeletedError(
+                    f"{exc}; the newest committed step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
+                    "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
+                ) from exc
+            warnings.warn(f"distckpt: {exc}; loading the newest committed step instead", stacklevel=3)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def retries(step: int | None, strict: bool) -> bool:
+    """Whether a load whose step was deleted under it loads the newest committed step instead:
+    only with ``step=None``, and strict (with ``strict=False`` keys the newer step lacks would keep
+    what the failed attempt read into them, reported "missing" but no longer as they were)."""
+    return step is None and strict
+
+
 def load(
     group: Group,
     options: CheckpointerOptions,
@@ -123,55 +153,7 @@ def load(
     streams: Sequence[tuple[str, int, int]] = (),
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
-    :meth:`distckpt.Checkpointer.load` for the arguments and errors); :func:`load_step` does it.
-    A step deleted while it was read (another job's retention) is a :class:`StepDeletedError` on
-    every rank; with ``step=None`` (and ``strict``) the newest committed step is loaded instead,
-    with a warning, up to :data:`DELETED_RETRIES` times (every rank alike: the error comes from
-    the coordinator's decision)."""
-    for attempt in range(DELETED_RETRIES + 1):
-        try:
-            return load_step(
-                group, options, tiers, state, step, strict, restore_rng, verify_state, only, exclude, preread, planned, streams
-            )
-        except StepDeletedError as exc:
-            # Decided as the coordinator decided where it raised before the ranks compared their
-            # arguments (``exc.retry``): ranks passing different ones then all retry, and the
-            # comparison fails them alike, instead of one retrying alone into a collective.
-            if preread is not None or not getattr(exc, "retry", retries(step, strict)):
-                raise
-            if attempt == DELETED_RETRIES:
-                raise StepDeletedError(
-                    f"{exc}; the newest committed step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
-                    "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
-                ) from exc
-            warnings.warn(f"distckpt: {exc}; loading the newest committed step instead", stacklevel=3)
-    raise AssertionError("unreachable")  # the loop returns or raises
-
-
-def retries(step: int | None, strict: bool) -> bool:
-    """Whether a load whose step was deleted under it loads the newest committed step instead:
-    only with ``step=None``, and strict (with ``strict=False`` keys the newer step lacks would keep
-    what the failed attempt read into them, reported "missing" but no longer as they were)."""
-    return step is None and strict
-
-
-def load_step(
-    group: Group,
-    options: CheckpointerOptions,
-    tiers: Sequence[Storage],
-    state: MutableMapping[str, Any],
-    step: int | None,
-    strict: bool,
-    restore_rng: bool,
-    verify_state: bool | None,
-    only: str | list[str] | None,
-    exclude: str | list[str] | None,
-    preread: tuple[Manifest, Any] | None = None,
-    planned: Planned | None = None,
-    streams: Sequence[tuple[str, int, int]] = (),
-) -> Loaded:
-    """(all ranks) One attempt of :func:`load`: ``step`` (default newest) of ``tiers`` into
-    ``state`` in place. ``preread``: the step's
+    :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
     manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
     none): the first tier's step is loaded without reading them again. ``planned``: this rank's
     plan of this load (:func:`plan_ahead` with the same state, selection and ``preread``
