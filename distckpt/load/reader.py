@@ -50,6 +50,7 @@ from distckpt.storage.stream import StreamedFile, Streams
 #: this, not by the largest tensor; 64 MiB pieces still keep the copies at the link's speed.
 DEVICE_PIECE = 64 * 2**20
 
+
 def checkpoint_reader(
     storage: Storage,
     *parts: str,
