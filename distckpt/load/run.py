@@ -334,7 +334,7 @@ def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, retry: 
 
 def _deleted(message: str, retry: bool) -> StepDeletedError:
     """A :class:`StepDeletedError` raised before the ranks compared their arguments, carrying the
-    coordinator's decision whether the load moves on (``retry``, see :func:`load`)."""
+    coordinator's decision whether the load moves on (``retry``, see :func:`moving_on`)."""
     exc = StepDeletedError(message)
     exc.retry = retry  # type: ignore[attr-defined]  # travels with the error (pickled with its __dict__)
     return exc
