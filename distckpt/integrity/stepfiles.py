@@ -27,16 +27,17 @@ Not collective: any process may open a step. The DCP reader over a step is
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from distckpt.errors import IntegrityError, UnsafeCheckpointError
+from distckpt.errors import IntegrityError, StepDeletedError, UnsafeCheckpointError
 from distckpt.integrity.checksums import CHUNK, Hasher, new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest, step_dir
 from distckpt.integrity.metadata_check import validate_metadata
@@ -115,6 +116,11 @@ class StepFiles:
         if self.manifest is None:
             return None
         return changed_since(self.storage, self.dirname, self.manifest, doing)
+
+    def kept(self, doing: str) -> AbstractContextManager[None]:
+        """A read of this step whose failure is a :class:`StepDeletedError` where the step was
+        deleted or committed anew meanwhile (:func:`kept`), else stands."""
+        return kept(self.storage, self.dirname, self.manifest, doing)
 
     # where -------------------------------------------------------------------------------------
     def display(self, *parts: str) -> str:
@@ -635,6 +641,31 @@ def changed_since(storage: Storage, dirname: str, manifest: Manifest, doing: str
     if now != manifest:
         return f"checkpoint step {manifest.step}: {where} was committed anew while the step was being {doing}"
     return None
+
+
+@contextlib.contextmanager
+def kept(
+    storage: Storage,
+    dirname: str,
+    manifest: Manifest | None,
+    doing: str,
+    catch: tuple[type[BaseException], ...] = (Exception,),
+    ask: Callable[[Callable[[], str | None]], str | None] = lambda check: check(),
+    error: Callable[[str], Exception] = StepDeletedError,
+) -> Iterator[None]:
+    """A read of the step in ``dirname`` (opened from ``manifest``) whose failure (one of
+    ``catch``) is told apart from damage: if the directory no longer holds that step
+    (:func:`changed_since`), ``error(why)`` is raised from it (:class:`StepDeletedError` unless
+    told otherwise), else the failure stands. ``ask`` runs the check: a load's ranks, which fail
+    alike, route it through the coordinator so that every rank gets one answer.
+    ``manifest`` ``None`` (a plain DCP directory): nothing to compare, the failure stands."""
+    try:
+        yield
+    except catch as exc:
+        why = ask(lambda: changed_since(storage, dirname, manifest, doing)) if manifest is not None else None
+        if why:
+            raise error(why) from exc
+        raise
 
 
 def deleted_while(storage: Storage, dirname: str, step: int | None, doing: str) -> str:

@@ -11,6 +11,7 @@ replica).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from distckpt._dist import Group, exchange, on_coordinator
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import CheckpointError, StateMismatchError, StepDeletedError
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
-from distckpt.integrity.stepfiles import changed_since, deleted_while, read_metadata
+from distckpt.integrity.stepfiles import deleted_while, kept, read_metadata
 from distckpt.load import verify
 from distckpt.load.phases import (
     LoadPlan,
@@ -212,7 +213,14 @@ def load(
         thread_count=options.thread_count,
         streams=Streams.plan(group, storage.join(step_dir(manifest.step)), manifest, metadata, streams) if streams else None,
     )
-    try:
+    # Raised on every rank alike, so every rank asks the coordinator: a file missing because the
+    # step was deleted under the load is not a damaged checkpoint, nor (without checksums) the
+    # values of a step committed anew a diverged state.
+    deletion = kept(
+        storage, step_dir(manifest.step), manifest, "loaded", catch=(CheckpointError, OSError, StateMismatchError),
+        ask=lambda check: on_coordinator(group, f"load of {where}", check),
+    ) if preread is None else contextlib.nullcontext()  # fmt: skip
+    with deletion:
         read(
             group,
             where,
@@ -229,15 +237,6 @@ def load(
         )
         if verify.due(explicit, manifest, group.world_size, plan.entries, where):
             verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
-    except (CheckpointError, OSError, StateMismatchError) as exc:
-        # Raised on every rank alike, so every rank asks the coordinator: a file missing because
-        # the step was deleted under the load is not a damaged checkpoint, nor (without checksums)
-        # the values of a step committed anew a diverged state.
-        if preread is None:
-            gone = on_coordinator(group, f"load of {where}", lambda: changed_since(storage, step_dir(manifest.step), manifest, "loaded"))
-            if gone:
-                raise StepDeletedError(gone) from exc
-        raise
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "
@@ -322,13 +321,8 @@ def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, retry: 
         manifest = read_manifest(storage, found)
     except FileNotFoundError:  # there a moment ago: deleted since
         raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), retry) from None
-    try:
+    with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError), error=lambda why: _deleted(why, retry)):
         metadata = read_metadata(storage, manifest, verify=check)
-    except (CheckpointError, OSError) as exc:
-        gone = changed_since(storage, step_dir(found), manifest, "loaded")
-        if gone:
-            raise _deleted(gone, retry) from exc
-        raise
     return list(tiers).index(storage), manifest, metadata
 
 

@@ -20,19 +20,16 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from typing import NoReturn, TextIO
 
 from fsspec.core import url_to_fs
 
 from distckpt._version import __version__
 from distckpt.errors import StepDeletedError, UnsafeCheckpointError
-from distckpt.integrity.stepfiles import StepFiles
 from distckpt.integrity.shards import CheckpointSource
 from distckpt.load.reader import CheckpointReader
 from distckpt.state.decoding import decode_loaded
@@ -179,22 +176,9 @@ def _cmd_ls(args: argparse.Namespace, opts: dict[str, object]) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _kept(found: StepFiles, doing: str) -> Iterator[None]:
-    """A command reading ``found`` while a training job's retention deletes it (an export of the
-    newest step, say) fails as :class:`StepDeletedError`, not as a damaged checkpoint."""
-    try:
-        yield
-    except Exception as exc:
-        why = found.changed_since(doing)
-        if why:
-            raise StepDeletedError(why) from exc
-        raise
-
-
 def _cmd_inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
     found = locate(args.ckpt, opts, args.step)
-    with _kept(found, "inspected"):
+    with found.kept("inspected"):
         info = describe(found)
     if args.json:
         json.dump(info, sys.stdout, indent=1, default=str)
@@ -247,7 +231,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
         raise ValueError(f"{found.display()} has no distckpt manifest: nothing to verify its files against")
     # A read failing because the step is deleted meanwhile (an object store's read of a file listed
     # a moment ago) says so, as do problems found for that reason (below).
-    with _kept(found, "verified"):
+    with found.kept("verified"):
         problems = found.problems()
         if not problems:
             try:
@@ -333,7 +317,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
         found = locate(args.src, opts, args.step)
         bar = _Progress("hf ", not args.quiet)
         try:
-            with _kept(found, "exported"):
+            with found.kept("exported"):
                 summary = export_hf(
                     found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
                     max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
@@ -348,7 +332,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
         dtype = convert.DTYPES[args.dtype] if args.dtype else None
         bar = _Progress(f"{args.to} ", not args.quiet)
         try:
-            with _kept(found, "exported"):
+            with found.kept("exported"):
                 if args.to == "safetensors":
                     summary = convert.export_safetensors(
                         found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar
