@@ -349,7 +349,8 @@ class Checkpointer:
             StepDeletedError: ``step`` (or, with ``strict=False``, the newest step) was deleted or
                 committed anew while it was read, e.g. by the retention of a job saving to the
                 same root; with ``step=None`` the newest committed step is loaded instead, with a
-                warning, a few times before this is raised.
+                warning, a few times before this is raised; with ``step=N``, step N from the
+                replica (``replicate_to``) where it holds it.
             ValueError: the ranks passed different ``step``, ``strict``, ``verify_state``, ``only``
                 or ``exclude`` (on every rank, naming each and the ranks of each value).
             StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched

@@ -12,6 +12,7 @@ sleeps)."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -122,6 +123,48 @@ def test_an_explicit_step_deleted_under_a_load_says_so(tmp_path, monkeypatch, at
     assert issubclass(distckpt.StepDeletedError, FileNotFoundError)
 
 
+def _with_replica(tmp: Path) -> tuple[str, str, str]:
+    """Steps 1 and 2 committed under ``root`` and uploaded to its replica (``replicate_to``);
+    step 3 under another root, to be moved in."""
+    root, later, remote = str(tmp / "root"), str(tmp / "later"), str(tmp / "remote")
+    with distckpt.Checkpointer(root, save_rng=False, replicate_to=remote) as ck:
+        for s in (1, 2):
+            ck.save(s, _state(s))
+        ck.replica.wait()
+    with distckpt.Checkpointer(later, save_rng=False) as ck:
+        ck.save(3, _state(3))
+    return root, later, remote
+
+
+@pytest.mark.parametrize("at", ["manifest", "metadata", "data"])
+def test_an_explicit_step_deleted_from_the_root_under_a_load_is_read_from_the_replica(tmp_path, monkeypatch, at):
+    # A fast local root with keep_last, every step uploaded to object storage that keeps them:
+    # the step the root retired under the load is still the replica's, and that is what a
+    # user asking for it wants.
+    root, later, remote = _with_replica(tmp_path)
+    ran = _when(monkeypatch, at, lambda: _other_job_saves(root, later, 3))
+    out = _blank()
+    ck = distckpt.Checkpointer(root, replicate_to=remote)
+    with pytest.warns(UserWarning, match=r"step 2 at .* was deleted while it was being loaded.*loading step 2 from the replica instead"):
+        assert ck.load(out, step=2) == 2
+    assert ran, "the deletion never ran: the test would prove nothing"
+    assert not (Path(root) / step_dir(2)).exists() and (Path(remote) / step_dir(2) / "manifest.json").exists()
+    want = _state(2)
+    assert out["step"] == 2
+    assert all(torch.equal(out["model"][k], want["model"][k]) for k in want["model"])
+
+
+def test_an_explicit_step_deleted_from_the_root_and_not_in_the_replica_is_a_deletion(tmp_path, monkeypatch):
+    # The replica retired step 2 as well (its own keep_last): the deletion is raised, saying
+    # the replica was tried, not "step 2 not found" or "never committed".
+    root, later, remote = _with_replica(tmp_path)
+    ran = _when(monkeypatch, "data", lambda: (_other_job_saves(root, later, 3), shutil.rmtree(Path(remote) / step_dir(2))))
+    with pytest.raises(distckpt.StepDeletedError, match=r"step 2 at .* was deleted while it was being loaded.*the replica does not hold it either"):
+        with pytest.warns(UserWarning, match="loading step 2 from the replica instead"):
+            distckpt.Checkpointer(root, replicate_to=remote).load(_blank(), step=2)
+    assert ran
+
+
 def test_a_missing_file_of_a_step_still_committed_is_damage_not_deletion(tmp_path, monkeypatch):
     root, _ = _prepare(tmp_path, future=())
     data = sorted(p for p in (tmp_path / "root" / step_dir(2)).iterdir() if p.suffix == ".distcp")
@@ -181,7 +224,7 @@ def test_a_job_that_deletes_every_step_under_the_load_stops_the_retries(tmp_path
     assert len(retried) == load_run.DELETED_RETRIES
 
 
-def _ranks_body(rank: int, world: int, root: str, later: str) -> dict:
+def _ranks_body(rank: int, world: int, root: str, later: str, step: int | None = None, remote: str | None = None) -> dict:
     import pytest as _pytest
 
     out = {}
@@ -192,12 +235,13 @@ def _ranks_body(rank: int, world: int, root: str, later: str) -> dict:
         state = _blank()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            ck = distckpt.Checkpointer(root)
-            out["loaded"] = ck.load(state)
+            ck = distckpt.Checkpointer(root, replicate_to=remote)
+            out["loaded"] = ck.load(state, step=step)
         out["ran"] = bool(ran)
         out["warned"] = any("was deleted while it was being loaded" in str(w.message) for w in seen)
-        want = _state(3)
-        out["exact"] = state["step"] == 3 and all(torch.equal(state["model"][k], want["model"][k]) for k in want["model"])
+        expected = 3 if step is None else step
+        want = _state(expected)
+        out["exact"] = state["step"] == expected and all(torch.equal(state["model"][k], want["model"][k]) for k in want["model"])
         ck.close()
     return out
 
@@ -208,6 +252,14 @@ def test_at_two_ranks_every_rank_moves_on_to_the_newest_step_alike(tmp_path):
     assert results[0]["ran"]
     for r in results:
         assert r == {"loaded": 3, "ran": r["ran"], "warned": True, "exact": True}
+
+
+def test_at_two_ranks_an_explicit_step_deleted_from_the_root_is_read_from_the_replica_alike(tmp_path):
+    root, later, remote = _with_replica(tmp_path)
+    results = run_ranks(_ranks_body, 2, tmp_path, root, later, 2, remote, timeout=120)
+    assert results[0]["ran"]
+    for r in results:
+        assert r == {"loaded": 2, "ran": r["ran"], "warned": True, "exact": True}
 
 
 def _failing_body(rank: int, world: int, root: str, later: str, at: str, steps: tuple) -> str:

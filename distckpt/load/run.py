@@ -111,11 +111,14 @@ DELETED_RETRIES = 3
 def moving_on(attempt: Callable[[], Loaded], step: int | None, strict: bool) -> Loaded:
     """(all ranks) ``attempt()``, a :func:`load` from the root with these ``step`` and ``strict``.
     A step deleted under it (another job's retention) is a :class:`StepDeletedError` on every
-    rank; with ``step=None`` (and ``strict``) the newest committed step is loaded instead, with a
-    warning, up to :data:`DELETED_RETRIES` times, every rank alike: the error and, where it was
-    raised before the ranks compared their arguments, the decision (``exc.retry``) are the
-    coordinator's, so ranks passing different ones all retry and the comparison fails them alike
-    instead of one retrying alone into a collective."""
+    rank; where :func:`retries` allows, the load is attempted again, with a warning, up to
+    :data:`DELETED_RETRIES` times, every rank alike: with ``step=None`` it loads the newest
+    committed step; with an explicit step, the same step from the replica (``replicate_to``) if
+    it holds it, else the deletion is raised. The error and, where it was raised before the ranks
+    compared their arguments, the decision (``exc.retry``) are the coordinator's, so ranks
+    passing different ones all retry and the comparison fails them alike instead of one retrying
+    alone into a collective."""
+    deleted: StepDeletedError | None = None
     for n in range(DELETED_RETRIES + 1):
         try:
             return attempt()
@@ -124,18 +127,28 @@ def moving_on(attempt: Callable[[], Loaded], step: int | None, strict: bool) -> 
                 raise
             if n == DELETED_RETRIES:
                 raise StepDeletedError(
-                    f"{exc}; the newest committed step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
+                    f"{exc}; the step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
                     "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
                 ) from exc
-            warnings.warn(f"distckpt: {exc}; loading the newest committed step instead", stacklevel=3)
+            instead = "the newest committed step" if step is None else f"step {step} from the replica"
+            warnings.warn(f"distckpt: {exc}; loading {instead} instead", stacklevel=3)
+            deleted = exc
+        except FileNotFoundError as exc:
+            # The explicit step, deleted from the root, is not in the replica either (never
+            # uploaded, or retired there too): the deletion is what happened to it.
+            if deleted is None or step is None:
+                raise
+            raise StepDeletedError(f"{deleted}; the replica does not hold it either ({exc})") from exc
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def retries(step: int | None, strict: bool) -> bool:
-    """Whether a load whose step was deleted under it loads the newest committed step instead:
-    only with ``step=None``, and strict (with ``strict=False`` keys the newer step lacks would keep
-    what the failed attempt read into them, reported "missing" but no longer as they were)."""
-    return step is None and strict
+def retries(step: int | None, strict: bool, tier: int = 0, tiers: int = 1) -> bool:
+    """Whether a load whose step was deleted under it (while it read tier ``tier`` of ``tiers``:
+    the root, then the replica) is attempted again: with ``step=None``, loading the newest
+    committed step; with an explicit step, only where a later tier (the replica) may hold it.
+    Only strict loads: with ``strict=False`` keys the step read next lacks would keep what the
+    failed attempt read into them, reported "missing" but no longer as they were."""
+    return strict and (step is None or tier < tiers - 1)
 
 
 def load(
@@ -166,7 +179,7 @@ def load(
         tier, (manifest, metadata) = 0, preread
     else:
         # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
-        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, retries(step, strict)))
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict))
     index = metadata_index(metadata)
     storage = tiers[tier]
     where = storage.display(step_dir(manifest.step))
@@ -219,6 +232,7 @@ def load(
     deletion = kept(
         storage, step_dir(manifest.step), manifest, "loaded", catch=(CheckpointError, OSError, StateMismatchError),
         ask=lambda check: on_coordinator(group, f"load of {where}", check),
+        error=lambda why: _deleted(why, retries(step, strict, tier, len(tiers))),
     ) if preread is None else contextlib.nullcontext()  # fmt: skip
     with deletion:
         read(
@@ -312,18 +326,22 @@ def files_read(
     return set(plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude).files)
 
 
-def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, retry: bool) -> tuple[int, Manifest, Any]:
+def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, strict: bool) -> tuple[int, Manifest, Any]:
     """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
     (``check``), then handed to every rank: no rank reads it again, none unverified. The key
-    index is derived by each rank (``metadata_index``) instead of travelling beside it."""
+    index is derived by each rank (``metadata_index``) instead of travelling beside it. A step
+    deleted meanwhile is a :class:`StepDeletedError` carrying whether the load moves on
+    (:func:`retries`: decided here, before the ranks compared their arguments)."""
     storage, found = locate(tiers, step)
+    tier = list(tiers).index(storage)
+    retry = retries(step, strict, tier, len(tiers))
     try:
         manifest = read_manifest(storage, found)
     except FileNotFoundError:  # there a moment ago: deleted since
         raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), retry) from None
     with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError), error=lambda why: _deleted(why, retry)):
         metadata = read_metadata(storage, manifest, verify=check)
-    return list(tiers).index(storage), manifest, metadata
+    return tier, manifest, metadata
 
 
 def _deleted(message: str, retry: bool) -> StepDeletedError:
