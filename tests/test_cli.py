@@ -163,6 +163,21 @@ def test_verify_ok_and_corrupted(ckpt_root, tmp_path, capsys):
     assert code == 1 and not report["ok"] and any(data_file in p for p in report["problems"])
 
 
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "convert"])
+def test_json_failures_still_print_json(tmp_path, capsys, command):
+    # A script parsing --json output gets ok=false and the reason, not an empty stdout; the
+    # one-line error still goes to stderr, and the exit status is still 1.
+    missing = str(tmp_path / "no_such_root")
+    argv = {"convert": ["convert", missing, "--to", "torch", str(tmp_path / "out.pt")]}.get(command, [command, missing])
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 1
+    report = json.loads(out)
+    assert report["ok"] is False and "no_such_root" in report["error"] and report["type"]
+    assert_one_line_error(code, err, "no_such_root")
+    code, out, _ = run(argv, capsys)  # without --json: nothing on stdout, as before
+    assert code == 1 and out == ""
+
+
 # export ------------------------------------------------------------------------------------------
 def test_convert_torch_roundtrip(ckpt_root, tmp_path, capsys):
     root, model = ckpt_root

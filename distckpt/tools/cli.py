@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``distckpt`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    args: argparse.Namespace | None = None
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -444,7 +445,19 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) or debug:
             raise
         print(f"{PROG}: error: {_message(exc)}", file=sys.stderr)
+        if args is not None and getattr(args, "json", False):
+            _json_error(exc)
         return 1
+
+
+def _json_error(exc: BaseException) -> None:
+    """``--json``: a failed command still prints one JSON object (a script parsing the output
+    gets ``ok: false`` and the reason, not an empty stdout); the message also went to stderr."""
+    try:
+        json.dump({"ok": False, "error": _message(exc), "type": type(exc).__name__}, sys.stdout, indent=1)
+        print()
+    except (BrokenPipeError, ValueError):  # stdout gone or closed: stderr said it
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover
