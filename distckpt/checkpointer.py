@@ -366,7 +366,7 @@ class Checkpointer:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)
             if loaded is None:
                 loaded = loading.moving_on(
-                    lambda: loading.load(group, self.options, self._tiers(), state, step, strict, restore_rng, verify_state, only, exclude),
+                    lambda skip: loading.load(group, self.options, self._tiers()[skip:], state, step, strict, restore_rng, verify_state, only, exclude),
                     step,
                     strict,
                 )

@@ -165,6 +165,32 @@ def test_an_explicit_step_deleted_from_the_root_and_not_in_the_replica_is_a_dele
     assert ran
 
 
+def test_an_explicit_step_committed_anew_on_the_root_under_a_load_is_read_from_the_replica(tmp_path, monkeypatch):
+    # The root's step 2 is replaced by another commit of step 2 (other values) while it is
+    # read: the load reads the replica's copy of the step it began with, never the root's new
+    # one (which, without a replica, it refuses) nor a mix of the two.
+    root, _, remote = _with_replica(tmp_path)
+    other = _state(2)
+    for v in other["model"].values():
+        v.mul_(-1)
+    with distckpt.Checkpointer(str(tmp_path / "anew"), save_rng=False) as ck:
+        ck.save(2, other)
+
+    def replace() -> None:
+        old = Path(root) / step_dir(2)
+        (old / "manifest.json").unlink()
+        old.rename(tmp_path / "gone")
+        os.rename(tmp_path / "anew" / step_dir(2), old)
+
+    ran = _when(monkeypatch, "data", replace)
+    out = _blank()
+    with pytest.warns(UserWarning, match=r"committed anew while the step was being loaded.*loading step 2 from the replica instead"):
+        assert distckpt.Checkpointer(root, replicate_to=remote).load(out, step=2) == 2
+    assert ran
+    want = _state(2)
+    assert all(torch.equal(out["model"][k], want["model"][k]) for k in want["model"])
+
+
 def test_a_missing_file_of_a_step_still_committed_is_damage_not_deletion(tmp_path, monkeypatch):
     root, _ = _prepare(tmp_path, future=())
     data = sorted(p for p in (tmp_path / "root" / step_dir(2)).iterdir() if p.suffix == ".distcp")

@@ -108,20 +108,23 @@ def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
 DELETED_RETRIES = 3
 
 
-def moving_on(attempt: Callable[[], Loaded], step: int | None, strict: bool) -> Loaded:
-    """(all ranks) ``attempt()``, a :func:`load` from the root with these ``step`` and ``strict``.
-    A step deleted under it (another job's retention) is a :class:`StepDeletedError` on every
-    rank; where :func:`retries` allows, the load is attempted again, with a warning, up to
-    :data:`DELETED_RETRIES` times, every rank alike: with ``step=None`` it loads the newest
-    committed step; with an explicit step, the same step from the replica (``replicate_to``) if
-    it holds it, else the deletion is raised. The error and, where it was raised before the ranks
-    compared their arguments, the decision (``exc.retry``) are the coordinator's, so ranks
-    passing different ones all retry and the comparison fails them alike instead of one retrying
-    alone into a collective."""
+def moving_on(attempt: Callable[[int], Loaded], step: int | None, strict: bool) -> Loaded:
+    """(all ranks) ``attempt(skip)``, a :func:`load` with these ``step`` and ``strict`` from the
+    tiers (root, replica) after the first ``skip``. A step deleted under it (another job's
+    retention) is a :class:`StepDeletedError` on every rank; where :func:`retries` allows, the
+    load is attempted again, with a warning, up to :data:`DELETED_RETRIES` times, every rank
+    alike: with ``step=None`` it loads the newest committed step; with an explicit step, the same
+    step from a later tier (the replica, ``replicate_to``) if it holds it, else the deletion is
+    raised (a root that committed the step anew is not read again: no load depends on whether a
+    replica exists when it does not read it). The error and, where it was raised before the
+    ranks compared their arguments, the decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks
+    passing different ones all retry and the comparison fails them alike instead of one
+    retrying alone into a collective."""
     deleted: StepDeletedError | None = None
+    skip = 0
     for n in range(DELETED_RETRIES + 1):
         try:
-            return attempt()
+            return attempt(skip)
         except StepDeletedError as exc:
             if not getattr(exc, "retry", retries(step, strict)):
                 raise
@@ -130,6 +133,7 @@ def moving_on(attempt: Callable[[], Loaded], step: int | None, strict: bool) -> 
                     f"{exc}; the step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
                     "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
                 ) from exc
+            skip += getattr(exc, "skip", 0)  # an explicit step: from the tiers after the one it left
             instead = "the newest committed step" if step is None else f"step {step} from the replica"
             warnings.warn(f"distckpt: {exc}; loading {instead} instead", stacklevel=3)
             deleted = exc
@@ -232,7 +236,7 @@ def load(
     deletion = kept(
         storage, step_dir(manifest.step), manifest, "loaded", catch=(CheckpointError, OSError, StateMismatchError),
         ask=lambda check: on_coordinator(group, f"load of {where}", check),
-        error=lambda why: _deleted(why, retries(step, strict, tier, len(tiers))),
+        error=lambda why: _deleted(why, step, strict, tier, len(tiers)),
     ) if preread is None else contextlib.nullcontext()  # fmt: skip
     with deletion:
         read(
@@ -334,21 +338,26 @@ def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, strict:
     (:func:`retries`: decided here, before the ranks compared their arguments)."""
     storage, found = locate(tiers, step)
     tier = list(tiers).index(storage)
-    retry = retries(step, strict, tier, len(tiers))
     try:
         manifest = read_manifest(storage, found)
     except FileNotFoundError:  # there a moment ago: deleted since
-        raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), retry) from None
-    with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError), error=lambda why: _deleted(why, retry)):
+        raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), step, strict, tier, len(tiers)) from None
+    with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError), error=lambda why: _deleted(why, step, strict, tier, len(tiers))):
         metadata = read_metadata(storage, manifest, verify=check)
     return tier, manifest, metadata
 
 
-def _deleted(message: str, retry: bool) -> StepDeletedError:
-    """A :class:`StepDeletedError` raised before the ranks compared their arguments, carrying the
-    coordinator's decision whether the load moves on (``retry``, see :func:`moving_on`)."""
+def _deleted(message: str, step: int | None, strict: bool, tier: int, tiers: int) -> StepDeletedError:
+    """A :class:`StepDeletedError` of a step deleted from tier ``tier`` of ``tiers``, carrying
+    the decision whether the load moves on (``retry``, :func:`retries`) and how many tiers the
+    next attempt skips (``skip``: an explicit step is read from the tiers after the one it left),
+    for :func:`moving_on`. Raised on the coordinator before the ranks compared their arguments,
+    both are the coordinator's for every rank: ranks passing different steps then all attempt
+    the same load, and the comparison fails them alike."""
     exc = StepDeletedError(message)
-    exc.retry = retry  # type: ignore[attr-defined]  # travels with the error (pickled with its __dict__)
+    # Both travel with the error (pickled with its __dict__ from the coordinator).
+    exc.retry = retries(step, strict, tier, tiers)  # type: ignore[attr-defined]
+    exc.skip = tier + 1 if exc.retry and step is not None else 0  # type: ignore[attr-defined]
     return exc
 
 
