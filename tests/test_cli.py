@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from cli_runner import run_cli
 from distckpt import Checkpointer
 from distckpt.tools.cli import main
 from distckpt.integrity.manifest import step_dir
@@ -176,6 +177,35 @@ def test_json_failures_still_print_json(tmp_path, capsys, command):
     assert_one_line_error(code, err, "no_such_root")
     code, out, _ = run(argv, capsys)  # without --json: nothing on stdout, as before
     assert code == 1 and out == ""
+
+
+def test_json_usage_errors_print_json_too(tmp_path, capsys):
+    # Usage errors (exit 2), found by the parser or after it, with --json anywhere in the line.
+    for argv in (["inspect", "--json", "--step", "abc", str(tmp_path)],
+                 ["convert", "--json", "--to", "torch", "--model-only", "--all", str(tmp_path), str(tmp_path / "x.pt")]):  # fmt: skip
+        code, out, err = run(argv, capsys)
+        assert code == 2 and err.startswith("distckpt: error:"), (argv, err)
+        report = json.loads(out)
+        assert report["ok"] is False and report["type"] == "Usage" and report["error"] in err
+
+
+def test_json_failure_with_stdout_unwritable_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    code = main(["inspect", str(tmp_path / "nowhere"), "--json"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and "nowhere" in err
+
+
+def test_json_failure_naming_a_path_that_is_not_utf8_is_strict_json(tmp_path):
+    bad = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    proc = run_cli("ls", bad, "--json")  # a real stderr escapes the surrogate; capsys's refuses it
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    report["error"].encode("utf-8")  # no lone surrogates: a strict parser's UTF-8 reads it
 
 
 # export ------------------------------------------------------------------------------------------

@@ -435,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False) if args is not None else "--json" in argv:
+            _json_error(exc)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) or debug:
             raise
         print(f"{PROG}: error: {_message(exc)}", file=sys.stderr)
-        if args is not None and getattr(args, "json", False):
+        if getattr(args, "json", False) if args is not None else "--json" in argv:
             _json_error(exc)
         return 1
 
@@ -453,10 +455,13 @@ def main(argv: list[str] | None = None) -> int:
 def _json_error(exc: BaseException) -> None:
     """``--json``: a failed command still prints one JSON object (a script parsing the output
     gets ``ok: false`` and the reason, not an empty stdout); the message also went to stderr."""
+    message = str(exc) if isinstance(exc, _Usage) else _message(exc)
+    # A path that is not UTF-8 (surrogate escapes) as its escape text: strict JSON parsers refuse lone surrogates.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     try:
-        json.dump({"ok": False, "error": _message(exc), "type": type(exc).__name__}, sys.stdout, indent=1)
-        print()
-    except (BrokenPipeError, ValueError):  # stdout gone or closed: stderr said it
+        print(json.dumps({"ok": False, "error": message, "type": type(exc).__name__.lstrip("_")}, indent=1), file=sys.stdout)
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - stdout closed, full or gone: stderr already said it
         pass
 
 
