@@ -350,7 +350,8 @@ class Checkpointer:
                 committed anew while it was read, e.g. by the retention of a job saving to the
                 same root; with ``step=None`` the newest committed step is loaded instead, with a
                 warning, a few times before this is raised; with ``step=N``, step N from the
-                replica (``replicate_to``) where it holds it.
+                replica (``replicate_to``) where it holds the same commit of it
+                (``last_load_report.tier`` is then ``"replica"``).
             ValueError: the ranks passed different ``step``, ``strict``, ``verify_state``, ``only``
                 or ``exclude`` (on every rank, naming each and the ranks of each value).
             StateMismatchError: ``strict`` and keys/shapes differ (missing, unexpected, mismatched
@@ -366,10 +367,15 @@ class Checkpointer:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)
             if loaded is None:
                 loaded = loading.moving_on(
-                    lambda skip: loading.load(group, self.options, self._tiers()[skip:], state, step, strict, restore_rng, verify_state, only, exclude),
+                    lambda skip, expect: loading.load(
+                        group, self.options, self._tiers()[skip:], state, step, strict, restore_rng, verify_state, only, exclude,
+                        expect=expect,
+                    ),
                     step,
                     strict,
                 )
+            if self.replica is not None and loaded.storage is self.replica.remote:
+                loaded.report.tier = "replica"
         if not (only or exclude):  # a resume (not a new run from part of it): continue its job
             self._lineage.adopt(loaded.manifest.job)
         self.last_load_report = loaded.report

@@ -136,7 +136,7 @@ def _with_replica(tmp: Path) -> tuple[str, str, str]:
     return root, later, remote
 
 
-@pytest.mark.parametrize("at", ["manifest", "metadata", "data"])
+@pytest.mark.parametrize("at", ["metadata", "data"])
 def test_an_explicit_step_deleted_from_the_root_under_a_load_is_read_from_the_replica(tmp_path, monkeypatch, at):
     # A fast local root with keep_last, every step uploaded to object storage that keeps them:
     # the step the root retired under the load is still the replica's, and that is what a
@@ -152,6 +152,41 @@ def test_an_explicit_step_deleted_from_the_root_under_a_load_is_read_from_the_re
     want = _state(2)
     assert out["step"] == 2
     assert all(torch.equal(out["model"][k], want["model"][k]) for k in want["model"])
+    assert ck.last_load_report.tier == "replica"
+
+
+def test_an_explicit_step_deleted_before_its_manifest_was_read_is_not_taken_from_the_replica(tmp_path, monkeypatch):
+    # Nothing says which commit of step 2 the load was after: the replica's may be another job's.
+    root, later, remote = _with_replica(tmp_path)
+    _when(monkeypatch, "manifest", lambda: _other_job_saves(root, later, 3))
+    with pytest.raises(distckpt.StepDeletedError, match=r"step 2 at .* was deleted while it was being loaded"):
+        distckpt.Checkpointer(root, replicate_to=remote).load(_blank(), step=2)
+
+
+def test_another_jobs_commit_of_the_step_on_a_shared_replica_is_not_loaded_in_its_place(tmp_path, monkeypatch):
+    # Two jobs replicate to one remote root; the other job's step 2 got there first (this job's
+    # upload of it failed). This job's step 2, deleted from its root under the load, is not
+    # replaced by the other job's: every value would differ, and the load would adopt its job.
+    root, later, remote = str(tmp_path / "root"), str(tmp_path / "later"), str(tmp_path / "remote")
+    other = _state(2)
+    for v in other["model"].values():
+        v.mul_(-1)
+    with distckpt.Checkpointer(str(tmp_path / "other_root"), save_rng=False, replicate_to=remote, job="other") as ck:
+        ck.save(2, other)
+        ck.replica.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # this job's own upload of step 2 fails: the other's is there
+        with distckpt.Checkpointer(root, save_rng=False, replicate_to=remote) as ck:
+            ck.save(2, _state(2))
+    with distckpt.Checkpointer(later, save_rng=False) as ck:
+        ck.save(3, _state(3))
+    _when(monkeypatch, "data", lambda: _other_job_saves(root, later, 3))
+    out = _blank()
+    with pytest.warns(UserWarning, match="loading step 2 from the replica instead"):
+        with pytest.raises(distckpt.StepDeletedError, match=r"was deleted while it was being loaded.*holds another commit of step 2 \(job other\)"):
+            distckpt.Checkpointer(root, replicate_to=remote).load(out, step=2)
+    assert out["step"] == -1 or out["step"] == 2  # never the other job's values
+    assert not any(torch.equal(out["model"][k], other["model"][k]) for k in other["model"])
 
 
 def test_an_explicit_step_deleted_from_the_root_and_not_in_the_replica_is_a_deletion(tmp_path, monkeypatch):
@@ -159,10 +194,11 @@ def test_an_explicit_step_deleted_from_the_root_and_not_in_the_replica_is_a_dele
     # the replica was tried, not "step 2 not found" or "never committed".
     root, later, remote = _with_replica(tmp_path)
     ran = _when(monkeypatch, "data", lambda: (_other_job_saves(root, later, 3), shutil.rmtree(Path(remote) / step_dir(2))))
-    with pytest.raises(distckpt.StepDeletedError, match=r"step 2 at .* was deleted while it was being loaded.*the replica does not hold it either"):
+    with pytest.raises(distckpt.StepDeletedError, match=r"step 2 at .* was deleted while it was being loaded.*the replica does not hold it either") as info:
         with pytest.warns(UserWarning, match="loading step 2 from the replica instead"):
             distckpt.Checkpointer(root, replicate_to=remote).load(_blank(), step=2)
     assert ran
+    assert "never committed" not in str(info.value) and "not found" not in str(info.value)
 
 
 def test_an_explicit_step_committed_anew_on_the_root_under_a_load_is_read_from_the_replica(tmp_path, monkeypatch):
@@ -288,14 +324,14 @@ def test_at_two_ranks_an_explicit_step_deleted_from_the_root_is_read_from_the_re
         assert r == {"loaded": 2, "ran": r["ran"], "warned": True, "exact": True}
 
 
-def _failing_body(rank: int, world: int, root: str, later: str, at: str, steps: tuple) -> str:
+def _failing_body(rank: int, world: int, root: str, later: str, at: str, steps: tuple, remote: str | None = None) -> str:
     """One rank's load of ``steps[rank]`` while the other job (run by rank 0, the coordinator)
     deletes step 2 at ``at``: ``"Type: message"`` of what it raised, or ``"loaded"``."""
     import pytest as _pytest
 
     with _pytest.MonkeyPatch.context() as mp:
         _when(mp, at, (lambda: _other_job_saves(root, later, 3)) if rank == 0 else (lambda: None))
-        ck = distckpt.Checkpointer(root)
+        ck = distckpt.Checkpointer(root, replicate_to=remote)
         try:
             ck.load(_blank(), step=steps[rank])
         except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -399,6 +435,15 @@ def test_ranks_passing_different_steps_fail_alike_when_the_step_is_deleted_first
     # while the coordinator reads its .metadata, before the ranks compare their arguments.
     results = run_ranks(_failing_body, 2, tmp_path, root, later, "metadata", (None, 2), timeout=120)
     assert all(r.startswith("ValueError") and "step" in r for r in results), results
+
+
+def test_ranks_passing_different_steps_with_a_replica_lacking_the_step_fail_alike(tmp_path):
+    # The coordinator asks for step 2 (deleted from the root under its read, not in the
+    # replica), rank 1 for the newest: both follow the coordinator's retry and raise the same.
+    root, later, remote = _with_replica(tmp_path)
+    shutil.rmtree(Path(remote) / step_dir(2))
+    results = run_ranks(_failing_body, 2, tmp_path, root, later, "metadata", (2, None), remote, timeout=120)
+    assert results[0] == results[1] and results[0].startswith("StepDeletedError") and "replica does not hold it" in results[0], results
 
 
 def test_verify_on_s3_of_a_step_deleted_under_it(tmp_path, monkeypatch, s3_server, s3_bucket):

@@ -303,6 +303,7 @@ def _tiered_body(rank: int, world: int, local: str, remote: str, opts: dict) -> 
     ckpt2 = distckpt.Checkpointer(local, keep_last=1, replicate_to=remote, replicate_storage_options=opts)
     info["latest"] = ckpt2.latest_step()
     info["loaded"] = ckpt2.load(state)
+    info["tier"] = ckpt2.last_load_report.tier
     info["epoch"] = state["epoch"]
     info["got"] = (full_model_state(model2), full_optim_state(model2, optim2))
     info["ref"] = ref
@@ -320,7 +321,7 @@ def test_tiered_local_then_s3_and_resume_from_s3(tmp_path, s3_server, s3_bucket)
     assert 2 in coordinator["uploaded"]
     for rank, r in enumerate(results):
         assert r["local_steps"] == [2]
-        assert r["latest"] == 2 and r["loaded"] == 2 and r["epoch"] == 2
+        assert r["latest"] == 2 and r["loaded"] == 2 and r["epoch"] == 2 and r["tier"] == "replica"
         assert_same(r["ref"][0], r["got"][0], f"model rank {rank}")
         assert_same(r["ref"][1], r["got"][1], f"optim rank {rank}")
 

@@ -56,8 +56,9 @@ class LoadReport:
         unexpected: keys the checkpoint holds that nothing in the state asked for.
         mismatched: key -> (shape in checkpoint, shape in state).
         skipped: entry -> why it was not loaded (per-rank state saved at another world size).
-        tier: where the step was read from: ``"root"`` (the root or its replica) or ``"local"``
-            (the node-local recovery tier, see :mod:`distckpt.storage.local_tier`).
+        tier: where the step was read from: ``"root"``, ``"replica"`` (``replicate_to``: the
+            root lacked the step) or ``"local"`` (the node-local recovery tier, see
+            :mod:`distckpt.storage.local_tier`).
         sources: with ``tier == "local"``, per file of the step this rank's load used, where it
             came from: ``"local"`` (kept on this node) or ``"rank N"`` (sent by rank N at
             recovery: into this node's tier, or streamed into this rank's load).

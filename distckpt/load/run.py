@@ -108,51 +108,58 @@ def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
 DELETED_RETRIES = 3
 
 
-def moving_on(attempt: Callable[[int], Loaded], step: int | None, strict: bool) -> Loaded:
-    """(all ranks) ``attempt(skip)``, a :func:`load` with these ``step`` and ``strict`` from the
-    tiers (root, replica) after the first ``skip``. A step deleted under it (another job's
-    retention) is a :class:`StepDeletedError` on every rank; where :func:`retries` allows, the
-    load is attempted again, with a warning, up to :data:`DELETED_RETRIES` times, every rank
-    alike: with ``step=None`` it loads the newest committed step; with an explicit step, the same
-    step from a later tier (the replica, ``replicate_to``) if it holds it, else the deletion is
-    raised (a root that committed the step anew is not read again: no load depends on whether a
-    replica exists when it does not read it). The error and, where it was raised before the
-    ranks compared their arguments, the decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks
-    passing different ones all retry and the comparison fails them alike instead of one
-    retrying alone into a collective."""
+def moving_on(attempt: Callable[[int, Manifest | None], Loaded], step: int | None, strict: bool) -> Loaded:
+    """(all ranks) ``attempt(skip, expect)``, a :func:`load` with these ``step`` and ``strict``
+    from the tiers (root, replica) after the first ``skip``, of the commit ``expect`` if given.
+    A step deleted under it (another job's retention) is a :class:`StepDeletedError` on every
+    rank; where :func:`retries` allows, the load is attempted again, with a warning, up to
+    :data:`DELETED_RETRIES` times, every rank alike: with ``step=None`` it loads the newest
+    committed step; with an explicit step whose manifest was read, the same commit of the step
+    from a later tier (the replica, ``replicate_to``) if it holds it, else the deletion is raised
+    (the root's new commit of the step is not read, nor another job's commit of it on a shared
+    replica). The error and, where it was raised before the ranks compared their arguments, the
+    decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks passing different ones
+    all attempt the same load and fail alike instead of one retrying alone into a collective."""
     deleted: StepDeletedError | None = None
-    skip = 0
+    skip, expect = 0, None
     for n in range(DELETED_RETRIES + 1):
         try:
-            return attempt(skip)
+            return attempt(skip, expect)
         except StepDeletedError as exc:
             if not getattr(exc, "retry", retries(step, strict)):
+                if deleted is not None and getattr(deleted, "skip", 0):
+                    raise StepDeletedError(f"{deleted}; {exc}") from exc
                 raise
             if n == DELETED_RETRIES:
                 raise StepDeletedError(
                     f"{exc}; the step was deleted under {DELETED_RETRIES + 1} loads in a row: the job "
                     "saving to this root retires steps faster than they load (keep_last larger, or load a step it keeps)"
                 ) from exc
-            skip += getattr(exc, "skip", 0)  # an explicit step: from the tiers after the one it left
-            instead = "the newest committed step" if step is None else f"step {step} from the replica"
+            if getattr(exc, "skip", 0):  # the same commit, from the tiers after the one it left
+                skip, expect = skip + exc.skip, exc.expect  # type: ignore[attr-defined]
+                instead = f"step {step} from the replica"
+            else:
+                instead = "the newest committed step"
             warnings.warn(f"distckpt: {exc}; loading {instead} instead", stacklevel=3)
             deleted = exc
         except FileNotFoundError as exc:
-            # The explicit step, deleted from the root, is not in the replica either (never
-            # uploaded, or retired there too): the deletion is what happened to it.
-            if deleted is None or step is None:
+            # The step, deleted from the root, is not in the replica either (never uploaded, or
+            # retired there too): the deletion is what happened to it. Decided by the
+            # coordinator's ``skip``, so every rank (whatever step it passed) raises the same.
+            if deleted is None or not getattr(deleted, "skip", 0):
                 raise
-            raise StepDeletedError(f"{deleted}; the replica does not hold it either ({exc})") from exc
+            raise StepDeletedError(f"{deleted}; the replica does not hold it either") from exc
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def retries(step: int | None, strict: bool, tier: int = 0, tiers: int = 1) -> bool:
+def retries(step: int | None, strict: bool, tier: int = 0, tiers: int = 1, known: bool = False) -> bool:
     """Whether a load whose step was deleted under it (while it read tier ``tier`` of ``tiers``:
     the root, then the replica) is attempted again: with ``step=None``, loading the newest
-    committed step; with an explicit step, only where a later tier (the replica) may hold it.
-    Only strict loads: with ``strict=False`` keys the step read next lacks would keep what the
-    failed attempt read into them, reported "missing" but no longer as they were."""
-    return strict and (step is None or tier < tiers - 1)
+    committed step; with an explicit step, only where a later tier (the replica) may hold the
+    same commit, ``known`` (its manifest was read: without it the replica's step N could be
+    another job's). Only strict loads: with ``strict=False`` keys the step read next lacks would
+    keep what the failed attempt read into them, reported "missing" but no longer as they were."""
+    return strict and (step is None or (known and tier < tiers - 1))
 
 
 def load(
@@ -169,6 +176,7 @@ def load(
     preread: tuple[Manifest, Any] | None = None,
     planned: Planned | None = None,
     streams: Sequence[tuple[str, int, int]] = (),
+    expect: Manifest | None = None,
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
     :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
@@ -178,12 +186,14 @@ def load(
     metadata; any rank may pass it or not): used instead of planning again. ``streams`` (every
     rank the same, with ``preread``): ``(file, from rank, to rank)`` of files that are not in the
     first tier's directory of the receiving rank but sent by a rank whose directory holds them,
-    during the read (the local tier's recovery, :mod:`distckpt.storage.stream`)."""
+    during the read (the local tier's recovery, :mod:`distckpt.storage.stream`). ``expect``
+    (every rank alike): the commit the step must be, its manifest (:func:`moving_on`'s retry of
+    a step deleted from the root): another is a :class:`StepDeletedError` saying so."""
     if preread is not None:
         tier, (manifest, metadata) = 0, preread
     else:
         # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
-        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict))
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict, expect))
     index = metadata_index(metadata)
     storage = tiers[tier]
     where = storage.display(step_dir(manifest.step))
@@ -236,7 +246,7 @@ def load(
     deletion = kept(
         storage, step_dir(manifest.step), manifest, "loaded", catch=(CheckpointError, OSError, StateMismatchError),
         ask=lambda check: on_coordinator(group, f"load of {where}", check),
-        error=lambda why: _deleted(why, step, strict, tier, len(tiers)),
+        error=lambda why: _deleted(why, step, strict, tier, len(tiers), manifest),
     ) if preread is None else contextlib.nullcontext()  # fmt: skip
     with deletion:
         read(
@@ -330,34 +340,48 @@ def files_read(
     return set(plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude).files)
 
 
-def _read_index(tiers: Sequence[Storage], step: int | None, check: bool, strict: bool) -> tuple[int, Manifest, Any]:
+def _read_index(
+    tiers: Sequence[Storage], step: int | None, check: bool, strict: bool, expect: Manifest | None = None
+) -> tuple[int, Manifest, Any]:
     """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
     (``check``), then handed to every rank: no rank reads it again, none unverified. The key
     index is derived by each rank (``metadata_index``) instead of travelling beside it. A step
     deleted meanwhile is a :class:`StepDeletedError` carrying whether the load moves on
-    (:func:`retries`: decided here, before the ranks compared their arguments)."""
+    (:func:`_deleted`: decided here, before the ranks compared their arguments); so is a step
+    that is not the commit ``expect``."""
     storage, found = locate(tiers, step)
     tier = list(tiers).index(storage)
     try:
         manifest = read_manifest(storage, found)
     except FileNotFoundError:  # there a moment ago: deleted since
-        raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), step, strict, tier, len(tiers)) from None
-    with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError), error=lambda why: _deleted(why, step, strict, tier, len(tiers))):
+        raise _deleted(deleted_while(storage, step_dir(found), found, "loaded"), step, strict, tier, len(tiers), None) from None
+    if expect is not None and manifest != expect:
+        job = f" (job {manifest.job})" if manifest.job else ""
+        raise _deleted(
+            f"{storage.display(step_dir(found))} holds another commit of step {found}{job} than the one that was "
+            "being loaded: not loaded in its place", step, strict, tier, len(tiers), None, retry=False,
+        )  # fmt: skip
+    with kept(storage, step_dir(found), manifest, "loaded", catch=(CheckpointError, OSError),
+              error=lambda why: _deleted(why, step, strict, tier, len(tiers), manifest)):  # fmt: skip
         metadata = read_metadata(storage, manifest, verify=check)
     return tier, manifest, metadata
 
 
-def _deleted(message: str, step: int | None, strict: bool, tier: int, tiers: int) -> StepDeletedError:
-    """A :class:`StepDeletedError` of a step deleted from tier ``tier`` of ``tiers``, carrying
-    the decision whether the load moves on (``retry``, :func:`retries`) and how many tiers the
-    next attempt skips (``skip``: an explicit step is read from the tiers after the one it left),
-    for :func:`moving_on`. Raised on the coordinator before the ranks compared their arguments,
-    both are the coordinator's for every rank: ranks passing different steps then all attempt
-    the same load, and the comparison fails them alike."""
+def _deleted(
+    message: str, step: int | None, strict: bool, tier: int, tiers: int, manifest: Manifest | None, retry: bool = True
+) -> StepDeletedError:
+    """A :class:`StepDeletedError` of a step deleted from tier ``tier`` of ``tiers`` (its
+    ``manifest`` where it was read), carrying for :func:`moving_on` whether the load moves on
+    (``retry``: :func:`retries`), how many tiers the next attempt skips (``skip``: an explicit
+    step is read from the tiers after the one it left) and the commit it must find there
+    (``expect``). Raised on the coordinator before the ranks compared their arguments, they are
+    the coordinator's for every rank: ranks passing different steps then all attempt the same
+    load, and fail alike."""
     exc = StepDeletedError(message)
-    # Both travel with the error (pickled with its __dict__ from the coordinator).
-    exc.retry = retries(step, strict, tier, tiers)  # type: ignore[attr-defined]
+    # They travel with the error (pickled with its __dict__ from the coordinator).
+    exc.retry = retry and retries(step, strict, tier, tiers, known=manifest is not None)  # type: ignore[attr-defined]
     exc.skip = tier + 1 if exc.retry and step is not None else 0  # type: ignore[attr-defined]
+    exc.expect = manifest if exc.skip else None  # type: ignore[attr-defined]
     return exc
 
 
