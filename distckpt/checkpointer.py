@@ -350,7 +350,7 @@ class Checkpointer:
                 committed anew while it was read, e.g. by the retention of a job saving to the
                 same root; with ``step=None`` the newest committed step is loaded instead, with a
                 warning, a few times before this is raised; with ``step=N``, step N from the
-                replica (``replicate_to``) where it holds the same commit of it
+                replica (``replicate_to``) where it holds it (the same commit)
                 (``last_load_report.tier`` is then ``"replica"``).
             ValueError: the ranks passed different ``step``, ``strict``, ``verify_state``, ``only``
                 or ``exclude`` (on every rank, naming each and the ranks of each value).

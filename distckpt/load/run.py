@@ -114,10 +114,10 @@ def moving_on(attempt: Callable[[int, Manifest | None], Loaded], step: int | Non
     A step deleted under it (another job's retention) is a :class:`StepDeletedError` on every
     rank; where :func:`retries` allows, the load is attempted again, with a warning, up to
     :data:`DELETED_RETRIES` times, every rank alike: with ``step=None`` it loads the newest
-    committed step; with an explicit step whose manifest was read, the same commit of the step
-    from a later tier (the replica, ``replicate_to``) if it holds it, else the deletion is raised
-    (the root's new commit of the step is not read, nor another job's commit of it on a shared
-    replica). The error and, where it was raised before the ranks compared their arguments, the
+    committed step; with an explicit step, the step from a later tier (the replica,
+    ``replicate_to``) if it holds it, the same commit where the manifest had been read, else the
+    deletion is raised (the root's new commit of the step is not read, nor another job's commit
+    of it on a shared replica). The error and, where it was raised before the ranks compared their arguments, the
     decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks passing different ones
     all attempt the same load and fail alike instead of one retrying alone into a collective."""
     deleted: StepDeletedError | None = None
@@ -152,14 +152,13 @@ def moving_on(attempt: Callable[[int, Manifest | None], Loaded], step: int | Non
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def retries(step: int | None, strict: bool, tier: int = 0, tiers: int = 1, known: bool = False) -> bool:
+def retries(step: int | None, strict: bool, tier: int = 0, tiers: int = 1) -> bool:
     """Whether a load whose step was deleted under it (while it read tier ``tier`` of ``tiers``:
     the root, then the replica) is attempted again: with ``step=None``, loading the newest
-    committed step; with an explicit step, only where a later tier (the replica) may hold the
-    same commit, ``known`` (its manifest was read: without it the replica's step N could be
-    another job's). Only strict loads: with ``strict=False`` keys the step read next lacks would
-    keep what the failed attempt read into them, reported "missing" but no longer as they were."""
-    return strict and (step is None or (known and tier < tiers - 1))
+    committed step; with an explicit step, only where a later tier (the replica) may hold it.
+    Only strict loads: with ``strict=False`` keys the step read next lacks would keep what the
+    failed attempt read into them, reported "missing" but no longer as they were."""
+    return strict and (step is None or tier < tiers - 1)
 
 
 def load(
@@ -379,8 +378,10 @@ def _deleted(
     load, and fail alike."""
     exc = StepDeletedError(message)
     # They travel with the error (pickled with its __dict__ from the coordinator).
-    exc.retry = retry and retries(step, strict, tier, tiers, known=manifest is not None)  # type: ignore[attr-defined]
+    exc.retry = retry and retries(step, strict, tier, tiers)  # type: ignore[attr-defined]
     exc.skip = tier + 1 if exc.retry and step is not None else 0  # type: ignore[attr-defined]
+    # Deleted before its manifest was read: whatever commit the replica holds, as a load begun a
+    # moment later would read it (locate falls back to the replica for a step the root lacks).
     exc.expect = manifest if exc.skip else None  # type: ignore[attr-defined]
     return exc
 
