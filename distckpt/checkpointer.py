@@ -78,6 +78,8 @@ class Checkpointer:
             (:class:`~distckpt.errors.IntegrityError` naming the file on mismatch).
         replicate_to: a second root (e.g. ``s3://...``) every committed checkpoint is uploaded
             to in the background; ``load`` falls back to it when no local copy exists.
+        replicate_keep_last: retention on ``replicate_to``: ``"same"`` (default) as ``keep_last``,
+            ``None`` every step, or the newest N (a fast root keeping 2, object storage 20).
         fingerprint: record a sharding-independent fingerprint of every saved tensor in the
             manifest (:mod:`distckpt.state.statecheck`), so that loads can prove what they loaded.
         on_replica_drift: at save, copies of a tensor that should be identical on every rank
@@ -151,12 +153,13 @@ class Checkpointer:
         local_dir: str | os.PathLike | None = None,
         local_keep: int = 2,
         local_peers: int = 1,
+        replicate_keep_last: int | None | str = "same",
     ) -> None:
         self.options = CheckpointerOptions(
             root, keep_last, storage_options, process_group, backend, timeout, thread_count, sync_files, checksum,
             save_rng, verify, background_nice, replicate_to, replicate_storage_options, fingerprint, on_replica_drift,
             verify_state, lease_s, skip_torch_record_crc, async_mode, verify_staging, job, safe_types, local_dir,
-            local_keep, local_peers,
+            local_keep, local_peers, replicate_keep_last,
         )  # fmt: skip
         options = self.options
         self.storage = Storage(options.root, options.storage_options)
@@ -167,7 +170,7 @@ class Checkpointer:
             self.replica = Replicator(
                 self.storage,
                 Storage(replicate_to, dict(replicate_storage_options or options.storage_options)),
-                keep_last,
+                options.replicate_keep_last,  # type: ignore[arg-type]  # resolved from "same"
                 # Upload from distckpt's coordinator (the group exists by the first submit).
                 is_coordinator=lambda: self._groups.is_coordinator,
                 owned=self._lineage.owns,

@@ -66,9 +66,19 @@ class CheckpointerOptions:
     local_dir: str | os.PathLike | None = None
     local_keep: int = 2
     local_peers: int = 1
+    replicate_keep_last: int | None | str = "same"
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last)
+        if isinstance(self.replicate_keep_last, str):
+            if self.replicate_keep_last != "same":
+                raise ValueError(
+                    f'replicate_keep_last must be "same" (as keep_last), None (keep every step) or an int >= 1, '
+                    f"got {self.replicate_keep_last!r}"
+                )
+            self.replicate_keep_last = self.keep_last
+        else:
+            check_keep_last(self.replicate_keep_last, "replicate_keep_last")
         if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root).strip():
             raise ValueError(f"root must be a local path or an fsspec URL, got {self.root!r}")
         self.root = os.fspath(self.root)

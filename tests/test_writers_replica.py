@@ -157,3 +157,28 @@ def test_replica_reads_local_files_without_following_links(tmp_path):
         rep._handle(1)
     assert [s for s, _ in rep.failed] == [1] and "UnsafeCheckpointError" in rep.failed[0][1]
     assert distckpt.Checkpointer(remote).steps() == [] and os.listdir(remote) == []
+
+
+@pytest.mark.parametrize(("replicate_keep_last", "kept"), [("same", [3]), (None, [1, 2, 3]), (2, [2, 3])])
+def test_the_replica_keeps_its_own_number_of_steps(tmp_path, replicate_keep_last, kept):
+    # A fast local root keeping one step, object storage keeping more (or all): an evaluation
+    # job, or a resume from far back, finds there what the root has retired.
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(
+        tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=replicate_keep_last
+    ) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(0, step))
+            ckpt.replica.wait()  # each upload (and the remote retention after it) before the next save
+        assert ckpt.steps() == [3]
+    assert sorted(int(p.name.split("_")[1]) for p in remote.iterdir() if (p / MANIFEST_NAME).exists()) == kept
+    fresh = {"w": torch.zeros(16, 16), "who": -1}
+    with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(remote)) as ckpt:
+        assert ckpt.load(fresh, step=kept[0]) == kept[0]  # from the replica: the root has only step 3
+        assert torch.equal(fresh["w"], _state(0, kept[0])["w"])
+
+
+@pytest.mark.parametrize("bad", ["all", 0, -1, True, 1.5])
+def test_replicate_keep_last_names_itself_when_wrong(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"replicate_keep_last must be"):
+        distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "remote"), replicate_keep_last=bad)

@@ -12,10 +12,10 @@ from distckpt.storage.base import Storage
 from distckpt.storage.ownership import mark_released, remove_uncommitted
 
 
-def check_keep_last(keep_last: object) -> None:
-    """Raise ``ValueError`` unless ``keep_last`` is ``None`` or an int >= 1."""
+def check_keep_last(keep_last: object, name: str = "keep_last") -> None:
+    """Raise ``ValueError`` (naming the option, ``name``) unless ``keep_last`` is ``None`` or an int >= 1."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        raise ValueError(f"{name} must be None or an int >= 1, got {keep_last!r}")
 
 
 def steps_to_delete(committed: Iterable[int], keep_last: int | None) -> list[int]:
