@@ -70,6 +70,11 @@ class CheckpointerOptions:
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last)
+        if self.replicate_to is None and self.replicate_keep_last != "same":
+            raise ValueError(
+                f"replicate_keep_last={self.replicate_keep_last!r} is the retention of the replica, and there is none "
+                "(replicate_to is not set): it would be ignored"
+            )
         if isinstance(self.replicate_keep_last, str):
             if self.replicate_keep_last != "same":
                 raise ValueError(
@@ -139,6 +144,9 @@ class CheckpointerOptions:
             "async_mode": self.async_mode,
             "checksum": self.checksum,
             "verify_state": self.verify_state,
+            # Only the coordinator uploads and retires replica steps: a rank passing another
+            # value would read back one that is not in effect.
+            "replicate_keep_last": self.replicate_keep_last if self.replicate_to is not None else None,
         }
 
     def save_options(self, storage: Storage) -> SaveOptions:

@@ -29,6 +29,10 @@ DIFFER = {
     "async mode": (lambda r, d: {"async_mode": "process" if r == 0 else "thread"}, ["async_mode: 'process' on ranks 0; 'thread' on ranks 1"]),
     "checksum": (lambda r, d: {"checksum": "crc32c" if r == 0 else "sha256"}, ["checksum: 'crc32c' on ranks 0; 'sha256' on ranks 1"]),
     "state check": (lambda r, d: {"verify_state": r == 0}, ["verify_state: True on ranks 0; False on ranks 1"]),
+    "replica retention": (
+        lambda r, d: {"replicate_to": f"{d}/remote", "replicate_keep_last": None if r == 0 else 1},
+        ["replicate_keep_last: None on ranks 0; 1 on ranks 1"],
+    ),
 }
 
 

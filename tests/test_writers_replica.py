@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -182,3 +183,111 @@ def test_the_replica_keeps_its_own_number_of_steps(tmp_path, replicate_keep_last
 def test_replicate_keep_last_names_itself_when_wrong(tmp_path, bad):
     with pytest.raises(ValueError, match=r"replicate_keep_last must be"):
         distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "remote"), replicate_keep_last=bad)
+
+
+def _uploads_held(monkeypatch) -> threading.Event:
+    """Uploads wait (inside their first file's put) until the returned event is set: object
+    storage slower than the saves, by observed progress rather than sleeps."""
+    import threading
+
+    go = threading.Event()
+    real = Replicator._put
+
+    def put(self, name, filename):
+        assert go.wait(60), "the test never released the uploads"
+        return real(self, name, filename)
+
+    monkeypatch.setattr(Replicator, "_put", put)
+    return go
+
+
+def _remote_steps(remote) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in remote.iterdir() if (p / MANIFEST_NAME).exists()) if remote.exists() else []
+
+
+def test_a_replica_keeping_every_step_gets_every_step_when_uploads_lag(tmp_path, monkeypatch):
+    # keep_last=1 on the fast root, every step on the slow replica: the root's retention keeps
+    # the steps whose uploads are still to come instead of deleting them under the uploader
+    # (which then called them "skipped": the replica silently lost them).
+    go = _uploads_held(monkeypatch)
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(0, step))
+        assert ckpt.steps() == [1, 2, 3, 4]  # held for their uploads, beyond keep_last for now
+        go.set()
+        status = ckpt.replica.wait()
+        assert status.uploaded == (1, 2, 3, 4) and status.skipped == () and status.failed == ()
+        ckpt.save(5, _state(0, 5))
+        ckpt.replica.wait()
+        assert ckpt.steps() == [5]  # uploaded: retired from the root at the next save
+    assert _remote_steps(remote) == [1, 2, 3, 4, 5]
+
+
+def test_a_replica_keeping_as_many_steps_as_the_root_still_skips_superseded_uploads(tmp_path, monkeypatch):
+    # The default: the replica would drop the older steps anyway, so the root retires them at
+    # once and their uploads are skipped (nothing lost, no root growing while uploads lag).
+    go = _uploads_held(monkeypatch)
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(0, step))
+        assert ckpt.steps() == [3]
+        go.set()
+        status = ckpt.replica.wait()
+        assert status.failed == () and 3 in status.uploaded
+    assert _remote_steps(remote) == [3]
+
+
+def test_a_step_the_replica_keeps_that_is_gone_locally_before_its_upload_is_a_failure(tmp_path, monkeypatch):
+    import shutil
+    import warnings
+
+    go = _uploads_held(monkeypatch)
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        ckpt.save(1, _state(0, 1))
+        ckpt.save(2, _state(0, 2))
+        shutil.rmtree(tmp_path / "root" / step_dir(1))  # by hand, not by retention
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            go.set()
+            status = ckpt.replica.wait(raise_on_failure=False)
+        assert [s for s, _ in status.failed] == [1] and 1 not in status.skipped
+        assert any("step 1 was committed locally" in str(w.message) for w in seen)
+
+
+def test_a_resume_from_an_older_step_keeps_what_it_saves(tmp_path):
+    # A run rolled back to step 2 (a loss spike) saves step 3 again while the first run's step 4
+    # is still the newest: retention never deletes the step it has just committed.
+    root = tmp_path / "root"
+    with distckpt.Checkpointer(root, keep_last=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(0, step))
+    import shutil
+
+    shutil.rmtree(root / step_dir(3))  # the rolled-back run's view: steps 3+ were bad, 3 removed by hand
+    with distckpt.Checkpointer(root, keep_last=1) as ckpt:
+        fresh = {"w": torch.zeros(16, 16), "who": -1}
+        ckpt.load(fresh, step=4)
+        ckpt.save(3, _state(7, 3))
+        assert ckpt.steps() == [3, 4]
+        fresh = {"w": torch.zeros(16, 16), "who": -1}
+        assert ckpt.load(fresh, step=3) == 3 and torch.equal(fresh["w"], _state(7, 3)["w"])
+
+
+def test_the_replica_never_retires_the_step_it_has_just_uploaded(tmp_path):
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote)) as ckpt:
+        ckpt.save(4, _state(0, 4))
+        ckpt.replica.wait()
+        ckpt.save(3, _state(0, 3))  # a rolled-back run, below the newest step
+        status = ckpt.replica.wait()
+        assert status.uploaded == (4, 3)
+        assert ckpt.steps() == [3, 4]
+    assert _remote_steps(remote) == [3, 4]
+
+
+def test_replicate_keep_last_without_a_replica_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"replicate_keep_last=None .*replicate_to is not set"):
+        distckpt.Checkpointer(tmp_path / "root", replicate_keep_last=None)

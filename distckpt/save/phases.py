@@ -603,8 +603,14 @@ def commit(
 
 
 # 7. retention ------------------------------------------------------------------------------------
-def apply_retention(opts: SaveOptions, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None) -> None:
+def apply_retention(
+    opts: SaveOptions,
+    reaper: Reaper | None = None,
+    owned: Callable[[int], bool] | None = None,
+    keep: Callable[[int], bool] | None = None,
+) -> None:
     """(coordinator) Delete this job's committed steps beyond ``keep_last`` (``owned``: which are
-    this job's; ``None``: all); warn, never fail, on errors. With ``reaper``, their files are
-    unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
-    delete_old_steps(opts.storage, opts.keep_last, reaper, owned)
+    this job's; ``None``: all; ``keep``: steps kept for now, see
+    :func:`~distckpt.storage.retention.delete_old_steps`); warn, never fail, on errors. With
+    ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
+    delete_old_steps(opts.storage, opts.keep_last, reaper, owned, keep)

@@ -388,7 +388,13 @@ class SaveDriver:
             def commit() -> tuple[int, bytes | None]:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 self._release_lease(committed=True)
-                phases.apply_retention(opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s))
+                replica, step = self.replica, prepared.step
+                phases.apply_retention(
+                    opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
+                    # Never the step just committed (a resume from an older step saves below the
+                    # newest); nor a step the replica keeps whose upload is still to come.
+                    keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
+                )  # fmt: skip
                 return manifest.total_bytes, manifest.to_json() if tier is not None else None
 
             stats.bytes_written, manifest_json = on_coordinator(group, f"commit of step {prepared.step}", commit)

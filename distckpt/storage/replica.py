@@ -87,8 +87,9 @@ class ReplicaStatus:
     Attributes:
         uploaded: steps committed on the remote root, in order.
         failed: ``(step, message)`` of failed uploads (messages carry no credentials).
-        skipped: steps not uploaded because a newer one superseded them (``keep_last``) or
-            retention deleted them locally after a newer step committed: nothing lost.
+        skipped: steps not uploaded because newer ones pushed them out of the remote's
+            ``keep_last`` (queued, or committed locally after retention deleted them there):
+            nothing lost.
         pending: steps queued or uploading now.
     """
 
@@ -294,6 +295,17 @@ class Replicator:
                         self._done.notify_all()
                 self._queue.task_done()
 
+    def holds(self, step: int, newest: int) -> bool:
+        """(coordinator, root retention) Whether the root must keep committed ``step`` for its
+        upload: queued or uploading, and kept by the remote's ``keep_last`` once ``newest`` (just
+        committed) and the newer queued steps are there. Retention deleting it first would lose
+        it from a replica that keeps more than the root (``replicate_keep_last``)."""
+        with self._lock:
+            if step not in self._pending:
+                return False
+            newer = {s for s in self._pending if s > step} | ({newest} if newest > step else set())
+        return self.keep_last is None or len(newer) < self.keep_last
+
     def _superseded(self, step: int) -> bool:
         """A newer queued step will push ``step`` out of the remote's ``keep_last`` anyway."""
         if self.keep_last is None:
@@ -311,9 +323,10 @@ class Replicator:
             nbytes = self._upload(step)
         except Exception as exc:  # noqa: BLE001 - recorded and warned, never fatal for training
             if self._superseded(step) or (
-                isinstance(exc, FileNotFoundError) and not self.local.exists(step_dir(step), MANIFEST_NAME) and self._newer_local(step)
+                isinstance(exc, FileNotFoundError) and not self.local.exists(step_dir(step), MANIFEST_NAME) and self._dropped_anyway(step)
             ):
-                # Deleted locally by retention after a newer step committed: nothing lost.
+                # Deleted locally by retention after newer steps committed, enough of them that
+                # the remote's keep_last would drop it too: nothing lost.
                 self._record(self.skipped, step)
                 return
             msg = f"{type(exc).__name__}: {exc}"
@@ -333,7 +346,7 @@ class Replicator:
             time.perf_counter() - t0,
         )
         try:
-            self._apply_retention()
+            self._apply_retention(step)
         except Exception as exc:  # noqa: BLE001
             _warn(f"distckpt: retention on {self.remote.display()} failed: {exc}")
 
@@ -341,8 +354,11 @@ class Replicator:
         with self._lock:
             where.append(item)
 
-    def _newer_local(self, step: int) -> bool:
-        return any(s > step for s in committed_steps(self.local))
+    def _dropped_anyway(self, step: int) -> bool:
+        """Whether the remote's ``keep_last`` would drop ``step`` once the newer committed local
+        steps are there (never with ``keep_last=None``: a step the replica keeps every one of
+        that is gone locally before its upload is a failure, reported)."""
+        return self.keep_last is not None and len([s for s in committed_steps(self.local) if s > step]) >= self.keep_last
 
     def _upload(self, step: int) -> int:
         """Copy one committed step; the remote manifest is written last. Returns bytes copied."""
@@ -429,9 +445,13 @@ class Replicator:
             shutil.copyfileobj(fi, fo, 16 << 20)
             self.remote.sync_file(fo)  # durable before the manifest commits it (local disks: fsync)
 
-    def _apply_retention(self) -> None:
-        """Delete this job's remote steps beyond ``keep_last`` (manifest first), then stale
-        leftovers of interrupted uploads (never a live writer's, see :mod:`distckpt.storage.ownership`)."""
+    def _apply_retention(self, uploaded: int) -> None:
+        """Delete this job's remote steps beyond ``keep_last`` (manifest first; never the step
+        just ``uploaded``), then stale leftovers of interrupted uploads (never a live writer's,
+        see :mod:`distckpt.storage.ownership`)."""
         owned = self._owned
-        delete_old_steps(self.remote, self.keep_last, owned=(lambda s: owned(self.remote, s)) if owned is not None else None)
+        delete_old_steps(
+            self.remote, self.keep_last, owned=(lambda s: owned(self.remote, s)) if owned is not None else None,
+            keep=lambda s: s == uploaded,
+        )  # fmt: skip
         ownership.remove_stale_leftovers(self.remote, self.lease_s)

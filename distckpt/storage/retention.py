@@ -89,12 +89,19 @@ class Reaper:
 
 
 def delete_old_steps(
-    storage: Storage, keep_last: int | None, reaper: Reaper | None = None, owned: Callable[[int], bool] | None = None
+    storage: Storage,
+    keep_last: int | None,
+    reaper: Reaper | None = None,
+    owned: Callable[[int], bool] | None = None,
+    keep: Callable[[int], bool] | None = None,
 ) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
 
     ``owned(step)``: whether a committed step is this job's (:class:`distckpt.storage.lineage.Lineage`);
     only those are counted and deleted, so jobs sharing a root never delete each other's steps.
+    ``keep(step)``: a step beyond ``keep_last`` to keep for now (counted, not deleted): the step
+    just committed, which a newer step left by an earlier run would otherwise retire at once (a
+    resume from an older step), or a step whose upload to the replica is still to come.
 
     Each step is first marked released (a released owner record), then un-committed (manifest
     removed), then removed like any incomplete directory (:func:`distckpt.storage.ownership.remove_uncommitted`:
@@ -108,6 +115,8 @@ def delete_old_steps(
         return deleted
     mine = [s for s in committed_steps(storage) if owned is None or owned(s)]
     for old in steps_to_delete(mine, keep_last):
+        if keep is not None and keep(old):
+            continue
         try:
             try:
                 mark_released(storage, step_dir(old))
