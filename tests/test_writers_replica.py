@@ -291,3 +291,21 @@ def test_the_replica_never_retires_the_step_it_has_just_uploaded(tmp_path):
 def test_replicate_keep_last_without_a_replica_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"replicate_keep_last=None .*replicate_to is not set"):
         distckpt.Checkpointer(tmp_path / "root", replicate_keep_last=None)
+
+
+def test_a_rolled_back_run_saving_a_step_the_replica_holds_is_told_it_is_its_own(tmp_path):
+    # The replica keeps the first run's step 3; the run resumed from step 2 saves step 3 again.
+    # The replica's is not replaced, and the failure names what happened (not "another writer").
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        for step in (2, 3, 4):
+            ckpt.save(step, _state(0, step))
+        ckpt.replica.wait()
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        fresh = {"w": torch.zeros(16, 16), "who": -1}
+        assert ckpt.load(fresh, step=2) == 2 and ckpt.last_load_report.tier == "replica"
+        with pytest.warns(UserWarning, match="earlier checkpoint of this step by this job"):
+            ckpt.save(3, _state(9, 3))
+            status = ckpt.replica.wait(raise_on_failure=False)
+        assert [s for s, _ in status.failed] == [3]
+    assert _remote_steps(remote) == [2, 3, 4]

@@ -414,8 +414,18 @@ class Replicator:
         """
         if not self.remote.exists(name, MANIFEST_NAME):
             return False
-        if self.remote.read_bytes(name, MANIFEST_NAME) == manifest_bytes:
+        there = self.remote.read_bytes(name, MANIFEST_NAME)
+        if there == manifest_bytes:
             return True
+        try:
+            same_job = Manifest.from_json(there, where).job == Manifest.from_json(manifest_bytes, where).job is not None
+        except Exception:  # noqa: BLE001 - an unreadable remote manifest: someone else's
+            same_job = False
+        if same_job:  # e.g. a run resumed from an older step saved this step again
+            raise StepExistsError(
+                f"{where} is already committed with an earlier checkpoint of this step by this job (a run resumed "
+                "from an older step saves it again); the replica's is not replaced"
+            )
         raise StepExistsError(
             f"{where} is already committed with a different checkpoint (another writer's); "
             "it is not replaced: give each job its own remote root"
