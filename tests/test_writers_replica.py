@@ -300,7 +300,8 @@ def test_a_rolled_back_run_saving_a_step_the_replica_holds_is_told_it_is_its_own
     with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
         for step in (2, 3, 4):
             ckpt.save(step, _state(0, step))
-        ckpt.replica.wait()
+            ckpt.replica.wait()  # uploaded before the next save: its retention then retires it from the root
+        assert ckpt.steps() == [4]
     with distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
         fresh = {"w": torch.zeros(16, 16), "who": -1}
         assert ckpt.load(fresh, step=2) == 2 and ckpt.last_load_report.tier == "replica"
