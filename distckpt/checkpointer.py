@@ -191,7 +191,10 @@ class Checkpointer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.storage.url!r}, keep_last={self.options.keep_last})"
+        replica = ""
+        if self.replica is not None:  # where else the steps are, and what is kept there
+            replica = f", replicate_to={self.replica.remote.url!r}, replicate_keep_last={self.options.replicate_keep_last}"
+        return f"Checkpointer({self.storage.url!r}, keep_last={self.options.keep_last}{replica})"
 
     def __enter__(self) -> Checkpointer:
         return self

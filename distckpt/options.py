@@ -70,6 +70,11 @@ class CheckpointerOptions:
 
     def __post_init__(self) -> None:
         check_keep_last(self.keep_last)
+        if self.replicate_to is None and self.replicate_storage_options:
+            raise ValueError(
+                "replicate_storage_options configure the filesystem of the replica, and there is none (replicate_to "
+                "is not set): they would be ignored"
+            )
         if self.replicate_to is None and self.replicate_keep_last != "same":
             raise ValueError(
                 f"replicate_keep_last={self.replicate_keep_last!r} is the retention of the replica, and there is none "

@@ -310,3 +310,16 @@ def test_a_rolled_back_run_saving_a_step_the_replica_holds_is_told_it_is_its_own
             status = ckpt.replica.wait(raise_on_failure=False)
         assert [s for s, _ in status.failed] == [3]
     assert _remote_steps(remote) == [2, 3, 4]
+
+
+def test_replicate_storage_options_without_a_replica_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"replicate_storage_options .*replicate_to is not set"):
+        distckpt.Checkpointer(tmp_path / "root", replicate_storage_options={"anon": True})
+
+
+def test_the_repr_names_the_replica_and_its_retention(tmp_path):
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=2, replicate_to=str(tmp_path / "remote"), replicate_keep_last=None) as ckpt:
+        text = repr(ckpt)
+    assert "keep_last=2" in text and "remote" in text and "replicate_keep_last=None" in text
+    with distckpt.Checkpointer(tmp_path / "root2", keep_last=2) as ckpt:
+        assert "replicate" not in repr(ckpt)
