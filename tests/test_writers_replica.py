@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
 from distckpt.storage.replica import Replicator
 from distckpt.storage.base import Storage
 
@@ -172,7 +172,7 @@ def test_the_replica_keeps_its_own_number_of_steps(tmp_path, replicate_keep_last
             ckpt.save(step, _state(0, step))
             ckpt.replica.wait()  # each upload (and the remote retention after it) before the next save
         assert ckpt.steps() == [3]
-    assert sorted(int(p.name.split("_")[1]) for p in remote.iterdir() if (p / MANIFEST_NAME).exists()) == kept
+    assert committed_steps(Storage(remote)) == kept
     fresh = {"w": torch.zeros(16, 16), "who": -1}
     with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(remote)) as ckpt:
         assert ckpt.load(fresh, step=kept[0]) == kept[0]  # from the replica: the root has only step 3
@@ -202,7 +202,7 @@ def _uploads_held(monkeypatch) -> threading.Event:
 
 
 def _remote_steps(remote) -> list[int]:
-    return sorted(int(p.name.split("_")[1]) for p in remote.iterdir() if (p / MANIFEST_NAME).exists()) if remote.exists() else []
+    return committed_steps(Storage(remote)) if remote.exists() else []
 
 
 def test_a_replica_keeping_every_step_gets_every_step_when_uploads_lag(tmp_path, monkeypatch):
