@@ -117,9 +117,10 @@ def moving_on(attempt: Callable[[int, Manifest | None], Loaded], step: int | Non
     committed step; with an explicit step, the step from a later tier (the replica,
     ``replicate_to``) if it holds it, the same commit where the manifest had been read, else the
     deletion is raised (the root's new commit of the step is not read, nor another job's commit
-    of it on a shared replica). The error and, where it was raised before the ranks compared their arguments, the
-    decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks passing different ones
-    all attempt the same load and fail alike instead of one retrying alone into a collective."""
+    of it on a shared replica). The error and, where it was raised before the ranks compared
+    their arguments, the decision (``exc.retry``, ``exc.skip``) are the coordinator's, so ranks
+    passing different ones all attempt the same load and fail alike instead of one retrying
+    alone into a collective."""
     deleted: StepDeletedError | None = None
     skip, expect = 0, None
     for n in range(DELETED_RETRIES + 1):
