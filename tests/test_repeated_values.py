@@ -57,7 +57,7 @@ def test_equal_records_decode_once_into_separate_equal_values(tmp_path, monkeypa
         ckpt.save(1, {"model": model, "optim": optim, "extra": Bag(saved)})
     loads = []
     real = torch.load
-    monkeypatch.setattr(load_planner.torch, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real(*a, **k))
     fresh_model = torch.nn.Linear(3, 3)
     fresh_optim = torch.optim.AdamW(fresh_model.parameters(), lr=0.5)
     state = {"model": fresh_model, "optim": fresh_optim, "extra": Bag(_extras(0))}

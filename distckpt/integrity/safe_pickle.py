@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
 from distckpt.integrity.pickle_scan import refuse_memory_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
@@ -142,7 +143,10 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     This only unpickles: the values are validated (types, file names inside the directory,
     byte ranges, chunk coverage) by :func:`distckpt.integrity.metadata_check.validate_metadata`, which
     :meth:`distckpt.integrity.stepfiles.StepFiles.metadata`, the one reader of ``.metadata``, applies
-    to every result, with the manifest's file sizes where it has them.
+    to every result, with the manifest's file sizes where it has them. The unpickler runs on a
+    thread stack deep enough for any tuple nesting ``data`` can hold
+    (:mod:`distckpt.integrity.deep_stack`): it hashes dictionary keys as it builds them, and the
+    validation must see a deeply nested one before anything else hashes it on an ordinary stack.
 
     Raises:
         UnsafeCheckpointError: it would run code to unpickle, declares memo slots or lengths
@@ -151,8 +155,8 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     """
     refuse_memory_bombs(data, where)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
-    except UnsafeCheckpointError:
+        metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)
+    except (UnsafeCheckpointError, MemoryError):
         raise
     except Exception as exc:
         raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {_text(exc)}") from None

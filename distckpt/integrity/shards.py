@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from distckpt.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
+from distckpt.integrity import deep_stack
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
 from distckpt.integrity.torchfile import RecordStream, raw_layout
 from distckpt.state import fingerprint, values
@@ -84,7 +85,7 @@ def load_record(stream: RecordStream, key: str, where: str) -> Any:
             unpickled.
     """
     try:
-        return torch.load(stream, map_location="cpu", weights_only=True)
+        return deep_stack.torch_load(stream)  # weights_only, on a stack its nesting fits
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from distckpt.integrity.deep_stack import SHALLOW, tuple_nesting_bound
 from distckpt.state import shape as _shape
 from distckpt._compat import PyTorchFileReader, dtype_from_storage_name
 
@@ -192,7 +193,10 @@ def _zip_layout(record: RecordStream) -> RawLayout | None:
         reader = PyTorchFileReader(record)
         records = reader.get_all_records()
         pkl = next(r for r in records if r == "data.pkl" or r.endswith("/data.pkl"))
-        (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(reader.get_record(pkl))).load()
+        head = reader.get_record(pkl)
+        if tuple_nesting_bound(head) > SHALLOW:  # a tensor's is a few dozen opcodes; deep tuples
+            return None  # hashed here would crash: torch.load, on a deep stack, decides
+        (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(head)).load()
         rec = next(r for r in records if r == f"data/{skey}" or r.endswith(f"/data/{skey}"))
         start = int(reader.get_record_offset(rec))
     except Exception:  # noqa: BLE001 - unusual layout: the caller loads the record instead

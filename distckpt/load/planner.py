@@ -20,12 +20,12 @@ import pickle
 import re
 from collections.abc import Mapping, Sequence
 
-import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from distckpt.state import decoding, safetypes, values
 from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity import deep_stack
 from distckpt._compat import set_element
 
 
@@ -99,7 +99,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             # On the host whatever device the saving rank's tensors were on (a tuple's tensors are
             # stored inside it): the apply copies them into the live tensors, on their devices.
-            obj = torch.load(value, map_location="cpu", weights_only=True)
+            # On a stack deep enough for the record's nesting (deep_stack: its dict keys are hashed).
+            obj = deep_stack.torch_load(value, raw)
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
         if key is not None and self._twin_bytes + len(key) <= _TWINS_TOTAL:

@@ -1,0 +1,139 @@
+"""Unpickling a checkpoint's pickles on a thread stack deep enough for what they can nest.
+
+Hashing a tuple hashes its items in C, recursively, with no recursion limit: a tuple nested a
+million levels deep crashes the interpreter (SIGSEGV) when it is hashed, on CPython 3.11 after
+~130,000 levels on an 8 MiB stack (64 bytes per level, measured). A pickle builds such a tuple
+with one byte per level (``TUPLE1``), and the unpickler hashes it as soon as it is a dictionary
+key, a set member, or part of a ``MetadataIndex`` key of ``storage_data``: a 1 MB ``.metadata``,
+or a 1 MB value record read by ``torch.load(weights_only=True)``, crashed every rank that read it.
+
+No allow-list can refuse it (it is made of tuples only), and no check can run between the
+unpickler's opcodes. What bounds it is the data: every level of nesting is a distinct tuple,
+built by one of the opcodes ``TUPLE``, ``TUPLE1``, ``TUPLE2``, ``TUPLE3`` (the only ones that
+make a tuple holding another object; no class the allow-lists admit makes tuples of objects)
+but the innermost, and a pickle has no loops, so a tuple's nesting is at most one more than the
+number of bytes of the pickle that could be one of those opcodes (:func:`tuple_nesting_bound`,
+a count at C speed; a seeded fuzz test checks it against real nesting). The
+unpickling then runs on a thread whose stack holds that many levels (:func:`call_with_stack`);
+the stack is address space, reserved, not memory: only the pages a deep structure touches are
+used. A legitimate 18 MB ``.metadata`` (2,000 tensors x 64 shards) bounds its nesting at ~1.04
+million and gets ~200 MB of reserved stack; it nests 3 levels.
+
+A ``torch.save`` record is a zip whose ``data.pkl`` ``torch.load`` unpickles: its bound is
+counted over that entry as torch's own zip reader finds it (:func:`record_nesting_bound`), so a
+record holding megabytes of tensor bytes does not ask for a stack in proportion.
+
+What is unpickled must then be checked for depth before the calling thread hashes it: the
+``.metadata`` by :func:`distckpt.integrity.metadata_check.validate_metadata` (strict types for
+every field DCP writes, a nesting bound on the rest), values by the decoder's depth bound.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: The pickle opcodes that make a tuple holding objects: ``TUPLE`` ('t'), ``TUPLE1-3``.
+TUPLE_OPCODES = (b"t", b"\x85", b"\x86", b"\x87")
+#: Stack per level of nesting: 64 bytes measured (CPython 3.11, x86-64), three times that for
+#: other builds and platforms.
+BYTES_PER_LEVEL = 192
+#: Stack for what runs besides the nesting (the unpickler, torch.load, the validation).
+BASE_STACK = 8 << 20
+#: Nesting that any thread's stack holds as it is (64 KiB of the smallest default stacks):
+#: below it the call runs where it is, without a thread.
+SHALLOW = 1000
+
+_size_lock = threading.Lock()
+
+
+def tuple_nesting_bound(data: bytes | bytearray | memoryview) -> int:
+    """An upper bound on how deep the tuples of the pickle ``data`` nest (tuples in a chain, each
+    holding the next): the number of its bytes equal to a tuple-making opcode, plus one for the
+    innermost, which may be an empty tuple (``EMPTY_TUPLE``, holding nothing) (pure; any thread)."""
+    raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+    return 1 + sum(raw.count(op) for op in TUPLE_OPCODES)
+
+
+#: Records up to this size are counted whole (faster than opening them as a zip).
+_COUNT_WHOLE = 1 << 20
+
+
+def record_nesting_bound(record: Any, raw: bytes | bytearray | memoryview | None = None) -> int:
+    """:func:`tuple_nesting_bound` of what ``torch.load`` unpickles from the ``torch.save`` record
+    ``record`` (a seekable binary stream, left at its start; ``raw``: its bytes, where the caller
+    has them): the ``.pkl`` entries torch's zip reader lists, or every byte of a small record or
+    of one that is no zip (torch's legacy format is one pickle after another)."""
+    from distckpt._compat import PyTorchFileReader
+
+    if raw is not None and len(raw) <= _COUNT_WHOLE:
+        return tuple_nesting_bound(raw)
+    try:
+        record.seek(0)
+        reader = PyTorchFileReader(record)
+        return sum(tuple_nesting_bound(reader.get_record(n)) for n in reader.get_all_records() if n.endswith(".pkl"))
+    except Exception:  # noqa: BLE001 - not a zip torch reads: count all of it
+        record.seek(0)
+        return tuple_nesting_bound(raw if raw is not None else record.read())
+    finally:
+        record.seek(0)
+
+
+def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None) -> Any:
+    """``torch.load(record, map_location="cpu", weights_only=True)`` on a stack deep enough for
+    the record's nesting (its pickle's dict keys are hashed as they are built). ``record``: a
+    seekable binary stream; ``raw``: its bytes, where the caller has them. Raises what
+    ``torch.load`` raises."""
+    import torch
+
+    bound = record_nesting_bound(record, raw)
+    return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
+
+
+def call_with_stack(levels: int, fn: Callable[[], T]) -> T:
+    """``fn()``, on a thread whose stack holds ``levels`` levels of tuple nesting (here, where
+    ``levels`` is shallow, or while the interpreter exits and no thread can start); what it
+    raises is raised here. Blocks the caller until it returns.
+
+    Raises:
+        MemoryError: the stack could not be reserved (the process' address space or the
+            system's overcommit limit), naming the size.
+    """
+    if levels <= SHALLOW:
+        return fn()
+    size = BASE_STACK + levels * BYTES_PER_LEVEL
+    size += -size % (1 << 16)  # whole pages on every platform
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="distckpt-deep-stack", daemon=True)
+    # stack_size() is process-wide: set for this one thread's start, then restored (a thread
+    # another caller starts meanwhile gets a larger stack than it asked for; nothing in torch
+    # or distckpt sets it).
+    with _size_lock:
+        before = threading.stack_size(size)
+        try:
+            thread.start()
+        except (RuntimeError, MemoryError) as exc:
+            if sys.is_finalizing():  # no thread starts while the interpreter exits: here, then
+                return fn()
+            raise MemoryError(
+                f"could not reserve a {size >> 20} MiB thread stack to unpickle data that may nest "
+                f"{levels:,} levels deep ({exc})"
+            ) from None
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
