@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distckpt._ints import plain_int
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
@@ -224,7 +225,7 @@ class Checkpointer:
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: newest). ``FileNotFoundError`` if not committed. Not collective."""
-        storage, step = loading.locate(self._tiers(), step)
+        storage, step = loading.locate(self._tiers(), plain_int(step))  # type: ignore[arg-type]
         return read_manifest(storage, step)
 
     # -- saving ---------------------------------------------------------------------------------
@@ -243,7 +244,8 @@ class Checkpointer:
         finally the manifest are written.
 
         Args:
-            step: a non-negative int, the same on every rank; must not be committed already.
+            step: a non-negative int (NumPy's integers and 0-d integer tensors too), the same on
+                every rank; must not be committed already.
             state: name -> module, optimizer, scheduler/scaler/any object with ``state_dict``,
                 tensor, or plain value (same names on every rank).
             blocking: ``False`` returns once the state is copied to host memory and writes in
@@ -260,7 +262,7 @@ class Checkpointer:
             CheckpointError: writing failed on some rank (same error on every rank).
         """
         self._open("save")
-        self._saver.save(step, state, blocking, metadata)
+        self._saver.save(plain_int(step), state, blocking, metadata)  # type: ignore[arg-type]
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Reserve, in the background, the host memory async saves of ``state`` will
@@ -335,7 +337,7 @@ class Checkpointer:
 
         Args:
             state: the same kind of mapping ``save`` took, with freshly built objects.
-            step: which step; ``None`` for the newest committed one.
+            step: which step (an int, NumPy's integers too); ``None`` for the newest committed one.
             strict: raise if keys or shapes differ; with ``False``, load what matches and record
                 the rest in :attr:`last_load_report` (and a warning).
             restore_rng: restore the RNG states saved with the checkpoint.
@@ -365,6 +367,7 @@ class Checkpointer:
             CheckpointError: reading failed on some rank.
         """
         self._open("load")
+        step = plain_int(step)  # type: ignore[assignment]  # NumPy's integers too
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         with gc_paused():
             group = self._groups.get()

@@ -27,6 +27,7 @@ from distckpt.storage import ownership
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import check_job
 from distckpt.storage.local_tier import check_local_dir
+from distckpt._ints import plain_int
 from distckpt.storage.retention import check_keep_last
 
 ASYNC_MODES = ("process", "thread")
@@ -69,6 +70,9 @@ class CheckpointerOptions:
     replicate_keep_last: int | None | str = "same"
 
     def __post_init__(self) -> None:
+        # NumPy's integers (and other __index__ types) as the plain ints the manifest records.
+        for name in ("keep_last", "replicate_keep_last", "thread_count", "local_keep", "local_peers", "background_nice"):
+            setattr(self, name, plain_int(getattr(self, name)))
         check_keep_last(self.keep_last)
         if self.replicate_to is None and self.replicate_storage_options:
             raise ValueError(

@@ -391,3 +391,22 @@ def test_crc32c_without_hardware_path_warns_once(monkeypatch):
     h.update(b"123456789")
     h2.update(memoryview(bytearray(b"123456789")))  # writable buffers too, without a copy
     assert h.hexdigest() == h2.hexdigest() == "e3069283"  # the CRC-32C check value
+
+
+def test_numpy_integers_are_ints_for_steps_and_counts(tmp_path):
+    """A step counted in NumPy (or kept as a 0-d integer tensor) and counts read through NumPy
+    are integers: saved, loaded and recorded as plain ints. Bools and floats stay refused."""
+    import numpy as np
+
+    ckpt = distckpt.Checkpointer(tmp_path, keep_last=np.int64(2), thread_count=np.int32(2), local_keep=np.uint8(2))
+    assert type(ckpt.options.keep_last) is int and type(ckpt.options.thread_count) is int
+    for step in (np.int64(1), np.int32(2), torch.tensor(3)):
+        ckpt.save(step, {"model": nn.Linear(2, 2)})
+    assert ckpt.steps() == [2, 3] and ckpt.manifest(np.int64(3)).step == 3
+    assert ckpt.load({"model": nn.Linear(2, 2)}, step=np.int16(2)) == 2
+    assert json.loads((tmp_path / step_dir(3) / "manifest.json").read_text())["step"] == 3
+    for bad in (True, np.True_, 2.0, np.float64(2), "2"):
+        with pytest.raises(ValueError, match="keep_last must be None or an int >= 1"):
+            distckpt.Checkpointer(tmp_path, keep_last=bad)
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        ckpt.save(np.float64(4), {"model": nn.Linear(2, 2)})
