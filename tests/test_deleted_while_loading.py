@@ -397,9 +397,26 @@ def test_a_non_strict_load_does_not_move_on(tmp_path, monkeypatch):
     ran = _when(monkeypatch, "data", lambda: _other_job_saves(root, later, 3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "loading the newest committed step" warning either
-        with pytest.raises(distckpt.StepDeletedError, match="step 2 at"):
+        with pytest.raises(distckpt.StepDeletedError, match="step 2 at") as info:
             distckpt.Checkpointer(root).load(_blank(), strict=False)
     assert ran
+    # ... and says what a strict load would have done, for the caller to do knowingly.
+    assert "strict=False is not attempted again" in str(info.value)
+    assert "call load again to read the newest committed step" in str(info.value)
+
+
+def test_a_non_strict_load_of_an_explicit_step_points_at_the_replica(tmp_path, monkeypatch):
+    root, later, remote = _with_replica(tmp_path)
+    ran = _when(monkeypatch, "data", lambda: _other_job_saves(root, later, 3))
+    with pytest.raises(distckpt.StepDeletedError, match="call load again to read step 2 from the replica, where it holds it"):
+        distckpt.Checkpointer(root, replicate_to=remote).load(_blank(), step=2, strict=False)
+    assert ran
+    # Without a replica there is nothing to point at.
+    root2, later2 = _prepare(tmp_path / "plain")
+    _when(monkeypatch, "data", lambda: _other_job_saves(root2, later2, 3))
+    with pytest.raises(distckpt.StepDeletedError) as info:
+        distckpt.Checkpointer(root2).load(_blank(), step=2, strict=False)
+    assert "call load again" not in str(info.value)
 
 
 def test_without_checksums_a_step_committed_anew_is_named_not_a_diverged_state(tmp_path, monkeypatch):

@@ -377,6 +377,13 @@ def _deleted(
     (``expect``). Raised on the coordinator before the ranks compared their arguments, they are
     the coordinator's for every rank: ranks passing different steps then all attempt the same
     load, and fail alike."""
+    if retry and not strict and retries(step, True, tier, tiers):
+        # What a strict load would have done by itself, the caller may do knowingly.
+        instead = "the newest committed step" if step is None else f"step {step} from the replica, where it holds it"
+        message += (
+            f"; a load with strict=False is not attempted again by itself (keys the next attempt lacks would keep "
+            f"what this one read into them): call load again to read {instead}"
+        )
     exc = StepDeletedError(message)
     # They travel with the error (pickled with its __dict__ from the coordinator).
     exc.retry = retry and retries(step, strict, tier, tiers)  # type: ignore[attr-defined]
