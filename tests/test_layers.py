@@ -7,7 +7,7 @@ The layers, top to bottom (``docs/architecture.md`` draws them):
 0. facade and applications: ``distckpt`` (its ``__init__``), ``checkpointer``, ``tools``, ``integrations``;
 1. the save and load drivers and phases: ``save``, ``load``, and the ``options`` they take;
 2. the state model, storage and integrity: ``state``, ``storage``, ``integrity``;
-3. the base: ``errors``, ``_dist``, ``_compat``, ``_process``, ``_version``.
+3. the base: ``errors``, ``_dist``, ``_compat``, ``_process``, ``_version``, ``_ints``.
 
 A module may import from its own layer or any layer below; the whole graph (module-level and
 function-level imports alike) must be acyclic.
@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "distckpt._compat": 3,
     "distckpt._process": 3,
     "distckpt._version": 3,
+    "distckpt._ints": 3,
 }
 
 

@@ -35,6 +35,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
+from distckpt._compat import PyTorchFileReader
+
 T = TypeVar("T")
 
 #: The pickle opcodes that make a tuple holding objects: ``TUPLE`` ('t'), ``TUPLE1-3``.
@@ -68,8 +72,6 @@ def record_nesting_bound(record: Any, raw: bytes | bytearray | memoryview | None
     ``record`` (a seekable binary stream, left at its start; ``raw``: its bytes, where the caller
     has them): the ``.pkl`` entries torch's zip reader lists, or every byte of a small record or
     of one that is no zip (torch's legacy format is one pickle after another)."""
-    from distckpt._compat import PyTorchFileReader
-
     if raw is not None and len(raw) <= _COUNT_WHOLE:
         return tuple_nesting_bound(raw)
     try:
@@ -88,8 +90,6 @@ def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None) -
     the record's nesting (its pickle's dict keys are hashed as they are built). ``record``: a
     seekable binary stream; ``raw``: its bytes, where the caller has them. Raises what
     ``torch.load`` raises."""
-    import torch
-
     bound = record_nesting_bound(record, raw)
     return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
 
