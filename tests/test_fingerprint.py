@@ -366,3 +366,26 @@ def test_sums_left_on_the_device_settle_to_the_eager_values():
     copy = statecheck.copy_digest(x, (0, 0), on_device=True)
     lazy_copy = ((0, 0), fp._lazy_sum(x, (0, 0), x.shape, fp.VERSION))
     assert statecheck.settled_copies({"a": lazy_copy, "b": copy}) == {"a": copy, "b": copy}
+
+
+@pytest.mark.parametrize("version", fp.VERSIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.complex64])
+def test_column_and_grid_shards_sum_on_the_device_without_waiting(dtype, version):
+    """A tensor-parallel column shard (short rows inside a table block, long rows across them),
+    a grid block, a non-contiguous view and a scalar: the device kernels (run here on the CPU)
+    leave one 0-dim tensor each, which settles to the host path's sum."""
+    g = torch.Generator().manual_seed(7)
+    cases = [
+        (torch.randn(64, 300, generator=g), (40, 17)),  # short rows: inside a block, vectorised
+        (torch.randn(4, 1 << 17, generator=g), (0, 5)),  # long rows: one by one
+        (torch.randn(6, 5, 40, generator=g), (3, 1, 0)),  # a grid block of a 3-d tensor
+        (torch.randn(80, 60, generator=g).t(), (0, 0)),  # non-contiguous
+        (torch.randn((), generator=g), ()),
+    ]
+    for whole, at in cases:
+        local = (whole * 50).to(dtype) if not dtype.is_complex else whole.to(dtype)
+        shard = local[tuple(slice(o, None) for o in at)] if at else local
+        eager = fp.partial_sum(shard, local.shape, at, version)
+        lazy = fp._lazy_sum(shard, at, local.shape, version)
+        assert isinstance(lazy, torch.Tensor) and lazy.dim() == 0, (shard.shape, at)
+        assert fpkernels.settle([lazy]) == [eager], (dtype, shard.shape, at)

@@ -77,6 +77,15 @@ def partial_sum(local: torch.Tensor, global_shape: Sequence[int], offsets: Seque
     Returns:
         An int in ``[0, 2**64)``; add the partial sums of disjoint shards mod ``2**64``.
     """
+    return _partial(local, global_shape, offsets, version, lazy=False)  # type: ignore[return-value]
+
+
+def _partial(
+    local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int], version: int, lazy: bool
+) -> int | torch.Tensor:
+    """:func:`partial_sum`; with ``lazy``, summed by the device kernels and left a 0-dim tensor on
+    ``local``'s device (:func:`lazy_partial_sum`; on a host tensor, the tests' stand-in for a
+    device), whatever its layout."""
     fpkernels.check_version(version)
     local = local.detach()
     if local.dtype.is_complex:
@@ -92,8 +101,9 @@ def partial_sum(local: torch.Tensor, global_shape: Sequence[int], offsets: Seque
     if not local.is_contiguous():
         local = local.contiguous()
     bits = fpkernels.bits(local)
+    run_sum = fpkernels.device_run_sum if lazy else fpkernels.run_sum
     if not gshape:  # a scalar
-        return fpkernels.run_sum(bits, 0, version)
+        return run_sum(bits, 0, version)
     strides = contiguous_strides(gshape)  # no zero-sized dimension here: numel() > 0
     # Dimensions after ``split`` are whole: the shard is a set of runs that are contiguous in
     # the global row-major order, each ``run`` elements long.
@@ -109,11 +119,11 @@ def partial_sum(local: torch.Tensor, global_shape: Sequence[int], offsets: Seque
     for d in outer:
         n_runs *= d
     if n_runs == 1:
-        return fpkernels.run_sum(bits, base, version)
+        return run_sum(bits, base, version)
     starts = [base]
     for d, n in enumerate(outer):
         starts = [s + i * strides[d] for s in starts for i in range(n)]
-    return fpkernels.rows_sum(bits, starts, run, version)
+    return (fpkernels.device_rows_sum if lazy else fpkernels.rows_sum)(bits, starts, run, version)
 
 
 def digest(total: int, global_shape: Sequence[int], dtype: torch.dtype | str, version: int = VERSION) -> str:
@@ -193,17 +203,9 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Pa
 
 
 def _lazy_sum(local: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], version: int) -> int | torch.Tensor:
-    """A device block's partial sum without synchronizing where it is one contiguous run (a whole
-    tensor, a row shard); other layouts are summed now."""
-    local = local.detach()
-    if local.dtype.is_complex or not local.is_contiguous():
-        return partial_sum(local, global_shape, offsets, version)
-    shape = tuple(local.shape)
-    gshape = tuple(int(d) for d in global_shape)
-    if shape[1:] == gshape[1:] and not any(offsets[1:]):
-        base = int(offsets[0]) * numel(gshape[1:]) if gshape else 0
-        return fpkernels.device_run_sum(fpkernels.bits(local), base, version)
-    return partial_sum(local, global_shape, offsets, version)
+    """A device block's partial sum without synchronizing, whatever its layout (a whole tensor,
+    a row shard, a column shard of a tensor-parallel layout, a non-contiguous or complex one)."""
+    return _partial(local, global_shape, offsets, version, lazy=True)
 
 
 def part_of(
@@ -231,9 +233,9 @@ def part_of(
 def lazy_partial_sum(
     local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int], version: int = VERSION
 ) -> int | torch.Tensor:
-    """:func:`partial_sum`, left a 0-dim device tensor for an accelerator block that is one
-    contiguous run (a whole tensor, a row shard): no wait for the device. Give such sums to
-    :func:`distckpt.state.fpkernels.settle` (or parts to :func:`settled`)."""
+    """:func:`partial_sum`, left a 0-dim device tensor for an accelerator block (any layout): no
+    wait for the device. Give such sums to :func:`distckpt.state.fpkernels.settle` (or parts to
+    :func:`settled`)."""
     if local.device.type == "cpu":
         return partial_sum(local, global_shape, offsets, version)
     return _lazy_sum(local, tuple(int(o) for o in offsets), global_shape, version)

@@ -339,7 +339,38 @@ def run_sum(b: torch.Tensor, start: int, version: int) -> int:
 # many short runs (a column-split shard): vectorised over rows
 def rows_sum(b: torch.Tensor, starts: list[int], run: int, version: int) -> int:
     """Sum of ``f`` over rows ``b.view(-1, run)[r]`` placed at global ``starts[r]``; rows inside one
-    table block are done together (their weight windows gathered row by row), the rest one by one."""
+    table block are done together (their weight windows gathered row by row), the rest one by one.
+    An accelerator tensor's is :func:`device_rows_sum`, brought back with one transfer."""
+    if b.device.type != "cpu":
+        return settle([device_rows_sum(b, starts, run, version)])[0]
+    values, starts, run, inside, outside = _rows(b, starts, run, version)
+    total = 0
+    for r in outside:
+        total = (total + host_run_sum(values[r], starts[r], version)) & MASK64
+    if inside:
+        total = (total + _host_rows(values, starts, inside, run, version)) & MASK64
+    return total
+
+
+def device_rows_sum(b: torch.Tensor, starts: list[int], run: int, version: int) -> torch.Tensor:
+    """(any device) The sum :func:`rows_sum` computes, as a 0-dim int64 tensor on ``b``'s device
+    (two's complement of the unsigned sum), computed without synchronizing: a column-split
+    shard's rows are summed by kernels queued behind the work that made them, and the writer
+    thread that asked does not wait for the device (one wait per shard stalled it)."""
+    values, starts, run, inside, outside = _rows(b, starts, run, version)
+    acc = torch.zeros((), dtype=torch.int64, device=b.device)
+    for r in outside:  # int64 additions wrap: the sum mod 2**64, as on the host
+        acc = acc + device_run_sum(values[r], starts[r], version)
+    if inside:
+        acc = acc + _device_rows(values, starts, inside, run, version)
+    return acc
+
+
+def _rows(b: torch.Tensor, starts: list[int], run: int, version: int) -> tuple[torch.Tensor, list[int], int, list[int], list[int]]:
+    """``b`` as rows of ``run`` units of ``version`` (32-bit words for version 2's 64-bit
+    elements, ``starts`` and ``run`` in them too), and which rows lie inside one table block
+    (summed together) and which not (one by one; all of them where rows are long: few, and most
+    cross a block boundary)."""
     check_version(version)
     if version == 2 and b.dtype == torch.int64:
         b = b.view(torch.int32)
@@ -347,20 +378,9 @@ def rows_sum(b: torch.Tensor, starts: list[int], run: int, version: int) -> int:
         run *= 2
     size = 1 << _TABLE_BITS[version]
     values = b.view(-1, run)
-    if run > size // 2:  # long rows: few of them, most cross a block boundary
-        total = 0
-        for r, s in enumerate(starts):
-            total = (total + run_sum(values[r], s, version)) & MASK64
-        return total
-    inside = [r for r, s in enumerate(starts) if (s & (size - 1)) + run <= size]
-    total = 0
-    for r in sorted(set(range(len(starts))) - set(inside)):
-        total = (total + run_sum(values[r], starts[r], version)) & MASK64
-    if not inside:
-        return total
-    if b.device.type == "cpu":
-        return (total + _host_rows(values, starts, inside, run, version)) & MASK64
-    return (total + settle([_device_rows(values, starts, inside, run, version)])[0]) & MASK64
+    inside = [] if run > size // 2 else [r for r, s in enumerate(starts) if (s & (size - 1)) + run <= size]
+    outside = sorted(set(range(len(starts))) - set(inside))
+    return values, starts, run, inside, outside
 
 
 def _host_rows(values: torch.Tensor, starts: list[int], inside: list[int], run: int, version: int) -> int:
