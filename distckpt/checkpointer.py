@@ -211,9 +211,23 @@ class Checkpointer:
             raise RuntimeError(f"{call}() on a closed Checkpointer")
 
     # -- listing (not collective) ---------------------------------------------------------------
-    def steps(self) -> list[int]:
-        """Committed steps under the root, ascending. Not collective."""
-        return committed_steps(self.storage)
+    def steps(self, tier: str = "root") -> list[int]:
+        """Committed steps, ascending. Not collective.
+
+        Args:
+            tier: ``"root"`` (default): under the root; ``"replica"``: under ``replicate_to``
+                (the uploads done); ``"all"``: every step ``load(step=N)`` can read, from the
+                root or the replica.
+
+        Raises:
+            ValueError: another ``tier``, or ``"replica"`` without ``replicate_to``.
+        """
+        if tier not in ("root", "replica", "all"):
+            raise ValueError(f'steps(tier=...) takes "root", "replica" or "all", got {tier!r}')
+        if tier == "replica" and self.replica is None:
+            raise ValueError('steps(tier="replica"): this Checkpointer has no replica (replicate_to is not set)')
+        tiers = {"root": [self.storage], "replica": [self.replica.remote] if self.replica else [], "all": self._tiers()}[tier]
+        return sorted({s for storage in tiers for s in committed_steps(storage)})
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none (local or replica). Not collective."""

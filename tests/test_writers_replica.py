@@ -172,6 +172,7 @@ def test_the_replica_keeps_its_own_number_of_steps(tmp_path, replicate_keep_last
             ckpt.save(step, _state(0, step))
             ckpt.replica.wait()  # each upload (and the remote retention after it) before the next save
         assert ckpt.steps() == [3]
+        assert ckpt.steps(tier="replica") == kept and ckpt.steps(tier="all") == sorted({3, *kept})
     assert committed_steps(Storage(remote)) == kept
     fresh = {"w": torch.zeros(16, 16), "who": -1}
     with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(remote)) as ckpt:
@@ -286,6 +287,17 @@ def test_the_replica_never_retires_the_step_it_has_just_uploaded(tmp_path):
         assert status.uploaded == (4, 3)
         assert ckpt.steps() == [3, 4]
     assert _remote_steps(remote) == [3, 4]
+
+
+def test_steps_of_a_tier_that_is_not_there_or_misspelt_are_refused(tmp_path):
+    ckpt = distckpt.Checkpointer(tmp_path / "root")
+    ckpt.save(1, _state(0, 1))
+    assert ckpt.steps(tier="all") == ckpt.steps() == [1]
+    with pytest.raises(ValueError, match="has no replica"):
+        ckpt.steps(tier="replica")
+    with pytest.raises(ValueError, match=r'takes "root", "replica" or "all", got \'remote\''):
+        ckpt.steps(tier="remote")
+    ckpt.close()
 
 
 def test_replicate_keep_last_without_a_replica_is_refused(tmp_path):
