@@ -383,6 +383,31 @@ def test_bad_inputs_one_line_errors(ckpt_root, tmp_path, capsys):
 
 
 # S3 ----------------------------------------------------------------------------------------------
+def test_a_failed_upload_is_discarded_quietly_even_when_collected(s3_server, s3_bucket):
+    # s3fs's discard() drops the upload's buffer; the file, closed later by the garbage
+    # collector, flushed that buffer and printed "Exception ignored ... AttributeError".
+    import gc
+
+    import fsspec
+
+    from distckpt.tools.outputs import open_output
+
+    url = f"s3://{s3_bucket}/out/half.pt"
+    caught, before = [], sys.unraisablehook
+    sys.unraisablehook = caught.append
+    try:
+        with pytest.raises(RuntimeError, match="half-way"):
+            with open_output(url, s3_server.storage_options) as f:
+                f.write(b"x" * 100)
+                raise RuntimeError("half-way")
+        del f
+        gc.collect()
+    finally:
+        sys.unraisablehook = before
+    assert caught == [], [(u.exc_type, u.exc_value) for u in caught]
+    assert not fsspec.filesystem("s3", **s3_server.storage_options).exists(url)
+
+
 def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucket):
     import fsspec
     from safetensors.torch import load_file

@@ -155,6 +155,9 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None) -
         try:
             if discard is not None:
                 discard()
+                # Discarded, the file is unusable (s3fs drops its buffer); closed, here or when
+                # collected, it would flush that buffer: an AttributeError printed at exit.
+                f.closed = True
             else:  # a filesystem without uploads: remove what was written
                 f.close()
                 fs.rm_file(path)
