@@ -243,3 +243,58 @@ def test_a_name_in_torch_is_looked_up_without_importing_anything() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _build_reused(module: str, name: str, keys: int = 4000, objects: int = 4000) -> bytes:
+    """One attribute dict of ``keys`` entries, memoized, given by ``BUILD`` to ``objects`` new
+    objects of class ``module.name``: before, each got a copy (75 KB: 400 MB and 2.7 s)."""
+    out = bytearray(b"\x80\x02" + f"c{module}\n{name}\nq\x00".encode() + b"}q\x01(")
+    for i in range(keys):
+        key = f"k{i}".encode()
+        out += b"X" + len(key).to_bytes(4, "little") + key + b"K\x01"
+    out += b"u0]q\x02(" + b"h\x00)\x81h\x01b" * objects + b"e."
+    return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("torch.distributed.checkpoint.metadata", c) for c in ("BytesStorageMetadata", "MetadataIndex", "ChunkStorageMetadata",
+                                                            "TensorStorageMetadata", "Metadata", "StorageMeta")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")],
+)  # fmt: skip
+def test_one_attribute_dict_given_to_many_objects_is_refused_at_the_first(module: str, name: str) -> None:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(UnsafeCheckpointError, match=rf"x/.metadata: it gives a {name} the attributes dict of 4000 items"):
+        load_metadata(_build_reused(module, name), "x/.metadata")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB: not hundreds of MB
+
+
+def test_an_ordered_dict_is_read_as_a_dict_that_takes_no_attributes() -> None:
+    # OrderedDict instances have attributes: the same memoized dict given to each by BUILD was
+    # copied each time. DCP never gives them any; a plain dict (ordered) has none to give.
+    crafted = b"\x80\x02ccollections\nOrderedDict\nq\x00}q\x01(X\x01\x00\x00\x00aK\x01u0]q\x02(" + b"h\x00)Rh\x01b" * 3 + b"e."
+    with pytest.raises(UnsafeCheckpointError, match="not valid DCP metadata"):
+        load_metadata(crafted, "x")
+    ordered = pickle.dumps(OrderedDict([("b", 1), ("a", 2)]), protocol=2)
+    with pytest.raises(UnsafeCheckpointError, match="holds a dict, not DCP Metadata"):
+        load_metadata(ordered, "x")
+
+
+@pytest.mark.parametrize("target", ["class", "member"])
+def test_a_build_aimed_at_torchs_memory_format_enum_is_refused_and_undone(target: str) -> None:
+    """The enum the allow-list hands out as it is (and its members) is shared by the process: a
+    BUILD aimed at it changed how every later save pickles tensor properties."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E
+
+    enum = b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+    if target == "class":  # BUILD with (None, {name: value}): setattr on the class
+        crafted = b"\x80\x02" + enum + b"N}X\x05\x00\x00\x00zz_atX\x01\x00\x00\x00xs\x86b."
+    else:  # the member E(2) (TORCH_CONTIGUOUS_FORMAT), its __dict__ updated
+        crafted = b"\x80\x02" + enum + b"K\x02\x85R}X\x07\x00\x00\x00_value_K\x07sb."
+    snapshot = (dict(vars(E)), {m: dict(vars(m)) for m in E})
+    with pytest.raises(UnsafeCheckpointError, match="sets attributes of torch's .*which DCP metadata never does"):
+        load_metadata(crafted, "x")
+    assert not hasattr(E, "zz_at") and vars(E).keys() == snapshot[0].keys()
+    assert all(vars(m) == snapshot[1][m] for m in E) and E(2).value == 2

@@ -81,7 +81,10 @@ def _check_extra(obj: object, where: str, what: str) -> None:
         raise IntegrityError(f"{where}: {what} is a {type(obj).__name__}, not one of DCP's metadata classes")
     attrs = getattr(obj, "__dict__", None)
     if attrs is not None and not attrs.keys() <= known:
-        for name in sorted(k for k in attrs if k not in known and isinstance(k, str)):
+        odd = next((k for k in attrs if type(k) is not str), None)
+        if odd is not None:
+            raise IntegrityError(f"{where}: {what} has an attribute named by a {type(odd).__name__}, which DCP never writes")
+        for name in sorted(k for k in attrs if k not in known):
             check_nesting(attrs[name], where, f"{what}.{name}")
 
 

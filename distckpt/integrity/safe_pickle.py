@@ -8,6 +8,7 @@ checkpoint directory (applied to every stored item by :mod:`distckpt.integrity.m
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import io
 import os
@@ -15,7 +16,15 @@ import pickle
 from collections.abc import Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
@@ -46,6 +55,54 @@ _BOUNDED = frozenset({("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pa
                       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")})  # fmt: skip
 
 
+class _Refused(UnsafeCheckpointError):
+    """Raised inside the unpickler, where the file is not known: :func:`load_metadata` names it."""
+
+
+#: Attributes an object of DCP's metadata classes may be given beyond its fields (a field a newer
+#: torch added): a ``BUILD`` with more is refused.
+SPARE_ATTRIBUTES = 4
+
+
+def _guard(cls: type) -> type:
+    """A stand-in for DCP's dataclass ``cls`` that ``NEWOBJ`` makes and whose first ``BUILD``
+    (``__setstate__``) is checked before anything is copied, then turns the object into a ``cls``.
+
+    Without it a pickle memoizes one large attribute dict and applies it by ``BUILD`` to
+    thousands of new objects, each getting a copy: 75 KB of ``.metadata`` took 400 MB and 2.7 s
+    (4,000 x 4,000 entries), a few hundred KB exhaust any host's memory before the validation
+    sees one object. An object no ``BUILD`` reaches stays a stand-in (named so in errors), which
+    the validation refuses where DCP writes fields (``BytesStorageMetadata`` has none)."""
+    fields = frozenset(f.name for f in dataclasses.fields(cls))
+
+    most = len(fields) + SPARE_ATTRIBUTES
+
+    def __setstate__(self: object, state: object, _set: Callable[..., None] = object.__setattr__) -> None:
+        # Called for every object of a .metadata (hundreds of thousands): kept lean. The dict is
+        # adopted, not copied (a pickle handing one dict to many objects gets it shared, never
+        # multiplied); the validation checks its keys and values.
+        if type(state) is not dict or len(state) > most:
+            size = len(state) if isinstance(state, (dict, tuple, list)) else "?"
+            raise _Refused(
+                f"it gives a {cls.__name__} the attributes {type(state).__name__} of {size} items, which DCP never "
+                f"writes (its fields: {', '.join(sorted(fields)) or 'none'})"
+            )
+        _set(self, "__dict__", state)
+        _set(self, "__class__", cls)  # (a frozen dataclass refuses setattr)
+
+    name = f"{cls.__name__} without its fields"
+    return type(name, (cls,), {"__slots__": (), "__setstate__": __setstate__, "__qualname__": name, "__module__": __name__})
+
+
+#: DCP's dataclasses, as ``.metadata`` names them, and the stand-ins it gets (:func:`_guard`).
+_GUARDS: dict[tuple[str, str], type] = {
+    ("torch.distributed.checkpoint.metadata", c.__name__): _guard(c)
+    for c in (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata)
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _guard(_StorageInfo)}
+#: The stand-in of the one class DCP writes without fields (never given a BUILD).
+BYTES_GUARD = _GUARDS[("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, where: str) -> None:
         super().__init__(data)
@@ -56,6 +113,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
         if (module, name) in _BOUNDED:
             return self._bounded(module, name, super().find_class(module, name))
+        guard = _GUARDS.get((module, name))
+        if guard is not None:
+            return guard
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         # Its own attributes only: torch's module __getattr__ imports lazy submodules (_dynamo:
@@ -107,7 +167,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         def ordered_dict(*args: object) -> object:  # its items come by SETITEMS, never as arguments
             if args:
                 raise refuse(args)
-            return real()
+            # A plain dict (ordered too): an OrderedDict has attributes, which a BUILD of one
+            # memoized dict onto many of them would copy again and again; a dict has none.
+            return {}
 
         return ordered_dict
 
@@ -154,15 +216,58 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             not DCP ``Metadata``.
     """
     refuse_memory_bombs(data, where)
+    before = _enum_state()
     try:
         metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)
+    except _Refused as exc:
+        raise UnsafeCheckpointError(f"refusing to read {where}: {exc}") from None
     except (UnsafeCheckpointError, MemoryError):
         raise
     except Exception as exc:
         raise UnsafeCheckpointError(f"{where} is not valid DCP metadata: {type(exc).__name__}: {_text(exc)}") from None
+    finally:
+        changed = _restore_enum(before)
+    if changed:
+        raise UnsafeCheckpointError(
+            f"refusing to read {where}: it sets attributes of torch's {changed}, which DCP metadata never does (they "
+            "are restored; unpickled, they would have changed how this process writes every later checkpoint)"
+        )
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(entries) is dict:
+        for md in entries.values():
+            if type(md) is BYTES_GUARD:
+                object.__setattr__(md, "__class__", BytesStorageMetadata)  # DCP writes it without a BUILD
     return metadata
+
+
+def _enum_state() -> list[tuple[object, dict[str, object]]]:
+    """The attributes of the one class the allow-list hands out as it is, and of its members:
+    shared objects, which a ``BUILD`` aimed at them would modify for the whole process (the
+    enum by ``setattr``, a member's ``__dict__``)."""
+    return [(_MEM_FORMAT_ENCODING, dict(vars(_MEM_FORMAT_ENCODING)))] + [(m, dict(vars(m))) for m in _MEM_FORMAT_ENCODING]
+
+
+def _restore_enum(before: list[tuple[object, dict[str, object]]]) -> str:
+    """Put back what an unpickling changed of :func:`_enum_state` (compared by identity: no
+    ``__eq__`` of an unpickled object runs); the name of what it changed, or ``""``."""
+    changed = ""
+    for obj, attrs in before:
+        now = vars(obj)
+        if now.keys() == attrs.keys() and all(now[k] is attrs[k] for k in attrs):
+            continue
+        changed = changed or (obj.__name__ if isinstance(obj, type) else f"{type(obj).__name__}.{obj.name}")  # type: ignore[attr-defined]
+        if isinstance(obj, type):
+            for k in [k for k in now if k not in attrs]:
+                type.__delattr__(obj, k)
+            for k, v in attrs.items():
+                if now.get(k, attrs) is not v:
+                    type.__setattr__(obj, k, v)
+        else:
+            now.clear()
+            now.update(attrs)
+    return changed
 
 
 def _text(exc: BaseException) -> str:
