@@ -14,7 +14,6 @@ tuple in C recurses once per level: ~130,000 levels overflow an 8 MiB stack.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import pickle
@@ -30,8 +29,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distckpt  # noqa: E402
+import forge  # noqa: E402
 from cli_runner import run_cli  # noqa: E402
-from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir  # noqa: E402
+from distckpt.integrity.manifest import step_dir  # noqa: E402
 
 LEVELS = 400_000
 #: A string pickled where the deep tuple goes, then replaced by its opcodes (``pickle`` itself
@@ -52,13 +52,6 @@ def _deep_in_place_of_mark(data: bytes) -> bytes:
     return data.replace(marked, b")" + b"\x85" * LEVELS)
 
 
-def _reseal_file(d: Path, name: str, data: bytes) -> None:
-    (d / name).write_bytes(data)
-    raw = json.loads((d / MANIFEST_NAME).read_text())
-    raw["files"][name] = {"size": len(data), "checksum": digest_of(data, raw["checksum_algorithm"])}
-    (d / MANIFEST_NAME).write_text(json.dumps(raw))
-
-
 def _forge_metadata(d: Path, case: str) -> None:
     md = pickle.loads((d / ".metadata").read_bytes())
     if case == "metadata-key-offset":  # a storage_data key whose offset is the deep tuple
@@ -74,7 +67,7 @@ def _forge_metadata(d: Path, case: str) -> None:
         md.state_dict_metadata[MARK] = next(iter(md.state_dict_metadata.values()))
     else:
         raise ValueError(case)
-    _reseal_file(d, ".metadata", _deep_in_place_of_mark(pickle.dumps(md, protocol=2)))
+    forge.reseal(d, ".metadata", _deep_in_place_of_mark(pickle.dumps(md, protocol=2)))
 
 
 def _forge_value(d: Path, key: str) -> None:
@@ -89,20 +82,7 @@ def _forge_value(d: Path, key: str) -> None:
             if info.filename.endswith("data.pkl"):
                 body = b"\x80\x02}" + b")" + b"\x85" * LEVELS + b"K\x01s."
             zout.writestr(info.filename, body)
-    blob = forged.getvalue()
-    md = pickle.loads((d / ".metadata").read_bytes())
-    info = md.storage_data[MetadataIndex(key)]
-    data = (d / info.relative_path).read_bytes()
-    new = data[: info.offset] + blob + data[info.offset + info.length :]
-    for other in md.storage_data.values():
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            other.offset += len(blob) - info.length
-    info.length = len(blob)
-    _reseal_file(d, info.relative_path, new)
-    _reseal_file(d, ".metadata", pickle.dumps(md))
-    raw = json.loads((d / MANIFEST_NAME).read_text())
-    raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
-    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    forge.replace_item(d, key, forged.getvalue())
 
 
 CASES = (

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import distckpt
+import forge
 from cli_runner import run_cli as _cli
 from distckpt.integrity.manifest import MANIFEST_NAME, step_dir
 
@@ -121,13 +122,7 @@ def test_deeply_nested_manifest_is_an_integrity_error(tmp_path):
 # .metadata ----------------------------------------------------------------------------------------
 def _reseal(step_path: Path, metadata) -> None:
     """Rewrite .metadata and its size/checksum in the manifest, as an attacker would."""
-    from distckpt.integrity.manifest import digest_of
-
-    data = pickle.dumps(metadata)
-    (step_path / ".metadata").write_bytes(data)
-    raw = json.loads((step_path / MANIFEST_NAME).read_text())
-    raw["files"][".metadata"] = {"size": len(data), "checksum": digest_of(data, raw["checksum_algorithm"])}
-    (step_path / MANIFEST_NAME).write_text(json.dumps(raw))
+    forge.reseal(step_path, ".metadata", pickle.dumps(metadata))
 
 
 @pytest.mark.parametrize("fault", ["outside", "gap", "overlap"])
@@ -600,29 +595,9 @@ def _forge_item(d: Path, key: str, value: object) -> None:
     """Store ``value`` (torch.save'd, as DCP's writer stores an item) as item ``key`` and re-seal
     the item's file, ``.metadata`` and the manifest, value digest included: an attacker who
     controls the whole directory."""
-    import hashlib
-
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    from distckpt.integrity.manifest import digest_of
-
     buf = io.BytesIO()
     torch.save(value, buf)
-    blob = buf.getvalue()
-    md = pickle.loads((d / ".metadata").read_bytes())
-    info = md.storage_data[MetadataIndex(key)]
-    data = (d / info.relative_path).read_bytes()
-    new = data[: info.offset] + blob + data[info.offset + info.length :]
-    for other in md.storage_data.values():
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            other.offset += len(blob) - info.length
-    info.length = len(blob)
-    (d / info.relative_path).write_bytes(new)
-    _reseal(d, md)
-    raw = json.loads((d / MANIFEST_NAME).read_text())
-    raw["files"][info.relative_path] = {"size": len(new), "checksum": digest_of(new, raw["checksum_algorithm"])}
-    raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
-    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    forge.replace_item(d, key, buf.getvalue())
 
 
 class _Touch:
