@@ -70,13 +70,14 @@ def _forge_metadata(d: Path, case: str) -> None:
     forge.reseal(d, ".metadata", _deep_in_place_of_mark(pickle.dumps(md, protocol=2)))
 
 
-def _forge_value(d: Path, key: str) -> None:
-    """Item ``key``'s record (a torch.save zip) with its ``data.pkl`` a dict keyed by the deep
-    tuple; its file, ``.metadata`` and value digest re-sealed."""
+def _forge_value(d: Path, key: str, compression: int = zipfile.ZIP_STORED) -> None:
+    """Item ``key``'s record (a torch.save zip, its entries written with ``compression``) with
+    its ``data.pkl`` a dict keyed by the deep tuple; its file, ``.metadata`` and value digest
+    re-sealed."""
     buf = io.BytesIO()
     torch.save({"k": 1}, buf)
     forged = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(forged, "w", zipfile.ZIP_STORED) as zout:
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(forged, "w", compression) as zout:
         for info in zin.infolist():
             body = zin.read(info.filename)
             if info.filename.endswith("data.pkl"):
@@ -91,6 +92,7 @@ CASES = (
     "metadata-extra-attribute",
     "metadata-entry-key",
     "value-record",
+    "value-record-deflated",
     "verify-metadata",
     "verify-value-record",
 )
@@ -102,6 +104,8 @@ def run(base: Path, case: str) -> dict:
     d = root / step_dir(1)
     if case in ("value-record", "verify-value-record"):
         _forge_value(d, "extra")
+    elif case == "value-record-deflated":  # 400,000 levels in a 1.2 KB record
+        _forge_value(d, "extra", zipfile.ZIP_DEFLATED)
     else:
         _forge_metadata(d, "metadata-key-offset" if case == "verify-metadata" else case)
     if case.startswith("verify"):

@@ -32,7 +32,7 @@ def _chain(tuples: int) -> tuple:
 
 def test_forged_deep_nesting_is_refused_by_name_everywhere_it_is_read(tmp_path):
     """Each forged file (every checksum and digest re-sealed) crashed the reading process with
-    SIGSEGV before (6 of the 7 cases; the seventh loaded a forged attribute silently); now the
+    SIGSEGV before (7 of the 8 cases; the eighth loaded a forged attribute silently); now the
     load and ``verify --state`` name the file and what is malformed."""
     done = subprocess.run(
         [sys.executable, str(HERE / "deep_nesting_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
@@ -45,6 +45,7 @@ def test_forged_deep_nesting_is_refused_by_name_everywhere_it_is_read(tmp_path):
         "metadata-extra-attribute": "Metadata.extra nests tuples more than 32 levels deep",
         "metadata-entry-key": "state_dict_metadata key",
         "value-record": "checkpoint value 'extra'",
+        "value-record-deflated": "checkpoint value 'extra'",
     }
     for case, words in expected.items():
         assert got[case]["error"] == "IntegrityError" and words in got[case]["message"], got[case]
@@ -140,3 +141,39 @@ def test_a_stack_that_cannot_be_reserved_is_a_memory_error_naming_its_size(monke
     with pytest.raises(MemoryError, match=r"could not reserve a \d+ MiB thread stack .* 1,000,000 levels deep"):
         deep_stack.call_with_stack(1_000_000, lambda: None)
     assert threading.stack_size() == 0
+
+
+def _deep_dict_pickle(levels: int) -> bytes:
+    return b"\x80\x02}" + b")" + b"\x85" * levels + b"K\x01s."
+
+
+def _zip_record(pkl: bytes, compression: int) -> bytes:
+    """A torch.save record whose data.pkl is ``pkl``, its entries written with ``compression``."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"k": 1}, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w", compression) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, pkl if info.filename.endswith("data.pkl") else zin.read(info.filename))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("levels", [5_000, 1_200_000])
+def test_a_records_bound_follows_what_torch_load_reads(levels):
+    """From an attacker's review: a deflated data.pkl (1.2 KB for 400,000 levels) counted 19; a
+    legacy (non-zip) pickle with a zip appended counted the zip's. Small and large records."""
+    import zipfile
+
+    deep = _deep_dict_pickle(levels)
+    deflated = _zip_record(deep, zipfile.ZIP_DEFLATED)
+    assert len(deflated) < 20_000 or levels < 100_000
+    polyglot = deep + _zip_record(pickle.dumps({"k": 1}), zipfile.ZIP_STORED)
+    for record in (deflated, polyglot):
+        assert deep_stack.record_nesting_bound(io.BytesIO(record), record) > levels
+        assert deep_stack.record_nesting_bound(io.BytesIO(record)) > levels
+    # What torch.save writes (stored entries) is still counted from the bytes, cheaply.
+    plain = io.BytesIO()
+    torch.save({"a": (1, (2, 3))}, plain)
+    assert 3 <= deep_stack.record_nesting_bound(plain, plain.getbuffer()) < 100
