@@ -226,7 +226,7 @@ class Checkpointer:
             raise ValueError(f'steps(tier=...) takes "root", "replica" or "all", got {tier!r}')
         if tier == "replica" and self.replica is None:
             raise ValueError('steps(tier="replica"): this Checkpointer has no replica (replicate_to is not set)')
-        tiers = {"root": [self.storage], "replica": [self.replica.remote] if self.replica else [], "all": self._tiers()}[tier]
+        tiers = self._tiers() if tier == "all" else [self.storage if tier == "root" else self.replica.remote]  # type: ignore[union-attr]
         return sorted({s for storage in tiers for s in committed_steps(storage)})
 
     def latest_step(self) -> int | None:

@@ -84,24 +84,29 @@ def record_nesting_bound(record: Any, raw: bytes | bytearray | memoryview | None
 
     (An attacker's review found both: a 1.2 KB record with a deflated ``data.pkl`` counted 19
     levels for 400,000; a legacy pickle followed by a small zip counted the zip's.)"""
-    if raw is None:
+    if raw is not None and len(raw) <= _COUNT_WHOLE and not isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw)  # once, for both scans of a small record below (each would copy it)
+
+    def whole() -> int:
         record.seek(0)
-        head = record.read(len(_ZIP_MAGIC))
-    else:
-        head = bytes(raw[: len(_ZIP_MAGIC)])
+        return tuple_nesting_bound(raw if raw is not None else record.read())
+
     try:
-        if head != _ZIP_MAGIC:
+        if raw is None:
             record.seek(0)
-            return tuple_nesting_bound(raw if raw is not None else record.read())
+            head = record.read(len(_ZIP_MAGIC))
+        else:
+            head = bytes(raw[: len(_ZIP_MAGIC)])
+        if head != _ZIP_MAGIC:
+            return whole()
         if raw is not None and len(raw) <= _COUNT_WHOLE and not _compressed(raw):
-            return tuple_nesting_bound(raw)
+            return whole()
         try:
             record.seek(0)
             reader = PyTorchFileReader(record)
             return sum(tuple_nesting_bound(reader.get_record(n)) for n in reader.get_all_records() if n.endswith(".pkl"))
         except Exception:  # noqa: BLE001 - a zip torch cannot read (torch.load fails too): count all of it
-            record.seek(0)
-            return tuple_nesting_bound(raw if raw is not None else record.read())
+            return whole()
     finally:
         record.seek(0)
 
