@@ -22,11 +22,12 @@ def reseal(d: Path, name: str, data: bytes) -> None:
     (d / MANIFEST_NAME).write_text(json.dumps(raw))
 
 
-def replace_item(d: Path, key: str, blob: bytes) -> None:
-    """Store ``blob`` (a torch.save record) as non-tensor item ``key`` of step directory ``d``:
-    its data file, ``.metadata`` (the items after it moved) and its value digest re-sealed."""
+def replace_item(d: Path, key: str, blob: bytes, offset: tuple[int, ...] | None = None) -> None:
+    """Store ``blob`` (a torch.save record) as item ``key`` of step directory ``d`` (a tensor's
+    shard where ``offset`` gives its offsets): its data file, ``.metadata`` (the items after it
+    moved) and, for a non-tensor item, its value digest re-sealed."""
     md = pickle.loads((d / ".metadata").read_bytes())
-    info = md.storage_data[MetadataIndex(key)]
+    info = md.storage_data[MetadataIndex(key, offset)]
     data = (d / info.relative_path).read_bytes()
     new = data[: info.offset] + blob + data[info.offset + info.length :]
     for other in md.storage_data.values():
@@ -35,6 +36,7 @@ def replace_item(d: Path, key: str, blob: bytes) -> None:
     info.length = len(blob)
     reseal(d, info.relative_path, new)
     reseal(d, ".metadata", pickle.dumps(md))
-    raw = json.loads((d / MANIFEST_NAME).read_text())
-    raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
-    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    if offset is None:
+        raw = json.loads((d / MANIFEST_NAME).read_text())
+        raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
+        (d / MANIFEST_NAME).write_text(json.dumps(raw))

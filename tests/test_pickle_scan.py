@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from distckpt.errors import UnsafeCheckpointError
-from distckpt.integrity.pickle_scan import refuse_memory_bombs
+from distckpt.integrity import safe_pickle
+from distckpt.integrity.pickle_scan import refuse_memory_bombs, refuse_work_bombs
 from distckpt.integrity.safe_pickle import load_metadata
 
 _STOP = b"."
@@ -195,28 +196,42 @@ def _metadata_with(storage_meta: object) -> bytes:
     return pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=storage_meta))
 
 
-@pytest.mark.parametrize(
-    "crafted, named",
-    [
-        # Path(p, p) again and again: 2**40 parts from 476 bytes (it never finished).
-        (b"\x80\x02cpathlib\nPosixPath\nq\x00h\x00X\x01\x00\x00\x00a\x85Rq\x01" + b"0h\x00h\x01h\x01\x86Rq\x01" * 40 + b".",
-         "pathlib.PosixPath(PosixPath, PosixPath)"),
-        # Path("a/" * 5000, ... 10,000 times): 383 MB from 20 KB.
-        (b"\x80\x02cpathlib\nPosixPath\nq\x00(X\x10'\x00\x00" + b"a/" * 5000 + b"q\x01" + b"2" * 10_000 + b"tR.",
-         "pathlib.PosixPath(str, str, str, str, ...)"),
-        # torch.Size of one list of 20,000 ints, made 2,000 times: 305 MB from 30 KB.
-        (b"\x80\x02ctorch\nSize\nq\x00]q\x01(" + b"K\x01" * 20_000 + b"e" + b"h\x00h\x01\x85R0" * 2_000 + b"N.",
-         "torch.Size(list)"),
-        (b"\x80\x02ccollections\nOrderedDict\n}\x85R.", "collections.OrderedDict(dict)"),
-        # A KeyError of a deep frozenset: its message recursed (a RecursionError escaped).
-        (b"\x80\x04ctorch.serialization\n_get_layout\n(" + b"(" * 5000 + b"\x91" * 5000 + b"tR.",
-         "torch.serialization._get_layout(frozenset)"),
-    ],
-)
-def test_admitted_constructors_take_only_what_dcp_gives_them(crafted: bytes, named: str) -> None:
+#: Crafted ``.metadata`` that amplify through the admitted constructors, and the call each names.
+_CONSTRUCTOR_BOMBS = [
+    # Path(p, p) again and again: 2**40 parts from 476 bytes (it never finished).
+    (b"\x80\x02cpathlib\nPosixPath\nq\x00h\x00X\x01\x00\x00\x00a\x85Rq\x01" + b"0h\x00h\x01h\x01\x86Rq\x01" * 40 + b".",
+     "pathlib.PosixPath(PosixPath, PosixPath)"),
+    # Path("a/" * 5000, ... 10,000 times): 383 MB from 20 KB.
+    (b"\x80\x02cpathlib\nPosixPath\nq\x00(X\x10'\x00\x00" + b"a/" * 5000 + b"q\x01" + b"2" * 10_000 + b"tR.",
+     "pathlib.PosixPath(str, str, str, str, ...)"),
+    # torch.Size of one list of 20,000 ints, made 2,000 times: 305 MB from 30 KB.
+    (b"\x80\x02ctorch\nSize\nq\x00]q\x01(" + b"K\x01" * 20_000 + b"e" + b"h\x00h\x01\x85R0" * 2_000 + b"N.",
+     "torch.Size(list)"),
+    (b"\x80\x02ccollections\nOrderedDict\n}\x85R.", "collections.OrderedDict(dict)"),
+    # A KeyError of a deep frozenset: its message recursed (a RecursionError escaped).
+    (b"\x80\x04ctorch.serialization\n_get_layout\n(" + b"(" * 5000 + b"\x91" * 5000 + b"tR.",
+     "torch.serialization._get_layout(frozenset)"),
+]
+
+
+@pytest.mark.parametrize("crafted, named", _CONSTRUCTOR_BOMBS)
+def test_admitted_constructors_take_only_what_dcp_gives_them(crafted: bytes, named: str, monkeypatch) -> None:
+    # The bounds on each constructor hold on their own (the work scan, which refuses most of
+    # these first, is the next test's).
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where: 0)
     with pytest.raises(UnsafeCheckpointError, match="which DCP metadata never does") as info:
         load_metadata(crafted, "x/.metadata")
     assert named in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("crafted, named", _CONSTRUCTOR_BOMBS)
+def test_the_work_scan_refuses_constructor_amplification_before_any_constructor_runs(crafted: bytes, named: str) -> None:
+    if named == "collections.OrderedDict(dict)":  # no amplification: for the constructor's bound alone
+        assert refuse_work_bombs(crafted, "x") < 100
+        return
+    with pytest.raises(UnsafeCheckpointError, match="would hash or copy more than") as info:
+        load_metadata(crafted, "x/.metadata")
+    assert "x/.metadata" in str(info.value)
 
 
 def test_metadata_with_paths_sizes_and_layouts_still_loads() -> None:
@@ -262,12 +277,18 @@ def _build_reused(module: str, name: str, keys: int = 4000, objects: int = 4000)
                                                             "TensorStorageMetadata", "Metadata", "StorageMeta")]
     + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")],
 )  # fmt: skip
-def test_one_attribute_dict_given_to_many_objects_is_refused_at_the_first(module: str, name: str) -> None:
+def test_one_attribute_dict_given_to_many_objects_is_refused_at_the_first(module: str, name: str, monkeypatch) -> None:
     import resource
 
+    crafted = _build_reused(module, name)
+    # Refused twice over: by the work scan before anything is unpickled ...
+    with pytest.raises(UnsafeCheckpointError, match=r"x/.metadata: unpickling its [\d,]+-byte pickle would hash or copy"):
+        load_metadata(crafted, "x/.metadata")
+    # ... and by the stand-ins at the first object, where the scan is not there.
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where: 0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(UnsafeCheckpointError, match=rf"x/.metadata: it gives a {name} the attributes dict of 4000 items"):
-        load_metadata(_build_reused(module, name), "x/.metadata")
+        load_metadata(crafted, "x/.metadata")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB: not hundreds of MB
 
 

@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 import torch
 
 from distckpt._compat import PyTorchFileReader
+from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.pickle_scan import refuse_work_bombs
 
 T = TypeVar("T")
 
@@ -123,13 +125,46 @@ def _compressed(raw: bytes | bytearray | memoryview) -> bool:
     return False
 
 
-def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None) -> Any:
+def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None, where: str = "a record") -> Any:
     """``torch.load(record, map_location="cpu", weights_only=True)`` on a stack deep enough for
-    the record's nesting (its pickle's dict keys are hashed as they are built). ``record``: a
-    seekable binary stream; ``raw``: its bytes, where the caller has them. Raises what
-    ``torch.load`` raises."""
+    the record's nesting (its pickle's dict keys are hashed as they are built), once its pickles
+    are known to ask no more work than their size allows (:func:`refuse_record_work_bombs`).
+    ``record``: a seekable binary stream; ``raw``: its bytes, where the caller has them;
+    ``where``: what errors name. Raises what ``torch.load`` raises, and
+    :class:`~distckpt.errors.UnsafeCheckpointError`."""
+    refuse_record_work_bombs(record, raw, where)
     bound = record_nesting_bound(record, raw)
     return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
+
+
+def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | None, where: str) -> None:
+    """:func:`~distckpt.integrity.pickle_scan.refuse_work_bombs` over every pickle ``torch.load``
+    would unpickle from the ``torch.save`` record ``record`` (left at its start): the ``.pkl``
+    entries of its zip, as torch's zip reader gives them. A record that is no zip (torch's
+    legacy format, which ``torch.save`` has not written since torch 1.6, nor DCP ever) is
+    refused: its pickles follow one another with nothing saying where each starts.
+
+    Raises:
+        UnsafeCheckpointError: the record is no zip, or one of its pickles is a work bomb.
+    """
+    try:
+        record.seek(0)
+        head = bytes(raw[: len(_ZIP_MAGIC)]) if raw is not None else record.read(len(_ZIP_MAGIC))
+        if head != _ZIP_MAGIC:
+            raise UnsafeCheckpointError(
+                f"refusing to read {where}: it is not a zip archive as torch.save writes (torch's legacy format, "
+                "which DCP never writes, or a damaged or crafted record)"
+            )
+        record.seek(0)
+        try:
+            reader = PyTorchFileReader(record)
+            pickles = [reader.get_record(n) for n in reader.get_all_records() if n.endswith(".pkl")]
+        except Exception:  # noqa: BLE001 - a zip torch cannot read: torch.load fails on it too
+            return
+        for data in pickles:
+            refuse_work_bombs(data, where)
+    finally:
+        record.seek(0)
 
 
 def call_with_stack(levels: int, fn: Callable[[], T]) -> T:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
-from distckpt.integrity.pickle_scan import refuse_memory_bombs
+from distckpt.integrity.pickle_scan import refuse_memory_bombs, refuse_work_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
 # Besides _BOUNDED below (constructors given only the arguments DCP writes), admitted as they are.
@@ -76,6 +76,7 @@ def _guard(cls: type) -> type:
     fields = frozenset(f.name for f in dataclasses.fields(cls))
 
     most = len(fields) + SPARE_ATTRIBUTES
+    hashed = cls is MetadataIndex
 
     def __setstate__(self: object, state: object, _set: Callable[..., None] = object.__setattr__) -> None:
         # Called for every object of a .metadata (hundreds of thousands): kept lean. The dict is
@@ -86,6 +87,13 @@ def _guard(cls: type) -> type:
             raise _Refused(
                 f"it gives a {cls.__name__} the attributes {type(state).__name__} of {size} items, which DCP never "
                 f"writes (its fields: {', '.join(sorted(fields)) or 'none'})"
+            )
+        if hashed and not (type(state.get("fqn")) is str and type(state.get("offset")) in (torch.Size, type(None))):
+            # A key of storage_data: hashing it hashes these two, as the unpickler inserts it
+            # (pickle_scan counts a tuple's weight when it is built, not a key's attributes).
+            raise _Refused(
+                f"it gives a {cls.__name__} the fqn {type(state.get('fqn')).__name__} and offset "
+                f"{type(state.get('offset')).__name__}, where DCP writes a str and a torch.Size"
             )
         _set(self, "__dict__", state)
         _set(self, "__class__", cls)  # (a frozen dataclass refuses setattr)
@@ -216,6 +224,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             not DCP ``Metadata``.
     """
     refuse_memory_bombs(data, where)
+    refuse_work_bombs(data, where)  # keys hashed, objects copied: no more than its size allows
     before = _enum_state()
     try:
         metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)

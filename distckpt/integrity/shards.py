@@ -85,7 +85,7 @@ def load_record(stream: RecordStream, key: str, where: str) -> Any:
             unpickled.
     """
     try:
-        return deep_stack.torch_load(stream)  # weights_only, on a stack its nesting fits
+        return deep_stack.torch_load(stream, where=f"{where}: item {key!r}")  # weights_only, on a stack its nesting fits
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{where}: item {key!r} needs code to be unpickled ({str(exc).strip().splitlines()[0][:200]}); refusing to load it"

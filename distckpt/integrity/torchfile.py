@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from distckpt.integrity.deep_stack import SHALLOW, tuple_nesting_bound
+from distckpt.integrity.pickle_scan import refuse_work_bombs
 from distckpt.state import shape as _shape
 from distckpt._compat import PyTorchFileReader, dtype_from_storage_name
 
@@ -169,6 +170,7 @@ def _parse_head(head: bytes) -> tuple[RawLayout | None, int]:
     stream = io.BytesIO(head)
     stream.seek(30 + nlen + elen)
     try:
+        refuse_work_bombs(head, "a record's head", start=30 + nlen + elen)  # its dict keys are hashed
         (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(stream).load()
         target = prefix + b"data/" + skey.encode()
         at = head.find(b"PK\x03\x04", stream.tell())
@@ -196,6 +198,7 @@ def _zip_layout(record: RecordStream) -> RawLayout | None:
         head = reader.get_record(pkl)
         if tuple_nesting_bound(head) > SHALLOW:  # a tensor's is a few dozen opcodes; deep tuples
             return None  # hashed here would crash: torch.load, on a deep stack, decides
+        refuse_work_bombs(head, "a record")  # (refused: torch_load refuses it by name)
         (sdtype, skey, snumel), offset, size, stride = _LayoutUnpickler(io.BytesIO(head)).load()
         rec = next(r for r in records if r == f"data/{skey}" or r.endswith(f"/data/{skey}"))
         start = int(reader.get_record_offset(rec))

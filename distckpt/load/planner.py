@@ -100,7 +100,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             # On the host whatever device the saving rank's tensors were on (a tuple's tensors are
             # stored inside it): the apply copies them into the live tensors, on their devices.
             # On a stack deep enough for the record's nesting (deep_stack: its dict keys are hashed).
-            obj = deep_stack.torch_load(value, raw)
+            obj = deep_stack.torch_load(value, raw, f"checkpoint value {fqn!r} ({self._file_of(read_item)})")
         except pickle.UnpicklingError as exc:
             raise UnsafeCheckpointError(refusal(fqn, self._file_of(read_item), exc)) from None
         if key is not None and self._twin_bytes + len(key) <= _TWINS_TOTAL:

@@ -55,15 +55,30 @@ def decode_loaded(value: Any, key: str, safe_types: SafeTypesLike = None) -> Any
         raise IntegrityError(f"checkpoint value {key!r} is nested too deeply to be read") from None
 
 
+_UNSEEN = object()
+
+
 class _Decoder:
     def __init__(self, allow: SafeTypes, key: str) -> None:
         self.allow = allow
         self.key = key
+        # Each object read is decoded once (by id; all of them live while this runs): a pickle
+        # refers to one object from many places, and a list holding one list twice, forty
+        # levels deep (300 bytes), was walked 2**40 times. Shared parts stay shared.
+        self.done: dict[int, Any] = {}
 
     def walk(self, value: Any, depth: int) -> Any:
         t = type(value)
         if t in NATIVE or isinstance(value, torch.Tensor):
             return value
+        done = self.done.get(id(value), _UNSEEN)
+        if done is not _UNSEEN:
+            return done
+        out = self._walk(value, t, depth)
+        self.done[id(value)] = out
+        return out
+
+    def _walk(self, value: Any, t: type, depth: int) -> Any:
         if depth > LOAD_DEPTH:
             raise _Malformed(f"nested more than {LOAD_DEPTH} levels deep")
         if t is tuple:

@@ -21,6 +21,8 @@ import torch
 from fsspec.core import url_to_fs
 
 from distckpt.checkpointer import Checkpointer
+from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity import deep_stack
 from distckpt.integrity.manifest import step_dir
 from distckpt.state import values
 from distckpt.storage.base import Storage
@@ -63,15 +65,20 @@ def import_torch_save(
 
     Raises:
         ValueError: ``out_root`` is ``src`` or inside a checkpoint step
-            (:func:`distckpt.tools.outputs.check_output`).
+            (:func:`distckpt.tools.outputs.check_output`); the file cannot be read with
+            ``weights_only=True``.
+        UnsafeCheckpointError: the file's pickle asks for work out of proportion to its size
+            (:func:`distckpt.integrity.pickle_scan.refuse_work_bombs`).
     """
     opts = dict(storage_options or {})
     check_output(out_root, opts, inputs=(src,))
     with _local_copy(src, opts) as path:
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            obj = _torch_load(path, str(src))
         except pickle.UnpicklingError as exc:
             raise ValueError(f"cannot read {src} with weights_only=True: {str(exc).splitlines()[0]}") from None
+        except UnsafeCheckpointError:
+            raise  # (a RuntimeError: named as what it is, not as a file torch cannot read)
         except RuntimeError as exc:
             raise ValueError(f"{src} is not a torch.save file: {str(exc).splitlines()[0]}") from None
         found_key = next((k for k in _STATE_DICT_KEYS if isinstance(obj, Mapping) and _is_tensor_dict(obj.get(k))), None)
@@ -130,3 +137,16 @@ def _local_copy(src: str, storage_options: Mapping[str, object]) -> Iterator[str
         local = os.path.join(tmp, os.path.basename(path) or "checkpoint.pt")
         fs.get_file(path, local)
         yield local
+
+
+def _torch_load(path: str, where: str) -> object:
+    """``torch.load(weights_only=True, mmap=True)`` of a file that may come from anywhere: its
+    pickles first checked for work bombs (hash or copy amplification), then unpickled on a
+    stack deep enough for their nesting (:mod:`distckpt.integrity.deep_stack`)."""
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":  # (torch refuses anything else with mmap: its own error)
+            deep_stack.refuse_record_work_bombs(f, None, where)
+            bound = deep_stack.record_nesting_bound(f)
+        else:
+            bound = 1
+    return deep_stack.call_with_stack(bound, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True))

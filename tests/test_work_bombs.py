@@ -1,0 +1,203 @@
+"""Pickles that ask the unpickler for work out of proportion to their size: refused before any
+of it is done (``distckpt.integrity.pickle_scan.refuse_work_bombs``), wherever distckpt unpickles
+(``.metadata``, value records, tensor records, ``distckpt import``); and a decoder that walks a
+shared structure once."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity import pickle_scan
+from distckpt.integrity.pickle_scan import WORK_BASE, WORK_PER_BYTE, refuse_work_bombs
+from distckpt.state.decoding import decode_loaded
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import work_bomb_job  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_forged_work_bombs_are_refused_by_name_everywhere_they_are_read(tmp_path):
+    """Before, five of the six forged reads never returned (a 2.8 KB ``.metadata``, 714-byte
+    value and tensor records, a 1 KB list of lists), and the sixth took ~100 MB from 51 KB
+    before failing; now each ends in a named refusal, or loads. A fresh interpreter under a
+    timeout: a regression is a process that never returns, holding the GIL."""
+    done = subprocess.run(
+        [sys.executable, str(HERE / "work_bomb_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    got = {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    scan = "pickle would hash or copy more than"
+    expected = {
+        "metadata-dag-key": ".metadata: unpickling its",
+        "value-dag-key": "checkpoint value 'extra'",
+        "value-ordered-dicts": "checkpoint value 'extra'",
+        "tensor-dag-key": "item 'model.0.weight'",
+    }
+    for case, words in expected.items():
+        assert got[case]["error"] == "UnsafeCheckpointError" and words in got[case]["message"], got[case]
+        assert scan in got[case]["message"], got[case]
+    for case in ("verify-metadata-dag-key", "verify-value-dag-key", "verify-tensor-dag-key"):
+        assert got[case]["code"] == 1 and scan in got[case]["stderr"], got[case]
+    # Nothing hashes a list of lists: it is read (then refused by the value's digest, as forged).
+    assert got["value-dag-list"]["error"] == "IntegrityError" and "sha256" in got["value-dag-list"]["message"], got
+
+
+def test_the_decoder_walks_a_shared_structure_once():
+    nested: list = [1]
+    for _ in range(60):
+        nested = [nested, nested]
+    out = decode_loaded({"x": nested}, "k")
+    assert out["x"] is nested and out["x"][0] is out["x"][1]
+
+
+class Counted:
+    """A leaf that counts how often it is hashed (what the scan's work bounds)."""
+
+    hashes = 0
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __hash__(self) -> int:
+        Counted.hashes += 1
+        return self.i
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Counted) and other.i == self.i
+
+    def __reduce__(self):
+        return (Counted, (self.i,))
+
+
+def _random_graph(rng: random.Random, steps: int) -> list:
+    """Objects built from earlier ones (shared, as a pickle's memo shares them): tuples, lists,
+    dicts, sets and frozensets, hashable ones as keys and members."""
+    hashable: list = [Counted(i) for i in range(3)] + [7, "s"]
+    pool: list = list(hashable)
+
+    def key() -> object:  # mostly one of the newest: chains of tuples holding tuples
+        return hashable[-rng.randint(1, 3)] if rng.random() < 0.7 else rng.choice(hashable)
+
+    for _ in range(steps):
+        kind = rng.choice(["tuple", "tuple", "tuple", "list", "dict", "frozenset", "set"])
+        k = rng.randint(0, 3)
+        if kind == "tuple":
+            obj = tuple(key() for _ in range(k))
+            hashable.append(obj)
+        elif kind == "frozenset":
+            obj = frozenset(key() for _ in range(k))
+            hashable.append(obj)
+        elif kind == "list":
+            obj = [rng.choice(pool) for _ in range(k)]
+        elif kind == "set":
+            obj = {key() for _ in range(k)}
+        else:
+            obj = {key(): rng.choice(pool) for _ in range(k)}
+        pool.append(obj)
+    return pool
+
+
+def test_the_scan_bounds_the_hashing_it_lets_through(monkeypatch):
+    """Seeded random object graphs with sharing, in every protocol: where the scan lets a pickle
+    through, unpickling it hashes the leaves at most as often as the scan's work says. (A budget
+    scaled down to these small graphs, so that both outcomes occur.)"""
+    monkeypatch.setattr(pickle_scan, "WORK_PER_BYTE", 1)
+    monkeypatch.setattr(pickle_scan, "WORK_BASE", 256)
+    outcomes = {"refused": 0, "read": 0}
+    for seed in range(12):
+        rng = random.Random(seed)
+        for _ in range(20):
+            graph = _random_graph(rng, rng.randint(1, 50))
+            data = pickle.dumps(graph, protocol=rng.randint(0, pickle.HIGHEST_PROTOCOL))
+            try:
+                work = refuse_work_bombs(data, "x")
+            except UnsafeCheckpointError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["read"] += 1
+            Counted.hashes = 0
+            pickle.loads(data)
+            assert Counted.hashes <= work, (seed, Counted.hashes, work)
+    assert min(outcomes.values()) >= 10, outcomes
+
+
+def test_growth_after_a_tuple_took_an_object_is_bounded():
+    # Legitimate: a dict holding a tuple that holds the dict (what pickle writes for a cycle).
+    d: dict = {}
+    d["self"] = (d,)
+    refuse_work_bombs(pickle.dumps(d, protocol=2), "x")
+    # Crafted: a dict put in a tuple, then given 100 items (hashing the tuple would visit them,
+    # while its weight was fixed when it was built).
+    crafted = b"\x80\x02}q\x00h\x00\x85q\x010(" + b"".join(b"K%cN" % i for i in range(100)) + b"uh\x01."
+    assert pickle.loads(crafted)[0] == {i: None for i in range(100)}
+    with pytest.raises(UnsafeCheckpointError, match="adds 200 objects .* to an object after a tuple took it"):
+        refuse_work_bombs(crafted, "x")
+
+
+def test_what_dcp_and_torch_save_write_asks_little_work(tmp_path):
+    """Far from the budget (:data:`WORK_PER_BYTE` a byte): a ``.metadata`` of many chunks, and
+    value records of what optimizers, schedulers and users keep."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])
+    dcp.save({"model": model.state_dict(), "extra": {"epoch": 3, "lrs": [0.1] * 50}}, checkpoint_id=tmp_path / "c")
+    data = (tmp_path / "c" / ".metadata").read_bytes()
+    assert refuse_work_bombs(data, "x") <= 2 * len(data)
+    for value in ({"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}, [torch.zeros(3), {"a": (1, 2, 3)}], {"step": 5, "b": [0.1] * 100},
+                  ("marker", "kind", ((1, 2), frozenset({3}))), list(range(1000))):  # fmt: skip
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+            pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        assert refuse_work_bombs(pkl, "x") <= 2 * len(pkl) + 16, value
+    assert WORK_PER_BYTE >= 8 and WORK_BASE >= 1 << 12  # the margin those figures rely on
+
+
+def test_a_forty_level_shared_tuple_is_refused_in_every_unpickler_input():
+    c_pickle = b"\x80\x02}" + work_bomb_job.dag_tuple(0) + b"Ns."
+    for data in (c_pickle, work_bomb_job.dag_key_pickle(), work_bomb_job.ordered_dicts_pickle()):
+        with pytest.raises(UnsafeCheckpointError, match="would hash or copy more than"):
+            refuse_work_bombs(data, "x")
+    # Ten levels are harmless (2**10 visits): the budget lets them through.
+    assert refuse_work_bombs(b"\x80\x02}" + work_bomb_job.dag_tuple(0, levels=10) + b"Ns.", "x") < WORK_BASE
+
+
+def test_the_scan_ends_quietly_where_the_unpickler_fails():
+    for data in (b"", b"\x80\x02", b"\x80\x02t.", b"\x80\x02h\x05.", b"\x80\x02\xff", b"\x80\x02X\xff\xff\xff\xff", b"0", b"s", b"u"):
+        assert refuse_work_bombs(data, "x") >= 0
+    rng = random.Random(5)
+    base = pickle.dumps({"a": [(1, 2), frozenset({3})], "b": {4: (5,)}}, protocol=2)
+    for _ in range(2000):  # random damage: never an exception other than a refusal
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            refuse_work_bombs(bytes(data), "x")
+        except UnsafeCheckpointError:
+            pass
+    assert pickle_scan.GROWTH_AFTER_CAPTURE >= 16
+
+
+def test_distckpt_import_refuses_a_work_bomb_and_still_imports_a_plain_file(tmp_path):
+    from distckpt.tools.importer import import_torch_save
+
+    bomb = tmp_path / "bomb.pt"
+    bomb.write_bytes(work_bomb_job._record(work_bomb_job.dag_key_pickle()))
+    with pytest.raises(UnsafeCheckpointError, match=r"bomb.pt: unpickling its 714-byte pickle would hash or copy"):
+        import_torch_save(str(bomb), str(tmp_path / "out"))
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(4.0)}, plain)
+    import_torch_save(str(plain), str(tmp_path / "out2"))
+    assert (tmp_path / "out2").is_dir()
