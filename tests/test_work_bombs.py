@@ -31,9 +31,10 @@ import work_bomb_job  # noqa: E402
 
 @pytest.mark.timeout(300)
 def test_forged_work_bombs_are_refused_by_name_everywhere_they_are_read(tmp_path):
-    """Before, five of the six forged reads never returned (a 2.8 KB ``.metadata``, 714-byte
-    value and tensor records, a 1 KB list of lists), and the sixth took ~100 MB from 51 KB
-    before failing; now each ends in a named refusal, or loads. A fresh interpreter under a
+    """Before, five of the seven forged reads never returned (a 2.8 KB ``.metadata``, 714-byte
+    value and tensor records, a 1 KB list of lists), one took ~100 MB from 51 KB before
+    failing, and one loaded 64 MiB of tensors from a 1 MiB record (zip entries sharing bytes);
+    now each ends in a named refusal, or loads. A fresh interpreter under a
     timeout: a regression is a process that never returns, holding the GIL."""
     done = subprocess.run(
         [sys.executable, str(HERE / "work_bomb_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
@@ -52,6 +53,9 @@ def test_forged_work_bombs_are_refused_by_name_everywhere_they_are_read(tmp_path
         assert scan in got[case]["message"], got[case]
     for case in ("verify-metadata-dag-key", "verify-value-dag-key", "verify-tensor-dag-key"):
         assert got[case]["code"] == 1 and scan in got[case]["stderr"], got[case]
+    for case in ("value-overlapping-entries", "verify-value-overlapping-entries"):
+        text = got[case].get("message", "") + got[case].get("stderr", "")
+        assert "zip entries hold 67,1" in text and "more than its 1,0" in text, got[case]
     # Nothing hashes a list of lists: it is read (then refused by the value's digest, as forged).
     assert got["value-dag-list"]["error"] == "IntegrityError" and "sha256" in got["value-dag-list"]["message"], got
 
@@ -201,3 +205,28 @@ def test_distckpt_import_refuses_a_work_bomb_and_still_imports_a_plain_file(tmp_
     torch.save({"w": torch.arange(4.0)}, plain)
     import_torch_save(str(plain), str(tmp_path / "out2"))
     assert (tmp_path / "out2").is_dir()
+
+
+def test_a_zip_whose_entries_share_bytes_is_refused_with_or_without_torchs_size_lookup():
+    from distckpt.integrity import deep_stack
+
+    forged = work_bomb_job.overlapping_record(tensors=8, floats=1 << 10)
+    assert len(torch.load(io.BytesIO(forged), weights_only=True)) == 8  # torch reads it: 8 storages
+    with pytest.raises(UnsafeCheckpointError, match=r"v: its 14 zip entries hold 3[\d,]+ bytes, more than its"):
+        deep_stack.torch_load(io.BytesIO(forged), forged, "v")
+
+    class OldReader:  # torch 2.11's: no get_record_size
+        def __init__(self, record):
+            self.real = torch._C.PyTorchFileReader(record)
+
+        def get_all_records(self):
+            return self.real.get_all_records()
+
+    names = OldReader(io.BytesIO(forged)).get_all_records()
+    with zipfile.ZipFile(io.BytesIO(forged)) as z:
+        directory = sum(info.file_size for info in z.infolist())
+    for reader in (OldReader(io.BytesIO(forged)), torch._C.PyTorchFileReader(io.BytesIO(forged))):
+        assert deep_stack._held(reader, names, io.BytesIO(forged)) == directory > len(forged)
+    honest = io.BytesIO()
+    torch.save([torch.zeros(1 << 10) for _ in range(8)], honest)
+    assert len(deep_stack.torch_load(io.BytesIO(honest.getvalue()))) == 8

@@ -113,8 +113,42 @@ def dag_list_pickle() -> bytes:
     return out + b"."
 
 
+def overlapping_record(tensors: int = 64, floats: int = 1 << 18) -> bytes:
+    """A torch.save record of a list of ``tensors`` tensors whose zip central directory names one
+    stored entry (``floats`` float32) under every tensor's entry name: ``torch.load`` reads the
+    same bytes into ``tensors`` storages (64 MiB from 1 MiB)."""
+    buf = io.BytesIO()
+    torch.save([torch.zeros(floats) for _ in range(tensors)], buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        infos = z.infolist()
+        first = next(i for i in infos if i.filename.endswith("/data/0"))
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zw:
+            for info in infos:
+                if "/data/" not in info.filename or info is first:
+                    zw.writestr(info.filename, z.read(info.filename))
+    data = out.getvalue()
+    end = data.rfind(b"PK\x05\x06")
+    count, size, at = struct.unpack_from("<HII", data, end + 10)
+    entries, p = [], at
+    while p < at + size:
+        nlen, elen, clen = struct.unpack_from("<HHH", data, p + 28)
+        entries.append(data[p : p + 46 + nlen + elen + clen])
+        p += 46 + nlen + elen + clen
+    name0 = first.filename.encode()
+    entry0 = next(e for e in entries if e[46 : 46 + len(name0)] == name0)
+    for k in range(1, tensors):
+        name = name0[:-1] + str(k).encode()
+        entries.append(entry0[:28] + struct.pack("<H", len(name)) + entry0[30:46] + name + entry0[46 + len(name0) :])
+    directory = b"".join(entries)
+    tail = bytearray(data[end : end + 22])
+    struct.pack_into("<HHII", tail, 8, len(entries), len(entries), len(directory), at)
+    return data[:at] + directory + bytes(tail)
+
+
 CASES = ("metadata-dag-key", "verify-metadata-dag-key", "value-dag-key", "verify-value-dag-key", "value-ordered-dicts",
-         "value-dag-list", "tensor-dag-key", "verify-tensor-dag-key")  # fmt: skip
+         "value-dag-list", "tensor-dag-key", "verify-tensor-dag-key", "value-overlapping-entries",
+         "verify-value-overlapping-entries")  # fmt: skip
 
 
 def run(base: Path, case: str) -> dict:
@@ -130,6 +164,8 @@ def run(base: Path, case: str) -> dict:
         forge.replace_item(d, "extra", _record(ordered_dicts_pickle()))
     elif kind == "value-dag-list":
         forge.replace_item(d, "extra", _record(dag_list_pickle()))
+    elif kind == "value-overlapping-entries":
+        forge.replace_item(d, "extra", overlapping_record())
     elif kind == "tensor-dag-key":
         forge.replace_item(d, "model.0.weight", _record(dag_key_pickle()), offset=(0, 0))
     else:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import zipfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -113,6 +114,16 @@ def record_nesting_bound(record: Any, raw: bytes | bytearray | memoryview | None
         record.seek(0)
 
 
+def _held(reader: Any, names: list[str], record: Any) -> int:
+    """The bytes the zip entries ``names`` of ``record`` hold once read (uncompressed), as its
+    central directory says."""
+    if hasattr(reader, "get_record_size"):
+        return sum(reader.get_record_size(n) for n in names)
+    record.seek(0)  # (torch 2.11's reader has no get_record_size: Python's reads the same directory)
+    with zipfile.ZipFile(record) as z:
+        return sum(info.file_size for info in z.infolist())
+
+
 def _compressed(raw: bytes | bytearray | memoryview) -> bool:
     """Whether any central directory entry of the zip ``raw`` may name a compressed entry: every
     place that could be one (its signature) is looked at, so the real ones are among them."""
@@ -142,10 +153,13 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
     would unpickle from the ``torch.save`` record ``record`` (left at its start): the ``.pkl``
     entries of its zip, as torch's zip reader gives them. A record that is no zip (torch's
     legacy format, which ``torch.save`` has not written since torch 1.6, nor DCP ever) is
-    refused: its pickles follow one another with nothing saying where each starts.
+    refused: its pickles follow one another with nothing saying where each starts. So is a zip
+    whose entries hold more bytes than the record (shared or compressed entries: a memory bomb
+    of the storages ``torch.load`` reads from them).
 
     Raises:
-        UnsafeCheckpointError: the record is no zip, or one of its pickles is a work bomb.
+        UnsafeCheckpointError: the record is no zip, its entries hold more than its size, or
+            one of its pickles is a work bomb.
     """
     try:
         record.seek(0)
@@ -155,12 +169,24 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
                 f"refusing to read {where}: it is not a zip archive as torch.save writes (torch's legacy format, "
                 "which DCP never writes, or a damaged or crafted record)"
             )
+        length = len(raw) if raw is not None else record.seek(0, 2)
         record.seek(0)
         try:
             reader = PyTorchFileReader(record)
-            pickles = [reader.get_record(n) for n in reader.get_all_records() if n.endswith(".pkl")]
+            names = reader.get_all_records()
+            held = _held(reader, names, record)
+            pickles = [reader.get_record(n) for n in names if n.endswith(".pkl")] if held <= length else []
         except Exception:  # noqa: BLE001 - a zip torch cannot read: torch.load fails on it too
             return
+        if held > length:
+            # torch.save stores its entries side by side, uncompressed: their bytes fit in the
+            # record. More is entries that share bytes (a central directory naming one 4 MB entry
+            # 64 times loaded 256 MB from 4.2 MB) or that inflate.
+            raise UnsafeCheckpointError(
+                f"refusing to read {where}: its {len(names)} zip entries hold {held:,} bytes, more than its {length:,} "
+                "(entries that overlap or are compressed, which torch.save never writes: a crafted record, whose load "
+                "would allocate in proportion)"
+            )
         for data in pickles:
             refuse_work_bombs(data, where)
     finally:

@@ -136,7 +136,7 @@ def _refuse(where: str, what: str, length: int) -> None:
 
 #: The work a pickle may ask of an unpickler, per byte of it and in all: far above what any
 #: pickle of plain data asks (each object it builds is hashed or copied a few times at most:
-#: DCP's 18 MB ``.metadata`` asks ~2 units a byte) and far below what sharing makes possible
+#: DCP's 18 MB ``.metadata`` asks ~1 unit a byte) and far below what sharing makes possible
 #: (:func:`refuse_work_bombs`).
 WORK_PER_BYTE = 16
 WORK_BASE = 1 << 16
@@ -149,7 +149,7 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
     that work (pure; any thread).
 
     A pickle names each object once and then refers to it (memo ``GET``): a tuple holding the
-    same tuple twice, forty levels deep, is 400 bytes, but hashing it (as a dictionary key or a
+    same tuple twice, forty levels deep, is a few hundred bytes, but hashing it (as a dictionary key or a
     set member) visits 2**40 tuples: the unpickler never returns, holding the GIL. One large
     dict or string given by reference to a thousand constructors (``BUILD`` onto an
     ``OrderedDict``, ``OrderedDict(d)``, ``set(l)``, ``_codecs.encode(s)``) is copied a thousand
