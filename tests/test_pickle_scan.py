@@ -218,7 +218,7 @@ _CONSTRUCTOR_BOMBS = [
 def test_admitted_constructors_take_only_what_dcp_gives_them(crafted: bytes, named: str, monkeypatch) -> None:
     # The bounds on each constructor hold on their own (the work scan, which refuses most of
     # these first, is the next test's).
-    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where: 0)
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where, **kw: 0)
     with pytest.raises(UnsafeCheckpointError, match="which DCP metadata never does") as info:
         load_metadata(crafted, "x/.metadata")
     assert named in str(info.value), str(info.value)
@@ -285,17 +285,20 @@ def test_one_attribute_dict_given_to_many_objects_is_refused_at_the_first(module
     with pytest.raises(UnsafeCheckpointError, match=r"x/.metadata: unpickling its [\d,]+-byte pickle would hash or copy"):
         load_metadata(crafted, "x/.metadata")
     # ... and by the stand-ins at the first object, where the scan is not there.
-    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where: 0)
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where, **kw: 0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(UnsafeCheckpointError, match=rf"x/.metadata: it gives a {name} the attributes dict of 4000 items"):
         load_metadata(crafted, "x/.metadata")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB: not hundreds of MB
 
 
-def test_an_ordered_dict_is_read_as_a_dict_that_takes_no_attributes() -> None:
+def test_an_ordered_dict_is_read_as_a_dict_that_takes_no_attributes(monkeypatch) -> None:
     # OrderedDict instances have attributes: the same memoized dict given to each by BUILD was
     # copied each time. DCP never gives them any; a plain dict (ordered) has none to give.
     crafted = b"\x80\x02ccollections\nOrderedDict\nq\x00}q\x01(X\x01\x00\x00\x00aK\x01u0]q\x02(" + b"h\x00)Rh\x01b" * 3 + b"e."
+    with pytest.raises(UnsafeCheckpointError, match=r"gives attributes \(BUILD\) to what a call returned"):
+        load_metadata(crafted, "x")  # the work scan's strict rule, first
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where, **kw: 0)
     with pytest.raises(UnsafeCheckpointError, match="not valid DCP metadata"):
         load_metadata(crafted, "x")
     ordered = pickle.dumps(OrderedDict([("b", 1), ("a", 2)]), protocol=2)
@@ -304,7 +307,7 @@ def test_an_ordered_dict_is_read_as_a_dict_that_takes_no_attributes() -> None:
 
 
 @pytest.mark.parametrize("target", ["class", "member"])
-def test_a_build_aimed_at_torchs_memory_format_enum_is_refused_and_undone(target: str) -> None:
+def test_a_build_aimed_at_torchs_memory_format_enum_is_refused_and_undone(target: str, monkeypatch) -> None:
     """The enum the allow-list hands out as it is (and its members) is shared by the process: a
     BUILD aimed at it changed how every later save pickles tensor properties."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as E
@@ -315,6 +318,10 @@ def test_a_build_aimed_at_torchs_memory_format_enum_is_refused_and_undone(target
     else:  # the member E(2) (TORCH_CONTIGUOUS_FORMAT), its __dict__ updated
         crafted = b"\x80\x02" + enum + b"K\x02\x85R}X\x07\x00\x00\x00_value_K\x07sb."
     snapshot = (dict(vars(E)), {m: dict(vars(m)) for m in E})
+    with pytest.raises(UnsafeCheckpointError, match=r"gives attributes \(BUILD\) to"):
+        load_metadata(crafted, "x")  # the work scan's strict rule, before anything is unpickled
+    assert vars(E).keys() == snapshot[0].keys()
+    monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where, **kw: 0)
     with pytest.raises(UnsafeCheckpointError, match="sets attributes of torch's .*which DCP metadata never does"):
         load_metadata(crafted, "x")
     assert not hasattr(E, "zz_at") and vars(E).keys() == snapshot[0].keys()

@@ -143,7 +143,7 @@ WORK_BASE = 1 << 16
 _CAP = 1 << 62  # weights saturate here: a doubling chain never builds huge integers
 
 
-def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: int = 0) -> int:
+def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: int = 0, *, strict: bool = False) -> int:
     """Raise :class:`UnsafeCheckpointError` where unpickling ``data`` (from ``start``) would hash
     or copy more than :data:`WORK_PER_BYTE` per byte of it (plus :data:`WORK_BASE`); else return
     that work (pure; any thread).
@@ -154,9 +154,13 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
     dict or string given by reference to a thousand constructors (``BUILD`` onto an
     ``OrderedDict``, ``OrderedDict(d)``, ``set(l)``, ``_codecs.encode(s)``) is copied a thousand
     times. This walk gives every object a weight (what hashing or copying it visits: one per
-    atom, per eight bytes of a string, plus its members') and adds the weight of every key,
+    atom, per 64 bytes of a string, plus its members') and adds the weight of every key,
     set member, constructor argument and ``BUILD`` state to the work: sharing multiplies it
     exactly as it multiplies the unpickler's.
+
+    ``strict`` (``.metadata``): a ``BUILD`` may only give attributes to an object ``NEWOBJ``
+    made, as DCP's pickles do: not to what a call returned, which may be a shared singleton (an
+    enum member given a heavy ``_name_`` once, then hashed as a key again and again).
 
     An upper bound, not a prediction: a container's weight counts what it holds (a list inside a
     key makes hashing fail at once); a tuple's is fixed when it is built. Like
@@ -197,7 +201,7 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
             elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: a new object from a callable and arguments
                 x = stack.pop()
                 w = x if x.__class__ is int else x[0]
-                stack[-1] = x = [1 + w]
+                stack[-1] = x = [1 + w] if op == 0x81 else _Called((1 + w,))
                 work += w
                 i += 1
                 if raw[i] == 0x94:  # (memoized, as pickle.dump memoizes every new object)
@@ -218,6 +222,8 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
                 x = stack.pop()
                 w = x if x.__class__ is int else x[0]
                 target = stack[-1]
+                if strict and target.__class__ is not list:
+                    _refuse_build(where, target)
                 if target.__class__ is not int:
                     _grow(target, w, where)
                 work += w
@@ -260,25 +266,26 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
                 i += 1
             elif op == 0x8C:  # SHORT_BINUNICODE
                 length = raw[i + 1]
-                push(x := 1 + (length >> 3))
+                push(x := 1 + (length >> 6))
                 i += 2 + length
                 if raw[i] == 0x94:
                     memo[len(memo)] = x
                     i += 1
             else:
-                i, work = _step(raw, i, n, stack, marks, memo, work, where)
+                i, work = _step(raw, i, n, stack, marks, memo, work, where, strict)
                 if i < 0:
                     _check(work, budget, where, n - start)
                     return work
             if work > budget:  # (TUPLE*, BUILD, ...: hashing their weight is what tuples cost)
                 _check(work, budget, where, n - start)
-    except (IndexError, KeyError, ValueError):
+    except (IndexError, KeyError, ValueError, struct.error):
         return work  # an empty stack, a missing mark or memo slot, a bad index: the unpickler fails here too
     return work
 
 
 def _step(
-    raw: bytes | bytearray, i: int, n: int, stack: list, marks: list[int], memo: dict[int, object], work: int, where: str
+    raw: bytes | bytearray, i: int, n: int, stack: list, marks: list[int], memo: dict[int, object], work: int, where: str,
+    strict: bool,
 ) -> tuple[int, int]:
     """One opcode at ``i`` of :func:`refuse_work_bombs`'s walk (any opcode; the walk inlines the
     frequent ones): where the next one starts and the work so far; ``(-end, work)`` where the
@@ -314,7 +321,7 @@ def _step(
         return -n, work
     kind = _KIND[op]
     if kind == _K_PUSH:
-        stack.append(1 + (length >> 3))
+        stack.append(1 + (length >> 6))
     elif kind == _K_MEMOIZE:
         memo[len(memo)] = stack[-1]
     elif kind == _K_GET:
@@ -348,10 +355,12 @@ def _step(
         work += w
         if op == _BUILD:
             target = stack[-1]
+            if strict and type(target) is not list:
+                _refuse_build(where, target)
             if type(target) is not int:
                 _grow(target, w, where)
         else:
-            stack.append([1 + w])
+            stack.append([1 + w] if op in (0x81, 0x92) else _Called((1 + w,)))  # NEWOBJ(_EX): new objects
     elif kind == _K_CONTAINER:
         stack.append([1])
     elif kind == _K_FILL:  # APPEND(S), SETITEM(S), ADDITEMS: into the container below
@@ -407,6 +416,19 @@ def _step(
 #: built): an object's attributes or a container's items given after a tuple holding it was
 #: built, which only a structure that holds itself needs (and DCP's pickles never do).
 GROWTH_AFTER_CAPTURE = 64
+
+
+class _Called(list):
+    """The ``[weight]`` of what a call (``REDUCE``, ``OBJ``, ``INST``) returned: maybe an object
+    shared beyond this pickle (an enum member), which a strict walk gives no ``BUILD``."""
+
+
+def _refuse_build(where: str, target: object) -> None:
+    what = "what a call returned" if type(target) is _Called else "an object no NEWOBJ made"
+    raise UnsafeCheckpointError(
+        f"refusing to read {where}: its pickle gives attributes (BUILD) to {what}, which DCP metadata never does (a "
+        "crafted file: a shared object, such as an enum member, could be made costly to hash everywhere it is used)"
+    )
 
 
 def _captured(items: tuple | list) -> list[int]:

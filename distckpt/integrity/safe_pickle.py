@@ -224,7 +224,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
             not DCP ``Metadata``.
     """
     refuse_memory_bombs(data, where)
-    refuse_work_bombs(data, where)  # keys hashed, objects copied: no more than its size allows
+    refuse_work_bombs(data, where, strict=True)  # keys hashed, objects copied: no more than its size allows
     before = _enum_state()
     try:
         metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)
@@ -266,7 +266,8 @@ def _restore_enum(before: list[tuple[object, dict[str, object]]]) -> str:
         now = vars(obj)
         if now.keys() == attrs.keys() and all(now[k] is attrs[k] for k in attrs):
             continue
-        changed = changed or (obj.__name__ if isinstance(obj, type) else f"{type(obj).__name__}.{obj.name}")  # type: ignore[attr-defined]
+        # (the name as it was: the unpickling may have made it anything, costly to show)
+        changed = changed or (obj.__name__ if isinstance(obj, type) else f"{type(obj).__name__}.{attrs.get('_name_')}")  # type: ignore[attr-defined]
         if isinstance(obj, type):
             for k in [k for k in now if k not in attrs]:
                 type.__delattr__(obj, k)
