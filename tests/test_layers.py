@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "distckpt._process": 3,
     "distckpt._version": 3,
     "distckpt._ints": 3,
+    "distckpt._shown": 3,
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distckpt._shown import shown
 from distckpt.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
 from distckpt.state.containers import LOAD_DEPTH
 from distckpt.state.encoded import BIT_GENERATORS, FACTORIES, MARKER, NATIVE, PATHS, TopLevel, holds_objects, torch_dtype
@@ -56,6 +57,9 @@ def decode_loaded(value: Any, key: str, safe_types: SafeTypesLike = None) -> Any
 
 
 _UNSEEN = object()
+#: What the tuples and frozensets a decode hashes may hold, unfolded, in all (see
+#: :meth:`_Decoder.hashed`): ~2 s of this walk; a set of a million pairs holds two million.
+HASHING_BUDGET = 4_000_000
 
 
 class _Decoder:
@@ -66,6 +70,24 @@ class _Decoder:
         # refers to one object from many places, and a list holding one list twice, forty
         # levels deep (300 bytes), was walked 2**40 times. Shared parts stay shared.
         self.done: dict[int, Any] = {}
+        self.hashing = HASHING_BUDGET
+
+    def hashed(self, items: Any) -> Any:
+        """``items`` (keys or members about to be hashed into a dict or set), once the tuples and
+        frozensets among them, unfolded, fit what is left of :data:`HASHING_BUDGET`: hashing a
+        tuple hashes all it holds, again at each reference (a set of one tuple holding one tuple
+        twice, forty levels deep, never returned), and comparing equal-hash frozensets compares
+        all they hold (frozensets of pairs of the previous one, ~40 levels: never returned)."""
+        todo = [x for x in items if isinstance(x, (tuple, frozenset))]
+        left = self.hashing
+        while todo:
+            x = todo.pop()
+            left -= len(x)
+            if left < 0:
+                raise _Malformed(f"its keys or set members unfold into more than {HASHING_BUDGET:,} objects to hash")
+            todo.extend(v for v in x if isinstance(v, (tuple, frozenset)))
+        self.hashing = left
+        return items
 
     def walk(self, value: Any, depth: int) -> Any:
         t = type(value)
@@ -91,9 +113,10 @@ class _Decoder:
             pairs = [(self.walk(k, depth + 1), self.walk(v, depth + 1)) for k, v in value.items()]
             if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())):
                 return value
+            self.hashed([k for k, _ in pairs])  # (rebuilt: its keys are hashed again)
             return collections.Counter(dict(pairs)) if t is collections.Counter else t(pairs)
         if t is set:  # a set written before sets were encoded
-            return {self.walk(v, depth + 1) for v in value}
+            return set(self.hashed([self.walk(v, depth + 1) for v in value]))
         return value
 
     def items(self, payload: Any, depth: int, what: str) -> tuple[Any, ...]:
@@ -117,7 +140,7 @@ class _Decoder:
             return TopLevel(self.walk(payload, depth + 1))
         fn = _DECODERS.get(kind)
         if fn is None:
-            raise _Malformed(f"unknown kind {kind!r:.60} (written by a newer distckpt, or altered)")
+            raise _Malformed(f"unknown kind {shown(kind, 60)} (written by a newer distckpt, or altered)")
         try:
             return fn(self, payload, depth + 1)
         except (_Malformed, CheckpointError):  # CheckpointError: a class missing from the allow-list
@@ -134,7 +157,7 @@ class _Decoder:
 
     def registered(self, name: Any, base: Callable[[type], bool], what: str) -> type:
         if type(name) is not str:
-            raise _Malformed(f"{what}: class name {name!r:.60} is not a string")
+            raise _Malformed(f"{what}: class name {shown(name, 60)} is not a string")
         cls = self.allow.by_name.get(name)
         if cls is None:
             short = name.rpartition(":")[2] or name
@@ -160,7 +183,7 @@ def _typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
 
 def _np_dtype(text: Any) -> np.dtype:
     if type(text) is not str or len(text) > 32:
-        raise _Malformed(f"NumPy dtype {text!r:.40} is not a dtype string")
+        raise _Malformed(f"NumPy dtype {shown(text, 40)} is not a dtype string")
     dt = np.dtype(text)
     if holds_objects(dt):
         raise _Malformed(f"NumPy dtype {text!r} holds Python objects or fields")
@@ -169,8 +192,8 @@ def _np_dtype(text: Any) -> np.dtype:
 
 def _bit_generator(name: Any) -> type:
     """NumPy's bit generator class named ``name`` (one of :data:`~distckpt.state.encoded.BIT_GENERATORS`)."""
-    if name not in BIT_GENERATORS:
-        raise _Malformed(f"bit generator {name!r:.40} is not one of NumPy's")
+    if type(name) is not str or name not in BIT_GENERATORS:
+        raise _Malformed(f"bit generator {shown(name, 40)} is not one of NumPy's")
     return getattr(np.random, name)
 
 
@@ -194,10 +217,13 @@ def _dec_np_array(d: _Decoder, payload: Any, depth: int) -> np.ndarray:
     text, shape, data = d.fields(payload, 3, "numpy.ndarray")
     dt = _np_dtype(text)
     if type(shape) is not tuple or len(shape) > 64 or any(type(s) is not int or s < 0 for s in shape):
-        raise _Malformed(f"numpy.ndarray: shape {shape!r:.80} is not a tuple of sizes")
+        raise _Malformed(f"numpy.ndarray: shape {shown(shape, 80)} is not a tuple of sizes")
     if type(data) is not torch.Tensor or data.layout != torch.strided or data.device.type != "cpu":
         raise _Malformed(f"numpy.ndarray: data is a {type(data).__name__}, not a CPU tensor")
     count = numel(shape)
+    if data.numel() * data.element_size() > data.untyped_storage().nbytes():
+        # A view repeating its storage (stride 0): a 1.6 KB record asked for 800 MB here.
+        raise _Malformed(f"numpy.ndarray: {data.dtype} data of shape {list(data.shape)[:8]} repeats a storage of {data.untyped_storage().nbytes():,} bytes")
     if data.dtype == torch_dtype(dt) and tuple(data.shape) == shape:
         return data.resolve_conj().resolve_neg().numpy().astype(dt, copy=True)
     if data.dtype == torch.uint8 and data.dim() == 1 and data.numel() == count * dt.itemsize:
@@ -230,7 +256,7 @@ def _dec_datetime(cls: type[datetime.datetime] | type[datetime.time]) -> _KindDe
     def dec(d: _Decoder, payload: Any, depth: int) -> datetime.datetime | datetime.time:
         iso, tz, fold = d.fields(payload, 3, cls.__name__)
         if type(iso) is not str or len(iso) > 64 or type(fold) is not int or fold not in (0, 1):
-            raise _Malformed(f"{cls.__name__}: fields {iso!r:.70}, fold {fold!r:.20}")
+            raise _Malformed(f"{cls.__name__}: fields {shown(iso, 70)}, fold {shown(fold, 20)}")
         return cls.fromisoformat(iso).replace(tzinfo=_dec_tz(d, tz, depth), fold=fold)
 
     return dec
@@ -238,7 +264,7 @@ def _dec_datetime(cls: type[datetime.datetime] | type[datetime.time]) -> _KindDe
 
 def _dec_date(d: _Decoder, payload: Any, depth: int) -> datetime.date:
     if type(payload) is not str or len(payload) > 32:
-        raise _Malformed(f"date {payload!r:.40}")
+        raise _Malformed(f"date {shown(payload, 40)}")
     return datetime.date.fromisoformat(payload)
 
 
@@ -269,21 +295,21 @@ def _dec_path(d: _Decoder, payload: Any, depth: int) -> pathlib.PurePath:
     name, text = d.fields(payload, 2, "path")
     cls = PATHS.get(name) if type(name) is str else None
     if cls is None:
-        raise _Malformed(f"path class {name!r:.40} is not one of pathlib's")
+        raise _Malformed(f"path class {shown(name, 40)} is not one of pathlib's")
     return cls(_typed(text, str, "a path"))
 
 
 def _dec_deque(d: _Decoder, payload: Any, depth: int) -> collections.deque[Any]:
     items, maxlen = d.fields(payload, 2, "deque")
     if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
-        raise _Malformed(f"deque maxlen {maxlen!r:.40}")
+        raise _Malformed(f"deque maxlen {shown(maxlen, 40)}")
     return collections.deque(d.walk(_typed(items, list, "a deque's items"), depth), maxlen)
 
 
 def _dec_defaultdict(d: _Decoder, payload: Any, depth: int) -> collections.defaultdict[Any, Any]:
     name, items = d.fields(payload, 2, "defaultdict")
-    if name is not None and name not in FACTORIES:
-        raise _Malformed(f"defaultdict factory {name!r:.40} is not a built-in type")
+    if name is not None and (type(name) is not str or name not in FACTORIES):  # (a str: a tuple would be hashed)
+        raise _Malformed(f"defaultdict factory {shown(name, 40)} is not a built-in type")
     factory = None if name is None else FACTORIES[name]
     return collections.defaultdict(factory, d.walk(_typed(items, dict, "a defaultdict's items"), depth))
 
@@ -299,7 +325,7 @@ def _dec_range(d: _Decoder, payload: Any, depth: int) -> range:
 
 def _dec_set(cls: type[set[Any]] | type[frozenset[Any]]) -> _KindDecoder:
     def dec(d: _Decoder, payload: Any, depth: int) -> set[Any] | frozenset[Any]:
-        return cls(d.items(payload, depth, f"a {cls.__name__}'s items"))
+        return cls(d.hashed(d.items(payload, depth, f"a {cls.__name__}'s items")))
 
     return dec
 
@@ -313,7 +339,7 @@ def _dec_tuple(d: _Decoder, payload: Any, depth: int) -> tuple[Any, ...]:
 
 def _dec_decimal(d: _Decoder, payload: Any, depth: int) -> decimal.Decimal:
     if type(payload) is not str or len(payload) > 4096:
-        raise _Malformed(f"Decimal {payload!r:.40}")
+        raise _Malformed(f"Decimal {shown(payload, 40)}")
     return decimal.Decimal(payload)
 
 
@@ -338,7 +364,7 @@ def _dec_enum(d: _Decoder, payload: Any, depth: int) -> Any:
         return found
     if type(member) is int and issubclass(cls, enum.Flag):
         return cls(member)
-    raise _Malformed(f"{name}: member {member!r:.40}")
+    raise _Malformed(f"{name}: member {shown(member, 40)}")
 
 
 def _dec_dataclass(d: _Decoder, payload: Any, depth: int) -> Any:
