@@ -326,3 +326,14 @@ def test_a_build_aimed_at_torchs_memory_format_enum_is_refused_and_undone(target
         load_metadata(crafted, "x")
     assert not hasattr(E, "zz_at") and vars(E).keys() == snapshot[0].keys()
     assert all(vars(m) == snapshot[1][m] for m in E) and E(2).value == 2
+
+
+def test_an_object_missing_a_field_dcp_always_writes_is_refused_by_name(tmp_path) -> None:
+    """A fuzzed byte made a _StorageInfo lose relative_path: the validation met an
+    AttributeError where it read it (seen once in 200 fuzz cases, depending on the bytes)."""
+    dcp.save({"w": torch.zeros(3)}, checkpoint_id=tmp_path)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    info = next(iter(md.storage_data.values()))
+    del info.__dict__["relative_path"]
+    with pytest.raises(UnsafeCheckpointError, match="x/.metadata: it gives a _StorageInfo no relative_path, which DCP always writes"):
+        load_metadata(pickle.dumps(md), "x/.metadata")

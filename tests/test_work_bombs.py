@@ -238,3 +238,113 @@ def test_a_zip_whose_entries_share_bytes_is_refused_with_or_without_torchs_size_
     honest = io.BytesIO()
     torch.save([torch.zeros(1 << 10) for _ in range(8)], honest)
     assert len(deep_stack.torch_load(io.BytesIO(honest.getvalue()))) == 8
+
+
+def _shared_tuple(levels: int) -> tuple:
+    t: tuple = (None,)
+    for _ in range(levels):
+        t = (t, t)
+    return t
+
+
+def _shared_list(levels: int) -> list:
+    t: list = [None]
+    for _ in range(levels):
+        t = [t, t]
+    return t
+
+
+def test_the_decoder_bounds_what_it_hashes_and_what_it_shows():
+    """What the unpickler never hashed, the decoder's own set(), frozenset() and dict rebuilds
+    would: bounded (before, each case below never returned, nor did a message showing one)."""
+    from distckpt.errors import IntegrityError
+    from distckpt.state.encoded import MARKER
+
+    for kind in ("set", "frozenset"):
+        with pytest.raises(IntegrityError, match="unfold into more than 4,000,000 objects to hash"):
+            decode_loaded((MARKER, kind, (_shared_tuple(40),)), "k")
+    # Frozensets cache their hashes, but two equal ones compare all they hold: two equal,
+    # distinct chains of frozensets of pairs of the previous one.
+    f = g = frozenset({0})
+    for _ in range(40):
+        f, g = frozenset({(f, 0), (f, 1)}), frozenset({(g, 0), (g, 1)})
+    with pytest.raises(IntegrityError, match="unfold into more than"):
+        decode_loaded((MARKER, "set", (f, g)), "k")
+    with pytest.raises(IntegrityError, match="unfold into more than"):  # a dict rebuilt: its keys hashed again
+        decode_loaded({f: (MARKER, "set", ())}, "k")
+    # Messages show a value bounded (a date's payload a list holding one list twice, 40 deep).
+    with pytest.raises(IntegrityError, match=r"date \[\[\[") as info:
+        decode_loaded((MARKER, "date", _shared_list(40)), "k")
+    assert len(str(info.value)) < 400
+    # A legitimate set of pairs decodes.
+    assert decode_loaded((MARKER, "set", tuple((i, str(i)) for i in range(10_000))), "k") == {(i, str(i)) for i in range(10_000)}
+
+
+def test_an_array_whose_data_repeats_its_storage_is_refused():
+    from distckpt.errors import IntegrityError
+    from distckpt.state.encoded import MARKER
+
+    repeated = torch.zeros(1, dtype=torch.float64).expand(100_000_000)  # 8 bytes of storage
+    with pytest.raises(IntegrityError, match="repeats a storage of 8 bytes"):
+        decode_loaded((MARKER, "numpy.ndarray", ("<f8", (100_000_000,), repeated)), "k")
+    ok = decode_loaded((MARKER, "numpy.ndarray", ("<f8", (3,), torch.arange(3, dtype=torch.float64))), "k")
+    assert ok.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_shown_is_bounded_for_shared_and_odd_values():
+    from distckpt._shown import shown
+
+    assert len(shown(_shared_list(60))) <= 120 and shown(_shared_tuple(60)).startswith("((")
+
+    class Loud:
+        def __repr__(self):
+            raise RuntimeError("no")
+
+    assert shown(Loud()) == "<Loud>" and shown([1, "a", 2.5]) == "[1, 'a', 2.5]" and shown("x" * 500, 20) == repr("x" * 500)[:20]
+
+
+def test_metadata_sizes_are_integers_a_tensor_can_have():
+    """A size of a hundred references to one 6 KB integer made the coverage check's products
+    take ~12 s (and its message fail on Python's digit limit); a thousand dims of 2**63 - 1
+    made the element count unprintable: both are named."""
+    import pickletools
+    import struct as st
+
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    from distckpt.errors import IntegrityError
+    from distckpt.integrity.metadata_check import validate_metadata
+    from distckpt.integrity.safe_pickle import load_metadata
+
+    def with_size(size: object) -> bytes:
+        entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [])  # type: ignore[arg-type]
+        return pickle.dumps(Metadata(state_dict_metadata={"w": entry}, storage_data={}), protocol=2)
+
+    mark = "SIZE-GOES-HERE"
+    data = with_size(mark)
+    slot = 1 + max(a for op, a, _ in pickletools.genops(data) if op.name in ("BINPUT", "LONG_BINPUT"))
+    big = (1 << (8 * 6000 - 3)).to_bytes(6000, "little")
+    refs = b"](\x8b" + st.pack("<i", 6000) + big + b"r" + st.pack("<I", slot) + (b"j" + st.pack("<I", slot)) * 99 + b"e"
+    data = data.replace(b"X" + st.pack("<I", len(mark)) + mark.encode(), refs)
+    with pytest.raises(IntegrityError, match="tensor 'w': size .* is malformed"):
+        validate_metadata(load_metadata(data, "x"), "x")
+    with pytest.raises(IntegrityError, match=r"tensor 'w': size .* holds 2\*\*63 elements or more"):
+        validate_metadata(load_metadata(with_size(torch.Size([(1 << 63) - 1] * 1000)), "x"), "x")
+
+
+def test_chunk_coverage_is_checked_along_the_best_dimension_and_bounded():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Chunk
+
+    from distckpt.errors import IntegrityError
+    from distckpt.integrity.metadata_check import MAX_CHUNK_COMPARISONS, _check_coverage
+
+    # Column shards of a (4, 20000) tensor: every chunk spans all rows (swept along dim 0, they
+    # were all compared with each other: minutes); along dim 1, none overlap.
+    cols = [Chunk(offsets=torch.Size([0, i]), sizes=torch.Size([4, 1])) for i in range(20_000)]
+    _check_coverage("w", (4, 20_000), cols, "x")
+    with pytest.raises(IntegrityError, match=r"chunks at \[0, 7\] and \[0, 7\] overlap"):
+        _check_coverage("w", (4, 20_001), cols + [Chunk(offsets=torch.Size([0, 7]), sizes=torch.Size([4, 1]))], "x")
+    # Unit chunks of a (2,) * 14 tensor overlap along every dimension in half their pairs.
+    grid = [Chunk(offsets=torch.Size([(n >> d) & 1 for d in range(14)]), sizes=torch.Size([1] * 14)) for n in range(1 << 14)]
+    with pytest.raises(IntegrityError, match=f"16,384 chunks overlap along every dimension in more than {MAX_CHUNK_COMPARISONS:,}"):
+        _check_coverage("w", (2,) * 14, grid, "x")

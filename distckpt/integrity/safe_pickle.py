@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from distckpt._shown import shown
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
 from distckpt.integrity.pickle_scan import refuse_memory_bombs, refuse_work_bombs
@@ -77,6 +78,11 @@ def _guard(cls: type) -> type:
 
     most = len(fields) + SPARE_ATTRIBUTES
     hashed = cls is MetadataIndex
+    # Fields without a default (DCP writes every field): missing, the validation met an
+    # AttributeError where it reads them (a fuzzed byte made _StorageInfo lose relative_path).
+    required = frozenset(
+        f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
 
     def __setstate__(self: object, state: object, _set: Callable[..., None] = object.__setattr__) -> None:
         # Called for every object of a .metadata (hundreds of thousands): kept lean. The dict is
@@ -88,6 +94,8 @@ def _guard(cls: type) -> type:
                 f"it gives a {cls.__name__} the attributes {type(state).__name__} of {size} items, which DCP never "
                 f"writes (its fields: {', '.join(sorted(fields)) or 'none'})"
             )
+        if not required <= state.keys():
+            raise _Refused(f"it gives a {cls.__name__} no {', '.join(sorted(required - state.keys()))}, which DCP always writes")
         if hashed and not (type(state.get("fqn")) is str and type(state.get("offset")) in (torch.Size, type(None))):
             # A key of storage_data: hashing it hashes these two, as the unpickler inserts it
             # (pickle_scan counts a tuple's weight when it is built, not a key's attributes).
@@ -188,7 +196,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if owner is _MEM_FORMAT_ENCODING and isinstance(name, str) and name in _MEM_FORMAT_ENCODING.__members__:
             return _MEM_FORMAT_ENCODING[name]
         raise UnsafeCheckpointError(
-            f"refusing to read {self.where}: it calls getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r:.40}); "
+            f"refusing to read {self.where}: it calls getattr({getattr(owner, '__name__', type(owner).__name__)}, {shown(name, 40)}); "
             "DCP metadata only ever names members of its memory-format enum that way"
         )
 
