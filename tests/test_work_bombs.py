@@ -9,6 +9,7 @@ import io
 import json
 import pickle
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -348,3 +349,28 @@ def test_chunk_coverage_is_checked_along_the_best_dimension_and_bounded():
     grid = [Chunk(offsets=torch.Size([(n >> d) & 1 for d in range(14)]), sizes=torch.Size([1] * 14)) for n in range(1 << 14)]
     with pytest.raises(IntegrityError, match=f"16,384 chunks overlap along every dimension in more than {MAX_CHUNK_COMPARISONS:,}"):
         _check_coverage("w", (2,) * 14, grid, "x")
+
+
+@pytest.mark.parametrize(
+    "pkl, refused",
+    [
+        (b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x30\x85R.", "__builtin__.bytearray with (int)"),  # 800 MB from 30 bytes
+        (b"\x80\x02c_codecs\nencode\nX\x03\x00\x00\x00\xc3\xa9aX\x08\x00\x00\x00punycode\x86R.", "_codecs.encode with (str, str)"),
+        (b"\x80\x02ctorch._utils\n_rebuild_device_tensor_from_cpu_tensor\nN\x85R.", "_rebuild_device_tensor_from_cpu_tensor a call"),
+    ],
+)
+def test_calls_whose_cost_their_arguments_choose_are_refused(pkl, refused):
+    from distckpt.integrity import deep_stack
+
+    record = work_bomb_job._record(pkl)
+    with pytest.raises(UnsafeCheckpointError, match=f"v: its pickle calls .*{re.escape(refused)}"):
+        deep_stack.torch_load(io.BytesIO(record), record, "v")
+
+
+def test_bytes_and_bytearrays_as_torch_save_writes_them_still_load():
+    from distckpt.integrity import deep_stack
+
+    for value in (b"xy\x80", bytearray(b"ab\xff"), bytearray(), [b"a", bytearray(b"b"), {"k": b"\x00" * 1000}]):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        assert deep_stack.torch_load(io.BytesIO(buf.getvalue())) == value

@@ -40,7 +40,7 @@ import torch
 
 from distckpt._compat import PyTorchFileReader
 from distckpt.errors import UnsafeCheckpointError
-from distckpt.integrity.pickle_scan import refuse_work_bombs
+from distckpt.integrity.pickle_scan import refuse_argument_bombs, refuse_work_bombs
 
 T = TypeVar("T")
 
@@ -189,6 +189,7 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
             )
         for data in pickles:
             refuse_work_bombs(data, where)
+            refuse_argument_bombs(data, where)
     finally:
         record.seek(0)
 
