@@ -15,33 +15,22 @@ tuple in C recurses once per level: ~130,000 levels overflow an 8 MiB stack.
 from __future__ import annotations
 
 import io
-import json
 import pickle
-import shutil
 import sys
 import zipfile
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import distckpt  # noqa: E402
 import forge  # noqa: E402
-from cli_runner import run_cli  # noqa: E402
-from distckpt.integrity.manifest import step_dir  # noqa: E402
 
 LEVELS = 400_000
 #: A string pickled where the deep tuple goes, then replaced by its opcodes (``pickle`` itself
 #: cannot write a tuple this deep without a stack as deep).
 MARK = "DEEP-NESTING-GOES-HERE"
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 3))
 
 
 def _deep_in_place_of_mark(data: bytes) -> bytes:
@@ -98,32 +87,15 @@ CASES = (
 )
 
 
-def run(base: Path, case: str) -> dict:
-    root = base / case
-    shutil.copytree(base / "clean", root)
-    d = root / step_dir(1)
+def forge_case(d: Path, case: str) -> None:
+    """Forge step directory ``d`` as ``case`` says."""
     if case in ("value-record", "verify-value-record"):
         _forge_value(d, "extra")
     elif case == "value-record-deflated":  # 400,000 levels in a 1.2 KB record
         _forge_value(d, "extra", zipfile.ZIP_DEFLATED)
     else:
         _forge_metadata(d, "metadata-key-offset" if case == "verify-metadata" else case)
-    if case.startswith("verify"):
-        done = run_cli("verify", str(root), "--state")
-        return {"case": case, "code": done.returncode, "stderr": done.stderr[-600:]}
-    try:
-        distckpt.Checkpointer(root).load({"model": _model(1), "extra": {"epoch": 0}})
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"case": case, "error": type(exc).__name__, "message": str(exc)[:600]}
-    return {"case": case, "error": None, "message": ""}
-
-
-def main(argv: list[str]) -> None:
-    base = Path(argv[0])
-    distckpt.Checkpointer(base / "clean").save(1, {"model": _model(0), "extra": {"epoch": 3}})
-    for case in argv[1:] or CASES:
-        print(json.dumps(run(base, case)), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    forge.run_job(sys.argv[1:], CASES, forge_case)

@@ -7,11 +7,17 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from distckpt.integrity.manifest import MANIFEST_NAME, digest_of
+import distckpt
+from cli_runner import run_cli
+from distckpt.integrity.manifest import MANIFEST_NAME, digest_of, step_dir
 
 
 def reseal(d: Path, name: str, data: bytes) -> None:
@@ -40,3 +46,36 @@ def replace_item(d: Path, key: str, blob: bytes, offset: tuple[int, ...] | None 
         raw = json.loads((d / MANIFEST_NAME).read_text())
         raw["value_digests"][key] = hashlib.sha256(blob).hexdigest()
         (d / MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+# --- Jobs that forge a small checkpoint case by case (tests/*_job.py) ---------------------------
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3))
+
+
+def read_case(root: Path, case: str) -> dict:
+    """Read the forged checkpoint ``root`` as the case says (``verify-*``: ``distckpt verify
+    --state``; else ``Checkpointer.load``): one JSON-able line for the test."""
+    if case.startswith("verify"):
+        done = run_cli("verify", str(root), "--state")
+        return {"case": case, "code": done.returncode, "stderr": done.stderr[-600:]}
+    try:
+        distckpt.Checkpointer(root).load({"model": model(1), "extra": {"epoch": 0}})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"case": case, "error": type(exc).__name__, "message": str(exc)[:600]}
+    return {"case": case, "error": None, "message": ""}
+
+
+def run_job(argv: list[str], cases: tuple[str, ...], forge_case: Callable[[Path, str], None]) -> None:
+    """``job.py DIR [CASE ...]``: save one small checkpoint under ``DIR``, then for each case
+    copy it, forge it (``forge_case(step directory, case)``), read it and print one JSON line."""
+    base = Path(argv[0])
+    distckpt.Checkpointer(base / "clean").save(1, {"model": model(0), "extra": {"epoch": 3}})
+    for case in argv[1:] or cases:
+        root = base / case
+        shutil.copytree(base / "clean", root)
+        forge_case(root / step_dir(1), case)
+        print(json.dumps(read_case(root, case)), flush=True)

@@ -16,32 +16,21 @@ type and message of what the read raised (``null`` where it raised nothing).
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import pickletools
-import shutil
 import struct
 import sys
 import zipfile
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import distckpt  # noqa: E402
 import forge  # noqa: E402
-from cli_runner import run_cli  # noqa: E402
-from distckpt.integrity.manifest import step_dir  # noqa: E402
 
 LEVELS = 40
 MARK = "WORK-BOMB-GOES-HERE"
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 3))
 
 
 def _put(slot: int) -> bytes:
@@ -151,10 +140,8 @@ CASES = ("metadata-dag-key", "verify-metadata-dag-key", "value-dag-key", "verify
          "verify-value-overlapping-entries")  # fmt: skip
 
 
-def run(base: Path, case: str) -> dict:
-    root = base / case
-    shutil.copytree(base / "clean", root)
-    d = root / step_dir(1)
+def forge_case(d: Path, case: str) -> None:
+    """Forge step directory ``d`` as ``case`` says."""
     kind = case.removeprefix("verify-")
     if kind == "metadata-dag-key":
         _forge_metadata(d)
@@ -170,22 +157,7 @@ def run(base: Path, case: str) -> dict:
         forge.replace_item(d, "model.0.weight", _record(dag_key_pickle()), offset=(0, 0))
     else:
         raise ValueError(case)
-    if case.startswith("verify"):
-        done = run_cli("verify", str(root), "--state")
-        return {"case": case, "code": done.returncode, "stderr": done.stderr[-600:]}
-    try:
-        distckpt.Checkpointer(root).load({"model": _model(1), "extra": {"epoch": 0}})
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"case": case, "error": type(exc).__name__, "message": str(exc)[:600]}
-    return {"case": case, "error": None, "message": ""}
-
-
-def main(argv: list[str]) -> None:
-    base = Path(argv[0])
-    distckpt.Checkpointer(base / "clean").save(1, {"model": _model(0), "extra": {"epoch": 3}})
-    for case in argv[1:] or CASES:
-        print(json.dumps(run(base, case)), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    forge.run_job(sys.argv[1:], CASES, forge_case)
