@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import reprlib
 
+import torch
+
 _PLAIN = (int, float, complex, bool, type(None))
+#: torch's own classes whose repr is short and computed from a bounded value (a Size holds ints).
+_TORCH = (torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class _Bounded(reprlib.Repr):
     def repr_instance(self, obj: object, level: int) -> str:
-        if isinstance(obj, _PLAIN) and type(obj).__repr__ in (int.__repr__, float.__repr__, complex.__repr__, bool.__repr__, object.__repr__):
+        if type(obj) in _TORCH or (
+            isinstance(obj, _PLAIN) and type(obj).__repr__ in (int.__repr__, float.__repr__, complex.__repr__, bool.__repr__, object.__repr__)
+        ):
             return super().repr_instance(obj, level)
         return f"<{type(obj).__name__}>"
 

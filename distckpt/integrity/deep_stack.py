@@ -143,12 +143,13 @@ def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None, w
     ``record``: a seekable binary stream; ``raw``: its bytes, where the caller has them;
     ``where``: what errors name. Raises what ``torch.load`` raises, and
     :class:`~distckpt.errors.UnsafeCheckpointError`."""
-    refuse_record_work_bombs(record, raw, where)
-    bound = record_nesting_bound(record, raw)
+    bound = refuse_record_work_bombs(record, raw, where)
+    if bound is None:
+        bound = record_nesting_bound(record, raw)
     return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
 
 
-def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | None, where: str) -> None:
+def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | None, where: str) -> int | None:
     """:func:`~distckpt.integrity.pickle_scan.refuse_work_bombs` over every pickle ``torch.load``
     would unpickle from the ``torch.save`` record ``record`` (left at its start): the ``.pkl``
     entries of its zip, as torch's zip reader gives them. A record that is no zip (torch's
@@ -156,6 +157,9 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
     refused: its pickles follow one another with nothing saying where each starts. So is a zip
     whose entries hold more bytes than the record (shared or compressed entries: a memory bomb
     of the storages ``torch.load`` reads from them).
+
+    Returns the :func:`tuple_nesting_bound` of those pickles (read once, for both), or ``None``
+    where torch's zip reader cannot read the record (``torch.load`` then fails on it too).
 
     Raises:
         UnsafeCheckpointError: the record is no zip, its entries hold more than its size, or
@@ -177,7 +181,7 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
             held = _held(reader, names, record)
             pickles = [reader.get_record(n) for n in names if n.endswith(".pkl")] if held <= length else []
         except Exception:  # noqa: BLE001 - a zip torch cannot read: torch.load fails on it too
-            return
+            return None
         if held > length:
             # torch.save stores its entries side by side, uncompressed: their bytes fit in the
             # record. More is entries that share bytes (a central directory naming one 4 MB entry
@@ -190,6 +194,7 @@ def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | 
         for data in pickles:
             refuse_work_bombs(data, where)
             refuse_argument_bombs(data, where)
+        return sum(tuple_nesting_bound(data) for data in pickles)
     finally:
         record.seek(0)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import reprlib
 from collections.abc import Mapping
 
 import torch
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from distckpt.state.shape import numel
+from distckpt._shown import shown as _shown
 from distckpt.errors import IntegrityError
 from distckpt.integrity.safe_pickle import check_relative_name
 
@@ -56,18 +56,6 @@ _FIELDS: dict[type, frozenset[str]] = {
     for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                 StorageMeta, TensorProperties, _StorageInfo)
 }  # fmt: skip
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxtuple, _SHOWN.maxlist = 3, 60, 60, 6, 6
-
-
-def _shown(value: object) -> str:
-    """``value`` for a message, bounded in depth and length (a crafted value's repr may recurse
-    without end or run to megabytes)."""
-    try:
-        return _SHOWN.repr(value)[:120]
-    except Exception:  # noqa: BLE001 - a raising __repr__
-        return f"<{type(value).__name__}>"
 
 
 def _ints(value: object) -> bool:

@@ -144,9 +144,9 @@ def _torch_load(path: str, where: str) -> object:
     pickles first checked for work bombs (hash or copy amplification), then unpickled on a
     stack deep enough for their nesting (:mod:`distckpt.integrity.deep_stack`)."""
     with open(path, "rb") as f:
+        bound: int | None = 1
         if f.read(4) == b"PK\x03\x04":  # (torch refuses anything else with mmap: its own error)
-            deep_stack.refuse_record_work_bombs(f, None, where)
+            bound = deep_stack.refuse_record_work_bombs(f, None, where)
+        if bound is None:
             bound = deep_stack.record_nesting_bound(f)
-        else:
-            bound = 1
     return deep_stack.call_with_stack(bound, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
