@@ -1,5 +1,5 @@
 """Pickles that ask the unpickler for work out of proportion to their size: refused before any
-of it is done (``distckpt.integrity.pickle_scan.refuse_work_bombs``), wherever distckpt unpickles
+of it is done (``distckpt.integrity.work_scan.refuse_work_bombs``), wherever distckpt unpickles
 (``.metadata``, value records, tensor records, ``distckpt import``); and a decoder that walks a
 shared structure once."""
 
@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from distckpt.errors import UnsafeCheckpointError
-from distckpt.integrity import pickle_scan
+from distckpt.integrity import pickle_scan, work_scan
 from distckpt.integrity.pickle_scan import WORK_BASE, WORK_PER_BYTE, refuse_work_bombs
 from distckpt.state.decoding import decode_loaded
 
@@ -120,8 +120,8 @@ def test_the_scan_bounds_the_hashing_it_lets_through(monkeypatch):
     """Seeded random object graphs with sharing, in every protocol: where the scan lets a pickle
     through, unpickling it hashes the leaves at most as often as the scan's work says. (A budget
     scaled down to these small graphs, so that both outcomes occur.)"""
-    monkeypatch.setattr(pickle_scan, "WORK_PER_BYTE", 1)
-    monkeypatch.setattr(pickle_scan, "WORK_BASE", 256)
+    monkeypatch.setattr(work_scan, "WORK_PER_BYTE", 1)
+    monkeypatch.setattr(work_scan, "WORK_BASE", 256)
     outcomes = {"refused": 0, "read": 0}
     for seed in range(12):
         rng = random.Random(seed)

@@ -40,7 +40,8 @@ import torch
 
 from distckpt._compat import PyTorchFileReader
 from distckpt.errors import UnsafeCheckpointError
-from distckpt.integrity.pickle_scan import refuse_argument_bombs, refuse_work_bombs
+from distckpt.integrity.call_scan import refuse_argument_bombs
+from distckpt.integrity.work_scan import refuse_work_bombs
 
 T = TypeVar("T")
 
@@ -150,7 +151,7 @@ def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None, w
 
 
 def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | None, where: str) -> int | None:
-    """:func:`~distckpt.integrity.pickle_scan.refuse_work_bombs` over every pickle ``torch.load``
+    """:func:`~distckpt.integrity.work_scan.refuse_work_bombs` over every pickle ``torch.load``
     would unpickle from the ``torch.save`` record ``record`` (left at its start): the ``.pkl``
     entries of its zip, as torch's zip reader gives them. A record that is no zip (torch's
     legacy format, which ``torch.save`` has not written since torch 1.6, nor DCP ever) is

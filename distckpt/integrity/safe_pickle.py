@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 from distckpt._shown import shown
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
-from distckpt.integrity.pickle_scan import refuse_memory_bombs, refuse_work_bombs
+from distckpt.integrity.pickle_scan import refuse_memory_bombs
+from distckpt.integrity.work_scan import refuse_work_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
 
 # Besides _BOUNDED below (constructors given only the arguments DCP writes), admitted as they are.
@@ -98,7 +99,7 @@ def _guard(cls: type) -> type:
             raise _Refused(f"it gives a {cls.__name__} no {', '.join(sorted(required - state.keys()))}, which DCP always writes")
         if hashed and not (type(state.get("fqn")) is str and type(state.get("offset")) in (torch.Size, type(None))):
             # A key of storage_data: hashing it hashes these two, as the unpickler inserts it
-            # (pickle_scan counts a tuple's weight when it is built, not a key's attributes).
+            # (work_scan counts a tuple's weight when it is built, not a key's attributes).
             raise _Refused(
                 f"it gives a {cls.__name__} the fqn {type(state.get('fqn')).__name__} and offset "
                 f"{type(state.get('offset')).__name__}, where DCP writes a str and a torch.Size"

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from distckpt.integrity.deep_stack import SHALLOW, tuple_nesting_bound
-from distckpt.integrity.pickle_scan import refuse_work_bombs
+from distckpt.integrity.work_scan import refuse_work_bombs
 from distckpt.state import shape as _shape
 from distckpt._compat import PyTorchFileReader, dtype_from_storage_name
 

@@ -68,7 +68,7 @@ def import_torch_save(
             (:func:`distckpt.tools.outputs.check_output`); the file cannot be read with
             ``weights_only=True``.
         UnsafeCheckpointError: the file's pickle asks for work out of proportion to its size
-            (:func:`distckpt.integrity.pickle_scan.refuse_work_bombs`).
+            (:func:`distckpt.integrity.work_scan.refuse_work_bombs`).
     """
     opts = dict(storage_options or {})
     check_output(out_root, opts, inputs=(src,))
