@@ -23,7 +23,11 @@ class _Bounded(reprlib.Repr):
         if type(obj) in _TORCH or (
             isinstance(obj, _PLAIN) and type(obj).__repr__ in (int.__repr__, float.__repr__, complex.__repr__, bool.__repr__, object.__repr__)
         ):
-            return super().repr_instance(obj, level)
+            try:  # (reprlib would name a failing repr by the object's address)
+                text = repr(obj)
+            except Exception:  # noqa: BLE001 - a Size of integers beyond 64 bits
+                return f"<{type(obj).__name__}>"
+            return text if len(text) <= self.maxother else text[: self.maxother - 3] + "..."
         return f"<{type(obj).__name__}>"
 
 

@@ -61,11 +61,11 @@ def read_case(root: Path, case: str) -> dict:
     --state``; else ``Checkpointer.load``): one JSON-able line for the test."""
     if case.startswith("verify"):
         done = run_cli("verify", str(root), "--state")
-        return {"case": case, "code": done.returncode, "stderr": done.stderr[-600:]}
+        return {"case": case, "code": done.returncode, "stderr": done.stderr[-2000:]}
     try:
         distckpt.Checkpointer(root).load({"model": model(1), "extra": {"epoch": 0}})
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {"case": case, "error": type(exc).__name__, "message": str(exc)[:600]}
+        return {"case": case, "error": type(exc).__name__, "message": str(exc)[:2000]}
     return {"case": case, "error": None, "message": ""}
 
 

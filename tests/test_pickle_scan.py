@@ -229,7 +229,7 @@ def test_the_work_scan_refuses_constructor_amplification_before_any_constructor_
     if named == "collections.OrderedDict(dict)":  # no amplification: for the constructor's bound alone
         assert refuse_work_bombs(crafted, "x") < 100
         return
-    with pytest.raises(UnsafeCheckpointError, match="would hash or copy more than") as info:
+    with pytest.raises(UnsafeCheckpointError, match="would hash, compare or copy more than") as info:
         load_metadata(crafted, "x/.metadata")
     assert "x/.metadata" in str(info.value)
 
@@ -282,7 +282,7 @@ def test_one_attribute_dict_given_to_many_objects_is_refused_at_the_first(module
 
     crafted = _build_reused(module, name)
     # Refused twice over: by the work scan before anything is unpickled ...
-    with pytest.raises(UnsafeCheckpointError, match=r"x/.metadata: unpickling its [\d,]+-byte pickle would hash or copy"):
+    with pytest.raises(UnsafeCheckpointError, match=r"x/.metadata: unpickling its [\d,]+-byte pickle would hash, compare or copy"):
         load_metadata(crafted, "x/.metadata")
     # ... and by the stand-ins at the first object, where the scan is not there.
     monkeypatch.setattr(safe_pickle, "refuse_work_bombs", lambda data, where, **kw: 0)

@@ -42,7 +42,7 @@ def test_forged_work_bombs_are_refused_by_name_everywhere_they_are_read(tmp_path
     )
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
     got = {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
-    scan = "pickle would hash or copy more than"
+    scan = "pickle would hash, compare or copy more than"
     expected = {
         "metadata-dag-key": ".metadata: unpickling its",
         "value-dag-key": "checkpoint value 'extra'",
@@ -180,7 +180,7 @@ def test_what_dcp_and_torch_save_write_asks_little_work(tmp_path):
 def test_a_forty_level_shared_tuple_is_refused_in_every_unpickler_input():
     c_pickle = b"\x80\x02}" + work_bomb_job.dag_tuple(0) + b"Ns."
     for data in (c_pickle, work_bomb_job.dag_key_pickle(), work_bomb_job.ordered_dicts_pickle()):
-        with pytest.raises(UnsafeCheckpointError, match="would hash or copy more than"):
+        with pytest.raises(UnsafeCheckpointError, match="would hash, compare or copy more than"):
             refuse_work_bombs(data, "x")
     # Ten levels are harmless (2**10 visits): the budget lets them through.
     assert refuse_work_bombs(b"\x80\x02}" + work_bomb_job.dag_tuple(0, levels=10) + b"Ns.", "x") < WORK_BASE
@@ -208,7 +208,7 @@ def test_distckpt_import_refuses_a_work_bomb_and_still_imports_a_plain_file(tmp_
 
     bomb = tmp_path / "bomb.pt"
     bomb.write_bytes(work_bomb_job._record(work_bomb_job.dag_key_pickle()))
-    with pytest.raises(UnsafeCheckpointError, match=r"bomb.pt: unpickling its 714-byte pickle would hash or copy"):
+    with pytest.raises(UnsafeCheckpointError, match=r"bomb.pt: unpickling its 714-byte pickle would hash, compare or copy"):
         import_torch_save(str(bomb), str(tmp_path / "out"))
     plain = tmp_path / "plain.pt"
     torch.save({"w": torch.arange(4.0)}, plain)

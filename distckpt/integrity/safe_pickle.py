@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from distckpt._process import gc_paused
 from distckpt._shown import shown
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
@@ -64,9 +65,12 @@ class _Refused(UnsafeCheckpointError):
 #: Attributes an object of DCP's metadata classes may be given beyond its fields (a field a newer
 #: torch added): a ``BUILD`` with more is refused.
 SPARE_ATTRIBUTES = 4
+#: ``storage_data`` keys (``MetadataIndex``) of one ``.metadata`` that may share a hash: DCP's
+#: are distinct (fqn, offset) pairs, whose hashes never collide unless crafted.
+MAX_EQUAL_INDEX_HASHES = 64
 
 
-def _guard(cls: type) -> type:
+def _guard(cls: type, index_hashes: dict[int, int] | None = None) -> type:
     """A stand-in for DCP's dataclass ``cls`` that ``NEWOBJ`` makes and whose first ``BUILD``
     (``__setstate__``) is checked before anything is copied, then turns the object into a ``cls``.
 
@@ -74,7 +78,13 @@ def _guard(cls: type) -> type:
     thousands of new objects, each getting a copy: 75 KB of ``.metadata`` took 400 MB and 2.7 s
     (4,000 x 4,000 entries), a few hundred KB exhaust any host's memory before the validation
     sees one object. An object no ``BUILD`` reaches stays a stand-in (named so in errors), which
-    the validation refuses where DCP writes fields (``BytesStorageMetadata`` has none)."""
+    the validation refuses where DCP writes fields (``BytesStorageMetadata`` has none).
+
+    ``index_hashes`` (``MetadataIndex``, one per load): how many keys of each hash the load met.
+    The unpickler inserts each into ``storage_data`` as it is built: ``n`` distinct keys of one
+    hash cost ``n**2 / 2`` comparisons there (offsets that differ by multiples of ``2**61 - 1``
+    collide: 400 KB of ``.metadata`` took 27 s), which the opcode walk cannot see, as the key's
+    fields come by ``BUILD``."""
     fields = frozenset(f.name for f in dataclasses.fields(cls))
 
     most = len(fields) + SPARE_ATTRIBUTES
@@ -104,6 +114,15 @@ def _guard(cls: type) -> type:
                 f"it gives a {cls.__name__} the fqn {type(state.get('fqn')).__name__} and offset "
                 f"{type(state.get('offset')).__name__}, where DCP writes a str and a torch.Size"
             )
+        if index_hashes is not None:
+            h = hash((state["fqn"], state.get("offset")))  # (MetadataIndex's own hash: its index is not hashed)
+            seen = index_hashes[h] = index_hashes.get(h, 0) + 1
+            if seen > MAX_EQUAL_INDEX_HASHES:
+                raise _Refused(
+                    f"it holds more than {MAX_EQUAL_INDEX_HASHES} storage keys (MetadataIndex) with one hash, such as "
+                    f"{shown(state['fqn'], 60)} at offset {shown(state.get('offset'), 60)} (crafted offsets: inserting n "
+                    "keys of one hash compares each with all the others)"
+                )
         _set(self, "__dict__", state)
         _set(self, "__class__", cls)  # (a frozen dataclass refuses setattr)
 
@@ -120,16 +139,22 @@ _GUARDS: dict[tuple[str, str], type] = {
 BYTES_GUARD = _GUARDS[("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")]
 
 
+_INDEX = ("torch.distributed.checkpoint.metadata", "MetadataIndex")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, where: str) -> None:
         super().__init__(data)
         self.where = where
+        self.index_guard = _guard(MetadataIndex, {})  # (its own count of the keys' hashes)
 
     def find_class(self, module: str, name: str) -> Callable[..., object]:
         if name == "getattr" and module in ("builtins", "__builtin__"):  # protocol 2 says __builtin__
             return self._member_of_mem_format  # CPython 3.11.0-3.11.2's enum pickling
         if (module, name) in _BOUNDED:
             return self._bounded(module, name, super().find_class(module, name))
+        if (module, name) == _INDEX:
+            return self.index_guard
         guard = _GUARDS.get((module, name))
         if guard is not None:
             return guard
@@ -236,7 +261,8 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     refuse_work_bombs(data, where, strict=True)  # keys hashed, objects copied: no more than its size allows
     before = _enum_state()
     try:
-        metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)
+        with gc_paused():  # (millions of objects, no cycle: collections would find nothing)
+            metadata = call_with_stack(tuple_nesting_bound(data), _MetadataUnpickler(io.BytesIO(data), where).load)
     except _Refused as exc:
         raise UnsafeCheckpointError(f"refusing to read {where}: {exc}") from None
     except (UnsafeCheckpointError, MemoryError):

@@ -12,7 +12,25 @@ from __future__ import annotations
 import pickletools
 import struct
 
+from distckpt._process import gc_paused
 from distckpt.errors import UnsafeCheckpointError
+from distckpt.integrity.hash_model import (
+    HASHING_CALLS,
+    SAME_HASH_CALLS,
+    WILD,
+    WILD_CALLS,
+    Collisions,
+    global_hash,
+    local_collisions,
+    tuple_hash,
+)
+from distckpt.integrity.hash_model import KEPT as _KEPT
+from distckpt.integrity.hash_model import MASK as _MASK
+from distckpt.integrity.hash_model import P1 as _P1
+from distckpt.integrity.hash_model import P2 as _P2
+from distckpt.integrity.hash_model import P5 as _P5
+
+_LEN1 = 1 ^ (_P5 ^ 3527539)  # (the length mixed into a 1-tuple's hash)
 
 _TWO_LINES = frozenset(b"ci")  # GLOBAL and INST: module and name, a line each
 
@@ -26,9 +44,9 @@ _CAP = 1 << 62  # weights saturate here: a doubling chain never builds huge inte
 
 
 def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: int = 0, *, strict: bool = False) -> int:
-    """Raise :class:`UnsafeCheckpointError` where unpickling ``data`` (from ``start``) would hash
-    or copy more than :data:`WORK_PER_BYTE` per byte of it (plus :data:`WORK_BASE`); else return
-    that work (pure; any thread).
+    """Raise :class:`UnsafeCheckpointError` where unpickling ``data`` (from ``start``) would hash,
+    compare or copy more than :data:`WORK_PER_BYTE` per byte of it (plus :data:`WORK_BASE`); else
+    return that work (pure; any thread).
 
     A pickle names each object once and then refers to it (memo ``GET``): a tuple holding the
     same tuple twice, forty levels deep, is a few hundred bytes, but hashing it (as a dictionary key or a
@@ -40,24 +58,45 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
     set member, constructor argument and ``BUILD`` state to the work: sharing multiplies it
     exactly as it multiplies the unpickler's.
 
+    Distinct keys whose hashes are equal are compared with each other as they are inserted
+    (``n`` of them: ``n**2 / 2`` comparisons): integers that differ by a multiple of
+    ``2**61 - 1``, tuples of integers crafted to collide. Every immutable object also gets its
+    hash, as this process will compute it (:mod:`distckpt.integrity.hash_model`), and each key
+    is charged the comparisons its insertion costs.
+
     ``strict`` (``.metadata``): a ``BUILD`` may only give attributes to an object ``NEWOBJ``
     made, as DCP's pickles do: not to what a call returned, which may be a shared singleton (an
     enum member given a heavy ``_name_`` once, then hashed as a key again and again).
 
     An upper bound, not a prediction: a container's weight counts what it holds (a list inside a
     key makes hashing fail at once); a tuple's is fixed when it is built. Like
-    :func:`refuse_memory_bombs`, an opcode it does not know, a truncation or an impossible stack
-    ends the walk quietly where the unpickler stops with its own error.
+    :func:`~distckpt.integrity.pickle_scan.refuse_memory_bombs`, an opcode it does not know, a
+    truncation or an impossible stack ends the walk quietly where the unpickler stops with its
+    own error.
     """
+    # The walk makes millions of small tuples and lists, none of them in a cycle: the cyclic
+    # collector's passes over them (a third of the walk's time for an 18 MB .metadata) find nothing.
+    with gc_paused():
+        return _walk(data, where, start, strict)
+
+
+def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: bool) -> int:
+    """:func:`refuse_work_bombs`'s walk."""
     raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
     n = len(raw)
     budget = WORK_PER_BYTE * (n - start) + WORK_BASE
     work = 0
-    stack: list = []  # an int: an immutable object's weight; [int]: a mutable one's (shared with the memo)
+    # On the stack and in the memo, an immutable object is a tuple (weight, model hash,
+    # craftable, collisions among what it holds, its first member); a mutable one is a
+    # [weight] list (shared with the memo; _Called for what a call returned, with its hash).
+    stack: list = []
     push = stack.append
     unpack_from = _U32.unpack_from
+    int32 = _I32.unpack_from
     marks: list[int] = []
     memo: dict[int, object] = {}
+    col = Collisions()
+    small = _SMALL_INTS
     i = start
     # Only where the unpickler goes on must this walk follow it exactly: where it fails (a
     # mark it lacks, an item below the mark), nothing after runs, whatever this walk assumes.
@@ -72,18 +111,32 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
                 push(memo[raw[i + 1]])
                 i += 2
             elif op == 0x4B:  # BININT1
-                push(1)
+                push(small[raw[i + 1]])
                 i += 2
             elif op == 0x28:  # MARK
                 marks.append(len(stack))
                 i += 1
-            elif op == 0x29 or op == 0x4E:  # EMPTY_TUPLE, NONE
-                push(1)
+            elif op == 0x29:  # EMPTY_TUPLE
+                push(_EMPTY_TUPLE)
+                i += 1
+            elif op == 0x4E:  # NONE
+                push(_NONE)
                 i += 1
             elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: a new object from a callable and arguments
                 x = stack.pop()
-                w = x if x.__class__ is int else x[0]
-                stack[-1] = x = [1 + w] if op == 0x81 else _Called((1 + w,))
+                w = x[0]
+                fn = stack[-1]
+                if op == 0x81:
+                    stack[-1] = x = [1 + w]
+                elif fn.__class__ is tuple and fn[1] in SAME_HASH_CALLS and x.__class__ is tuple and x[4].__class__ is tuple:
+                    m = x[4]  # torch.Size(dims): hashed as dims are
+                    stack[-1] = x = _Called((1 + w,))
+                    x.h = m[1]
+                    x.cr = m[2]
+                else:
+                    x, more = _call(fn, x, col)
+                    stack[-1] = x
+                    work += more
                 work += w
                 i += 1
                 if raw[i] == 0x94:  # (memoized, as pickle.dump memoizes every new object)
@@ -91,35 +144,46 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
                     i += 1
             elif op == 0x85:  # TUPLE1
                 x = stack[-1]
-                if x.__class__ is not int:
-                    if len(x) == 1:
-                        x.append(0)  # captured (see _grow)
-                    x = x[0]
-                stack[-1] = x = 1 + x
+                if x.__class__ is tuple:
+                    h = x[1]
+                    if not x[2] or -_KEPT < h < _KEPT:
+                        h = hash((h,))
+                    else:  # tuple_hash((h,)), inline: a torch.Size's dims, most often
+                        h = (_P5 + (h & _MASK) * _P2) & _MASK
+                        h = (((((h << 31) | (h >> 33)) & _MASK) * _P1) + _LEN1) & _MASK
+                        h = 1546275796 if h == _MASK else h - (1 << 64) if h >> 63 else h
+                    stack[-1] = x = (1 + x[0], h, x[2], x[3], x)
+                else:
+                    stack[-1] = x = _tuple([x], col)
                 i += 1
                 if raw[i] == 0x94:
                     memo[len(memo)] = x
                     i += 1
             elif op == 0x62:  # BUILD
                 x = stack.pop()
-                w = x if x.__class__ is int else x[0]
+                w = x[0]
                 target = stack[-1]
                 if strict and target.__class__ is not list:
                     _refuse_build(where, target)
-                if target.__class__ is not int:
+                if target.__class__ is not tuple:
                     _grow(target, w, where)
                 work += w
+                if col.pending or x.__class__ is tuple and x[3]:  # its keys, inserted again
+                    work += x[3] if x.__class__ is tuple else col.of(x)
                 i += 1
             elif op == 0x75:  # SETITEMS
                 at = marks.pop()
                 items = stack[at:]
                 del stack[at:]
                 target = stack[-1]
-                if target.__class__ is int:
+                if target.__class__ is tuple:
                     return work  # not a container: the unpickler fails here
-                keys = sum([x if x.__class__ is int else x[0] for x in items[0::2]])
-                work += keys
-                _grow(target, keys + sum([x if x.__class__ is int else x[0] for x in items[1::2]]), where)
+                keys = items[0::2]
+                w = sum([x[0] for x in keys])
+                work += w
+                if not all([x.__class__ is tuple and not x[2] for x in keys]):
+                    work += col.add(target, keys, _craftable)
+                _grow(target, w + sum([x[0] for x in items[1::2]]), where)
                 i += 1
             elif op == 0x7D or op == 0x5D:  # EMPTY_DICT, EMPTY_LIST
                 push(x := [1])
@@ -130,44 +194,56 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
             elif op == 0x86:  # TUPLE2
                 x = stack.pop()
                 y = stack[-1]
-                if x.__class__ is not int or y.__class__ is not int:
-                    x, y = _captured((x, y))
-                stack[-1] = x = min(_CAP, 1 + x + y)
+                if x.__class__ is tuple and y.__class__ is tuple:
+                    hx, hy = x[1], y[1]
+                    cr = x[2] or y[2]
+                    if cr and not (-_KEPT < hx < _KEPT and -_KEPT < hy < _KEPT):
+                        h = tuple_hash((hy, hx))
+                    else:
+                        h = hash((hy, hx))
+                    d = x[3] + y[3]
+                    if hx == hy and x[2] and y[2]:
+                        d += x[0]
+                    stack[-1] = x = (min(_CAP, 1 + x[0] + y[0]), h, cr, d, y)
+                else:
+                    stack[-1] = x = _tuple([y, x], col)
                 i += 1
                 if raw[i] == 0x94:
                     memo[len(memo)] = x
                     i += 1
             elif op == 0x4D:  # BININT2
-                push(1)
+                push((1, raw[i + 1] | raw[i + 2] << 8, True, 0, None))
                 i += 3
             elif op == 0x4A:  # BININT
-                push(1)
+                push((1, hash(int32(raw, i + 1)[0]), True, 0, None))
                 i += 5
             elif op == 0x94:  # MEMOIZE (most come right after what they memoize, taken there)
                 memo[len(memo)] = stack[-1]
                 i += 1
             elif op == 0x8C:  # SHORT_BINUNICODE
                 length = raw[i + 1]
-                push(x := 1 + (length >> 6))
+                push(x := (1 + (length >> 6), hash(raw[i + 2 : i + 2 + length].decode("utf-8", "surrogatepass")), False, 0, None))
                 i += 2 + length
                 if raw[i] == 0x94:
                     memo[len(memo)] = x
                     i += 1
             else:
-                i, work = _step(raw, i, n, stack, marks, memo, work, where, strict)
+                i, work = _step(raw, i, n, stack, marks, memo, work, where, strict, col)
                 if i < 0:
                     _check(work, budget, where, n - start)
                     return work
             if work > budget:  # (TUPLE*, BUILD, ...: hashing their weight is what tuples cost)
                 _check(work, budget, where, n - start)
     except (IndexError, KeyError, ValueError, struct.error):
-        return work  # an empty stack, a missing mark or memo slot, a bad index: the unpickler fails here too
+        # An empty stack, a missing mark or memo slot, a bad index, text that does not decode
+        # (UnicodeDecodeError is a ValueError): the unpickler fails here too.
+        return work
     return work
 
 
 def _step(
     raw: bytes | bytearray, i: int, n: int, stack: list, marks: list[int], memo: dict[int, object], work: int, where: str,
-    strict: bool,
+    strict: bool, col: Collisions,
 ) -> tuple[int, int]:
     """One opcode at ``i`` of :func:`refuse_work_bombs`'s walk (any opcode; the walk inlines the
     frequent ones): where the next one starts and the work so far; ``(-end, work)`` where the
@@ -203,7 +279,7 @@ def _step(
         return -n, work
     kind = _KIND[op]
     if kind == _K_PUSH:
-        stack.append(1 + (length >> 6))
+        stack.append(_atom(op, raw, arg, i if size != _LINES else arg + length))
     elif kind == _K_MEMOIZE:
         memo[len(memo)] = stack[-1]
     elif kind == _K_GET:
@@ -223,7 +299,7 @@ def _step(
             del stack[-take:]
         else:
             items = []
-        stack.append(min(_CAP, 1 + sum(_captured(items))))
+        stack.append(_tuple(items, col))
     elif kind == _K_CALL:  # REDUCE, NEWOBJ, BUILD, ...: the arguments (or state) are visited
         take = _CALL_SIZE[op]
         if take < 0:  # OBJ, INST: down to the mark
@@ -239,10 +315,20 @@ def _step(
             target = stack[-1]
             if strict and type(target) is not list:
                 _refuse_build(where, target)
-            if type(target) is not int:
+            if type(target) is not tuple:
                 _grow(target, w, where)
-        else:
-            stack.append([1 + w] if op in (0x81, 0x92) else _Called((1 + w,)))  # NEWOBJ(_EX): new objects
+            x = items[0]
+            work += x[3] if x.__class__ is tuple else col.of(x)
+        elif op == _REDUCE:
+            x, more = _call(stack[-1], items[1], col)
+            stack.append(x)
+            work += more
+        elif op in (0x81, 0x92):  # NEWOBJ(_EX): new objects
+            stack.append([1 + w])
+        else:  # OBJ, INST: a call of protocol 0 and 1 (never in DCP's or torch's pickles)
+            x = _Called((1 + w,))
+            x.h, x.cr = WILD, True
+            stack.append(x)
     elif kind == _K_CONTAINER:
         stack.append([1])
     elif kind == _K_FILL:  # APPEND(S), SETITEM(S), ADDITEMS: into the container below
@@ -255,21 +341,30 @@ def _step(
         else:
             items = _pop_mark(stack, marks)
         target = stack[-1]
-        if type(target) is int:
+        if type(target) is tuple:
             return -i, work  # not a container: the unpickler fails here
         if op in _HASHES_EVERY:  # set members
-            work += _weight(items)
+            work += _weight(items) + col.add(target, items, _craftable)
         elif op in _HASHES_KEYS:
-            work += _weight(items[0::2])
+            work += _weight(items[0::2]) + col.add(target, items[0::2], _craftable)
+        else:  # list items: hashed only if the list is handed to a call that hashes them
+            col.add(target, items, _craftable)
+            col.add(target, items, _craftable_key)  # (pairs: OrderedDict(list) hashes their keys)
         _grow(target, _weight(items), where)
     elif kind == _K_BUILT:  # LIST, DICT, FROZENSET: a new one from the items above the mark
         items = _pop_mark(stack, marks)
         w = min(_CAP, 1 + _weight(items))
+        x = [w]
         if op == _DICT:
-            work += _weight(items[0::2])
+            work += _weight(items[0::2]) + col.add(x, items[0::2], _craftable)
         elif op == _FROZENSET:
-            work += w
-        stack.append(w if op == _FROZENSET else [w])
+            d = local_collisions(items, _craftable)
+            work += w + d
+            x = (w, WILD, True, d, items[0] if items else None)
+        else:
+            col.add(x, items, _craftable)
+            col.add(x, items, _craftable_key)
+        stack.append(x)
     elif kind == _K_POP:
         if stack and (not marks or len(stack) > marks[-1]):
             stack.pop()
@@ -284,14 +379,128 @@ def _step(
     elif kind == _K_GLOBAL2:  # STACK_GLOBAL: two strings for one class
         if len(stack) < 2:
             return -i, work
-        del stack[-2:]
-        stack.append(1)
-    elif kind == _K_PID:  # BINPERSID: the id for one object
-        stack[-1] = 1
+        name = stack.pop()
+        stack[-1] = (1, hash((_model(stack[-1]), _model(name))), False, 0, None)
+    elif kind == _K_PID:  # BINPERSID: the id for one object (torch: a storage, hashed by identity)
+        stack[-1] = (1, hash((_PID, _model(stack[-1]))), False, 0, None)
     elif kind == _K_STOP:
         return -i, work
     # _K_NONE (PROTO, FRAME, READONLY_BUFFER): nothing on the stack changes
     return i, work
+
+
+def _model(x: object) -> int:
+    """The model hash of a walk item (a mutable object's: its identity, never equal to another's)."""
+    if x.__class__ is tuple:
+        return x[1]  # type: ignore[index]
+    if x.__class__ is _Called:
+        return x.h  # type: ignore[attr-defined]
+    return id(x)
+
+
+def _craftable(x: object) -> tuple[int, int] | None:
+    """``(model hash, weight)`` of a walk item whose hash a pickle can choose (numbers in it), else None."""
+    if x.__class__ is tuple:
+        return (x[1], x[0]) if x[2] else None  # type: ignore[index]
+    if x.__class__ is _Called and x.cr:  # type: ignore[attr-defined]
+        return (x.h, x[0])  # type: ignore[attr-defined,index]
+    return None
+
+
+def _craftable_key(x: object) -> tuple[int, int] | None:
+    """:func:`_craftable` of a pair's first member (the key ``OrderedDict(pairs)`` hashes)."""
+    if x.__class__ is tuple and x[4] is not None:  # type: ignore[index]
+        return _craftable(x[4])  # type: ignore[index]
+    return None
+
+
+def _tuple(items: list, col: Collisions) -> tuple:
+    """The walk item of a tuple of ``items`` (the mutable ones are marked captured, see :func:`_grow`)."""
+    w = 1
+    hashes = []
+    cr = False
+    d = 0
+    for x in items:
+        if x.__class__ is tuple:
+            w += x[0]
+            hashes.append(x[1])
+            cr = cr or x[2]
+            d += x[3]
+        else:
+            if len(x) == 1:
+                x.append(0)  # captured
+            w += x[0]
+            if x.__class__ is _Called:
+                hashes.append(x.h)
+                cr = cr or x.cr
+            else:
+                hashes.append(id(x))
+            d += col.of(x)
+    if cr:
+        d += local_collisions(items, _craftable)
+        h = tuple_hash(hashes)
+    else:
+        h = hash(tuple(hashes))
+    return (min(_CAP, w), h, cr, d, items[0] if items else None)
+
+
+def _call(fn: object, args: object, col: Collisions) -> tuple[_Called, int]:
+    """What ``REDUCE`` of ``fn`` on ``args`` makes (its weight and model hash), and the work
+    of a call that hashes what its argument holds (``set(l)``, ``OrderedDict(d)``)."""
+    x = _Called((1 + args[0],))  # type: ignore[index]
+    fh = _model(fn)
+    if args.__class__ is tuple:
+        ah, acr, first = args[1], args[2], args[4]  # type: ignore[index]
+    else:
+        ah, acr, first = _model(args), False, None
+    if fh in SAME_HASH_CALLS and first.__class__ is tuple:
+        x.h, x.cr = first[1], first[2]  # type: ignore[index]
+    elif fh in WILD_CALLS:
+        x.h, x.cr = WILD, True
+    else:
+        x.h, x.cr = hash((fh, ah)), acr
+    more = 0
+    if fh in HASHING_CALLS:
+        more = args[3] if args.__class__ is tuple else col.of(args)  # type: ignore[index]
+    return x, more
+
+
+def _atom(op: int, raw: bytes | bytearray, arg: int, stop: int) -> object:
+    """The walk item of what an opcode pushes (its argument: ``raw[arg:stop]``)."""
+    name = _NAMES[op]
+    length = stop - arg
+    if name in ("BINUNICODE", "BINUNICODE8", "SHORT_BINUNICODE"):
+        return (1 + (length >> 6), hash(raw[arg : arg + length].decode("utf-8", "surrogatepass")), False, 0, None)
+    if name in ("SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "SHORT_BINSTRING", "BINSTRING"):
+        # (a str8 is read as ASCII text: hashed as those bytes are)
+        return (1 + (length >> 6), hash(bytes(raw[arg : arg + length])), False, 0, None)
+    if name in ("LONG1", "LONG4"):
+        v = int.from_bytes(raw[arg : arg + length], "little", signed=True)
+        return (1 + (length >> 6), hash(v), True, 0, None)
+    if name == "BINFLOAT":
+        return (1, hash(_F64.unpack_from(raw, arg)[0]), True, 0, None)
+    if name in ("BININT", "BININT1", "BININT2"):
+        v = int.from_bytes(raw[arg:stop], "little", signed=name == "BININT")
+        return (1, hash(v), True, 0, None)
+    if name == "NEWTRUE":
+        return _TRUE
+    if name == "NEWFALSE":
+        return _FALSE
+    if name == "NONE":
+        return _NONE
+    if name == "UNICODE":
+        return (1 + (length >> 6), hash(bytes(raw[arg : arg + length]).decode("raw-unicode-escape")), False, 0, None)
+    if name in ("INT", "LONG", "FLOAT", "STRING"):
+        # Protocol 0's text (never in DCP's or torch's pickles): read as the unpickler reads it
+        # (C's strtol, escapes), which this model does not follow: counted as colliding.
+        return (1 + (length >> 6), WILD, True, 0, None)
+    if name == "GLOBAL":
+        module, _, qual = bytes(raw[arg : arg + length]).partition(b"\n")
+        return (1, global_hash(module.decode("utf-8"), qual.decode("utf-8")), False, 0, None)
+    if name == "BYTEARRAY8":
+        return [1 + (length >> 6)]  # mutable
+    # EXT*, PERSID, NEXT_BUFFER: objects hashed by identity; equal arguments, the same object.
+    return (1, hash((op, bytes(raw[arg:stop]))), False, 0, None)
 
 
 #: How much an object may grow after a tuple took it (a tuple's weight is fixed when it is
@@ -302,7 +511,10 @@ GROWTH_AFTER_CAPTURE = 64
 
 class _Called(list):
     """The ``[weight]`` of what a call (``REDUCE``, ``OBJ``, ``INST``) returned: maybe an object
-    shared beyond this pickle (an enum member), which a strict walk gives no ``BUILD``."""
+    shared beyond this pickle (an enum member), which a strict walk gives no ``BUILD``; with its
+    model hash ``h`` and whether a pickle can choose it (``cr``)."""
+
+    __slots__ = ("h", "cr")
 
 
 def _refuse_build(where: str, target: object) -> None:
@@ -311,18 +523,6 @@ def _refuse_build(where: str, target: object) -> None:
         f"refusing to read {where}: its pickle gives attributes (BUILD) to {what}, which DCP metadata never does (a "
         "crafted file: a shared object, such as an enum member, could be made costly to hash everywhere it is used)"
     )
-
-
-def _captured(items: tuple | list) -> list[int]:
-    """The weights of ``items`` as a new tuple takes them; the mutable ones are marked captured."""
-    out = []
-    for x in items:
-        if x.__class__ is not int:
-            if len(x) == 1:
-                x.append(0)
-            x = x[0]
-        out.append(x)
-    return out
 
 
 def _grow(target: list, w: int, where: str) -> None:
@@ -340,7 +540,7 @@ def _grow(target: list, w: int, where: str) -> None:
 
 
 def _weight(items: list) -> int:
-    return sum([x if x.__class__ is int else x[0] for x in items])
+    return sum([x[0] for x in items])
 
 
 def _pop_mark(stack: list, marks: list[int]) -> list:
@@ -353,9 +553,10 @@ def _pop_mark(stack: list, marks: list[int]) -> list:
 def _check(work: int, budget: int, where: str, size: int) -> None:
     if work > budget:
         raise UnsafeCheckpointError(
-            f"refusing to read {where}: unpickling its {size:,}-byte pickle would hash or copy more than "
+            f"refusing to read {where}: unpickling its {size:,}-byte pickle would hash, compare or copy more than "
             f"{budget:,} objects (a crafted file: objects it refers to again and again, each reference "
-            "hashed or copied in full, such as a tuple holding one tuple twice, forty levels deep)"
+            "hashed or copied in full, such as a tuple holding one tuple twice, forty levels deep; or many "
+            "distinct keys whose hashes collide, such as integers that differ by multiples of 2**61 - 1)"
         )
 
 
@@ -372,8 +573,16 @@ def _slot(op: int, raw: bytes | bytearray, arg: int, length: int) -> int:
  _K_POP, _K_POP_MARK, _K_DUP, _K_GLOBAL2, _K_PID, _K_STOP) = range(17)  # fmt: skip
 _BUILD, _DICT, _FROZENSET = 0x62, 0x64, 0x91
 _BINGET, _BINPUT, _LONG_BINGET, _LONG_BINPUT = 0x68, 0x71, 0x6A, 0x72
+_REDUCE = 0x52
 _LINES = -100  # an argument up to a newline
-_U32 = struct.Struct("<I")
+_U32, _I32, _F64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct(">d")
+_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+# The walk items of the most frequent atoms (see refuse_work_bombs): built once.
+_SMALL_INTS = [(1, v, True, 0, None) for v in range(256)]
+_EMPTY_TUPLE = (1, hash(()), False, 0, None)
+_NONE = (1, hash(None), False, 0, None)
+_TRUE, _FALSE = (1, hash(True), True, 0, None), (1, hash(False), True, 0, None)
+_PID = hash("persistent id")
 _SIGNED = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes if op.arg is not None and op.arg.n == pickletools.TAKEN_FROM_ARGUMENT4)
 
 

@@ -57,8 +57,9 @@ def decode_loaded(value: Any, key: str, safe_types: SafeTypesLike = None) -> Any
 
 
 _UNSEEN = object()
-#: What the tuples and frozensets a decode hashes may hold, unfolded, in all (see
-#: :meth:`_Decoder.hashed`): ~2 s of this walk; a set of a million pairs holds two million.
+#: What the tuples and frozensets a decode hashes may hold, unfolded, plus the comparisons of its
+#: keys and set members whose hashes are equal, in all (see :meth:`_Decoder.hashed`): ~2 s of
+#: this walk; a set of a million pairs holds two million.
 HASHING_BUDGET = 4_000_000
 
 
@@ -74,7 +75,8 @@ class _Decoder:
 
     def hashed(self, items: Any) -> Any:
         """``items`` (keys or members about to be hashed into a dict or set), once the tuples and
-        frozensets among them, unfolded, fit what is left of :data:`HASHING_BUDGET`: hashing a
+        frozensets among them, unfolded, and the comparisons of those whose hashes are equal fit
+        what is left of :data:`HASHING_BUDGET`: hashing a
         tuple hashes all it holds, again at each reference (a set of one tuple holding one tuple
         twice, forty levels deep, never returned), and comparing equal-hash frozensets compares
         all they hold (frozensets of pairs of the previous one, ~40 levels: never returned)."""
@@ -86,6 +88,17 @@ class _Decoder:
             if left < 0:
                 raise _Malformed(f"its keys or set members unfold into more than {HASHING_BUDGET:,} objects to hash")
             todo.extend(v for v in x if isinstance(v, (tuple, frozenset)))
+        # Distinct keys of one hash are compared with each other as they are inserted: n of
+        # them cost n**2 / 2 (numbers that differ by multiples of 2**61 - 1, NumPy scalars,
+        # tuples of them crafted to collide). Counted from their hashes, now bounded to compute.
+        counts: dict[int, int] = {}
+        for x in items:
+            h = hash(x)
+            seen = counts.get(h, 0)
+            counts[h] = seen + 1
+            left -= seen
+        if left < 0:
+            raise _Malformed(f"its keys or set members hash alike (crafted to collide): inserting them compares more than {HASHING_BUDGET:,} pairs")
         self.hashing = left
         return items
 

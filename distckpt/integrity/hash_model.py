@@ -1,0 +1,142 @@
+"""What a pickle's keys will hash to, known before it is unpickled: hash floods refused.
+
+A dict or set stores each key at a slot chosen by its hash; keys whose hashes are equal (not
+merely their slots) are compared one by one, so ``n`` distinct keys sharing one hash cost
+``n**2 / 2`` comparisons to insert, in C, holding the GIL. Strings and bytes hash with a key
+drawn per process (SipHash): nobody can choose them to collide. Numbers cannot hide theirs:
+``hash(n)`` is ``n mod (2**61 - 1)`` (with ``hash(-1) == hash(-2)``), and a tuple's hash is a
+public function of its members' hashes, so integers and tuples of integers are easily crafted
+to collide: 400 KB of ``.metadata`` took 27 s, a few MB would take hours.
+
+:mod:`distckpt.integrity.work_scan` therefore gives every immutable object on its stack a
+*model hash* beside its weight: the real hash for numbers, strings, bytes and tuples of them
+(computed in this process, so with this process's string hashes), and for what a call returned
+the hash of the call (``torch.Size(t)`` exactly ``hash(t)``; ``complex`` one value for all, as
+its hash mixes its two parts). It is *craftable* where a number is involved. Where a dict or set
+gets keys, :class:`Collisions` counts the craftable ones per container and model hash and
+charges each key the comparisons its insertion costs; equal keys count too (a pickle of a real
+dict never repeats a key). A legitimate pickle's keys never collide, so it is charged nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: CPython's tuple hash (xxHash's lanes, ``Objects/tupleobject.c``), on 64-bit builds.
+P1, P2, P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+MASK = (1 << 64) - 1
+#: Hashes strictly inside (-KEPT, KEPT) are kept as they are when hashed again (except -1,
+#: which no hash is).
+KEPT = (1 << 61) - 1
+
+#: One model hash for all values whose real hash this model does not compute (``complex``,
+#: frozensets, protocol 0's text numbers): craftable, so they are counted as colliding.
+WILD = 0x5D1C_C4E7_0000_0001
+
+_EXACT = sys.hash_info.width == 64 and sys.implementation.name == "cpython"
+
+
+def tuple_hash(hashes: tuple[int, ...] | list[int]) -> int:
+    """``hash(t)`` for a tuple ``t`` whose members hash to ``hashes`` (any values a ``__hash__``
+    can return), as CPython computes it: ``hash(tuple(hashes))`` where every member hash is kept
+    when hashed again (numbers', always), this Python loop where one is not (a string's or a
+    tuple's may be any 64-bit value)."""
+    if not _EXACT:
+        return hash(tuple(hashes))  # (another interpreter: equal members still hash equal)
+    for h in hashes:
+        if not -KEPT < h < KEPT or h == -1:
+            break
+    else:
+        return hash(tuple(hashes))
+    acc = P5
+    for h in hashes:
+        acc = (acc + (h & MASK) * P2) & MASK
+        acc = ((acc << 31) | (acc >> 33)) & MASK
+        acc = (acc * P1) & MASK
+    acc = (acc + (len(hashes) ^ (P5 ^ 3527539))) & MASK
+    if acc == MASK:
+        return 1546275796
+    return acc - (1 << 64) if acc >> 63 else acc
+
+
+def _named(module: str, name: str) -> int:
+    """The model hash of ``GLOBAL module name`` (and ``STACK_GLOBAL`` of the same two strings)."""
+    return hash((hash(module), hash(name)))
+
+
+def global_hash(module: str, name: str) -> int:
+    """The model hash of the object ``module.name`` (a class or function: hashed by identity, so
+    never craftable; only equal names must hash equal)."""
+    return _named(module, name)
+
+
+#: Calls whose result hashes as the one member of their arguments does (``torch.Size(dims)``).
+SAME_HASH_CALLS = frozenset({_named("torch", "Size")})
+#: Calls whose result's hash this model does not compute: their results are :data:`WILD`.
+WILD_CALLS = frozenset({_named("builtins", "complex"), _named("__builtin__", "complex")})
+#: Calls that hash what their argument holds into a new dict or set (torch's ``weights_only``
+#: allow-list admits these three; ``frozenset`` and ``dict`` for pickles that admit them).
+HASHING_CALLS = frozenset(
+    _named(m, n)
+    for m, n in (
+        ("builtins", "set"), ("__builtin__", "set"), ("builtins", "frozenset"), ("__builtin__", "frozenset"),
+        ("builtins", "dict"), ("__builtin__", "dict"), ("collections", "Counter"), ("collections", "OrderedDict"),
+    )
+)  # fmt: skip
+
+
+class Collisions:
+    """Per container (by identity: the walk's record of it), how many craftable keys of each
+    model hash it was given, and what re-hashing its keys would cost (``pending``: a call such as
+    ``OrderedDict(d)`` or a ``BUILD`` with it as state inserts them all again)."""
+
+    __slots__ = ("seen", "pending", "alive")
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, int], int] = {}
+        self.pending: dict[int, int] = {}
+        self.alive: dict[int, object] = {}  # (holds each container counted: its id is not reused meanwhile)
+
+    def add(self, target: object, keys: list, craftable_of: object) -> int:
+        """Count ``keys`` (walk items) into ``target``; return the comparisons their insertion
+        costs (each key: the craftable keys of the same model hash already there, times its
+        weight)."""
+        work = 0
+        t = id(target)
+        seen = self.seen
+        counted = False
+        for k in keys:
+            c = craftable_of(k)  # type: ignore[operator]
+            if c is None:
+                continue
+            counted = True
+            h, w = c
+            slot = (t, h)
+            n = seen.get(slot, 0)
+            seen[slot] = n + 1
+            work += n * w
+        if counted:
+            self.alive[t] = target
+        if work:
+            self.pending[t] = self.pending.get(t, 0) + work
+        return work
+
+    def of(self, target: object) -> int:
+        """What re-hashing ``target``'s keys or members would cost (0 for most)."""
+        return self.pending.get(id(target), 0) if self.pending else 0
+
+
+def local_collisions(keys: list, craftable_of: object) -> int:
+    """The comparisons inserting ``keys`` into one new container costs (``DICT``,
+    ``FROZENSET``, a tuple handed to a hashing call)."""
+    counts: dict[int, int] = {}
+    work = 0
+    for k in keys:
+        c = craftable_of(k)  # type: ignore[operator]
+        if c is None:
+            continue
+        h, w = c
+        n = counts.get(h, 0)
+        counts[h] = n + 1
+        work += n * w
+    return work
