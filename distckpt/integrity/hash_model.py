@@ -21,6 +21,8 @@ dict never repeats a key). A legitimate pickle's keys never collide, so it is ch
 from __future__ import annotations
 
 import sys
+from array import array
+from collections import Counter
 
 #: CPython's tuple hash (xxHash's lanes, ``Objects/tupleobject.c``), on 64-bit builds.
 P1, P2, P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
@@ -86,37 +88,41 @@ HASHING_CALLS = frozenset(
 
 
 class Collisions:
-    """Per container (by identity: the walk's record of it), how many craftable keys of each
+    """Per dict or set (by identity: the walk's record of it), how many craftable keys of each
     model hash it was given, and what re-hashing its keys would cost (``pending``: a call such as
-    ``OrderedDict(d)`` or a ``BUILD`` with it as state inserts them all again)."""
+    ``OrderedDict(d)`` or a ``BUILD`` with it as state inserts them all again). Per list, the
+    model hashes of the craftable items it was given (:meth:`remember`): nothing hashes them
+    unless the list is handed to a call that does (``set(l)``), where they are counted."""
 
-    __slots__ = ("seen", "pending", "alive")
+    __slots__ = ("seen", "pending", "alive", "items")
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[int, int], int] = {}
+        self.seen: dict[int, dict[int, int]] = {}
         self.pending: dict[int, int] = {}
         self.alive: dict[int, object] = {}  # (holds each container counted: its id is not reused meanwhile)
+        self.items: dict[int, list] = {}  # a list's id: [its items' model hashes, their heaviest weight]
 
-    def add(self, target: object, keys: list, craftable_of: object) -> int:
-        """Count ``keys`` (walk items) into ``target``; return the comparisons their insertion
-        costs (each key: the craftable keys of the same model hash already there, times its
-        weight)."""
-        work = 0
+    def add(self, target: object, keys: list) -> int:
+        """Count ``keys`` (walk items) into the dict or set ``target``; return the comparisons
+        their insertion costs (each key: the craftable keys of its model hash already there,
+        times its weight)."""
+        pairs = craftable_pairs(keys)
+        if not pairs:
+            return 0
         t = id(target)
-        seen = self.seen
-        counted = False
-        for k in keys:
-            c = craftable_of(k)  # type: ignore[operator]
-            if c is None:
-                continue
-            counted = True
-            h, w = c
-            slot = (t, h)
-            n = seen.get(slot, 0)
-            seen[slot] = n + 1
-            work += n * w
-        if counted:
+        counts = self.seen.get(t)
+        if counts is None:
+            self.seen[t] = counts = {}
             self.alive[t] = target
+        hashes = [h for h, _ in pairs]
+        if len(set(hashes)) == len(hashes) and counts.keys().isdisjoint(hashes):
+            counts.update(dict.fromkeys(hashes, 1))  # (no two alike: the common case, at C speed)
+            return 0
+        work = 0
+        for h, w in pairs:
+            n = counts.get(h, 0)
+            counts[h] = n + 1
+            work += n * w
         if work:
             self.pending[t] = self.pending.get(t, 0) + work
         return work
@@ -125,17 +131,50 @@ class Collisions:
         """What re-hashing ``target``'s keys or members would cost (0 for most)."""
         return self.pending.get(id(target), 0) if self.pending else 0
 
+    def remember(self, target: object, items: list) -> None:
+        """``items`` appended to the list ``target``: the model hashes of the craftable ones, and
+        of the craftable first members of pairs (``OrderedDict(pairs)`` hashes those), 8 bytes
+        each, with the heaviest weight among them."""
+        pairs = craftable_pairs(items) + craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None])
+        if not pairs:
+            return
+        held = self.items.get(id(target))
+        if held is None:
+            self.items[id(target)] = held = [array("q"), 0]
+            self.alive[id(target)] = target
+        held[0].extend([h for h, _ in pairs])
+        held[1] = max(held[1], max(w for _, w in pairs))
 
-def local_collisions(keys: list, craftable_of: object) -> int:
-    """The comparisons inserting ``keys`` into one new container costs (``DICT``,
-    ``FROZENSET``, a tuple handed to a hashing call)."""
+    def remembered(self, target: object) -> int:
+        """The comparisons inserting what the list ``target`` was given would cost (0 if it is no list)."""
+        held = self.items.get(id(target)) if self.items else None
+        if not held:
+            return 0
+        return held[1] * sum(c * (c - 1) // 2 for c in Counter(held[0]).values() if c > 1)
+
+
+def craftable_pairs(items: list) -> list[tuple[int, int]]:
+    """``(model hash, weight)`` of the walk items a pickle can choose the hash of (numbers in them)."""
+    try:  # (all immutable, the common case: one comprehension)
+        return [(x[1], x[0]) for x in items if x[2]]
+    except (IndexError, TypeError):
+        pass
+    out = []
+    for x in items:
+        if x.__class__ is tuple:
+            if x[2]:
+                out.append((x[1], x[0]))
+        elif getattr(x, "cr", False):  # what a call returned (the walk's _Called)
+            out.append((x.h, x[0]))  # type: ignore[attr-defined,index]
+    return out
+
+
+def local_collisions(pairs: list[tuple[int, int]]) -> int:
+    """The comparisons inserting items of these ``(model hash, weight)`` into one new container
+    costs (``DICT``, ``FROZENSET``, a tuple or a list handed to a hashing call)."""
     counts: dict[int, int] = {}
     work = 0
-    for k in keys:
-        c = craftable_of(k)  # type: ignore[operator]
-        if c is None:
-            continue
-        h, w = c
+    for h, w in pairs:
         n = counts.get(h, 0)
         counts[h] = n + 1
         work += n * w

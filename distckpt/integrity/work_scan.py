@@ -20,6 +20,7 @@ from distckpt.integrity.hash_model import (
     WILD,
     WILD_CALLS,
     Collisions,
+    craftable_pairs,
     global_hash,
     local_collisions,
     tuple_hash,
@@ -182,7 +183,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 w = sum([x[0] for x in keys])
                 work += w
                 if not all([x.__class__ is tuple and not x[2] for x in keys]):
-                    work += col.add(target, keys, _craftable)
+                    work += col.add(target, keys)
                 _grow(target, w + sum([x[0] for x in items[1::2]]), where)
                 i += 1
             elif op == 0x7D or op == 0x5D:  # EMPTY_DICT, EMPTY_LIST
@@ -344,26 +345,24 @@ def _step(
         if type(target) is tuple:
             return -i, work  # not a container: the unpickler fails here
         if op in _HASHES_EVERY:  # set members
-            work += _weight(items) + col.add(target, items, _craftable)
+            work += _weight(items) + col.add(target, items)
         elif op in _HASHES_KEYS:
-            work += _weight(items[0::2]) + col.add(target, items[0::2], _craftable)
+            work += _weight(items[0::2]) + col.add(target, items[0::2])
         else:  # list items: hashed only if the list is handed to a call that hashes them
-            col.add(target, items, _craftable)
-            col.add(target, items, _craftable_key)  # (pairs: OrderedDict(list) hashes their keys)
+            col.remember(target, items)
         _grow(target, _weight(items), where)
     elif kind == _K_BUILT:  # LIST, DICT, FROZENSET: a new one from the items above the mark
         items = _pop_mark(stack, marks)
         w = min(_CAP, 1 + _weight(items))
         x = [w]
         if op == _DICT:
-            work += _weight(items[0::2]) + col.add(x, items[0::2], _craftable)
+            work += _weight(items[0::2]) + col.add(x, items[0::2])
         elif op == _FROZENSET:
-            d = local_collisions(items, _craftable)
+            d = local_collisions(craftable_pairs(items))
             work += w + d
             x = (w, WILD, True, d, items[0] if items else None)
         else:
-            col.add(x, items, _craftable)
-            col.add(x, items, _craftable_key)
+            col.remember(x, items)
         stack.append(x)
     elif kind == _K_POP:
         if stack and (not marks or len(stack) > marks[-1]):
@@ -398,22 +397,6 @@ def _model(x: object) -> int:
     return id(x)
 
 
-def _craftable(x: object) -> tuple[int, int] | None:
-    """``(model hash, weight)`` of a walk item whose hash a pickle can choose (numbers in it), else None."""
-    if x.__class__ is tuple:
-        return (x[1], x[0]) if x[2] else None  # type: ignore[index]
-    if x.__class__ is _Called and x.cr:  # type: ignore[attr-defined]
-        return (x.h, x[0])  # type: ignore[attr-defined,index]
-    return None
-
-
-def _craftable_key(x: object) -> tuple[int, int] | None:
-    """:func:`_craftable` of a pair's first member (the key ``OrderedDict(pairs)`` hashes)."""
-    if x.__class__ is tuple and x[4] is not None:  # type: ignore[index]
-        return _craftable(x[4])  # type: ignore[index]
-    return None
-
-
 def _tuple(items: list, col: Collisions) -> tuple:
     """The walk item of a tuple of ``items`` (the mutable ones are marked captured, see :func:`_grow`)."""
     w = 1
@@ -437,7 +420,7 @@ def _tuple(items: list, col: Collisions) -> tuple:
                 hashes.append(id(x))
             d += col.of(x)
     if cr:
-        d += local_collisions(items, _craftable)
+        d += local_collisions(craftable_pairs(items))
         h = tuple_hash(hashes)
     else:
         h = hash(tuple(hashes))
@@ -455,13 +438,14 @@ def _call(fn: object, args: object, col: Collisions) -> tuple[_Called, int]:
         ah, acr, first = _model(args), False, None
     if fh in SAME_HASH_CALLS and first.__class__ is tuple:
         x.h, x.cr = first[1], first[2]  # type: ignore[index]
-    elif fh in WILD_CALLS:
+    elif fh in WILD_CALLS or fh in SAME_HASH_CALLS:  # (torch.Size of a list: its items are not known here)
         x.h, x.cr = WILD, True
     else:
         x.h, x.cr = hash((fh, ah)), acr
     more = 0
-    if fh in HASHING_CALLS:
+    if fh in HASHING_CALLS:  # what its argument holds is inserted: keys again, or a list's items
         more = args[3] if args.__class__ is tuple else col.of(args)  # type: ignore[index]
+        more += col.remembered(first)  # set(l), Counter(l): the items; OrderedDict(pairs): their keys
     return x, more
 
 
