@@ -14,6 +14,7 @@ import collections
 import json
 import pickle
 import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -299,3 +300,144 @@ def test_forged_checkpoints_with_keys_of_one_hash_are_refused_by_name(tmp_path):
         assert all(w in got[case]["message"] for w in words), got[case]
     for case in ("verify-metadata-int-keys", "verify-value-int-keys"):
         assert got[case]["code"] == 1 and collide in got[case]["stderr"], got[case]
+
+
+# --- Found by an attacker's review of the first version (each got past it) ----------------------
+
+
+def _metadata_index_pickle(n: int, second_build: bool) -> bytes:
+    """``n`` MetadataIndex objects, each given distinct fields by ``BUILD`` (counted so), then
+    changed to one hash (fqn 'a', offsets that differ by multiples of 2**61 - 1): by filling
+    their attribute dicts after the BUILD, or by a second BUILD; then all made keys of one dict."""
+    out = bytearray(b"\x80\x04")
+    memo = 0
+
+    def memoize() -> int:
+        nonlocal memo
+        out.extend(b"\x94")
+        memo += 1
+        return memo - 1
+
+    def get(k: int) -> None:
+        out.extend(b"j" + struct.pack("<I", k))
+
+    def text(t: str) -> None:
+        out.extend(b"\x8c" + bytes([len(t)]) + t.encode())
+
+    def long1(v: int) -> None:
+        b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+        out.extend(b"\x8a" + bytes([len(b)]) + b)
+
+    text("torch.distributed.checkpoint.metadata")
+    text("MetadataIndex")
+    out.extend(b"\x93")
+    cls = memoize()
+    text("fqn")
+    fqn = memoize()
+    text("offset")
+    offset = memoize()
+    objs, dicts = [], []
+    for i in range(n):
+        get(cls)
+        out.extend(b")\x81")
+        objs.append(memoize())
+        out.extend(b"}")
+        dicts.append(memoize())
+        get(fqn)
+        text(f"k{i}")
+        out.extend(b"sb0")  # SETITEM, BUILD, POP
+    for i in range(n):
+        if second_build:
+            get(objs[i])
+            out.extend(b"}")
+        else:
+            get(dicts[i])
+        out.extend(b"(")
+        get(fqn)
+        text("a")
+        get(offset)
+        long1(7 + (i + 1) * M)
+        out.extend(b"ub0" if second_build else b"u0")
+    out.extend(b"}(")
+    for i in range(n):
+        get(objs[i])
+        out.extend(b"N")
+    return bytes(out + b"u.")
+
+
+@pytest.mark.parametrize("second_build", [False, True], ids=["fields-changed-after-build", "second-build"])
+def test_metadata_index_fields_cannot_change_after_they_were_counted(second_build):
+    """``storage_data`` keys are counted by their hash as ``BUILD`` gives them their fields. A
+    ``.metadata`` that then changed the fields (the attribute dict filled after the ``BUILD``, or
+    a second ``BUILD``) made 6,000 keys of one hash: 6.9 s. DCP builds each object once, from a
+    complete dict: anything else is refused by name."""
+    from distckpt.integrity.safe_pickle import load_metadata
+
+    data = _metadata_index_pickle(6000, second_build)
+    words = "a BUILD already gave attributes" if second_build else "changes a dict after BUILD"
+    with pytest.raises(UnsafeCheckpointError, match=words):
+        refuse_work_bombs(data, "x", strict=True)
+    with pytest.raises(UnsafeCheckpointError, match=words):
+        load_metadata(data, "x")
+
+
+def _newobj_keys(cls: str, args: list[bytes]) -> bytes:
+    """``{cls.__new__(cls, *a): None for a in args}`` by ``NEWOBJ`` (protocol 2), as torch's
+    ``weights_only`` unpickler admits it for the classes on its allow-list."""
+    out = b"\x80\x02c" + cls.replace(" ", "\n").encode() + b"\nq\x00}q\x01("
+    for a in args:
+        out += b"h\x00" + a + b"\x81N"
+    return out + b"u."
+
+
+def test_newobj_of_value_hashed_classes_is_counted():
+    """``NEWOBJ`` of ``torch.Size`` or ``complex`` makes objects hashed by value, as ``REDUCE``
+    does: 14,000 sizes of one hash took 3.4 s through torch's loader, complex numbers 2.6 s."""
+    pairs = _crafted_pairs(3000)
+
+    def long1(v: int) -> bytes:
+        b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+        return b"\x8a" + bytes([len(b)]) + b
+
+    sizes = _newobj_keys("torch Size", [long1(a) + long1(b) + b"\x86\x85" for a, b in pairs])
+    assert len({hash(k) for k in pickle.loads(sizes)}) == 1
+    complexes = _newobj_keys("builtins complex", [b"G" + struct.pack(">d", 1000003.0 * k) + b"G" + struct.pack(">d", -k) + b"\x86" for k in range(2, 3000)])
+    assert len({hash(k) for k in pickle.loads(complexes)}) == 1
+    for data in (sizes, complexes):
+        with pytest.raises(UnsafeCheckpointError, match="keys whose hashes collide"):
+            refuse_work_bombs(data, "x")
+
+
+def test_ordered_dicts_from_a_tuple_of_pairs_are_counted():
+    """``OrderedDict(tuple_of_pairs)`` and a ``BUILD`` of such a tuple onto an ``OrderedDict``
+    (torch's loader then updates its ``__dict__`` with it) insert the pairs' first members:
+    12,000 of one hash took 4.1 s."""
+    pairs = [(k * M, i) for i, k in enumerate(range(1, 3000))]
+    called = pickle.dumps(hash_flood_job._Call(collections.OrderedDict, tuple(pairs)), protocol=2)
+    body = b"".join(b"\x8a\x0c" + a.to_bytes(12, "little", signed=True) + b"J" + struct.pack("<i", i) + b"\x86" for a, i in pairs)
+    built = b"\x80\x02ccollections\nOrderedDict\n)R(" + body + b"tb."
+    for data in (called, built):
+        with pytest.raises(UnsafeCheckpointError, match="keys whose hashes collide"):
+            refuse_work_bombs(data, "x")
+
+
+def test_a_set_of_pairs_sharing_a_first_member_is_no_collision():
+    """No false alarm: ``torch.save`` writes a set as ``set([...])``; pairs sharing their first
+    member are distinct members of distinct hashes (the first version charged their first
+    members, meant for ``OrderedDict(pairs)``, and refused these)."""
+    for value in ({(0, f"p{i}") for i in range(5000)}, {(layer, i) for layer in range(4) for i in range(1250)}):
+        data = pickle.dumps(value, protocol=2)
+        assert refuse_work_bombs(data, "x") < 4 * len(data)
+
+
+def test_the_decoder_charges_copies_of_one_shared_payload():
+    """Thousands of encoded values sharing one payload (memo) each decode into a copy of their
+    own: 2,000 sets of one 5,000-member payload (45 KB) took 4.6 s and 0.9 GB. Copies after the
+    first are charged; empty payloads (one shared ``()``) cost nothing."""
+    payload = tuple(range(5000))
+    value = [(MARKER, "set", payload) for _ in range(2000)]
+    with pytest.raises(IntegrityError, match="share one payload"):
+        decode_loaded(value, "k")
+    empties = [(MARKER, "set", ()) for _ in range(100_000)]
+    out = decode_loaded(empties, "k")
+    assert len(out) == 100_000 and out[0] == set() and out[0] is not out[1]

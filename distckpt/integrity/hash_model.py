@@ -76,15 +76,20 @@ def global_hash(module: str, name: str) -> int:
 SAME_HASH_CALLS = frozenset({_named("torch", "Size")})
 #: Calls whose result's hash this model does not compute: their results are :data:`WILD`.
 WILD_CALLS = frozenset({_named("builtins", "complex"), _named("__builtin__", "complex")})
-#: Calls that hash what their argument holds into a new dict or set (torch's ``weights_only``
-#: allow-list admits these three; ``frozenset`` and ``dict`` for pickles that admit them).
-HASHING_CALLS = frozenset(
+#: Calls that hash what their argument holds into a new set or Counter (torch's ``weights_only``
+#: allow-list admits ``set`` and ``Counter``; ``frozenset`` for pickles that admit it) ...
+MEMBER_CALLS = frozenset(
     _named(m, n)
     for m, n in (
         ("builtins", "set"), ("__builtin__", "set"), ("builtins", "frozenset"), ("__builtin__", "frozenset"),
-        ("builtins", "dict"), ("__builtin__", "dict"), ("collections", "Counter"), ("collections", "OrderedDict"),
+        ("collections", "Counter"),
     )
 )  # fmt: skip
+#: ... and the first members of the pairs it holds into a new dict (``OrderedDict(pairs)``).
+PAIR_CALLS = frozenset(
+    _named(m, n) for m, n in (("builtins", "dict"), ("__builtin__", "dict"), ("collections", "OrderedDict"))
+)
+HASHING_CALLS = MEMBER_CALLS | PAIR_CALLS
 
 
 class Collisions:
@@ -100,7 +105,7 @@ class Collisions:
         self.seen: dict[int, dict[int, int]] = {}
         self.pending: dict[int, int] = {}
         self.alive: dict[int, object] = {}  # (holds each container counted: its id is not reused meanwhile)
-        self.items: dict[int, list] = {}  # a list's id: [its items' model hashes, their heaviest weight]
+        self.items: dict[int, list] = {}  # a list's id: [its items' model hashes, its pairs' keys', heaviest weight]
 
     def add(self, target: object, keys: list) -> int:
         """Count ``keys`` (walk items) into the dict or set ``target``; return the comparisons
@@ -135,22 +140,25 @@ class Collisions:
         """``items`` appended to the list ``target``: the model hashes of the craftable ones, and
         of the craftable first members of pairs (``OrderedDict(pairs)`` hashes those), 8 bytes
         each, with the heaviest weight among them."""
-        pairs = craftable_pairs(items) + craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None])
-        if not pairs:
+        members = craftable_pairs(items)
+        keys = craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None])
+        if not members and not keys:
             return
         held = self.items.get(id(target))
         if held is None:
-            self.items[id(target)] = held = [array("q"), 0]
+            self.items[id(target)] = held = [array("q"), array("q"), 0]
             self.alive[id(target)] = target
-        held[0].extend([h for h, _ in pairs])
-        held[1] = max(held[1], max(w for _, w in pairs))
+        held[0].extend([h for h, _ in members])
+        held[1].extend([h for h, _ in keys])
+        held[2] = max(held[2], max(w for _, w in members + keys))
 
-    def remembered(self, target: object) -> int:
-        """The comparisons inserting what the list ``target`` was given would cost (0 if it is no list)."""
+    def remembered(self, target: object, pairs: bool) -> int:
+        """The comparisons inserting what the list ``target`` was given would cost (0 if it is
+        no list): its items, or (``pairs``) the first members of its pairs."""
         held = self.items.get(id(target)) if self.items else None
         if not held:
             return 0
-        return held[1] * sum(c * (c - 1) // 2 for c in Counter(held[0]).values() if c > 1)
+        return held[2] * sum(c * (c - 1) // 2 for c in Counter(held[1 if pairs else 0]).values() if c > 1)
 
 
 def craftable_pairs(items: list) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from distckpt._process import gc_paused
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity.hash_model import (
     HASHING_CALLS,
+    PAIR_CALLS,
     SAME_HASH_CALLS,
     WILD,
     WILD_CALLS,
@@ -78,10 +79,10 @@ def refuse_work_bombs(data: bytes | bytearray | memoryview, where: str, start: i
     # The walk makes millions of small tuples and lists, none of them in a cycle: the cyclic
     # collector's passes over them (a third of the walk's time for an 18 MB .metadata) find nothing.
     with gc_paused():
-        return _walk(data, where, start, strict)
+        return _walk(data, where, start, _Strict(where) if strict else None)
 
 
-def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: bool) -> int:
+def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: _Strict | None) -> int:
     """:func:`refuse_work_bombs`'s walk."""
     raw = data if isinstance(data, (bytes, bytearray)) else bytes(data)
     n = len(raw)
@@ -94,6 +95,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
     push = stack.append
     unpack_from = _U32.unpack_from
     int32 = _I32.unpack_from
+    float64 = _F64.unpack_from
     marks: list[int] = []
     memo: dict[int, object] = {}
     col = Collisions()
@@ -127,7 +129,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 x = stack.pop()
                 w = x[0]
                 fn = stack[-1]
-                if op == 0x81:
+                if op == 0x81 and not (fn.__class__ is tuple and fn[1] in _VALUE_HASHED):
                     stack[-1] = x = [1 + w]
                 elif fn.__class__ is tuple and fn[1] in SAME_HASH_CALLS and x.__class__ is tuple and x[4].__class__ is tuple:
                     m = x[4]  # torch.Size(dims): hashed as dims are
@@ -164,8 +166,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 x = stack.pop()
                 w = x[0]
                 target = stack[-1]
-                if strict and target.__class__ is not list:
-                    _refuse_build(where, target)
+                if strict is not None:
+                    strict.build(target, x)
                 if target.__class__ is not tuple:
                     _grow(target, w, where)
                 work += w
@@ -179,6 +181,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 target = stack[-1]
                 if target.__class__ is tuple:
                     return work  # not a container: the unpickler fails here
+                if strict is not None and strict.frozen:
+                    strict.fill(target)
                 keys = items[0::2]
                 w = sum([x[0] for x in keys])
                 work += w
@@ -221,6 +225,13 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
             elif op == 0x94:  # MEMOIZE (most come right after what they memoize, taken there)
                 memo[len(memo)] = stack[-1]
                 i += 1
+            elif op == 0x47:  # BINFLOAT
+                push((1, hash(float64(raw, i + 1)[0]), True, 0, None))
+                i += 9
+            elif op == 0x8A:  # LONG1
+                length = raw[i + 1]
+                push((1 + (length >> 6), hash(int.from_bytes(raw[i + 2 : i + 2 + length], "little", signed=True)), True, 0, None))
+                i += 2 + length
             elif op == 0x8C:  # SHORT_BINUNICODE
                 length = raw[i + 1]
                 push(x := (1 + (length >> 6), hash(raw[i + 2 : i + 2 + length].decode("utf-8", "surrogatepass")), False, 0, None))
@@ -244,7 +255,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
 
 def _step(
     raw: bytes | bytearray, i: int, n: int, stack: list, marks: list[int], memo: dict[int, object], work: int, where: str,
-    strict: bool, col: Collisions,
+    strict: _Strict | None, col: Collisions,
 ) -> tuple[int, int]:
     """One opcode at ``i`` of :func:`refuse_work_bombs`'s walk (any opcode; the walk inlines the
     frequent ones): where the next one starts and the work so far; ``(-end, work)`` where the
@@ -314,14 +325,16 @@ def _step(
         work += w
         if op == _BUILD:
             target = stack[-1]
-            if strict and type(target) is not list:
-                _refuse_build(where, target)
+            x = items[0]
+            if strict is not None:
+                strict.build(target, x)
             if type(target) is not tuple:
                 _grow(target, w, where)
-            x = items[0]
             work += x[3] if x.__class__ is tuple else col.of(x)
-        elif op == _REDUCE:
-            x, more = _call(stack[-1], items[1], col)
+        elif op == _REDUCE or op == 0x81 and _model(items[0]) in _VALUE_HASHED:
+            # (the walk inlines both; NEWOBJ of torch.Size or complex is cls.__new__(cls, *args),
+            # hashed by value)
+            x, more = _call(items[0], items[1], col)
             stack.append(x)
             work += more
         elif op in (0x81, 0x92):  # NEWOBJ(_EX): new objects
@@ -344,6 +357,8 @@ def _step(
         target = stack[-1]
         if type(target) is tuple:
             return -i, work  # not a container: the unpickler fails here
+        if strict is not None and strict.frozen:
+            strict.fill(target)
         if op in _HASHES_EVERY:  # set members
             work += _weight(items) + col.add(target, items)
         elif op in _HASHES_KEYS:
@@ -420,7 +435,10 @@ def _tuple(items: list, col: Collisions) -> tuple:
                 hashes.append(id(x))
             d += col.of(x)
     if cr:
+        # Handed to a call that hashes what it holds (frozenset(t), OrderedDict(t), a BUILD
+        # onto an OrderedDict): its items, or the first members of its pairs. Both are counted.
         d += local_collisions(craftable_pairs(items))
+        d += local_collisions(craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None]))
         h = tuple_hash(hashes)
     else:
         h = hash(tuple(hashes))
@@ -445,7 +463,7 @@ def _call(fn: object, args: object, col: Collisions) -> tuple[_Called, int]:
     more = 0
     if fh in HASHING_CALLS:  # what its argument holds is inserted: keys again, or a list's items
         more = args[3] if args.__class__ is tuple else col.of(args)  # type: ignore[index]
-        more += col.remembered(first)  # set(l), Counter(l): the items; OrderedDict(pairs): their keys
+        more += col.remembered(first, pairs=fh in PAIR_CALLS)  # set(l), Counter(l): the items; OrderedDict(pairs): their keys
     return x, more
 
 
@@ -501,8 +519,44 @@ class _Called(list):
     __slots__ = ("h", "cr")
 
 
+class _Strict:
+    """What a strict walk (``.metadata``) remembers: the objects ``BUILD`` gave attributes and
+    the dicts it gave them. DCP's pickles give each object one ``BUILD``, of a dict complete by
+    then. A dict changed after it became an object's attributes changes that object after it
+    was counted (``MetadataIndex`` keys are counted, by their hash, as ``BUILD`` gives them
+    their fields), and so would a second ``BUILD``."""
+
+    __slots__ = ("where", "built", "frozen", "keep")
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.built: set[int] = set()
+        self.frozen: set[int] = set()
+        self.keep: list[object] = []  # (their ids are not reused while remembered)
+
+    def build(self, target: object, state: object) -> None:
+        if target.__class__ is not list or id(target) in self.built:
+            _refuse_build(self.where, target)
+        self.built.add(id(target))
+        self.keep.append(target)
+        if state.__class__ is not tuple:
+            self.frozen.add(id(state))
+            self.keep.append(state)
+
+    def fill(self, target: object) -> None:
+        if id(target) in self.frozen:
+            raise UnsafeCheckpointError(
+                f"refusing to read {self.where}: its pickle changes a dict after BUILD made it an object's attributes, "
+                "which DCP metadata never does (a crafted file: the object was counted as it was built)"
+            )
+
+
 def _refuse_build(where: str, target: object) -> None:
-    what = "what a call returned" if type(target) is _Called else "an object no NEWOBJ made"
+    what = (
+        "what a call returned" if type(target) is _Called
+        else "an object a BUILD already gave attributes" if type(target) is list
+        else "an object no NEWOBJ made"
+    )  # fmt: skip
     raise UnsafeCheckpointError(
         f"refusing to read {where}: its pickle gives attributes (BUILD) to {what}, which DCP metadata never does (a "
         "crafted file: a shared object, such as an enum member, could be made costly to hash everywhere it is used)"
@@ -558,6 +612,8 @@ def _slot(op: int, raw: bytes | bytearray, arg: int, length: int) -> int:
 _BUILD, _DICT, _FROZENSET = 0x62, 0x64, 0x91
 _BINGET, _BINPUT, _LONG_BINGET, _LONG_BINPUT = 0x68, 0x71, 0x6A, 0x72
 _REDUCE = 0x52
+#: Classes whose instances ``NEWOBJ`` makes hashed by value, as ``REDUCE`` makes them.
+_VALUE_HASHED = SAME_HASH_CALLS | WILD_CALLS
 _LINES = -100  # an argument up to a newline
 _U32, _I32, _F64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct(">d")
 _NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
