@@ -8,6 +8,8 @@ import hashlib
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,3 +81,12 @@ def run_job(argv: list[str], cases: tuple[str, ...], forge_case: Callable[[Path,
         shutil.copytree(base / "clean", root)
         forge_case(root / step_dir(1), case)
         print(json.dumps(read_case(root, case)), flush=True)
+
+
+def run_cases(job: Path, tmp: Path, timeout: float = 240) -> dict[str, dict]:
+    """Run the forging ``job`` (a script calling :func:`run_job`) on every case in a fresh
+    interpreter under ``timeout``: its JSON lines, by case (a regression there is often a
+    process that never returns, holding the GIL)."""
+    done = subprocess.run([sys.executable, str(job), str(tmp)], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    return {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}

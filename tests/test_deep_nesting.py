@@ -4,10 +4,8 @@ records): a named error, never a crash of the interpreter (``distckpt.integrity.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import random
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,6 +18,8 @@ from distckpt.integrity import deep_stack
 from distckpt.integrity.metadata_check import MAX_TUPLE_NESTING, check_nesting
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import forge  # noqa: E402
 
 
 def _chain(tuples: int) -> tuple:
@@ -34,11 +34,7 @@ def test_forged_deep_nesting_is_refused_by_name_everywhere_it_is_read(tmp_path):
     """Each forged file (every checksum and digest re-sealed) crashed the reading process with
     SIGSEGV before (7 of the 8 cases; the eighth loaded a forged attribute silently); now the
     load and ``verify --state`` name the file and what is malformed."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "deep_nesting_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
-    got = {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    got = forge.run_cases(HERE / "deep_nesting_job.py", tmp_path)
     # A storage_data key's offset is checked as the unpickler builds the key (it is hashed then).
     key = got["metadata-key-offset"]
     assert key["error"] == "UnsafeCheckpointError" and "gives a MetadataIndex the fqn str and offset tuple" in key["message"], key

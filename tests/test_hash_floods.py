@@ -11,11 +11,9 @@ decoder counts the hashes of what it inserts."""
 from __future__ import annotations
 
 import collections
-import json
 import pickle
 import random
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from distckpt.state.encoded import MARKER, encode_for_save
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import forge  # noqa: E402
 import hash_flood_job  # noqa: E402
 
 M = hash_flood_job.M
@@ -281,11 +280,7 @@ def test_forged_checkpoints_with_keys_of_one_hash_are_refused_by_name(tmp_path):
     ten times as many keys would take a hundred times as long). Now each is refused by name where
     it is read: ``Checkpointer.load`` and ``distckpt verify --state``. A fresh interpreter under a
     timeout."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "hash_flood_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
-    got = {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    got = forge.run_cases(HERE / "hash_flood_job.py", tmp_path)
     collide = "keys whose hashes collide"
     expected = {
         "metadata-int-keys": (".metadata: unpickling its", collide),

@@ -6,11 +6,9 @@ shared structure once."""
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import random
 import re
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -27,6 +25,7 @@ from distckpt.state.decoding import decode_loaded
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import forge  # noqa: E402
 import work_bomb_job  # noqa: E402
 
 
@@ -37,11 +36,7 @@ def test_forged_work_bombs_are_refused_by_name_everywhere_they_are_read(tmp_path
     failing, and one loaded 64 MiB of tensors from a 1 MiB record (zip entries sharing bytes);
     now each ends in a named refusal, or loads. A fresh interpreter under a
     timeout: a regression is a process that never returns, holding the GIL."""
-    done = subprocess.run(
-        [sys.executable, str(HERE / "work_bomb_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
-    got = {r["case"]: r for r in map(json.loads, done.stdout.splitlines())}
+    got = forge.run_cases(HERE / "work_bomb_job.py", tmp_path)
     scan = "pickle would hash, compare or copy more than"
     expected = {
         "metadata-dag-key": ".metadata: unpickling its",
