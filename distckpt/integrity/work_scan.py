@@ -100,6 +100,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
     memo: dict[int, object] = {}
     col = Collisions()
     small = _SMALL_INTS
+    # (strict: inline below for speed; see _Strict)
+    built, frozen, keep = (strict.built, strict.frozen, strict.keep) if strict is not None else (set(), set(), [])
     i = start
     # Only where the unpickler goes on must this walk follow it exactly: where it fails (a
     # mark it lacks, an item below the mark), nothing after runs, whatever this walk assumes.
@@ -167,7 +169,12 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 w = x[0]
                 target = stack[-1]
                 if strict is not None:
-                    strict.build(target, x)
+                    if target.__class__ is not list or id(target) in built:
+                        _refuse_build(where, target)
+                    built.add(id(target))
+                    if x.__class__ is not tuple:
+                        frozen.add(id(x))
+                    keep.append((target, x))
                 if target.__class__ is not tuple:
                     _grow(target, w, where)
                 work += w
@@ -181,8 +188,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 target = stack[-1]
                 if target.__class__ is tuple:
                     return work  # not a container: the unpickler fails here
-                if strict is not None and strict.frozen:
-                    strict.fill(target)
+                if frozen and id(target) in frozen:
+                    strict.fill(target)  # type: ignore[union-attr]
                 keys = items[0::2]
                 w = sum([x[0] for x in keys])
                 work += w
