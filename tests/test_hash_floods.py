@@ -11,10 +11,12 @@ decoder counts the hashes of what it inserts."""
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import random
 import struct
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -436,3 +438,66 @@ def test_the_decoder_charges_copies_of_one_shared_payload():
     empties = [(MARKER, "set", ()) for _ in range(100_000)]
     out = decode_loaded(empties, "k")
     assert len(out) == 100_000 and out[0] == set() and out[0] is not out[1]
+
+
+# --- Found by a second attacker's review -----------------------------------------------------------
+
+
+def _long1(v: int) -> bytes:
+    b = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(b)]) + b
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (torch.save writes it with _rebuild_from_type_v2)."""
+
+
+@pytest.mark.parametrize("func", [b"builtins\nset\n", b"collections\nCounter\n", b"builtins\nbytearray\n"])
+def test_rebuild_from_type_takes_only_a_tensor_rebuild(func):
+    """torch's allow-list admits ``_rebuild_from_type_v2(func, new_type, args, state)``, which
+    calls ``func(*args)``: ``set`` of 20,000 colliding integers took 4.6 s that way, a
+    ``bytearray`` of 1 GB came from 79 bytes. ``torch.save`` gives it one of torch's tensor
+    rebuilds (a tensor subclass); anything else is refused by name."""
+    from distckpt.integrity.call_scan import refuse_argument_bombs
+
+    items = b"".join(_long1(7 + k * M) for k in range(1, 2000)) if b"bytearray" not in func else b""
+    arg = b"](" + items + b"e\x85" if items else b"J\x00\xca\x9a\x3b\x85"
+    data = b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(c" + func + b"c" + func + arg + b"NtR."
+    with pytest.raises(UnsafeCheckpointError, match="_rebuild_from_type_v2 with .* where torch.save gives it one of torch's tensor rebuilds"):
+        refuse_argument_bombs(data, "x")
+    buf = io.BytesIO()
+    torch.save(torch.zeros(2).as_subclass(_Sub), buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        legit = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"_rebuild_from_type_v2" in legit
+    refuse_argument_bombs(legit, "x")  # what torch.save writes for a tensor subclass passes
+
+
+def test_a_list_of_pairs_built_onto_an_ordered_dict_is_counted():
+    """A ``BUILD`` of a list of pairs onto an ``OrderedDict`` or a ``Counter`` (torch's loader
+    updates its ``__dict__`` with it) inserts their first members: 16,000 of one hash, 2.6 s."""
+    for cls in (b"collections\nOrderedDict\n", b"collections\nCounter\n"):
+        body = b"".join(_long1(7 + k * M) + b"K\x01\x86" for k in range(1, 3000))
+        data = b"\x80\x02c" + cls + b")R](" + body + b"eb."
+        with pytest.raises(UnsafeCheckpointError, match="keys whose hashes collide"):
+            refuse_work_bombs(data, "x")
+
+
+def test_a_tuple_holding_what_the_model_does_not_know_is_not_known_either():
+    """``complex`` numbers (and ``torch.Size`` of a list) share one model hash; a tuple key
+    ``(k, complex_k)`` got one of its own for each ``k``, yet ``complex(X % 1000003, X // 1000003)``
+    hashes to ``X``: 20,000 keys of one real hash took 6.6 s. Such tuples count as colliding too."""
+    pairs = _crafted_pairs(2999)  # (a, b) of one tuple hash; complex(b % 1000003, b // 1000003) hashes to b
+    value = {(a, complex(b % 1000003, b // 1000003)): 0 for a, b in pairs}
+    assert len({hash(k) for k in value}) == 1
+    with pytest.raises(UnsafeCheckpointError, match="keys whose hashes collide"):
+        refuse_work_bombs(pickle.dumps(value, protocol=2), "x")
+
+
+def test_a_key_that_decodes_unhashable_is_an_integrity_error():
+    """A dict key holding an encoded set is hashable as stored and not once decoded: a plain
+    ``TypeError`` escaped the decoder; now it is the decoder's named error."""
+    inner = (MARKER, "set", (1,))
+    for value in ({("a", inner): 1}, (MARKER, "set", (("a", inner),))):
+        with pytest.raises(IntegrityError, match="cannot be hashed"):
+            decode_loaded(value, "k")

@@ -16,6 +16,8 @@ REFUSED_CALLS = frozenset({
 })  # fmt: skip
 _BYTEARRAY = frozenset({"builtins.bytearray", "__builtin__.bytearray"})
 _ENCODE = "_codecs.encode"
+_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
+_TENSOR_REBUILDS = "torch._utils._rebuild_"
 _BYTES = object()  # what ``_codecs.encode(text, "latin1")`` returned (torch.save's bytes)
 _OTHER = object()
 
@@ -32,7 +34,7 @@ def refuse_argument_bombs(data: bytes, where: str) -> None:
     writes ``bytes`` as ``_codecs.encode(text, "latin1")`` and a ``bytearray`` as
     ``bytearray()`` or ``bytearray(<such bytes>)``; the callables in :data:`REFUSED_CALLS`
     never. A walk of the opcodes torch's unpickler knows, with the values it needs (pure)."""
-    if not any(name in data for name in (b"bytearray", b"_codecs", b"_rebuild_device_tensor")):
+    if not any(name in data for name in (b"bytearray", b"_codecs", b"_rebuild_device_tensor", b"_rebuild_from_type_v2")):
         return  # (a substring gate: a GLOBAL names its callable in plain text)
     stack: list = []
     marks: list[int] = []
@@ -93,6 +95,13 @@ def refuse_argument_bombs(data: bytes, where: str) -> None:
 def _checked_call(fn: object, args: object, where: str) -> object:
     if type(fn) is not _Callable:
         return _OTHER
+    if fn == _FROM_TYPE:
+        # _rebuild_from_type_v2(func, new_type, args, state) runs func(*args): torch.save writes
+        # it for tensor subclasses, with one of torch's tensor rebuilds as func. Any other func
+        # would be a call this scan and the work walk do not see as one (set(l), bytearray(n)).
+        func = args[0] if type(args) is tuple and args else None
+        if not (type(func) is _Callable and func.startswith(_TENSOR_REBUILDS) and func not in REFUSED_CALLS):
+            _refuse_call(where, fn, f"with {_args(args)}, where torch.save gives it one of torch's tensor rebuilds")
     if fn == _ENCODE:
         if not (type(args) is tuple and len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1")):
             _refuse_call(where, fn, f"with {_args(args)}, where torch.save writes (text, 'latin1')")

@@ -151,7 +151,9 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 x = stack[-1]
                 if x.__class__ is tuple:
                     h = x[1]
-                    if not x[2] or -_KEPT < h < _KEPT:
+                    if h == WILD:  # (a tuple holding what the model does not know: not known either)
+                        pass
+                    elif not x[2] or -_KEPT < h < _KEPT:
                         h = hash((h,))
                     else:  # tuple_hash((h,)), inline: a torch.Size's dims, most often
                         h = (_P5 + (h & _MASK) * _P2) & _MASK
@@ -178,8 +180,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 if target.__class__ is not tuple:
                     _grow(target, w, where)
                 work += w
-                if col.pending or x.__class__ is tuple and x[3]:  # its keys, inserted again
-                    work += x[3] if x.__class__ is tuple else col.of(x)
+                if col.pending or col.items or x.__class__ is tuple and x[3]:  # its keys, inserted again
+                    work += x[3] if x.__class__ is tuple else col.of(x) + col.remembered(x, pairs=True)
                 i += 1
             elif op == 0x75:  # SETITEMS
                 at = marks.pop()
@@ -209,7 +211,9 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 if x.__class__ is tuple and y.__class__ is tuple:
                     hx, hy = x[1], y[1]
                     cr = x[2] or y[2]
-                    if cr and not (-_KEPT < hx < _KEPT and -_KEPT < hy < _KEPT):
+                    if hx == WILD or hy == WILD:
+                        h = WILD
+                    elif cr and not (-_KEPT < hx < _KEPT and -_KEPT < hy < _KEPT):
                         h = tuple_hash((hy, hx))
                     else:
                         h = hash((hy, hx))
@@ -337,7 +341,7 @@ def _step(
                 strict.build(target, x)
             if type(target) is not tuple:
                 _grow(target, w, where)
-            work += x[3] if x.__class__ is tuple else col.of(x)
+            work += x[3] if x.__class__ is tuple else col.of(x) + col.remembered(x, pairs=True)
         elif op == _REDUCE or op == 0x81 and _model(items[0]) in _VALUE_HASHED:
             # (the walk inlines both; NEWOBJ of torch.Size or complex is cls.__new__(cls, *args),
             # hashed by value)
@@ -446,7 +450,8 @@ def _tuple(items: list, col: Collisions) -> tuple:
         # onto an OrderedDict): its items, or the first members of its pairs. Both are counted.
         d += local_collisions(craftable_pairs(items))
         d += local_collisions(craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None]))
-        h = tuple_hash(hashes)
+        # (a tuple holding what the model does not know is not known either)
+        h = WILD if WILD in hashes else tuple_hash(hashes)
     else:
         h = hash(tuple(hashes))
     return (min(_CAP, w), h, cr, d, items[0] if items else None)

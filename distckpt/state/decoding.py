@@ -94,7 +94,10 @@ class _Decoder:
         # tuples of them crafted to collide). Counted from their hashes, now bounded to compute.
         counts: dict[int, int] = {}
         for x in items:
-            h = hash(x)
+            try:
+                h = hash(x)
+            except TypeError:  # (a key holding an encoded set: hashable as stored, not decoded)
+                raise _Malformed(f"a key or set member {shown(x, 60)} cannot be hashed") from None
             seen = counts.get(h, 0)
             counts[h] = seen + 1
             left -= seen
