@@ -501,3 +501,54 @@ def test_a_key_that_decodes_unhashable_is_an_integrity_error():
     for value in ({("a", inner): 1}, (MARKER, "set", (("a", inner),))):
         with pytest.raises(IntegrityError, match="cannot be hashed"):
             decode_loaded(value, "k")
+
+
+# --- Found by a third attacker's review ---------------------------------------------------------
+
+
+def test_a_list_of_pairs_as_build_state_with_slots_is_counted():
+    """torch's loader reads a ``BUILD`` state ``(state, slotstate)`` and updates ``__dict__``
+    with ``state``: a list of 16,000 pairs of one key hash onto a ``Counter`` took 5.9 s."""
+    body = b"".join(_long1(7 + k * M) + b"K\x01\x86" for k in range(1, 3000))
+    data = b"\x80\x02ccollections\nCounter\n)R](" + body + b"eN\x86b."
+    with pytest.raises(UnsafeCheckpointError, match="keys whose hashes collide"):
+        refuse_work_bombs(data, "x")
+
+
+def test_a_bit_generator_state_cannot_repeat_its_storage():
+    """NumPy copies the state it is given: an SFC64 state holding a stride-0 view of one element
+    (a 1.7 KB record) took 1.5 GB for 200M elements before NumPy refused it. Refused first."""
+    view = torch.zeros(1, dtype=torch.int64).expand(100_000_000)
+    state = {"bit_generator": "SFC64", "state": {"state": view}, "has_uint32": 0, "uinteger": 0}
+    with pytest.raises(IntegrityError, match="repeats its storage"):
+        decode_loaded((MARKER, "numpy.random.Generator", ("SFC64", state)), "k")
+    with pytest.raises(IntegrityError, match="repeats its storage"):
+        decode_loaded((MARKER, "numpy.random.RandomState", {"bit_generator": "MT19937", "state": {"key": view, "pos": 0}}), "k")
+    real = np.random.default_rng(3)
+    encoded = encode_for_save({"g": (real,)})["g"]
+    assert decode_loaded(encoded, "g")[0].bit_generator.state == real.bit_generator.state
+
+
+@pytest.mark.parametrize(
+    "pickled, raised",
+    [
+        (b"\x80\x02cbuiltins\nset\nK\x05\x85R.", "TypeError"),
+        (b"\x80\x02ctorch\ndevice\nX\x04\x00\x00\x00nope\x85R.", "RuntimeError"),
+        (b"\x80\x02cbuiltins\ncomplex\nX\x02\x00\x00\x00zz\x85R.", "ValueError"),
+    ],
+)
+def test_what_torch_load_raises_is_named_as_an_integrity_error(pickled, raised):
+    """An admitted call given arguments it refuses raised a bare ``TypeError``, ``RuntimeError``
+    or ``ValueError`` out of every reader of value records; now an ``IntegrityError`` naming
+    the record."""
+    from distckpt.integrity.deep_stack import torch_load
+
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z, io.BytesIO() as out:
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+            for info in z.infolist():
+                w.writestr(info, pickled if info.filename.endswith("data.pkl") else z.read(info.filename))
+        record = out.getvalue()
+    with pytest.raises(IntegrityError, match=f"value 'x' is not a record torch.load reads: {raised}"):
+        torch_load(io.BytesIO(record), record, "value 'x'")

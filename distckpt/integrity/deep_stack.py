@@ -30,6 +30,7 @@ every field DCP writes, a nesting bound on the rest), values by the decoder's de
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import zipfile
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from distckpt._compat import PyTorchFileReader
-from distckpt.errors import UnsafeCheckpointError
+from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity.call_scan import refuse_argument_bombs
 from distckpt.integrity.work_scan import refuse_work_bombs
 
@@ -142,12 +143,23 @@ def torch_load(record: Any, raw: bytes | bytearray | memoryview | None = None, w
     the record's nesting (its pickle's dict keys are hashed as they are built), once its pickles
     are known to ask no more work than their size allows (:func:`refuse_record_work_bombs`).
     ``record``: a seekable binary stream; ``raw``: its bytes, where the caller has them;
-    ``where``: what errors name. Raises what ``torch.load`` raises, and
-    :class:`~distckpt.errors.UnsafeCheckpointError`."""
+    ``where``: what errors name.
+
+    Raises:
+        pickle.UnpicklingError: what ``torch.load`` raises for a pickle that needs code.
+        UnsafeCheckpointError: the record asks for more work than its size allows.
+        IntegrityError: naming ``where``, anything else ``torch.load`` raised (an admitted call
+            given arguments it refuses, ``set(5)``, ``torch.device("nope")``; a damaged archive).
+    """
     bound = refuse_record_work_bombs(record, raw, where)
     if bound is None:
         bound = record_nesting_bound(record, raw)
-    return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
+    try:
+        return call_with_stack(bound, lambda: torch.load(record, map_location="cpu", weights_only=True))
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RuntimeError, EOFError) as exc:
+        if isinstance(exc, pickle.UnpicklingError):
+            raise
+        raise IntegrityError(f"{where} is not a record torch.load reads: {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def refuse_record_work_bombs(record: Any, raw: bytes | bytearray | memoryview | None, where: str) -> int | None:

@@ -181,7 +181,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                     _grow(target, w, where)
                 work += w
                 if col.pending or col.items or x.__class__ is tuple and x[3]:  # its keys, inserted again
-                    work += x[3] if x.__class__ is tuple else col.of(x) + col.remembered(x, pairs=True)
+                    work += _rebuilt(x, col)
                 i += 1
             elif op == 0x75:  # SETITEMS
                 at = marks.pop()
@@ -341,7 +341,7 @@ def _step(
                 strict.build(target, x)
             if type(target) is not tuple:
                 _grow(target, w, where)
-            work += x[3] if x.__class__ is tuple else col.of(x) + col.remembered(x, pairs=True)
+            work += _rebuilt(x, col)
         elif op == _REDUCE or op == 0x81 and _model(items[0]) in _VALUE_HASHED:
             # (the walk inlines both; NEWOBJ of torch.Size or complex is cls.__new__(cls, *args),
             # hashed by value)
@@ -455,6 +455,19 @@ def _tuple(items: list, col: Collisions) -> tuple:
     else:
         h = hash(tuple(hashes))
     return (min(_CAP, w), h, cr, d, items[0] if items else None)
+
+
+def _rebuilt(state: object, col: Collisions) -> int:
+    """What a ``BUILD`` of ``state`` costs beyond its weight: torch's loader updates an object's
+    ``__dict__`` with a dict, a list of pairs, or the first of a ``(state, slotstate)`` pair,
+    inserting their keys again."""
+    if state.__class__ is not tuple:
+        return col.of(state) + col.remembered(state, pairs=True)
+    first = state[4]  # type: ignore[index]
+    more = state[3]  # type: ignore[index]
+    if first is not None and first.__class__ is not tuple:
+        more += col.remembered(first, pairs=True)
+    return more
 
 
 def _call(fn: object, args: object, col: Collisions) -> tuple[_Called, int]:
