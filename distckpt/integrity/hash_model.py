@@ -61,25 +61,21 @@ def tuple_hash(hashes: tuple[int, ...] | list[int]) -> int:
     return acc - (1 << 64) if acc >> 63 else acc
 
 
-def _named(module: str, name: str) -> int:
-    """The model hash of ``GLOBAL module name`` (and ``STACK_GLOBAL`` of the same two strings)."""
+def global_hash(module: str, name: str) -> int:
+    """The model hash of the object ``module.name``, as ``GLOBAL`` or ``STACK_GLOBAL`` names it
+    (a class or function: hashed by identity, so never craftable; only equal names must hash
+    equal)."""
     return hash((hash(module), hash(name)))
 
 
-def global_hash(module: str, name: str) -> int:
-    """The model hash of the object ``module.name`` (a class or function: hashed by identity, so
-    never craftable; only equal names must hash equal)."""
-    return _named(module, name)
-
-
 #: Calls whose result hashes as the one member of their arguments does (``torch.Size(dims)``).
-SAME_HASH_CALLS = frozenset({_named("torch", "Size")})
+SAME_HASH_CALLS = frozenset({global_hash("torch", "Size")})
 #: Calls whose result's hash this model does not compute: their results are :data:`WILD`.
-WILD_CALLS = frozenset({_named("builtins", "complex"), _named("__builtin__", "complex")})
+WILD_CALLS = frozenset({global_hash("builtins", "complex"), global_hash("__builtin__", "complex")})
 #: Calls that hash what their argument holds into a new set or Counter (torch's ``weights_only``
 #: allow-list admits ``set`` and ``Counter``; ``frozenset`` for pickles that admit it) ...
 MEMBER_CALLS = frozenset(
-    _named(m, n)
+    global_hash(m, n)
     for m, n in (
         ("builtins", "set"), ("__builtin__", "set"), ("builtins", "frozenset"), ("__builtin__", "frozenset"),
         ("collections", "Counter"),
@@ -87,7 +83,7 @@ MEMBER_CALLS = frozenset(
 )  # fmt: skip
 #: ... and the first members of the pairs it holds into a new dict (``OrderedDict(pairs)``).
 PAIR_CALLS = frozenset(
-    _named(m, n) for m, n in (("builtins", "dict"), ("__builtin__", "dict"), ("collections", "OrderedDict"))
+    global_hash(m, n) for m, n in (("builtins", "dict"), ("__builtin__", "dict"), ("collections", "OrderedDict"))
 )
 HASHING_CALLS = MEMBER_CALLS | PAIR_CALLS
 
@@ -123,11 +119,7 @@ class Collisions:
         if len(set(hashes)) == len(hashes) and counts.keys().isdisjoint(hashes):
             counts.update(dict.fromkeys(hashes, 1))  # (no two alike: the common case, at C speed)
             return 0
-        work = 0
-        for h, w in pairs:
-            n = counts.get(h, 0)
-            counts[h] = n + 1
-            work += n * w
+        work = local_collisions(pairs, counts)
         if work:
             self.pending[t] = self.pending.get(t, 0) + work
         return work
@@ -141,7 +133,7 @@ class Collisions:
         of the craftable first members of pairs (``OrderedDict(pairs)`` hashes those), 8 bytes
         each, with the heaviest weight among them."""
         members = craftable_pairs(items)
-        keys = craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None])
+        keys = pair_keys(items)
         if not members and not keys:
             return
         held = self.items.get(id(target))
@@ -177,10 +169,18 @@ def craftable_pairs(items: list) -> list[tuple[int, int]]:
     return out
 
 
-def local_collisions(pairs: list[tuple[int, int]]) -> int:
-    """The comparisons inserting items of these ``(model hash, weight)`` into one new container
-    costs (``DICT``, ``FROZENSET``, a tuple or a list handed to a hashing call)."""
-    counts: dict[int, int] = {}
+def pair_keys(items: list) -> list[tuple[int, int]]:
+    """:func:`craftable_pairs` of the first members of the tuples among ``items`` (the keys
+    ``OrderedDict(pairs)`` or ``__dict__.update(pairs)`` inserts)."""
+    return craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None])
+
+
+def local_collisions(pairs: list[tuple[int, int]], counts: dict[int, int] | None = None) -> int:
+    """The comparisons inserting items of these ``(model hash, weight)`` into one container
+    costs: a new one (``DICT``, ``FROZENSET``, a tuple or a list handed to a hashing call), or
+    one already holding ``counts`` (model hash -> keys of it; updated)."""
+    if counts is None:
+        counts = {}
     work = 0
     for h, w in pairs:
         n = counts.get(h, 0)

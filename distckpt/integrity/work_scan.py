@@ -24,16 +24,9 @@ from distckpt.integrity.hash_model import (
     craftable_pairs,
     global_hash,
     local_collisions,
+    pair_keys,
     tuple_hash,
 )
-from distckpt.integrity.hash_model import KEPT as _KEPT
-from distckpt.integrity.hash_model import MASK as _MASK
-from distckpt.integrity.hash_model import P1 as _P1
-from distckpt.integrity.hash_model import P2 as _P2
-from distckpt.integrity.hash_model import P5 as _P5
-
-_LEN1 = 1 ^ (_P5 ^ 3527539)  # (the length mixed into a 1-tuple's hash)
-
 _TWO_LINES = frozenset(b"ci")  # GLOBAL and INST: module and name, a line each
 
 #: The work a pickle may ask of an unpickler, per byte of it and in all: far above what any
@@ -100,8 +93,6 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
     memo: dict[int, object] = {}
     col = Collisions()
     small = _SMALL_INTS
-    # (strict: inline below for speed; see _Strict)
-    built, frozen, keep = (strict.built, strict.frozen, strict.keep) if strict is not None else (set(), set(), [])
     i = start
     # Only where the unpickler goes on must this walk follow it exactly: where it fails (a
     # mark it lacks, an item below the mark), nothing after runs, whatever this walk assumes.
@@ -151,14 +142,10 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 x = stack[-1]
                 if x.__class__ is tuple:
                     h = x[1]
-                    if h == WILD:  # (a tuple holding what the model does not know: not known either)
-                        pass
-                    elif not x[2] or -_KEPT < h < _KEPT:
+                    if not x[2]:
                         h = hash((h,))
-                    else:  # tuple_hash((h,)), inline: a torch.Size's dims, most often
-                        h = (_P5 + (h & _MASK) * _P2) & _MASK
-                        h = (((((h << 31) | (h >> 33)) & _MASK) * _P1) + _LEN1) & _MASK
-                        h = 1546275796 if h == _MASK else h - (1 << 64) if h >> 63 else h
+                    elif h != WILD:  # (a tuple holding what the model does not know: not known either)
+                        h = tuple_hash((h,))
                     stack[-1] = x = (1 + x[0], h, x[2], x[3], x)
                 else:
                     stack[-1] = x = _tuple([x], col)
@@ -171,12 +158,7 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 w = x[0]
                 target = stack[-1]
                 if strict is not None:
-                    if target.__class__ is not list or id(target) in built:
-                        _refuse_build(where, target)
-                    built.add(id(target))
-                    if x.__class__ is not tuple:
-                        frozen.add(id(x))
-                    keep.append((target, x))
+                    strict.build(target, x)
                 if target.__class__ is not tuple:
                     _grow(target, w, where)
                 work += w
@@ -190,8 +172,8 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 target = stack[-1]
                 if target.__class__ is tuple:
                     return work  # not a container: the unpickler fails here
-                if frozen and id(target) in frozen:
-                    strict.fill(target)  # type: ignore[union-attr]
+                if strict is not None and strict.frozen:
+                    strict.fill(target)
                 keys = items[0::2]
                 w = sum([x[0] for x in keys])
                 work += w
@@ -211,12 +193,10 @@ def _walk(data: bytes | bytearray | memoryview, where: str, start: int, strict: 
                 if x.__class__ is tuple and y.__class__ is tuple:
                     hx, hy = x[1], y[1]
                     cr = x[2] or y[2]
-                    if hx == WILD or hy == WILD:
-                        h = WILD
-                    elif cr and not (-_KEPT < hx < _KEPT and -_KEPT < hy < _KEPT):
-                        h = tuple_hash((hy, hx))
-                    else:
+                    if not cr:
                         h = hash((hy, hx))
+                    else:
+                        h = WILD if hx == WILD or hy == WILD else tuple_hash((hy, hx))
                     d = x[3] + y[3]
                     if hx == hy and x[2] and y[2]:
                         d += x[0]
@@ -448,8 +428,7 @@ def _tuple(items: list, col: Collisions) -> tuple:
     if cr:
         # Handed to a call that hashes what it holds (frozenset(t), OrderedDict(t), a BUILD
         # onto an OrderedDict): its items, or the first members of its pairs. Both are counted.
-        d += local_collisions(craftable_pairs(items))
-        d += local_collisions(craftable_pairs([x[4] for x in items if x.__class__ is tuple and x[4] is not None]))
+        d += local_collisions(craftable_pairs(items)) + local_collisions(pair_keys(items))
         # (a tuple holding what the model does not know is not known either)
         h = WILD if WILD in hashes else tuple_hash(hashes)
     else:

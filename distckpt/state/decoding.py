@@ -262,7 +262,7 @@ def _dec_np_array(d: _Decoder, payload: Any, depth: int) -> np.ndarray:
     if type(data) is not torch.Tensor or data.layout != torch.strided or data.device.type != "cpu":
         raise _Malformed(f"numpy.ndarray: data is a {type(data).__name__}, not a CPU tensor")
     count = numel(shape)
-    if data.numel() * data.element_size() > data.untyped_storage().nbytes():
+    if _repeats_storage(data):
         # A view repeating its storage (stride 0): a 1.6 KB record asked for 800 MB here.
         raise _Malformed(f"numpy.ndarray: {data.dtype} data of shape {list(data.shape)[:8]} repeats a storage of {data.untyped_storage().nbytes():,} bytes")
     if data.dtype == torch_dtype(dt) and tuple(data.shape) == shape:
@@ -272,6 +272,11 @@ def _dec_np_array(d: _Decoder, payload: Any, depth: int) -> np.ndarray:
     raise _Malformed(f"numpy.ndarray: {data.dtype} data of shape {list(data.shape)} does not hold {text} of shape {list(shape)}")
 
 
+def _repeats_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` views more bytes than its storage holds (stride 0: one element repeated)."""
+    return t.numel() * t.element_size() > t.untyped_storage().nbytes()
+
+
 def _own_data(state: Any) -> Any:
     """``state`` (a bit generator's), once no tensor in it repeats its storage: NumPy copies
     what it is given (a stride-0 view of one element: 1.7 KB of record, 1.5 GB here)."""
@@ -279,7 +284,7 @@ def _own_data(state: Any) -> Any:
     while todo:
         x = todo.pop()
         if isinstance(x, torch.Tensor):
-            if x.layout != torch.strided or x.numel() * x.element_size() > x.untyped_storage().nbytes():
+            if x.layout != torch.strided or _repeats_storage(x):
                 raise _Malformed(f"a bit generator's state holds a {x.dtype} tensor of {x.numel():,} elements that repeats its storage")
         elif isinstance(x, dict):
             todo.extend(x.values())
