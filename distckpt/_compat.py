@@ -1,6 +1,6 @@
 """Every private torch API distckpt relies on, in one place.
 
-torch has no public equivalent for these in 2.11-2.14. Each may change in a torch release without
+torch has no public equivalent for these in 2.11-2.15. Each may change in a torch release without
 notice; this module is what to check (and ``tests/test_compat.py``, which imports and exercises
 each of them, is what fails) when pyproject's torch range moves. Small helpers that torch keeps
 private but that are trivial (narrowing a tensor by offsets, copying ZeRO's hyper-parameters) are
@@ -9,8 +9,28 @@ written out in distckpt instead of imported.
 Checked against torch 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (2026-11-25, their installed sources read
 side by side, and ``tests/compat.sh VERSION`` run for each): every API below has the same
 signature and behaviour in all four, so no branch by version is needed yet. A difference found
-later goes here as a branch on ``TORCH_VERSION`` with the releases it covers named. Differences
-seen nearby that distckpt does not depend on:
+later goes here as a branch on ``TORCH_VERSION`` with the releases it covers named.
+
+torch 2.15.0 (2026-11-28: its sources compared with 2.13.0's, ``tests/compat.sh 2.15.0`` run) has
+two differences distckpt depends on, each a branch here:
+
+* ``torch.distributed.checkpoint._fsspec_filesystem`` became a shim that warns on import
+  (DeprecationWarning); the class moved to ``fsspec_filesystem._FileSystem``.
+* DCP's ``TensorProperties`` gained a field, ``strides``, pickled as a sixth item of its state,
+  which 2.11-2.14 cannot unpickle: :data:`TENSOR_PROPERTIES_READER`. (distckpt's plan encoding
+  shares one properties object per kind: the strides are part of the kind,
+  :func:`distckpt.save.metadata.encode_plan`.)
+
+Unchanged in 2.15 for what distckpt uses: ``_nested_dict``, ``_traverse.set_element``,
+``serialization._save``, ``_utils._rebuild_tensor_v2``, ``state_dict._get_fqns``,
+``state_dict_loader._load_state_dict``, ``Stateful``, ``_get_object_coll_device``,
+``_world.pg_map``, ``DeviceMesh``'s ``_init_backend``/``_rank`` keywords, ``_split_by_size_and_type``,
+``_StorageInfo``; ``_StridedShard`` gained padding helpers and is still not a ``Shard``. Nearby,
+not depended on: DCP's planners learned a ``CheckpointableTensor`` protocol; the weights-only
+unpickler defers ``NEWOBJ`` of pybind11 classes to their ``BUILD`` and no longer admits
+``_rebuild_nested_tensor``; a new dtype, ``torch.bcomplex32``.
+
+Differences seen nearby that distckpt does not depend on, among 2.11-2.14:
 
 * 2.11: ``FileSystemWriter.finish`` stamps ``metadata.version`` on a copy (``dataclasses.replace``),
   2.12+ on the object passed in; distckpt passes its own copy either way (its save run's finish).
@@ -43,19 +63,25 @@ from torch.distributed.checkpoint._nested_dict import (  # noqa: F401
 # load_bytes override puts safely-unpickled values where DCP's own planner would).
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401
 
-# DCP's fsspec-backed FileSystem (its public FsspecWriter/FsspecReader wrap it but create their
-# own fsspec instance from a URL, losing the caller's storage_options; see GUIDE: "passing a
-# configured writer and checkpoint_id silently drops the storage options").
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecDcpFileSystem  # noqa: F401
-
-# The zip container torch.save writes. Readers find a tensor's raw bytes inside a DCP record
-# (to read it straight into its destination); the torch-format export writes records one
-# tensor at a time, which torch.save cannot do without holding everything in memory.
 import torch
 
 #: The running torch's release as a tuple, e.g. (2, 11, 0), for branches by version.
 #: "2.14.0a0+git..." (a source build) gives (2, 14, 0).
 TORCH_VERSION: tuple[int, ...] = tuple(int(x) for x in re.findall(r"\d+", torch.__version__.split("+")[0])[:3])
+
+# DCP's fsspec-backed FileSystem (its public FsspecWriter/FsspecReader wrap it but create their
+# own fsspec instance from a URL, losing the caller's storage_options; see GUIDE: "passing a
+# configured writer and checkpoint_id silently drops the storage options"). torch 2.15 moved it to
+# the public module ``fsspec_filesystem`` as ``_FileSystem``; the old module still re-exports it
+# but warns (DeprecationWarning) on import.
+if TORCH_VERSION >= (2, 15):
+    from torch.distributed.checkpoint.fsspec_filesystem import _FileSystem as FsspecDcpFileSystem  # noqa: F401
+else:  # 2.11-2.14
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecDcpFileSystem  # noqa: F401
+
+# The zip container torch.save writes. Readers find a tensor's raw bytes inside a DCP record
+# (to read it straight into its destination); the torch-format export writes records one
+# tensor at a time, which torch.save cannot do without holding everything in memory.
 
 PyTorchFileReader = torch._C.PyTorchFileReader
 PyTorchFileWriter = torch._C.PyTorchFileWriter
@@ -90,6 +116,39 @@ rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MEM_FORMAT_ENCODING  # noqa: E402,F401
 
 
+def _tensor_properties_reader() -> type:
+    """The class ``.metadata``'s ``TensorProperties`` are unpickled as.
+
+    torch 2.15 added the field ``strides`` (the tensor's strides, or ``None``): its DCP pickles a
+    sixth item in the state, which the ``__setstate__`` of 2.11-2.14 cannot unpack ("too many
+    values to unpack (expected 5)"), so plain ``dcp.load`` there cannot read a checkpoint written
+    under 2.15. Under those releases this subclass takes the five fields they know, keeps the
+    sixth as the attribute ``strides`` (nothing in their DCP reads it) and becomes a plain
+    ``TensorProperties``; 2.15 and later read both forms themselves."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    if any(f.name == "strides" for f in dataclasses.fields(TensorProperties)):
+        return TensorProperties
+
+    def __setstate__(self: TensorProperties, state: object) -> None:
+        strides, newer = None, type(state) is tuple and len(state) == 6
+        if newer:
+            state, strides = state[:5], state[5]
+        TensorProperties.__setstate__(self, state)
+        if newer:
+            self.strides = strides  # checked as a field by distckpt.integrity.metadata_check
+        object.__setattr__(self, "__class__", TensorProperties)
+
+    name = "TensorProperties without its fields"
+    return type(name, (TensorProperties,), {"__slots__": (), "__setstate__": __setstate__, "__qualname__": name})
+
+
+#: See :func:`_tensor_properties_reader`.
+TENSOR_PROPERTIES_READER: type = _tensor_properties_reader()
+
+
 def object_collective_device(pg: object) -> str:
     """The device type torch's object collectives use on ``pg`` (``"cpu"`` where a CPU backend
     serves the group, e.g. gloo or ``cpu:gloo,cuda:nccl``; ``"cuda"`` for NCCL alone)."""
@@ -111,7 +170,7 @@ def group_is_registered(pg: object) -> bool:
 
 def mesh_without_groups(mesh: list, dim_names: tuple[str, ...] | None, rank: int) -> object:
     """A CPU ``DeviceMesh`` of the given global ranks, seen from global ``rank``, that creates no
-    process groups (``_init_backend=False``, ``_rank``: private keywords of torch 2.11-2.14).
+    process groups (``_init_backend=False``, ``_rank``: private keywords of torch 2.11-2.15).
 
     distckpt's background writer process rebuilds the DTensors a rank staged with it: DCP needs
     only each DTensor's mesh shape, coordinate and placements to write a shard, and the writer

@@ -224,3 +224,104 @@ def test_load_flat_is_dcp_load_without_the_stateful_checks(tmp_path, monkeypatch
     assert _compat.Stateful in checks  # dcp.load's own path
     assert with_stateful["c"].loaded == 1 and torch.equal(with_stateful["c"].n, torch.tensor([1.0, 2.0, 3.0]))
     assert torch.equal(with_stateful["w"], torch.arange(6.0))
+
+
+# torch 2.15 ---------------------------------------------------------------------------------------
+def test_importing_distckpt_warns_nothing_deprecated():
+    """torch 2.15 deprecated ``torch.distributed.checkpoint._fsspec_filesystem`` (a
+    DeprecationWarning on import): distckpt takes the class from where the running torch keeps it."""
+    import subprocess
+    import sys
+
+    code = "import distckpt, distckpt.storage.objectstore, distckpt.tools.cli, distckpt.load.reader, distckpt.save.writer"
+    run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _as_torch_2_15_writes_it(raw: bytes, strides: object) -> bytes:
+    """``.metadata`` re-pickled as the DCP of torch 2.15 writes it: each ``TensorProperties``' state
+    with a sixth item, its ``strides`` (``strides`` in place of the one torch 2.15 itself writes)."""
+    import copyreg
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if type(obj) is not TensorProperties:
+                return NotImplemented
+            state = obj.__getstate__()
+            return copyreg.__newobj__, (TensorProperties,), (*state[:5], strides)
+
+    out = io.BytesIO()
+    Pickler(out, protocol=4).dump(pickle.loads(raw))
+    return out.getvalue()
+
+
+def _saved_with_strides(tmp_path: Path, strides: object) -> tuple[Path, Path, dict]:
+    import sys
+
+    import distckpt
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from forge import reseal
+
+    root = tmp_path / "ck"
+    state = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(30.0).reshape(5, 6).t(), "n": {"step": 7}}
+    distckpt.Checkpointer(root).save(1, state)
+    d = root / "step_000000001"
+    reseal(d, ".metadata", _as_torch_2_15_writes_it((d / ".metadata").read_bytes(), strides))
+    return root, d, state
+
+
+def test_a_checkpoint_written_under_torch_2_15_reads_under_this_torch(tmp_path):
+    """torch 2.15 pickles ``TensorProperties`` with a sixth field (``strides``), which the DCP of
+    2.11-2.14 cannot unpickle ("too many values to unpack"); distckpt reads it under every torch of
+    its range (load, verify --state, ls)."""
+    import distckpt
+    from cli_runner import run_cli
+    from distckpt.integrity.safe_pickle import load_metadata
+
+    root, d, state = _saved_with_strides(tmp_path, (7, 1))
+    md = load_metadata((d / ".metadata").read_bytes(), str(d / ".metadata"))
+    props = md.state_dict_metadata["w"].properties
+    assert type(props).__name__ == "TensorProperties" and props.strides == (7, 1) and props.dtype == torch.float32
+    loaded = {"w": torch.zeros(3, 4), "t": torch.zeros(6, 5), "n": {"step": 0}}
+    distckpt.Checkpointer(root).load(loaded)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["t"], state["t"]) and loaded["n"] == {"step": 7}
+    run = run_cli("verify", str(root), "--state")
+    assert run.returncode == 0 and run.stdout.startswith("OK"), (run.returncode, run.stdout, run.stderr)
+    run = run_cli("ls", str(root))
+    assert run.returncode == 0 and "committed" in run.stdout, (run.stdout, run.stderr)
+
+
+@pytest.mark.parametrize("strides", ["x", (1, -1), (1.5,), ((1,),)])
+def test_malformed_strides_are_an_integrity_error_naming_the_tensor(tmp_path, strides):
+    import distckpt
+
+    root, _, _ = _saved_with_strides(tmp_path, strides)
+    with pytest.raises(distckpt.IntegrityError, match=r"tensor '(w|t)': its property strides is .*not None or a tuple of ints"):
+        distckpt.Checkpointer(root).load({"w": torch.zeros(3, 4), "t": torch.zeros(6, 5), "n": {"step": 0}})
+
+
+@pytest.mark.skipif(
+    "strides" not in {f.name for f in dataclasses.fields(__import__("torch.distributed.checkpoint.metadata", fromlist=["x"]).TensorProperties)},
+    reason="TensorProperties has strides from torch 2.15 on",
+)
+def test_metadata_records_each_tensors_strides_as_plain_dcp_does(tmp_path):
+    """torch 2.15's DCP records each tensor's strides; distckpt's shared properties (one object per
+    kind, pickled once) must not give one tensor another's."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    import distckpt
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3), "t": torch.arange(30.0).reshape(5, 6).t(),
+             "e": torch.ones(1, 4).expand(3, 4)}  # fmt: skip
+    distckpt.Checkpointer(tmp_path / "ours").save(1, state)
+    dcp.save(dict(state), checkpoint_id=str(tmp_path / "dcp"))
+    ours = pickle.loads((tmp_path / "ours" / "step_000000001" / ".metadata").read_bytes()).state_dict_metadata
+    theirs = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes()).state_dict_metadata
+    for key, value in state.items():
+        assert ours[key].properties.strides == theirs[key].properties.strides == value.stride(), key

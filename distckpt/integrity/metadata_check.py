@@ -254,12 +254,17 @@ _PROPERTY_TYPES = {"layout": torch.layout, "requires_grad": bool, "memory_format
 
 
 def _check_properties(properties: object, where: str, key: str) -> None:
-    """A tensor's ``TensorProperties``: DCP's class, each field of the type DCP writes."""
+    """A tensor's ``TensorProperties``: DCP's class, each field of the type DCP writes (``strides``,
+    which torch 2.15 added: ``None`` or a tuple of ints; no DCP reads it back, so its length is
+    not held against the tensor's shape)."""
     _check_extra(properties, where, f"the properties of tensor {key!r}")
     for name, kind in _PROPERTY_TYPES.items():
         value = getattr(properties, name, None)
         if type(value) is not kind:
             raise IntegrityError(f"{where}: tensor {key!r}: its property {name} is {_shown(value)}, not a {kind.__name__}")
+    strides = getattr(properties, "strides", None)
+    if strides is not None and not (type(strides) is tuple and _ints(strides)):
+        raise IntegrityError(f"{where}: tensor {key!r}: its property strides is {_shown(strides)}, not None or a tuple of ints")
 
 
 #: Pairs of chunks of one tensor compared for overlap, at most (see :func:`_check_coverage`):

@@ -33,6 +33,7 @@ from distckpt.integrity.deep_stack import call_with_stack, tuple_nesting_bound
 from distckpt.integrity.pickle_scan import refuse_memory_bombs
 from distckpt.integrity.work_scan import refuse_work_bombs
 from distckpt._compat import MEM_FORMAT_ENCODING as _MEM_FORMAT_ENCODING
+from distckpt._compat import TENSOR_PROPERTIES_READER
 
 # Besides _BOUNDED below (constructors given only the arguments DCP writes), admitted as they are.
 _ALLOWED: set[tuple[str, str]] = {
@@ -140,6 +141,7 @@ BYTES_GUARD = _GUARDS[("torch.distributed.checkpoint.metadata", "BytesStorageMet
 
 
 _INDEX = ("torch.distributed.checkpoint.metadata", "MetadataIndex")
+_PROPERTIES = ("torch.distributed.checkpoint.metadata", "TensorProperties")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -158,6 +160,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         guard = _GUARDS.get((module, name))
         if guard is not None:
             return guard
+        if (module, name) == _PROPERTIES:  # (torch 2.11-2.14 reading what 2.15 wrote: see _compat)
+            return TENSOR_PROPERTIES_READER
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         # Its own attributes only: torch's module __getattr__ imports lazy submodules (_dynamo:

@@ -54,7 +54,8 @@ def encode_plan(plan: SavePlan) -> Wire:
         if td is None:
             raise ValueError(f"write item {fqn!r} has no tensor data")
         p = td.properties
-        pk = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+        # torch 2.15 added the tensor's strides to its properties: equal only with equal strides.
+        pk = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory, getattr(p, "strides", None))
         shared = props.setdefault(pk, p)
         kind = _SHARD if item.type == WriteItemType.SHARD else _TENSOR
         items.append((fqn, kind, tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size), shared))
