@@ -293,6 +293,10 @@ def test_a_checkpoint_written_under_torch_2_15_reads_under_this_torch(tmp_path):
     assert run.returncode == 0 and run.stdout.startswith("OK"), (run.returncode, run.stdout, run.stderr)
     run = run_cli("ls", str(root))
     assert run.returncode == 0 and "committed" in run.stdout, (run.stdout, run.stderr)
+    run = run_cli("convert", str(root), str(tmp_path / "out.pt"), "--to", "torch", "--all", "--quiet")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(exported["w"], state["w"]) and torch.equal(exported["t"], state["t"]), sorted(exported)
 
 
 @pytest.mark.parametrize("strides", ["x", (1, -1), (1.5,), ((1,),)])
