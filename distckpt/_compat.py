@@ -79,6 +79,16 @@ if TORCH_VERSION >= (2, 15):
 else:  # 2.11-2.14
     from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecDcpFileSystem  # noqa: F401
 
+# DCP's protocol for a plain local tensor that holds shards of a global one (torch 2.15+: a
+# runtime-checkable Protocol, ``CheckpointableTensor``): the attributes DCP's planners read. None
+# before 2.15, whose DCP saves such a tensor as the plain tensor it is.
+if TORCH_VERSION >= (2, 15):
+    from torch.distributed.checkpoint import CheckpointableTensor as _CheckpointableTensor
+
+    CHECKPOINTABLE_TENSOR_FIELDS: tuple[str, ...] = tuple(_CheckpointableTensor.__annotations__)
+else:
+    CHECKPOINTABLE_TENSOR_FIELDS = ()
+
 # The zip container torch.save writes. Readers find a tensor's raw bytes inside a DCP record
 # (to read it straight into its destination); the torch-format export writes records one
 # tensor at a time, which torch.save cannot do without holding everything in memory.

@@ -329,3 +329,21 @@ def test_metadata_records_each_tensors_strides_as_plain_dcp_does(tmp_path):
     theirs = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes()).state_dict_metadata
     for key, value in state.items():
         assert ours[key].properties.strides == theirs[key].properties.strides == value.stride(), key
+
+
+@pytest.mark.skipif(not __import__("distckpt._compat", fromlist=["x"]).CHECKPOINTABLE_TENSOR_FIELDS, reason="DCP's CheckpointableTensor is torch 2.15's")
+def test_a_tensor_with_dcps_checkpointable_fields_is_refused_by_name(tmp_path):
+    """torch 2.15's DCP saves a plain tensor carrying ``global_shape``, ``global_offsets``,
+    ``local_offsets`` and ``local_sizes`` as shards of a global tensor; distckpt, which plans by a
+    tensor's own shape, refuses it by key instead of failing later on "inconsistent save plans"."""
+    import distckpt
+
+    shard = torch.ones(2, 4)
+    shard.global_shape, shard.global_offsets, shard.local_offsets, shard.local_sizes = (4, 4), ((0, 0),), ((0, 0),), ((2, 4),)
+    ckpt = distckpt.Checkpointer(tmp_path)
+    for blocking in (True, False):
+        with pytest.raises(TypeError, match=r"cannot save 'model.w': it carries DCP's CheckpointableTensor fields"):
+            ckpt.save(1, {"model": {"w": shard}}, blocking=blocking)
+            ckpt.wait()
+    assert ckpt.steps() == []
+    ckpt.close()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from distckpt._compat import flatten_state_dict
+from distckpt._compat import CHECKPOINTABLE_TENSOR_FIELDS, flatten_state_dict
 from distckpt.save.shared_arena import SharedArena, plan_slots, view
 from distckpt.state import fingerprint, fpkernels
 from distckpt.state.containers import unflatten_for_dcp
@@ -40,12 +40,24 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
     """Refuse tensors DCP cannot write, naming the key (sync and async saves alike).
 
     Raises:
-        TypeError: a sparse tensor (any non-strided layout) or a meta tensor (it has no data).
+        TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), or a
+            tensor with DCP's ``CheckpointableTensor`` fields (torch 2.15+), which distckpt
+            cannot save as DCP would.
     """
     flat, _ = flatten_state_dict(state_dict)
+    fields = CHECKPOINTABLE_TENSOR_FIELDS
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
+        if fields and hasattr(value, fields[0]) and all(hasattr(value, f) for f in fields):
+            # DCP would write it as shards of its global_shape; distckpt's scopes, replica
+            # detection, staging and fingerprints take a tensor's own shape (it failed later as
+            # "inconsistent save plans" under a per-rank key).
+            raise TypeError(
+                f"cannot save {key!r}: it carries DCP's CheckpointableTensor fields ({', '.join(fields)}), "
+                "which distckpt does not support; make it a DTensor (DTensor.from_local) or save it with "
+                "torch.distributed.checkpoint itself"
+            )
         local = value.to_local() if isinstance(value, DTensor) else value
         if local.layout != torch.strided:
             raise TypeError(f"cannot save {key!r}: {local.layout} tensors are not supported; save t.to_dense() instead")
