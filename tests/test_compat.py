@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,8 +245,6 @@ def _as_torch_2_15_writes_it(raw: bytes, strides: object) -> bytes:
     import copyreg
     import pickle
 
-    from torch.distributed.checkpoint.metadata import TensorProperties
-
     class Pickler(pickle.Pickler):
         def reducer_override(self, obj):
             if type(obj) is not TensorProperties:
@@ -259,11 +258,7 @@ def _as_torch_2_15_writes_it(raw: bytes, strides: object) -> bytes:
 
 
 def _saved_with_strides(tmp_path: Path, strides: object) -> tuple[Path, Path, dict]:
-    import sys
-
     import distckpt
-
-    sys.path.insert(0, str(REPO / "tests"))
     from forge import reseal
 
     root = tmp_path / "ck"
@@ -309,8 +304,7 @@ def test_malformed_strides_are_an_integrity_error_naming_the_tensor(tmp_path, st
 
 
 @pytest.mark.skipif(
-    "strides" not in {f.name for f in dataclasses.fields(__import__("torch.distributed.checkpoint.metadata", fromlist=["x"]).TensorProperties)},
-    reason="TensorProperties has strides from torch 2.15 on",
+    "strides" not in {f.name for f in dataclasses.fields(TensorProperties)}, reason="TensorProperties has strides from torch 2.15 on"
 )
 def test_metadata_records_each_tensors_strides_as_plain_dcp_does(tmp_path):
     """torch 2.15's DCP records each tensor's strides; distckpt's shared properties (one object per
@@ -331,12 +325,15 @@ def test_metadata_records_each_tensors_strides_as_plain_dcp_does(tmp_path):
         assert ours[key].properties.strides == theirs[key].properties.strides == value.stride(), key
 
 
-@pytest.mark.skipif(not __import__("distckpt._compat", fromlist=["x"]).CHECKPOINTABLE_TENSOR_FIELDS, reason="DCP's CheckpointableTensor is torch 2.15's")
 def test_a_tensor_with_dcps_checkpointable_fields_is_refused_by_name(tmp_path):
     """torch 2.15's DCP saves a plain tensor carrying ``global_shape``, ``global_offsets``,
     ``local_offsets`` and ``local_sizes`` as shards of a global tensor; distckpt, which plans by a
     tensor's own shape, refuses it by key instead of failing later on "inconsistent save plans"."""
     import distckpt
+    from distckpt import _compat
+
+    if not _compat.CHECKPOINTABLE_TENSOR_FIELDS:
+        pytest.skip("DCP's CheckpointableTensor is torch 2.15's")
 
     shard = torch.ones(2, 4)
     shard.global_shape, shard.global_offsets, shard.local_offsets, shard.local_sizes = (4, 4), ((0, 0),), ((0, 0),), ((2, 4),)

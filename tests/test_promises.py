@@ -213,15 +213,11 @@ def test_async_save_in_a_writer_process_returns_before_writing_at_background_nic
 
     import psutil
 
+    import crash
+
     def writers() -> set[int]:
-        found = set()
-        for child in psutil.Process().children():
-            try:  # an earlier test's writer may exit (or be a zombie) while this looks at it
-                if "distckpt.save.background" in " ".join(child.cmdline()):
-                    found.add(child.pid)
-            except psutil.Error:
-                pass
-        return found
+        # (an earlier test's writer may exit while this looks at it: crash._writers skips it)
+        return {p.pid for p in crash._writers(os.getpid())}
 
     before = writers()  # other tests' checkpointers in this process may still hold theirs
     ckpt = distckpt.Checkpointer(tmp_path, background_nice=7)

@@ -131,17 +131,21 @@ def _guard(cls: type, index_hashes: dict[int, int] | None = None) -> type:
     return type(name, (cls,), {"__slots__": (), "__setstate__": __setstate__, "__qualname__": name, "__module__": __name__})
 
 
-#: DCP's dataclasses, as ``.metadata`` names them, and the stand-ins it gets (:func:`_guard`).
+#: DCP's dataclasses, as ``.metadata`` names them, and the stand-ins it gets (:func:`_guard`;
+#: ``TensorProperties``, whose state is a tuple: the class that reads the state of every torch of
+#: the range, see :data:`distckpt._compat.TENSOR_PROPERTIES_READER`).
 _GUARDS: dict[tuple[str, str], type] = {
     ("torch.distributed.checkpoint.metadata", c.__name__): _guard(c)
     for c in (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata)
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _guard(_StorageInfo)}
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _guard(_StorageInfo),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"): TENSOR_PROPERTIES_READER,
+}
 #: The stand-in of the one class DCP writes without fields (never given a BUILD).
 BYTES_GUARD = _GUARDS[("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")]
 
 
 _INDEX = ("torch.distributed.checkpoint.metadata", "MetadataIndex")
-_PROPERTIES = ("torch.distributed.checkpoint.metadata", "TensorProperties")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -160,8 +164,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         guard = _GUARDS.get((module, name))
         if guard is not None:
             return guard
-        if (module, name) == _PROPERTIES:  # (torch 2.11-2.14 reading what 2.15 wrote: see _compat)
-            return TENSOR_PROPERTIES_READER
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         # Its own attributes only: torch's module __getattr__ imports lazy submodules (_dynamo:

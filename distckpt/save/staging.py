@@ -49,7 +49,7 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if fields and hasattr(value, fields[0]) and all(hasattr(value, f) for f in fields):
+        if fields and all(hasattr(value, f) for f in fields):
             # DCP would write it as shards of its global_shape; distckpt's scopes, replica
             # detection, staging and fingerprints take a tensor's own shape (it failed later as
             # "inconsistent save plans" under a per-rank key).
