@@ -67,10 +67,38 @@ def _entry(
     os._exit(0)
 
 
+def _ephemeral_ports() -> range | None:
+    """The kernel's ephemeral port range (Linux), or None where it cannot be read."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for servers and c10d rendezvous in tests)."""
+    """A TCP port on 127.0.0.1 that is free right now (for servers and c10d rendezvous in tests).
+
+    The caller binds it later, in another process (a torchrun agent, a moto server): a port the
+    kernel hands out for ``bind(0)`` can be taken in that gap by any of the suite's many ephemeral
+    binds (gloo pairs, standalone torchrun stores, outgoing connections), and the two agents of a
+    two-node test then rendezvous with a stranger and time out. So, on Linux, the port is drawn at
+    random below the ephemeral range, where only another explicit choice can land, and checked
+    bindable; elsewhere (or if no such port binds) it falls back to ``bind(0)``."""
+    import random
     import socket
 
+    ephemeral = _ephemeral_ports()
+    if ephemeral is not None and ephemeral.start > 12000:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randrange(10000, ephemeral.start)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

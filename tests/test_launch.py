@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import free_port
+from dist_harness import _ephemeral_ports, free_port
 
 psutil = pytest.importorskip("psutil")
 
@@ -197,6 +197,17 @@ def test_resume_from_async_checkpoint_bit_identical(fsdp_runs, tmp_path: Path) -
 # ------------------------------------------------------------------------------------------
 # ZeRO with dropout: two nodes by c10d rendezvous, SIGUSR1 to one worker, resume on one node
 ZERO = ["--parallel", "zero", "--dropout", "0.1", "--save-every", "4", "--async"]
+
+
+def test_free_port_for_the_agents_lies_outside_the_ephemeral_range() -> None:
+    """The two-node tests pick a port, then torchrun binds it seconds later: a port from the
+    kernel's ephemeral range can meanwhile be taken by another test's gloo pair or store, and the
+    agents rendezvous with a stranger (seen once: node 1's agent timed out connecting)."""
+    ephemeral = _ephemeral_ports()
+    if ephemeral is None:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range here")
+    ports = {free_port() for _ in range(20)}
+    assert not ports & set(ephemeral), sorted(ports & set(ephemeral))
 
 
 def test_two_node_rendezvous_sigusr1_then_one_node(tmp_path: Path) -> None:
