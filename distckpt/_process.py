@@ -117,6 +117,35 @@ class GroupHolder:
             log.debug("releasing distckpt's process group: %s", exc)
 
 
+#: The largest process id any supported OS hands out (``pid_t`` is a 32-bit int).
+_PID_MAX = 2**31 - 1
+
+
+def parse_pid(text: str) -> int | None:
+    """The process id a file or directory name spells (``"1234"``), or ``None`` if ``text`` is not
+    one: only ASCII digits (``str.isdigit`` also takes ``"²"``, which ``int`` refuses) of a value
+    a process could have. Names in ``/dev/shm`` or a checkpoint root can be anybody's."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 10:
+        return None
+    pid = int(text)
+    return pid if 0 < pid <= _PID_MAX else None
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this pid namespace). True when that cannot be told:
+    another user's process, or a value no process can have (``pid <= 0`` names process groups
+    for ``kill``, larger than ``pid_t`` overflows): callers keep what a live process may own."""
+    if not 0 < pid <= _PID_MAX:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return True
+
+
 def host_cores() -> int:
     """The cores this process may run on (its CPU affinity; else the host's count)."""
     try:

@@ -420,3 +420,13 @@ def test_a_retry_warning_turned_error_fails_every_rank_alike(tmp_path):
     res = run_ranks(_damaged_copy_error_warnings_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "tier"), timeout=120)
     assert res[0][0] == res[1][0] == "UserWarning", res
     assert max(r[1] for r in res) < 12, res
+
+
+@pytest.mark.filterwarnings("ignore:distckpt. local_peers=1")
+def test_a_local_world_size_that_is_no_count_tells_nodes_by_host_name(tmp_path, monkeypatch):
+    """``LOCAL_WORLD_SIZE="²"`` passed ``str.isdigit`` and failed the save in ``int()`` with a bare
+    ValueError; like any other value that is not a count, it now means "tell nodes by host name"."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "²")
+    with distckpt.Checkpointer(tmp_path / "root", local_dir=tmp_path / "tier") as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)})
+    assert (tmp_path / "tier" / STEP(1)).is_dir()

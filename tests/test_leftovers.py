@@ -255,13 +255,18 @@ def test_a_new_arena_removes_the_leftovers_of_dead_processes_only(tmp_path):
         "dead": os.path.join(shm, f"{PREFIX}{dead}-k2j4l1x0"),
         "live": os.path.join(shm, f"{PREFIX}{os.getppid()}-a9b8c7d6"),
         "other": os.path.join(shm, f"{PREFIX}notapid-x"),
+        # Anybody can name a file in /dev/shm: these failed every user's next arena (OverflowError
+        # from os.kill, ValueError from int("²"), which str.isdigit takes) and must be kept.
+        "huge": os.path.join(shm, f"{PREFIX}99999999999999999999999-x"),
+        "superscript": os.path.join(shm, f"{PREFIX}²-x"),
+        "zero": os.path.join(shm, f"{PREFIX}0-x"),
     }
     for path in planted.values():
         Path(path).write_bytes(b"\0" * 64)
     try:
         SharedArena(4096).close()
         assert not os.path.exists(planted["dead"]), "a dead process's staging file was left behind"
-        assert os.path.exists(planted["live"]) and os.path.exists(planted["other"])
+        assert all(os.path.exists(planted[k]) for k in ("live", "other", "huge", "superscript", "zero"))
     finally:
         for path in planted.values():
             if os.path.exists(path):

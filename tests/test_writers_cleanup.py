@@ -292,3 +292,45 @@ def test_a_temporary_directory_of_a_killed_creator_is_stale_at_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(NEW_DIR_PREFIX)) == sorted(
         n for k, n in names.items() if k != "dead"
     )
+
+
+def test_garbled_pids_and_times_in_records_and_names_neither_crash_nor_claim_forever(tmp_path):
+    """A root is shared storage: an owner record or a temporary directory's name may hold any
+    pid and any time. A pid no process can have (larger than ``pid_t``: ``os.kill`` raised
+    OverflowError; ``"²"``, which ``str.isdigit`` takes and ``int`` refuses: ValueError) failed
+    every later save of the root; a time of NaN or infinity was a claim that never expired, so
+    that step could never be saved. Now such pids are "cannot tell" (the lease's time decides)
+    and such times are no claim."""
+    import json
+    import socket
+    import time
+
+    from distckpt.storage.base import NEW_DIR_PREFIX, new_dir_creator, new_dir_name
+
+    tag = new_dir_name()[len(NEW_DIR_PREFIX):].split("-")[1]
+    for pid in ("99999999999999999999999", "²", "0", "٣"):  # the last: an Arabic-Indic 3
+        assert new_dir_creator(f"{NEW_DIR_PREFIX}{pid}-{tag}-0123456789ab") is None, pid
+    root = tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, _state(1.0))
+    host = socket.gethostname()
+    records = {  # step -> (record, stale: removed by the next save's cleanup)
+        10: ({"writer": "x", "host": host, "pid": 2**70, "time": time.time()}, False),
+        11: ({"writer": "x", "host": host, "pid": 2**70, "time": 0}, True),
+        12: ({"writer": "x", "host": host, "pid": -1, "time": time.time()}, False),
+        13: ({"writer": "x", "host": "elsewhere", "pid": 5, "time": float("nan")}, True),
+        14: ({"writer": "x", "host": "elsewhere", "pid": 5, "time": float("inf")}, True),
+        15: ({"writer": "x", "host": "elsewhere", "pid": 5, "time": time.time()}, False),  # a live lease
+    }
+    for step, (record, _) in records.items():
+        (root / step_dir(step)).mkdir()
+        (root / step_dir(step) / ownership.OWNER_NAME).write_text(json.dumps(record))
+    for pid in ("99999999999999999999999", "²"):
+        (root / f"{NEW_DIR_PREFIX}{pid}-{tag}-0123456789ab").mkdir()
+    ckpt.save(2, _state(2.0))  # before: OverflowError (or ValueError) from the cleanup
+    left = {int(p.name.split("_")[1]) for p in root.iterdir() if p.name.startswith("step_")}
+    assert left == {1, 2} | {s for s, (_, stale) in records.items() if not stale}
+    assert len([p for p in root.iterdir() if p.name.startswith(NEW_DIR_PREFIX)]) == 2  # recent: leased
+    ckpt.save(13, _state(13.0))  # the step a NaN time held is free
+    ckpt.close()
+    _assert_loads(root, 13, 13.0)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distckpt._process import parse_pid, process_exists
 from distckpt.state.shape import numel
 
 ALIGN = 64  # bytes: every tensor starts on a cache line
@@ -175,19 +176,6 @@ def attach(fd: int, nbytes: int) -> torch.Tensor:
     return torch.from_file(_fd_path(fd), shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
 
 
-def _process_exists(pid: int) -> bool:
-    """Whether process ``pid`` exists (in this pid namespace); when unsure, True."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: another user's process
-        return True
-    return True
-
-
 def remove_leftovers(directory: str | None = None) -> list[str]:
     """Remove staging files (``distckpt-stage-<pid>-*``) whose process is gone; their paths.
 
@@ -210,8 +198,8 @@ def remove_leftovers(directory: str | None = None) -> list[str]:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _process_exists(int(pid)):
+        pid = parse_pid(name[len(PREFIX) :].split("-", 1)[0])
+        if pid is None or process_exists(pid):
             continue
         path = os.path.join(directory, name)
         try:

@@ -31,6 +31,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from distckpt._process import parse_pid
+
 
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
@@ -55,7 +57,7 @@ def new_dir_creator(name: str) -> int | None:
     or a name without one, such as an older distckpt's)."""
     pid, _, rest = name[len(NEW_DIR_PREFIX):].partition("-") if name.startswith(NEW_DIR_PREFIX) else ("", "", "")
     host, _, _ = rest.partition("-")
-    return int(pid) if pid.isdigit() and host == _host_tag() else None
+    return parse_pid(pid) if host == _host_tag() else None
 
 
 def _flat_namespace(fs: AbstractFileSystem) -> bool:

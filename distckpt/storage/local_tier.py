@@ -143,7 +143,7 @@ class Nodes:
         # torchrun numbers ranks node by node: the node of a *global* rank (a subgroup's own
         # numbering says nothing about nodes).
         me = global_rank(group, group.rank) if group.enabled else 0
-        key = f"lws:{me // int(lws)}" if lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
+        key = f"lws:{me // int(lws)}" if lws.isascii() and lws.isdigit() and int(lws) > 0 else f"host:{socket.gethostname()}"
         keys = group.all_gather(key)
         index: dict[str, int] = {}
         return cls(tuple(index.setdefault(k, len(index)) for k in keys))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -57,6 +58,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Collection
 
+from distckpt._process import process_exists
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
 from distckpt.storage.base import NEW_DIR_PREFIX, Storage, new_dir_creator
 
@@ -72,16 +74,6 @@ def _record(writer: str, released: bool = False) -> bytes:
     return json.dumps(
         {"writer": writer, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "released": released}
     ).encode()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_record(storage: Storage, dirname: str, data: bytes) -> None:
@@ -180,7 +172,7 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
         raw = storage.read_bytes(dirname, OWNER_NAME)
     except FileNotFoundError:
         creator = new_dir_creator(dirname)
-        if creator is not None and not _pid_alive(creator):
+        if creator is not None and not process_exists(creator):
             return True
         changed, count = storage.last_change(dirname)
         if changed is None:
@@ -199,10 +191,11 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
     if record.get("released"):
         return True
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
-        if not _pid_alive(record["pid"]):
+        if not process_exists(record["pid"]):
             return True
     stamp = record.get("time")
-    return not isinstance(stamp, (int, float)) or now - stamp > lease_s
+    # NaN or infinity (json reads both) would never expire: a garbled record, no claim.
+    return not isinstance(stamp, (int, float)) or not math.isfinite(stamp) or now - stamp > lease_s
 
 
 def _tombstone(storage: Storage, dirname: str) -> str | None:
