@@ -46,6 +46,10 @@ def test_step_dir_names_sort_and_parse():
     assert parse_step_dir(step_dir(42)) == 42
     assert sorted([step_dir(100), step_dir(9)]) == [step_dir(9), step_dir(100)]
     assert parse_step_dir("step_x") is None and parse_step_dir("other") is None
+    assert parse_step_dir(step_dir(10**12)) == 10**12 and parse_step_dir(step_dir(0)) == 0
+    # Only the name step_dir makes: other tools' folders and second names of one step are no step.
+    for name in ("step_100", "step_0000000042", "step_00000004\u0662", "step_000000042\n", " step_000000042", "step_+00000042"):
+        assert parse_step_dir(name) is None, repr(name)
 
 
 def test_manifest_round_trip_and_malformed():

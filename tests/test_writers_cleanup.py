@@ -284,7 +284,7 @@ def test_a_temporary_directory_of_a_killed_creator_is_stale_at_once(tmp_path):
     }
     for name in names.values():
         (tmp_path / name).mkdir()
-        (tmp_path / name / "partial").write_bytes(b"x")  # not empty, just changed: no record inside
+        (tmp_path / name / ".owner.tmp-0123abcd").write_bytes(b"x")  # not empty, just changed: no record yet
     assert {k: ownership.is_stale(storage, n) for k, n in names.items()} == {
         "dead": True, "alive": False, "other_host": False, "old_name": False,
     }
@@ -334,3 +334,81 @@ def test_garbled_pids_and_times_in_records_and_names_neither_crash_nor_claim_for
     ckpt.save(13, _state(13.0))  # the step a NaN time held is free
     ckpt.close()
     _assert_loads(root, 13, 13.0)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_cleanup_removes_only_folders_that_hold_nothing_but_distckpts_files(tmp_path, where):
+    """A checkpoint root is often a run's output folder, where other tools keep their own
+    ``step_100/`` or even ``step_000000005/``. Every save's cleanup removed any folder whose name
+    parsed as a step (``step_\\d+``: also ``step_100``, ``step_٣``, a name ending in a newline) and
+    held no manifest once it was older than the lease, with whatever was inside. Now a step is
+    exactly ``step_dir(n)``'s name, and an incomplete one is removed only if it holds nothing but
+    the files distckpt and DCP write there (warned once otherwise)."""
+    import time
+    import warnings
+
+    old = time.time() - 7200
+    if where == "local":
+        root = tmp_path / "root"
+        ckpt = distckpt.Checkpointer(root)
+        ckpt.save(1, _state(1.0))
+
+        def put(name: str, files: dict[str, bytes], subdir: bool = False) -> None:
+            d = root / name
+            d.mkdir()
+            for f, data in files.items():
+                (d / f).write_bytes(data)
+                os.utime(d / f, (old, old))
+            if subdir:
+                (d / "extra").mkdir()
+                os.utime(d / "extra", (old, old))
+            os.utime(d, (old, old))
+
+        def names() -> set[str]:
+            return {p.name for p in root.iterdir()}
+
+        saved = [100]
+
+        def cleanup() -> None:
+            saved[0] += 1
+            ckpt.save(saved[0], _state(2.0))  # a save's cleanup, with the default lease
+    else:
+        storage = Storage(f"memory://{tmp_path.name}-{where}/root")
+        storage.makedirs(step_dir(1))
+        storage.write_bytes(b"{}", step_dir(1), MANIFEST_NAME)
+
+        def put(name: str, files: dict[str, bytes], subdir: bool = False) -> None:
+            storage.makedirs(name)
+            for f, data in files.items():
+                storage.write_bytes(data, name, f)
+            if subdir:
+                storage.write_bytes(b"x", name, "extra", "inner.bin")
+
+        def names() -> set[str]:
+            return set(storage.list_dirs())
+
+        def cleanup() -> None:
+            ownership.remove_stale_leftovers(storage, lease_s=1e-9)  # memory:// has no times
+
+    put(step_dir(5), {"model.pt": b"the user's weights", "__0_0.distcp": b"x"})
+    put(step_dir(6), {"__0_0.distcp": b"x"}, subdir=True)
+    put(step_dir(8), {"__0_0.distcp": b"x", ".metadata.tmp": b"x", ".owner.tmp-0123abcd": b"x"})  # a crashed save's
+    for name in ("step_100", "step_0000000007", "step_\u0663", "step_000000009\n"):
+        put(name, {"__0_0.distcp": b"x"})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cleanup()
+    left = names()
+    assert step_dir(8) not in left, "a crashed save's leftover was kept"
+    assert {step_dir(5), step_dir(6), "step_100", "step_0000000007", "step_\u0663", "step_000000009\n"} <= left
+    foreign = [str(w.message) for w in seen if "does not write" in str(w.message)]
+    assert len(foreign) == 2 and any(step_dir(5) in m and "'model.pt'" in m for m in foreign), foreign
+    assert any(step_dir(6) in m and "not files" in m for m in foreign), foreign
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cleanup()  # the second cleanup: kept again, not warned again
+    assert not [w for w in seen if "does not write" in str(w.message)]
+    assert {step_dir(5), step_dir(6)} <= names()
+    if where == "local":
+        assert ckpt.steps() == [1, 101, 102]  # the other folders are no steps
+        ckpt.close()

@@ -27,7 +27,7 @@ from distckpt.storage.base import Storage
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"step_([0-9]{9,})")
 
 
 def step_dir(step: int) -> str:
@@ -43,9 +43,15 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a directory name made by :func:`step_dir`, else ``None``."""
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
+    """The step of a directory name made by :func:`step_dir`, else ``None``: exactly that name,
+    so that ``step_100``, ``step_0000000007``, ``step_\u0663`` (an Arabic-Indic 3, which
+    ``\\d`` matches) or a name ending in a newline (which ``$`` lets through) are not a step
+    (two names for one step; folders of other tools that cleanup would take for incomplete steps)."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
 
 
 @dataclass

@@ -24,6 +24,10 @@ coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.r
   ``link`` into the existing directory, which never creates it; object stores: a conditional
   put). A save that returned is therefore never overwritten by another writer; only retention
   (``keep_last``) deletes committed steps.
+* **Cleanup removes only what distckpt writes.** An incomplete step directory (or a temporary
+  one) is removed only if every entry in it is a file distckpt or DCP writes there
+  (:func:`foreign_entries`): a folder named like a step that holds anything else (a user's
+  ``model.pt``, a sub-folder) is left alone and warned about once, whatever its lease says.
 * **Cleanup never removes a committed step** (:func:`remove_uncommitted`). The staleness verdict
   and the removal are not atomic, so a writer may commit after cleanup listed its directory or
   judged its lease. Cleanup therefore re-checks the manifest right before removing, and on local
@@ -51,6 +55,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -256,6 +261,42 @@ def remove_uncommitted(storage: Storage, dirname: str, dispose: Callable[[str], 
     return True
 
 
+#: Files distckpt and DCP write into a step directory, and the temporary names they are written
+#: under (``<name>.tmp-<8 hex>``: :class:`~distckpt.storage.local.LocalStorage`; ``.tmp``: DCP's
+#: ``.metadata``).
+_STEP_FILE = re.compile(r"(?:\.owner|\.metadata|manifest\.json|__[0-9]+_[0-9]+\.distcp)(?:\.tmp|\.tmp-[0-9a-f]{8})?")
+_WARNED_FOREIGN: set[str] = set()
+
+
+def foreign_entries(storage: Storage, dirname: str) -> list[str]:
+    """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
+    directory (sorted; a sub-folder is named with a trailing ``/``); [] for a directory that
+    holds only distckpt's files, or is gone. Cleanup never removes a directory for which this
+    is not empty: it is someone else's, whatever its name."""
+    files = storage.list_files(dirname)
+    foreign = sorted(n for n in files if not _STEP_FILE.fullmatch(n))
+    _, count = storage.last_change(dirname)
+    if count > len(files):  # entries that are not files: sub-folders (or links, sockets ...)
+        foreign.append(f"{count - len(files)} entries that are not files/")
+    return foreign
+
+
+def _kept_as_foreign(storage: Storage, name: str) -> bool:
+    """Whether ``name`` holds entries distckpt did not write (warned once per directory)."""
+    foreign = foreign_entries(storage, name)
+    if foreign:
+        where = storage.display(name)
+        if where not in _WARNED_FOREIGN:
+            _WARNED_FOREIGN.add(where)
+            shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            warnings.warn(
+                f"distckpt: {where} is named like an incomplete checkpoint step but holds files distckpt does "
+                f"not write ({shown}); cleanup leaves it alone (move it out of the checkpoint root)",
+                stacklevel=3,
+            )
+    return bool(foreign)
+
+
 def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, busy: Collection[str] = ()) -> None:
     """(coordinator, or the replica's uploader) Remove what interrupted saves left under the
     root: step directories without a manifest whose lease is stale, temporary directories of a
@@ -283,6 +324,8 @@ def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, b
                 continue
             if not is_stale(storage, name, lease_s):
                 log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
+                continue
+            if _kept_as_foreign(storage, name):
                 continue
             if remove_uncommitted(storage, name):
                 log.info("removed incomplete checkpoint %s", storage.display(name))
