@@ -270,14 +270,14 @@ _WARNED_FOREIGN: set[str] = set()
 
 def foreign_entries(storage: Storage, dirname: str) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
-    directory (sorted; a sub-folder is named with a trailing ``/``); [] for a directory that
-    holds only distckpt's files, or is gone. Cleanup never removes a directory for which this
-    is not empty: it is someone else's, whatever its name."""
+    directory (sorted; sub-folders and other entries that are not files counted in a last
+    item); [] for a directory that holds only distckpt's files, or is gone. Cleanup never
+    removes a directory for which this is not empty: it is someone else's, whatever its name."""
     files = storage.list_files(dirname)
     foreign = sorted(n for n in files if not _STEP_FILE.fullmatch(n))
     _, count = storage.last_change(dirname)
     if count > len(files):  # entries that are not files: sub-folders (or links, sockets ...)
-        foreign.append(f"{count - len(files)} entries that are not files/")
+        foreign.append(f"{count - len(files)} sub-folders or other entries that are not files")
     return foreign
 
 
