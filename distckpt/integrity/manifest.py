@@ -8,7 +8,8 @@ Layout of a root::
         manifest.json               written last by the coordinator: the commit
 
 A step directory without ``manifest.json`` is invisible to ``steps()``/``load()`` and is removed
-by a later save.
+by a later save once its lease is stale, if it holds nothing but these files
+(:func:`distckpt.storage.ownership.foreign_entries`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from distckpt.storage.base import Storage
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_([0-9]{9,})")
+#: DCP's data files, ``__<rank>_<n>.distcp`` (``fullmatch``; group 1: the rank).
+DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 
 
 def step_dir(step: int) -> str:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
@@ -49,7 +48,7 @@ from distckpt._dist import Group
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
 from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer, transfer_device
 
@@ -59,7 +58,6 @@ METADATA = ".metadata"
 #: Beside each step's manifest in the tier: the root the step was committed to. A tier left by
 #: another job (another root) in the same directory is never recovered from.
 ROOT_MARK = ".distckpt-root"
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data files: __<rank>_<n>.distcp
 
 
 def check_local_dir(local_dir: object) -> str | None:
@@ -336,7 +334,7 @@ class LocalTier:
         sends: list[tuple[str, int, int]] = []
         if self.peers and nodes.count > 1:
             for name in sorted(manifest.files):
-                m = _RANK_FILE.match(name)
+                m = DATA_FILE.fullmatch(name)
                 if m and int(m.group(1)) < len(nodes.of):
                     src = int(m.group(1))
                     dst = nodes.peer(src)

@@ -64,7 +64,8 @@ import warnings
 from collections.abc import Callable, Collection
 
 from distckpt._process import process_exists
-from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
+from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, parse_step_dir
+from distckpt.integrity.stepfiles import METADATA_NAME
 from distckpt.storage.base import NEW_DIR_PREFIX, Storage, new_dir_creator
 
 log = logging.getLogger("distckpt")
@@ -264,7 +265,9 @@ def remove_uncommitted(storage: Storage, dirname: str, dispose: Callable[[str], 
 #: Files distckpt and DCP write into a step directory, and the temporary names they are written
 #: under (``<name>.tmp-<8 hex>``: :class:`~distckpt.storage.local.LocalStorage`; ``.tmp``: DCP's
 #: ``.metadata``).
-_STEP_FILE = re.compile(r"(?:\.owner|\.metadata|manifest\.json|__[0-9]+_[0-9]+\.distcp)(?:\.tmp|\.tmp-[0-9a-f]{8})?")
+_STEP_FILE = re.compile(
+    "(?:" + "|".join([*map(re.escape, (OWNER_NAME, METADATA_NAME, MANIFEST_NAME)), DATA_FILE.pattern]) + r")(?:\.tmp|\.tmp-[0-9a-f]{8})?"
+)
 _WARNED_FOREIGN: set[str] = set()
 
 
