@@ -412,3 +412,71 @@ def test_cleanup_removes_only_folders_that_hold_nothing_but_distckpts_files(tmp_
     if where == "local":
         assert ckpt.steps() == [1, 101, 102]  # the other folders are no steps
         ckpt.close()
+
+
+def test_a_plain_dcp_checkpoint_under_a_steps_name_is_kept_and_a_crashed_save_is_not(tmp_path):
+    """A user's ``dcp.save`` into ``root/step_000000005`` (or a step copied without its
+    ``manifest.json``) holds only the files DCP writes, so cleanup took it for a crashed save and
+    deleted it once older than the lease. It has no owner record, which every save of distckpt's
+    keeps in the step until it commits: kept now, warned once, and still loads with
+    ``dcp.load``. A crashed save's step (stale record, ``.metadata`` written) still goes."""
+    import json
+    import time
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, _state(1.0))
+    dcp.save({"w": torch.full((4, 4), 7.0)}, checkpoint_id=str(root / step_dir(5)))
+    crashed = root / step_dir(6)  # what a save killed after DCP wrote .metadata leaves
+    crashed.mkdir()
+    (crashed / ".metadata").write_bytes(b"x")
+    (crashed / "__0_0.distcp").write_bytes(b"x")
+    (crashed / ".owner").write_text(json.dumps({"writer": "w", "host": "elsewhere", "pid": 1, "time": time.time() - 7200}))
+    old = time.time() - 7200
+    for d in (root / step_dir(5), crashed):
+        for f in d.iterdir():
+            os.utime(f, (old, old))
+        os.utime(d, (old, old))
+    for step in (7, 8):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ckpt.save(step, _state(float(step)))  # a save's cleanup, the default lease
+        kept = [str(w.message) for w in seen if "no distckpt save wrote" in str(w.message)]
+        assert len(kept) == (1 if step == 7 else 0), kept  # warned once, not at the second save
+        assert not kept or step_dir(5) in kept[0]
+    ckpt.close()
+    assert (root / step_dir(5)).is_dir() and not crashed.exists()
+    got = {"w": torch.zeros(4, 4)}
+    dcp.load(got, checkpoint_id=str(root / step_dir(5)))
+    assert torch.equal(got["w"], torch.full((4, 4), 7.0))
+    assert distckpt.Checkpointer(root).steps() == [1, 7, 8]
+
+
+def test_a_removal_without_a_rename_cut_short_leaves_no_dcp_checkpoint_behind(tmp_path, monkeypatch):
+    """Object stores delete a step's files in batches, without a rename first: a removal cut short
+    after its owner record went but before ``.metadata`` did would leave what looks like another
+    tool's DCP checkpoint, kept forever. ``.metadata`` is deleted first, so the rest is garbage
+    the next cleanup removes."""
+    storage = Storage(f"memory://{tmp_path.name}-cut/root")
+    name = step_dir(3)
+    storage.makedirs(name)
+    for f in (".owner", ".metadata", "__0_0.distcp", "__1_0.distcp"):
+        storage.write_bytes(b"{}" if f == ".owner" else b"x", name, f)
+    real = type(storage).remove_tree
+
+    def cut_short(self, *parts):  # the batch holding the record went through, then a crash
+        self.remove(*parts, ".owner")
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(type(storage), "remove_tree", cut_short)
+    with pytest.raises(OSError):
+        ownership.remove_uncommitted(storage, name)
+    monkeypatch.setattr(type(storage), "remove_tree", real)
+    assert set(storage.list_files(name)) == {"__0_0.distcp", "__1_0.distcp"}
+    assert not ownership.unowned_dcp_checkpoint(storage, name)
+    ownership.remove_stale_leftovers(storage, lease_s=1e-9)  # memory:// has no times
+    assert name not in storage.list_dirs()
+

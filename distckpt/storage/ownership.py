@@ -27,7 +27,9 @@ coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.r
 * **Cleanup removes only what distckpt writes.** An incomplete step directory (or a temporary
   one) is removed only if every entry in it is a file distckpt or DCP writes there
   (:func:`foreign_entries`): a folder named like a step that holds anything else (a user's
-  ``model.pt``, a sub-folder) is left alone and warned about once, whatever its lease says.
+  ``model.pt``, a sub-folder) is left alone and warned about once, whatever its lease says. So
+  is a plain DCP checkpoint saved under a step's name: ``.metadata`` with neither a manifest nor
+  an owner record, which no save or removal of distckpt's leaves (:func:`unowned_dcp_checkpoint`).
 * **Cleanup never removes a committed step** (:func:`remove_uncommitted`). The staleness verdict
   and the removal are not atomic, so a writer may commit after cleanup listed its directory or
   judged its lease. Cleanup therefore re-checks the manifest right before removing, and on local
@@ -258,6 +260,11 @@ def remove_uncommitted(storage: Storage, dirname: str, dispose: Callable[[str], 
     if dispose is not None and where != dirname:
         dispose(where)
     else:
+        if where == dirname:
+            # No rename: a removal interrupted half-way (a crash, a failed batch of deletes) leaves
+            # some of the files under the step's own name. .metadata goes first, so what is left
+            # never looks like a DCP checkpoint another tool wrote (kept forever: unowned_dcp_checkpoint).
+            storage.remove(where, METADATA_NAME)
         storage.remove_tree(where)
     return True
 
@@ -284,20 +291,37 @@ def foreign_entries(storage: Storage, dirname: str) -> list[str]:
     return foreign
 
 
+def unowned_dcp_checkpoint(storage: Storage, dirname: str) -> bool:
+    """(one process) Whether ``dirname`` holds a DCP checkpoint (its ``.metadata``) but neither a
+    manifest nor an owner record: a plain ``dcp.save`` (or a copy without ``manifest.json``), not
+    a save distckpt left. distckpt creates a step with its owner record inside and keeps one there
+    until the commit, and an uncommit (retention) writes a released one first; a removal without
+    a rename deletes ``.metadata`` first (:func:`remove_uncommitted`), so no interrupted save or
+    removal of distckpt's leaves this state."""
+    files = set(storage.list_files(dirname))
+    return METADATA_NAME in files and OWNER_NAME not in files and MANIFEST_NAME not in files
+
+
 def _kept_as_foreign(storage: Storage, name: str) -> bool:
-    """Whether ``name`` holds entries distckpt did not write (warned once per directory)."""
+    """Whether ``name`` holds entries distckpt did not write, or a DCP checkpoint it did not
+    write (:func:`unowned_dcp_checkpoint`); warned once per directory."""
     foreign = foreign_entries(storage, name)
     if foreign:
-        where = storage.display(name)
-        if where not in _WARNED_FOREIGN:
-            _WARNED_FOREIGN.add(where)
-            shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            warnings.warn(
-                f"distckpt: {where} is named like an incomplete checkpoint step but holds files distckpt does "
-                f"not write ({shown}); cleanup leaves it alone (move it out of the checkpoint root)",
-                stacklevel=3,
-            )
-    return bool(foreign)
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        why = f"holds files distckpt does not write ({shown})"
+    elif unowned_dcp_checkpoint(storage, name):
+        why = "holds a DCP checkpoint (.metadata) that no distckpt save wrote: no manifest.json and no owner record"
+    else:
+        return False
+    where = storage.display(name)
+    if where not in _WARNED_FOREIGN:
+        _WARNED_FOREIGN.add(where)
+        warnings.warn(
+            f"distckpt: {where} is named like an incomplete checkpoint step but {why}; cleanup leaves it alone "
+            "(move it out of the checkpoint root)",
+            stacklevel=3,
+        )
+    return True
 
 
 def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, busy: Collection[str] = ()) -> None:
