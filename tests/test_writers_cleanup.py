@@ -480,3 +480,33 @@ def test_a_removal_without_a_rename_cut_short_leaves_no_dcp_checkpoint_behind(tm
     ownership.remove_stale_leftovers(storage, lease_s=1e-9)  # memory:// has no times
     assert name not in storage.list_dirs()
 
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_record_dated_ahead_is_judged_by_the_stores_times(tmp_path, live):
+    """A writer on another host whose clock ran a day ahead, killed mid-save, left a record dated
+    tomorrow: its lease looked live until then, and every save of that step (the one a resumed
+    job writes next) raised StepExistsError for a day. A record dated more than a lease ahead is
+    judged by the store's times instead: stale once nothing in the directory changed for a lease;
+    a live writer (its record rewritten every lease / 4) keeps its step."""
+    import json
+    import time
+
+    root = tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, _state(1.0))
+    d = root / step_dir(2)
+    d.mkdir()
+    (d / ownership.OWNER_NAME).write_text(json.dumps({"writer": "x", "host": "elsewhere", "pid": 5, "time": time.time() + 86400}))
+    (d / "__0_0.distcp").write_bytes(b"x")
+    if not live:
+        old = time.time() - 7200
+        for f in (*d.iterdir(), d):
+            os.utime(f, (old, old))
+    if live:
+        with pytest.raises(distckpt.StepExistsError, match="lease is live"):
+            ckpt.save(2, _state(2.0))
+        assert (d / "__0_0.distcp").exists()
+    else:
+        ckpt.save(2, _state(2.0))  # before: StepExistsError until tomorrow
+        ckpt.close()
+        _assert_loads(root, 2, 2.0)

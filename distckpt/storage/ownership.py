@@ -18,7 +18,9 @@ coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.r
   with **no record** gets ``lease_s`` of grace from its last change (the newest time of the
   directory and the files directly inside it): on fsspec stores with real directories the
   directory exists before its record is put, and a committed step's record is removed after its
-  commit.
+  commit. So does a directory whose record is dated more than ``lease_s`` ahead of the cleaner's
+  clock (its writer's clock is ahead): that time cannot tell when the record was last
+  refreshed; the store's times can.
 * **The commit is exclusive.** Right before writing ``manifest.json`` the writer checks that the
   owner record is still its own, and writes the manifest with a no-replace primitive (local:
   ``link`` into the existing directory, which never creates it; object stores: a conditional
@@ -171,9 +173,10 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
 
     A directory without a record is stale only ``lease_s`` after its last change (or at once if
     it is empty and its store reports no times, or if it is a temporary directory whose name
-    says a process of this host made it that is gone: killed before its record was written). A
-    record that cannot be read for another reason than its absence (an I/O error) leaves the
-    directory alone.
+    says a process of this host made it that is gone: killed before its record was written). So
+    is one whose record is dated more than ``lease_s`` ahead of this clock (a writer whose clock
+    is ahead). A record that cannot be read for another reason than its absence (an I/O error)
+    leaves the directory alone.
     """
     now = time.time() if now is None else now
     try:
@@ -203,7 +206,16 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
             return True
     stamp = record.get("time")
     # NaN or infinity (json reads both) would never expire: a garbled record, no claim.
-    return not isinstance(stamp, (int, float)) or not math.isfinite(stamp) or now - stamp > lease_s
+    if not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
+        return True
+    if stamp - now > lease_s:
+        # Dated more than a lease ahead: the writer's clock is ahead of this one (or the record
+        # lies), so its time cannot say when it was last refreshed, and would hold the step until
+        # this clock caught up (a dead writer's step unsavable for as long as its clock was off).
+        # The store's times can: a live writer rewrites its record every lease_s / 4.
+        changed, _ = storage.last_change(dirname)
+        return changed is not None and now - changed > lease_s
+    return now - stamp > lease_s
 
 
 def _tombstone(storage: Storage, dirname: str) -> str | None:
