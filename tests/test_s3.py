@@ -466,3 +466,51 @@ def test_an_unreachable_store_is_not_reported_as_a_missing_bucket(tmp_path):
     assert not isinstance(info.value, FileNotFoundError) and SECRET_KEY not in str(info.value)
     with pytest.raises(distckpt.CheckpointError, match=r"save of step 3: could not create"):
         distckpt.Checkpointer(f"s3://nowhere-{uuid.uuid4().hex[:8]}/run", storage_options=opts).save(3, {"w": torch.ones(2)})
+
+
+def test_which_steps_are_committed_is_asked_concurrently(s3_server, s3_bucket, monkeypatch):
+    """Every load (its latest step), `ls`, retention and every save's cleanup ask whether each
+    step directory of the root holds a manifest: one request per step, one after another, so a
+    root of hundreds of steps on S3 cost hundreds of round trips each time. They overlap now;
+    the answers are the same (committed steps listed, incomplete ones left to cleanup)."""
+    import json
+
+    from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
+    from distckpt.storage import ownership
+    from distckpt.storage.base import Storage
+    from distckpt.storage.objectstore import FsspecStorage
+
+    storage = Storage(f"s3://{s3_bucket}/root", s3_server.storage_options)
+    for step in range(24):
+        storage.write_bytes(b"x", step_dir(step), "__0_0.distcp")
+        if step % 3:
+            storage.write_bytes(b"{}", step_dir(step), MANIFEST_NAME)
+        elif step % 2:  # a crashed save's, its lease released: cleanup removes it
+            storage.write_bytes(json.dumps({"writer": "w", "released": True}).encode(), step_dir(step), ownership.OWNER_NAME)
+    real = FsspecStorage.exists
+    cond = threading.Condition()
+    seen = {"now": 0, "most": 0, "gave_up": False}
+
+    def overlapping(self, *parts):
+        # The first calls wait (for observed progress, not time) until four are in flight at
+        # once; one at a time, the first wait gives up and the test fails on the count below.
+        with cond:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+            cond.notify_all()
+            if not seen["gave_up"] and not cond.wait_for(lambda: seen["most"] >= 4, timeout=30):
+                seen["gave_up"] = True
+        try:
+            return real(self, *parts)
+        finally:
+            with cond:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(FsspecStorage, "exists", overlapping)
+    committed = [s for s in range(24) if s % 3]
+    assert committed_steps(storage) == committed
+    assert seen["most"] >= 4, seen
+    ownership.remove_stale_leftovers(storage)
+    assert sorted(storage.list_dirs()) == sorted(step_dir(s) for s in range(24) if s % 3 or not s % 2)
+    monkeypatch.undo()
+    assert committed_steps(storage) == committed

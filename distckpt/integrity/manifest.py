@@ -40,9 +40,9 @@ def step_dir(step: int) -> str:
 
 def committed_steps(storage: Storage) -> list[int]:
     """Committed steps (directories holding a manifest) under ``storage``."""
-    return sorted(
-        s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None and storage.exists(d, MANIFEST_NAME)
-    )
+    steps = {d: s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None}
+    held = storage.exists_each((d, MANIFEST_NAME) for d in steps)
+    return sorted(s for (d, s), yes in zip(steps.items(), held) if yes)
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -13,6 +13,7 @@ import datetime
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -21,6 +22,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
 from distckpt.storage.base import Storage, _flat_namespace, _redact
+
+
+#: Existence queries in flight at once (:meth:`FsspecStorage.exists_each`).
+_QUERIES_AT_ONCE = 16
 
 
 class FsspecStorage(Storage, kind="url"):
@@ -59,6 +64,16 @@ class FsspecStorage(Storage, kind="url"):
         self.fs.invalidate_cache(path.rsplit("/", 1)[0])
         with self._at(*parts):
             return bool(self.fs.exists(path))
+
+    def exists_each(self, paths: Iterable[tuple[str, ...]]) -> list[bool]:
+        paths = list(paths)
+        if len(paths) < 2 or not getattr(self.fs, "async_impl", False):
+            return [self.exists(*p) for p in paths]
+        # An async filesystem's (s3fs, gcsfs, adlfs) blocking calls may come from several threads:
+        # each runs on the filesystem's event loop, so the requests overlap. Others (sftp ...) may
+        # hold one connection that is not meant to be shared: asked one at a time above.
+        with ThreadPoolExecutor(max_workers=min(_QUERIES_AT_ONCE, len(paths)), thread_name_prefix="distckpt-exists") as pool:
+            return list(pool.map(lambda p: self.exists(*p), paths))
 
     def _ls(self, *parts: str) -> list[dict[str, Any]]:  # fsspec's detail entries
         self.refresh()

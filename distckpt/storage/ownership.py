@@ -343,7 +343,12 @@ def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, b
     step or a live writer's directory; a failed removal is logged, never raised.
 
     ``busy``: tombstones this process is deleting already (its :class:`~distckpt.storage.retention.Reaper`), left to it."""
-    for name in storage.list_dirs():
+    names = storage.list_dirs()
+    # Which step and temporary directories hold a manifest, asked all at once (one request each
+    # on object stores); a commit landing after this is caught by remove_uncommitted's re-check.
+    candidates = [n for n in names if n.startswith(NEW_DIR_PREFIX) or parse_step_dir(n) is not None]
+    committed = {n for n, yes in zip(candidates, storage.exists_each((n, MANIFEST_NAME) for n in candidates)) if yes}
+    for name in names:
         try:
             if name in busy:
                 continue
@@ -359,7 +364,7 @@ def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, b
                 continue
             if not name.startswith(NEW_DIR_PREFIX) and parse_step_dir(name) is None:
                 continue
-            if storage.exists(name, MANIFEST_NAME):
+            if name in committed:
                 continue
             if not is_stale(storage, name, lease_s):
                 log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
