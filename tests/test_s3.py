@@ -470,15 +470,17 @@ def test_an_unreachable_store_is_not_reported_as_a_missing_bucket(tmp_path):
 
 def test_which_steps_are_committed_is_asked_concurrently(s3_server, s3_bucket, monkeypatch):
     """Every load (its latest step), `ls`, retention and every save's cleanup ask whether each
-    step directory of the root holds a manifest: one request per step, one after another, so a
-    root of hundreds of steps on S3 cost hundreds of round trips each time. They overlap now;
-    the answers are the same (committed steps listed, incomplete ones left to cleanup)."""
+    step directory of the root holds a manifest (and `ls` reads each manifest): one request per
+    step, one after another, so a root of hundreds of steps on S3 cost hundreds of round trips
+    each time. They overlap now; the answers are the same (committed steps listed, incomplete
+    ones left to cleanup)."""
     import json
 
     from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
     from distckpt.storage import ownership
     from distckpt.storage.base import Storage
     from distckpt.storage.objectstore import FsspecStorage
+    from distckpt.tools.catalog import list_steps
 
     storage = Storage(f"s3://{s3_bucket}/root", s3_server.storage_options)
     for step in range(24):
@@ -509,6 +511,11 @@ def test_which_steps_are_committed_is_asked_concurrently(s3_server, s3_bucket, m
     monkeypatch.setattr(FsspecStorage, "exists", overlapping)
     committed = [s for s in range(24) if s % 3]
     assert committed_steps(storage) == committed
+    assert seen["most"] >= 4, seen
+    seen.update(most=0, gave_up=False)
+    rows = list_steps(storage)  # `distckpt ls`: a manifest or a listing per step besides
+    # ("bad manifest": these manifests are "{}", read and refused)
+    assert [(r["step"], r["status"]) for r in rows] == [(s, "bad manifest" if s % 3 else "incomplete") for s in range(24)]
     assert seen["most"] >= 4, seen
     ownership.remove_stale_leftovers(storage)
     assert sorted(storage.list_dirs()) == sorted(step_dir(s) for s in range(24) if s % 3 or not s % 2)

@@ -25,7 +25,7 @@ import socket
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import IO, Protocol
+from typing import IO, Protocol, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -36,6 +36,9 @@ from distckpt._process import parse_pid
 
 # Temporary directories a step directory is built in before it is renamed into place.
 NEW_DIR_PREFIX = ".distckpt-new-"
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
 # Client libraries whose errors (e.g. botocore's EndpointConnectionError) are not OSErrors.
 _CLIENT_ERROR_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "google", "azure")
@@ -218,11 +221,16 @@ class Storage:
     def exists(self, *parts: str) -> bool:
         raise NotImplementedError
 
+    def each(self, query: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        """``query(item)`` for each item, in order: queries of this storage that each cost a
+        request (does a step hold a manifest? its manifest, its files). Async object stores
+        run them concurrently, so a root of hundreds of steps costs a few round trips' time
+        instead of hundreds; elsewhere one after another. The first exception raised is raised."""
+        return [query(item) for item in items]
+
     def exists_each(self, paths: Iterable[tuple[str, ...]]) -> list[bool]:
-        """:meth:`exists` of each path (a tuple of parts), in order. Object stores ask
-        concurrently: one request each, so a root of hundreds of steps costs one round trip's
-        time a few times over instead of hundreds of them."""
-        return [self.exists(*p) for p in paths]
+        """:meth:`exists` of each path (a tuple of parts), in order (through :meth:`each`)."""
+        return self.each(lambda p: self.exists(*p), paths)
 
     def list_dirs(self) -> list[str]:
         """Names of the sub-directories (prefixes) directly under the root; [] if none."""

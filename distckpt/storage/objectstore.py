@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
@@ -24,7 +24,10 @@ from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
 from distckpt.storage.base import Storage, _flat_namespace, _redact
 
 
-#: Existence queries in flight at once (:meth:`FsspecStorage.exists_each`).
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+#: Queries in flight at once (:meth:`FsspecStorage.each`).
 _QUERIES_AT_ONCE = 16
 
 
@@ -65,15 +68,15 @@ class FsspecStorage(Storage, kind="url"):
         with self._at(*parts):
             return bool(self.fs.exists(path))
 
-    def exists_each(self, paths: Iterable[tuple[str, ...]]) -> list[bool]:
-        paths = list(paths)
-        if len(paths) < 2 or not getattr(self.fs, "async_impl", False):
-            return [self.exists(*p) for p in paths]
+    def each(self, query: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        items = list(items)
+        if len(items) < 2 or not getattr(self.fs, "async_impl", False):
+            return [query(item) for item in items]
         # An async filesystem's (s3fs, gcsfs, adlfs) blocking calls may come from several threads:
         # each runs on the filesystem's event loop, so the requests overlap. Others (sftp ...) may
         # hold one connection that is not meant to be shared: asked one at a time above.
-        with ThreadPoolExecutor(max_workers=min(_QUERIES_AT_ONCE, len(paths)), thread_name_prefix="distckpt-exists") as pool:
-            return list(pool.map(lambda p: self.exists(*p), paths))
+        with ThreadPoolExecutor(max_workers=min(_QUERIES_AT_ONCE, len(items)), thread_name_prefix="distckpt-query") as pool:
+            return list(pool.map(query, items))
 
     def _ls(self, *parts: str) -> list[dict[str, Any]]:  # fsspec's detail entries
         self.refresh()
