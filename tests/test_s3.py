@@ -521,3 +521,40 @@ def test_which_steps_are_committed_is_asked_concurrently(s3_server, s3_bucket, m
     assert sorted(storage.list_dirs()) == sorted(step_dir(s) for s in range(24) if s % 3 or not s % 2)
     monkeypatch.undo()
     assert committed_steps(storage) == committed
+
+
+def test_a_save_or_upload_never_writes_into_another_tools_folder_on_s3(tmp_path, s3_server, s3_bucket):
+    """On a local disk a step is created by renaming a prepared folder into place, which fails
+    over an existing one; on S3 creation is a conditional put of the owner record alone, so a
+    save of step 5 wrote its files into the user's ``step_000000005/`` beside their
+    ``model.pt`` and committed, and retention would later have deleted ``model.pt`` with the
+    step. The save (and the replica's upload) now refuse, naming the folder and what it holds;
+    the user's file stays, other steps save as before."""
+    import warnings
+
+    from distckpt.storage.base import Storage
+    from distckpt.storage.replica import ReplicationError
+
+    url = f"s3://{s3_bucket}/root"
+    storage = Storage(url, s3_server.storage_options)
+    storage.write_bytes(b"the user's weights", "step_000000005", "model.pt")
+    storage.write_bytes(b"x", "step_000000006", "notes.txt")
+    ckpt = distckpt.Checkpointer(url, storage_options=s3_server.storage_options, keep_last=1)
+    with pytest.raises(distckpt.StepExistsError, match=r"step_000000005 holds files distckpt does not write \('model.pt'\)"):
+        ckpt.save(5, {"w": torch.ones(4)})
+    ckpt.save(7, {"w": torch.ones(4)})
+    ckpt.save(8, {"w": torch.ones(4)})  # retention deletes 7, nothing of the user's
+    ckpt.close()
+    assert storage.list_files("step_000000005") == {"model.pt": 18}
+    assert storage.read_bytes("step_000000006", "notes.txt") == b"x"
+    assert distckpt.Checkpointer(url, storage_options=s3_server.storage_options).steps() == [8]
+    # The replica's uploader: the same refusal, reported as a failed upload; the local commit stays.
+    local = distckpt.Checkpointer(str(tmp_path / "local"), replicate_to=url, replicate_storage_options=s3_server.storage_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the failed upload's warning
+        local.save(6, {"w": torch.ones(4)})
+        with pytest.raises(ReplicationError, match=r"step_000000006 holds files distckpt does not write \('notes.txt'\)"):
+            local.replica.wait(timeout=120)
+    assert local.steps() == [6]
+    local.close()
+    assert storage.list_files("step_000000006") == {"notes.txt": 1}

@@ -447,6 +447,9 @@ def test_a_plain_dcp_checkpoint_under_a_steps_name_is_kept_and_a_crashed_save_is
         kept = [str(w.message) for w in seen if "no distckpt save wrote" in str(w.message)]
         assert len(kept) == (1 if step == 7 else 0), kept  # warned once, not at the second save
         assert not kept or step_dir(5) in kept[0]
+    # Saving that step says why it cannot (it said "being written by another writer").
+    with pytest.raises(distckpt.StepExistsError, match=r"step 5 cannot be saved: .*step_000000005 holds a DCP checkpoint"):
+        ckpt.save(5, _state(5.0))
     ckpt.close()
     assert (root / step_dir(5)).is_dir() and not crashed.exists()
     got = {"w": torch.zeros(4, 4)}

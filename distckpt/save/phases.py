@@ -303,6 +303,12 @@ def claim(opts: SaveOptions, step: int, busy: frozenset[str] = frozenset()) -> o
     where = storage.display(step_dir(step))
     refuse_committed(opts, step)
     ownership.remove_stale_leftovers(storage, opts.lease_s, busy)
+    # A folder of another tool's under the step's name: local disks refuse to create the step
+    # over it anyway, but an object store's exclusive creation is a conditional put of the owner
+    # record only, and the save would write into it (and retention later delete its files).
+    foreign = ownership.not_distckpts(storage, step_dir(step))
+    if foreign is not None:
+        raise StepExistsError(f"step {step} cannot be saved: {where} {foreign}; move it out of the checkpoint root or save another step")
     lease = ownership.Lease(storage, step_dir(step), opts.lease_s)
     try:
         lease.acquire()

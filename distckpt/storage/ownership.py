@@ -9,6 +9,8 @@ coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.r
   with its owner record inside, then renamed into place (``rename`` fails if the step exists);
   object stores: a conditional put of the step's owner record (S3's ``If-None-Match``). A second
   writer of the same step gets :class:`~distckpt.StepExistsError`, never a mixed checkpoint.
+  So does a save (or an upload) of a step whose folder is another tool's (:func:`not_distckpts`),
+  checked first: an object store's conditional put creates only the record, beside its files.
 * **A lease protects an incomplete step.** The owner record (``.owner`` in the step directory:
   writer id, host, pid, time) is refreshed every ``lease_s / 4`` seconds while the save runs; a
   refresh rewrites the record inside the existing directory and never re-creates a directory
@@ -65,7 +67,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from distckpt._process import process_exists
 from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, parse_step_dir
@@ -290,12 +292,13 @@ _STEP_FILE = re.compile(
 _WARNED_FOREIGN: set[str] = set()
 
 
-def foreign_entries(storage: Storage, dirname: str) -> list[str]:
+def foreign_entries(storage: Storage, dirname: str, files: Mapping[str, int] | None = None) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
     directory (sorted; sub-folders and other entries that are not files counted in a last
     item); [] for a directory that holds only distckpt's files, or is gone. Cleanup never
-    removes a directory for which this is not empty: it is someone else's, whatever its name."""
-    files = storage.list_files(dirname)
+    removes a directory for which this is not empty: it is someone else's, whatever its name.
+    ``files``: :meth:`~distckpt.storage.base.Storage.list_files` of it, if listed already."""
+    files = storage.list_files(dirname) if files is None else files
     foreign = sorted(n for n in files if not _STEP_FILE.fullmatch(n))
     _, count = storage.last_change(dirname)
     if count > len(files):  # entries that are not files: sub-folders (or links, sockets ...)
@@ -303,27 +306,35 @@ def foreign_entries(storage: Storage, dirname: str) -> list[str]:
     return foreign
 
 
-def unowned_dcp_checkpoint(storage: Storage, dirname: str) -> bool:
+def unowned_dcp_checkpoint(storage: Storage, dirname: str, files: Mapping[str, int] | None = None) -> bool:
     """(one process) Whether ``dirname`` holds a DCP checkpoint (its ``.metadata``) but neither a
     manifest nor an owner record: a plain ``dcp.save`` (or a copy without ``manifest.json``), not
     a save distckpt left. distckpt creates a step with its owner record inside and keeps one there
     until the commit, and an uncommit (retention) writes a released one first; a removal without
     a rename deletes ``.metadata`` first (:func:`remove_uncommitted`), so no interrupted save or
-    removal of distckpt's leaves this state."""
-    files = set(storage.list_files(dirname))
+    removal of distckpt's leaves this state. ``files``: as for :func:`foreign_entries`."""
+    files = storage.list_files(dirname) if files is None else files
     return METADATA_NAME in files and OWNER_NAME not in files and MANIFEST_NAME not in files
 
 
-def _kept_as_foreign(storage: Storage, name: str) -> bool:
-    """Whether ``name`` holds entries distckpt did not write, or a DCP checkpoint it did not
-    write (:func:`unowned_dcp_checkpoint`); warned once per directory."""
-    foreign = foreign_entries(storage, name)
+def not_distckpts(storage: Storage, dirname: str) -> str | None:
+    """(one process) Why ``dirname``, named like a step, is not distckpt's to remove or to write
+    into (a phrase: "holds files distckpt does not write ('model.pt')", or one for
+    :func:`unowned_dcp_checkpoint`); ``None`` if nothing says so."""
+    files = storage.list_files(dirname)
+    foreign = foreign_entries(storage, dirname, files)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        why = f"holds files distckpt does not write ({shown})"
-    elif unowned_dcp_checkpoint(storage, name):
-        why = "holds a DCP checkpoint (.metadata) that no distckpt save wrote: no manifest.json and no owner record"
-    else:
+        return f"holds files distckpt does not write ({shown})"
+    if unowned_dcp_checkpoint(storage, dirname, files):
+        return "holds a DCP checkpoint (.metadata) that no distckpt save wrote: no manifest.json and no owner record"
+    return None
+
+
+def _kept_as_foreign(storage: Storage, name: str) -> bool:
+    """Whether ``name`` is not distckpt's (:func:`not_distckpts`); warned once per directory."""
+    why = not_distckpts(storage, name)
+    if why is None:
         return False
     where = storage.display(name)
     if where not in _WARNED_FOREIGN:

@@ -381,6 +381,9 @@ class Replicator:
         if self._committed_remotely(name, manifest_bytes, remote_where):
             return 0  # already there (e.g. submitted twice)
         ownership.remove_stale_leftovers(self.remote, self.lease_s)
+        foreign = ownership.not_distckpts(self.remote, name)  # as a save's claim: never upload into it
+        if foreign is not None:
+            raise StepExistsError(f"step {step} cannot be uploaded: {remote_where} {foreign}; move it out of the replica's root")
         lease = ownership.Lease(self.remote, name, self.lease_s)
         try:
             lease.acquire()
