@@ -513,3 +513,27 @@ def test_a_record_dated_ahead_is_judged_by_the_stores_times(tmp_path, live):
         ckpt.save(2, _state(2.0))  # before: StepExistsError until tomorrow
         ckpt.close()
         _assert_loads(root, 2, 2.0)
+
+
+def test_cleanup_never_fails_a_save_when_asking_for_manifests_fails(tmp_path, monkeypatch):
+    """Cleanup asks every step directory for its manifest at once; one failed query (a transient
+    I/O error) must not fail the save: each directory is asked again, and a failure is logged for
+    it alone (as every failure of cleanup)."""
+    from distckpt.storage.local import LocalStorage
+
+    root = tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, _state(1.0))
+    real = LocalStorage.exists
+    failed = []
+
+    def flaky(self, *parts):
+        if parts == (step_dir(1), MANIFEST_NAME) and not failed:
+            failed.append(parts)
+            raise OSError("transient")
+        return real(self, *parts)
+
+    monkeypatch.setattr(LocalStorage, "exists", flaky)
+    ckpt.save(2, _state(2.0))
+    ckpt.close()
+    assert failed and distckpt.Checkpointer(root).steps() == [1, 2]

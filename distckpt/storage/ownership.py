@@ -358,7 +358,10 @@ def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, b
     # Which step and temporary directories hold a manifest, asked all at once (one request each
     # on object stores); a commit landing after this is caught by remove_uncommitted's re-check.
     candidates = [n for n in names if n.startswith(NEW_DIR_PREFIX) or parse_step_dir(n) is not None]
-    committed = {n for n, yes in zip(candidates, storage.exists_each((n, MANIFEST_NAME) for n in candidates)) if yes}
+    try:
+        committed: set[str] | None = {n for n, yes in zip(candidates, storage.exists_each((n, MANIFEST_NAME) for n in candidates)) if yes}
+    except OSError:
+        committed = None  # asked again one by one below, where a failure is logged for its directory alone
     for name in names:
         try:
             if name in busy:
@@ -375,7 +378,7 @@ def remove_stale_leftovers(storage: Storage, lease_s: float = DEFAULT_LEASE_S, b
                 continue
             if not name.startswith(NEW_DIR_PREFIX) and parse_step_dir(name) is None:
                 continue
-            if name in committed:
+            if name in committed if committed is not None else storage.exists(name, MANIFEST_NAME):
                 continue
             if not is_stale(storage, name, lease_s):
                 log.info("leaving incomplete checkpoint %s: another writer holds its lease", storage.display(name))
