@@ -82,6 +82,27 @@ def test_loads_refuse_symlinked_files_and_step_directories(tmp_path):
     assert foreign is not None
 
 
+@pytest.mark.timeout(120)
+def test_a_named_pipe_in_a_step_is_refused_not_waited_on(tmp_path):
+    """A FIFO named like a checkpoint file (planted, or left by a tool) blocked open() until a
+    writer came: load, convert and inspect hung for ever. Every read opens without blocking and
+    refuses what is not a regular file, by name."""
+    root = tmp_path / "root"
+    _save(root, 1, 1)
+    d = root / step_dir(1)
+    data = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]
+    os.remove(d / data)
+    os.mkfifo(d / data)
+    with pytest.raises(distckpt.UnsafeCheckpointError, match=rf"{data} is not a regular file"):
+        distckpt.Checkpointer(root).load({"model": _model(5)}, step=1)
+    done = _cli("convert", str(d), "--to", "safetensors", str(tmp_path / "x.safetensors"))
+    assert done.returncode == 1 and "is not a regular file" in done.stderr, done.stderr
+    os.remove(d / ".metadata")
+    os.mkfifo(d / ".metadata")
+    done = _cli("inspect", str(d))
+    assert done.returncode == 1 and ".metadata is not a regular file" in done.stderr, done.stderr
+
+
 # manifest -----------------------------------------------------------------------------------------
 def test_manifest_is_bound_to_its_directory(tmp_path):
     _save(tmp_path, 1, 1)

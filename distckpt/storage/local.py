@@ -221,8 +221,11 @@ class LocalStorage(Storage, kind="local"):
             current = os.path.join(current, part)
             if os.path.islink(current):
                 raise UnsafeCheckpointError(f"{current} is a symbolic link; refusing to read checkpoint files through it")
+        # O_NONBLOCK: a FIFO by that name would block the open (and the load, inspect or ls)
+        # until a writer came; it is refused below. Regular files ignore the flag.
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
-            fd = os.open(where, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(where, flags)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafeCheckpointError(f"{where} is a symbolic link; refusing to read a checkpoint file through it") from None
