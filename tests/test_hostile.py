@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,25 @@ def test_a_named_pipe_in_a_step_is_refused_not_waited_on(tmp_path):
     os.mkfifo(d / ".metadata")
     done = _cli("inspect", str(d))
     assert done.returncode == 1 and ".metadata is not a regular file" in done.stderr, done.stderr
+
+
+def test_an_export_never_replaces_a_link_a_pipe_or_a_device_at_its_output(tmp_path):
+    """Exports are written beside their output and renamed into place: over a symbolic link the
+    link itself was replaced (the user's latest.pt -> real_model.pt became a plain file, the
+    target untouched), over a named pipe or a device the entry too (/dev/null, as root, became a
+    regular file). Such outputs are refused by name; nothing is written."""
+    root = tmp_path / "root"
+    _save(root, 1, 1)
+    (tmp_path / "real_model.pt").write_bytes(b"the user's model")
+    os.symlink("real_model.pt", tmp_path / "latest.pt")
+    os.mkfifo(tmp_path / "pipe")
+    for out, what in (("latest.pt", "is a symbolic link"), ("pipe", "is not a regular file")):
+        for to in ("torch", "safetensors"):
+            done = _cli("convert", str(root), "--to", to, str(tmp_path / out))
+            assert done.returncode == 1 and f"{out} {what}" in done.stderr and "refusing to replace it" in done.stderr, (out, to, done.stderr)
+    assert os.path.islink(tmp_path / "latest.pt") and (tmp_path / "real_model.pt").read_bytes() == b"the user's model"
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["latest.pt", "pipe", "real_model.pt", "root"]
 
 
 # manifest -----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Not collective.
 from __future__ import annotations
 
 import os
+import stat
 import posixpath
 import uuid
 from collections.abc import Iterator, Mapping
@@ -119,6 +120,16 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None) -
         path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
         if os.path.isdir(path):
             raise IsADirectoryError(f"output {path} is a directory")
+        # The file is renamed into place: over a symbolic link, a device (/dev/null, as root) or
+        # a named pipe that would replace the entry itself (the link gone, its target untouched;
+        # the device node a regular file), not write through it.
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file (a device, a pipe or a socket)"
+            raise FileExistsError(f"output {path} is {what}; refusing to replace it: give a regular file's path or a new one")
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             f = open(tmp, "wb")  # noqa: SIM115 - closed below
