@@ -84,3 +84,16 @@ def test_encoded_values_on_request_and_only_for_torch(tmp_path, capsys):
     assert got["out"][0] == MARKER
     assert main(["convert", str(tmp_path / "root"), str(tmp_path / "o.safetensors"), "--to", "safetensors", "--encoded-values"]) != 0
     assert "--encoded-values applies to --to torch" in capsys.readouterr().err
+
+
+def test_an_empty_key_inside_a_dict_is_exported_beside_its_siblings(tmp_path):
+    """{"m": {"a": t, "": u}} is flattened to the keys m.a and "m.": the export took "m." for the
+    top-level name "m" and replaced the dict it held, so m.a was lost, silently (and in the other
+    order a tensor stood where a dict was expected: a TypeError)."""
+    a, u = torch.zeros(2), torch.ones(2)
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.save(1, {"m": {"a": a, "": u}, "v": {"x": 1, "": 2}, "epoch": 3})
+    export_torch(locate(str(tmp_path / "root")), str(tmp_path / "full.pt"))
+    got = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert set(got["m"]) == {"a", ""} and torch.equal(got["m"]["a"], a) and torch.equal(got["m"][""], u)
+    assert got["v"] == {"x": 1, "": 2} and got["epoch"] == 3

@@ -207,7 +207,7 @@ def export_torch(
         all_keys = [k for k in source.metadata.state_dict_metadata if k.partition(".")[0] not in INTERNAL]
         source.expect(all_keys)
         for k in all_keys:
-            top, _, rest = k.partition(".")
+            top, dot, rest = k.partition(".")
             if k in source.tensors:
                 item: Any = stub(k)
             else:
@@ -218,7 +218,9 @@ def export_torch(
                 if why is not None:
                     skipped.append(f"{k} ({why})")
                     continue
-            if not rest or entries.get(top, {}).get("kind") == "value":
+            # A top-level name (no dot) is an item itself; "m." is the key "" inside "m", not "m"
+            # (that replaced the dict "m" already held: {"m": {"a": .., "": ..}} lost m.a).
+            if not dot or entries.get(top, {}).get("kind") == "value":
                 obj[top] = item
             else:
                 obj.setdefault(top, {})[rest] = item
