@@ -119,6 +119,14 @@ def storage_name_of_dtype(dtype: torch.dtype) -> str:
 # The function torch.save pickles to rebuild a tensor (its reference by name is part of the file
 # format, so exports must use exactly this one).
 rebuild_tensor_v2 = torch._utils._rebuild_tensor_v2
+# ... and the one it pickles for the dtypes that have no ``<X>Storage`` class (uint16/32/64, the
+# float8 family...): an ``UntypedStorage`` of bytes and the dtype as an argument.
+rebuild_tensor_v3 = torch._utils._rebuild_tensor_v3
+
+
+def untyped_storage_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes torch.save pickles through :data:`rebuild_tensor_v3` (no ``<X>Storage`` class)."""
+    return frozenset(torch.storage._new_dtypes())
 
 
 # The enum DCP pickles a tensor's memory format as (the allow-list unpickler admits it, and

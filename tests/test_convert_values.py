@@ -97,3 +97,39 @@ def test_an_empty_key_inside_a_dict_is_exported_beside_its_siblings(tmp_path):
     got = torch.load(tmp_path / "full.pt", weights_only=True)
     assert set(got["m"]) == {"a", ""} and torch.equal(got["m"]["a"], a) and torch.equal(got["m"][""], u)
     assert got["v"] == {"x": 1, "": 2} and got["epoch"] == 3
+
+
+def test_values_weights_only_loading_reads_are_exported(tmp_path):
+    """complex, bytes, sets and tuple-keyed dicts were skipped as "not plain data", although
+    ``torch.load(weights_only=True)`` reads them; a frozenset it refuses is still skipped."""
+    state = {
+        "w": torch.ones(1), "cx": 1 + 2j, "ncx": np.complex64(1 - 1j), "by": b"\x00\xff", "ba": bytearray(b"ab"),
+        "st": {1, 2}, "tk": {(1, "a"): 3, None: [b"x"]}, "fz": frozenset({1}),
+    }
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.save(1, state)
+    summary = export_torch(locate(str(tmp_path / "root")), str(tmp_path / "full.pt"))
+    got = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert got["cx"] == 1 + 2j and got["ncx"] == 1 - 1j and type(got["ncx"]) is complex
+    assert got["by"] == b"\x00\xff" and got["ba"] == bytearray(b"ab") and got["st"] == {1, 2}
+    assert got["tk"] == {(1, "a"): 3, None: [b"x"]}
+    assert [s.split(" (")[0] for s in summary["skipped"]] == ["fz"] and "frozenset" in summary["skipped"][0]
+
+
+def test_tensors_of_dtypes_without_a_storage_class_are_exported(tmp_path):
+    """uint16/uint32/uint64 and the float8 types have no ``<X>Storage`` class: torch.save pickles
+    them through ``_rebuild_tensor_v3``. The export failed with the dtype as its only message."""
+    state = {"m": {
+        "u16": torch.tensor([1, 65535], dtype=torch.uint16), "u32": torch.tensor([7, 2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([2**63 + 5], dtype=torch.uint64), "f8": torch.randn(5).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(3).to(torch.float8_e5m2), "f": torch.randn(3),
+    }}
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.save(1, state)
+    export_torch(locate(str(tmp_path / "root")), str(tmp_path / "full.pt"))
+    got = torch.load(tmp_path / "full.pt", weights_only=True)["m"]
+    assert set(got) == set(state["m"])
+    for k, t in state["m"].items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+    flat = export_torch(locate(str(tmp_path / "root")), str(tmp_path / "flat.pt"), key="m")
+    assert flat["tensors"] == 6 and torch.load(tmp_path / "flat.pt", weights_only=True)["u16"].dtype == torch.uint16

@@ -35,8 +35,10 @@ import torch
 from distckpt._compat import (
     PyTorchFileWriter,
     rebuild_tensor_v2,
+    rebuild_tensor_v3,
     storage_alignment,
     storage_name_of_dtype,
+    untyped_storage_dtypes,
 )
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.load.reader import CheckpointReader
@@ -149,18 +151,23 @@ class _StubPickler(pickle.Pickler):
 
     def reducer_override(self, obj: object) -> object:
         if isinstance(obj, _Stub):
-            return (
-                rebuild_tensor_v2,
-                (_StorageRef(obj), 0, tuple(obj.shape), contiguous_strides(obj.shape), False, OrderedDict()),
-            )
+            args = (_StorageRef(obj), 0, tuple(obj.shape), contiguous_strides(obj.shape), False, OrderedDict())
+            if obj.dtype in _UNTYPED:  # (uint16, float8...: no <X>Storage class names the dtype)
+                return (rebuild_tensor_v3, (*args, obj.dtype))
+            return (rebuild_tensor_v2, args)
         return NotImplemented
 
     def persistent_id(self, obj: object) -> tuple[str, type, str, str, int] | None:
         if isinstance(obj, _StorageRef):
             stub = obj.stub
+            if stub.dtype in _UNTYPED:  # a storage of bytes, sized in bytes
+                return ("storage", torch.UntypedStorage, str(stub.index), "cpu", numel(stub.shape) * stub.dtype.itemsize)
             storage_type = getattr(torch, storage_name_of_dtype(stub.dtype))
             return ("storage", storage_type, str(stub.index), "cpu", numel(stub.shape))
         return None
+
+
+_UNTYPED = untyped_storage_dtypes()
 
 
 def export_torch(
@@ -253,7 +260,7 @@ def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str
     of ``int`` an int), so that ``torch.load(weights_only=True)`` reads the file. Or ``(None,
     why)`` for a value the output cannot hold: one of a class of the training code (Enum,
     dataclass, NamedTuple: only a process holding the class can rebuild it), or one that is no
-    plain data (NumPy arrays, paths, sets, tensors inside values...). ``encoded``: ``raw`` as
+    plain data (NumPy arrays, paths, frozensets, tensors inside values...). ``encoded``: ``raw`` as
     it is, if it is plain data (``encoded_values`` of :func:`export_torch`).
 
     Raises:
@@ -268,17 +275,41 @@ def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str
     if isinstance(value, TopLevel):  # a top-level entry that was stored encoded
         value = value.value
     value = _as_plain(value)
-    if not values.is_plain(value):
+    if not _loadable(value):
         return None, f"not plain data: {_type_name(value)}"
     return value, None
 
 
+# What ``torch.load(weights_only=True)`` reads back as written (checked under torch 2.11-2.15):
+# JSON's scalars and containers, and complex numbers, bytes, sets and dicts keyed by any of these
+# (a tuple, an int). Not frozensets, ranges or slices: it refuses those.
+_LOADABLE_SCALARS = (type(None), bool, int, float, str, complex, bytes, bytearray)
+
+
+def _loadable(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (in exact types, as :func:`_as_plain` gives it) is data a
+    ``torch.load(weights_only=True)`` reads back."""
+    if type(value) in _LOADABLE_SCALARS:
+        return True
+    if depth > SAVE_DEPTH:  # (or a container holding itself)
+        return False
+    if type(value) in (list, tuple, set):
+        return all(_loadable(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(_loadable(k, depth + 1) and _loadable(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def _type_name(value: Any) -> str:
     """The first type in ``value`` that is no plain data (a container's element's, if that)."""
-    if isinstance(value, (list, tuple)):
-        return next((_type_name(v) for v in value if not values.is_plain(v)), type(value).__name__)
-    if isinstance(value, dict):
-        return next((_type_name(v) for v in value.values() if not values.is_plain(v)), "a dict key")
+    if type(value) in (list, tuple, set):
+        return next((_type_name(v) for v in value if not _loadable(v)), type(value).__name__)
+    if type(value) is dict:
+        for k, v in value.items():
+            if not _loadable(k):
+                return f"a dict key of type {_type_name(k)}"
+            if not _loadable(v):
+                return _type_name(v)
     return type(value).__name__
 
 
@@ -286,18 +317,20 @@ def _as_plain(value: Any, depth: int = 0) -> Any:
     """``value`` in exactly the plain types where it holds plain data: a NumPy bool, integer or
     float scalar (a schedule's ``np.int64`` step) as the Python scalar of the same number, a
     subclass of a plain type (``np.float64``, an ``OrderedDict``) as its base type, containers
-    rebuilt. Anything else is left as it is, for :func:`values.is_plain` to refuse."""
-    if isinstance(value, (np.bool_, np.integer, np.floating)):
+    rebuilt. Anything else is left as it is, for :func:`_loadable` to refuse."""
+    if isinstance(value, (np.bool_, np.integer, np.floating, np.complexfloating)):
         return value.item()
-    for base in (bool, int, float, str):
+    for base in (bool, int, float, str, complex, bytes, bytearray):
         if isinstance(value, base):
             return base(value)
     if depth > SAVE_DEPTH:
-        return value  # too deep: is_plain() refuses it
+        return value  # too deep: _loadable() refuses it
     if isinstance(value, tuple):
         return tuple(_as_plain(v, depth + 1) for v in value)
     if isinstance(value, list):
         return [_as_plain(v, depth + 1) for v in value]
+    if isinstance(value, set):
+        return {_as_plain(v, depth + 1) for v in value}
     if isinstance(value, dict):
         return {_as_plain(k, depth + 1): _as_plain(v, depth + 1) for k, v in value.items()}
     return value
