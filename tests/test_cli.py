@@ -347,6 +347,34 @@ def test_import_bare_state_dict_step_option(tmp_path, capsys):
     assert _same(fresh.state_dict(), model.state_dict())
 
 
+def test_import_takes_its_step_from_a_count_never_a_flag(tmp_path, capsys):
+    """``"step": True`` (a flag some scripts keep) is an int to Python: the import took it as
+    step 1, then 0; the next key that holds a count (``epoch``) is the step."""
+    model = _model(7)
+    src = str(tmp_path / "flag.pt")
+    torch.save({"model": model.state_dict(), "step": True, "epoch": 5}, src)
+    code, out_json, err = run(["convert", src, "--to", "dcp", str(tmp_path / "imp"), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out_json)["step"] == 5
+
+
+def test_import_of_the_legacy_format_or_a_non_zip_says_which(tmp_path, capsys):
+    """A torch.save file of the legacy format (before torch 1.6) was refused as "not a torch.save
+    file" with torch's hint about mmap; it is refused by name, with the line that re-saves it.
+    A file that is no zip says so."""
+    src = str(tmp_path / "legacy.pt")
+    torch.save({"model": _model(8).state_dict(), "epoch": 2}, src, _use_new_zipfile_serialization=False)
+    code, _, err = run(["convert", src, "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "legacy format")
+    assert "torch.save(torch.load(OLD, weights_only=True), NEW)" in err and "mmap" not in err
+    assert not os.path.exists(tmp_path / "o" / step_dir(2))
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"model weights go here\n")
+    code, _, err = run(["convert", str(junk), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "not a zip archive")
+    assert "mmap" not in err
+
+
 # bad input ---------------------------------------------------------------------------------------
 def test_bad_inputs_one_line_errors(ckpt_root, tmp_path, capsys):
     root, _ = ckpt_root

@@ -104,9 +104,9 @@ def import_torch_save(
                 state[k] = v
             else:
                 skipped.append(str(k))
-        if step is None:
-            cand = next((rest.get(k) for k in ("step", "global_step", "epoch") if isinstance(rest.get(k), int)), 0)
-            step = int(cand) if not isinstance(cand, bool) and cand >= 0 else 0
+        if step is None:  # the first of these that is a count (a flag "step": True is none)
+            counts = [rest.get(k) for k in ("step", "global_step", "epoch")]
+            step = next((int(c) for c in counts if isinstance(c, int) and not isinstance(c, bool) and c >= 0), 0)
         ckpt = Checkpointer(out_root, storage_options=opts, save_rng=False)
         try:
             ckpt.save(step, state, metadata={"imported_from": os.path.basename(src.rstrip("/"))})
@@ -139,14 +139,40 @@ def _local_copy(src: str, storage_options: Mapping[str, object]) -> Iterator[str
         yield local
 
 
+# What torch's legacy format starts with: its magic number, pickled (protocol 2).
+_LEGACY_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+
+
+def _is_tar(f: Any) -> bool:
+    """Whether ``f`` is a tar archive (torch's format before 0.4, also legacy)."""
+    import tarfile
+
+    f.seek(0)
+    try:
+        return tarfile.is_tarfile(f)
+    finally:
+        f.seek(0)
+
+
 def _torch_load(path: str, where: str) -> object:
     """``torch.load(weights_only=True, mmap=True)`` of a file that may come from anywhere: its
     pickles first checked for work bombs (hash or copy amplification), then unpickled on a
     stack deep enough for their nesting (:mod:`distckpt.integrity.deep_stack`)."""
     with open(path, "rb") as f:
-        bound: int | None = 1
-        if f.read(4) == b"PK\x03\x04":  # (torch refuses anything else with mmap: its own error)
-            bound = deep_stack.refuse_record_work_bombs(f, None, where)
+        head = f.read(len(_LEGACY_MAGIC))
+        if head.startswith(_LEGACY_MAGIC) or _is_tar(f):
+            # torch.load reads it, but without mmap, and its pickles follow one another with
+            # nothing saying where each starts or how much the storages they declare hold: the
+            # checks every other file gets (work bombs, allocations beyond the file's size) do
+            # not apply. Such files come from torch before 1.6 (2020); re-saving one is a line.
+            raise ValueError(
+                f"{where} is in torch's legacy format (torch.save before torch 1.6, or _use_new_zipfile_serialization=False), "
+                "which distckpt does not import: re-save it under a current torch, if you trust it: "
+                "torch.save(torch.load(OLD, weights_only=True), NEW), then import NEW"
+            )
+        if head[:4] != b"PK\x03\x04":  # (torch's own error here is about mmap)
+            raise ValueError(f"{where} is not a torch.save file: not a zip archive as torch.save writes (a text file? a damaged copy?)")
+        bound = deep_stack.refuse_record_work_bombs(f, None, where)
         if bound is None:
             bound = deep_stack.record_nesting_bound(f)
     return deep_stack.call_with_stack(bound, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
