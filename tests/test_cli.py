@@ -263,7 +263,8 @@ def test_convert_key_selects_one_of_two_models(tmp_path, capsys):
     assert run(["convert", root, "--to", "torch", pt, "--key", "student", "-q"], capsys)[0] == 0
     assert _same(torch.load(pt, weights_only=True), a.state_dict())
     # A deeper prefix picks a submodule.
-    assert run(["convert", root, "--to", "torch", pt, "--key", "student.head", "-q"], capsys)[0] == 0
+    assert run(["convert", root, "--to", "torch", pt, "--key", "student.head", "-q"], capsys)[0] == 1  # pt exists
+    assert run(["convert", root, "--to", "torch", pt, "--key", "student.head", "-q", "--overwrite"], capsys)[0] == 0
     assert _same(torch.load(pt, weights_only=True), a.head.state_dict())
 
 

@@ -132,3 +132,51 @@ def test_storage_options_with_only_local_paths_are_a_usage_error(root, tmp_path)
         _one_line_error(run_cli(*args, "--storage-option", "anon=true"), 2, "--storage-option", "URL")
     assert not (tmp_path / "x.pt").exists()
     _one_line_error(run_cli("ls", f"file://{root}", "-o", "anon=true"), 2, "URL")
+
+
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_convert_replaces_an_existing_file_only_with_overwrite(root, tmp_path, to):
+    """An existing output file (the user's only copy of other weights) was replaced without a
+    word; now it takes ``--overwrite``, checked before anything is read or written."""
+    out = tmp_path / f"model.{to}"
+    out.write_bytes(b"my only copy of the fine-tuned weights")
+    _one_line_error(run_cli("convert", str(root), "--to", to, str(out), "-q"), 1, str(out), "exists", "--overwrite")
+    assert out.read_bytes() == b"my only copy of the fine-tuned weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name, "root"]  # no temporary file left
+    assert run_cli("convert", str(root), "--to", to, str(out), "-q", "--overwrite").returncode == 0
+    assert out.stat().st_size > 100
+    _one_line_error(run_cli("convert", str(root), "--to", to, f"{tmp_path}/newdir/", "-q"), 1, "newdir/", "ends with '/'")
+    assert not (tmp_path / "newdir").exists()  # (a file named newdir was written)
+
+
+def test_a_second_hf_export_takes_overwrite_and_keeps_other_files(root, tmp_path):
+    """``--to hf`` into its own previous export said "pass overwrite=True", which the command
+    line had no way to say."""
+    out = tmp_path / "hf"
+    assert run_cli("convert", str(root), "--to", "hf", str(out), "-q").returncode == 0
+    (out / "tokenizer.json").write_text("{}")
+    _one_line_error(run_cli("convert", str(root), "--to", "hf", str(out), "-q"), 1, "--overwrite")
+    done = run_cli("convert", str(root), "--to", "hf", str(out), "-q", "--overwrite", "--step", "10")
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    got = load_file(out / "model.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in _model(0).state_dict().items())
+    assert (out / "tokenizer.json").read_text() == "{}"
+    _one_line_error(run_cli("convert", str(out), "--to", "dcp", str(tmp_path / "imp"), "--overwrite"), 2, "--overwrite")
+
+
+def test_an_existing_s3_object_is_replaced_only_with_overwrite(root, s3_server, s3_bucket):
+    import fsspec
+
+    opts = s3_server.storage_options
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    fs = fsspec.filesystem("s3", **opts)
+    fs.pipe_file(f"{s3_bucket}/exports/model.pt", b"theirs")
+    url = f"s3://{s3_bucket}/exports/model.pt"
+    _one_line_error(run_cli("convert", str(root), "--to", "torch", url, "-q", *flags), 1, url, "exists")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{s3_bucket}/exports/model.pt") == b"theirs"
+    assert run_cli("convert", str(root), "--to", "torch", url, "-q", "--overwrite", *flags).returncode == 0
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{s3_bucket}/exports/model.pt") != b"theirs"

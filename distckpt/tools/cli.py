@@ -303,8 +303,9 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
     if args.encoded_values and args.to != "torch":
         raise _Usage("--encoded-values applies to --to torch")
     if args.to == "dcp":
-        if args.key or args.dtype or args.model_only or args.all:
-            raise _Usage("--key, --dtype, --model-only and --all apply to exports, not to --to dcp")
+        if args.key or args.dtype or args.model_only or args.all or args.overwrite:
+            # (an import never replaces a committed step: another step, or another root)
+            raise _Usage("--key, --dtype, --model-only, --all and --overwrite apply to exports, not to --to dcp")
         fs, path = url_to_fs(args.src, **opts)
         if fs.isdir(path):
             # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
@@ -320,7 +321,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
             with found.kept("exported"):
                 summary = export_hf(
                     found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
-                    max_shard_size=args.max_shard_size, storage_options=opts, progress=bar,
+                    max_shard_size=args.max_shard_size, storage_options=opts, progress=bar, overwrite=args.overwrite,
                 )  # fmt: skip
             summary.setdefault("unverified", found.unverified)
         finally:
@@ -335,12 +336,13 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
             with found.kept("exported"):
                 if args.to == "safetensors":
                     summary = convert.export_safetensors(
-                        found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar
+                        found, args.out, model_only=not args.all, key=args.key, dtype=dtype, storage_options=opts, progress=bar,
+                        overwrite=args.overwrite,
                     )
                 else:
                     summary = convert.export_torch(
                         found, args.out, model_only=args.model_only, key=args.key, dtype=dtype, storage_options=opts,
-                        progress=bar, encoded_values=args.encoded_values,
+                        progress=bar, encoded_values=args.encoded_values, overwrite=args.overwrite,
                     )
         finally:
             bar.close()
@@ -408,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to torch: write non-JSON values (NumPy scalars, Enums, paths...) in distckpt's encoded "
                         "form, as plain dcp.load sees them (default: decoded, in plain types, or skipped)")
     p.add_argument("--step", type=int, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (torch, safetensors), or distckpt's previous export (hf: other files are kept)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=_cmd_convert)
     return parser

@@ -94,8 +94,10 @@ def export_safetensors(
     dtype: torch.dtype | None = None,
     storage_options: Mapping[str, object] | None = None,
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Write the selected tensors of ``found`` to one safetensors file, streaming.
+    """Write the selected tensors of ``found`` to one safetensors file, streaming. An existing
+    file at ``out`` is replaced only with ``overwrite``.
 
     Returns:
         A summary: output, tensors, bytes.
@@ -118,7 +120,7 @@ def export_safetensors(
     )
     total = sum(source.tensors[k].nbytes(dtypes[k]) for _, k in plan)
     done = 0
-    with open_output(out, storage_options) as f:
+    with open_output(out, storage_options, overwrite=overwrite) as f:
         f.write(head)
         for _, k in plan:
             n = source.tensors[k].nbytes(dtypes[k])
@@ -180,6 +182,7 @@ def export_torch(
     storage_options: Mapping[str, object] | None = None,
     progress: Progress | None = None,
     encoded_values: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``found`` as one ``torch.save``-format file, streaming one tensor at a time.
 
@@ -191,6 +194,7 @@ def export_torch(
     dataclass members, NumPy arrays, paths...) are left out and listed in ``skipped`` with the
     reason. ``encoded_values``: write values as plain ``dcp.load`` sees them instead (distckpt's
     encoded form, ``("__distckpt_value__", kind, payload)``; those holding tensors skipped).
+    An existing file at ``out`` is replaced only with ``overwrite``.
 
     Returns:
         A summary: output, tensors, bytes, skipped values.
@@ -237,7 +241,7 @@ def export_torch(
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
     crc = torch.serialization.get_crc32_options()
     alignment = storage_alignment()
-    with open_output(out, storage_options) as f:
+    with open_output(out, storage_options, overwrite=overwrite) as f:
         sink = _Sink(f, out)
         writer = PyTorchFileWriter(sink, crc, alignment)
         try:

@@ -109,6 +109,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     storage_options: Mapping[str, object] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write a distckpt checkpoint's model as a Hugging Face directory (sharded safetensors + index).
 
@@ -128,6 +129,8 @@ def export_hf(
         key, dtype, max_shard_size: what to export, cast (floating-point dtypes) and how to split it.
         storage_options: fsspec options for ``out``.
         progress: ``progress(bytes done, bytes total)``.
+        overwrite: replace distckpt's own previous publish at ``out`` (as for
+            :func:`~distckpt.tools.hf.save_pretrained`); other files are never replaced.
 
     Returns:
         A summary: output, files, tensors, bytes.
@@ -145,7 +148,7 @@ def export_hf(
     by_name = dict(picked)
     layout = Layout(plan_files(planned, parse_size(max_shard_size)))
     storage = publish_folder(out, opts)
-    publish = Publish.begin(storage, layout, overwrite=False, patterns=[], out=out)
+    publish = Publish.begin(storage, layout, overwrite=overwrite, patterns=[], out=out)
     target = publish.target(storage)
     done = 0
     try:

@@ -319,7 +319,7 @@ class Publish:
         if owned and not overwrite:
             what = "an unfinished publish" if record is not None and not record.complete else "a Hugging Face checkpoint"
             raise FileExistsError(
-                f"{where} holds {what} written by distckpt ({_shown(sorted(owned))}); pass overwrite=True to replace it "
+                f"{where} holds {what} written by distckpt ({_shown(sorted(owned))}); pass overwrite=True (distckpt convert: --overwrite) to replace it "
                 "(files distckpt did not write are kept)"
             )
         foreign = sorted(n for n in files if n != RECORD_NAME and n not in owned)

@@ -109,13 +109,26 @@ def _in_checkpoint_root(fs: AbstractFileSystem, d: str) -> bool:
     return False
 
 
+def _refuse_existing(where: str) -> None:
+    raise FileExistsError(f"output {where} exists: distckpt convert replaces a file only when asked (--overwrite; overwrite=True)")
+
+
 @contextmanager
-def open_output(out: str, storage_options: Mapping[str, object] | None = None) -> Iterator[IO[bytes]]:
+def open_output(out: str, storage_options: Mapping[str, object] | None = None, *, overwrite: bool = False) -> Iterator[IO[bytes]]:
     """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
 
     Local: written to a temporary name beside ``out`` and renamed. Object stores: one upload,
-    removed again if the block fails.
+    removed again if the block fails. An existing file at ``out`` is replaced only with
+    ``overwrite`` (checked before the block runs and again before the rename);
+    ``out`` ending in ``/`` names a folder, never a file.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``overwrite`` is False, or is no regular file.
+        IsADirectoryError: ``out`` is a directory or ends with ``/``.
     """
+    if out.endswith(("/", os.sep)):
+        # (the path would be normalised to the folder's name: a file "newdir" written for "newdir/")
+        raise IsADirectoryError(f"output {_redact(out)} ends with '/': give the name of the file to write")
     if not is_url(out):
         path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
         if os.path.isdir(path):
@@ -130,6 +143,8 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None) -
         if mode is not None and not stat.S_ISREG(mode):
             what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file (a device, a pipe or a socket)"
             raise FileExistsError(f"output {path} is {what}; refusing to replace it: give a regular file's path or a new one")
+        if mode is not None and not overwrite:
+            _refuse_existing(path)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             f = open(tmp, "wb")  # noqa: SIM115 - closed below
@@ -140,6 +155,8 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None) -
             f.flush()
             os.fsync(f.fileno())
             f.close()
+            if not overwrite and os.path.lexists(path):  # (appeared while this was written)
+                _refuse_existing(path)
             os.replace(tmp, path)
         except BaseException as exc:
             try:
@@ -155,6 +172,8 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None) -
             raise
         return
     fs, path = url_to_fs(out, **dict(storage_options or {}))
+    if not overwrite and fs.exists(path):
+        _refuse_existing(_redact(out))
     f = fs.open(path, "wb")
     try:
         yield f
