@@ -349,8 +349,9 @@ def test_import_bare_state_dict_step_option(tmp_path, capsys):
 
 
 def test_import_takes_its_step_from_a_count_never_a_flag(tmp_path, capsys):
-    """``"step": True`` (a flag some scripts keep) is an int to Python: the import took it as
-    step 1, then 0; the next key that holds a count (``epoch``) is the step."""
+    """``"step": True`` (a flag some scripts keep) is an int to Python: the import took it for
+    the step's key, then refused the bool and imported as step 0; the next key that holds a
+    count (``epoch``) is the step."""
     model = _model(7)
     src = str(tmp_path / "flag.pt")
     torch.save({"model": model.state_dict(), "step": True, "epoch": 5}, src)
