@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -118,6 +119,33 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class NotARegularFile(OSError):
+    """What :func:`open_regular_file` raises for a path that is a FIFO, a device, a socket or a
+    directory."""
+
+
+def open_regular_file(path: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its ``fstat``, if it is a regular file whose own
+    name is no symbolic link. The caller closes the descriptor.
+
+    Raises:
+        OSError: ``ELOOP`` for a symbolic link (``O_NOFOLLOW``); any other failure to open.
+        NotARegularFile: ``path`` is a FIFO, a device, a socket or a directory.
+    """
+    # O_NONBLOCK: a FIFO by that name would block the open (and the load, inspect, ls or peer
+    # transfer) until a writer came; it is refused below. Regular files ignore the flag.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFile(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 class WritableFile(Protocol):

@@ -12,7 +12,6 @@ import contextlib
 import errno
 import os
 import shutil
-import stat
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,7 +23,15 @@ import fsspec
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalDcpFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from distckpt.storage.base import Storage, WritableFile, _fsync_dir, named_os_error, new_dir_name
+from distckpt.storage.base import (
+    NotARegularFile,
+    Storage,
+    WritableFile,
+    _fsync_dir,
+    named_os_error,
+    new_dir_name,
+    open_regular_file,
+)
 from distckpt.errors import UnsafeCheckpointError
 
 
@@ -221,18 +228,14 @@ class LocalStorage(Storage, kind="local"):
             current = os.path.join(current, part)
             if os.path.islink(current):
                 raise UnsafeCheckpointError(f"{current} is a symbolic link; refusing to read checkpoint files through it")
-        # O_NONBLOCK: a FIFO by that name would block the open (and the load, inspect or ls)
-        # until a writer came; it is refused below. Regular files ignore the flag.
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
-            fd = os.open(where, flags)
+            fd, _ = open_regular_file(where)
+        except NotARegularFile as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafeCheckpointError(f"{where} is a symbolic link; refusing to read a checkpoint file through it") from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise UnsafeCheckpointError(f"{where} is not a regular file")
         return os.fdopen(fd, "rb")
 
     def dcp_filesystem(self) -> FileSystemBase:

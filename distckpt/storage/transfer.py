@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import stat
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from distckpt._dist import Group
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import Manifest
+from distckpt.storage.base import open_regular_file
 
 #: Bytes per message: gloo moves a large message in small pieces about twice as fast as whole.
 PIECE = 16 * 2**20
@@ -268,17 +268,10 @@ def _finish(wave: _Wave, incoming: dict[int, _Incoming]) -> str | None:
 
 def open_regular(path: str, size: int) -> int:
     """A descriptor of ``path``, a regular file (not a link) of ``size`` bytes, else ``OSError``."""
-    # O_NONBLOCK: a FIFO by that name would block the open until a writer came (then refused below).
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path} is not a regular file")
-        if st.st_size != size:
-            raise OSError(f"{path} is {st.st_size} bytes, the manifest says {size}")
-    except BaseException:
+    fd, st = open_regular_file(path)
+    if st.st_size != size:
         os.close(fd)
-        raise
+        raise OSError(f"{path} is {st.st_size} bytes, the manifest says {size}")
     return fd
 
 
