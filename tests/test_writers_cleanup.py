@@ -537,3 +537,48 @@ def test_cleanup_never_fails_a_save_when_asking_for_manifests_fails(tmp_path, mo
     ckpt.save(2, _state(2.0))
     ckpt.close()
     assert failed and distckpt.Checkpointer(root).steps() == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_retention_keeps_a_step_holding_files_the_user_added(tmp_path, where, request):
+    """Users copy a tokenizer or eval results into a committed step's folder. Retention deleted
+    the step with them. Now such a step is kept, committed and loadable, with one warning naming
+    the files; once they are moved out, a later save retires it."""
+    import warnings
+
+    if where == "local":
+        root, opts = str(tmp_path / "root"), None
+        fs = None
+    else:
+        import fsspec
+
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        root, opts = f"s3://{bucket}/run", server.storage_options
+        fs = fsspec.filesystem("s3", **opts)
+    storage = Storage(root, opts)
+    ckpt = distckpt.Checkpointer(root, keep_last=1, storage_options=opts)
+    ckpt.save(1, _state(1.0))
+    storage.write_bytes(b'{"vocab": 3}', step_dir(1), "tokenizer.json")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ckpt.save(2, _state(2.0))
+        ckpt.save(3, _state(3.0))  # step 2 retired; step 1 kept again, not warned again
+    kept = [str(w.message) for w in seen if "keep_last would delete" in str(w.message)]
+    assert len(kept) == 1 and step_dir(1) in kept[0] and "'tokenizer.json'" in kept[0], kept
+    assert ckpt.steps() == [1, 3]
+    assert storage.read_bytes(step_dir(1), "tokenizer.json") == b'{"vocab": 3}'
+    ckpt.close()
+    _assert_loads_at(root, opts, 1, 1.0)
+    storage.remove(step_dir(1), "tokenizer.json")
+    if fs is not None:
+        fs.invalidate_cache()
+    with distckpt.Checkpointer(root, keep_last=1, storage_options=opts) as again:
+        again.load(_state(-1.0))  # (the same job: its retention counts steps 1 and 3)
+        again.save(4, _state(4.0))
+        assert again.steps() == [4]
+
+
+def _assert_loads_at(root, opts, step: int, v: float) -> None:
+    got = _state(-1.0)
+    assert distckpt.Checkpointer(root, storage_options=opts).load(got, step=step) == step
+    assert torch.equal(got["w"], _state(v)["w"]) and got["epoch"] == int(v)

@@ -25,13 +25,10 @@ import fsspec.implementations.local
 from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
-from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir, step_dir
+from distckpt.integrity.manifest import parse_step_dir, step_dir
 from distckpt.storage.base import NEW_DIR_PREFIX
-from distckpt.storage.ownership import (
-    TOMBSTONE_PREFIX,
-    mark_released,
-    remove_uncommitted,
-)
+from distckpt.storage.ownership import TOMBSTONE_PREFIX
+from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
 
 __all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
@@ -303,11 +300,9 @@ def delete_unreferenced(
     for step in candidates:
         name = step_dir(step)
         try:
-            # distckpt's retention order: released, uncommitted (manifest first), removed.
-            mark_released(storage, name)
-            storage.remove(name, MANIFEST_NAME)
-            remove_uncommitted(storage, name)
-            deleted.append(step)
+            # distckpt's retention (a step holding files the user added is kept, warned)
+            if retire_step(storage, step):
+                deleted.append(step)
         except FileNotFoundError:
             deleted.append(step)
         except OSError as exc:

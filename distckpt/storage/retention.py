@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 
 from distckpt.integrity.manifest import MANIFEST_NAME, committed_steps, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.ownership import mark_released, remove_uncommitted
+from distckpt.storage.ownership import mark_released, not_distckpts, remove_uncommitted
 
 
 def check_keep_last(keep_last: object, name: str = "keep_last") -> None:
@@ -108,6 +108,10 @@ def delete_old_steps(
     on local roots through a tombstone). A crash at any point leaves a directory the next save's
     cleanup removes at once. Errors are warned about, never raised: a committed save must not fail
     over retention. With ``reaper``, the files of a step moved aside are deleted in its thread.
+
+    A step that holds files distckpt does not write (a tokenizer or eval results copied in after
+    the commit) is kept, committed, with one warning naming them: retention deletes only what
+    distckpt wrote, and a step is deleted whole or not at all.
     """
 
     deleted = []
@@ -118,14 +122,47 @@ def delete_old_steps(
         if keep is not None and keep(old):
             continue
         try:
-            try:
-                mark_released(storage, step_dir(old))
-            except FileNotFoundError:  # deleted meanwhile by another writer's retention
+            if retire_step(storage, old, reaper.dispose(storage) if reaper is not None else None):
                 deleted.append(old)
-                continue
-            storage.remove(step_dir(old), MANIFEST_NAME)
-            remove_uncommitted(storage, step_dir(old), reaper.dispose(storage) if reaper is not None else None)
+        except FileNotFoundError:  # deleted meanwhile by another writer's retention
             deleted.append(old)
         except OSError as exc:
             warnings.warn(f"distckpt: could not delete old checkpoint {storage.display(step_dir(old))}: {exc}", stacklevel=2)
     return deleted
+
+
+def retire_step(storage: Storage, step: int, dispose: Callable[[str], None] | None = None) -> bool:
+    """(one process) Delete committed step ``step``: marked released (a released owner record),
+    un-committed (manifest removed), then removed like any incomplete directory
+    (:func:`~distckpt.storage.ownership.remove_uncommitted`, which takes ``dispose``). Returns
+    False, and deletes nothing, where the step holds files distckpt does not write (warned once).
+
+    Raises:
+        FileNotFoundError: the step is gone (another writer's retention).
+        OSError: anything else the storage raised.
+    """
+    name = step_dir(step)
+    why = not_distckpts(storage, name)
+    if why is not None:
+        _warn_kept(storage, name, why)
+        return False
+    mark_released(storage, name)
+    storage.remove(name, MANIFEST_NAME)
+    remove_uncommitted(storage, name, dispose)
+    return True
+
+
+_WARNED_KEPT: set[str] = set()
+
+
+def _warn_kept(storage: Storage, dirname: str, why: str) -> None:
+    """Warn, once per step directory and process, that retention keeps ``dirname`` and ``why``."""
+    where = storage.display(dirname)
+    if where in _WARNED_KEPT:
+        return
+    _WARNED_KEPT.add(where)
+    warnings.warn(
+        f"distckpt: keep_last would delete {where}, but it {why}; retention keeps the step (delete it by hand, "
+        "or move those files out and a later save retires it)",
+        stacklevel=3,
+    )
