@@ -12,7 +12,9 @@ from distckpt.integrity.torchfile import HEAD, _zip_layout, head_layout, raw_lay
 from distckpt.state.shape import numel
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64]
+          torch.int32, torch.int64, torch.bool, torch.complex64,
+          # no <X>Storage class: torch.save pickles _rebuild_tensor_v3 over an UntypedStorage
+          torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _record(t: torch.Tensor) -> bytes:

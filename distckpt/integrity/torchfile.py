@@ -77,19 +77,49 @@ class _LayoutUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def find_class(self, module: str, name: str) -> Callable[..., object]:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *rest: (storage, int(offset), tuple(size), tuple(stride))
+            return _rebuild_v2
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_v3
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _BYTES  # (v3's storage: bytes, sized in bytes)
         if module == "torch" and name.endswith("Storage"):
             # The dtype, not the (deprecated) TypedStorage class torch.save names.
             return dtype_from_storage_name(name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # v3 names the tensor's dtype
         raise pickle.UnpicklingError(f"{module}.{name}")
 
-    def persistent_load(self, pid: tuple[str, torch.dtype, str, str, int]) -> tuple[torch.dtype, str, int]:
+    def persistent_load(self, pid: tuple[str, object, str, str, int]) -> tuple[object, str, int]:
         typename, dtype, key, _location, numel = pid
-        if typename != "storage" or not isinstance(dtype, torch.dtype):
+        if typename != "storage" or not (isinstance(dtype, torch.dtype) or dtype is _BYTES):
             raise pickle.UnpicklingError(str(typename))
         return (dtype, str(key), int(numel))
+
+
+# The storage of a tensor whose dtype has no ``<X>Storage`` class (uint16/32/64, float8...):
+# torch.save pickles an ``UntypedStorage`` (its size in bytes) and ``_rebuild_tensor_v3`` with the dtype.
+_BYTES = "UntypedStorage"
+_Unpickled = tuple[tuple[torch.dtype, str, int], int, tuple[int, ...], tuple[int, ...]]
+
+
+def _rebuild_v2(storage: tuple[object, str, int], offset: int, size: object, stride: object, *rest: object) -> _Unpickled:
+    dtype, key, numel = storage
+    if not isinstance(dtype, torch.dtype):  # (v2 always names a typed storage)
+        raise pickle.UnpicklingError("_rebuild_tensor_v2 of an untyped storage")
+    return (dtype, key, numel), int(offset), tuple(size), tuple(stride)  # type: ignore[arg-type]
+
+
+def _rebuild_v3(
+    storage: tuple[object, str, int], offset: int, size: object, stride: object, requires_grad: object, hooks: object,
+    dtype: object, *rest: object,
+) -> _Unpickled:
+    """``_rebuild_tensor_v3``'s tensor: ``dtype`` over a storage of bytes, its offset in elements."""
+    kind, key, nbytes = storage
+    if kind is not _BYTES or not isinstance(dtype, torch.dtype) or nbytes % dtype.itemsize:
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 of a typed storage, or of bytes that are no whole elements")
+    return (dtype, key, nbytes // dtype.itemsize), int(offset), tuple(size), tuple(stride)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
