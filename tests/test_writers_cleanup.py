@@ -414,7 +414,7 @@ def test_cleanup_removes_only_folders_that_hold_nothing_but_distckpts_files(tmp_
         ckpt.close()
 
 
-def test_a_plain_dcp_checkpoint_under_a_steps_name_is_kept_and_a_crashed_save_is_not(tmp_path):
+def test_a_plain_dcp_checkpoint_under_a_steps_name_is_kept_and_a_crashed_save_is_not(tmp_path, capsys):
     """A user's ``dcp.save`` into ``root/step_000000005`` (or a step copied without its
     ``manifest.json``) holds only the files DCP writes, so cleanup took it for a crashed save and
     deleted it once older than the lease. It has no owner record, which every save of distckpt's
@@ -456,6 +456,18 @@ def test_a_plain_dcp_checkpoint_under_a_steps_name_is_kept_and_a_crashed_save_is
     dcp.load(got, checkpoint_id=str(root / step_dir(5)))
     assert torch.equal(got["w"], torch.full((4, 4), 7.0))
     assert distckpt.Checkpointer(root).steps() == [1, 7, 8]
+    # The command line says what it is: ls "plain dcp" (it said "incomplete"); inspect and
+    # convert read it unverified (they said "incomplete (no manifest.json)").
+    from distckpt.tools.cli import main
+
+    assert main(["ls", str(root), "--json", "-q"]) == 0
+    rows = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows == {1: "committed", 5: "plain dcp", 7: "committed", 8: "committed"}, rows
+    assert main(["inspect", str(root / step_dir(5)), "--json", "-q"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [e["key"] for e in shown["entries"]] == ["w"] and shown["verified"] is False
+    assert main(["convert", str(root / step_dir(5)), "--to", "torch", str(tmp_path / "w.pt"), "-q"]) == 0
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.full((4, 4), 7.0))
 
 
 def test_a_removal_without_a_rename_cut_short_leaves_no_dcp_checkpoint_behind(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@ A checkpoint location (``CKPT`` on the command line) is one of:
   committed step directory copied or renamed to another name (``best/``);
 * a root holding step directories (then the newest committed step, or ``step=N``);
 * a plain DCP checkpoint directory (``.metadata`` but no manifest), for inspect and convert,
-  which read it unverified and say so.
+  which read it unverified and say so; also under a step's name in a root, where no distckpt
+  save left it (no owner record: ``ls`` says ``plain dcp``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from distckpt.integrity.manifest import (
 from distckpt.integrity.stepfiles import StepFiles, deleted_while
 from distckpt.state.shape import numel
 from distckpt.storage.base import Storage
+from distckpt.storage.ownership import unowned_dcp_checkpoint
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -119,6 +121,8 @@ def _committed(storage: Storage, step: int, listed: bool = False) -> StepFiles:
         if listed:
             raise StepDeletedError(deleted_while(storage, name, step, "opened"))
         if storage.exists(name):
+            if unowned_dcp_checkpoint(storage, name):  # a plain dcp.save under a step's name
+                return StepFiles(storage, name)
             raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
         raise CheckpointNotFound(f"checkpoint {storage.display(name)} does not exist")
     return _open_committed(storage, name, step)
@@ -169,7 +173,10 @@ def _step_row(storage: Storage, name: str, step: int) -> dict[str, Any]:
         )
     else:
         files = storage.list_files(name)
-        row.update(status="incomplete", bytes=sum(files.values()), world_size=None, created_unix=None)
+        # A DCP checkpoint no distckpt save left (no owner record): a plain dcp.save under a
+        # step's name, which cleanup keeps and inspect/convert read (unverified); not "incomplete".
+        status = "plain dcp" if unowned_dcp_checkpoint(storage, name, files) else "incomplete"
+        row.update(status=status, bytes=sum(files.values()), world_size=None, created_unix=None)
     return row
 
 
