@@ -180,3 +180,67 @@ def test_an_existing_s3_object_is_replaced_only_with_overwrite(root, s3_server, 
     assert run_cli("convert", str(root), "--to", "torch", url, "-q", "--overwrite", *flags).returncode == 0
     fs.invalidate_cache()
     assert fs.cat_file(f"{s3_bucket}/exports/model.pt") != b"theirs"
+
+
+def test_an_export_killed_half_way_leaves_nothing_behind(tmp_path):
+    """A killed export left its temporary file (``model.pt.tmp-1a2b3c4d``) beside the output for
+    good: no later run removed it. The output is written as an unnamed file and linked into place
+    once complete, so a kill (SIGKILL, once the writer has written: observed, not timed) leaves
+    nothing, with and without ``--overwrite``."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from distckpt.tools.outputs import open_output\n"
+        "with open_output(sys.argv[1], overwrite=sys.argv[2] == '1') as f:\n"
+        "    f.write(b'x' * 1_000_000); f.flush()\n"
+        "    print('written', flush=True); sys.stdin.read()\n"  # until killed
+    )
+    for overwrite in ("0", "1"):
+        out = tmp_path / f"model{overwrite}.pt"
+        if overwrite == "1":
+            out.write_bytes(b"previous")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(out), overwrite], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "written"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait(timeout=60)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == (["model1.pt"] if overwrite == "1" else []), left  # the previous file only
+        if overwrite == "1":
+            assert out.read_bytes() == b"previous"
+    # A complete write appears whole, with the mode a new file gets (the umask applied).
+    from distckpt.tools.outputs import open_output
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for overwrite in (False, True):
+        with open_output(str(tmp_path / "done.pt"), overwrite=overwrite) as f:
+            f.write(b"abc" if overwrite else b"ab")
+        assert (tmp_path / "done.pt").read_bytes() == (b"abc" if overwrite else b"ab")
+        assert (tmp_path / "done.pt").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done.pt", "model1.pt"]
+
+
+def test_outputs_without_unnamed_files_use_a_temporary_name(tmp_path, monkeypatch):
+    """Where the file system has no O_TMPFILE (or the system no /proc): a named temporary file,
+    renamed into place; an existing file is still replaced only with ``overwrite``."""
+    from distckpt.tools import outputs
+
+    monkeypatch.setattr(outputs, "_unnamed_file", lambda folder: None)
+    out = tmp_path / "m.pt"
+    with outputs.open_output(str(out)) as f:
+        f.write(b"one")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        with outputs.open_output(str(out)) as f:
+            f.write(b"two")
+    with outputs.open_output(str(out), overwrite=True) as f:
+        f.write(b"three")
+    with pytest.raises(RuntimeError):
+        with outputs.open_output(str(out), overwrite=True) as f:
+            f.write(b"four")
+            raise RuntimeError("failed half-way")
+    assert out.read_bytes() == b"three" and sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]

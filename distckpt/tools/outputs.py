@@ -9,6 +9,7 @@ Not collective.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import posixpath
@@ -114,11 +115,91 @@ def _refuse_existing(where: str) -> None:
 
 
 @contextmanager
+def _local_output(path: str, overwrite: bool) -> Iterator[IO[bytes]]:
+    """:func:`open_output` of a local ``path`` (checked already).
+
+    Written as an unnamed file of ``path``'s folder where the file system has them (Linux's
+    ``O_TMPFILE``: a run killed half-way leaves nothing behind, where a named temporary file
+    stayed for good), then linked in: at ``path`` itself without ``overwrite``, which never
+    replaces a file that appeared meanwhile; beside it and renamed over it with ``overwrite``.
+    Elsewhere: a named temporary file beside ``path``, renamed into place.
+    """
+    tmp: str | None = None
+    try:
+        fd = _unnamed_file(os.path.dirname(path))
+        if fd is None:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+    f = os.fdopen(fd, "wb")
+    unnamed = tmp is None
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        if unnamed:
+            linked = path if not overwrite else f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                _link_unnamed(f.fileno(), linked)
+            except FileExistsError:
+                _refuse_existing(path)  # (appeared while this was written)
+            tmp = None if linked == path else linked
+        f.close()
+        if tmp is not None:
+            if not overwrite and os.path.lexists(path):  # (appeared while this was written)
+                _refuse_existing(path)
+            os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            f.close()  # flushes what is buffered: on a full disk this fails again
+        except OSError:
+            pass
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            raise named_os_error(exc, path) from exc
+        raise
+
+
+def _link_unnamed(fd: int, path: str) -> None:
+    """Give the unnamed file ``fd`` the name ``path`` (``FileExistsError`` if it is taken)."""
+    folder = os.open(os.path.dirname(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # linkat(..., AT_SYMLINK_FOLLOW) through /proc: what links an O_TMPFILE file. (os.link
+        # calls plain link(), which links the /proc entry itself, unless a dir_fd is given.)
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
+    finally:
+        os.close(folder)
+
+
+def _unnamed_file(folder: str) -> int | None:
+    """A descriptor of a new unnamed file in ``folder``, open for writing (``O_TMPFILE``), or
+    ``None`` where the system or the file system has none (or no ``/proc`` to link it through).
+
+    Raises:
+        OSError: ``folder`` cannot be written (missing, no permission, read-only, full).
+    """
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, flag | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):  # not on this file system
+            return None
+        raise
+
+
+@contextmanager
 def open_output(out: str, storage_options: Mapping[str, object] | None = None, *, overwrite: bool = False) -> Iterator[IO[bytes]]:
     """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
 
-    Local: written to a temporary name beside ``out`` and renamed. Object stores: one upload,
-    removed again if the block fails. An existing file at ``out`` is replaced only with
+    Local: written as an unnamed (or temporary) file and linked (renamed) into place
+    (:func:`_local_output`). Object stores: one upload, discarded if the block fails. An existing file at ``out`` is replaced only with
     ``overwrite`` (checked before the block runs and again before the rename);
     ``out`` ending in ``/`` names a folder, never a file.
 
@@ -145,31 +226,8 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
             raise FileExistsError(f"output {path} is {what}; refusing to replace it: give a regular file's path or a new one")
         if mode is not None and not overwrite:
             _refuse_existing(path)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            f = open(tmp, "wb")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
-        try:
+        with _local_output(path, overwrite) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            if not overwrite and os.path.lexists(path):  # (appeared while this was written)
-                _refuse_existing(path)
-            os.replace(tmp, path)
-        except BaseException as exc:
-            try:
-                f.close()  # flushes what is buffered: on a full disk this fails again
-            except OSError:
-                pass
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            if isinstance(exc, OSError):
-                raise named_os_error(exc, path) from exc
-            raise
         return
     fs, path = url_to_fs(out, **dict(storage_options or {}))
     if not overwrite and fs.exists(path):
