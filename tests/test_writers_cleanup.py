@@ -594,3 +594,22 @@ def _assert_loads_at(root, opts, step: int, v: float) -> None:
     got = _state(-1.0)
     assert distckpt.Checkpointer(root, storage_options=opts).load(got, step=step) == step
     assert torch.equal(got["w"], _state(v)["w"]) and got["epoch"] == int(v)
+
+
+def test_judging_a_folder_lists_it_once_on_object_stores(tmp_path):
+    """Every save checks its step's folder before creating it (``not_distckpts``): that was two
+    listings on object stores (files, then every entry), one request each; one now, with the
+    same verdicts."""
+    storage = Storage(f"memory://{tmp_path.name}-once/root")
+    storage.write_bytes(b"x", step_dir(1), "model.pt")
+    storage.write_bytes(b"x", step_dir(2), "__0_0.distcp")
+    storage.write_bytes(b"x", step_dir(2), "extra", "inner.bin")
+    storage.write_bytes(b"x", step_dir(3), ".metadata")
+    storage.write_bytes(b"x", step_dir(4), "__0_0.distcp")
+    calls = []
+    real = storage._ls
+    storage._ls = lambda *parts: calls.append(parts) or real(*parts)
+    verdicts = {s: ownership.not_distckpts(storage, step_dir(s)) for s in (1, 2, 3, 4, 5)}
+    assert len(calls) == 5, calls
+    assert "'model.pt'" in verdicts[1] and "sub-folders" in verdicts[2] and "DCP checkpoint" in verdicts[3]
+    assert verdicts[4] is None and verdicts[5] is None

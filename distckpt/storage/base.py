@@ -268,6 +268,12 @@ class Storage:
         """Relative name -> size of the files directly inside ``parts``."""
         raise NotImplementedError
 
+    def list_entries(self, *parts: str) -> tuple[dict[str, int], int]:
+        """:meth:`list_files` of ``parts`` and how many entries it holds in all (files,
+        sub-folders, anything else; 0 if it is missing), from one listing where the store
+        gives both (object stores: one request)."""
+        return self.list_files(*parts), self.last_change(*parts)[1]
+
     def read_bytes(self, *parts: str) -> bytes:
         raise NotImplementedError
 

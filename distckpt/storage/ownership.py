@@ -292,15 +292,14 @@ _STEP_FILE = re.compile(
 _WARNED_FOREIGN: set[str] = set()
 
 
-def foreign_entries(storage: Storage, dirname: str, files: Mapping[str, int] | None = None) -> list[str]:
+def foreign_entries(storage: Storage, dirname: str, listing: tuple[Mapping[str, int], int] | None = None) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
     directory (sorted; sub-folders and other entries that are not files counted in a last
     item); [] for a directory that holds only distckpt's files, or is gone. Cleanup never
     removes a directory for which this is not empty: it is someone else's, whatever its name.
-    ``files``: :meth:`~distckpt.storage.base.Storage.list_files` of it, if listed already."""
-    files = storage.list_files(dirname) if files is None else files
+    ``listing``: :meth:`~distckpt.storage.base.Storage.list_entries` of it, if listed already."""
+    files, count = storage.list_entries(dirname) if listing is None else listing
     foreign = sorted(n for n in files if not _STEP_FILE.fullmatch(n))
-    _, count = storage.last_change(dirname)
     if count > len(files):  # entries that are not files: sub-folders (or links, sockets ...)
         foreign.append(f"{count - len(files)} sub-folders or other entries that are not files")
     return foreign
@@ -321,8 +320,9 @@ def not_distckpts(storage: Storage, dirname: str) -> str | None:
     """(one process) Why ``dirname``, named like a step, is not distckpt's to remove or to write
     into (a phrase: "holds files distckpt does not write ('model.pt')", or one for
     :func:`unowned_dcp_checkpoint`); ``None`` if nothing says so."""
-    files = storage.list_files(dirname)
-    foreign = foreign_entries(storage, dirname, files)
+    listing = storage.list_entries(dirname)  # (one request on object stores)
+    foreign = foreign_entries(storage, dirname, listing)
+    files = listing[0]
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         return f"holds files distckpt does not write ({shown})"
