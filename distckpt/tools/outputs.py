@@ -199,9 +199,9 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
     """A binary file at ``out`` (path or URL) that appears only if the block succeeds.
 
     Local: written as an unnamed (or temporary) file and linked (renamed) into place
-    (:func:`_local_output`). Object stores: one upload, discarded if the block fails. An existing file at ``out`` is replaced only with
-    ``overwrite`` (checked before the block runs and again before the rename);
-    ``out`` ending in ``/`` names a folder, never a file.
+    (:func:`_local_output`). Object stores: one upload, discarded if the block fails. An
+    existing file at ``out`` is replaced only with ``overwrite`` (checked before the block runs
+    and again when the file is put in place); ``out`` ending in ``/`` names a folder, never a file.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False, or is no regular file.
