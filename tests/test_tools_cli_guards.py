@@ -244,3 +244,41 @@ def test_outputs_without_unnamed_files_use_a_temporary_name(tmp_path, monkeypatc
             f.write(b"four")
             raise RuntimeError("failed half-way")
     assert out.read_bytes() == b"three" and sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_local_urls_are_checked_as_local_paths(root, tmp_path):
+    """``local://`` (fsspec's name for the local disk) was taken for a remote URL: no link
+    resolved, written in place through fsspec. A link to a checkpoint's data file, exported over
+    with ``--overwrite``, corrupted the committed step; a link's target was overwritten."""
+    data = root / S20 / "__0_0.distcp"
+    before = data.read_bytes()
+    (tmp_path / "evil.pt").symlink_to(data)
+    done = run_cli("convert", str(root), "--to", "torch", f"local://{tmp_path}/evil.pt", "-q", "--overwrite")
+    _one_line_error(done, 1, "inside the checkpoint")
+    assert data.read_bytes() == before and run_cli("verify", str(root), "-q").returncode == 0
+    (tmp_path / "precious.bin").write_bytes(b"PRECIOUS")
+    (tmp_path / "link.pt").symlink_to(tmp_path / "precious.bin")
+    _one_line_error(run_cli("convert", str(root), "--to", "torch", f"local://{tmp_path}/link.pt", "-q", "--overwrite"), 1, "symbolic link")
+    assert (tmp_path / "precious.bin").read_bytes() == b"PRECIOUS"
+    _one_line_error(run_cli("convert", str(root), "--to", "torch", f"{tmp_path}/newdir/.", "-q"), 1, "names a folder")
+    assert not (tmp_path / "newdir").exists()
+
+
+def test_a_failed_export_to_a_url_without_uploads_keeps_the_previous_file(root, tmp_path):
+    """On ``memory://`` (sftp, HDFS: files appear as they are written, no upload to discard) a
+    failed export left its partial file, and with ``--overwrite`` truncated the user's previous
+    one. It is written under a temporary name and moved into place once complete."""
+    import fsspec
+
+    data = root / S20 / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a checksum failure, found while the export streams
+    data.write_bytes(bytes(raw))
+    fs = fsspec.filesystem("memory")
+    base = f"/{tmp_path.name}-partial"
+    fs.pipe_file(f"{base}/keep.pt", b"USER'S ONLY COPY")
+    for out, flags in ((f"{base}/keep.pt", ["--overwrite"]), (f"{base}/new.pt", [])):
+        done = run_cli("convert", str(root), "--to", "torch", f"memory://{out}", "-q", *flags)
+        _one_line_error(done, 1, "does not match")
+    assert fs.cat_file(f"{base}/keep.pt") == b"USER'S ONLY COPY"
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) == ["keep.pt"]

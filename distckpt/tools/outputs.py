@@ -22,14 +22,16 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import _redact, named_os_error
+from distckpt.storage.base import _flat_namespace, _redact, named_os_error
 
 _CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
 
 
 def is_url(location: str) -> bool:
-    """Whether ``location`` names a remote object (a URL other than ``file://``), not a local path."""
-    return "://" in location and not location.startswith("file://")
+    """Whether ``location`` names a remote object (a URL other than ``file://`` or fsspec's
+    ``local://``, which name local paths: checked and written as such, links resolved), not a
+    local path."""
+    return "://" in location and location.split("://", 1)[0].lower() not in ("file", "local")
 
 
 def check_output(out: str, storage_options: Mapping[str, object] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
@@ -207,9 +209,9 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
         FileExistsError: ``out`` exists and ``overwrite`` is False, or is no regular file.
         IsADirectoryError: ``out`` is a directory or ends with ``/``.
     """
-    if out.endswith(("/", os.sep)):
+    if out.endswith(("/", os.sep)) or out.replace(os.sep, "/").rsplit("/", 1)[-1] in (".", ".."):
         # (the path would be normalised to the folder's name: a file "newdir" written for "newdir/")
-        raise IsADirectoryError(f"output {_redact(out)} ends with '/': give the name of the file to write")
+        raise IsADirectoryError(f"output {_redact(out)} names a folder (it ends with '/', '.' or '..'): give the name of the file to write")
     if not is_url(out):
         path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
         if os.path.isdir(path):
@@ -230,8 +232,14 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
             yield f
         return
     fs, path = url_to_fs(out, **dict(storage_options or {}))
+    if fs.isdir(path):
+        raise IsADirectoryError(f"output {_redact(out)} is a directory")
     if not overwrite and fs.exists(path):
         _refuse_existing(_redact(out))
+    if not _flat_namespace(fs):
+        with _staged_output(fs, path, _redact(out), overwrite) as f:
+            yield f
+        return
     f = fs.open(path, "wb")
     try:
         yield f
@@ -249,6 +257,32 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
             else:  # a filesystem without uploads: remove what was written
                 f.close()
                 fs.rm_file(path)
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
+        raise
+
+
+@contextmanager
+def _staged_output(fs: AbstractFileSystem, path: str, where: str, overwrite: bool) -> Iterator[IO[bytes]]:
+    """:func:`open_output` on a filesystem whose files appear as they are written (``memory://``,
+    sftp, HDFS...: no upload to discard): written under a temporary name beside ``path`` and
+    moved into place once complete, removed on failure, so that a failed export neither
+    publishes a partial file nor truncates the file it would have replaced."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    f = fs.open(tmp, "wb")
+    try:
+        yield f
+        f.close()
+        if not overwrite and fs.exists(path):  # (appeared while this was written)
+            _refuse_existing(where)
+        fs.mv(tmp, path)
+    except BaseException:
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
+        try:
+            fs.rm_file(tmp)
         except Exception:  # noqa: BLE001 - best effort cleanup
             pass
         raise
