@@ -375,6 +375,16 @@ def test_import_of_the_legacy_format_or_a_non_zip_says_which(tmp_path, capsys):
     code, _, err = run(["convert", str(junk), "--to", "dcp", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "not a zip archive")
     assert "mmap" not in err
+    zeros = tmp_path / "zeros.pt"  # a damaged copy (tarfile.is_tarfile calls it an empty tar)
+    zeros.write_bytes(bytes(4096))
+    code, _, err = run(["convert", str(zeros), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "not a zip archive")
+    import tarfile
+
+    with tarfile.open(tmp_path / "old.tar", "w", format=tarfile.PAX_FORMAT) as tar:  # as torch.save before 0.4
+        tar.add(str(junk), arcname="storages")
+    code, _, err = run(["convert", str(tmp_path / "old.tar"), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "legacy format")
 
 
 # bad input ---------------------------------------------------------------------------------------

@@ -144,12 +144,12 @@ _LEGACY_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
 
 
 def _is_tar(f: Any) -> bool:
-    """Whether ``f`` is a tar archive (torch's format before 0.4, also legacy)."""
-    import tarfile
-
-    f.seek(0)
+    """Whether ``f`` starts like a tar archive (torch's format before 0.4): the ``ustar`` magic
+    of its first header. (``tarfile.is_tarfile`` also says yes to a file of zeros: an empty
+    archive to it, a damaged copy to a user.)"""
+    f.seek(257)
     try:
-        return tarfile.is_tarfile(f)
+        return f.read(5) == b"ustar"
     finally:
         f.seek(0)
 
@@ -160,7 +160,7 @@ def _torch_load(path: str, where: str) -> object:
     stack deep enough for their nesting (:mod:`distckpt.integrity.deep_stack`)."""
     with open(path, "rb") as f:
         head = f.read(len(_LEGACY_MAGIC))
-        if head.startswith(_LEGACY_MAGIC) or _is_tar(f):
+        if head[:4] != b"PK\x03\x04" and (head.startswith(_LEGACY_MAGIC) or _is_tar(f)):
             # torch.load reads it, but without mmap, and its pickles follow one another with
             # nothing saying where each starts or how much the storages they declare hold: the
             # checks every other file gets (work bombs, allocations beyond the file's size) do
