@@ -282,3 +282,20 @@ def test_a_failed_export_to_a_url_without_uploads_keeps_the_previous_file(root, 
         _one_line_error(done, 1, "does not match")
     assert fs.cat_file(f"{base}/keep.pt") == b"USER'S ONLY COPY"
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) == ["keep.pt"]
+
+
+def test_hf_export_over_weights_distckpt_did_not_write_takes_replace(root, tmp_path):
+    """The refusal said "pass replace=['model.safetensors']", which the command line could not
+    say: ``--replace NAME`` (names or patterns, repeatable; a bad pattern is an error)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"theirs")
+    (out / "README.md").write_text("card")
+    _one_line_error(run_cli("convert", str(root), "--to", "hf", str(out), "-q"), 1, "--replace NAME")
+    assert (out / "model.safetensors").read_bytes() == b"theirs"
+    assert run_cli("convert", str(root), "--to", "hf", str(out), "-q", "--replace", "model.safetensors").returncode == 0
+    from safetensors.torch import load_file
+
+    assert set(load_file(out / "model.safetensors")) == set(_model(1).state_dict())
+    assert (out / "README.md").read_text() == "card"
+    _one_line_error(run_cli("convert", str(root), "--to", "torch", str(tmp_path / "x.pt"), "--replace", "a"), 2, "--replace")

@@ -302,6 +302,8 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
         raise _Usage("--model-only and --all exclude each other")
     if args.encoded_values and args.to != "torch":
         raise _Usage("--encoded-values applies to --to torch")
+    if args.replace and args.to != "hf":
+        raise _Usage("--replace applies to --to hf")
     if args.to == "dcp":
         if args.key or args.dtype or args.model_only or args.all or args.overwrite:
             # (an import never replaces a committed step: another step, or another root)
@@ -322,6 +324,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
                 summary = export_hf(
                     found, args.out, key=args.key, dtype=convert.DTYPES[args.dtype] if args.dtype else None,
                     max_shard_size=args.max_shard_size, storage_options=opts, progress=bar, overwrite=args.overwrite,
+                    replace=args.replace,
                 )  # fmt: skip
             summary.setdefault("unverified", found.unverified)
         finally:
@@ -410,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to torch: write non-JSON values (NumPy scalars, Enums, paths...) in distckpt's encoded "
                         "form, as plain dcp.load sees them (default: decoded, in plain types, or skipped)")
     p.add_argument("--step", type=int, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
+    p.add_argument("--replace", action="append", default=[], metavar="NAME",
+                   help="--to hf: a Hugging Face weight file there that distckpt did not write and may replace (name or pattern; repeatable)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output file (torch, safetensors), or distckpt's previous export (hf: other files are kept)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")

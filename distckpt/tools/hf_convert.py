@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from distckpt.tools.hf_publish import (
     plan_files,
     plan_tensor,
     publish_folder,
+    replace_patterns,
 )
 from distckpt.tools.outputs import check_output
 from distckpt.tools.safetensors_io import SafetensorsIndex
@@ -110,6 +111,7 @@ def export_hf(
     storage_options: Mapping[str, object] | None = None,
     progress: Callable[[int, int], None] | None = None,
     overwrite: bool = False,
+    replace: str | Iterable[str] = (),
 ) -> dict[str, Any]:
     """Write a distckpt checkpoint's model as a Hugging Face directory (sharded safetensors + index).
 
@@ -131,11 +133,14 @@ def export_hf(
         progress: ``progress(bytes done, bytes total)``.
         overwrite: replace distckpt's own previous publish at ``out`` (as for
             :func:`~distckpt.tools.hf.save_pretrained`); other files are never replaced.
+        replace: Hugging Face weight files at ``out`` that distckpt did not write but this
+            export may replace or remove (names or patterns, as for ``save_pretrained``).
 
     Returns:
         A summary: output, files, tensors, bytes.
     """
     opts = dict(storage_options or {})
+    patterns = replace_patterns(replace)  # (a bad pattern before anything is read)
     source = open_source(found, out, opts)
     picked = select_tensors(found, source, model_only=key is None, key=key)
     # Tensors in the order their bytes lie in the checkpoint's data files (as the other exports
@@ -148,7 +153,7 @@ def export_hf(
     by_name = dict(picked)
     layout = Layout(plan_files(planned, parse_size(max_shard_size)))
     storage = publish_folder(out, opts)
-    publish = Publish.begin(storage, layout, overwrite=overwrite, patterns=[], out=out)
+    publish = Publish.begin(storage, layout, overwrite=overwrite, patterns=patterns, out=out)
     target = publish.target(storage)
     done = 0
     try:

@@ -332,7 +332,7 @@ class Publish:
             raise FileExistsError(
                 f"{where}: {_shown(refused)} {was} not written by distckpt (its record {RECORD_NAME} does not name {it} "
                 f"as written and unchanged since), and this publish would replace or remove {it}: pass "
-                f"replace={refused!r} to allow that, or move {it} away"
+                f"replace={refused!r} (distckpt convert: --replace NAME) to allow that, or move {it} away"
                 + (f"; the other files ({_shown(kept)}) are never touched" if kept else "")
             )
         _, entries = storage.last_change()
