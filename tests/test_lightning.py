@@ -264,6 +264,34 @@ def test_retention_follows_model_checkpoint(tmp_path: Path) -> None:
     io.teardown()
 
 
+def test_a_step_holding_a_users_file_is_kept_then_retired_once_it_is_moved_out(tmp_path: Path) -> None:
+    """A step no pointer refers to any more, holding a file the user added, is kept (warned,
+    not as keep_last); once the file is moved out, this process's next removal retires it (it
+    was never looked at again: kept for good, though the warning said otherwise)."""
+    import warnings
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+
+    class AddThenMoveOut(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:  # step 1 is saved at the end of this epoch (ModelCheckpoint runs after)
+                return
+            if trainer.global_step == 2:
+                (root / "step_000000001" / "tokenizer.json").write_text("{}")
+            if trainer.global_step == 3:
+                (root / "step_000000001" / "tokenizer.json").unlink()
+
+    io = DistckptCheckpointIO(str(root))
+    callbacks = [AddThenMoveOut(), ModelCheckpoint(dirpath=ck, filename="{step}", monitor="step", mode="max", save_top_k=1)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _fit(io, 4, callbacks)
+    kept = [str(w.message) for w in seen if "tokenizer.json" in str(w.message)]
+    assert len(kept) == 1 and "no Lightning checkpoint refers to" in kept[0] and "keep_last" not in kept[0], kept
+    assert io.checkpointer.steps() == [4]
+    io.teardown()
+
+
 def _reference_prediction(io: DistckptCheckpointIO, path: Path) -> torch.Tensor:
     model = _Model()
     model.load_state_dict(io.load_checkpoint(path)["state_dict"])

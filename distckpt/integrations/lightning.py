@@ -162,6 +162,7 @@ class DistckptCheckpointIO(CheckpointIO):
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
+        self._kept: set[int] = set()  # orphaned steps kept for files the user added (retried)
         self._thread: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -395,8 +396,13 @@ class DistckptCheckpointIO(CheckpointIO):
                 warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
         if self._job is None:
             return job, []
-        mine = {step for step, of in orphans if of == self._job}
-        return job, delete_unreferenced(ckpt, mine, self._job, self._visible_pointers)
+        # With the steps kept before (files the user added to them): retried, until deleted
+        # (or pointed at again: then orphaned anew when that pointer goes).
+        mine = {step for step, of in orphans if of == self._job} | self._kept
+        kept: set[int] = set()
+        deleted = delete_unreferenced(ckpt, mine, self._job, self._visible_pointers, kept)
+        self._kept = kept
+        return job, deleted
 
     def _visible_pointers(self) -> Iterable[Pointer]:
         """(rank 0) Every pointer in the directories known (seen paths' directories and the

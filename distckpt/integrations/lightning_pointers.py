@@ -269,11 +269,12 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
 
 
 def delete_unreferenced(
-    ckpt: Checkpointer, steps: set[int], job: str, pointers: Callable[[], Iterable[Pointer]]
+    ckpt: Checkpointer, steps: set[int], job: str, pointers: Callable[[], Iterable[Pointer]], kept: set[int] | None = None
 ) -> list[int]:
     """(rank 0) Delete those of ``steps`` that are committed in ``ckpt``'s root, of job ``job``,
     and referred to by none of ``pointers()``; returns them. Errors are warned about, never
-    raised (as distckpt's retention: a committed save must not fail over a deletion).
+    raised (as distckpt's retention: a committed save must not fail over a deletion). Such a
+    step holding files distckpt does not write is kept (warned once) and added to ``kept``.
     """
     if not steps:
         return []
@@ -301,8 +302,13 @@ def delete_unreferenced(
         name = step_dir(step)
         try:
             # distckpt's retention (a step holding files the user added is kept, warned)
-            if retire_step(storage, step):
+            if retire_step(
+                storage, step, why="no Lightning checkpoint refers to",
+                then="move those files out: this process retries at its next checkpoint removal",
+            ):  # fmt: skip
                 deleted.append(step)
+            elif kept is not None:
+                kept.add(step)
         except FileNotFoundError:
             deleted.append(step)
         except OSError as exc:

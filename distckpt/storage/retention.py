@@ -131,20 +131,28 @@ def delete_old_steps(
     return deleted
 
 
-def retire_step(storage: Storage, step: int, dispose: Callable[[str], None] | None = None) -> bool:
+def retire_step(
+    storage: Storage,
+    step: int,
+    dispose: Callable[[str], None] | None = None,
+    *,
+    why: str = "keep_last would delete",
+    then: str = "move those files out and a later save retires it",
+) -> bool:
     """(one process) Delete committed step ``step``: marked released (a released owner record),
     un-committed (manifest removed), then removed like any incomplete directory
     (:func:`~distckpt.storage.ownership.remove_uncommitted`, which takes ``dispose``). Returns
-    False, and deletes nothing, where the step holds files distckpt does not write (warned once).
+    False, and deletes nothing, where the step holds files distckpt does not write (warned once:
+    ``why`` the step would go, and what ``then`` retires it).
 
     Raises:
         FileNotFoundError: the step is gone (another writer's retention).
         OSError: anything else the storage raised.
     """
     name = step_dir(step)
-    why = not_distckpts(storage, name)
-    if why is not None:
-        _warn_kept(storage, name, why)
+    foreign = not_distckpts(storage, name)
+    if foreign is not None:
+        _warn_kept(storage, name, f"{why} {{where}}, but it {foreign}; kept (delete it by hand, or {then})")
         return False
     mark_released(storage, name)
     storage.remove(name, MANIFEST_NAME)
@@ -155,14 +163,10 @@ def retire_step(storage: Storage, step: int, dispose: Callable[[str], None] | No
 _WARNED_KEPT: set[str] = set()
 
 
-def _warn_kept(storage: Storage, dirname: str, why: str) -> None:
-    """Warn, once per step directory and process, that retention keeps ``dirname`` and ``why``."""
+def _warn_kept(storage: Storage, dirname: str, message: str) -> None:
+    """Warn ``message`` (``{where}``: the step directory), once per step directory and process."""
     where = storage.display(dirname)
     if where in _WARNED_KEPT:
         return
     _WARNED_KEPT.add(where)
-    warnings.warn(
-        f"distckpt: keep_last would delete {where}, but it {why}; retention keeps the step (delete it by hand, "
-        "or move those files out and a later save retires it)",
-        stacklevel=3,
-    )
+    warnings.warn(f"distckpt: {message.format(where=where)}", stacklevel=3)
