@@ -9,6 +9,8 @@ Not collective.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distckpt.integrity.shards import CheckpointSource
@@ -75,7 +77,8 @@ def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key
 
 def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype tensor ``key`` (stored as ``stored``) is written in when exports cast to
-    ``dtype``: floating-point tensors take ``dtype``, others keep theirs.
+    ``dtype``: floating-point tensors take ``dtype``, others (and packed ones such as
+    ``float4_e2m1fn_x2``, which have no cast) keep theirs.
 
     Raises:
         TypeError: ``dtype`` is not a torch dtype, or a floating-point tensor would be cast to a
@@ -86,12 +89,22 @@ def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torc
         return stored
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
-    if not stored.is_floating_point:
-        return stored
-    if not dtype.is_floating_point:
+    if not stored.is_floating_point or not _casts(stored, torch.float32):
+        return stored  # (a packed dtype, float4_e2m1fn_x2: two values a byte, no cast defined)
+    if not dtype.is_floating_point or not _casts(stored, dtype):
         raise TypeError(
-            f"tensor {key!r} is {stored}; casting it to {dtype} would truncate its values "
+            f"tensor {key!r} is {stored}; casting it to {dtype} would truncate its values or is not defined "
             "(dtype= casts floating-point tensors and takes a floating-point dtype, e.g. torch.bfloat16)"
         )
     return dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _casts(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether torch can copy ``src`` values into a ``dst`` tensor (one element, on the CPU)."""
+    try:
+        torch.zeros(src.itemsize, dtype=torch.uint8).view(src).to(dst)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
