@@ -146,3 +146,24 @@ def test_a_cast_leaves_packed_float4_tensors_as_they_are(tmp_path):
     got = torch.load(tmp_path / "o.pt", weights_only=True)
     assert got["w"].dtype == torch.float4_e2m1fn_x2 and torch.equal(got["w"].view(torch.uint8), packed.view(torch.uint8))
     assert got["f"].dtype == torch.bfloat16 and got["e8"].dtype == torch.bfloat16 and torch.equal(got["e8"], torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_a_users_value_that_looks_encoded_is_exported_and_verified_as_a_load_gives_it(tmp_path):
+    """A plain top-level value is stored as JSON text and loads back as saved, even a tuple that
+    looks like distckpt's encoded form. The export decoded it again (0.1 for the first, a skipped
+    entry for a path), and ``verify --state`` called a malformed lookalike damaged."""
+    from distckpt.tools.cli import main
+
+    v = (MARKER, "numpy.scalar", ("<f8", 0.1))
+    bad = (MARKER, "path", ("nonsense",))
+    state = {"w": torch.ones(1), "tag": v, "cfg": {"a": v, "b": (MARKER, "path", ("PosixPath", "/x"))}, "odd": bad}
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.save(1, state)
+    got = {"w": torch.zeros(1), "tag": None, "cfg": None, "odd": None}
+    with Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.load(got)
+    assert got["tag"] == v and got["odd"] == bad and got["cfg"] == state["cfg"]
+    summary = export_torch(locate(str(tmp_path / "root")), str(tmp_path / "o.pt"))
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert not summary["skipped"] and out["tag"] == v and out["cfg"] == state["cfg"] and out["odd"] == bad
+    assert main(["verify", str(tmp_path / "root"), "--state", "-q"]) == 0

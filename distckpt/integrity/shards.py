@@ -332,6 +332,12 @@ class CheckpointSource:
 
     def read_value(self, key: str) -> Any:
         """A non-tensor entry, unpickled with ``weights_only=True`` (JSON plain values decoded)."""
+        return self.read_value_and_form(key)[0]
+
+    def read_value_and_form(self, key: str) -> tuple[Any, bool]:
+        """:meth:`read_value`, and whether the entry was stored as JSON text (a plain top-level
+        value: then the value is what a load gives back, with nothing in it to decode)."""
+        plain = False
         with self._reading(key):
             data = self._record_bytes(MetadataIndex(key))
             values.check_item(data, key, self._value_digests, self._item(MetadataIndex(key))[0].where)
@@ -340,9 +346,9 @@ class CheckpointSource:
             if isinstance(entry, dict) and entry.get("kind") == "value":
                 values.check_digest(value, entry, key)
             if isinstance(value, str) and value.startswith(values.PREFIX):
-                value = values.decode(value, key)
+                value, plain = values.decode(value, key), True
             self._done(key)
-        return value
+        return value, plain
 
     def iter_shards(self, key: str) -> Iterator[Shard]:
         """``(offsets, shard)`` of every stored shard of tensor ``key`` (one in memory at a time)."""

@@ -258,7 +258,9 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
                     )
                 for key in source.values:
                     try:
-                        _decoded_as_loaded(source.read_value(key), key)
+                        value, stored_as_json = source.read_value_and_form(key)
+                        if not stored_as_json:  # (JSON text is a plain value already, as a load gives it)
+                            _decoded_as_loaded(value, key)
                     except Exception as exc:  # noqa: BLE001 - reported as a problem
                         problems.append(f"{found.display()}: value {key!r}: unreadable ({_message(exc)})")
                 try:

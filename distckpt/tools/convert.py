@@ -225,7 +225,8 @@ def export_torch(
                 # A value that cannot be read (damaged, altered, or needing code to unpickle)
                 # fails the export like a tensor would; only a readable value that is not plain
                 # data (a torch.save file holds no custom classes) is left out and reported.
-                item, why = _exported_value(source.read_value(k), k, encoded_values)
+                raw, stored_as_json = source.read_value_and_form(k)
+                item, why = _exported_value(raw, k, encoded_values, stored_as_json)
                 if why is not None:
                     skipped.append(f"{k} ({why})")
                     continue
@@ -258,14 +259,16 @@ def export_torch(
     return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped, "unverified": found.unverified}
 
 
-def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str | None]:
+def _exported_value(raw: Any, key: str, encoded: bool = False, stored_as_json: bool = False) -> tuple[Any, str | None]:
     """A value as read (``raw``: distckpt's encoded form for what JSON cannot hold) as the output
     holds it: decoded as a load decodes it, in plain types (``np.float64`` a float, a subclass
     of ``int`` an int), so that ``torch.load(weights_only=True)`` reads the file. Or ``(None,
     why)`` for a value the output cannot hold: one of a class of the training code (Enum,
     dataclass, NamedTuple: only a process holding the class can rebuild it), or one that is no
     plain data (NumPy arrays, paths, frozensets, tensors inside values...). ``encoded``: ``raw`` as
-    it is, if it is plain data (``encoded_values`` of :func:`export_torch`).
+    it is, if it is plain data (``encoded_values`` of :func:`export_torch`). ``stored_as_json``:
+    ``raw`` is a plain value stored as JSON text, already as a load gives it back (a user's tuple
+    that merely looks like the encoded form stays that tuple, as for a load).
 
     Raises:
         IntegrityError: ``raw`` is a malformed encoded value (damaged or forged), as a load would.
@@ -273,7 +276,7 @@ def _exported_value(raw: Any, key: str, encoded: bool = False) -> tuple[Any, str
     if encoded:
         return (raw, None) if values.is_plain(raw) else (None, "not a plain value")
     try:
-        value = decode_loaded(raw, key)
+        value = raw if stored_as_json else decode_loaded(raw, key)
     except UnsafeCheckpointError:
         return None, "a value of a class of the training code: load it with Checkpointer(safe_types=...)"
     if isinstance(value, TopLevel):  # a top-level entry that was stored encoded
