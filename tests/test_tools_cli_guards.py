@@ -132,6 +132,7 @@ def test_storage_options_with_only_local_paths_are_a_usage_error(root, tmp_path)
         _one_line_error(run_cli(*args, "--storage-option", "anon=true"), 2, "--storage-option", "URL")
     assert not (tmp_path / "x.pt").exists()
     _one_line_error(run_cli("ls", f"file://{root}", "-o", "anon=true"), 2, "URL")
+    _one_line_error(run_cli("ls", f"local://{root}", "-o", "anon=true"), 2, "URL")  # fsspec's other name for it
 
 
 @pytest.mark.parametrize("to", ["torch", "safetensors"])

@@ -36,6 +36,7 @@ from distckpt.state.decoding import decode_loaded
 from distckpt.state.statecheck import compare_files
 from distckpt.storage.base import Storage
 from distckpt.tools import convert, importer
+from distckpt.tools.outputs import is_url
 from distckpt.tools.catalog import describe, list_steps, locate
 from distckpt.tools.hf_convert import export_hf, import_hf
 
@@ -124,7 +125,7 @@ def _check_options_apply(args: argparse.Namespace, opts: dict[str, object]) -> N
     if not opts:
         return
     places = [getattr(args, name) for name in ("root", "ckpt", "src", "out") if isinstance(getattr(args, name, None), str)]
-    if not any("://" in p and not p.startswith("file://") for p in places):
+    if not any(is_url(p) for p in places):  # (file:// and local:// name local paths)
         raise _Usage(
             f"--storage-option applies to URLs only (s3://..., memory://...); {', '.join(places)} "
             f"{'is a local path' if len(places) == 1 else 'are local paths'}"
