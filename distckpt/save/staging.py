@@ -40,9 +40,9 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
     """Refuse tensors DCP cannot write, naming the key (sync and async saves alike).
 
     Raises:
-        TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), or a
-            tensor with DCP's ``CheckpointableTensor`` fields (torch 2.15+), which distckpt
-            cannot save as DCP would.
+        TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), a
+            tensor of a raw bit dtype (``torch.bits8``...), or a tensor with DCP's
+            ``CheckpointableTensor`` fields (torch 2.15+), which distckpt cannot save as DCP would.
     """
     flat, _ = flatten_state_dict(state_dict)
     fields = CHECKPOINTABLE_TENSOR_FIELDS
@@ -63,6 +63,14 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
             raise TypeError(f"cannot save {key!r}: {local.layout} tensors are not supported; save t.to_dense() instead")
         if local.device.type == "meta":
             raise TypeError(f"cannot save {key!r}: it is a meta tensor (no data); materialize it first (to_empty + init)")
+        if local.dtype in _BITS:
+            # DCP sizes items by element size (torch._utils._element_size), which refuses these:
+            # "torch.iinfo() requires an integer input", from a writer thread, with no key named.
+            raise TypeError(f"cannot save {key!r}: torch.distributed.checkpoint cannot write {local.dtype} tensors; save t.view(torch.uint8)")
+
+
+# The raw bit dtypes (no arithmetic, no element size DCP can take).
+_BITS = frozenset(getattr(torch, n) for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16") if hasattr(torch, n))
 
 
 @dataclass
