@@ -300,3 +300,17 @@ def test_hf_export_over_weights_distckpt_did_not_write_takes_replace(root, tmp_p
     assert set(load_file(out / "model.safetensors")) == set(_model(1).state_dict())
     assert (out / "README.md").read_text() == "card"
     _one_line_error(run_cli("convert", str(root), "--to", "torch", str(tmp_path / "x.pt"), "--replace", "a"), 2, "--replace")
+
+
+def test_a_folder_appearing_at_the_output_is_named_as_the_output(tmp_path):
+    """A folder created at the output while an ``--overwrite`` export ran made the error name
+    the temporary file (``Is a directory: b.st.tmp-f3a6e847``), a name the user never gave."""
+    from distckpt.tools import outputs
+
+    out = tmp_path / "b.st"
+    with pytest.raises(IsADirectoryError) as caught:
+        with outputs.open_output(str(out), overwrite=True) as f:
+            f.write(b"x")
+            out.mkdir()
+    assert caught.value.filename == str(out) and ".tmp-" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.st"]

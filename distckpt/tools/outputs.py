@@ -136,12 +136,14 @@ def _local_output(path: str, overwrite: bool) -> Iterator[IO[bytes]]:
         raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}") from None
     f = os.fdopen(fd, "wb")
     unnamed = tmp is None
+    temporary = {tmp}  # names of ours an error may carry: the output's name is shown instead
     try:
         yield f
         f.flush()
         os.fsync(f.fileno())
         if unnamed:
             linked = path if not overwrite else f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            temporary.add(linked)
             try:
                 _link_unnamed(f.fileno(), linked)
             except FileExistsError:
@@ -163,6 +165,9 @@ def _local_output(path: str, overwrite: bool) -> Iterator[IO[bytes]]:
             except OSError:
                 pass
         if isinstance(exc, OSError):
+            if exc.errno is not None and exc.filename is not None and exc.filename in temporary - {path}:
+                # (a folder that appeared at the output: "Is a directory: model.pt.tmp-1a2b3c4d")
+                raise type(exc)(exc.errno, exc.strerror, path) from None
             raise named_os_error(exc, path) from exc
         raise
 
