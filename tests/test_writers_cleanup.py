@@ -571,6 +571,7 @@ def test_retention_keeps_a_step_holding_files_the_user_added(tmp_path, where, re
     ckpt = distckpt.Checkpointer(root, keep_last=1, storage_options=opts)
     ckpt.save(1, _state(1.0))
     storage.write_bytes(b'{"vocab": 3}', step_dir(1), "tokenizer.json")
+    storage.write_bytes(b"x", step_dir(1), "{run}.log")  # braces in a name: the warning is no format string
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         ckpt.save(2, _state(2.0))
@@ -582,6 +583,7 @@ def test_retention_keeps_a_step_holding_files_the_user_added(tmp_path, where, re
     ckpt.close()
     _assert_loads_at(root, opts, 1, 1.0)
     storage.remove(step_dir(1), "tokenizer.json")
+    storage.remove(step_dir(1), "{run}.log")
     if fs is not None:
         fs.invalidate_cache()
     with distckpt.Checkpointer(root, keep_last=1, storage_options=opts) as again:

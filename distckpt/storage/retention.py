@@ -152,7 +152,8 @@ def retire_step(
     name = step_dir(step)
     foreign = not_distckpts(storage, name)
     if foreign is not None:
-        _warn_kept(storage, name, f"{why} {{where}}, but it {foreign}; kept (delete it by hand, or {then})")
+        where = storage.display(name)
+        _warn_kept(where, f"{why} {where}, but it {foreign}; kept (delete it by hand, or {then})")
         return False
     mark_released(storage, name)
     storage.remove(name, MANIFEST_NAME)
@@ -163,10 +164,9 @@ def retire_step(
 _WARNED_KEPT: set[str] = set()
 
 
-def _warn_kept(storage: Storage, dirname: str, message: str) -> None:
-    """Warn ``message`` (``{where}``: the step directory), once per step directory and process."""
-    where = storage.display(dirname)
+def _warn_kept(where: str, message: str) -> None:
+    """Warn ``message`` about step directory ``where``, once per directory and process."""
     if where in _WARNED_KEPT:
         return
     _WARNED_KEPT.add(where)
-    warnings.warn(f"distckpt: {message.format(where=where)}", stacklevel=3)
+    warnings.warn(f"distckpt: {message}", stacklevel=3)
