@@ -64,6 +64,13 @@ def new_dir_creator(name: str) -> int | None:
     return parse_pid(pid) if host == _host_tag() else None
 
 
+def is_local_location(location: str) -> bool:
+    """Whether ``location`` names the local disk (a path, or a ``file://`` or fsspec ``local://``
+    URL): what :class:`~distckpt.storage.local.LocalStorage` serves, and what is checked and
+    written as a local path, links resolved."""
+    return fsspec.utils.get_protocol(location) in ("file", "local")
+
+
 def _flat_namespace(fs: AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in _FLAT_PROTOCOLS for p in protocols)
@@ -208,8 +215,7 @@ class Storage:
 
     def __new__(cls, root: str | os.PathLike | None = None, storage_options: Mapping[str, object] | None = None) -> Storage:
         if cls is Storage:
-            protocol = fsspec.utils.get_protocol(os.fspath(root)) if root is not None else "file"
-            cls = _KINDS["local" if protocol in ("file", "local") else "url"]
+            cls = _KINDS["local" if root is None or is_local_location(os.fspath(root)) else "url"]
         return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:

@@ -160,17 +160,17 @@ def _torch_load(path: str, where: str) -> object:
     stack deep enough for their nesting (:mod:`distckpt.integrity.deep_stack`)."""
     with open(path, "rb") as f:
         head = f.read(len(_LEGACY_MAGIC))
-        if head[:4] != b"PK\x03\x04" and (head.startswith(_LEGACY_MAGIC) or _is_tar(f)):
-            # torch.load reads it, but without mmap, and its pickles follow one another with
-            # nothing saying where each starts or how much the storages they declare hold: the
-            # checks every other file gets (work bombs, allocations beyond the file's size) do
-            # not apply. Such files come from torch before 1.6 (2020); re-saving one is a line.
-            raise ValueError(
-                f"{where} is in torch's legacy format (torch.save before torch 1.6, or _use_new_zipfile_serialization=False), "
-                "which distckpt does not import: re-save it under a current torch, if you trust it: "
-                "torch.save(torch.load(OLD, weights_only=True), NEW), then import NEW"
-            )
         if head[:4] != b"PK\x03\x04":  # (torch's own error here is about mmap)
+            if head.startswith(_LEGACY_MAGIC) or _is_tar(f):
+                # torch.load reads it, but without mmap, and its pickles follow one another with
+                # nothing saying where each starts or how much the storages they declare hold: the
+                # checks every other file gets (work bombs, allocations beyond the file's size) do
+                # not apply. Such files come from torch before 1.6 (2020); re-saving one is a line.
+                raise ValueError(
+                    f"{where} is in torch's legacy format (torch.save before torch 1.6, or _use_new_zipfile_serialization=False), "
+                    "which distckpt does not import: re-save it under a current torch, if you trust it: "
+                    "torch.save(torch.load(OLD, weights_only=True), NEW), then import NEW"
+                )
             raise ValueError(f"{where} is not a torch.save file: not a zip archive as torch.save writes (a text file? a damaged copy?)")
         bound = deep_stack.refuse_record_work_bombs(f, None, where)
         if bound is None:

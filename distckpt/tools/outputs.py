@@ -22,16 +22,16 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import _flat_namespace, _redact, named_os_error
+from distckpt.storage.base import _flat_namespace, _redact, is_local_location, named_os_error
 
 _CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
 
 
 def is_url(location: str) -> bool:
-    """Whether ``location`` names a remote object (a URL other than ``file://`` or fsspec's
-    ``local://``, which name local paths: checked and written as such, links resolved), not a
-    local path."""
-    return "://" in location and location.split("://", 1)[0].lower() not in ("file", "local")
+    """Whether ``location`` names a remote object, not the local disk (``file://`` and fsspec's
+    ``local://`` name local paths: :func:`~distckpt.storage.base.is_local_location`). Without
+    ``://`` it is a path, taken literally (``epoch=1::x.ckpt`` is no chain of URLs)."""
+    return "://" in location and not is_local_location(location)
 
 
 def check_output(out: str, storage_options: Mapping[str, object] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
