@@ -24,7 +24,7 @@ from distckpt.save.phases import SaveOptions
 from distckpt.state import statecheck
 from distckpt.state.safetypes import SafeTypes
 from distckpt.storage import ownership
-from distckpt.storage.base import Storage
+from distckpt.storage.base import Storage, is_local_location, local_path
 from distckpt.storage.lineage import check_job
 from distckpt.storage.local_tier import check_local_dir
 from distckpt._ints import plain_int
@@ -96,7 +96,7 @@ class CheckpointerOptions:
         if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root).strip():
             raise ValueError(f"root must be a local path or an fsspec URL, got {self.root!r}")
         self.root = os.fspath(self.root)
-        if self.storage_options and ("://" not in self.root or self.root.startswith("file://")):
+        if self.storage_options and is_local_location(self.root):
             raise ValueError(
                 f"storage_options configure the filesystem of a URL (s3://..., memory://...); {self.root!r} is a "
                 "local path, where they would be ignored"
@@ -123,10 +123,11 @@ class CheckpointerOptions:
         # unpickled; the writer needs none of them (values are encoded before staging).
         self.safe_types = SafeTypes.of(self.safe_types)
         self.local_dir = check_local_dir(self.local_dir)
-        if self.local_dir is not None and ("://" not in self.root or self.root.startswith("file://")):
+        root_path = local_path(self.root)
+        if self.local_dir is not None and root_path is not None:
             # The tier deletes its old steps: it must not be (in) the root, nor hold it.
             # Resolved as the storage resolves them (~, symbolic links): one directory by two names overlaps.
-            root = os.path.realpath(os.path.expanduser(self.root.removeprefix("file://")))
+            root = os.path.realpath(root_path)
             local = os.path.realpath(self.local_dir)
             if os.path.commonpath([root, local]) in (root, local):
                 raise ValueError(

@@ -26,7 +26,7 @@ from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
 from distckpt.integrity.manifest import parse_step_dir, step_dir
-from distckpt.storage.base import NEW_DIR_PREFIX
+from distckpt.storage.base import NEW_DIR_PREFIX, is_local_location, local_path
 from distckpt.storage.ownership import TOMBSTONE_PREFIX
 from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
@@ -62,17 +62,14 @@ class Pointer(TypedDict):
     keys: list[str]
 
 
-def _is_local(location: str) -> bool:
-    return "://" not in location or location.startswith("file://")
-
-
 def _fs(path: str | os.PathLike) -> tuple[AbstractFileSystem, str]:
     """The filesystem of ``path`` and the path in it. A local path is taken literally: fsspec's
     URL parsing would read ``::`` in a file name (``epoch=1::x.ckpt``) as a chain of URLs and
     open another file (``epoch=1``)."""
     location = os.fspath(path)
-    if _is_local(location):
-        return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(location.removeprefix("file://")))
+    local = local_path(location)
+    if local is not None:
+        return fsspec.filesystem("file"), local
     return fsspec.core.url_to_fs(location)
 
 
@@ -97,8 +94,8 @@ def check_pointer_path(path: str | os.PathLike, root: str) -> None:
     """
     location = os.fspath(path)
     fs, p = _fs(location)
-    if _is_local(location) == _is_local(root):
-        if _is_local(root):
+    if is_local_location(location) == is_local_location(root):
+        if is_local_location(root):
             mine, base = os.path.realpath(p), os.path.realpath(_fs(root)[1])
         else:  # URLs compared as written (no filesystem is made for the root here)
             mine, base = location.rstrip("/"), root.rstrip("/")
@@ -218,9 +215,8 @@ def dir_url(dirpath: str | os.PathLike) -> str:
 
 def _root_id(root: str) -> str:
     """How pointers name a root (informational: loads read from the plugin's own root)."""
-    if "://" in root and not root.startswith("file://"):
-        return root.rstrip("/")
-    return os.path.realpath(os.path.expanduser(root.removeprefix("file://")))
+    local = local_path(root)
+    return root.rstrip("/") if local is None else os.path.realpath(local)
 
 
 def read_pointer(path: str) -> Pointer:

@@ -67,8 +67,19 @@ def new_dir_creator(name: str) -> int | None:
 def is_local_location(location: str) -> bool:
     """Whether ``location`` names the local disk (a path, or a ``file://`` or fsspec ``local://``
     URL): what :class:`~distckpt.storage.local.LocalStorage` serves, and what is checked and
-    written as a local path, links resolved."""
-    return fsspec.utils.get_protocol(location) in ("file", "local")
+    written as a local path, links resolved. Without ``://`` it is a path, taken literally:
+    fsspec would read ``::`` in a folder name (``runs/lr=1::b``) as a chain of URLs and name
+    another folder (``runs/lr=1``)."""
+    return "://" not in location or fsspec.utils.get_protocol(location) in ("file", "local")
+
+
+def local_path(location: str | os.PathLike) -> str | None:
+    """The absolute local path ``location`` names (``~`` expanded, links kept), or ``None`` when
+    it is a URL of another filesystem (:func:`is_local_location`)."""
+    location = os.fspath(location)
+    if not is_local_location(location):
+        return None
+    return os.path.abspath(os.path.expanduser(location.split("://", 1)[1] if "://" in location else location))
 
 
 def _flat_namespace(fs: AbstractFileSystem) -> bool:

@@ -28,6 +28,8 @@ from distckpt.storage.base import (
     Storage,
     WritableFile,
     _fsync_dir,
+    _redact,
+    local_path,
     named_os_error,
     new_dir_name,
     open_regular_file,
@@ -42,10 +44,10 @@ class LocalStorage(Storage, kind="local"):
 
     def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:
         super().__init__(root, storage_options)
-        root = os.fspath(root)
-        if "://" in root:
-            root = root.split("://", 1)[1]
-        self.path = os.path.abspath(os.path.expanduser(root))
+        path = local_path(root)
+        if path is None:
+            raise ValueError(f"LocalStorage serves local paths and file:// URLs, not {_redact(os.fspath(root))}")
+        self.path = path
         self.url = self.path
         self.fs = fsspec.filesystem("file")
 

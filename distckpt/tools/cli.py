@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -34,7 +35,7 @@ from distckpt.integrity.shards import CheckpointSource
 from distckpt.load.reader import CheckpointReader
 from distckpt.state.decoding import decode_loaded
 from distckpt.state.statecheck import compare_files
-from distckpt.storage.base import Storage
+from distckpt.storage.base import Storage, local_path
 from distckpt.tools import convert, importer
 from distckpt.tools.outputs import is_url
 from distckpt.tools.catalog import describe, list_steps, locate
@@ -54,8 +55,19 @@ class _Parser(argparse.ArgumentParser):
         raise _Usage(f"{message} (see '{self.prog} --help')")
 
 
+def _is_dir(location: str, storage_options: dict) -> bool:
+    """Whether ``location`` is a directory (a prefix on object stores); a local path is taken
+    literally (``::`` in a name is no chain of URLs)."""
+    local = local_path(location)
+    if local is not None:
+        return os.path.isdir(local)
+    fs, path = url_to_fs(location, **storage_options)
+    return fs.isdir(path)
+
+
 # -------------------------------------------------------------------------------------------------
 # output helpers
+
 def _human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -311,8 +323,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
         if args.key or args.dtype or args.model_only or args.all or args.overwrite:
             # (an import never replaces a committed step: another step, or another root)
             raise _Usage("--key, --dtype, --model-only, --all and --overwrite apply to exports, not to --to dcp")
-        fs, path = url_to_fs(args.src, **opts)
-        if fs.isdir(path):
+        if _is_dir(args.src, opts):
             # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
             summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
         else:

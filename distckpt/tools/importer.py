@@ -25,8 +25,8 @@ from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity import deep_stack
 from distckpt.integrity.manifest import step_dir
 from distckpt.state import values
-from distckpt.storage.base import Storage
-from distckpt.tools.outputs import check_output, is_url
+from distckpt.storage.base import Storage, local_path
+from distckpt.tools.outputs import check_output
 
 _STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _PREFIXES = ("module.", "_orig_mod.")
@@ -126,8 +126,8 @@ def import_torch_save(
 @contextmanager
 def _local_copy(src: str, storage_options: Mapping[str, object]) -> Iterator[str]:
     """A local path of ``src``: itself, or a temporary download of a URL."""
-    if not is_url(src):
-        path = os.path.abspath(os.path.expanduser(src.split("://", 1)[-1]))
+    path = local_path(src)
+    if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} does not exist or is not a file")
         yield path

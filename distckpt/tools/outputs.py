@@ -22,7 +22,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import _flat_namespace, _redact, is_local_location, named_os_error
+from distckpt.storage.base import _flat_namespace, _redact, is_local_location, local_path, named_os_error
 
 _CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
 
@@ -31,7 +31,7 @@ def is_url(location: str) -> bool:
     """Whether ``location`` names a remote object, not the local disk (``file://`` and fsspec's
     ``local://`` name local paths: :func:`~distckpt.storage.base.is_local_location`). Without
     ``://`` it is a path, taken literally (``epoch=1::x.ckpt`` is no chain of URLs)."""
-    return "://" in location and not is_local_location(location)
+    return not is_local_location(location)
 
 
 def check_output(out: str, storage_options: Mapping[str, object] | None = None, *, inputs: tuple[str, ...] = ()) -> None:
@@ -52,7 +52,8 @@ def check_output(out: str, storage_options: Mapping[str, object] | None = None, 
         ValueError: naming ``out`` and the checkpoint (or the input) it would write into.
     """
     where = _redact(out)  # messages never show credentials a URL may carry
-    if is_url(out):
+    local = local_path(out)
+    if local is None:
         fs, path = url_to_fs(out, **dict(storage_options or {}))
         scheme = out.split("://", 1)[0]
         paths = [path.rstrip("/")]
@@ -61,18 +62,17 @@ def check_output(out: str, storage_options: Mapping[str, object] | None = None, 
             return _redact(f"{scheme}://{p.lstrip('/')}")
     else:
         fs, _ = url_to_fs("file:///")
-        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+        path = local
         paths = list(dict.fromkeys([path, os.path.realpath(path)]))
 
         def show(p: str) -> str:
             return p
 
     for src in inputs:
-        same = (
-            os.path.realpath(os.path.expanduser(src.split("://", 1)[-1])) == paths[-1]
-            if not is_url(src)
-            else src.rstrip("/") == out.rstrip("/")
-        )
+        src_local = local_path(src)
+        if (src_local is None) != (local is None):
+            continue  # one on the local disk, the other not (a memory:// path may read as a local one)
+        same = os.path.realpath(src_local) == paths[-1] if src_local is not None else src.rstrip("/") == out.rstrip("/")
         if same:
             raise ValueError(f"output {where} is the input {_redact(src)}: distckpt never writes over what it reads; choose another output")
     for p in paths:
@@ -217,8 +217,8 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
     if out.endswith(("/", os.sep)) or out.replace(os.sep, "/").rsplit("/", 1)[-1] in (".", ".."):
         # (the path would be normalised to the folder's name: a file "newdir" written for "newdir/")
         raise IsADirectoryError(f"output {_redact(out)} names a folder (it ends with '/', '.' or '..'): give the name of the file to write")
-    if not is_url(out):
-        path = os.path.abspath(os.path.expanduser(out.split("://", 1)[-1]))
+    path = local_path(out)
+    if path is not None:
         if os.path.isdir(path):
             raise IsADirectoryError(f"output {path} is a directory")
         # The file is renamed into place: over a symbolic link, a device (/dev/null, as root) or
