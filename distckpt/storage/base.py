@@ -285,11 +285,11 @@ class Storage:
         """Relative name -> size of the files directly inside ``parts``."""
         raise NotImplementedError
 
-    def list_entries(self, *parts: str) -> tuple[dict[str, int], int]:
-        """:meth:`list_files` of ``parts`` and how many entries it holds in all (files,
-        sub-folders, anything else; 0 if it is missing), from one listing where the store
-        gives both (object stores: one request)."""
-        return self.list_files(*parts), self.last_change(*parts)[1]
+    def list_entries(self, *parts: str) -> tuple[dict[str, int], list[str]]:
+        """:meth:`list_files` of ``parts`` and the sorted names of its other entries (sub-folders,
+        links that lead to no file, anything else; both empty if it is missing), from one
+        listing (object stores: one request)."""
+        raise NotImplementedError
 
     def read_bytes(self, *parts: str) -> bytes:
         raise NotImplementedError

@@ -85,6 +85,23 @@ class LocalStorage(Storage, kind="local"):
         except FileNotFoundError:
             return {}
 
+    def list_entries(self, *parts: str) -> tuple[dict[str, int], list[str]]:
+        files: dict[str, int] = {}
+        others: list[str] = []
+        try:
+            entries = list(os.scandir(self.join(*parts)))
+        except FileNotFoundError:
+            return files, others
+        for e in entries:
+            try:  # (as list_files: a link to a file is a file)
+                files[e.name] = e.stat().st_size if e.is_file() else -1
+            except OSError:  # gone meanwhile, or a link that leads nowhere readable
+                files[e.name] = -1
+            if files[e.name] < 0:
+                del files[e.name]
+                others.append(e.name)
+        return files, sorted(others)
+
     # bytes ------------------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:
         with self._open_read(parts) as f:

@@ -96,10 +96,11 @@ class FsspecStorage(Storage, kind="url"):
             if e.get("type") == "file"
         }
 
-    def list_entries(self, *parts: str) -> tuple[dict[str, int], int]:
+    def list_entries(self, *parts: str) -> tuple[dict[str, int], list[str]]:
         entries = self._ls(*parts)
         files = {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e.get("type") == "file"}
-        return files, len(entries)
+        others = sorted(n for n in (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "file"))
+        return files, others
 
     # bytes ------------------------------------------------------------------------------------
     def read_bytes(self, *parts: str) -> bytes:

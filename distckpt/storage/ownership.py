@@ -292,17 +292,15 @@ _STEP_FILE = re.compile(
 _WARNED_FOREIGN: set[str] = set()
 
 
-def foreign_entries(storage: Storage, dirname: str, listing: tuple[Mapping[str, int], int] | None = None) -> list[str]:
+def foreign_entries(storage: Storage, dirname: str, listing: tuple[Mapping[str, int], list[str]] | None = None) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
-    directory (sorted; sub-folders and other entries that are not files counted in a last
-    item); [] for a directory that holds only distckpt's files, or is gone. Cleanup never
-    removes a directory for which this is not empty: it is someone else's, whatever its name.
-    ``listing``: :meth:`~distckpt.storage.base.Storage.list_entries` of it, if listed already."""
-    files, count = storage.list_entries(dirname) if listing is None else listing
-    foreign = sorted(n for n in files if not _STEP_FILE.fullmatch(n))
-    if count > len(files):  # entries that are not files: sub-folders (or links, sockets ...)
-        foreign.append(f"{count - len(files)} sub-folders or other entries that are not files")
-    return foreign
+    directory (sorted, files first; an entry that is not a file, such as a sub-folder or a link
+    that leads nowhere, ends with ``/``); [] for a directory that holds only distckpt's files, or
+    is gone. Cleanup never removes a directory for which this is not empty: it is someone
+    else's, whatever its name. ``listing``:
+    :meth:`~distckpt.storage.base.Storage.list_entries` of it, if listed already."""
+    files, others = storage.list_entries(dirname) if listing is None else listing
+    return sorted(n for n in files if not _STEP_FILE.fullmatch(n)) + [f"{n}/" for n in others]
 
 
 def unowned_dcp_checkpoint(storage: Storage, dirname: str, files: Mapping[str, int] | None = None) -> bool:
