@@ -619,3 +619,10 @@ def test_judging_a_folder_lists_it_once_on_object_stores(tmp_path):
     assert len(calls) == 5, calls
     assert "'model.pt'" in verdicts[1] and "'extra/'" in verdicts[2] and "DCP checkpoint" in verdicts[3]
     assert verdicts[4] is None and verdicts[5] is None
+    # The base class's listing (what a Storage subclass of a user's inherits) agrees.
+    assert all(Storage.list_entries(storage, step_dir(s)) == storage.list_entries(step_dir(s)) for s in (1, 2, 3, 4, 5))
+    local = Storage(str(tmp_path / "local"))
+    (tmp_path / "local" / "s" / "sub").mkdir(parents=True)
+    (tmp_path / "local" / "s" / "a.bin").write_bytes(b"xy")
+    (tmp_path / "local" / "s" / "gone").symlink_to(tmp_path / "nowhere")
+    assert local.list_entries("s") == Storage.list_entries(local, "s") == ({"a.bin": 2}, ["gone", "sub"])

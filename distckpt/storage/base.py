@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import socket
 import stat
 import uuid
@@ -289,7 +290,13 @@ class Storage:
         """:meth:`list_files` of ``parts`` and the sorted names of its other entries (sub-folders,
         links that lead to no file, anything else; both empty if it is missing), from one
         listing (object stores: one request)."""
-        raise NotImplementedError
+        try:  # (any fsspec filesystem; the storages of distckpt list in their own ways)
+            entries = self.fs.ls(self.join(*parts), detail=True)
+        except FileNotFoundError:
+            return {}, []
+        names = [(posixpath.basename(str(e["name"]).rstrip("/")), e) for e in entries]
+        files = {n: int(e.get("size") or 0) for n, e in names if e.get("type") == "file"}
+        return files, sorted(n for n, e in names if e.get("type") != "file")
 
     def read_bytes(self, *parts: str) -> bytes:
         raise NotImplementedError
