@@ -24,7 +24,7 @@ from distckpt.save.phases import SaveOptions
 from distckpt.state import statecheck
 from distckpt.state.safetypes import SafeTypes
 from distckpt.storage import ownership
-from distckpt.storage.base import Storage, is_local_location, local_path
+from distckpt.storage.base import Storage, _redact, is_local_location, overlaps
 from distckpt.storage.lineage import check_job
 from distckpt.storage.local_tier import check_local_dir
 from distckpt._ints import plain_int
@@ -93,9 +93,26 @@ class CheckpointerOptions:
             self.replicate_keep_last = self.keep_last
         else:
             check_keep_last(self.replicate_keep_last, "replicate_keep_last")
-        if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root).strip():
-            raise ValueError(f"root must be a local path or an fsspec URL, got {self.root!r}")
+        if not isinstance(self.root, (str, os.PathLike)) or not isinstance(os.fspath(self.root), str) or not os.fspath(self.root).strip():
+            raise ValueError(f"root must be a local path or an fsspec URL (as text), got {self.root!r}")
         self.root = os.fspath(self.root)
+        if self.replicate_to is not None:
+            to = self.replicate_to
+            if not isinstance(to, (str, os.PathLike)) or not isinstance(os.fspath(to), str) or not os.fspath(to).strip():
+                raise ValueError(f"replicate_to must be a local path or an fsspec URL (as text), got {to!r}")
+            self.replicate_to = os.fspath(to)
+            if self.replicate_storage_options and is_local_location(self.replicate_to):
+                raise ValueError(
+                    f"replicate_storage_options configure the filesystem of a URL (s3://..., memory://...); "
+                    f"replicate_to {self.replicate_to!r} is a local path, where they would be ignored"
+                )
+            # The replica keeps its own retention (replicate_keep_last): in the root, or holding
+            # it, it would delete the root's steps, and it would be no second copy.
+            if overlaps(self.root, self.storage_options, self.replicate_to, self.replicate_storage_options or self.storage_options):
+                raise ValueError(
+                    f"replicate_to {_redact(self.replicate_to)} and root {_redact(self.root)} overlap: the replica needs "
+                    "a place of its own (it is the second copy, with its own retention)"
+                )
         if self.storage_options and is_local_location(self.root):
             raise ValueError(
                 f"storage_options configure the filesystem of a URL (s3://..., memory://...); {self.root!r} is a "
@@ -123,15 +140,13 @@ class CheckpointerOptions:
         # unpickled; the writer needs none of them (values are encoded before staging).
         self.safe_types = SafeTypes.of(self.safe_types)
         self.local_dir = check_local_dir(self.local_dir)
-        root_path = local_path(self.root)
-        if self.local_dir is not None and root_path is not None:
-            # The tier deletes its old steps: it must not be (in) the root, nor hold it.
-            # Resolved as the storage resolves them (~, symbolic links): one directory by two names overlaps.
-            root = os.path.realpath(root_path)
-            local = os.path.realpath(self.local_dir)
-            if os.path.commonpath([root, local]) in (root, local):
+        # The tier deletes its old steps: it must not be (in) the root or the replica, nor hold
+        # them. Resolved as the storage resolves them (~, symbolic links, the local target of a
+        # chain of caches): one directory by two names overlaps.
+        for name, where in (("root", self.root), ("replicate_to", self.replicate_to)):
+            if self.local_dir is not None and where is not None and overlaps(where, None, self.local_dir, None):
                 raise ValueError(
-                    f"local_dir {self.local_dir!r} and root {self.root!r} overlap: the local tier needs a directory "
+                    f"local_dir {self.local_dir!r} and {name} {_redact(where)} overlap: the local tier needs a directory "
                     "of its own (it keeps only its newest steps)"
                 )
         if isinstance(self.local_keep, bool) or not isinstance(self.local_keep, int) or self.local_keep < 1:

@@ -11,7 +11,7 @@ import torch
 import distckpt
 from cli_runner import run_cli
 from distckpt.integrations.lightning_pointers import check_pointer_path
-from distckpt.storage.base import Storage, is_local_location, local_path
+from distckpt.storage.base import Storage, is_local_location, local_path, overlaps
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
 
@@ -88,3 +88,79 @@ def test_import_from_paths_whose_names_hold_a_double_colon(tmp_path):
     done = run_cli("convert", str(src), "--to", "dcp", str(tmp_path / "out2"), "-q")
     assert done.returncode == 0, done
     assert (tmp_path / "out2" / STEP(7) / "manifest.json").is_file()
+
+
+# -- two roots by other names (found by an attack on this rule) ----------------------------------
+def test_a_local_dir_that_is_the_root_behind_a_chain_of_caches_is_refused(tmp_path):
+    """``simplecache::file://ROOT`` writes into ROOT; a ``local_dir`` of ROOT was accepted, and
+    the tier's retention (``local_keep=1``) deleted the root's committed steps (``keep_last=None``)."""
+    root = tmp_path / "root"
+    for given in (f"simplecache::file://{root}", f"filecache::local://{root}"):
+        with pytest.raises(ValueError, match="local_dir .* and root .* overlap"):
+            distckpt.Checkpointer(given, local_dir=str(root), local_keep=1)
+
+
+@pytest.mark.parametrize("spelling", ["{p}", "file://{p}", "local://{p}/", "{p}/sub"])
+def test_a_replica_that_is_the_root_or_inside_it_is_refused(tmp_path, spelling):
+    """``replicate_to`` naming the root: every save "replicated", and the replica's retention
+    (``replicate_keep_last=1``) deleted the root's steps, which the user kept (``keep_last=None``)."""
+    root = tmp_path / "root"
+    with pytest.raises(ValueError, match="replicate_to .* and root .* overlap"):
+        distckpt.Checkpointer(str(root), replicate_to=spelling.format(p=root), replicate_keep_last=1)
+    with pytest.raises(ValueError, match="overlap"):  # the root inside the replica: the same
+        distckpt.Checkpointer(str(root / "inner"), replicate_to=spelling.format(p=root).removesuffix("/sub"))
+    distckpt.Checkpointer(str(root), replicate_to=str(tmp_path / "root2")).close()  # a sibling: fine
+
+
+def test_a_local_dir_that_is_the_replica_is_refused(tmp_path):
+    """The tier made its steps in the replica's folder and its retention deleted the replica's."""
+    with pytest.raises(ValueError, match="local_dir .* and replicate_to .* overlap"):
+        distckpt.Checkpointer(str(tmp_path / "root"), replicate_to=str(tmp_path / "rep"), local_dir=str(tmp_path / "rep"))
+
+
+def test_url_roots_overlap_by_filesystem_path_and_options():
+    assert overlaps("s3://b/run", {}, "s3a://b/run/replica/", {})  # (s3a: the same filesystem)
+    assert not overlaps("s3://b/run", {}, "s3://b/run2", {})
+    # Another endpoint may hold the same bucket name: not refused.
+    assert not overlaps("s3://b/run", {"endpoint_url": "http://a"}, "s3://b/run", {"endpoint_url": "http://b"})
+    assert overlaps("memory://x/run", None, "memory:///x/run/r", None)
+    assert not overlaps("/b/run", None, "s3://b/run", {})
+
+
+def test_replica_options_for_a_local_replica_are_refused(tmp_path):
+    """``replicate_storage_options`` for a local ``replicate_to`` were ignored silently (the same
+    for the root were refused)."""
+    for rep in (str(tmp_path / "rep"), f"file://{tmp_path}/rep", f"local://{tmp_path}/rep"):
+        with pytest.raises(ValueError, match="replicate_storage_options .* local path"):
+            distckpt.Checkpointer(str(tmp_path / "root"), replicate_to=rep, replicate_storage_options={"anon": True})
+
+
+def test_file_localhost_is_the_root_of_the_local_disk(tmp_path):
+    """``file://localhost/x`` is ``/x`` (RFC 8089); it named ``$CWD/localhost/x``."""
+    assert Storage(f"file://localhost{tmp_path}").path == str(tmp_path)
+    assert local_path("file://localhost") == "/"
+
+
+def test_unclear_locations_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"FILE:///nowhere/x: Protocol not known"):
+        distckpt.Checkpointer("FILE:///nowhere/x")
+
+    class BytesPath:
+        def __fspath__(self):
+            return str(tmp_path).encode()
+
+    with pytest.raises(ValueError, match=r"root must be .* \(as text\)"):
+        distckpt.Checkpointer(BytesPath())
+    for args in (("ls", ""), ("verify", " "), ("convert", "", "--to", "torch", str(tmp_path / "x.pt"))):
+        done = run_cli(*args)
+        assert done.returncode == 2 and "is empty" in done.stderr, done
+
+
+def test_a_pointer_in_a_temporary_folder_of_a_cached_root_is_refused(tmp_path):
+    """A root behind a chain of caches was compared as a remote URL with a local pointer path:
+    a pointer inside the root's temporary folder (where a save is being written) passed."""
+    root = tmp_path / "r"
+    with pytest.raises(ValueError, match="step directory"):
+        check_pointer_path(f"file://{root}/.distckpt-new-x/y.ckpt", f"simplecache::file://{root}")
+    with pytest.raises(ValueError, match="is the root"):
+        check_pointer_path(str(root), f"simplecache::file://{root}")

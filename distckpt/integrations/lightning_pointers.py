@@ -26,7 +26,7 @@ from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
 from distckpt.integrity.manifest import parse_step_dir, step_dir
-from distckpt.storage.base import NEW_DIR_PREFIX, is_local_location, local_path
+from distckpt.storage.base import NEW_DIR_PREFIX, local_path, local_target
 from distckpt.storage.ownership import TOMBSTONE_PREFIX
 from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
@@ -94,9 +94,11 @@ def check_pointer_path(path: str | os.PathLike, root: str) -> None:
     """
     location = os.fspath(path)
     fs, p = _fs(location)
-    if is_local_location(location) == is_local_location(root):
-        if is_local_location(root):
-            mine, base = os.path.realpath(p), os.path.realpath(_fs(root)[1])
+    # Local by their targets (a chain of caches over the local disk writes its files there).
+    mine_local, base_local = local_target(location), local_target(root)
+    if (mine_local is None) == (base_local is None):
+        if mine_local is not None and base_local is not None:
+            mine, base = os.path.realpath(mine_local), os.path.realpath(base_local)
         else:  # URLs compared as written (no filesystem is made for the root here)
             mine, base = location.rstrip("/"), root.rstrip("/")
         if mine == base or mine.startswith(base.rstrip("/") + "/"):

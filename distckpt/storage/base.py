@@ -76,11 +76,52 @@ def is_local_location(location: str) -> bool:
 
 def local_path(location: str | os.PathLike) -> str | None:
     """The absolute local path ``location`` names (``~`` expanded, links kept), or ``None`` when
-    it is a URL of another filesystem (:func:`is_local_location`)."""
+    it is a URL of another filesystem (:func:`is_local_location`). ``file://localhost/x`` is
+    ``/x`` (RFC 8089; fsspec would take ``localhost`` for a folder of the working directory)."""
     location = os.fspath(location)
     if not is_local_location(location):
         return None
-    return os.path.abspath(os.path.expanduser(location.split("://", 1)[1] if "://" in location else location))
+    if "://" in location:
+        location = location.split("://", 1)[1]
+        if location == "localhost" or location.startswith("localhost/"):
+            location = location[len("localhost"):] or "/"
+    return os.path.abspath(os.path.expanduser(location))
+
+
+def local_target(location: str | os.PathLike) -> str | None:
+    """The local path holding ``location``'s files: :func:`local_path`, or that of the last link
+    of a chain of fsspec URLs (``simplecache::file:///x``: caches over the local disk); ``None``
+    where they are elsewhere."""
+    location = os.fspath(location)
+    path = local_path(location)
+    if path is not None or "::" not in location:
+        return path
+    last = location.rsplit("::", 1)[1]
+    return local_path(last) if "://" in last else None
+
+
+def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: Mapping[str, object] | None) -> bool:
+    """Whether the folders that two roots name are the same or one lies in the other, as far as
+    their names tell: local ones (:func:`local_target`) with ``~`` and links resolved; URLs of
+    one filesystem given the same options (another endpoint may hold the same names) by their
+    paths. Chains of other filesystems are not compared. Not collective."""
+    la, lb = local_target(a), local_target(b)
+    if la is not None or lb is not None:
+        if la is None or lb is None:
+            return False
+        ra, rb = os.path.realpath(la), os.path.realpath(lb)
+        return os.path.commonpath([ra, rb]) in (ra, rb)
+    if "::" in a or "::" in b or dict(a_options or {}) != dict(b_options or {}):
+        return False
+    try:
+        cls_a = fsspec.get_filesystem_class(fsspec.utils.get_protocol(a))
+        cls_b = fsspec.get_filesystem_class(fsspec.utils.get_protocol(b))
+    except (ImportError, ValueError):  # an unknown protocol: refused when the storage is made
+        return False
+    if cls_a is not cls_b:
+        return False
+    pa, pb = (str(cls_a._strip_protocol(x)).rstrip("/") for x in (a, b))
+    return pa == pb or pa.startswith(pb + "/") or pb.startswith(pa + "/")
 
 
 def _flat_namespace(fs: AbstractFileSystem) -> bool:

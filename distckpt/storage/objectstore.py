@@ -37,7 +37,10 @@ class FsspecStorage(Storage, kind="url"):
     def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, object] | None = None) -> None:
         super().__init__(root, storage_options)
         root = os.fspath(root)
-        self.fs, path = url_to_fs(root, **self.storage_options)
+        try:
+            self.fs, path = url_to_fs(root, **self.storage_options)
+        except ValueError as exc:  # ("Protocol not known: FILE": which location?)
+            raise ValueError(f"{_redact(root)}: {exc} (a local path, file://, local:// or an fsspec URL)") from None
         self.path = path.rstrip("/")
         self.url = _redact(root).rstrip("/")
         self.flat = _flat_namespace(self.fs)

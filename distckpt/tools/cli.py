@@ -451,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                 # DCP warns on every call without a process group, which the CLI never has.
                 # Only that notice is hidden: every other warning still reaches stderr.
                 warnings.filterwarnings("ignore", message=_DCP_NO_PROCESS_GROUP, category=UserWarning)
+            for name in ("root", "ckpt", "src", "out"):
+                if isinstance(getattr(args, name, None), str) and not getattr(args, name).strip():
+                    # (an empty path is the working directory to os and fsspec: not what was meant)
+                    raise _Usage(f"{name} is empty: give a checkpoint path or URL")
             opts = _storage_options(args.storage_option)
             _check_options_apply(args, opts)
             return int(args.func(args, opts))
