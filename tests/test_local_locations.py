@@ -139,6 +139,8 @@ def test_file_localhost_is_the_root_of_the_local_disk(tmp_path):
     """``file://localhost/x`` is ``/x`` (RFC 8089); it named ``$CWD/localhost/x``."""
     assert Storage(f"file://localhost{tmp_path}").path == str(tmp_path)
     assert local_path("file://localhost") == "/"
+    # One slash: fsspec reads file:/x as /x; it named ./file:/x (a folder "file:" made in the working directory).
+    assert Storage(f"file:{tmp_path}").path == local_path(f"local:{tmp_path}") == str(tmp_path)
 
 
 def test_unclear_locations_are_refused_by_name(tmp_path):

@@ -85,6 +85,8 @@ def local_path(location: str | os.PathLike) -> str | None:
         location = location.split("://", 1)[1]
         if location == "localhost" or location.startswith("localhost/"):
             location = location[len("localhost"):] or "/"
+    elif location.startswith(("file:", "local:")):  # file:/x is /x to fsspec (and RFC 8089), not ./file:/x
+        location = location.split(":", 1)[1]
     return os.path.abspath(os.path.expanduser(location))
 
 
