@@ -175,6 +175,7 @@ class Checkpointer:
                 # Upload from distckpt's coordinator (the group exists by the first submit).
                 is_coordinator=lambda: self._groups.is_coordinator,
                 owned=self._lineage.owns,
+                forget=self._lineage.forget,
             )
         self.local: LocalTier | None = None
         if options.local_dir is not None:

@@ -614,9 +614,10 @@ def apply_retention(
     reaper: Reaper | None = None,
     owned: Callable[[int], bool] | None = None,
     keep: Callable[[int], bool] | None = None,
+    forget: Callable[[int], None] | None = None,
 ) -> None:
     """(coordinator) Delete this job's committed steps beyond ``keep_last`` (``owned``: which are
-    this job's; ``None``: all; ``keep``: steps kept for now, see
+    this job's; ``None``: all; ``keep``: steps kept for now; ``forget``: see
     :func:`~distckpt.storage.retention.delete_old_steps`); warn, never fail, on errors. With
     ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
-    delete_old_steps(opts.storage, opts.keep_last, reaper, owned, keep)
+    delete_old_steps(opts.storage, opts.keep_last, reaper, owned, keep, forget)

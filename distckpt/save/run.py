@@ -389,11 +389,15 @@ class SaveDriver:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 self._release_lease(committed=True)
                 replica, step = self.replica, prepared.step
+                # This number is this job's now, whatever was remembered of it (another job's
+                # step of that number, deleted since).
+                self.lineage.forget(opts.storage, step)
                 phases.apply_retention(
                     opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
                     # Never the step just committed (a resume from an older step saves below the
                     # newest); nor a step the replica keeps whose upload is still to come.
                     keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
+                    forget=lambda s: self.lineage.forget(opts.storage, s),
                 )  # fmt: skip
                 return manifest.total_bytes, manifest.to_json() if tier is not None else None
 

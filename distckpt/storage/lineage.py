@@ -74,8 +74,10 @@ class Lineage:
 
     def owns(self, storage: Storage, step: int) -> bool:
         """Whether committed ``step`` under ``storage`` is this job's (its manifest is read once
-        and remembered: a committed manifest never changes). A step whose manifest cannot be read
-        is not ours: retention leaves what it cannot attribute."""
+        and remembered until :meth:`forget`: a committed manifest never changes, but its step
+        may be deleted and the number saved again, by another job: retention forgets a step
+        before deleting it and after). A step whose manifest cannot be read is not ours:
+        retention leaves what it cannot attribute."""
 
         key = (id(storage), step)
         if key not in self._jobs:

@@ -152,6 +152,7 @@ class Replicator:
         is_coordinator: Callable[[], bool] | None = None,
         lease_s: float = ownership.DEFAULT_LEASE_S,
         owned: Callable[[Storage, int], bool] | None = None,
+        forget: Callable[[Storage, int], None] | None = None,
     ) -> None:
         check_keep_last(keep_last)
         if max_concurrency < 1:
@@ -164,6 +165,7 @@ class Replicator:
         self.keep_last = keep_last
         # Which remote steps are this job's (distckpt.storage.lineage): retention leaves the rest.
         self._owned = owned
+        self._forget = forget  # (drops what ``owned`` remembers of a step: see delete_old_steps)
         self.max_concurrency = max_concurrency
         self._is_coordinator = is_coordinator or _default_is_coordinator
         self._coordinator: bool | None = None
@@ -462,9 +464,11 @@ class Replicator:
         """Delete this job's remote steps beyond ``keep_last`` (manifest first; never the step
         just ``uploaded``), then stale leftovers of interrupted uploads (never a live writer's,
         see :mod:`distckpt.storage.ownership`)."""
-        owned = self._owned
+        owned, forget = self._owned, self._forget
+        if forget is not None:
+            forget(self.remote, uploaded)  # (this job's now, whatever was remembered of the number)
         delete_old_steps(
             self.remote, self.keep_last, owned=(lambda s: owned(self.remote, s)) if owned is not None else None,
-            keep=lambda s: s == uploaded,
+            keep=lambda s: s == uploaded, forget=(lambda s: forget(self.remote, s)) if forget is not None else None,
         )  # fmt: skip
         ownership.remove_stale_leftovers(self.remote, self.lease_s)

@@ -94,11 +94,15 @@ def delete_old_steps(
     reaper: Reaper | None = None,
     owned: Callable[[int], bool] | None = None,
     keep: Callable[[int], bool] | None = None,
+    forget: Callable[[int], None] | None = None,
 ) -> list[int]:
     """(one process: the coordinator) Delete committed steps beyond ``keep_last``; returns them.
 
     ``owned(step)``: whether a committed step is this job's (:class:`distckpt.storage.lineage.Lineage`);
     only those are counted and deleted, so jobs sharing a root never delete each other's steps.
+    ``forget(step)``: drop what ``owned`` remembers of a step: called before a step is deleted
+    (``owned`` is asked again, from its manifest as it is now: the number may have been deleted
+    and saved again by another job since it was remembered) and after (it may be saved again).
     ``keep(step)``: a step beyond ``keep_last`` to keep for now (counted, not deleted): the step
     just committed, which a newer step left by an earlier run would otherwise retire at once (a
     resume from an older step), or a step whose upload to the replica is still to come.
@@ -121,6 +125,10 @@ def delete_old_steps(
     for old in steps_to_delete(mine, keep_last):
         if keep is not None and keep(old):
             continue
+        if forget is not None:
+            forget(old)
+            if owned is not None and not owned(old):
+                continue
         try:
             if retire_step(storage, old, reaper.dispose(storage) if reaper is not None else None):
                 deleted.append(old)
@@ -128,6 +136,8 @@ def delete_old_steps(
             deleted.append(old)
         except OSError as exc:
             warnings.warn(f"distckpt: could not delete old checkpoint {storage.display(step_dir(old))}: {exc}", stacklevel=2)
+        if forget is not None and deleted and deleted[-1] == old:
+            forget(old)
     return deleted
 
 

@@ -1,0 +1,55 @@
+"""Jobs sharing a root (or a replica), as two runs of a sweep do: retention counts and deletes
+only this job's steps, also when a step number it deleted is saved again by another job.
+Found by an attack on shared folders (2026-11-29)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.integrity.manifest import read_manifest
+from distckpt.storage.base import Storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((4,), float(v))}
+
+
+def _jobs(ck: distckpt.Checkpointer) -> dict[int, str | None]:
+    return {s: ck.manifest(s).job for s in ck.steps()}
+
+
+def test_a_number_another_job_saved_again_is_not_taken_for_this_jobs(tmp_path):
+    """Run A deleted its steps 100 and 200 and remembered them as its own; run B then committed
+    100 and 200, and A's next retention deleted B's steps (B's newest included)."""
+    root = str(tmp_path / "root")
+    with distckpt.Checkpointer(root, keep_last=2, job="sweep-A") as a, distckpt.Checkpointer(root, keep_last=2, job="sweep-B") as b:
+        for s in (100, 200, 300, 400):
+            a.save(s, _state(s))
+        for s in (100, 200):
+            b.save(s, _state(s + 1))
+        a.save(500, _state(500))
+        assert _jobs(a) == {100: "sweep-B", 200: "sweep-B", 400: "sweep-A", 500: "sweep-A"}
+        # The other way round: a number A remembered as B's, deleted and saved again by A, is A's.
+        b.save(300, _state(301))  # B's retention: B keeps 200, 300; deletes its 100
+        a.save(100, _state(100))  # A saves 100 again (a resume from an older step)
+        a.save(600, _state(600))
+        assert _jobs(a) == {200: "sweep-B", 300: "sweep-B", 500: "sweep-A", 600: "sweep-A"}
+
+
+def test_a_replica_shared_by_two_jobs_keeps_the_other_jobs_steps(tmp_path):
+    rep = str(tmp_path / "rep")
+    with distckpt.Checkpointer(str(tmp_path / "a"), keep_last=None, replicate_to=rep, replicate_keep_last=2, job="A") as a, \
+            distckpt.Checkpointer(str(tmp_path / "c"), keep_last=None, replicate_to=rep, replicate_keep_last=2, job="C") as c:  # fmt: skip
+        for s in (10, 20, 30):
+            a.save(s, _state(s))
+            a.replica.wait()
+        c.save(10, _state(11))
+        c.replica.wait()
+        a.save(40, _state(40))
+        a.replica.wait()
+        assert a.steps(tier="replica") == [10, 30, 40]
+        assert read_manifest(Storage(rep), 10).job == "C"
