@@ -20,7 +20,7 @@ from distckpt._ints import plain_int
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
-from distckpt.integrity.manifest import Manifest, committed_steps, read_manifest
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
 from distckpt.load import run as loading
 from distckpt.load.phases import LoadReport
@@ -413,6 +413,16 @@ class Checkpointer:
             return None
         return sorted({s for t in tiers for s in committed_steps(t)})
 
+    def _root_manifest(self, step: int) -> bytes | None:
+        """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root (else
+        its replica); ``None`` where neither holds it."""
+        for t in self._tiers():
+            try:
+                return t.read_bytes(step_dir(step), MANIFEST_NAME)
+            except FileNotFoundError:
+                continue
+        return None
+
     def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
         """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
         warning said why). A state that does not match the checkpoint is raised as from the root.
@@ -438,7 +448,10 @@ class Checkpointer:
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
             planned.clear()
-            recovery = local.recover(group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude))
+            recovery = local.recover(
+                group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
+                root_manifest=self._root_manifest,
+            )
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:
                 return None

@@ -78,6 +78,24 @@ def test_stale_newer_step_from_an_earlier_life_is_not_loaded_after_a_rollback(tm
     assert (step, value) == (3, 33.0)
 
 
+@pytest.mark.parametrize("want", [None, 3])
+def test_a_step_saved_again_at_the_root_without_the_tier_is_not_served_from_the_tier(tmp_path, want):
+    """Rollback, then a fix-up run without the tier saves a new step 3: the tier still held the
+    deleted step 3 under that number, matched by number alone, and ``load()`` returned it (the
+    state the user had thrown away, no warning). Found by a helper (2026-11-29)."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2, 3])
+    shutil.rmtree(root / STEP(3))
+    with distckpt.Checkpointer(root) as fix:  # no local_dir
+        fix.save(3, {"model": _model(33.0), "step": 3})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step, value, where = _load(root, tier, step=want)
+    assert (step, value, where) == (3, 33.0, "root")
+    if want is None:  # (a step asked for by number: the root serves it, logged)
+        assert any("step 3 is not the root's" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+
 # -- load(step=N) for a step only the tier holds -----------------------------------------------
 def test_load_of_an_older_step_only_the_tier_holds(tmp_path):
     """keep_last=1 at the root, local_keep=2: the tier still holds step 1 intact; load(step=1)

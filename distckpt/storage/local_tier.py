@@ -195,15 +195,23 @@ class Decision:
     transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (file, from rank, to rank)
 
 
-def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_steps: list[int] | None, want: int | None) -> Decision:
+def decide(
+    nodes: Nodes,
+    reports: list[dict[int, Holding]],
+    root_steps: list[int] | None,
+    want: int | None,
+    root_manifests: Mapping[int, str] | None = None,
+) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
 
     ``want``: that step (the tier may serve a step the root no longer keeps). Otherwise, when the
     root could be listed (``root_steps``), its newest step and only that one: a newer step in the
     tier was deleted at the root or is left from an earlier life of the job (a rollback), and an
     older one is not what a resume wants. When it could not (``None``: unreachable), the newest
-    step of the tier. A step is recoverable when the nodes that hold it agree on its manifest and
-    every file of it is intact on some node."""
+    step of the tier. A step is recoverable when the nodes that hold it agree on its manifest,
+    that manifest is the root's where ``root_manifests`` has the step's digest (the number may
+    have been saved again at the root since: a rollback, then a new run), and every file of it
+    is intact on some node."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
     if want is not None:
         candidates = [want] if want in steps else []
@@ -220,6 +228,9 @@ def decide(nodes: Nodes, reports: list[dict[int, Holding]], root_steps: list[int
         shas = {h.manifest_sha for _, h in held}
         if len(shas) != 1:
             why = f"the nodes hold different manifests of step {step}"
+            continue
+        if root_manifests is not None and step in root_manifests and root_manifests[step] not in shas:
+            why = f"the local tier's step {step} is not the root's (saved again at the root since the tier kept it)"
             continue
         needed = held[0][1].files
         holders: dict[str, list[int]] = {f: [] for f in needed}
@@ -410,6 +421,7 @@ class LocalTier:
         check: bool,
         needs: Callable[[Manifest], set[str]] | None = None,
         agree: Mapping[str, object] | None = None,
+        root_manifest: Callable[[int], bytes | None] | None = None,
     ) -> Recovery:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
@@ -422,7 +434,8 @@ class LocalTier:
         this rank's load will read; a node is then sent only what its ranks read (``None``, or
         a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
         every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
-        rank, naming them, where they differ).
+        rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
+        of the root's manifest of ``step`` (``None``: not there), compared with the tier's copy.
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -436,15 +449,24 @@ class LocalTier:
             report, raw = self._inventory(nodes, group.rank, check)
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
+        at_root: dict[int, str] = {}
         if group.is_coordinator:
             try:
                 listed = root_steps()
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
-        gathered = group.all_gather((report or {}, listed, dict(agree or {})))
-        refuse_different_arguments("load()", [a for _, _, a in gathered])
-        reports = [r for r, _, _ in gathered]
-        decision = decide(nodes, reports, gathered[0][1], want)
+            target = want if want is not None else max(listed, default=None) if listed is not None else None
+            if target is not None and listed is not None and target in listed and root_manifest is not None:
+                try:
+                    raw_root = root_manifest(target)
+                    if raw_root is not None:
+                        at_root[target] = hashlib.sha256(raw_root).hexdigest()
+                except Exception as exc:  # noqa: BLE001 - unreadable there: the tier's copy is judged alone
+                    log.warning("distckpt: could not read the root's manifest of step %d (%s)", target, one_line(exc))
+        gathered = group.all_gather((report or {}, listed, dict(agree or {}), at_root))
+        refuse_different_arguments("load()", [a for _, _, a, _ in gathered])
+        reports = [r for r, _, _, _ in gathered]
+        decision = decide(nodes, reports, gathered[0][1], want, gathered[0][3])
         if decision.step is None:
             if any(reports) and want is None:  # a step the tier should have served
                 _warn_root(decision.reason)
