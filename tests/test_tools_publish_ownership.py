@@ -293,6 +293,26 @@ def test_a_publish_killed_half_way_is_replaced_by_the_next(kind, tmp_path, reque
     assert _loads_exactly(folder.url, final, folder.opts)
 
 
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_users_file_put_where_a_killed_publish_left_its_claim_is_theirs(kind, tmp_path, request):
+    """A killed publish's record (``complete: false``) claimed its files by name whatever their
+    size: the user's own ``model.safetensors``, put there after the crash, was replaced by the
+    next ``overwrite=True`` without ``replace=``. Local folders and object stores never hold a
+    cut-short file (renames, atomic uploads): the size must match there. Found by a helper."""
+    from dist_harness import run_ranks
+
+    folder = Folder(kind, tmp_path, request)
+    folder.publish(_model(0), max_shard_size="1MB")  # model.safetensors
+    run_ranks(_publish_and_die, 1, tmp_path, folder.url, folder.opts or None, "index", expect_dead=frozenset({0}))
+    own = b"the user's own weights, downloaded again" * 10
+    folder.write("model.safetensors", own)
+    with pytest.raises(FileExistsError, match="model.safetensors was not written by distckpt"):
+        folder.publish(_model(2), overwrite=True)
+    assert folder.read("model.safetensors") == own
+    folder.publish(_model(2), overwrite=True, replace=["model.safetensors"])  # named: replaced
+    assert folder.read("model.safetensors") != own
+
+
 def test_a_folder_reached_through_a_link_stays_a_link(tmp_path):
     real, link = tmp_path / "data" / "pub", tmp_path / "pub"
     real.mkdir(parents=True)

@@ -210,8 +210,9 @@ class PublishRecord:
     unchanged since (same size; same sha256 for the index and config): a file the user rewrote,
     replaced by a link, or that a record claims under a name distckpt never writes is theirs.
     Written atomically; before any file of a publish is written it names them too
-    (``complete: false``), so a publish killed half-way leaves nothing unclaimed (a shard of an
-    unfinished publish is claimed by name, whatever its size: it may be cut short).
+    (``complete: false``), so a publish killed half-way leaves nothing unclaimed (where a file
+    may be cut short, on filesystems written in place a piece at a time, a shard of an
+    unfinished publish is claimed by name, whatever its size).
     """
 
     files: list[OwnedFile]
@@ -426,7 +427,11 @@ def _still_owned(storage: Storage, record: PublishRecord | None, files: Mapping[
         name = entry.name
         if name in owned or name not in files or (storage.is_local and os.path.islink(storage.join(name))):
             continue  # a link is never distckpt's: it writes none
-        if (record.complete or entry.sha256 is not None) and files[name] != entry.size:
+        # A shard of an unfinished publish may be cut short only where files are written in
+        # place a piece at a time (sftp, HDFS...): local folders get whole files by rename, object
+        # stores by atomic uploads, so there a size other than recorded means another file.
+        cut_short = not (record.complete or entry.sha256 is not None or storage.is_local or storage.flat)
+        if not cut_short and files[name] != entry.size:
             continue
         if entry.sha256 is not None and (
             entry.size > _MAX_RECORD or hashlib.sha256(storage.read_bytes(name)).hexdigest() != entry.sha256
