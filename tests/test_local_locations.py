@@ -124,6 +124,12 @@ def test_url_roots_overlap_by_filesystem_path_and_options():
     # Another endpoint may hold the same bucket name: not refused.
     assert not overlaps("s3://b/run", {"endpoint_url": "http://a"}, "s3://b/run", {"endpoint_url": "http://b"})
     assert overlaps("memory://x/run", None, "memory:///x/run/r", None)
+    # Options that change how, not where (found by a helper: the replica's retention then deleted
+    # the root's steps), and a chain of caches over the same place.
+    here = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "k"}
+    assert overlaps("s3://b/run", here, "s3://b/run", {**here, "default_block_size": 8 << 20})
+    assert overlaps("s3://b/run", here, "simplecache::s3://b/run", {"s3": here})
+    assert not overlaps("s3://b/run", here, "s3://b/run", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:10"}})
     assert not overlaps("/b/run", None, "s3://b/run", {})
 
 

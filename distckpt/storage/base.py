@@ -102,18 +102,30 @@ def local_target(location: str | os.PathLike) -> str | None:
     return local_path(last) if "://" in last else None
 
 
+def _place_options(options: object, key: str = "") -> list[tuple[str, str]]:
+    """The storage options that may name another server (an endpoint, host, port or URL, at any
+    depth: ``client_kwargs``, a chain's per-protocol options): the rest (block sizes, credentials,
+    retries) change how a place is reached, not which it is."""
+    if isinstance(options, Mapping):
+        return sorted(x for k, v in options.items() for x in _place_options(v, f"{key}.{k}"))
+    name = key.rsplit(".", 1)[-1].lower()
+    return [(name, repr(options))] if any(w in name for w in ("endpoint", "host", "port", "url")) else []
+
+
 def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: Mapping[str, object] | None) -> bool:
     """Whether the folders that two roots name are the same or one lies in the other, as far as
     their names tell: local ones (:func:`local_target`) with ``~`` and links resolved; URLs of
-    one filesystem given the same options (another endpoint may hold the same names) by their
-    paths. Chains of other filesystems are not compared. Not collective."""
+    one filesystem (the last link of a chain of caches) by their paths, unless their options
+    name other servers (another endpoint may hold the same names). Not collective."""
     la, lb = local_target(a), local_target(b)
     if la is not None or lb is not None:
         if la is None or lb is None:
             return False
         ra, rb = os.path.realpath(la), os.path.realpath(lb)
         return os.path.commonpath([ra, rb]) in (ra, rb)
-    if "::" in a or "::" in b or dict(a_options or {}) != dict(b_options or {}):
+    # A chain of caches (simplecache::s3://...) keeps its files where its last link says.
+    a, b = a.rsplit("::", 1)[-1], b.rsplit("::", 1)[-1]
+    if "://" not in a or "://" not in b or _place_options(a_options) != _place_options(b_options):
         return False
     try:
         cls_a = fsspec.get_filesystem_class(fsspec.utils.get_protocol(a))
