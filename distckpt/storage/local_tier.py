@@ -50,6 +50,7 @@ from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
+from distckpt.storage.ownership import is_step_file
 from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer, transfer_device
 
 log = logging.getLogger("distckpt")
@@ -316,7 +317,7 @@ class LocalTier:
         problem = None
         if nodes.local_rank(group.rank) == 0:
             try:
-                if self._owned(step):
+                if self._owned(step) and not self._kept_for_foreign(step):
                     _remove_tree(self.step_path(step))
                 os.makedirs(self.step_path(step), exist_ok=True)
                 _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
@@ -402,8 +403,31 @@ class LocalTier:
         committed = sorted(s for s in mine if s <= newest and os.path.isfile(os.path.join(self.step_path(s), MANIFEST_NAME)))
         keep = set(committed[-self.keep :])
         for s in mine:
-            if s not in keep:
+            if s not in keep and not self._kept_for_foreign(s):
                 _remove_tree(self.step_path(s))
+
+    def _kept_for_foreign(self, step: int) -> bool:
+        """Whether this node's ``step`` directory holds anything the tier does not write (a
+        sub-folder, a file of the user's, another root put inside it): then it is never removed
+        (warned once); the tier deletes only what it wrote."""
+        path = self.step_path(step)
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return False
+        foreign = sorted(
+            e.name for e in entries
+            if not e.is_file(follow_symlinks=False) or not (e.name.removesuffix(PART) == ROOT_MARK or is_step_file(e.name.removesuffix(PART)))
+        )  # fmt: skip
+        if foreign and path not in _WARNED_KEPT:
+            _WARNED_KEPT.add(path)
+            shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            warnings.warn(
+                f"distckpt: the local tier would delete {path}, but it holds files the tier does not write ({shown}); "
+                "kept (delete it by hand)",
+                stacklevel=3,
+            )
+        return bool(foreign)
 
     def _steps(self) -> list[int]:
         try:
@@ -677,6 +701,9 @@ def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     with os.fdopen(create_fresh(tmp), "wb") as f:
         f.write(data)
     os.replace(tmp, os.path.join(directory, name))
+
+
+_WARNED_KEPT: set[str] = set()
 
 
 def _remove_tree(path: str) -> None:

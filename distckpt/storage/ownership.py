@@ -292,6 +292,12 @@ _STEP_FILE = re.compile(
 _WARNED_FOREIGN: set[str] = set()
 
 
+def is_step_file(name: str) -> bool:
+    """Whether ``name`` is a file distckpt or DCP writes into a step directory (or one being
+    written under a temporary name)."""
+    return _STEP_FILE.fullmatch(name) is not None
+
+
 def foreign_entries(storage: Storage, dirname: str, listing: tuple[Mapping[str, int], list[str]] | None = None) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
     directory (sorted, files first; an entry that is not a file, such as a sub-folder or a link
