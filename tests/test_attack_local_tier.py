@@ -466,3 +466,34 @@ def test_the_tier_never_deletes_a_step_folder_holding_what_it_did_not_write(tmp_
         a.save(7, {"model": _model(7.0), "step": 7})  # the step before goes as always
     assert distckpt.Checkpointer(other).steps() == [1] and (tier / STEP(5) / "notes.txt").read_text() == "mine"
     assert not (tier / STEP(6)).exists() and (tier / STEP(7) / "manifest.json").is_file()
+
+
+def test_a_step_folder_of_another_root_appearing_after_the_check_is_never_written(tmp_path, monkeypatch):
+    """``local_dir`` is another job's root, which commits step 5 after this save checked the
+    tier's folder of step 5 and before the tier opened it (two jobs saving one step number at
+    once; forced here at that observed point): the tier wrote its mark, files and manifest into
+    the other job's committed step (its load then returned this job's weights), and its
+    retention later deleted it. Found by a helper (2026-11-29)."""
+    root, shared = tmp_path / "root", tmp_path / "other_root"
+    a = distckpt.Checkpointer(root, local_dir=shared, local_peers=0, job="A")
+    b = distckpt.Checkpointer(shared, job="B")
+    original = local_tier.LocalTier.open_step
+
+    def open_step(self, group, step):
+        if self.root == a.storage.url and step == 5:
+            b.save(5, {"model": _model(500.0), "step": 5})
+        return original(self, group, step)
+
+    monkeypatch.setattr(local_tier.LocalTier, "open_step", open_step)
+    with pytest.warns(UserWarning, match="is not this root's"):
+        a.save(5, {"model": _model(5.0), "step": 5})
+    monkeypatch.setattr(local_tier.LocalTier, "open_step", original)
+    state = {"model": _model(-1.0), "step": -1}
+    assert b.load(state, step=5) == 5 and float(state["model"].weight[0, 0]) == 500.0
+    assert b.manifest(5).job == "B" and not (shared / STEP(5) / local_tier.ROOT_MARK).exists()
+    a.close()
+    with distckpt.Checkpointer(root, local_dir=shared, local_peers=0, job="A", local_keep=1) as a2:
+        a2.save(6, {"model": _model(6.0), "step": 6})
+        a2.save(7, {"model": _model(7.0), "step": 7})
+    assert b.load(state, step=5) == 5 and float(state["model"].weight[0, 0]) == 500.0
+    b.close()

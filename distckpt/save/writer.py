@@ -212,8 +212,11 @@ class _ChecksummingFS(FileSystemBase):
         sync: Callable[[WritableFile], None] | None = None,
         local_dir: str | None = None,
         beside: bool = False,
+        local_root: str | None = None,
     ) -> None:
         self.inner = inner
+        # The root the tier's directory must be marked with (LocalCopy writes nowhere else).
+        self.local_root = local_root
         self.beside = beside  # checksum large pieces beside their write (writer.BESIDE_BYTES)
         # The node-local tier's directory for this step: every file is also written there.
         self.local_dir = local_dir
@@ -254,7 +257,7 @@ class _ChecksummingFS(FileSystemBase):
         except OSError as exc:  # cannot even create the file: nothing written, error recorded
             on_error(exc)
             cm, raw = None, None
-        copy = LocalCopy(self.local_dir, name, self.local_errors) if self.local_dir and raw is not None else None
+        copy = LocalCopy(self.local_dir, name, self.local_errors, self.local_root) if self.local_dir and raw is not None else None
         stream = _ChecksumStream(raw, record, self.algorithm, on_error, self.sync, self.timings, copy, self.beside)
         # torch.save writes each item in ~40 pieces, most of a few bytes: a C-level buffer in
         # front of the (Python) checksumming stream turns them into a few large writes.
@@ -363,6 +366,7 @@ class CheckpointWriter(FileSystemWriter):
             sync=storage.sync_file if sync_files else None,
             local_dir=local_dir,
             beside=has_spare_cores(thread_count, local_ranks),
+            local_root=storage.url,
         )
         self.path = path
 

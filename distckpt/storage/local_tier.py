@@ -80,11 +80,16 @@ class LocalCopy:
     (a full tmpfs) drops the copy and is recorded, never raised: the root's file is what counts.
     """
 
-    def __init__(self, directory: str, name: str, errors: list[str]) -> None:
+    def __init__(self, directory: str, name: str, errors: list[str], root: str | None = None) -> None:
         self.path = os.path.join(directory, name)
         self._errors = errors
         self._f: Any = None
         try:
+            if root is not None and _mark_of(directory) != root:
+                # The save's open_step found the directory another root's (or a folder of
+                # that name appeared since): its files are never replaced.
+                self._errors.append(f"{directory} is not this root's ({root}): no local copy written")
+                return
             os.makedirs(directory, exist_ok=True)
             self._f = os.fdopen(create_fresh(self.path + PART), "wb")  # closed by finish/abandon
         except OSError as exc:
@@ -294,13 +299,7 @@ class LocalTier:
         path = self.step_path(step)
         if not os.path.lexists(path):
             return None
-        if os.path.islink(path) or not os.path.isdir(path):
-            return False
-        try:
-            with open(os.path.join(path, ROOT_MARK), "rb") as f:
-                return f.read().decode(errors="replace") == self.root
-        except OSError:
-            return False
+        return _mark_of(path) == self.root
 
     def usable_for(self, step: int) -> bool:
         """(each rank, no collectives: call it inside the save's exchange) Whether this node's
@@ -317,10 +316,17 @@ class LocalTier:
         problem = None
         if nodes.local_rank(group.rank) == 0:
             try:
-                if self._owned(step) and not self._kept_for_foreign(step):
-                    _remove_tree(self.step_path(step))
-                os.makedirs(self.step_path(step), exist_ok=True)
-                _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+                owned = self._owned(step)
+                if owned is False:
+                    # Another root's step appeared since usable_for (a root or tier sharing this
+                    # folder saved it meanwhile): untouched; the tee and after_commit check the
+                    # mark, so nothing of this save lands there.
+                    problem = f"{self.step_path(step)} is not this root's"
+                else:
+                    if owned and not self._kept_for_foreign(step):
+                        _remove_tree(self.step_path(step))
+                    os.makedirs(self.step_path(step), exist_ok=True)
+                    _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
             except OSError as exc:  # the tee records its own failures; this is only a note
                 problem = one_line(exc)
         group.all_gather(problem)
@@ -341,7 +347,13 @@ class LocalTier:
                     meta = f.read()
             except OSError as exc:
                 problems.append(f"{METADATA}: {one_line(exc)}")
-        meta = group.broadcast(meta)
+        # Whether each node's directory of the step is still this root's: nothing is sent to,
+        # or written in, one that is not (another root's step of that number appeared there).
+        gathered = group.all_gather((meta, self._owned(step) is True))
+        meta = next((m for m, _ in gathered if m is not None), None)
+        ours = [ok for _, ok in gathered]
+        if not ours[group.rank]:
+            problems.append(f"{self.step_path(step)} is not this root's: this node keeps no copy of step {step}")
         # 2. each rank's files to its peer.
         sends: list[tuple[str, int, int]] = []
         if self.peers and nodes.count > 1:
@@ -350,12 +362,12 @@ class LocalTier:
                 if m and int(m.group(1)) < len(nodes.of):
                     src = int(m.group(1))
                     dst = nodes.peer(src)
-                    if dst is not None and nodes.of[dst] != nodes.of[src]:
+                    if dst is not None and nodes.of[dst] != nodes.of[src] and ours[dst]:
                         sends.append((name, src, dst))
         failures = transfer(group, self.step_path(step), sends, manifest)
         problems += failures
         # 3. the node's manifest last: the step is committed in this node's tier once it is there.
-        if nodes.local_rank(group.rank) == 0:
+        if nodes.local_rank(group.rank) == 0 and ours[group.rank]:
             try:
                 if meta is None:
                     raise OSError(f"no {METADATA} from the coordinator")
@@ -704,6 +716,18 @@ def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
 
 
 _WARNED_KEPT: set[str] = set()
+
+
+def _mark_of(path: str) -> str | None:
+    """The root recorded in tier directory ``path`` (:data:`ROOT_MARK`); ``None``: no mark, or
+    not a directory (a link included)."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, ROOT_MARK), "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
 
 
 def _remove_tree(path: str) -> None:
