@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -231,17 +231,25 @@ class Checkpointer:
         return sorted({s for storage in tiers for s in committed_steps(storage)})
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None`` if there is none (local or replica). Not collective."""
+        """The newest committed step, or ``None`` if there is none (local or replica): the step
+        ``load(state)`` resumes. With ``job=`` given, the newest of that job's steps (and of
+        steps that recorded no job): another job's on a shared root is not this run's to resume.
+        Not collective."""
         for storage in self._tiers():
-            steps = committed_steps(storage)
-            if steps:
-                return steps[-1]
+            for s in reversed(committed_steps(storage)):
+                if self._lineage.may_resume(storage, s):
+                    return s
         return None
 
     def manifest(self, step: int | None = None) -> Manifest:
-        """The manifest of ``step`` (default: newest). ``FileNotFoundError`` if not committed. Not collective."""
-        storage, step = loading.locate(self._tiers(), plain_int(step))  # type: ignore[arg-type]
+        """The manifest of ``step`` (default: the newest, as :meth:`latest_step`).
+        ``FileNotFoundError`` if not committed. Not collective."""
+        storage, step = loading.locate(self._tiers(), plain_int(step), self._eligible())  # type: ignore[arg-type]
         return read_manifest(storage, step)
+
+    def _eligible(self) -> Callable[[Storage, int], bool] | None:
+        """What ``step=None`` may resolve to (:meth:`Lineage.may_resume`); ``None``: any step."""
+        return self._lineage.may_resume if self._lineage.fixed else None
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
@@ -393,7 +401,7 @@ class Checkpointer:
                 loaded = loading.moving_on(
                     lambda skip, expect: loading.load(
                         group, self.options, self._tiers()[skip:], state, step, strict, restore_rng, verify_state, only, exclude,
-                        expect=expect,
+                        expect=expect, eligible=self._eligible(),
                     ),
                     step,
                     strict,
@@ -411,7 +419,8 @@ class Checkpointer:
         tiers = self._tiers()
         if not any(t.root_exists() for t in tiers):
             return None
-        return sorted({s for t in tiers for s in committed_steps(t)})
+        # (with job= given: this job's, as load(step=None) takes from the root)
+        return sorted({s for t in tiers for s in committed_steps(t) if self._lineage.may_resume(t, s)})
 
     def _root_manifest(self, step: int) -> bytes | None:
         """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root (else

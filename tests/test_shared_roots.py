@@ -53,3 +53,26 @@ def test_a_replica_shared_by_two_jobs_keeps_the_other_jobs_steps(tmp_path):
         a.replica.wait()
         assert a.steps(tier="replica") == [10, 30, 40]
         assert read_manifest(Storage(rep), 10).job == "C"
+
+
+def test_a_named_job_resumes_its_own_newest_step(tmp_path):
+    """Two runs of a sweep on one root, each with ``job=``: a restart of one (``latest_step()``
+    then ``load(state)``, the README's pattern) resumed the other run's newer step, silently.
+    Found by a helper (2026-11-29)."""
+    root = str(tmp_path / "root")
+    with distckpt.Checkpointer(root, job="lr1e-3") as a, distckpt.Checkpointer(root, job="lr1e-4") as b:
+        a.save(100, _state(1.0))
+        b.save(200, _state(2.0))
+    with distckpt.Checkpointer(root, job="lr1e-3") as a:
+        assert a.latest_step() == 100 and a.manifest().step == 100
+        state = _state(0.0)
+        assert a.load(state) == 100 and torch.equal(state["w"], _state(1.0)["w"])
+        assert a.load(state, step=200) == 200  # another job's step, asked for by number
+        a.save(300, _state(3.0))  # (a resume of another job's step does not make it this job's)
+        assert a.manifest(300).job == "lr1e-3"
+    with distckpt.Checkpointer(root, job="new-run") as fresh:
+        assert fresh.latest_step() is None
+        with pytest.raises(FileNotFoundError, match="other jobs'"):
+            fresh.load(_state(0.0))
+    with distckpt.Checkpointer(root) as anyone:  # no job name: the newest, whoever saved it
+        assert anyone.latest_step() == 300

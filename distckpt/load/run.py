@@ -72,9 +72,11 @@ class Planned:
     files: frozenset[str]  # the step's files those items read (relative names)
 
 
-def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
-    """(any rank, not collective) Which tier holds ``step`` (default newest): the root first, then
-    the replica.
+def locate(
+    tiers: Sequence[Storage], step: int | None, eligible: Callable[[Storage, int], bool] | None = None
+) -> tuple[Storage, int]:
+    """(any rank, not collective) Which tier holds ``step`` (default newest; with ``eligible``,
+    the newest it accepts: a named job resumes its own steps): the root first, then the replica.
 
     Raises:
         FileNotFoundError: no root, no committed step, or ``step`` incomplete or absent (named).
@@ -82,12 +84,20 @@ def locate(tiers: Sequence[Storage], step: int | None) -> tuple[Storage, int]:
     """
     root = tiers[0]
     if step is None:
+        others = False
         for storage in tiers:
             steps = committed_steps(storage)
-            if steps:
-                return storage, steps[-1]
+            for s in reversed(steps):
+                if eligible is None or eligible(storage, s):
+                    return storage, s
+            others = others or bool(steps)
         if not any(s.root_exists() for s in tiers):
             raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
+        if others:
+            raise FileNotFoundError(
+                f"no committed checkpoint of this job under {' or '.join(s.display() for s in tiers)}: the steps there are "
+                "other jobs' (a Checkpointer with a job name resumes only its own; pass step=N to load another's)"
+            )
         raise FileNotFoundError(f"no committed checkpoint under {' or '.join(s.display() for s in tiers)}")
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"step must be an int or None, got {step!r}")
@@ -177,8 +187,9 @@ def load(
     planned: Planned | None = None,
     streams: Sequence[tuple[str, int, int]] = (),
     expect: Manifest | None = None,
+    eligible: Callable[[Storage, int], bool] | None = None,
 ) -> Loaded:
-    """(all ranks) Load ``step`` (default newest) of ``tiers`` into ``state`` in place (see
+    """(all ranks) Load ``step`` (default newest; ``eligible``: see :func:`locate`) of ``tiers`` into ``state`` in place (see
     :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
     manifest and DCP metadata, already read and verified on this rank (every rank passes it, or
     none): the first tier's step is loaded without reading them again. ``planned``: this rank's
@@ -193,7 +204,7 @@ def load(
         tier, (manifest, metadata) = 0, preread
     else:
         # One verified read of .metadata (coordinator), handed to every rank; each derives the index.
-        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict, expect))
+        tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict, expect, eligible))
     index = metadata_index(metadata)
     storage = tiers[tier]
     where = storage.display(step_dir(manifest.step))
@@ -341,7 +352,12 @@ def files_read(
 
 
 def _read_index(
-    tiers: Sequence[Storage], step: int | None, check: bool, strict: bool, expect: Manifest | None = None
+    tiers: Sequence[Storage],
+    step: int | None,
+    check: bool,
+    strict: bool,
+    expect: Manifest | None = None,
+    eligible: Callable[[Storage, int], bool] | None = None,
 ) -> tuple[int, Manifest, Any]:
     """(coordinator) Tier, manifest and the DCP metadata of a step, read once and verified
     (``check``), then handed to every rank: no rank reads it again, none unverified. The key
@@ -349,7 +365,7 @@ def _read_index(
     deleted meanwhile is a :class:`StepDeletedError` carrying whether the load moves on
     (:func:`_deleted`: decided here, before the ranks compared their arguments); so is a step
     that is not the commit ``expect``."""
-    storage, found = locate(tiers, step)
+    storage, found = locate(tiers, step, eligible)
     tier = list(tiers).index(storage)
     try:
         manifest = read_manifest(storage, found)

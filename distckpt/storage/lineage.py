@@ -90,6 +90,19 @@ class Lineage:
             return self._legacy
         return recorded == self.job
 
+    def may_resume(self, storage: Storage, step: int) -> bool:
+        """Whether ``load(step=None)`` may resume committed ``step``: any step, unless this job
+        has a fixed name; then its own, and steps that recorded no job (saved before jobs were
+        recorded), never another named job's (two runs of a sweep on one root: each resumes
+        its own). Read from the manifest as it is now (not remembered)."""
+        if not self.fixed:
+            return True
+        try:
+            recorded = read_manifest(storage, step).job
+        except (OSError, ValueError):
+            return False
+        return recorded is None or recorded == self.job
+
     def forget(self, storage: Storage, step: int) -> None:
         """Drop what is remembered of ``step`` (deleted, so its number may be saved again)."""
         self._jobs.pop((id(storage), step), None)
