@@ -485,7 +485,7 @@ def test_a_step_folder_of_another_root_appearing_after_the_check_is_never_writte
         return original(self, group, step)
 
     monkeypatch.setattr(local_tier.LocalTier, "open_step", open_step)
-    with pytest.warns(UserWarning, match="is not this root's"):
+    with pytest.warns(UserWarning, match="does not carry this root's mark"):
         a.save(5, {"model": _model(5.0), "step": 5})
     monkeypatch.setattr(local_tier.LocalTier, "open_step", original)
     state = {"model": _model(-1.0), "step": -1}

@@ -88,7 +88,7 @@ class LocalCopy:
             if root is not None and _mark_of(directory) != root:
                 # The save's open_step found the directory another root's (or a folder of
                 # that name appeared since): its files are never replaced.
-                self._errors.append(f"{directory} is not this root's ({root}): no local copy written")
+                self._errors.append(f"{directory} does not carry this root's mark ({root}): no local copy written")
                 return
             os.makedirs(directory, exist_ok=True)
             self._f = os.fdopen(create_fresh(self.path + PART), "wb")  # closed by finish/abandon
@@ -349,11 +349,14 @@ class LocalTier:
                 problems.append(f"{METADATA}: {one_line(exc)}")
         # Whether each node's directory of the step is still this root's: nothing is sent to,
         # or written in, one that is not (another root's step of that number appeared there).
-        gathered = group.all_gather((meta, self._owned(step) is True))
-        meta = next((m for m, _ in gathered if m is not None), None)
-        ours = [ok for _, ok in gathered]
+        # (.metadata by broadcast: gathered, every rank's share would be padded to its size)
+        meta = group.broadcast(meta)
+        ours = group.all_gather(self._owned(step) is True)
         if not ours[group.rank]:
-            problems.append(f"{self.step_path(step)} is not this root's: this node keeps no copy of step {step}")
+            problems.append(
+                f"{self.step_path(step)} does not carry this root's mark (another root's step, or the tier could not open it): "
+                f"this node keeps no copy of step {step}"
+            )
         # 2. each rank's files to its peer.
         sends: list[tuple[str, int, int]] = []
         if self.peers and nodes.count > 1:
