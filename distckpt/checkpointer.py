@@ -360,7 +360,8 @@ class Checkpointer:
 
         Args:
             state: the same kind of mapping ``save`` took, with freshly built objects.
-            step: which step (an int, NumPy's integers too); ``None`` for the newest committed one.
+            step: which step (an int, NumPy's integers too); ``None`` for the newest committed one
+                (with ``job=`` given, that job's newest: :meth:`latest_step`).
             strict: raise if keys or shapes differ; with ``False``, load what matches and record
                 the rest in :attr:`last_load_report` (and a warning).
             restore_rng: restore the RNG states saved with the checkpoint.
