@@ -235,11 +235,10 @@ class Checkpointer:
         ``load(state)`` resumes. With ``job=`` given, the newest of that job's steps (and of
         steps that recorded no job): another job's on a shared root is not this run's to resume.
         Not collective."""
-        for storage in self._tiers():
-            for s in reversed(committed_steps(storage)):
-                if self._lineage.may_resume(storage, s):
-                    return s
-        return None
+        try:
+            return loading.locate(self._tiers(), None, self._eligible())[1]
+        except FileNotFoundError:  # (no root, or no step this job may resume)
+            return None
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: the newest, as :meth:`latest_step`).

@@ -93,14 +93,9 @@ class CheckpointerOptions:
             self.replicate_keep_last = self.keep_last
         else:
             check_keep_last(self.replicate_keep_last, "replicate_keep_last")
-        if not isinstance(self.root, (str, os.PathLike)) or not isinstance(os.fspath(self.root), str) or not os.fspath(self.root).strip():
-            raise ValueError(f"root must be a local path or an fsspec URL (as text), got {self.root!r}")
-        self.root = os.fspath(self.root)
+        self.root = _location(self.root, "root")
         if self.replicate_to is not None:
-            to = self.replicate_to
-            if not isinstance(to, (str, os.PathLike)) or not isinstance(os.fspath(to), str) or not os.fspath(to).strip():
-                raise ValueError(f"replicate_to must be a local path or an fsspec URL (as text), got {to!r}")
-            self.replicate_to = os.fspath(to)
+            self.replicate_to = _location(self.replicate_to, "replicate_to")
             if self.replicate_storage_options and is_local_location(self.replicate_to):
                 raise ValueError(
                     f"replicate_storage_options configure the filesystem of a URL (s3://..., memory://...); "
@@ -190,3 +185,12 @@ class CheckpointerOptions:
             verify_staging=self.verify_staging,
             local_dir=self.local_dir,
         )
+
+
+def _location(value: object, name: str) -> str:
+    """``value`` (``root``, ``replicate_to``) as the text of a path or URL; ``ValueError`` naming
+    ``name`` for anything else (bytes from ``__fspath__``, blank text)."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{name} must be a local path or an fsspec URL (as text), got {value!r}")
+    return text

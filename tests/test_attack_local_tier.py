@@ -461,7 +461,7 @@ def test_the_tier_never_deletes_a_step_folder_holding_what_it_did_not_write(tmp_
         with distckpt.Checkpointer(other, job="B") as b:
             b.save(1, {"model": _model(1.0), "step": 1})
         (tier / STEP(5) / "notes.txt").write_text("mine")
-        with pytest.warns(UserWarning, match=r"holds files the tier does not write \('notes.txt', 'runB'\)"):
+        with pytest.warns(UserWarning, match=r"holds files the tier does not write \('notes.txt', 'runB/'\)"):
             a.save(6, {"model": _model(6.0), "step": 6})
         a.save(7, {"model": _model(7.0), "step": 7})  # the step before goes as always
     assert distckpt.Checkpointer(other).steps() == [1] and (tier / STEP(5) / "notes.txt").read_text() == "mine"

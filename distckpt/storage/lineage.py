@@ -42,6 +42,9 @@ def check_job(job: str | None) -> None:
         )
 
 
+_UNREADABLE = object()  # (Lineage._job_of: no manifest to read the job from)
+
+
 class Lineage:
     """This job's identity and the test of which committed steps are its own.
 
@@ -78,14 +81,9 @@ class Lineage:
         may be deleted and the number saved again, by another job: retention forgets a step
         before deleting it and after). A step whose manifest cannot be read is not ours:
         retention leaves what it cannot attribute."""
-
-        key = (id(storage), step)
-        if key not in self._jobs:
-            try:
-                self._jobs[key] = read_manifest(storage, step).job
-            except (OSError, ValueError):
-                return False
-        recorded = self._jobs[key]
+        recorded = self._job_of(storage, step)
+        if recorded is _UNREADABLE:
+            return False
         if recorded is None:
             return self._legacy
         return recorded == self.job
@@ -97,11 +95,20 @@ class Lineage:
         its own). Read from the manifest as it is now (not remembered)."""
         if not self.fixed:
             return True
-        try:
-            recorded = read_manifest(storage, step).job
-        except (OSError, ValueError):
-            return False
-        return recorded is None or recorded == self.job
+        self.forget(storage, step)
+        recorded = self._job_of(storage, step)
+        return recorded is not _UNREADABLE and (recorded is None or recorded == self.job)
+
+    def _job_of(self, storage: Storage, step: int) -> object:
+        """The job recorded by ``step``'s manifest (``None``: saved before jobs were recorded),
+        remembered (see :meth:`owns`); ``_UNREADABLE`` where the manifest cannot be read."""
+        key = (id(storage), step)
+        if key not in self._jobs:
+            try:
+                self._jobs[key] = read_manifest(storage, step).job
+            except (OSError, ValueError):
+                return _UNREADABLE
+        return self._jobs[key]
 
     def forget(self, storage: Storage, step: int) -> None:
         """Drop what is remembered of ``step`` (deleted, so its number may be saved again)."""

@@ -94,12 +94,13 @@ class LocalStorage(Storage, kind="local"):
             return files, others
         for e in entries:
             try:  # (as list_files: a link to a file is a file)
-                files[e.name] = e.stat().st_size if e.is_file() else -1
+                size = e.stat().st_size if e.is_file() else None
             except OSError:  # gone meanwhile, or a link that leads nowhere readable
-                files[e.name] = -1
-            if files[e.name] < 0:
-                del files[e.name]
+                size = None
+            if size is None:
                 others.append(e.name)
+            else:
+                files[e.name] = size
         return files, sorted(others)
 
     # bytes ------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
 from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
-from distckpt.storage.ownership import is_step_file
+from distckpt.storage.ownership import foreign_entries, is_step_file, shown_entries
+from distckpt.storage.retention import _warn_kept
 from distckpt.storage.transfer import PART, create_fresh, global_rank, transfer, transfer_device
 
 log = logging.getLogger("distckpt")
@@ -425,23 +426,11 @@ class LocalTier:
         """Whether this node's ``step`` directory holds anything the tier does not write (a
         sub-folder, a file of the user's, another root put inside it): then it is never removed
         (warned once); the tier deletes only what it wrote."""
-        path = self.step_path(step)
-        try:
-            entries = list(os.scandir(path))
-        except OSError:
-            return False
-        foreign = sorted(
-            e.name for e in entries
-            if not e.is_file(follow_symlinks=False) or not (e.name.removesuffix(PART) == ROOT_MARK or is_step_file(e.name.removesuffix(PART)))
-        )  # fmt: skip
-        if foreign and path not in _WARNED_KEPT:
-            _WARNED_KEPT.add(path)
-            shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            warnings.warn(
-                f"distckpt: the local tier would delete {path}, but it holds files the tier does not write ({shown}); "
-                "kept (delete it by hand)",
-                stacklevel=3,
-            )
+        foreign = foreign_entries(self.storage, step_dir(step), ours=_tier_file)
+        if foreign:
+            path = self.step_path(step)
+            why = f"holds files the tier does not write ({shown_entries(foreign)})"
+            _warn_kept(path, f"the local tier would delete {path}, but it {why}; kept (delete it by hand)")
         return bool(foreign)
 
     def _steps(self) -> list[int]:
@@ -718,7 +707,10 @@ def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     os.replace(tmp, os.path.join(directory, name))
 
 
-_WARNED_KEPT: set[str] = set()
+def _tier_file(name: str) -> bool:
+    """Whether ``name`` is a file the tier writes into its step directory (or one being written)."""
+    name = name.removesuffix(PART)
+    return name == ROOT_MARK or is_step_file(name)
 
 
 def _mark_of(path: str) -> str | None:

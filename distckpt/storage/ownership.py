@@ -298,15 +298,26 @@ def is_step_file(name: str) -> bool:
     return _STEP_FILE.fullmatch(name) is not None
 
 
-def foreign_entries(storage: Storage, dirname: str, listing: tuple[Mapping[str, int], list[str]] | None = None) -> list[str]:
+def foreign_entries(
+    storage: Storage,
+    dirname: str,
+    listing: tuple[Mapping[str, int], list[str]] | None = None,
+    ours: Callable[[str], bool] = is_step_file,
+) -> list[str]:
     """(one process) The entries of ``dirname`` that are not files distckpt writes into a step
     directory (sorted, files first; an entry that is not a file, such as a sub-folder or a link
     that leads nowhere, ends with ``/``); [] for a directory that holds only distckpt's files, or
     is gone. Cleanup never removes a directory for which this is not empty: it is someone
     else's, whatever its name. ``listing``:
-    :meth:`~distckpt.storage.base.Storage.list_entries` of it, if listed already."""
+    :meth:`~distckpt.storage.base.Storage.list_entries` of it, if listed already. ``ours``: the
+    names of the files that are distckpt's there (a step of a root: :func:`is_step_file`)."""
     files, others = storage.list_entries(dirname) if listing is None else listing
-    return sorted(n for n in files if not _STEP_FILE.fullmatch(n)) + [f"{n}/" for n in others]
+    return sorted(n for n in files if not ours(n)) + [f"{n}/" for n in others]
+
+
+def shown_entries(foreign: list[str]) -> str:
+    """:func:`foreign_entries` for a message: the first three, quoted, and how many more."""
+    return ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
 
 
 def unowned_dcp_checkpoint(storage: Storage, dirname: str, files: Mapping[str, int] | None = None) -> bool:
@@ -328,8 +339,7 @@ def not_distckpts(storage: Storage, dirname: str) -> str | None:
     foreign = foreign_entries(storage, dirname, listing)
     files = listing[0]
     if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        return f"holds files distckpt does not write ({shown})"
+        return f"holds files distckpt does not write ({shown_entries(foreign)})"
     if unowned_dcp_checkpoint(storage, dirname, files):
         return "holds a DCP checkpoint (.metadata) that no distckpt save wrote: no manifest.json and no owner record"
     return None

@@ -136,8 +136,8 @@ def delete_old_steps(
             deleted.append(old)
         except OSError as exc:
             warnings.warn(f"distckpt: could not delete old checkpoint {storage.display(step_dir(old))}: {exc}", stacklevel=2)
-        if forget is not None and deleted and deleted[-1] == old:
-            forget(old)
+        if forget is not None:
+            forget(old)  # (deleted, its number may be saved again; kept, asked again next time)
     return deleted
 
 
