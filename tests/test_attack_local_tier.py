@@ -8,6 +8,7 @@ distributed ones use run_ranks with ``LOCAL_WORLD_SIZE=2`` to simulate two nodes
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import time
@@ -497,3 +498,46 @@ def test_a_step_folder_of_another_root_appearing_after_the_check_is_never_writte
         a2.save(7, {"model": _model(7.0), "step": 7})
     assert b.load(state, step=5) == 5 and float(state["model"].weight[0, 0]) == 500.0
     b.close()
+
+
+def test_a_root_never_takes_another_jobs_tier_copies_for_its_steps(tmp_path):
+    """Job A's ``local_dir`` is job B's root (both on one node's tmpfs): A's tier copies land
+    there as ``step_*`` folders with A's manifest. B resumed A's newest step as its own (A's
+    weights, loaded silently by ``load(state)``), listed it, counted it in ``keep_last``, and
+    ``load(step=N)`` read it. A folder carrying the tier's mark is a tier's copy of another
+    root's step: no root lists, loads or retires it (noticed 2026-11-29, left alone then)."""
+    root_a, shared = tmp_path / "a", tmp_path / "shared"
+    with distckpt.Checkpointer(shared, keep_last=1) as b:
+        b.save(1, {"model": _model(1.0), "step": 1})
+    with distckpt.Checkpointer(root_a, local_dir=shared, local_peers=0) as a:
+        a.save(7, {"model": _model(7.0), "step": 7})
+    assert (shared / STEP(7) / local_tier.ROOT_MARK).is_file()
+    with distckpt.Checkpointer(shared, keep_last=1) as b:
+        assert b.steps() == [1] and b.latest_step() == 1
+        state = {"model": _model(-1.0), "step": -1}
+        assert b.load(state) == 1 and float(state["model"].weight[0, 0]) == 1.0
+        with pytest.raises(FileNotFoundError, match="local tier's copy"):
+            b.load(state, step=7)
+        with pytest.raises(FileNotFoundError, match="local tier's copy"):
+            b.manifest(7)
+        with pytest.raises(Exception, match="local tier's copy"):
+            b.save(7, {"model": _model(70.0), "step": 7})
+        b.save(2, {"model": _model(2.0), "step": 2})  # keep_last=1 retires B's step 1, never A's copy
+        assert b.steps() == [2]
+    assert (shared / STEP(7) / "manifest.json").is_file()
+    # A's own tier still serves its copy.
+    with distckpt.Checkpointer(root_a, local_dir=shared, local_peers=0) as a:
+        state = {"model": _model(-1.0), "step": -1}
+        assert a.load(state) == 7 and float(state["model"].weight[0, 0]) == 7.0
+        assert a.last_load_report.tier == "local"
+    # The tools show the folder as what it is; a tier's own directory still opens.
+    from cli_runner import run_cli
+
+    listed = run_cli("ls", "--json", str(shared))
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["step"], r["status"]) for r in json.loads(listed.stdout)["steps"]] == [(2, "committed"), (7, "tier copy")]
+    assert "step_000000002" in run_cli("verify", str(shared)).stdout
+    with distckpt.Checkpointer(tmp_path / "c", local_dir=tmp_path / "tier_c", local_peers=0) as c:
+        c.save(3, {"model": _model(3.0), "step": 3})
+        c.save(4, {"model": _model(4.0), "step": 4})
+    assert "step_000000004" in run_cli("verify", str(tmp_path / "tier_c")).stdout

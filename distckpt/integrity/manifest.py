@@ -38,11 +38,39 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
+#: The file the local tier writes into each step folder it makes (the root the copy belongs to):
+#: such a folder is a tier's copy of a step, not a step of the root it lies in. A root on the
+#: local disk that is also another job's ``local_dir`` never lists, loads or retires it
+#: (:func:`tier_copy`); only the tier's own storage (``Storage.tier_copies``) reads it.
+TIER_MARK = ".distckpt-root"
+#: What such a folder is, for messages.
+TIER_COPY = f"a local tier's copy of another root's step (it holds {TIER_MARK}: this root is also another job's local_dir)"
+
+
 def committed_steps(storage: Storage) -> list[int]:
-    """Committed steps (directories holding a manifest) under ``storage``."""
+    """Committed steps (directories holding a manifest) under ``storage``; not a local tier's
+    copies of another root's steps (:func:`tier_copy`)."""
     steps = {d: s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None}
     held = storage.exists_each((d, MANIFEST_NAME) for d in steps)
-    return sorted(s for (d, s), yes in zip(steps.items(), held) if yes)
+    found = [(d, s) for (d, s), yes in zip(steps.items(), held) if yes]
+    if found and _tier_copies_possible(storage):
+        marked = storage.exists_each((d, TIER_MARK) for d, _ in found)
+        found = [ds for ds, yes in zip(found, marked) if not yes]
+    return sorted(s for _, s in found)
+
+
+def tier_copy(storage: Storage, step: int) -> bool:
+    """Whether ``step``'s folder under root ``storage`` is a local tier's copy of another root's
+    step (it holds :data:`TIER_MARK`: ``storage`` is also some job's ``local_dir``), which this
+    root must never take for its own step. Always ``False`` for the tier's own storage, and
+    off the local disk (a tier is node-local)."""
+    return _tier_copies_possible(storage) and storage.exists(step_dir(step), TIER_MARK)
+
+
+def _tier_copies_possible(storage: Storage) -> bool:
+    """Whether root ``storage`` may hold another job's tier copies (one request per step to
+    tell; none where it cannot: a tier lives on the local disk)."""
+    return storage.is_local and not storage.tier_copies
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from distckpt._dist import Group, exchange, on_coordinator
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import CheckpointError, StateMismatchError, StepDeletedError
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, TIER_COPY, Manifest, committed_steps, read_manifest, step_dir, tier_copy
 from distckpt.integrity.stepfiles import deleted_while, kept, read_metadata
 from distckpt.load import verify
 from distckpt.load.phases import (
@@ -102,11 +102,13 @@ def locate(
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"step must be an int or None, got {step!r}")
     for storage in tiers:
-        if storage.exists(step_dir(step), MANIFEST_NAME):
+        if storage.exists(step_dir(step), MANIFEST_NAME) and not tier_copy(storage, step):
             return storage, step
     where = root.display(step_dir(step))
     if not any(s.root_exists() for s in tiers):
         raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
+    if tier_copy(root, step):
+        raise FileNotFoundError(f"checkpoint step {step} at {where} is {TIER_COPY}, not a step of this root")
     if root.exists(step_dir(step)):
         raise FileNotFoundError(f"checkpoint step {step} at {where} is incomplete (no {MANIFEST_NAME}); it was never committed")
     raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {committed_steps(root)})")

@@ -55,7 +55,7 @@ from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
 from distckpt.save.writer import checkpoint_writer
 from distckpt._version import __version__
 from distckpt.errors import StagingMismatchError, StepExistsError
-from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, digest_of, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, TIER_COPY, FileRecord, Manifest, digest_of, step_dir, tier_copy
 from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
 from distckpt.state.build import build_entries
@@ -288,6 +288,11 @@ def refuse_committed(opts: SaveOptions, step: int) -> None:
     Part of :func:`claim`; an async save, which claims in its background part, runs it while the
     caller is still blocked (inside :func:`prepare`'s exchange), so that ``save`` itself refuses
     a committed step."""
+    if tier_copy(opts.storage, step):
+        raise StepExistsError(
+            f"step {step} at {opts.storage.display(step_dir(step))} is {TIER_COPY}: this root cannot save step {step} "
+            "there (give each job's local_dir a directory of its own)"
+        )
     if opts.storage.exists(step_dir(step), MANIFEST_NAME):
         raise StepExistsError(
             f"step {step} is already committed at {opts.storage.display(step_dir(step))}; "

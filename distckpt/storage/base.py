@@ -258,6 +258,9 @@ class Storage:
         flat: whether the root is on an object store without real directories.
         url: the root for messages (no credentials); ``path``: the root for the filesystem.
         fs: the fsspec filesystem the root lives on (set by each implementation).
+        tier_copies: whether the ``step_*`` folders here that carry the local tier's mark are
+            steps to read (only in the tier's own directory); a root never takes them for its
+            steps (:func:`distckpt.integrity.manifest.tier_copy`).
 
     Not collective: any rank may create one. The checkpointer lets only the coordinator list,
     commit and delete.
@@ -265,6 +268,7 @@ class Storage:
 
     is_local = False
     flat = False
+    tier_copies = False
     fs: AbstractFileSystem
 
     @property

@@ -48,7 +48,7 @@ from distckpt._dist import Group
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import one_line
 from distckpt.integrity.checksums import new_hasher
-from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, TIER_MARK, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
 from distckpt.storage.ownership import foreign_entries, is_step_file, shown_entries
 from distckpt.storage.retention import _warn_kept
@@ -58,8 +58,9 @@ log = logging.getLogger("distckpt")
 
 METADATA = ".metadata"
 #: Beside each step's manifest in the tier: the root the step was committed to. A tier left by
-#: another job (another root) in the same directory is never recovered from.
-ROOT_MARK = ".distckpt-root"
+#: another job (another root) in the same directory is never recovered from, and a root that is
+#: this directory never takes the copies for its steps (:func:`~distckpt.integrity.manifest.tier_copy`).
+ROOT_MARK = TIER_MARK
 
 
 def check_local_dir(local_dir: object) -> str | None:
@@ -282,6 +283,7 @@ class LocalTier:
         self.keep = keep
         self.peers = peers
         self.storage = Storage(local_dir)
+        self.storage.tier_copies = True  # its step folders are this tier's (marked) copies
         self.nodes: Nodes | None = None
         self._warned_one_node = False
 

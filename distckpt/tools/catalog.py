@@ -30,6 +30,7 @@ from distckpt.integrity.manifest import (
     parse_step_dir,
     read_manifest,
     step_dir,
+    tier_copy,
 )
 from distckpt.integrity.stepfiles import StepFiles, deleted_while
 from distckpt.state.shape import numel
@@ -97,7 +98,12 @@ def locate(location: str, storage_options: Mapping[str, object] | None = None, s
         return _committed(storage, steps[-1], listed=True)
     if storage.exists(".metadata"):  # a plain DCP checkpoint directory
         return StepFiles(storage, "")
-    if any(parse_step_dir(d) is not None for d in storage.list_dirs()):
+    dirs = sorted(s for d in storage.list_dirs() if (s := parse_step_dir(d)) is not None)
+    # A local tier's directory (``distckpt inspect /dev/shm/JOB``): its newest committed copy.
+    copies = [s for s in dirs if tier_copy(storage, s) and storage.exists(step_dir(s), MANIFEST_NAME)]
+    if copies:
+        return _committed(storage, copies[-1], listed=True)
+    if dirs:
         raise CheckpointNotFound(f"no committed checkpoint under {storage.display()} (only incomplete step directories)")
     raise CheckpointNotFound(f"{storage.display()} is not a checkpoint (no step_* directories, no .metadata)")
 
@@ -166,7 +172,8 @@ def _step_row(storage: Storage, name: str, step: int) -> dict[str, Any]:
             return row
         row.update(
             committed=True,
-            status="committed",
+            # A local tier's copy of another root's step: no checkpointer of this root takes it.
+            status="tier copy" if tier_copy(storage, step) else "committed",
             bytes=manifest.total_bytes,
             world_size=manifest.world_size,
             created_unix=manifest.created_unix,
