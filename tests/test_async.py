@@ -333,3 +333,103 @@ def test_background_writes_use_at_most_the_cores_per_rank_on_this_host(monkeypat
     for cores, local, expected in ((2, 2, 1), (2, 1, 2), (16, 2, 4), (96, 8, 4), (1, 4, 1)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
         assert background_threads(4, local) == expected, (cores, local)
+
+
+def _main_thread_in(qualname: str, depth: int = 1) -> bool:
+    """Whether the main thread is inside the function of that qualified name now (``depth``
+    calls of it deep: a signal handler's call inside the interrupted one)."""
+    import sys
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    found = 0
+    while frame is not None:
+        found += frame.f_code.co_qualname == qualname
+        frame = frame.f_back
+    return found >= depth
+
+
+def test_a_wait_ended_by_ctrl_c_keeps_the_save_in_flight(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C, or a preemption handler raising) ending ``wait()`` while an
+    async save was writing made the checkpointer forget that save: ``wait`` dropped it before
+    joining, and before Python 3.13 an interrupted ``Thread.join`` even marks the thread stopped.
+    The next save then staged into the buffers the first was still writing: step 1 committed
+    holding step 2's values, checksums and all (with writer processes, the two saves'
+    collectives interleaved and hung). Found by a helper (2026-11-29)."""
+    import signal
+    import threading
+
+    from distckpt.save import writer as _writer
+
+    release = threading.Event()
+    orig = _writer._ChecksumStream.write
+
+    def write(stream, b):  # a disk that stalls until the test lets it go
+        release.wait(120)
+        return orig(stream, b)
+
+    monkeypatch.setattr(_writer._ChecksumStream, "write", write)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    def when_waiting(then, depth=1):  # acts once the main thread is seen inside the save's wait
+        def watch():
+            deadline = time.monotonic() + 120
+            while not _main_thread_in("SaveDriver.wait", depth) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            then()
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        return t
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    w = torch.zeros(1 << 20)
+    ck = distckpt.Checkpointer(tmp_path / "ck", async_mode="thread")
+    try:
+        ck.save(1, {"w": w}, blocking=False)
+        w.fill_(1.0)  # training goes on
+        watcher = when_waiting(lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1))
+        with pytest.raises(KeyboardInterrupt):
+            ck.wait()
+        watcher.join()
+        assert ck.in_flight, "the interrupted wait forgot the save still writing"
+        watcher = when_waiting(release.set)
+        ck.save(2, {"w": w}, blocking=False)  # waits for step 1 first
+        release.set()
+        ck.wait()
+        watcher.join()
+        got = {"w": torch.empty(1 << 20)}
+        ck.load(got, step=1)
+        assert torch.count_nonzero(got["w"]) == 0, "step 1 holds the values of step 2"
+        ck.load(got, step=2)
+        assert bool((got["w"] == 1.0).all())
+
+        # A preemption handler that saves, run while the main thread waits for a save: its save
+        # waits for that one, and the main thread's wait then leaves the handler's in flight.
+        release.clear()
+
+        def handler(*_):
+            ck.save(4, {"w": w}, blocking=False)
+
+        signal.signal(signal.SIGUSR1, handler)
+        w.fill_(3.0)
+        ck.save(3, {"w": w}, blocking=False)
+        w.fill_(4.0)
+        watchers = [
+            when_waiting(lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)),
+            when_waiting(release.set, depth=2),
+        ]
+        stats = ck.wait()
+        assert stats is not None and stats.step == 3
+        for t in watchers:
+            t.join()
+        assert ck.wait().step == 4
+        for step, value in ((3, 3.0), (4, 4.0)):
+            ck.load(got, step=step)
+            assert bool((got["w"] == value).all()), step
+    finally:
+        release.set()
+        ck.close()
+        signal.signal(signal.SIGUSR1, previous)

@@ -89,6 +89,20 @@ class _InFlight:
         self.stats = stats
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # Set by the thread as its last act. Waited on instead of Thread.join: before Python 3.13
+        # a join ended by KeyboardInterrupt marks the thread stopped while it still runs
+        # (is_alive() False, later joins return at once), so nothing else would be waited for.
+        self.done = threading.Event()
+
+    def wait(self) -> None:
+        """Until the thread has finished (interruptible: a KeyboardInterrupt leaves it in flight)."""
+        if self.thread is not None:
+            self.done.wait()
+            self.thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and not self.done.is_set()
 
 
 class SaveDriver:
@@ -164,16 +178,24 @@ class SaveDriver:
     def in_flight(self) -> bool:
         """(any rank, never blocks) Whether an async save is still writing on this rank."""
         job = self.inflight
-        return job is not None and job.thread is not None and job.thread.is_alive()
+        return job is not None and job.running
 
     def wait(self) -> SaveStats | None:
         """(all ranks) Join the in-flight save; its stats, or ``None`` if none was in flight.
         Raises its error, identically on every rank."""
-        job, self.inflight = self.inflight, None
+        job = self.inflight
         if job is None:
             return None
-        if job.thread is not None:
-            job.thread.join()
+        # In flight until it has finished: a KeyboardInterrupt (or a signal handler's exception)
+        # ending this wait leaves the save to the next call, which waits again. Forgotten here,
+        # the next save staged into the buffers this one was still writing (step N committed
+        # holding N+1's values) or, with writer processes, ran its collectives beside it.
+        job.wait()
+        if self.inflight is not job:
+            # A signal handler's save joined and reported it while this call was waiting, and
+            # may have started the next save (in flight now): nothing of either is this call's.
+            return job.stats if job.error is None else None
+        self.inflight = None
         if job.error is not None:
             # The error is the same on every rank, so every rank restarts its writer process
             # at the next async save (a writer whose peers failed may be left in a broken group).
@@ -290,6 +312,8 @@ class SaveDriver:
                 stats.total_s = time.perf_counter() - t0
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait() on every rank
                 job.error = exc
+            finally:
+                job.done.set()
 
         job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
         self.inflight = job
