@@ -414,3 +414,7 @@ def test_numpy_integers_are_ints_for_steps_and_counts(tmp_path):
             distckpt.Checkpointer(tmp_path, keep_last=bad)
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         ckpt.save(np.float64(4), {"model": nn.Linear(2, 2)})
+    # An async save said "Unknown format code 'd' for object of type 'float'" (found by a helper).
+    for bad in (4.0, "4", None):
+        with pytest.raises(ValueError, match="step must be a non-negative int, got"):
+            ckpt.save(bad, {"model": nn.Linear(2, 2)}, blocking=False)

@@ -207,8 +207,7 @@ def prepare(
     whether the previous save's plans still hold. ``safe_types``: the classes registered with
     ``Checkpointer(safe_types=...)`` (see :func:`distckpt.state.encoded.encode_for_save`).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_step(step)
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
@@ -282,6 +281,12 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
 
 
 # 3. claim ----------------------------------------------------------------------------------------
+def check_step(step: object) -> None:
+    """``ValueError`` unless ``step`` is a non-negative int (any rank; before anything names its folder)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
 def refuse_committed(opts: SaveOptions, step: int) -> None:
     """(coordinator) :class:`~distckpt.errors.StepExistsError` if ``step`` is committed already.
 

@@ -247,6 +247,7 @@ class SaveDriver:
         # the background, after refusing a committed step here).
         def prepare() -> tuple[phases.Prepared, phases.SaveView]:
             extra = check_extra(metadata)  # in the exchange: bad metadata on one rank fails all
+            phases.check_step(step)  # before refuse_committed names the step's folder
             if not blocking and group.is_coordinator:
                 phases.refuse_committed(opts, step)
             prepared, view = phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
