@@ -243,6 +243,45 @@ def test_a_staging_arena_has_no_name_and_close_releases_it():
     assert not _leftovers(os.getpid())
 
 
+def _staging_descriptors() -> list[int]:
+    """This process's open descriptors of staging arenas."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "distckpt-stage" in os.readlink(f"/proc/self/fd/{name}"):
+                out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_checkpointer_dropped_unclosed_releases_its_staging_memory(tmp_path):
+    """A Checkpointer dropped without close() after an async save with a writer process kept its
+    staging arena's descriptor open, and with it the whole staged state in shared memory (ten
+    dropped checkpointers of 16 MiB held 160 MiB). Found by a helper (2026-11-29)."""
+    import gc
+
+    import torch
+
+    import distckpt
+    from distckpt.save.shared_arena import SharedArena
+
+    before = _staging_descriptors()
+    arena = SharedArena(1 << 16)
+    assert arena.fd in _staging_descriptors()
+    del arena
+    gc.collect()
+    assert _staging_descriptors() == before, "a dropped arena keeps its memory"
+
+    ck = distckpt.Checkpointer(tmp_path / "ck", async_mode="process")
+    ck.save(1, {"w": torch.ones(1 << 16)}, blocking=False)
+    ck.wait()
+    assert len(_staging_descriptors()) > len(before)
+    del ck
+    gc.collect()
+    assert _staging_descriptors() == before, "a dropped checkpointer keeps its staging memory"
+
+
 def test_a_new_arena_removes_the_leftovers_of_dead_processes_only(tmp_path):
     """Staging files named by a process that is gone (left by a distckpt that named its arenas)
     are removed when the next arena is made; a live process's files are never touched."""

@@ -104,6 +104,9 @@ class SharedArena:
             # Same call DCP's shared+pinned staging makes; 0 = cudaSuccess.
             flags = 1  # cudaHostRegisterPortable
             self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)) == 0
+        # An arena dropped unclosed (its checkpointer dropped without close()) must not keep its
+        # memory: the descriptor alone holds it once the mapping is gone. Run on close() too.
+        self._release = weakref.finalize(self, _release, self.fd, self.tensor.data_ptr() if self.pinned else None)
 
     @property
     def path(self) -> str:
@@ -113,14 +116,21 @@ class SharedArena:
     def close(self) -> None:
         """Unpin, drop this process's mapping and close its descriptor (the memory is freed
         once the writer process's mapping is gone too)."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
+        self._release()  # unpinned while still mapped; once
+        self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
         _OPEN.pop(self.name, None)
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self.fd = -1
+
+
+def _release(fd: int, pinned_at: int | None) -> None:
+    """Unpin the arena mapped at ``pinned_at`` (if pinned) and close its descriptor ``fd``."""
+    if pinned_at is not None:
+        torch.cuda.cudart().cudaHostUnregister(pinned_at)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def descriptor(name: str) -> int:
