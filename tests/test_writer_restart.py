@@ -62,3 +62,45 @@ def test_a_writer_killed_between_saves_is_replaced_and_the_save_commits(tmp_path
     assert sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step_")) == [
         "step_000000001", "step_000000002", "step_000000003"
     ]
+
+
+def _killed_at_start(rank: int, world: int, root: str) -> tuple:
+    import torch
+
+    w = torch.full((1 << 12,), float(rank))
+    ckpt = distckpt.Checkpointer(root, async_mode="process", timeout=30)
+    ckpt.save(1, {"w": w})
+    ckpt.save(2, {"w": w}, blocking=False)  # the first async save starts the writers
+    writer = ckpt._saver.writer
+    if rank == 1:  # while it starts (its interpreter imports torch for seconds)
+        early = not writer._ready
+        writer.proc.send_signal(signal.SIGTERM)
+    else:
+        early = True
+    try:
+        ckpt.wait()
+        error = None
+    except distckpt.CheckpointError as exc:
+        error = str(exc)
+    ckpt.save(3, {"w": w + 3}, blocking=False)
+    ckpt.wait()
+    ckpt.save(4, {"w": w + 4})
+    got = {"w": torch.empty_like(w)}
+    ckpt.load(got, step=3)
+    steps = ckpt.steps()
+    ckpt.close()
+    return early, error, steps, torch.equal(got["w"], w + 3)
+
+
+@pytest.mark.timeout(200)
+def test_a_writer_killed_while_it_starts_fails_that_save_and_the_next_commits(tmp_path):
+    """A writer killed while it started up (before the writers formed their group): the other
+    rank's save thread waited for its own writer, which waited in the rendezvous for the dead one,
+    while the dead one's rank waited in the save's exchange; both ran into ``timeout`` (10 minutes
+    by default), the error named no writer, and the timeout broke distckpt's process group for
+    good: every later save and load failed. Found by a helper (2026-11-29)."""
+    results = run_ranks(_killed_at_start, 2, tmp_path, str(tmp_path / "root"), timeout=150)
+    assert results[1][0], "the writer was ready before the kill: the case is not exercised"
+    for early, error, steps, exact in results:
+        assert error is not None and "background writer process of rank 1 exited" in error, error
+        assert steps == [1, 3, 4] and exact, (steps, exact)

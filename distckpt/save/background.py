@@ -209,6 +209,10 @@ class WriterProcess:
         self._store = store  # the coordinator hosts the rendezvous store; it must outlive init
         self._ready = False
         self._arena_sent: str | None = None
+        # Where a rank whose writer died says so (see _wait_ready): the writers' store, this
+        # start's key. None with one rank.
+        self._peers: torch.distributed.Store | None = None
+        self._failed_key = ""
 
     @classmethod
     def start(cls, group: Group, *, timeout: timedelta, nice: int, threads: int) -> WriterProcess:
@@ -259,6 +263,9 @@ class WriterProcess:
         finally:
             child.close()
         conn = Connection(parent.detach())
+        peers = None
+        if group.world_size > 1:
+            peers = store if store is not None else torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
         _send(
             conn,
             {
@@ -273,22 +280,52 @@ class WriterProcess:
                 "threads": threads,
             }
         )
-        return cls(proc, conn, group.rank, store)
+        out = cls(proc, conn, group.rank, store)
+        out._peers, out._failed_key = peers, f"distckpt-writer-failed/{prefix}"
+        return out
 
     def _recv(self) -> Any:
         try:
             return _recv(self.conn)
         except (EOFError, OSError):
             code = self.proc.wait()
+            self._tell_peers()
             raise CheckpointError(
                 f"distckpt's background writer process of rank {self.rank} exited (code {code}) "
                 "before answering; the save was not written"
             ) from None
 
+    def _tell_peers(self) -> None:
+        """Tell the other ranks' training processes that this rank's writer is gone."""
+        if self._peers is not None:
+            try:
+                self._peers.set(self._failed_key, str(self.rank))
+            except Exception:  # noqa: BLE001 - the store's host is gone: the exchange's timeout decides
+                pass
+
+    def _wait_ready(self) -> Any:
+        """The writer's first message ("ready" once the writers formed their group), or
+        ``CheckpointError`` as soon as another rank's writer died before it: this writer then
+        waits for that writer in its group's rendezvous until ``timeout``, while that rank's
+        training process waits in the save's exchange for this one, which a timeout there would
+        break for good (every later save and load failing)."""
+        while self._peers is not None and not self.conn.poll(0.2):
+            try:
+                failed = self._peers.check([self._failed_key])
+            except Exception:  # noqa: BLE001 - the store's host is gone: its own error follows
+                failed = False
+            if failed:
+                who = self._peers.get(self._failed_key).decode()
+                raise CheckpointError(
+                    f"distckpt's background writer process of rank {who} exited before the writers were ready; "
+                    "the save was not written (the next async save starts new writers)"
+                )
+        return self._recv()
+
     def submit(self, job: Job) -> None:
         """(each rank, background thread) Send one save's write phase (waits for readiness once)."""
         if not self._ready:
-            msg = self._recv()
+            msg = self._wait_ready()
             if msg[0] != "ready":
                 raise_if_any([msg[1]], "starting distckpt's background writer process")
             self._ready = True
@@ -326,18 +363,20 @@ class WriterProcess:
             pass
 
     def close(self, timeout: float = 60.0) -> None:
-        """(each rank) Ask the writer to leave its group and exit; kill it if it does not."""
+        """(each rank) Ask the writer to leave its group and exit; kill it if it does not (at
+        once where it never said it was ready: it may wait in its group's rendezvous for a
+        writer that died, and has nothing of a save)."""
         try:
             _send(self.conn, ("close", None))
         except (BrokenPipeError, OSError):
             pass
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(timeout if self._ready else 0.5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.conn.close()
-        self._store = None
+        self._store = self._peers = None
 
 
 # ---------------------------------------------------------------------------------------------
