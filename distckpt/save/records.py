@@ -64,6 +64,10 @@ def _host_tensor(data: torch.Tensor) -> torch.Tensor:
     contiguous view (e.g. of a staging arena) is aliased by a tensor whose storage is exactly its
     bytes instead: the same record, without copying them."""
     tensor = data.detach().cpu()
+    if tensor.is_conj() or tensor.is_neg():
+        # A lazy conjugate or negative view (``t.conj()``): its memory holds the values before
+        # the conjugation, which the record's bytes must not be (a sync save wrote them so).
+        return tensor.resolve_conj().resolve_neg()
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = _exact_alias(tensor)
     return tensor
