@@ -111,3 +111,34 @@ def test_a_save_that_fails_while_staging_releases_its_step(tmp_path, monkeypatch
     ckpt.save(2, {"w": torch.ones(3)})
     assert ckpt.steps() == [2] and not (tmp_path / step_dir(1)).exists()
     ckpt.close()
+
+
+def test_a_step_whose_owner_record_vanished_while_written_is_not_blamed_on_another_writer(tmp_path, monkeypatch):
+    """The root deleted (``rm -rf``) during an async save: the writes made the step's folder
+    again, without its owner record, and the save failed with "another writer took it over"
+    (there was none). It now says the record is gone and why. Found by a helper (2026-11-29)."""
+    import threading
+
+    from distckpt.save import writer as _writer
+    from distckpt.storage.ownership import OWNER_NAME
+
+    entered, release = threading.Event(), threading.Event()
+    orig = _writer._ChecksumStream.write
+
+    def write(stream, b):  # a disk that stalls until the test lets it go
+        entered.set()
+        release.wait(120)
+        return orig(stream, b)
+
+    monkeypatch.setattr(_writer._ChecksumStream, "write", write)
+    root = tmp_path / "root"
+    with distckpt.Checkpointer(root, async_mode="thread") as ck:
+        ck.save(1, {"w": torch.zeros(1 << 16)}, blocking=False)
+        assert entered.wait(120)
+        (root / "step_000000001" / OWNER_NAME).unlink()  # what rm -rf did to it
+        release.set()
+        with pytest.raises(distckpt.CheckpointError, match="owner record is gone .*deleted while the step was being written"):
+            ck.wait()
+        assert ck.steps() == []
+        ck.save(2, {"w": torch.ones(1 << 16)})
+        assert ck.steps() == [2]

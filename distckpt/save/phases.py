@@ -54,7 +54,7 @@ from distckpt.save.planner import Observe
 from distckpt.save.protocol import PlanCache, PlanStats, SaveRun
 from distckpt.save.writer import checkpoint_writer
 from distckpt._version import __version__
-from distckpt.errors import StagingMismatchError, StepExistsError
+from distckpt.errors import CheckpointError, StagingMismatchError, StepExistsError
 from distckpt.integrity.manifest import MANIFEST_NAME, TIER_COPY, FileRecord, Manifest, digest_of, step_dir, tier_copy
 from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
@@ -610,6 +610,13 @@ def commit(
     )
     where = storage.display(step_dir(step))
     if lease is not None and not lease.still_mine():
+        if not storage.exists(step_dir(step), ownership.OWNER_NAME):
+            # Nobody's record: the folder (or the whole root) was deleted while the step was
+            # written, and the writes made it again. Not another writer's doing.
+            raise CheckpointError(
+                f"step {step} at {where} was not committed: its owner record is gone (the step directory or the root "
+                "was deleted while the step was being written)"
+            )
         raise StepExistsError(f"step {step} at {where}: another writer took it over")
     try:
         storage.write_bytes(manifest.to_json(), step_dir(step), MANIFEST_NAME, exclusive=True)
