@@ -54,6 +54,8 @@ class StateMismatchError(KeyError):
         mismatched: key -> (shape in checkpoint, shape in state).
         per_rank: per-rank entry -> (world size it was saved at, world size now): per-rank state
             (see :mod:`distckpt.state.scope`) cannot be resharded to another world size.
+        kinds: entry -> (what the checkpoint holds, what the state holds) where they cannot load
+            into each other under one key (a tuple holding tensors saved, a plain value given).
     """
 
     def __init__(
@@ -63,16 +65,18 @@ class StateMismatchError(KeyError):
         mismatched: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]],
         where: str = "",
         per_rank: Mapping[str, tuple[int, int]] | None = None,
+        kinds: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = dict(mismatched)
         self.per_rank = dict(per_rank or {})
+        self.kinds = dict(kinds or {})
         self.where = where
         super().__init__(self.describe(where))
 
     def __reduce__(self) -> tuple:
-        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank))
+        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank, self.kinds))
 
     def describe(self, where: str = "") -> str:
         parts = [f"state does not match checkpoint{(' ' + where) if where else ''}:"]
@@ -92,6 +96,9 @@ class StateMismatchError(KeyError):
                 for k, (a, b) in sorted(self.per_rank.items())
             ]
             parts.append(f"per-rank state ({len(shown)}): {_clip(shown)}; load with strict=False to skip it")
+        if self.kinds:
+            shown = [f"{k}: checkpoint {a} vs state {b}" for k, (a, b) in sorted(self.kinds.items())]
+            parts.append(f"entries of another kind ({len(shown)}): {_clip(shown)}; put an object of the saved structure there")
         return " ".join(parts)
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -51,3 +51,22 @@ def test_a_tuple_entry_whose_tensor_changed_shape_takes_the_saved_one(tmp_path):
     with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
         ckpt.load(fresh)
     assert torch.equal(fresh["stats"][0], torch.arange(6.0)) and fresh["stats"][1] == 2
+
+
+def test_a_tuple_of_tensors_into_a_plain_placeholder_names_the_mismatch(tmp_path):
+    """A tuple holding tensors saved, ``None`` given to load it into: "checkpoint entry 'v' is not
+    a distckpt plain value (tuple stored)", an IntegrityError that reads like a damaged
+    checkpoint. It says which entry and what to give instead (found by a helper, 2026-11-29)."""
+    import pytest
+    import torch
+
+    import distckpt
+
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"v": (torch.ones(2), 5), "p": 3})
+        state = {"v": None, "p": 0}
+        with pytest.raises(distckpt.StateMismatchError, match=r"v: checkpoint a 'tree' entry .* vs state a plain value \(NoneType\)") as caught:
+            ck.load(state)
+        assert set(caught.value.kinds) == {"v"}
+        state = {"v": (torch.zeros(2), 0), "p": 0}
+        assert ck.load(state) == 1 and state["v"][1] == 5 and state["p"] == 3

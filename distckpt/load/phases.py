@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
-from distckpt.errors import IntegrityError, cause_of, from_causes
+from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_causes
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
@@ -95,6 +95,13 @@ def plan_load(
     per_rank: dict[str, tuple[int, int]] = {}
     for e in entries:
         saved = manifest.entries.get(e.name, {})
+        if e.kind == "value" and saved.get("kind", "value") != "value" and e.name in index and index[e.name] is None:
+            # One non-tensor item under the entry's own name that is no value (a tuple holding
+            # tensors): decoded as a value, it read like a damaged checkpoint. (Other kinds
+            # differ in keys or shapes, which the report names.)
+            held = f"a {saved.get('kind')!r} entry (saved from an object holding tensors)"
+            given = f"a plain value ({type(getattr(e, 'value', None)).__name__})"
+            raise StateMismatchError([], [], {}, f"step {manifest.step}", kinds={e.name: (held, given)})
         target = e.load_target(saved)
         if saved.get("scope") == scope.PER_RANK:
             if manifest.world_size != group.world_size:

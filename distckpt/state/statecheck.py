@@ -50,7 +50,7 @@ class StateDivergedError(StateMismatchError):
     def __init__(self, diverged: Sequence[str], where: str = "") -> None:
         self.diverged = sorted(diverged)
         self.where = where
-        self.missing, self.unexpected, self.mismatched, self.per_rank = [], [], {}, {}
+        self.missing, self.unexpected, self.mismatched, self.per_rank, self.kinds = [], [], {}, {}, {}
         shown = ", ".join(self.diverged[:20]) + (f", ... (+{len(self.diverged) - 20} more)" if len(self.diverged) > 20 else "")
         message = (
             f"the loaded state differs from the state saved{(' in ' + where) if where else ''}: "
