@@ -35,6 +35,7 @@ on every rank, and the next async save starts a new writer.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import select
@@ -153,9 +154,30 @@ class Job:
 def _send(conn: Connection, obj: object) -> None:
     # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's pickler
     # that pass tensors through multiprocessing's resource sharer, which a process started
-    # outside multiprocessing cannot use. The few tensors that travel (quantized ones, fingerprint
-    # parts) are small; the staged state travels through the shared arena.
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    # outside multiprocessing cannot use. The few tensors that travel (quantized ones, empty
+    # ones, tensors inside values, fingerprint parts) are small; the staged state travels
+    # through the shared arena.
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    conn.send_bytes(buf.getbuffer())
+
+
+class _Pickler(pickle.Pickler):
+    """Plain pickle, with plain tensors as ``torch.save`` bytes: torch's own pickling of a tensor
+    cannot be read back for dtypes without a typed storage class (float8, complex32, uint16-64:
+    "UntypedStorage has no attribute dtype"), which ended the writer before it could answer."""
+
+    def reducer_override(self, obj: object) -> Any:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_quantized:  # type: ignore[attr-defined]
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            return _tensor_from, (buf.getvalue(),)
+        return NotImplemented
+
+
+def _tensor_from(data: bytes) -> torch.Tensor:
+    """A tensor :class:`_Pickler` sent (from this job's own training process)."""
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _recv(conn: Connection) -> Any:
@@ -534,11 +556,17 @@ def main(argv: list[str]) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     _exit_with_parent(conn, int(argv[1]), argv[2] == "1")
+    code = 0
     try:
         _serve(conn)
+    except BaseException:  # noqa: BLE001 - said on stderr and by the exit code the training side reports
+        code = 1
+        import traceback
+
+        traceback.print_exc()
     finally:
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # skip interpreter teardown of gloo threads (see Checkpointer._release_group)
+        os._exit(code)  # skip interpreter teardown of gloo threads (see Checkpointer._release_group)
 
