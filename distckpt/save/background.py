@@ -220,7 +220,13 @@ class WriterProcess:
     """The training side of one rank's background writer process."""
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], conn: Connection, rank: int, store: torch.distributed.TCPStore | None
+        self,
+        proc: subprocess.Popen[bytes],
+        conn: Connection,
+        rank: int,
+        store: torch.distributed.TCPStore | None,
+        peers: torch.distributed.Store | None = None,
+        failed_key: str = "",
     ) -> None:
         # What the writer's plan cache holds (its plans stay in the writer): the token each
         # save's view reports, so repeated async saves skip planning as sync ones do.
@@ -233,8 +239,8 @@ class WriterProcess:
         self._arena_sent: str | None = None
         # Where a rank whose writer died says so (see _wait_ready): the writers' store, this
         # start's key. None with one rank.
-        self._peers: torch.distributed.Store | None = None
-        self._failed_key = ""
+        self._peers = peers
+        self._failed_key = failed_key
 
     @classmethod
     def start(cls, group: Group, *, timeout: timedelta, nice: int, threads: int) -> WriterProcess:
@@ -302,9 +308,7 @@ class WriterProcess:
                 "threads": threads,
             }
         )
-        out = cls(proc, conn, group.rank, store)
-        out._peers, out._failed_key = peers, f"distckpt-writer-failed/{prefix}"
-        return out
+        return cls(proc, conn, group.rank, store, peers, f"distckpt-writer-failed/{prefix}")
 
     def _recv(self) -> Any:
         try:

@@ -63,11 +63,9 @@ def _host_tensor(data: torch.Tensor) -> torch.Tensor:
     a larger storage would write all of it, so DCP's ``_SerialCpuLoader`` clones it). A
     contiguous view (e.g. of a staging arena) is aliased by a tensor whose storage is exactly its
     bytes instead: the same record, without copying them."""
-    tensor = data.detach().cpu()
-    if tensor.is_conj() or tensor.is_neg():
-        # A lazy conjugate or negative view (``t.conj()``): its memory holds the values before
-        # the conjugation, which the record's bytes must not be (a sync save wrote them so).
-        return tensor.resolve_conj().resolve_neg()
+    # A lazy conjugate or negative view (``t.conj()``) resolved into its values: its memory holds
+    # those before the conjugation, which a sync save wrote. (Any other tensor stays itself.)
+    tensor = data.detach().cpu().resolve_conj().resolve_neg()
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = _exact_alias(tensor)
     return tensor
@@ -81,8 +79,6 @@ def _exact_alias(t: torch.Tensor) -> torch.Tensor:
         or not t.is_contiguous()
         or t.layout != torch.strided
         or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
     ):
         return t.clone()
     raw = t.reshape(-1).view(torch.uint8)

@@ -106,7 +106,7 @@ class SharedArena:
             self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)) == 0
         # An arena dropped unclosed (its checkpointer dropped without close()) must not keep its
         # memory: the descriptor alone holds it once the mapping is gone. Run on close() too.
-        self._release = weakref.finalize(self, _release, self.fd, self.tensor.data_ptr() if self.pinned else None)
+        self._finalizer = weakref.finalize(self, _release, self.fd, self.tensor.data_ptr() if self.pinned else None)
 
     @property
     def path(self) -> str:
@@ -116,7 +116,7 @@ class SharedArena:
     def close(self) -> None:
         """Unpin, drop this process's mapping and close its descriptor (the memory is freed
         once the writer process's mapping is gone too)."""
-        self._release()  # unpinned while still mapped; once
+        self._finalizer()  # unpinned while still mapped; once
         self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
         _OPEN.pop(self.name, None)

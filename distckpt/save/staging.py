@@ -99,9 +99,7 @@ def staging_digest(t: torch.Tensor, chunk: int | None = None) -> int | torch.Ten
     :func:`distckpt.state.fpkernels.host_run_sum`); accelerator tensors a 0-dim device tensor,
     computed on the current stream without synchronizing (:func:`distckpt.state.fpkernels.settle`
     brings them back)."""
-    t = t.detach()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()  # a lazy view's values (the staged copy holds them)
+    t = t.detach().resolve_conj().resolve_neg()  # a lazy conj/neg view's values (the staged copy holds them)
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype.is_complex:

@@ -87,11 +87,9 @@ def _partial(
     ``local``'s device (:func:`lazy_partial_sum`; on a host tensor, the tests' stand-in for a
     device), whatever its layout."""
     fpkernels.check_version(version)
-    local = local.detach()
-    if local.is_conj() or local.is_neg():
-        # A lazy conjugate or negative view (``t.conj()``, ``t.conj().imag``): its values, as
-        # DCP saves them (view_as_real refuses the view; its memory holds the unconjugated ones).
-        local = local.resolve_conj().resolve_neg()
+    # A lazy conjugate or negative view (``t.conj()``, ``t.conj().imag``) resolved into its values,
+    # as DCP saves them (view_as_real refuses the view; its memory holds the unconjugated ones).
+    local = local.detach().resolve_conj().resolve_neg()
     if local.dtype.is_complex:
         local = torch.view_as_real(local)
         global_shape, offsets = (*global_shape, 2), (*offsets, 0)

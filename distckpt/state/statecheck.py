@@ -173,9 +173,7 @@ def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = F
     tensor (no wait for the device; :func:`settled_copies` turns them into ints)."""
     if not fingerprint.supported(local):
         return None
-    local = local.detach()
-    if local.is_conj() or local.is_neg():
-        local = local.resolve_conj().resolve_neg()  # a lazy view's values, as saved
+    local = local.detach().resolve_conj().resolve_neg()  # a lazy conj/neg view's values, as saved
     if on_device or local.device.type != "cpu":
         zeros = (0,) * local.dim()
         lazy_sum = fingerprint.lazy_partial_sum if lazy else fingerprint.partial_sum
