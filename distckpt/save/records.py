@@ -66,6 +66,11 @@ def _host_tensor(data: torch.Tensor) -> torch.Tensor:
     # A lazy conjugate or negative view (``t.conj()``) resolved into its values: its memory holds
     # those before the conjugation, which a sync save wrote. (Any other tensor stays itself.)
     tensor = data.detach().cpu().resolve_conj().resolve_neg()
+    if type(tensor) is not torch.Tensor:
+        # A subclass (t.as_subclass(MyT)) is written as its values: its record would pickle the
+        # class, which no weights-only load rebuilds (the whole step failed to load). An async
+        # save's staged copy is a plain tensor too, and a load fills the destination in place.
+        tensor = tensor.as_subclass(torch.Tensor)
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
         tensor = _exact_alias(tensor)
     return tensor

@@ -41,7 +41,8 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
 
     Raises:
         TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), a
-            tensor of a raw bit dtype (``torch.bits8``...), or a tensor with DCP's
+            tensor of a raw bit dtype (``torch.bits8``...), a tensor subclass with its own
+            ``__torch_dispatch__`` (a wrapper of other tensors), or a tensor with DCP's
             ``CheckpointableTensor`` fields (torch 2.15+), which distckpt cannot save as DCP would.
     """
     flat, _ = flatten_state_dict(state_dict)
@@ -59,6 +60,15 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
                 "torch.distributed.checkpoint itself"
             )
         local = value.to_local() if isinstance(value, DTensor) else value
+        if type(local).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            # A wrapper subclass (TwoTensor, torchao's float8 or NF4 tensors) computes its values
+            # from the tensors it holds and has no memory of its own for DCP's record (it failed
+            # in the writer, ".numpy() is not supported for tensor subclasses", no key named).
+            raise TypeError(
+                f"cannot save {key!r}: it is a {type(local).__qualname__}, a tensor subclass with its own "
+                "__torch_dispatch__ that holds other tensors instead of its values; save the tensors it is "
+                "built from (t.__tensor_flatten__() names them) or a plain tensor of its values"
+            )
         if local.layout != torch.strided:
             raise TypeError(f"cannot save {key!r}: {local.layout} tensors are not supported; save t.to_dense() instead")
         if local.device.type == "meta":
