@@ -1,4 +1,4 @@
-"""Tensor subclasses: a subclass with its own memory is saved as its values and loads back into
+"""Tensor subclasses and nested tensors: a subclass with its own memory is saved as its values and loads back into
 the user's subclass (sync and async alike); a wrapper of other tensors is refused at save, naming
 the key."""
 from __future__ import annotations
@@ -66,3 +66,15 @@ def test_a_wrapper_subclass_is_refused_at_save_naming_the_key(tmp_path, blocking
         assert ck.steps() == []
         ck.save(1, {"ok": torch.ones(2), "a": state["t"].a, "b": state["t"].b})  # its parts save
         assert ck.steps() == [1]
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_are_refused_at_save_naming_the_key(tmp_path, layout):
+    """A strided nested tensor failed in DCP's planning with torch's "Internal error:
+    NestedTensorImpl doesn't support sizes", naming no key (plain dcp.save fails too)."""
+    nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=layout)
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ck:
+        for blocking in (True, False):
+            with pytest.raises(TypeError, match=r"cannot save 'nt'"):
+                ck.save(1, {"nt": nt}, blocking=blocking)
+        assert ck.steps() == []

@@ -42,7 +42,7 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
     Raises:
         TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), a
             tensor of a raw bit dtype (``torch.bits8``...), a tensor subclass with its own
-            ``__torch_dispatch__`` (a wrapper of other tensors), or a tensor with DCP's
+            ``__torch_dispatch__`` (a wrapper of other tensors), a nested tensor, or a tensor with DCP's
             ``CheckpointableTensor`` fields (torch 2.15+), which distckpt cannot save as DCP would.
     """
     flat, _ = flatten_state_dict(state_dict)
@@ -69,6 +69,10 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
                 "__torch_dispatch__ that holds other tensors instead of its values; save the tensors it is "
                 "built from (t.__tensor_flatten__() names them) or a plain tensor of its values"
             )
+        if local.is_nested:
+            # torch's strided nested tensors have no sizes ("NestedTensorImpl doesn't support
+            # sizes", in DCP's planning, no key named); jagged ones are wrappers, refused above.
+            raise TypeError(f"cannot save {key!r}: nested tensors are not supported; save its tensors (t.unbind()) or t.to_padded_tensor(0)")
         if local.layout != torch.strided:
             raise TypeError(f"cannot save {key!r}: {local.layout} tensors are not supported; save t.to_dense() instead")
         if local.device.type == "meta":
