@@ -25,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
@@ -138,6 +139,26 @@ def plan_load(
     request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
+
+
+def refuse_overlapping(request: Mapping[str, Any], where: str) -> None:
+    """(each rank, inside the plan exchange so every rank fails alike) Refuse a destination
+    whose elements share memory (``t.expand(...)``, a stride of 0): no load can fill it, and
+    torch's error from the read ("more than one element of the written-to tensor refers to a
+    single memory location") named no key.
+
+    Raises:
+        ValueError: naming the key and ``where``.
+    """
+    for key, value in request.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.layout == torch.strided and torch._debug_has_internal_overlap(local) == 1:  # 1: MemOverlap::Yes
+            raise ValueError(
+                f"cannot load {key!r} of {where} into a tensor whose elements share memory (an expand()ed "
+                f"tensor, shape {tuple(local.shape)}, stride {local.stride()}); load into one with memory of its own (.clone())"
+            )
 
 
 def _keys_digest(keys: Iterable[str]) -> str:

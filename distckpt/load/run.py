@@ -37,6 +37,7 @@ from distckpt.load.phases import (
     judge,
     metadata_index,
     plan_load,
+    refuse_overlapping,
     read,
     requested_keys,
 )
@@ -222,6 +223,7 @@ def load(
         refuse_dead_patterns(only, exclude, index, where)
         selected.append(Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index)))
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
+        refuse_overlapping(plan.request, where)
         return plan, (view, arguments(step, strict, verify_state, only, exclude))
 
     plan, shared = exchange(group, f"load of {where}", plan_here)
