@@ -88,6 +88,48 @@ def test_tied_weights_stored_with_different_values_are_refused(tmp_path):
     assert not report.missing and not report.unexpected
 
 
+class Tied4(nn.Module):
+    """One tensor under four keys, as T5 ties ``shared``, both ``embed_tokens`` and ``lm_head``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.shared = nn.Embedding(6, 4)
+        self.enc = nn.Embedding(6, 4)
+        self.dec = nn.Embedding(6, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.enc.weight = self.dec.weight = self.head.weight = self.shared.weight
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tied_tensor_of_more_than_two_keys_compares_every_stored_key(tmp_path, strict):
+    """Only a stored key that was the model's first name for the tensor was compared: with
+    ``enc``, ``dec`` (different values) and ``head`` stored and ``shared`` not, the load passed and
+    the last one read won silently; with ``enc`` alone stored the other keys were reported
+    missing. Found by a helper (2026-11-29)."""
+    x = torch.randn(6, 4)
+    y = x + 1
+    path = tmp_path / "differ"
+    path.mkdir()
+    save_file({"enc.weight": x, "dec.weight": y, "head.weight": x.clone()}, str(path / "model.safetensors"))
+    model = Tied4(3)
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"different values.*dec\.weight.*enc\.weight"):
+        hf.load_pretrained(model, str(path), strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the model was left untouched"
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file({"enc.weight": x}, str(one / "model.safetensors"))
+    report = hf.load_pretrained(model, str(one), strict=strict)
+    assert torch.equal(model.shared.weight, x) and model.head.weight is model.shared.weight
+    assert not report.missing and report.tied == {"shared.weight": "enc.weight", "dec.weight": "enc.weight", "head.weight": "enc.weight"}
+    same = tmp_path / "same"
+    same.mkdir()
+    save_file({"enc.weight": y, "dec.weight": y.clone(), "head.weight": y.clone()}, str(same / "model.safetensors"))
+    hf.load_pretrained(model, str(same), strict=strict)
+    assert torch.equal(model.shared.weight, y)
+
+
 def _tied_fsdp_job(rank: int, world: int, path: str) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -58,7 +58,7 @@ from distckpt.tools.safetensors_io import SafetensorsIndex, SafetensorsReader
 
 
 #: What each rank of :func:`load_pretrained` shares of its plan: missing, unexpected and
-#: mismatched keys, tied keys, tied pairs the checkpoint stores under both keys.
+#: mismatched keys, tied keys, pairs of keys of one tied tensor the checkpoint stores both of.
 _PlanView = tuple[list[str], list[str], Mismatches, dict[str, str], list[tuple[str, str]]]
 
 
@@ -137,7 +137,8 @@ def load_pretrained(
 
     Tied weights (e.g. ``lm_head.weight`` sharing the input embedding) are filled through the
     key the checkpoint holds; checkpoints saved with ``tie_word_embeddings`` omit the duplicate.
-    A checkpoint holding both keys is read into buffers of their own and compared first.
+    A checkpoint holding several keys of one tied tensor (T5 ties four) has them read into
+    buffers of their own and compared first; a key it lacks is filled through one it holds.
     Floating-point tensors are cast to the model's dtype.
 
     Returns:
@@ -145,7 +146,7 @@ def load_pretrained(
 
     Raises:
         StateMismatchError: keys or shapes differ (``strict=True``).
-        ValueError: the checkpoint stores a tied pair under both keys with different values
+        ValueError: the checkpoint stores keys of one tied tensor with different values
             (naming both; the model is left untouched).
         IntegrityError: a malformed file or index, or a folder holding both ``model.safetensors``
             and an index naming other files (:class:`~distckpt.tools.safetensors_io.SafetensorsIndex`).
@@ -171,6 +172,11 @@ def load_pretrained(
                 raise ValueError(f"{where}: checkpoint keys {rename[target]!r} and {ckpt_key!r} both map to {target!r}")
             else:
                 rename[target] = ckpt_key
+        # Tied weights: every key of one tensor (T5 ties four), the model's first key first.
+        groups: dict[str, list[str]] = {}
+        for dup, first in aliases.items():
+            groups.setdefault(first, [first]).append(dup)
+        group_of = {k: g for g in groups.values() for k in g}
         missing, tied = [], {}
         mismatched: Mismatches = {}
         request: dict[str, torch.Tensor] = {}
@@ -184,16 +190,23 @@ def load_pretrained(
                     raise TypeError(f"{where}: tensor {rename[key]!r} is {span.dtype}; model key {key!r} is {value.dtype}")
                 else:
                     request[key] = value
-            elif key in aliases and aliases[key] in rename:
-                tied[key] = aliases[key]
-            elif key in aliases.values() and any(a in rename for a, k in aliases.items() if k == key):
-                # Only the duplicate is in the checkpoint: fill this tensor through it.
-                partner = next(a for a, k in aliases.items() if k == key and a in rename)
+        for key in sd:
+            if key in rename:
+                continue
+            # Not stored: filled through a key of its tied tensor that is (one that loads first).
+            members = group_of.get(key, ())
+            partner = next((m for m in members if m in request), None) or next((m for m in members if m in rename), None)
+            if partner is not None:
                 tied[key] = partner
             else:
                 missing.append(key)
-        # Both keys of a tied pair stored: one tensor of the model, two in the checkpoint.
-        both = sorted((k, aliases[k]) for k in request if k in aliases and aliases[k] in request)
+        # Several keys of one tied tensor stored: one tensor of the model, several in the
+        # checkpoint; each is compared with the first stored (pairs: key, key it must equal).
+        both = []
+        for members in groups.values():
+            stored = [m for m in members if m in request]
+            both += [(m, stored[0]) for m in stored[1:]]
+        both.sort()
         view = (sorted(missing), sorted(unexpected), mismatched, tied, both)
         return (request, rename, index, tied), view
 
