@@ -152,13 +152,13 @@ def cause_of(exc: BaseException) -> tuple[type[CheckpointError] | None, str]:
     return kind, one_line(exc)
 
 
-def from_causes(causes: Mapping[int, tuple[type[CheckpointError] | None, str]], what: str) -> CheckpointError:
+def from_causes(causes: Mapping[int, tuple[type[CheckpointError] | None, str]], what: str, note: str = "") -> CheckpointError:
     """One error for failures on several ranks (rank -> :func:`cause_of`): of their common
     distckpt error type if they share one, else a :class:`CheckpointError`; each rank's cause
-    listed."""
+    listed (``note``: said after "WHAT failed")."""
     kinds = {kind for kind, _ in causes.values()}
     cls = kinds.pop() if len(kinds) == 1 else None
-    return (cls or CheckpointError)(f"{what} failed", {r: line for r, (_, line) in causes.items()})
+    return (cls or CheckpointError)(f"{what} failed{note}", {r: line for r, (_, line) in causes.items()})
 
 
 def _unwrap(err: object) -> BaseException:

@@ -193,3 +193,63 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused_at_save(tmp_pat
     with pytest.raises(ValueError, match="'__metadata__'.*reserved"):
         hf_convert.export_hf(locate(str(tmp_path / "ck")), str(tmp_path / "hf"), key="model.x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def _two_shards(folder, value: float) -> None:
+    """a in the first shard; b then c in the second."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"a": torch.full((4,), value)}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.full((4,), value + 1), "c": torch.full((4,), value + 2)}, str(folder / "model-00002-of-00002.safetensors"))
+    files = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": files}))
+
+
+class ABC(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Parameter(torch.zeros(4)) for _ in range(3))
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_shard_replaced_during_a_load_is_an_error_not_other_tensors_bytes(tmp_path, remote):
+    """The headers are parsed first and the data read later by reopening each file: a shard
+    renamed in between with its tensors in another order (a concurrent publish) gave b the bytes
+    of c, silently. key_map runs between the two: the hook for that moment. Found by a helper
+    (2026-11-29)."""
+    import fsspec
+
+    src = tmp_path / "src"
+    _two_shards(src, 100.0)
+    shard = "model-00002-of-00002.safetensors"
+    if remote:
+        fs = fsspec.filesystem("memory")
+        base = f"/hf-{tmp_path.name}"
+        for f in src.iterdir():
+            fs.pipe(f"{base}/{f.name}", f.read_bytes())
+        path = f"memory://{base}"
+    else:
+        path = str(src)
+    from distckpt.tools.safetensors_io import header_bytes
+
+    # The same size, its tensors in the other order (safetensors' own writer sorts them).
+    swapped = tmp_path / "swapped.safetensors"
+    c, b = torch.full((4,), 777.0), torch.full((4,), 888.0)
+    swapped.write_bytes(header_bytes([("c", c.dtype, c.shape), ("b", b.dtype, b.shape)], {}) + c.numpy().tobytes() + b.numpy().tobytes())
+
+    def replace_then(name: str) -> str:
+        if remote:
+            fs.pipe(f"{base}/{shard}", swapped.read_bytes())
+        else:
+            shutil.copy(swapped, src / (shard + ".new"))
+            (src / (shard + ".new")).replace(src / shard)
+        return name
+
+    model = ABC()
+    with pytest.raises(distckpt.IntegrityError, match=r"model-00002-of-00002\.safetensors: the file changed while it was loaded") as info:
+        hf.load_pretrained(model, path, key_map=replace_then)
+    assert "load again before using the state" in str(info.value)  # a was read in place
+    assert torch.equal(model.b, torch.zeros(4)) and torch.equal(model.c, torch.zeros(4)), "nothing of the changed file was used"
+    report = hf.load_pretrained(model, path)  # the folder as it is now: one consistent read
+    assert report.loaded == 3 and torch.equal(model.b, torch.full((4,), 888.0)) and torch.equal(model.c, torch.full((4,), 777.0))

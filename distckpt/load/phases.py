@@ -194,6 +194,10 @@ def requested_keys(group: Group, index: KeyShapes, plan: LoadPlan, views: list[L
     return {keys[i] for i in union.nonzero().flatten().tolist()}
 
 
+#: Said after a read that failed: the state may hold a mix of old and loaded values.
+PARTLY_LOADED = " (tensors read before the failure already hold their loaded values: load again before using the state)"
+
+
 def read(
     group: Group,
     where: str,
@@ -237,7 +241,9 @@ def read(
     outcomes = group.all_gather((read_failure, then_failure))
     reads = {r: failed for r, (failed, _) in enumerate(outcomes) if failed is not None}
     if reads:
-        raise from_causes(reads, f"reading {where}")
+        # Tensors are read in place (no second copy of the state): those read before the
+        # failure hold their new values, which nothing else would tell the user.
+        raise from_causes(reads, f"reading {where}", PARTLY_LOADED)
     raise_if_any([failed for _, failed in outcomes], f"load of {where}")
 
 

@@ -15,6 +15,8 @@ Not collective by itself: DCP's ``load`` drives it on every rank.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -185,6 +187,43 @@ def parse_header(
     return spans
 
 
+@dataclass(frozen=True)
+class _FileIdentity:
+    """A file as its header was parsed: the data are read later, by reopening it, with the
+    header's offsets, so a file replaced in between (a concurrent publish renaming in a shard of
+    another layout) would give each tensor another tensor's bytes."""
+
+    size: int
+    head: bytes  # SHA-256 of the length prefix and the JSON header
+    local: tuple[int, int, int] | None  # (device, inode, mtime in ns) of a local file
+
+    def check(self, f: IO[bytes], where: str) -> None:
+        """Raise :class:`IntegrityError` (naming ``where``) if open file ``f`` is not this one."""
+        local = _local_identity(f)
+        if local is not None and self.local is not None:
+            same = local == self.local and os.fstat(f.fileno()).st_size == self.size
+        else:
+            f.seek(0)
+            raw_len = f.read(8)
+            n = int.from_bytes(raw_len, "little") if len(raw_len) == 8 else -1
+            same = n >= 0 and hashlib.sha256(raw_len + (f.read(n) if n <= MAX_HEADER else b"")).digest() == self.head
+            f.seek(0, os.SEEK_END)
+            same = same and f.tell() == self.size
+        if not same:
+            raise IntegrityError(
+                f"{where}: the file changed while it was loaded (replaced or rewritten after its header was read); "
+                "nothing of it was used: load again once the folder is complete"
+            )
+
+
+def _local_identity(f: IO[bytes]) -> tuple[int, int, int] | None:
+    try:
+        st = os.fstat(f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None  # not a local file (an fsspec buffered file)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
 class SafetensorsIndex:
     """The tensors of a Hugging Face checkpoint directory (single file or sharded with an index).
 
@@ -235,6 +274,7 @@ class SafetensorsIndex:
                     "checkpoint is complete only with its index (an unfinished or failed publish leaves shards without it)"
                 )
         self.spans: dict[str, TensorSpan] = {}
+        self.files: dict[str, _FileIdentity] = {}  # file name -> what it was when its header was parsed
         for name in names:
             if "/" in name or "\\" in name or name in (".", ".."):
                 raise UnsafeCheckpointError(f"{storage.display(INDEX_NAME)} names file {name!r:.100} outside the directory")
@@ -244,7 +284,15 @@ class SafetensorsIndex:
                 raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which does not exist")
             where = storage.display(name)
             with storage.open(name, "rb") as f:
-                spans = parse_header(f.read(8), f.read, files[name], name, where)
+                head = hashlib.sha256()
+
+                def read_header(n: int, f: IO[bytes] = f, head: hashlib._Hash = head) -> bytes:
+                    raw = f.read(n)
+                    head.update(raw)
+                    return raw
+
+                spans = parse_header(read_header(8), read_header, files[name], name, where)
+                self.files[name] = _FileIdentity(files[name], head.digest(), _local_identity(f))
             for key, span in spans.items():
                 if key in self.spans:
                     raise IntegrityError(f"{where}: tensor {key!r:.100} is also in {self.spans[key].file}")
@@ -336,6 +384,7 @@ class SafetensorsReader(StorageReader):
         where = self.index.storage.display(name)
         nbytes = 0
         with self.index.storage.open(name, "rb") as f:
+            self.index.files[name].check(f, where)
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].start):
                 span: TensorSpan = self.storage_data[item.storage_index]
                 target = planner.resolve_tensor(item).detach()
