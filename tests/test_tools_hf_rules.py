@@ -253,3 +253,49 @@ def test_a_shard_replaced_during_a_load_is_an_error_not_other_tensors_bytes(tmp_
     assert torch.equal(model.b, torch.zeros(4)) and torch.equal(model.c, torch.zeros(4)), "nothing of the changed file was used"
     report = hf.load_pretrained(model, path)  # the folder as it is now: one consistent read
     assert report.loaded == 3 and torch.equal(model.b, torch.full((4,), 888.0)) and torch.equal(model.c, torch.full((4,), 777.0))
+
+
+def _ranks_differ_job(rank: int, world: int, base: str, case: str) -> str:
+    model = ABC()
+    kwargs: dict = {}
+    path = f"{base}/one"
+    if case == "strict":
+        kwargs["strict"] = rank == 0
+    elif case == "key_map":
+        kwargs["key_map"] = (lambda k: k) if rank == 0 else (lambda k: None if k == "b" else k)
+        kwargs["strict"] = False
+    else:  # each rank its node's own copy; rank 1's is of another layout
+        path = f"{base}/node{rank}"
+    try:
+        hf.load_pretrained(model, path, **kwargs)
+    except ValueError as exc:
+        assert torch.equal(model.a, torch.zeros(4)), "refused before anything was read"
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.parametrize("case", ["strict", "key_map", "files"])
+def test_ranks_that_differ_fail_alike_before_reading(tmp_path, case):
+    """Ranks passing different ``strict`` hung: the strict ones raised the missing key, the
+    others waited in the read until the process group's timeout. A key_map that differs by rank,
+    or per-node copies of different layouts, loaded a mix silently. Found by a helper
+    (2026-11-29)."""
+    from dist_harness import run_ranks
+
+    from distckpt.tools.safetensors_io import header_bytes
+
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file({"a": torch.ones(4), "b": torch.ones(4)}, str(one / "model.safetensors"))  # lacks c
+    if case == "files":
+        a, b, c = (torch.full((4,), float(i)) for i in range(3))
+        for rank, order in enumerate([(a, b, c), (c, b, a)]):
+            node = tmp_path / f"node{rank}"
+            node.mkdir()
+            names = "abc" if rank == 0 else "cba"
+            body = b"".join(t.numpy().tobytes() for t in order)
+            (node / "model.safetensors").write_bytes(header_bytes([(n, t.dtype, t.shape) for n, t in zip(names, order)], {}) + body)
+    got = run_ranks(_ranks_differ_job, 2, tmp_path, str(tmp_path), case, timeout=120)
+    expect = {"strict": "strict: True on ranks 0; False on ranks 1", "key_map": "key mapping", "files": "files (digest of their headers)"}[case]
+    for msg in got:
+        assert "the ranks called load_pretrained(" in msg and expect in msg, msg

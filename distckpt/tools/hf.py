@@ -23,6 +23,8 @@ with the same arguments, and an error on any rank is raised on every rank.
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
+from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
 from distckpt.load.phases import Mismatches, read
 from distckpt.state.entries import ModuleEntry, tied_duplicates
@@ -58,8 +61,9 @@ from distckpt.tools.safetensors_io import SafetensorsIndex, SafetensorsReader
 
 
 #: What each rank of :func:`load_pretrained` shares of its plan: missing, unexpected and
-#: mismatched keys, tied keys, pairs of keys of one tied tensor the checkpoint stores both of.
-_PlanView = tuple[list[str], list[str], Mismatches, dict[str, str], list[tuple[str, str]]]
+#: mismatched keys, tied keys, pairs of keys of one tied tensor the checkpoint stores both of,
+#: and what every rank must have alike (arguments, the files' headers, the key mapping).
+_PlanView = tuple[list[str], list[str], Mismatches, dict[str, str], list[tuple[str, str]], dict[str, object]]
 
 
 class HFConfig(Protocol):
@@ -94,6 +98,10 @@ def _group(process_group: dist.ProcessGroup | Group | None) -> Group:
     if isinstance(process_group, Group):
         return process_group
     return Group(process_group if dist.is_available() and dist.is_initialized() else None)
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _map_key(name: str, strip_prefix: str | None, add_prefix: str | None, key_map: Callable[[str], str | None] | None) -> str | None:
@@ -207,10 +215,23 @@ def load_pretrained(
             stored = [m for m in members if m in request]
             both += [(m, stored[0]) for m in stored[1:]]
         both.sort()
-        view = (sorted(missing), sorted(unexpected), mismatched, tied, both)
+        # What every rank must share: its arguments, the files it found (a node's own copy at
+        # another path may be another revision) and where its keys went (key_map may differ).
+        agree = {
+            "strict": strict,
+            "strip_prefix": strip_prefix,
+            "add_prefix": add_prefix,
+            "key_map": key_map is not None,
+            "files (digest of their headers)": _digest(sorted((n, i.size, i.head.hex()) for n, i in index.files.items())),
+            "key mapping (digest)": _digest([sorted(rename.items()), sorted(unexpected)]),
+        }
+        view = (sorted(missing), sorted(unexpected), mismatched, tied, both, agree)
         return (request, rename, index, tied), view
 
     (request, rename, index, _), views = exchange(group, f"load_pretrained from {where}", plan)
+    # Before anything is read: a rank with strict=False went on into the read while the others
+    # raised (a hang until the timeout); other files or mappings loaded a mix silently.
+    refuse_different_arguments(f"load_pretrained({where!r})", [v[5] for v in views])
     pairs = sorted({p for v in views for p in v[4]})
     missing = sorted({k for v in views for k in v[0]})
     unexpected = sorted(set(views[0][1]).intersection(*[set(v[1]) for v in views]))
