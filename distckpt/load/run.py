@@ -216,6 +216,8 @@ def load(
     if planned is not None and (preread is None or planned.metadata is not metadata):
         planned = None  # made for other metadata: never trusted for this one
     selected: list[Selection] = []
+    explicit = verify_state if verify_state is not None else options.verify_state
+    saved_dtypes = {k: md.properties.dtype for k, md in metadata.state_dict_metadata.items() if hasattr(md, "properties")}
 
     def plan_here() -> Any:
         # Inside the exchange: patterns a rank got wrong (malformed, or matching nothing) fail
@@ -224,6 +226,8 @@ def load(
         selected.append(Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index)))
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
         refuse_overlapping(plan.request, where)
+        if explicit:
+            verify.refuse_unprovable(plan.request, saved_dtypes, manifest.step, where)
         return plan, (view, arguments(step, strict, verify_state, only, exclude))
 
     plan, shared = exchange(group, f"load of {where}", plan_here)
@@ -243,7 +247,6 @@ def load(
             report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
         )
     requested = sorted(requested_set)
-    explicit = verify_state if verify_state is not None else options.verify_state
     if explicit:  # asked for a proof: refuse before reading if the checkpoint cannot give it
         verify.require_fingerprints(manifest, index, requested, where)
     reader = checkpoint_reader(
@@ -279,7 +282,7 @@ def load(
             then=lambda: apply_load(group, manifest, plan, state),
         )
         if verify.due(explicit, manifest, group.world_size, plan.entries, where):
-            verify.check_loaded(group, manifest, plan, requested, where, options.thread_count)
+            verify.check_loaded(group, manifest, plan, requested, where, options.thread_count, saved_dtypes)
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "

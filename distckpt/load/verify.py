@@ -47,6 +47,7 @@ from distckpt.load.phases import LoadPlan
 from distckpt.state import rng, scope
 from distckpt.state.entries import Entry
 from distckpt.state import fingerprint
+from distckpt.state.casts import exact_cast
 from distckpt.state.placements import replication, writes_dtensor
 from distckpt.state.shape import numel
 from distckpt.state.statecheck import StateDivergedError
@@ -54,8 +55,8 @@ from distckpt.state.statecheck import StateDivergedError
 _LOW32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
 # Slots per key of the summed vector, in this order.
-_COPIES, _DESIGNATED, _COVERED, _BAD, _ALL_HI, _ALL_LO, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO, _MESHES = range(11)
-_SLOTS = 11
+_COPIES, _DESIGNATED, _COVERED, _BAD, _ALL_HI, _ALL_LO, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO, _MESHES, _UNPROVEN = range(12)
+_SLOTS = 12
 # The designated-copy slots, recomputed over one mesh for keys that several meshes hold.
 _PER_MESH = (_DESIGNATED, _COVERED, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO)
 
@@ -68,6 +69,8 @@ def diverged_keys(
     what: str,
     threads: int = 1,
     version: int = fingerprint.VERSION,
+    saved_dtypes: Mapping[str, torch.dtype] | None = None,
+    unproven: list[str] | None = None,
 ) -> list[str]:
     """(all ranks, collective) The keys among ``keys`` whose loaded values differ from the
     saved ones, sorted, identical on every rank.
@@ -80,6 +83,11 @@ def diverged_keys(
         what: names the check in errors (a failure on one rank fails every rank alike).
         threads: fingerprinting threads.
         version: the fingerprint construction of ``saved`` (the manifest's ``fingerprint_version``).
+        saved_dtypes: key -> the dtype the checkpoint holds. A tensor loaded into another dtype
+            is fingerprinted cast back to it where that cast is exact
+            (:func:`~distckpt.state.casts.exact_cast`: a bf16 checkpoint in an fp32 model); where
+            the load's cast lost values (fp32 into bf16) it cannot be proven: never judged,
+            its key appended to ``unproven`` (the same list on every rank).
     """
     judged = sorted(k for k in keys if k in saved)
     index = {k: i for i, k in enumerate(judged)}
@@ -92,10 +100,26 @@ def diverged_keys(
         slots = [[0] * len(judged) for _ in range(_SLOTS)]
         flat = extract()
         mine = {k: v for k, v in flat.items() if k in index}
+        back: dict[str, torch.dtype] = {}  # key -> the saved dtype its loaded values are cast back to
+        for key, value in list(mine.items()):
+            was = (saved_dtypes or {}).get(key)
+            if was is None or not isinstance(value, torch.Tensor) or value.dtype == was:
+                continue
+            if exact_cast(was, value.dtype) or not value.numel():  # an empty tensor loses nothing
+                back[key] = was
+                # Cast back, a value the saved dtype cannot hold would round to a saved one:
+                # every loaded value must be one of the saved dtype's (bit for bit).
+                if not _holds_only(value, was):
+                    slots[_BAD][index[key]] = 1
+            else:
+                slots[_UNPROVEN][index[key]] += 1
+                del mine[key]
         lowest: dict[int, int] = {}  # id(mesh) -> its lowest global rank
-        for key, offsets, shape, global_shape, dtype, total in fingerprint.local_parts(mine, threads=threads, version=version):
+        for key, offsets, shape, global_shape, dtype, total in fingerprint.local_parts(mine, threads=threads, version=version, as_dtype=back):
             i = index[key]
-            if tuple(shape) == tuple(global_shape) and not any(offsets):
+            if (tuple(shape) == tuple(global_shape) and not any(offsets)) or not numel(global_shape):
+                # A whole copy; or a block of an empty tensor (shape (0, 6) split in dim 1: every
+                # rank's block is empty and none whole), which has nothing to add up.
                 slots[_COPIES][i] += 1
                 slots[_BAD][i] |= fingerprint.digest(total, global_shape, dtype, version) != saved[key]
                 continue
@@ -121,12 +145,17 @@ def diverged_keys(
         return torch.tensor(slots, dtype=torch.int64).reshape(-1)
 
     summed = group.all_reduce(all_ranks(group, what, local), "sum").reshape(_SLOTS, len(judged)).tolist()
-    bad = [1 if summed[_BAD][i] or not summed[_COPIES][i] else 0 for i in range(len(judged))]
+    lossy = {i for i in range(len(judged)) if summed[_UNPROVEN][i]}
+    if unproven is not None:
+        unproven.extend(judged[i] for i in sorted(lossy))
+    bad = [1 if (summed[_BAD][i] or not summed[_COPIES][i]) and i not in lossy else 0 for i in range(len(judged))]
     several = [i for i in range(len(judged)) if summed[_MESHES][i] > 1]  # the same list on every rank
     if several:
         _one_mesh(group, several, blocks, summed)
     if any(summed[_DESIGNATED]):  # every rank sees the same sums, so all take part or none
         for i, (replicas, global_shape, dtype) in sharded.items():
+            if i in lossy:
+                continue
             s = [row[i] for row in summed]
             copies = replicas * max(1, s[_MESHES])  # of each block, over every mesh holding the key
             total = ((s[_SUM_HI] << 32) + s[_SUM_LO]) & _MASK64
@@ -141,6 +170,21 @@ def diverged_keys(
                 bad[i] = 1
         bad = group.all_reduce(torch.tensor(bad, dtype=torch.uint8), "max").tolist()
     return [k for k, b in zip(judged, bad) if b]
+
+
+def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every element of ``value`` (this rank's block) is a value of ``dtype``: cast there
+    and back, the same bits."""
+    from torch.distributed.tensor import DTensor
+
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if not local.numel():
+        return True
+    same = local.to(dtype).to(local.dtype)
+    if local.dtype.is_floating_point and local.element_size() in (2, 4, 8):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+        return torch.equal(same.view(bits), local.view(bits))
+    return torch.equal(same, local)
 
 
 def _one_mesh(
@@ -246,8 +290,19 @@ def require_fingerprints(manifest: Manifest, index: Mapping[str, Any], requested
         )
 
 
-def check_loaded(group: Group, manifest: Manifest, plan: LoadPlan, requested: Sequence[str], where: str, threads: int) -> None:
-    """(all ranks) Fingerprints of what the objects hold now against the saved ones.
+def check_loaded(
+    group: Group,
+    manifest: Manifest,
+    plan: LoadPlan,
+    requested: Sequence[str],
+    where: str,
+    threads: int,
+    saved_dtypes: Mapping[str, torch.dtype] | None = None,
+) -> None:
+    """(all ranks) Fingerprints of what the objects hold now against the saved ones
+    (``saved_dtypes``: key -> the checkpoint's dtype, for tensors loaded into another; see
+    :func:`diverged_keys`). Tensors whose load lost values in a cast are not judged: one warning
+    names them.
 
     Raises:
         StateDivergedError: on every rank, naming the tensors that differ.
@@ -268,12 +323,43 @@ def check_loaded(group: Group, manifest: Manifest, plan: LoadPlan, requested: Se
 
     # RNG states are reseeded, not restored, at another world size.
     judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
+    unproven: list[str] = []
     bad = diverged_keys(
         group, current, manifest.fingerprints, judged, f"state check of {where}", threads=threads,
-        version=manifest.fingerprint_version,
+        version=manifest.fingerprint_version, saved_dtypes=saved_dtypes, unproven=unproven,
     )  # fmt: skip
     if bad:
         raise StateDivergedError(bad, f"step {manifest.step} at {where}")
+    if unproven:
+        shown = ", ".join(unproven[:10]) + (f", ... (+{len(unproven) - 10} more)" if len(unproven) > 10 else "")
+        warnings.warn(
+            f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(unproven)} tensor(s) "
+            f"loaded into a dtype that cannot hold their saved values exactly: {shown}",
+            stacklevel=4,
+        )
+
+
+def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype], step: int, where: str) -> None:
+    """(each rank, inside the load's plan exchange: every rank fails alike) For
+    ``verify_state=True``: a tensor whose destination's dtype cannot hold its saved values
+    exactly (an fp32 checkpoint into a bf16 model) cannot be proven equal to the saved one, so
+    the load is refused before anything is read.
+
+    Raises:
+        CheckpointError: naming the tensors and both dtypes.
+    """
+    lossy = []
+    for key, value in request.items():
+        was = saved_dtypes.get(key)
+        if isinstance(value, torch.Tensor) and was is not None and value.numel() and not exact_cast(was, value.dtype):
+            lossy.append(f"{key} ({str(was).replace('torch.', '')} into {str(value.dtype).replace('torch.', '')})")
+    if lossy:
+        shown = ", ".join(lossy[:10]) + (f", ... (+{len(lossy) - 10} more)" if len(lossy) > 10 else "")
+        raise CheckpointError(
+            f"load(verify_state=True) of step {step} at {where}: {len(lossy)} tensor(s) would be loaded into a dtype "
+            f"that cannot hold their saved values exactly, so the load cannot be proven equal to the save: {shown}; "
+            "load with verify_state=False (or None: verify what can be proven)"
+        )
 
 
 _warned_unverifiable: set[str] = set()

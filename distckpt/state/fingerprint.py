@@ -36,7 +36,7 @@ there without synchronizing, brought back once).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -158,7 +158,7 @@ def of_tensor(t: torch.Tensor, version: int = VERSION) -> str:
 Part = tuple  # (key, offsets, local shape, global shape, dtype name, partial sum)
 
 
-def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Part]:
+def local_parts(flat: dict, threads: int = 1, version: int = VERSION, as_dtype: Mapping[str, torch.dtype] | None = None) -> list[Part]:
     """(each rank, not collective) The fingerprint parts of every tensor this rank holds.
 
     ``flat`` maps flattened state-dict keys to values (DCP's flattening). A DTensor contributes
@@ -167,7 +167,8 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Pa
     (sparse, quantized, meta), are left out. Accelerator tensors are summed on their device
     without synchronizing per tensor (one transfer per device at the end); host tensors by
     single-threaded NumPy loops that release the GIL, over ``threads`` Python threads. The parts
-    come back in key order.
+    come back in key order. ``as_dtype``: keys whose tensors are fingerprinted cast to that dtype
+    (one block at a time: a load that cast a checkpoint's values exactly, proven by casting back).
     """
     from torch.distributed.tensor import DTensor
 
@@ -175,6 +176,11 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Pa
     for key, value in flat.items():
         if isinstance(value, DTensor):
             local = value.to_local()
+            if not numel(value.shape):
+                # Empty: nothing to sum, wherever its blocks lie (FSDP2 gives a rank's empty
+                # block no chunk); one part per rank, so that a check counts its copies.
+                blocks.append((key, local, (0,) * value.dim(), tuple(int(d) for d in value.shape)))
+                continue
             chunks = value.__create_chunk_list__()  # the chunk DCP writes for this rank
             if len(chunks) != 1 or tuple(int(d) for d in chunks[0].sizes) != tuple(local.shape):
                 continue  # a layout DCP does not write as one block: not fingerprinted
@@ -185,12 +191,18 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Pa
     on_device = [b for b in blocks if b[1].device.type != "cpu"]
     on_host = [b for b in blocks if b[1].device.type == "cpu"]
     sums: dict[int, int] = {}
+    cast = as_dtype or {}
+
+    def values(block: tuple) -> torch.Tensor:
+        dtype = cast.get(block[0])
+        return block[1] if dtype is None else block[1].to(dtype)
+
     if on_device:
-        lazy = [_lazy_sum(b[1], b[2], b[3], version) for b in on_device]
+        lazy = [_lazy_sum(values(b), b[2], b[3], version) for b in on_device]
         sums.update({id(b): v for b, v in zip(on_device, fpkernels.settle(lazy))})
 
     def one(block: tuple) -> int:
-        return partial_sum(block[1], block[3], block[2], version)
+        return partial_sum(values(block), block[3], block[2], version)
 
     if threads > 1 and len(on_host) > 1:
         from concurrent.futures import ThreadPoolExecutor
@@ -201,7 +213,11 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION) -> list[Pa
             sums.update({id(b): v for b, v in zip(order, pool.map(one, order))})
     else:
         sums.update({id(b): one(b) for b in on_host})
-    return [(key, offsets, tuple(local.shape), shape, str(local.dtype), sums[id(b)]) for b in blocks for key, local, offsets, shape in (b,)]
+    return [
+        (key, offsets, tuple(local.shape), shape, str(cast.get(key, local.dtype)), sums[id(b)])
+        for b in blocks
+        for key, local, offsets, shape in (b,)
+    ]
 
 
 def _lazy_sum(local: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int], version: int) -> int | torch.Tensor:
