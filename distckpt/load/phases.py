@@ -33,7 +33,7 @@ from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_c
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, tied_duplicates
+from distckpt.state.entries import Entry, OptimizerEntry, tied_duplicates
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -116,6 +116,12 @@ def plan_load(
         rng_key = f"rank_{group.rank if manifest.world_size == group.world_size else 0}"
         targets[rng.NAMESPACE] = {rng_key: rng.capture()}
     flat, mappings = flatten_state_dict(targets)
+    for e in entries:
+        if isinstance(e, OptimizerEntry) and e.name in targets and isinstance(targets[e.name], Mapping):
+            prefix = e.name + "."
+            saved_keys = [k[len(prefix) :] for k in index if k.startswith(prefix + "state.")]
+            for key in e.set_stateless({k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}, saved_keys):
+                del flat[prefix + key]
 
     missing: list[str] = []
     mismatched: Mismatches = {}

@@ -16,7 +16,7 @@ values back to the live object (``apply``). All keys are world-size independent:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -213,6 +213,27 @@ class OptimizerEntry(Entry):
         super().__init__(name)
         self.optim = optim
         self.module = module
+        # Keys of the load target (``state.<fqn>.<name>``) of parameters the checkpoint holds no
+        # state for, with the target's values (see :meth:`set_stateless`).
+        self.stateless: dict[str, Any] = {}
+
+    def set_stateless(self, target: Mapping[str, Any], saved_keys: Iterable[str]) -> list[str]:
+        """(each rank, at load planning) The keys of ``target`` (this entry's flat load target,
+        keys relative to the entry) of parameters for which ``saved_keys`` (the checkpoint's keys
+        of this entry, relative too) hold no state at all: parameters that never had a gradient
+        (a layer the forward skipped) get no optimizer state, and the load target of a fresh
+        optimizer (DCP's, made by a step with zero gradients) holds state for every parameter,
+        which a strict load reported missing: the checkpoint could not be resumed. They are
+        neither read nor missing, and have no state after the load, as at the save.
+
+        Only where every parameter the checkpoint holds state for is one of the model's (a
+        checkpoint of another key layout keeps its keys missing). Returns the keys set aside."""
+        self.stateless = {}
+        held = {k[len("state.") :].rsplit(".", 1)[0] for k in saved_keys if k.startswith("state.")}
+        if not held or not held <= set(self.module.param_fqns().values()):
+            return []
+        self.stateless = {k: target[k] for k in target if k.startswith("state.") and k[len("state.") :].rsplit(".", 1)[0] not in held}
+        return list(self.stateless)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -236,7 +257,15 @@ class OptimizerEntry(Entry):
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         if any(k.startswith("state.") for k in loaded):
-            set_optimizer_state_dict(self.module.module, self.optim, loaded, options=_FLAT_OPTIM)
+            # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
+            # target's for those the checkpoint holds none for, removed right after.
+            set_optimizer_state_dict(self.module.module, self.optim, {**loaded, **self.stateless}, options=_FLAT_OPTIM)
+            if self.stateless:
+                without = {k[len("state.") :].rsplit(".", 1)[0] for k in self.stateless}
+                fqns = self.module.param_fqns()
+                for p in optimizer_params(self.optim):
+                    if fqns.get(id(p)) in without:
+                        self.optim.state.pop(p, None)
         else:
             self.optim.state.clear()
             load_flat_param_groups(self.optim, self.module.param_fqns(), loaded)

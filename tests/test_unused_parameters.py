@@ -1,0 +1,105 @@
+"""A model with a layer its forward skips: the optimizer holds no state for that layer's
+parameters, and a checkpoint of it resumes exactly (plain, FSDP2 and ZeRO)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning", "ignore:.*find_unused_parameters")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.unused = nn.Linear(5, 3)
+        self.b = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, use_all: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h).sum() + (self.unused(h).sum() if use_all else 0)
+
+
+def _build(layout: str, world: int, seed: int):
+    torch.manual_seed(seed)
+    model = Net()
+    if layout == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for child in (model.a, model.unused, model.b):
+            fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if layout == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _step(model, optim, use_all: bool, seed: int) -> None:
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed))
+    model(x, use_all).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+
+def _job(rank: int, world: int, root: str, layout: str) -> bool:
+    model, optim = _build(layout, world, 0)
+    _step(model, optim, False, 1)
+    _step(model, optim, False, 2)
+    with distckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": model, "optim": optim})
+        for prestep in (False, True):
+            other, other_optim = _build(layout, world, 5)
+            if prestep:  # an optimizer that already holds state for every parameter
+                _step(other, other_optim, True, 9)
+            ck.load({"model": other, "optim": other_optim})
+            # Continue both, now with every layer in use: bit-exact the same training.
+            for seed in (3, 4):
+                if not prestep:
+                    _step(model, optim, True, seed)
+                _step(other, other_optim, True, seed)
+            assert all(torch.equal(p, q) for p, q in zip(_params(model), _params(other))), (layout, prestep)
+            if not prestep:
+                model, optim = _build(layout, world, 0)  # the original again, for the second round
+                _step(model, optim, False, 1)
+                _step(model, optim, False, 2)
+                for seed in (3, 4):
+                    _step(model, optim, True, seed)
+    return True
+
+
+@pytest.mark.parametrize("layout,world", [("plain", 1), ("fsdp", 2), ("zero", 2)])
+def test_a_layer_without_gradients_resumes_exactly(tmp_path, layout, world):
+    """The load target of an optimizer (DCP's, made by a step with zero gradients) holds state
+    for every parameter, which a strict load reported missing for the skipped layer: such a
+    checkpoint could not be resumed with the defaults at any world size. Found by a helper
+    (2026-11-29)."""
+    from dist_harness import run_ranks
+
+    assert run_ranks(_job, world, tmp_path, str(tmp_path / "root"), layout, timeout=150) == [True] * world
+
+
+def test_stateless_parameters_only_where_the_checkpoint_names_this_models_parameters():
+    """A checkpoint whose optimizer keys name other parameters (another model, another key
+    layout) keeps every state key missing: nothing is set aside, so a strict load still refuses."""
+    from distckpt.state.entries import ModuleEntry, OptimizerEntry
+
+    model = Net()
+    entry = OptimizerEntry("optim", torch.optim.AdamW(model.parameters()), ModuleEntry("model", model))
+    target = {f"state.{n}.{s}": 0 for n, _ in model.named_parameters() for s in ("exp_avg", "step")}
+    assert entry.set_stateless(target, ["state.a.weight.step", "state.a.bias.step"]) == [
+        k for k in target if not k.startswith("state.a.")
+    ]
+    assert entry.set_stateless(target, ["state.0.step", "state.a.weight.step"]) == []  # "0": not this model's
+    assert entry.set_stateless(target, []) == []  # no state saved at all: nothing guessed
