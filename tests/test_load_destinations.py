@@ -31,3 +31,36 @@ def test_an_expanded_destination_is_refused_on_every_rank_naming_the_key(tmp_pat
     got = run_ranks(_expanded_on_rank_1, 2, tmp_path, str(tmp_path / "root"), timeout=120)
     for msg in got:
         assert "cannot load 'a'" in msg and "share memory" in msg and "stride (0, 1)" in msg, msg
+
+
+def test_one_tensor_under_two_keys_saved_with_different_values_is_refused(tmp_path):
+    """Two entries saved with different values, loaded into one shared tensor: both were read
+    into it and the later one kept, with a clean report (plain dcp.load does the same). Found by
+    a helper (2026-11-29)."""
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": {"a": torch.full((2,), 1.0), "b": torch.full((2,), 2.0), "c": torch.full((2,), 1.0)}})
+        shared = torch.zeros(2)
+        with pytest.raises(ValueError, match=r"one tensor under keys .* different values: 'w\.a' and 'w\.b'"):
+            ck.load({"w": {"a": shared, "b": shared, "c": torch.zeros(2)}})
+        assert torch.equal(shared, torch.zeros(2)), "refused before reading"
+        ck.load({"w": {"a": shared, "b": shared, "c": torch.zeros(2)}}, exclude="w.b")  # one of them: loads
+        assert torch.equal(shared, torch.full((2,), 1.0))
+        same = torch.zeros(2)
+        ck.load({"w": {"a": same, "c": same, "b": torch.zeros(2)}})  # equal values under both keys: fine
+        assert torch.equal(same, torch.full((2,), 1.0))
+
+
+def test_a_cast_that_loses_values_warns_naming_the_tensor(tmp_path):
+    """A float64 checkpoint loaded into float32 (or int64 into float64) was cast silently, the
+    report clean. Exact casts (bf16 into fp32) say nothing."""
+    import warnings
+
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"f64": torch.tensor([0.1, 1 / 3], dtype=torch.float64), "i64": torch.tensor([2**53 + 1]), "bf": torch.ones(2, dtype=torch.bfloat16)})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ck.load({"f64": torch.zeros(2), "i64": torch.zeros(1, dtype=torch.float64), "bf": torch.zeros(2)})
+    lines = [str(w.message) for w in seen if "cannot hold" in str(w.message)]
+    assert len(lines) == 1 and "casts 2 tensor(s)" in lines[0], lines
+    assert "f64 (float64 into float32)" in lines[0] and "i64 (int64 into float64)" in lines[0] and "bf" not in lines[0].split(":")[-1]
+    assert [w.filename for w in seen if "cannot hold" in str(w.message)] == [__file__]  # points at the caller

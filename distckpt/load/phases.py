@@ -127,6 +127,22 @@ def plan_load(
     mismatched: Mismatches = {}
     later = tied_duplicates(flat)
     tied = {**later, **{first: dup for dup, first in later.items()}}  # both directions
+    # One tensor under two keys that the checkpoint holds with different values (recorded
+    # fingerprints differ): both would be read into it, the one read last kept, unreported.
+    differ = [
+        (first, dup)
+        for dup, first in later.items()
+        if dup in index and first in index and selection.key(dup) and selection.key(first)
+        and None not in (manifest.fingerprints.get(first), manifest.fingerprints.get(dup))
+        and manifest.fingerprints[first] != manifest.fingerprints[dup]
+    ]  # fmt: skip
+    if differ:
+        shown = "; ".join(f"{a!r} and {b!r}" for a, b in sorted(differ)[:10])
+        raise ValueError(
+            f"step {manifest.step}: the state holds one tensor under keys the checkpoint holds with different "
+            f"values: {shown}; loading would keep whichever is read last. Untie them before loading, or load "
+            "one of them (exclude= the other)"
+        )
     for key, value in flat.items():
         if not selection.key(key):
             continue

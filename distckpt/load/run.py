@@ -228,6 +228,8 @@ def load(
         refuse_overlapping(plan.request, where)
         if explicit:
             verify.refuse_unprovable(plan.request, saved_dtypes, manifest.step, where)
+        else:
+            verify.warn_lossy(plan.request, saved_dtypes, manifest.step, where)
         return plan, (view, arguments(step, strict, verify_state, only, exclude))
 
     plan, shared = exchange(group, f"load of {where}", plan_here)

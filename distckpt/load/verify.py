@@ -33,6 +33,8 @@ The verdict equals :func:`distckpt.state.statecheck.diverged` over gathered part
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -335,7 +337,41 @@ def check_loaded(
         warnings.warn(
             f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(unproven)} tensor(s) "
             f"loaded into a dtype that cannot hold their saved values exactly: {shown}",
-            stacklevel=4,
+            stacklevel=_outside(),
+        )
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside distckpt (a load's path has a varying depth)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def lossy_casts(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype]) -> list[str]:
+    """``"key (saved dtype into loaded dtype)"`` for each tensor of ``request`` whose destination
+    cannot hold its saved values exactly (:func:`~distckpt.state.casts.exact_cast`), in order."""
+    lossy = []
+    for key, value in request.items():
+        was = saved_dtypes.get(key)
+        if isinstance(value, torch.Tensor) and was is not None and value.numel() and not exact_cast(was, value.dtype):
+            lossy.append(f"{key} ({str(was).replace('torch.', '')} into {str(value.dtype).replace('torch.', '')})")
+    return lossy
+
+
+def warn_lossy(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype], step: int, where: str) -> None:
+    """(each rank, not collective) One warning naming the tensors a load casts into a dtype that
+    cannot hold their saved values (a float64 checkpoint into float32, int64 into float64):
+    DCP casts them silently."""
+    lossy = lossy_casts(request, saved_dtypes)
+    if lossy:
+        shown = ", ".join(lossy[:10]) + (f", ... (+{len(lossy) - 10} more)" if len(lossy) > 10 else "")
+        warnings.warn(
+            f"distckpt: loading step {step} at {where} casts {len(lossy)} tensor(s) into a dtype that cannot hold "
+            f"their saved values exactly: {shown}",
+            stacklevel=_outside(),
         )
 
 
@@ -348,11 +384,7 @@ def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, tor
     Raises:
         CheckpointError: naming the tensors and both dtypes.
     """
-    lossy = []
-    for key, value in request.items():
-        was = saved_dtypes.get(key)
-        if isinstance(value, torch.Tensor) and was is not None and value.numel() and not exact_cast(was, value.dtype):
-            lossy.append(f"{key} ({str(was).replace('torch.', '')} into {str(value.dtype).replace('torch.', '')})")
+    lossy = lossy_casts(request, saved_dtypes)
     if lossy:
         shown = ", ".join(lossy[:10]) + (f", ... (+{len(lossy) - 10} more)" if len(lossy) > 10 else "")
         raise CheckpointError(
