@@ -103,3 +103,32 @@ def test_stateless_parameters_only_where_the_checkpoint_names_this_models_parame
     ]
     assert entry.set_stateless(target, ["state.0.step", "state.a.weight.step"]) == []  # "0": not this model's
     assert entry.set_stateless(target, []) == []  # no state saved at all: nothing guessed
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_groups_changed_since_the_save_are_refused_naming_the_values(tmp_path, stepped):
+    """Saved with two groups (lr 1e-2 / 5e-3), loaded into one group over the same parameters:
+    every parameter got the first one's lr and weight decay, silently, strict or not (plain DCP
+    does the same). Found by a helper (2026-11-29)."""
+    model = Net()
+    groups = [{"params": list(model.a.parameters()), "lr": 1e-2, "weight_decay": 0.1},
+              {"params": list(model.b.parameters()) + list(model.unused.parameters()), "lr": 5e-3, "weight_decay": 0.0}]  # fmt: skip
+    optim = torch.optim.AdamW(groups)
+    _step(model, optim, True, 1)
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": optim})
+        other = Net()
+        one = torch.optim.AdamW(other.parameters(), lr=0.5, weight_decay=0.5)
+        if stepped:
+            _step(other, one, True, 2)
+        with pytest.raises(ValueError, match=r"parameter group 0 holds parameters saved with different hyper-parameters \((lr|weight_decay): "):
+            ck.load({"model": other, "optim": one})
+        ck.load({"model": other, "optim": one}, exclude="optim.param_groups.*")  # the way out it names
+        assert one.param_groups[0]["lr"] == 0.5 and torch.equal(other.a.weight, model.a.weight)
+        if stepped:
+            assert torch.equal(one.state[other.b.weight]["exp_avg"], optim.state[model.b.weight]["exp_avg"])
+        # The same groups load as before.
+        same = torch.optim.AdamW([{"params": list(other.a.parameters()), "lr": 1.0},
+                                  {"params": list(other.b.parameters()) + list(other.unused.parameters()), "lr": 1.0}])  # fmt: skip
+        ck.load({"model": other, "optim": same})
+        assert [g["lr"] for g in same.param_groups] == [1e-2, 5e-3]

@@ -191,6 +191,46 @@ def flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str]) -> 
     return out
 
 
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
+        return False
+
+
+def check_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: Mapping[str, Any], name: str) -> None:
+    """(each rank, at load) Refuse loading hyper-parameters into groups whose parameters were
+    saved with different ones: the groups changed since the save (a new weight-decay split), and
+    each group takes its first parameter's values, so the others' would be replaced silently
+    (DCP does the same).
+
+    Raises:
+        ValueError: naming the entry, the group, the hyper-parameter and two parameters' values.
+    """
+    for index, group in enumerate(optim.param_groups):
+        params = [fqns[id(p)] for p in group["params"] if id(p) in fqns]
+        for k in group:
+            if k == "params":
+                continue
+            first = None
+            for fqn in params:
+                key = f"param_groups.{fqn}.{k}"
+                if key not in flat:
+                    continue
+                if first is None:
+                    first = (fqn, flat[key])
+                elif not _same(first[1], flat[key]):
+                    raise ValueError(
+                        f"cannot load {name!r}: its parameter group {index} holds parameters saved with different "
+                        f"hyper-parameters ({k}: {first[1]!r} for {first[0]}, {flat[key]!r} for {fqn}); the groups "
+                        "changed since the save, and the load would give every parameter of a group its first one's. "
+                        "Build the optimizer with the saved groups, or set the new values after loading with "
+                        f"exclude='{name}.param_groups.*'"
+                    )
+
+
 def load_flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: Mapping[str, Any]) -> None:
     """Set each group's hyper-parameters from the flat form (the group's first parameter)."""
     for group in optim.param_groups:
@@ -256,6 +296,7 @@ class OptimizerEntry(Entry):
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
             # target's for those the checkpoint holds none for, removed right after.

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from distckpt.state.entries import _FLAT_OPTIM, ModuleEntry, OptimizerEntry, flat_param_groups, load_flat_param_groups
+from distckpt.state.entries import (
+    _FLAT_OPTIM,
+    ModuleEntry,
+    OptimizerEntry,
+    check_param_groups,
+    flat_param_groups,
+    load_flat_param_groups,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -84,6 +91,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
+        check_param_groups(self.zero, fqns, loaded, self.name)
         load_flat_param_groups(self.zero, fqns, loaded)
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
         # helper cannot handle the empty param groups a ZeRO partition may have.
