@@ -93,9 +93,9 @@ class CheckpointerOptions:
             self.replicate_keep_last = self.keep_last
         else:
             check_keep_last(self.replicate_keep_last, "replicate_keep_last")
-        self.root = _location(self.root, "root")
+        self.root = location(self.root, "root")
         if self.replicate_to is not None:
-            self.replicate_to = _location(self.replicate_to, "replicate_to")
+            self.replicate_to = location(self.replicate_to, "replicate_to")
             if self.replicate_storage_options and is_local_location(self.replicate_to):
                 raise ValueError(
                     f"replicate_storage_options configure the filesystem of a URL (s3://..., memory://...); "
@@ -187,10 +187,17 @@ class CheckpointerOptions:
         )
 
 
-def _location(value: object, name: str) -> str:
-    """``value`` (``root``, ``replicate_to``) as the text of a path or URL; ``ValueError`` naming
-    ``name`` for anything else (bytes from ``__fspath__``, blank text)."""
+def location(value: object, name: str, storage_options: Mapping[str, object] | None = None) -> str:
+    """``value`` (``root``, ``replicate_to``, a Hugging Face folder) as the text of a path or URL;
+    ``ValueError`` naming ``name`` for anything else (bytes from ``__fspath__``, blank text: an
+    unset variable would name the working directory), and for ``storage_options`` given with a
+    local path (they would be ignored)."""
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{name} must be a local path or an fsspec URL (as text), got {value!r}")
+    if storage_options and is_local_location(text):
+        raise ValueError(
+            f"storage_options configure the filesystem of a URL (s3://..., memory://...); {name} {text!r} is a "
+            "local path, where they would be ignored"
+        )
     return text

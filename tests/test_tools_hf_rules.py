@@ -299,3 +299,23 @@ def test_ranks_that_differ_fail_alike_before_reading(tmp_path, case):
     expect = {"strict": "strict: True on ranks 0; False on ranks 1", "key_map": "key mapping", "files": "files (digest of their headers)"}[case]
     for msg in got:
         assert "the ranks called load_pretrained(" in msg and expect in msg, msg
+
+
+def test_careless_arguments_are_refused_not_ignored(tmp_path, monkeypatch):
+    """An empty path (an unset variable) loaded whatever the working directory held; storage
+    options with a local path, and strip_prefix beside key_map, were ignored. Found by a helper
+    (2026-11-29); Checkpointer refuses the same for its root."""
+    save_file({"a": torch.ones(4), "b": torch.ones(4), "c": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    model = ABC()
+    with pytest.raises(ValueError, match=r"path must be a local path or an fsspec URL.*got ''"):
+        hf.load_pretrained(model, "")
+    with pytest.raises(ValueError, match=r"storage_options configure the filesystem of a URL.*local path"):
+        hf.load_pretrained(model, str(tmp_path), storage_options={"anon": True})
+    with pytest.raises(ValueError, match=r"key_map replaces strip_prefix and add_prefix"):
+        hf.load_pretrained(model, str(tmp_path), strip_prefix="x.", key_map=lambda k: k)
+    with pytest.raises(ValueError, match=r"out must be a local path"):
+        hf.save_pretrained(model, "  ")
+    assert torch.equal(model.a, torch.zeros(4))
+    hf.load_pretrained(model, ".")  # the working directory, named
+    assert torch.equal(model.a, torch.ones(4))

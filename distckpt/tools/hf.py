@@ -45,6 +45,7 @@ from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_an
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
 from distckpt.load.phases import Mismatches, read
+from distckpt.options import location
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
 from distckpt.tools.hf_publish import (
@@ -160,7 +161,9 @@ def load_pretrained(
             and an index naming other files (:class:`~distckpt.tools.safetensors_io.SafetensorsIndex`).
     """
     group = _group(process_group)
-    storage = Storage(path, dict(storage_options or {}))
+    if key_map is not None and (strip_prefix or add_prefix):
+        raise ValueError("load_pretrained: key_map replaces strip_prefix and add_prefix (they would be ignored); fold them into key_map")
+    storage = Storage(location(path, "path", storage_options), dict(storage_options or {}))
     where = storage.display()
 
     def plan() -> tuple[tuple[dict[str, torch.Tensor], dict[str, str], SafetensorsIndex, dict[str, str]], _PlanView]:
@@ -346,7 +349,7 @@ def save_pretrained(
     """
     group = _group(process_group)
     opts = dict(storage_options or {})
-    storage = publish_folder(out, opts)
+    storage = publish_folder(location(out, "out", opts), opts)
     where = storage.display()
     limit = parse_size(max_shard_size)
     patterns = replace_patterns(replace)
