@@ -416,3 +416,36 @@ def _load_as(d: Path, expected_model: nn.Module) -> str:
     expected = expected_model.state_dict()
     got = model.state_dict()
     return "exact" if all(torch.equal(got[k], expected[k]) for k in expected) else "WRONG DATA"
+
+
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        ("nan", "not valid JSON"),
+        ("meta", "__metadata__ must map names to strings"),
+        ("bom", "byte-order mark"),
+        ("utf16", "not UTF-8"),
+    ],
+)
+def test_headers_safetensors_refuses_are_refused(tmp_path, case, why):
+    """Python's json reads what the safetensors format (and its reader) refuses: NaN in
+    ``__metadata__``, metadata values that are not strings, a byte-order mark, UTF-16. A folder
+    only distckpt could read passed for a checkpoint. Found by a helper (2026-11-29)."""
+    import json as _json
+
+    from distckpt.tools import hf as _hf
+    from distckpt.tools.safetensors_io import IntegrityError as _IntegrityError
+
+    body = torch.arange(4.0).numpy().tobytes()
+    header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    if case == "nan":
+        text = _json.dumps({"__metadata__": {"x": float("nan")}, **header})
+    elif case == "meta":
+        text = _json.dumps({"__metadata__": {"x": 1}, **header})
+    else:
+        text = _json.dumps(header)
+    raw = {"bom": b"\xef\xbb\xbf" + text.encode(), "utf16": text.encode("utf-16")}.get(case, text.encode())
+    raw += b" " * (-len(raw) % 8)
+    (tmp_path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + body)
+    with pytest.raises(_IntegrityError, match=why):
+        _hf.load_pretrained(torch.nn.Linear(2, 2), str(tmp_path))

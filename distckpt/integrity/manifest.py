@@ -163,11 +163,16 @@ class Manifest:
         return manifest
 
 
-def json_object(data: bytes | str, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_object(data: bytes | str, what: str, error: type[Exception] = ValueError, *, strict: bool = False) -> dict[str, Any]:
     """``data`` parsed as a JSON object (its values: any JSON), else ``error`` saying that
-    ``what`` (the document and where it is, for the message) is not one."""
+    ``what`` (the document and where it is, for the message) is not one. ``strict``: refuse
+    ``NaN`` and ``Infinity``, which Python's json reads and other readers (safetensors) refuse."""
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, parse_constant=_no_constant) if strict else json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise error(f"{what} is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(raw, dict):

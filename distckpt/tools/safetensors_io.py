@@ -143,7 +143,20 @@ def parse_header(
     n = int.from_bytes(raw_len, "little")
     if n > MAX_HEADER or 8 + n > file_size:
         raise IntegrityError(f"{where}: header length {n} is larger than the file or the 100 MB limit")
-    header = json_object(read_header(n), f"{where}: header", IntegrityError)
+    raw = read_header(n)
+    # As the safetensors format (and its own reader) has it: UTF-8 without a byte-order mark,
+    # plain JSON (no NaN/Infinity), a __metadata__ of strings. Python's json accepts the others,
+    # so a file only distckpt could read would pass for a checkpoint.
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{where}: the header is not UTF-8 text") from None
+    if text.startswith("\ufeff"):
+        raise IntegrityError(f"{where}: the header starts with a byte-order mark, which safetensors does not allow")
+    header = json_object(text, f"{where}: header", IntegrityError, strict=True)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise IntegrityError(f"{where}: __metadata__ must map names to strings (safetensors' format)")
     data_start = 8 + n
     data_len = file_size - data_start
     spans: dict[str, TensorSpan] = {}
