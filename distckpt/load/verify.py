@@ -333,12 +333,19 @@ def check_loaded(
     if bad:
         raise StateDivergedError(bad, f"step {manifest.step} at {where}")
     if unproven:
-        shown = ", ".join(unproven[:10]) + (f", ... (+{len(unproven) - 10} more)" if len(unproven) > 10 else "")
-        warnings.warn(
-            f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(unproven)} tensor(s) "
-            f"loaded into a dtype that cannot hold their saved values exactly: {shown}",
-            stacklevel=_outside(),
-        )
+        _warn_inexact(f"the state check of step {manifest.step} at {where} could not verify", "loaded into", unproven)
+
+
+def _listed(items: Sequence[str], most: int = 10) -> str:
+    return ", ".join(items[:most]) + (f", ... (+{len(items) - most} more)" if len(items) > most else "")
+
+
+def _warn_inexact(what: str, how: str, keys: Sequence[str]) -> None:
+    """One warning about ``keys``, tensors cast (``how``) into dtypes that lose their values."""
+    warnings.warn(
+        f"distckpt: {what} {len(keys)} tensor(s) {how} a dtype that cannot hold their saved values exactly: {_listed(keys)}",
+        stacklevel=_outside(),
+    )
 
 
 def _outside() -> int:
@@ -367,12 +374,7 @@ def warn_lossy(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtyp
     DCP casts them silently."""
     lossy = lossy_casts(request, saved_dtypes)
     if lossy:
-        shown = ", ".join(lossy[:10]) + (f", ... (+{len(lossy) - 10} more)" if len(lossy) > 10 else "")
-        warnings.warn(
-            f"distckpt: loading step {step} at {where} casts {len(lossy)} tensor(s) into a dtype that cannot hold "
-            f"their saved values exactly: {shown}",
-            stacklevel=_outside(),
-        )
+        _warn_inexact(f"loading step {step} at {where} casts", "into", lossy)
 
 
 def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype], step: int, where: str) -> None:
@@ -386,7 +388,7 @@ def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, tor
     """
     lossy = lossy_casts(request, saved_dtypes)
     if lossy:
-        shown = ", ".join(lossy[:10]) + (f", ... (+{len(lossy) - 10} more)" if len(lossy) > 10 else "")
+        shown = _listed(lossy)
         raise CheckpointError(
             f"load(verify_state=True) of step {step} at {where}: {len(lossy)} tensor(s) would be loaded into a dtype "
             f"that cannot hold their saved values exactly, so the load cannot be proven equal to the save: {shown}; "

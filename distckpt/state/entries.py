@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distckpt._shown import shown
 from distckpt.state import containers, encoded, module_keys, values
 from distckpt.state.scope import Declared
 
@@ -224,7 +225,7 @@ def check_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], fl
                 elif not _same(first[1], flat[key]):
                     raise ValueError(
                         f"cannot load {name!r}: its parameter group {index} holds parameters saved with different "
-                        f"hyper-parameters ({k}: {first[1]!r} for {first[0]}, {flat[key]!r} for {fqn}); the groups "
+                        f"hyper-parameters ({k}: {shown(first[1])} for {first[0]}, {shown(flat[key])} for {fqn}); the groups "
                         "changed since the save, and the load would give every parameter of a group its first one's. "
                         "Build the optimizer with the saved groups, or set the new values after loading with "
                         f"exclude='{name}.param_groups.*'"
