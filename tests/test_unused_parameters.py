@@ -90,19 +90,21 @@ def test_a_layer_without_gradients_resumes_exactly(tmp_path, layout, world):
     assert run_ranks(_job, world, tmp_path, str(tmp_path / "root"), layout, timeout=150) == [True] * world
 
 
-def test_stateless_parameters_only_where_the_checkpoint_names_this_models_parameters():
-    """A checkpoint whose optimizer keys name other parameters (another model, another key
-    layout) keeps every state key missing: nothing is set aside, so a strict load still refuses."""
+def test_stateless_parameters_only_those_the_saved_optimizer_held():
+    """Only parameters the saved optimizer held (their param_groups keys are in the checkpoint)
+    without state are set aside: a parameter it did not hold at all (a layer added since, a
+    checkpoint of another key layout) keeps its state keys missing, so a strict load refuses."""
     from distckpt.state.entries import ModuleEntry, OptimizerEntry
 
     model = Net()
     entry = OptimizerEntry("optim", torch.optim.AdamW(model.parameters()), ModuleEntry("model", model))
     target = {f"state.{n}.{s}": 0 for n, _ in model.named_parameters() for s in ("exp_avg", "step")}
-    assert entry.set_stateless(target, ["state.a.weight.step", "state.a.bias.step"]) == [
-        k for k in target if not k.startswith("state.a.")
-    ]
-    assert entry.set_stateless(target, ["state.0.step", "state.a.weight.step"]) == []  # "0": not this model's
-    assert entry.set_stateless(target, []) == []  # no state saved at all: nothing guessed
+    groups = [f"param_groups.{n}.lr" for n, _ in model.named_parameters()]
+    saved = groups + ["state.a.weight.step", "state.a.bias.step"]
+    assert entry.set_stateless(target, saved) == [k for k in target if not k.startswith("state.a.")]
+    without_b = [k for k in saved if not k.startswith("param_groups.b.")]  # b was not in the saved optimizer
+    assert entry.set_stateless(target, without_b) == [k for k in target if k.startswith("state.unused.")]
+    assert entry.set_stateless(target, ["param_groups.0.lr", "state.0.step"]) == []  # another key layout
 
 
 @pytest.mark.parametrize("stepped", [False, True])

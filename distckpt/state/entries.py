@@ -260,20 +260,24 @@ class OptimizerEntry(Entry):
 
     def set_stateless(self, target: Mapping[str, Any], saved_keys: Iterable[str]) -> list[str]:
         """(each rank, at load planning) The keys of ``target`` (this entry's flat load target,
-        keys relative to the entry) of parameters for which ``saved_keys`` (the checkpoint's keys
-        of this entry, relative too) hold no state at all: parameters that never had a gradient
-        (a layer the forward skipped) get no optimizer state, and the load target of a fresh
-        optimizer (DCP's, made by a step with zero gradients) holds state for every parameter,
-        which a strict load reported missing: the checkpoint could not be resumed. They are
-        neither read nor missing, and have no state after the load, as at the save.
+        keys relative to the entry) of parameters the saved optimizer held (the checkpoint has
+        their ``param_groups.<fqn>.*``) but held no state for (no ``state.<fqn>.*`` among
+        ``saved_keys``, the checkpoint's keys of this entry, relative too): parameters that never
+        had a gradient (a layer the forward skipped). The load target of a fresh optimizer (DCP's,
+        made by a step with zero gradients) holds state for every parameter, which a strict load
+        reported missing: the checkpoint could not be resumed. They are neither read nor missing,
+        and have no state after the load, as at the save. (A parameter the saved optimizer did
+        not hold at all stays missing.) Returns the keys set aside."""
 
-        Only where every parameter the checkpoint holds state for is one of the model's (a
-        checkpoint of another key layout keeps its keys missing). Returns the keys set aside."""
-        self.stateless = {}
-        held = {k[len("state.") :].rsplit(".", 1)[0] for k in saved_keys if k.startswith("state.")}
-        if not held or not held <= set(self.module.param_fqns().values()):
-            return []
-        self.stateless = {k: target[k] for k in target if k.startswith("state.") and k[len("state.") :].rsplit(".", 1)[0] not in held}
+        def fqn(key: str, prefix: str) -> str:
+            return key[len(prefix) :].rsplit(".", 1)[0]
+
+        saved = list(saved_keys)
+        held = {fqn(k, "state.") for k in saved if k.startswith("state.")}
+        grouped = {fqn(k, "param_groups.") for k in saved if k.startswith("param_groups.")}
+        self.stateless = {
+            k: v for k, v in target.items() if k.startswith("state.") and fqn(k, "state.") in grouped - held
+        }
         return list(self.stateless)
 
     def describe(self) -> dict[str, Any]:
