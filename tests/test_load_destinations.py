@@ -64,3 +64,18 @@ def test_a_cast_that_loses_values_warns_naming_the_tensor(tmp_path):
     assert len(lines) == 1 and "casts 2 tensor(s)" in lines[0], lines
     assert "f64 (float64 into float32)" in lines[0] and "i64 (int64 into float64)" in lines[0] and "bf" not in lines[0].split(":")[-1]
     assert [w.filename for w in seen if "cannot hold" in str(w.message)] == [__file__]  # points at the caller
+
+
+def test_overlapping_windows_are_refused_and_slices_load(tmp_path):
+    """torch answers "too hard" for an as_strided window whose rows overlap (stride (1, 1)): it
+    loaded silently wrong ([[1, 3], [3, 4]] for [[1, 2], [3, 4]]). Found by a helper reviewing
+    the expand() refusal (2026-11-29). Column and stepped slices (also "too hard") load."""
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": w, "col": torch.arange(3.0), "step": torch.arange(2.0)})
+        window = torch.zeros(3).as_strided((2, 2), (1, 1))
+        with pytest.raises(ValueError, match=r"cannot load 'w' .* share memory .* stride \(1, 1\)"):
+            ck.load({"w": window, "col": torch.zeros(3), "step": torch.zeros(2)})
+        base = torch.zeros(3, 4)
+        ck.load({"w": torch.zeros(20).as_strided((2, 2), (5, 1)), "col": base[:, 1], "step": base[0, ::2]})
+        assert torch.equal(base[:, 1], torch.arange(3.0)) and torch.equal(base[0, ::2], torch.arange(2.0))

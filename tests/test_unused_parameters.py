@@ -134,3 +134,19 @@ def test_groups_changed_since_the_save_are_refused_naming_the_values(tmp_path, s
                                   {"params": list(other.b.parameters()) + list(other.unused.parameters()), "lr": 1.0}])  # fmt: skip
         ck.load({"model": other, "optim": same})
         assert [g["lr"] for g in same.param_groups] == [1e-2, 5e-3]
+
+
+def test_a_parameter_added_to_a_group_since_the_save_takes_the_groups_saved_values(tmp_path):
+    """Only values read from the checkpoint are compared: a parameter added since (its
+    param_groups keys missing, loaded with strict=False) held the fresh optimizer's lr and made
+    the check refuse the load. Found by a helper reviewing the check (2026-11-29)."""
+    model = Net()
+    optim = torch.optim.AdamW([*model.a.parameters(), *model.b.parameters()], lr=0.5)
+    optim.param_groups[0]["lr"] = 0.0125  # as a scheduler leaves it
+    _step(model, optim, False, 1)
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": optim})
+        other = Net()
+        grown = torch.optim.AdamW(other.parameters(), lr=0.1)  # now holds `unused` too, in the same group
+        ck.load({"model": other, "optim": grown}, strict=False)
+    assert [g["lr"] for g in grown.param_groups] == [0.0125]

@@ -107,13 +107,15 @@ def diverged_keys(
             was = (saved_dtypes or {}).get(key)
             if was is None or not isinstance(value, torch.Tensor) or value.dtype == was:
                 continue
-            if exact_cast(was, value.dtype) or not value.numel():  # an empty tensor loses nothing
+            # (An empty tensor loses nothing in any cast.)
+            holds = _holds_only(value, was) if exact_cast(was, value.dtype) or not value.numel() else None
+            if holds is not None:
                 back[key] = was
                 # Cast back, a value the saved dtype cannot hold would round to a saved one:
                 # every loaded value must be one of the saved dtype's (bit for bit).
-                if not _holds_only(value, was):
+                if not holds:
                     slots[_BAD][index[key]] = 1
-            else:
+            else:  # a cast that loses values, or NaNs (a cast keeps no NaN's bits): unprovable
                 slots[_UNPROVEN][index[key]] += 1
                 del mine[key]
         lowest: dict[int, int] = {}  # id(mesh) -> its lowest global rank
@@ -174,14 +176,18 @@ def diverged_keys(
     return [k for k, b in zip(judged, bad) if b]
 
 
-def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool:
+def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool | None:
     """Whether every element of ``value`` (this rank's block) is a value of ``dtype``: cast there
-    and back, the same bits."""
+    and back, the same bits. ``None`` where it holds a NaN: casts do not keep a NaN's bits (an
+    fp32 NaN becomes bf16 ``0xFFFF`` whatever the bf16 one was), so its fingerprint cast back
+    cannot match the saved one."""
     from torch.distributed.tensor import DTensor
 
     local = value.to_local() if isinstance(value, DTensor) else value
     if not local.numel():
         return True
+    if local.dtype.is_floating_point and bool(torch.isnan(local).any()):
+        return None
     same = local.to(dtype).to(local.dtype)
     if local.dtype.is_floating_point and local.element_size() in (2, 4, 8):
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
@@ -332,20 +338,20 @@ def check_loaded(
     )  # fmt: skip
     if bad:
         raise StateDivergedError(bad, f"step {manifest.step} at {where}")
-    if unproven:
-        _warn_inexact(f"the state check of step {manifest.step} at {where} could not verify", "loaded into", unproven)
+    # Casts that lose values were named when the load was planned (warn_lossy); what is left
+    # holds NaNs, whose bits no cast keeps.
+    lossy = set(lossy_casts(plan.request, saved_dtypes or {}))
+    nans = [k for k in unproven if k not in lossy]
+    if nans:
+        warnings.warn(
+            f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(nans)} tensor(s) "
+            f"holding NaN, loaded into another dtype (a cast keeps no NaN's bits): {_listed(nans)}",
+            stacklevel=_outside(),
+        )
 
 
 def _listed(items: Sequence[str], most: int = 10) -> str:
     return ", ".join(items[:most]) + (f", ... (+{len(items) - most} more)" if len(items) > most else "")
-
-
-def _warn_inexact(what: str, how: str, keys: Sequence[str]) -> None:
-    """One warning about ``keys``, tensors cast (``how``) into dtypes that lose their values."""
-    warnings.warn(
-        f"distckpt: {what} {len(keys)} tensor(s) {how} a dtype that cannot hold their saved values exactly: {_listed(keys)}",
-        stacklevel=_outside(),
-    )
 
 
 def _outside() -> int:
@@ -357,14 +363,15 @@ def _outside() -> int:
     return level
 
 
-def lossy_casts(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype]) -> list[str]:
-    """``"key (saved dtype into loaded dtype)"`` for each tensor of ``request`` whose destination
-    cannot hold its saved values exactly (:func:`~distckpt.state.casts.exact_cast`), in order."""
-    lossy = []
+def lossy_casts(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype]) -> dict[str, str]:
+    """Key -> ``"key (saved dtype into loaded dtype)"`` for each tensor of ``request`` whose
+    destination cannot hold its saved values exactly (:func:`~distckpt.state.casts.exact_cast`),
+    in order."""
+    lossy = {}
     for key, value in request.items():
         was = saved_dtypes.get(key)
         if isinstance(value, torch.Tensor) and was is not None and value.numel() and not exact_cast(was, value.dtype):
-            lossy.append(f"{key} ({str(was).replace('torch.', '')} into {str(value.dtype).replace('torch.', '')})")
+            lossy[key] = f"{key} ({str(was).replace('torch.', '')} into {str(value.dtype).replace('torch.', '')})"
     return lossy
 
 
@@ -372,9 +379,13 @@ def warn_lossy(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtyp
     """(each rank, not collective) One warning naming the tensors a load casts into a dtype that
     cannot hold their saved values (a float64 checkpoint into float32, int64 into float64):
     DCP casts them silently."""
-    lossy = lossy_casts(request, saved_dtypes)
+    lossy = list(lossy_casts(request, saved_dtypes).values())
     if lossy:
-        _warn_inexact(f"loading step {step} at {where} casts", "into", lossy)
+        warnings.warn(
+            f"distckpt: loading step {step} at {where} casts {len(lossy)} tensor(s) into a dtype that cannot hold "
+            f"their saved values exactly: {_listed(lossy)}",
+            stacklevel=_outside(),
+        )
 
 
 def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype], step: int, where: str) -> None:
@@ -386,7 +397,7 @@ def refuse_unprovable(request: Mapping[str, Any], saved_dtypes: Mapping[str, tor
     Raises:
         CheckpointError: naming the tensors and both dtypes.
     """
-    lossy = lossy_casts(request, saved_dtypes)
+    lossy = list(lossy_casts(request, saved_dtypes).values())
     if lossy:
         shown = _listed(lossy)
         raise CheckpointError(

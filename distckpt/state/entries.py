@@ -16,7 +16,7 @@ values back to the live object (``apply``). All keys are world-size independent:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Set
 from typing import Any
 
 import torch
@@ -201,11 +201,16 @@ def _same(a: object, b: object) -> bool:
         return False
 
 
-def check_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: Mapping[str, Any], name: str) -> None:
+def check_param_groups(
+    optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: dict[str, Any], name: str, read: Set[str] | None = None
+) -> None:
     """(each rank, at load) Refuse loading hyper-parameters into groups whose parameters were
     saved with different ones: the groups changed since the save (a new weight-decay split), and
     each group takes its first parameter's values, so the others' would be replaced silently
-    (DCP does the same).
+    (DCP does the same). Only values read from the checkpoint count (``read``: the keys read, all
+    of ``flat`` where ``None``): a parameter added since, or excluded, holds the optimizer's own
+    value, and is given the value read for its group in ``flat`` (every parameter of a group
+    then carries it, whichever a group takes its values from).
 
     Raises:
         ValueError: naming the entry, the group, the hyper-parameter and two parameters' values.
@@ -218,7 +223,7 @@ def check_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], fl
             first = None
             for fqn in params:
                 key = f"param_groups.{fqn}.{k}"
-                if key not in flat:
+                if key not in flat or (read is not None and key not in read):
                     continue
                 if first is None:
                     first = (fqn, flat[key])
@@ -230,6 +235,10 @@ def check_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], fl
                         "Build the optimizer with the saved groups, or set the new values after loading with "
                         f"exclude='{name}.param_groups.*'"
                     )
+            if first is not None:
+                for fqn in params:
+                    if f"param_groups.{fqn}.{k}" in flat:
+                        flat[f"param_groups.{fqn}.{k}"] = first[1]
 
 
 def load_flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str], flat: Mapping[str, Any]) -> None:
@@ -257,6 +266,7 @@ class OptimizerEntry(Entry):
         # Keys of the load target (``state.<fqn>.<name>``) of parameters the checkpoint holds no
         # state for, with the target's values (see :meth:`set_stateless`).
         self.stateless: dict[str, Any] = {}
+        self.read: set[str] | None = None  # the keys (relative) the load reads; None: all
 
     def set_stateless(self, target: Mapping[str, Any], saved_keys: Iterable[str]) -> list[str]:
         """(each rank, at load planning) The keys of ``target`` (this entry's flat load target,
@@ -301,7 +311,7 @@ class OptimizerEntry(Entry):
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
-        check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name)
+        check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name, self.read)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
             # target's for those the checkpoint holds none for, removed right after.

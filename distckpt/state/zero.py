@@ -91,7 +91,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
-        check_param_groups(self.zero, fqns, loaded, self.name)
+        check_param_groups(self.zero, fqns, loaded, self.name, self.read)
         load_flat_param_groups(self.zero, fqns, loaded)
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
         # helper cannot handle the empty param groups a ZeRO partition may have.

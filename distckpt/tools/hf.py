@@ -175,8 +175,8 @@ def load_pretrained(
         aliases = tied_duplicates(sd)
         rename: dict[str, str] = {}  # model key -> checkpoint key
         unexpected: list[str] = []
-        for ckpt_key in index.spans:
-            target = _map_key(ckpt_key, strip_prefix, add_prefix, key_map)
+        mapped = {k: _map_key(k, strip_prefix, add_prefix, key_map) for k in index.spans}
+        for ckpt_key, target in mapped.items():
             if target is None or target not in sd:
                 unexpected.append(ckpt_key)
             elif target in rename:
@@ -219,14 +219,16 @@ def load_pretrained(
             both += [(m, stored[0]) for m in stored[1:]]
         both.sort()
         # What every rank must share: its arguments, the files it found (a node's own copy at
-        # another path may be another revision) and where its keys went (key_map may differ).
+        # another path may be another revision) and where the checkpoint's keys go (key_map may
+        # differ by rank).
         agree = {
             "strict": strict,
             "strip_prefix": strip_prefix,
             "add_prefix": add_prefix,
             "key_map": key_map is not None,
             "files (digest of their headers)": _digest(sorted((n, i.size, i.head.hex()) for n, i in index.files.items())),
-            "key mapping (digest)": _digest([sorted(rename.items()), sorted(unexpected)]),
+            # Of the checkpoint's keys, not the model's: pipeline stages hold other parts of it.
+            "key mapping (digest)": _digest(sorted(mapped.items(), key=lambda kv: kv[0])),
         }
         view = (sorted(missing), sorted(unexpected), mismatched, tied, both, agree)
         return (request, rename, index, tied), view
