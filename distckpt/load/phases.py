@@ -119,7 +119,9 @@ def plan_load(
     for e in entries:
         if isinstance(e, OptimizerEntry) and e.name in targets and isinstance(targets[e.name], Mapping):
             prefix = e.name + "."
-            saved_keys = [k[len(prefix) :] for k in index if k.startswith(prefix)]
+            # The manifest's fingerprints name every tensor saved: a parameter's state removed
+            # from .metadata (a forged one) is not taken for state that never existed.
+            saved_keys = [k[len(prefix) :] for k in (*index, *manifest.fingerprints) if k.startswith(prefix)]
             for key in e.set_stateless({k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}, saved_keys):
                 del flat[prefix + key]
 

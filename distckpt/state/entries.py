@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distckpt._shown import shown
+from distckpt.errors import StateMismatchError
 from distckpt.state import containers, encoded, module_keys, values
 from distckpt.state.scope import Declared
 
@@ -213,7 +214,8 @@ def check_param_groups(
     then carries it, whichever a group takes its values from).
 
     Raises:
-        ValueError: naming the entry, the group, the hyper-parameter and two parameters' values.
+        StateMismatchError: naming the entry, the group, the hyper-parameter and two parameters'
+            values (in ``.kinds``).
     """
     for index, group in enumerate(optim.param_groups):
         params = [fqns[id(p)] for p in group["params"] if id(p) in fqns]
@@ -228,13 +230,12 @@ def check_param_groups(
                 if first is None:
                     first = (fqn, flat[key])
                 elif not _same(first[1], flat[key]):
-                    raise ValueError(
-                        f"cannot load {name!r}: its parameter group {index} holds parameters saved with different "
-                        f"hyper-parameters ({k}: {shown(first[1])} for {first[0]}, {shown(flat[key])} for {fqn}); the groups "
-                        "changed since the save, and the load would give every parameter of a group its first one's. "
-                        "Build the optimizer with the saved groups, or set the new values after loading with "
-                        f"exclude='{name}.param_groups.*'"
+                    held = f"different {k} for parameters of group {index} ({shown(first[1])} for {first[0]}, {shown(flat[key])} for {fqn})"
+                    given = (
+                        "one group of them (the groups changed since the save: a load would give them all the first "
+                        f"one's; build the optimizer with the saved groups, or keep the new values with exclude='{name}.param_groups.*')"
                     )
+                    raise StateMismatchError([], [], {}, kinds={f"{name}.param_groups": (held, given)})
             if first is not None:
                 for fqn in params:
                     if f"param_groups.{fqn}.{k}" in flat:
