@@ -170,9 +170,10 @@ def plan_load(
 
 def refuse_overlapping(request: Mapping[str, Any], where: str) -> None:
     """(each rank, inside the plan exchange so every rank fails alike) Refuse a destination
-    whose elements share memory (``t.expand(...)``, a stride of 0): no load can fill it, and
-    torch's error from the read ("more than one element of the written-to tensor refers to a
-    single memory location") named no key.
+    whose elements share memory (``t.expand(...)``, a stride of 0, or an overlapping
+    ``as_strided`` window, see :func:`_overlaps`): no load can fill it; torch's error from the
+    read ("more than one element of the written-to tensor refers to a single memory location")
+    named no key, and a window torch cannot judge loaded silently wrong.
 
     Raises:
         ValueError: naming the key and ``where``.

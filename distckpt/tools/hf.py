@@ -24,7 +24,6 @@ with the same arguments, and an error on any rank is raised on every rank.
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
