@@ -93,14 +93,9 @@ class CheckpointerOptions:
             self.replicate_keep_last = self.keep_last
         else:
             check_keep_last(self.replicate_keep_last, "replicate_keep_last")
-        self.root = location(self.root, "root")
+        self.root = location(self.root, "root", self.storage_options)
         if self.replicate_to is not None:
-            self.replicate_to = location(self.replicate_to, "replicate_to")
-            if self.replicate_storage_options and is_local_location(self.replicate_to):
-                raise ValueError(
-                    f"replicate_storage_options configure the filesystem of a URL (s3://..., memory://...); "
-                    f"replicate_to {self.replicate_to!r} is a local path, where they would be ignored"
-                )
+            self.replicate_to = location(self.replicate_to, "replicate_to", self.replicate_storage_options, "replicate_storage_options")
             # The replica keeps its own retention (replicate_keep_last): in the root, or holding
             # it, it would delete the root's steps, and it would be no second copy.
             if overlaps(self.root, self.storage_options, self.replicate_to, self.replicate_storage_options or self.storage_options):
@@ -108,11 +103,6 @@ class CheckpointerOptions:
                     f"replicate_to {_redact(self.replicate_to)} and root {_redact(self.root)} overlap: the replica needs "
                     "a place of its own (it is the second copy, with its own retention)"
                 )
-        if self.storage_options and is_local_location(self.root):
-            raise ValueError(
-                f"storage_options configure the filesystem of a URL (s3://..., memory://...); {self.root!r} is a "
-                "local path, where they would be ignored"
-            )
         self.storage_options = dict(self.storage_options or {})
         if not (isinstance(self.verify_staging, bool) or self.verify_staging == "auto"):
             raise ValueError(f'verify_staging must be "auto", True or False, got {self.verify_staging!r}')
@@ -187,17 +177,19 @@ class CheckpointerOptions:
         )
 
 
-def location(value: object, name: str, storage_options: Mapping[str, object] | None = None) -> str:
+def location(
+    value: object, name: str, storage_options: Mapping[str, object] | None = None, options_name: str = "storage_options"
+) -> str:
     """``value`` (``root``, ``replicate_to``, a Hugging Face folder) as the text of a path or URL;
     ``ValueError`` naming ``name`` for anything else (bytes from ``__fspath__``, blank text: an
-    unset variable would name the working directory), and for ``storage_options`` given with a
-    local path (they would be ignored)."""
+    unset variable would name the working directory), and for ``storage_options`` (called
+    ``options_name``) given with a local path (they would be ignored)."""
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{name} must be a local path or an fsspec URL (as text), got {value!r}")
     if storage_options and is_local_location(text):
         raise ValueError(
-            f"storage_options configure the filesystem of a URL (s3://..., memory://...); {name} {text!r} is a "
+            f"{options_name} configure the filesystem of a URL (s3://..., memory://...); {name} {text!r} is a "
             "local path, where they would be ignored"
         )
     return text

@@ -48,7 +48,7 @@ from distckpt.integrity.manifest import Manifest
 from distckpt.load.phases import LoadPlan
 from distckpt.state import rng, scope
 from distckpt.state.entries import Entry
-from distckpt.state import fingerprint
+from distckpt.state import fingerprint, fpkernels
 from distckpt.state.casts import exact_cast
 from distckpt.state.placements import replication, writes_dtensor
 from distckpt.state.shape import numel
@@ -188,11 +188,7 @@ def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool | None:
         return True
     if local.dtype.is_floating_point and bool(torch.isnan(local).any()):
         return None
-    same = local.to(dtype).to(local.dtype)
-    if local.dtype.is_floating_point and local.element_size() in (2, 4, 8):
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
-        return torch.equal(same.view(bits), local.view(bits))
-    return torch.equal(same, local)
+    return torch.equal(fpkernels.bits(local.to(dtype).to(local.dtype)), fpkernels.bits(local))
 
 
 def _one_mesh(
