@@ -258,6 +258,45 @@ def test_a_step_the_replica_keeps_that_is_gone_locally_before_its_upload_is_a_fa
         assert any("step 1 was committed locally" in str(w.message) for w in seen)
 
 
+def test_a_step_an_earlier_run_never_uploaded_reaches_the_replica_before_the_root_retires_it(tmp_path):
+    # Run 2 committed step 3 at the root and died before its upload (here: it ran without the
+    # replica); run 3 resumes and saves 4 and 5, keeping 1 step at the root and every step at the
+    # replica. The root's retention deleted step 3, which no replica ever had: silently lost.
+    remote, root = tmp_path / "remote", tmp_path / "root"
+    kw = dict(keep_last=1, replicate_to=str(remote), replicate_keep_last=None)
+    with distckpt.Checkpointer(root, **kw) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(0, step))
+    with distckpt.Checkpointer(root, keep_last=1) as ckpt:
+        ckpt.load({"w": torch.zeros(16, 16), "who": -1})
+        ckpt.save(3, _state(0, 3))
+    assert _remote_steps(remote) == [1, 2]
+    with distckpt.Checkpointer(root, **kw) as ckpt:
+        ckpt.load({"w": torch.zeros(16, 16), "who": -1})
+        ckpt.save(4, _state(0, 4))
+        ckpt.save(5, _state(0, 5))
+        status = ckpt.replica.wait()
+        assert status.uploaded == (3, 4, 5) and status.failed == () and status.skipped == ()
+        ckpt.save(6, _state(0, 6))
+        ckpt.replica.wait()
+        assert ckpt.steps() == [6]
+    assert _remote_steps(remote) == [1, 2, 3, 4, 5, 6]
+    _assert_remote(str(remote), {}, 3, 0)
+
+
+def test_a_replica_that_would_drop_an_earlier_runs_step_gets_no_upload_of_it(tmp_path):
+    remote, root = tmp_path / "remote", tmp_path / "root"
+    with distckpt.Checkpointer(root, keep_last=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(0, step))
+    with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote)) as ckpt:  # the replica keeps 1 too
+        ckpt.load({"w": torch.zeros(16, 16), "who": -1})
+        ckpt.save(4, _state(0, 4))
+        assert ckpt.replica.wait().uploaded == (4,)
+        assert ckpt.steps() == [4]
+    assert _remote_steps(remote) == [4]
+
+
 def test_a_resume_from_an_older_step_keeps_what_it_saves(tmp_path):
     # A run rolled back to step 2 (a loss spike) saves step 3 again while the first run's step 4
     # is still the newest: retention never deletes the step it has just committed.

@@ -301,12 +301,30 @@ class Replicator:
         """(coordinator, root retention) Whether the root must keep committed ``step`` for its
         upload: queued or uploading, and kept by the remote's ``keep_last`` once ``newest`` (just
         committed) and the newer queued steps are there. Retention deleting it first would lose
-        it from a replica that keeps more than the root (``replicate_keep_last``)."""
+        it from a replica that keeps more than the root (``replicate_keep_last``).
+
+        A step this replicator never handled (committed by an earlier run of the job whose
+        upload a crash cut off, or saved before ``replicate_to`` was given) that the remote
+        lacks and would keep is queued for upload here, and held until it is there: otherwise
+        the root's retention deleted the only copy of a step the replica keeps, silently."""
         with self._lock:
-            if step not in self._pending:
+            if self._closed:
                 return False
+            queued = step in self._pending
+            handled = step in self.uploaded or step in self.skipped or any(s == step for s, _ in self.failed)
             newer = {s for s in self._pending if s > step} | ({newest} if newest > step else set())
-        return self.keep_last is None or len(newer) < self.keep_last
+        if queued:
+            return self.keep_last is None or len(newer) < self.keep_last
+        if handled or self._dropped_anyway(step):
+            return False  # uploaded, superseded, or its failure already reported (replica.failed)
+        try:
+            if self.remote.exists(step_dir(step), MANIFEST_NAME):
+                return False  # there already (this job's, or another writer's commit of the number)
+        except Exception:  # noqa: BLE001 - an unreachable remote: the upload fails and is reported
+            pass
+        log.info("step %d is not at %s: uploading it before the root's retention deletes it", step, self.remote.display())
+        self.submit(step)
+        return True
 
     def _superseded(self, step: int) -> bool:
         """A newer queued step will push ``step`` out of the remote's ``keep_last`` anyway."""
