@@ -6,14 +6,24 @@ globally (one seeded permutation per epoch) and cuts it into global batches; ran
 takes the ``r``-th of ``W`` equal parts of each global batch. Its state is just "global batches
 consumed", so a job resumed at any world size (same global batch) sees exactly the samples the
 uninterrupted job would have seen, none repeated or skipped.
+
+A batch counts as consumed when it is handed to training: by :meth:`GlobalBatchSampler.next_batch`,
+by iterating the sampler, or, where a ``DataLoader`` with workers (which fetches batches ahead)
+takes it as its ``batch_sampler``, by iterating :meth:`GlobalBatchSampler.consume` of that loader.
+Iterated by such a loader directly, the sampler would count the batches fetched ahead too (its
+position up to ``num_workers x prefetch_factor`` batches past what training saw): that warns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class GlobalBatchSampler:
@@ -65,6 +75,9 @@ class GlobalBatchSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.batches_consumed = 0  # global batches handed out since the start of training
+        self._consuming = False  # (consume(): the loader's iterator is being made)
+        self._warned = False
+        self._handed: int | None = None  # (consume(): batches its loader has fetched, ahead of training)
         self._order_epoch = -1
         self._order: torch.Tensor | None = None
 
@@ -99,20 +112,86 @@ class GlobalBatchSampler:
         start = b * self.global_batch_size
         return order[start : start + self.global_batch_size].tolist()
 
-    def next_batch(self) -> list[int]:
-        """This rank's indices of the next global batch; advances the position."""
-        batch = self.global_batch(self.batches_consumed)
+    def _part(self, index: int) -> list[int]:
+        """This rank's indices of global batch ``index``."""
+        batch = self.global_batch(index)
         per_rank = self.global_batch_size // self.world_size
-        self.batches_consumed += 1
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
+    def next_batch(self) -> list[int]:
+        """This rank's indices of the next global batch; advances the position."""
+        part = self._part(self.batches_consumed)
+        self.batches_consumed += 1
+        return part
+
     def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches from the current position, each advancing it (as :meth:`next_batch`),
+        except for the iterator of a loader made by :meth:`consume` (which counts them itself)."""
+        if self._consuming:
+            return self._ahead(self.batches_consumed)
+        self._handed = None
+        workers = _loader_workers(sys._getframe(1))
+        if workers and not self._warned:
+            self._warned = True  # (a DataLoader's iterator takes two: once is enough)
+            warnings.warn(
+                f"distckpt: a GlobalBatchSampler is the batch_sampler of a DataLoader with num_workers={workers}, which "
+                "fetches batches ahead of training: the sampler's saved position would count those batches too (they "
+                "would be skipped at a resume). Iterate `sampler.consume(loader)` instead of the loader: it counts a "
+                "batch when the loader hands it to training",
+                stacklevel=3,
+            )
+        return self._handed_out()
+
+    def _handed_out(self) -> Iterator[list[int]]:
         while True:
             yield self.next_batch()
 
+    def _ahead(self, start: int) -> Iterator[list[int]]:
+        index = start
+        while True:
+            part = self._part(index)
+            index += 1
+            self._handed = index  # (before the yield: a loader's snapshot follows it at once)
+            yield part
+
+    def consume(self, loader: Iterable[T]) -> Iterator[T]:
+        """(each rank, not collective) Iterate ``loader``, a ``DataLoader`` (or torchdata's
+        ``StatefulDataLoader``) whose ``batch_sampler`` is this sampler, counting a global batch
+        consumed when the loader hands it to the caller: its workers fetch batches ahead, which
+        therefore never count. Resumes from the current position (after a ``load``, the saved
+        one): make the iterator after loading. Save the sampler in the checkpointed state; the
+        loader's own state is not needed (nor loaded at another world size).
+
+        Raises:
+            ValueError: the loader's ``batch_sampler`` is not this sampler.
+        """
+        if getattr(loader, "batch_sampler", None) is not self:
+            raise ValueError(
+                f"consume(loader): the loader's batch_sampler is {type(getattr(loader, 'batch_sampler', None)).__name__}, "
+                "not this GlobalBatchSampler (make it with DataLoader(dataset, batch_sampler=sampler, ...))"
+            )
+        self._consuming = True
+        try:
+            batches = iter(loader)  # the loader's iterator takes this sampler's iterator here
+        finally:
+            self._consuming = False
+        return self._counted(batches)
+
+    def _counted(self, batches: Iterator[T]) -> Iterator[T]:
+        for batch in batches:
+            self.batches_consumed += 1  # handed to training: the save after its step counts it
+            yield batch
+
     def state_dict(self) -> dict[str, Any]:
+        """The position: batches consumed by training. Asked by the ``DataLoader`` iterator
+        itself (torchdata's ``StatefulDataLoader`` records its batch sampler's state each time it
+        fetches a batch, and fast-forwards from there at its own resume), the batches it has
+        fetched, as the loader's own records expect (see :meth:`consume`)."""
+        position = self.batches_consumed
+        if self._handed is not None and _asked_by_loader(sys._getframe(1)):
+            position = self._handed
         return {
-            "batches_consumed": self.batches_consumed,
+            "batches_consumed": position,
             "samples_consumed": self.samples_consumed,
             "global_batch_size": self.global_batch_size,
             "num_samples": self.num_samples,
@@ -128,3 +207,29 @@ class GlobalBatchSampler:
                     "resuming would not continue the same data order"
                 )
         self.batches_consumed = int(state["batches_consumed"])
+        self._handed = None
+
+
+def _loader_workers(frame: Any) -> int:
+    """``num_workers`` of the ``DataLoader`` iterator that called ``iter()`` on the sampler (its
+    ``__init__`` or ``_reset`` takes the batch sampler's iterator), 0 where the caller is none."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    caller = frame.f_locals.get("self") if frame is not None else None
+    if isinstance(caller, _BaseDataLoaderIter):
+        return int(getattr(caller, "_num_workers", 0) or 0)
+    return 0
+
+
+def _asked_by_loader(frame: Any) -> bool:
+    """Whether a ``DataLoader`` iterator's method is among the few callers above ``frame``
+    (torchdata's snapshot of its batch sampler, through its ``try_to_serialize``)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    for _ in range(4):
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), _BaseDataLoaderIter):
+            return True
+        frame = frame.f_back
+    return False
