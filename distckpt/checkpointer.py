@@ -217,26 +217,44 @@ class Checkpointer:
 
         Args:
             tier: ``"root"`` (default): under the root; ``"replica"``: under ``replicate_to``
-                (the uploads done); ``"all"``: every step ``load(step=N)`` can read, from the
-                root or the replica.
+                (the uploads done); ``"local"``: in this node's local tier (``local_dir``);
+                ``"all"``: every step ``load(step=N)`` can read, from the root, the replica or
+                this node's local tier.
 
         Raises:
-            ValueError: another ``tier``, or ``"replica"`` without ``replicate_to``.
+            ValueError: another ``tier``, or ``"replica"`` without ``replicate_to``, or
+                ``"local"`` without ``local_dir``.
         """
-        if tier not in ("root", "replica", "all"):
-            raise ValueError(f'steps(tier=...) takes "root", "replica" or "all", got {tier!r}')
+        if tier not in ("root", "replica", "local", "all"):
+            raise ValueError(f'steps(tier=...) takes "root", "replica", "local" or "all", got {tier!r}')
         if tier == "replica" and self.replica is None:
             raise ValueError('steps(tier="replica"): this Checkpointer has no replica (replicate_to is not set)')
+        if tier == "local" and self.local is None:
+            raise ValueError('steps(tier="local"): this Checkpointer has no local tier (local_dir is not set)')
+        local = self.local.committed() if self.local is not None and tier in ("local", "all") else []
+        if tier == "local":
+            return local
         tiers = self._tiers() if tier == "all" else [self.storage if tier == "root" else self.replica.remote]  # type: ignore[union-attr]
-        return sorted({s for storage in tiers for s in committed_steps(storage)})
+        return sorted({s for storage in tiers for s in committed_steps(storage)} | set(local))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none (local or replica): the step
         ``load(state)`` resumes. With ``job=`` given, the newest of that job's steps (and of
         steps that recorded no job): another job's on a shared root is not this run's to resume.
-        Not collective."""
+        With a local tier and neither the root nor the replica there (a missing mount, a stopped
+        object store), the newest step of this node's tier, which ``load`` resumes from the
+        tiers. Not collective.
+
+        Raises:
+            CheckpointError: without ``job=``, the root holds no committed step and the replica
+                holds steps of several jobs (which is this run's cannot be told: pass ``job=``).
+        """
+        tiers = self._tiers()
+        if self.local is not None and not any(t.root_exists() for t in tiers):
+            held = self.local.committed()
+            return held[-1] if held else None
         try:
-            return loading.locate(self._tiers(), None, self._eligible())[1]
+            return loading.locate(tiers, None, self._eligible())[1]
         except FileNotFoundError:  # (no root, or no step this job may resume)
             return None
 

@@ -224,6 +224,29 @@ def test_one_process_resumes_from_its_tier_without_the_root(tmp_path, blocking, 
             ckpt.load({"model": torch.nn.Linear(8, 4), "step": 0})
 
 
+def test_latest_step_and_steps_agree_with_load_when_the_root_is_unreachable(tmp_path):
+    """With the root's mount missing, load resumes from the tier; latest_step() said None (and
+    steps(tier="all") []), so a job following the quickstart started fresh, and its first save
+    retired the tier's copies of the newer steps as an earlier life's."""
+    import torch
+
+    root, tier = tmp_path / "mnt" / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4,), float(step)), "step": step})
+        assert ckpt.steps(tier="local") == [2, 3] and ckpt.steps(tier="all") == [1, 2, 3]
+    shutil.rmtree(tmp_path / "mnt")
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        assert ckpt.latest_step() == 3
+        assert ckpt.steps(tier="all") == [2, 3] and ckpt.steps(tier="local") == [2, 3] and ckpt.steps() == []
+        state = {"w": torch.zeros(4), "step": 0}
+        assert ckpt.load(state) == ckpt.latest_step() == 3 and state["step"] == 3
+    with distckpt.Checkpointer(tmp_path / "other_root", local_dir=tier) as ckpt:
+        assert ckpt.latest_step() is None and ckpt.steps(tier="local") == []  # another root's tier
+    with pytest.raises(ValueError, match="no local tier"):
+        distckpt.Checkpointer(tmp_path / "r").steps(tier="local")
+
+
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
     """A local tier that cannot take a step (here a file where the step's directory must go,
     which the tier never removes: it is not the tier's) does not fail the save: the step is

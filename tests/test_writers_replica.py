@@ -297,6 +297,30 @@ def test_a_replica_that_would_drop_an_earlier_runs_step_gets_no_upload_of_it(tmp
     assert _remote_steps(remote) == [4]
 
 
+def test_a_run_whose_root_is_gone_never_resumes_another_jobs_step_from_a_shared_replica(tmp_path):
+    # Jobs a and b replicate to one folder; a's root is lost. Without job=, a's restart took the
+    # replica's newest step, b's, continued job b and retired b's steps with its own retention.
+    shared = str(tmp_path / "shared")
+    for job, root, steps in (("a", "rootA", (1, 2, 3)), ("b", "rootB", (500, 600))):
+        with distckpt.Checkpointer(tmp_path / root, keep_last=2, replicate_to=shared, job=job) as ckpt:
+            for step in steps:
+                ckpt.save(step, _state(ord(job), step))
+    import shutil
+
+    shutil.rmtree(tmp_path / "rootA")
+    with distckpt.Checkpointer(tmp_path / "rootA", keep_last=2, replicate_to=shared) as ckpt:
+        for call in (ckpt.latest_step, lambda: ckpt.load({"w": torch.zeros(16, 16), "who": -1})):
+            with pytest.raises(distckpt.CheckpointError, match=r"2 jobs: job 'b' \(newest step 600\), job 'a' \(newest step 3\)"):
+                call()
+        got = {"w": torch.zeros(16, 16), "who": -1}
+        assert ckpt.load(got, step=3) == 3 and got["who"] == ord("a")  # the way out: step=N
+    with distckpt.Checkpointer(tmp_path / "rootA", keep_last=2, replicate_to=shared, job="a") as ckpt:
+        assert ckpt.latest_step() == 3  # or job=
+        got = {"w": torch.zeros(16, 16), "who": -1}
+        assert ckpt.load(got) == 3 and torch.equal(got["w"], _state(ord("a"), 3)["w"])
+    assert _remote_steps(tmp_path / "shared") == [2, 3, 500, 600]
+
+
 def test_a_resume_from_an_older_step_keeps_what_it_saves(tmp_path):
     # A run rolled back to step 2 (a loss spike) saves step 3 again while the first run's step 4
     # is still the newest: retention never deletes the step it has just committed.
@@ -334,7 +358,7 @@ def test_steps_of_a_tier_that_is_not_there_or_misspelt_are_refused(tmp_path):
     assert ckpt.steps(tier="all") == ckpt.steps() == [1]
     with pytest.raises(ValueError, match="has no replica"):
         ckpt.steps(tier="replica")
-    with pytest.raises(ValueError, match=r'takes "root", "replica" or "all", got \'remote\''):
+    with pytest.raises(ValueError, match=r'takes "root", "replica", "local" or "all", got \'remote\''):
         ckpt.steps(tier="remote")
     ckpt.close()
 

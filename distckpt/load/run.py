@@ -82,12 +82,16 @@ def locate(
     Raises:
         FileNotFoundError: no root, no committed step, or ``step`` incomplete or absent (named).
         ValueError: ``step`` is not an int.
+        CheckpointError: ``step=None`` without ``eligible``, the root holds no committed step and
+            the replica holds several jobs' steps (which is this run's cannot be told).
     """
     root = tiers[0]
     if step is None:
         others = False
         for storage in tiers:
             steps = committed_steps(storage)
+            if storage is not root and eligible is None and steps:
+                _refuse_several_jobs(root, storage, steps)
             for s in reversed(steps):
                 if eligible is None or eligible(storage, s):
                     return storage, s
@@ -113,6 +117,33 @@ def locate(
     if root.exists(step_dir(step)):
         raise FileNotFoundError(f"checkpoint step {step} at {where} is incomplete (no {MANIFEST_NAME}); it was never committed")
     raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {committed_steps(root)})")
+
+
+def _refuse_several_jobs(root: Storage, replica: Storage, steps: list[int]) -> None:
+    """The root holds no committed step, so ``load(step=None)`` would take the replica's newest:
+    refused where the replica (which several jobs may share) holds steps of more than one job,
+    since a checkpointer without ``job=`` cannot tell which is its own (it would resume another
+    job's state and, continuing that job, retire its steps). Reads every step's manifest: only
+    on this fallback, a restart whose root is gone.
+
+    Raises:
+        CheckpointError: naming each job and its newest step, and the way out.
+    """
+    newest: dict[str, int] = {}
+    for s in steps:  # ascending: each job's newest step ends up recorded
+        try:
+            job = read_manifest(replica, s).job
+        except (OSError, ValueError):  # unreadable or deleted meanwhile: not evidence of a job
+            continue
+        if job is not None:
+            newest[job] = s
+    if len(newest) > 1:
+        shown = ", ".join(f"job {j!r} (newest step {s})" for j, s in sorted(newest.items(), key=lambda js: -js[1]))
+        raise CheckpointError(
+            f"{root.display()} holds no committed step, and the replica {replica.display()} holds steps of "
+            f"{len(newest)} jobs: {shown}. A Checkpointer without job= cannot tell which is this run's: pass "
+            "job=NAME (that job's newest step is resumed) or load(state, step=N)"
+        )
 
 
 #: How many times ``load(step=None)`` moves on to the newest step after the one it was reading

@@ -424,6 +424,11 @@ class LocalTier:
             if s not in keep and not self._kept_for_foreign(s):
                 _remove_tree(self.step_path(s))
 
+    def committed(self) -> list[int]:
+        """(any rank, not collective) This root's steps committed in this node's tier, ascending
+        (the node's own view: a lost node's tier holds none, its peer's the copies)."""
+        return [s for s in self._steps() if self._owned(s) and os.path.isfile(os.path.join(self.step_path(s), MANIFEST_NAME))]
+
     def _kept_for_foreign(self, step: int) -> bool:
         """Whether this node's ``step`` directory holds anything the tier does not write (a
         sub-folder, a file of the user's, another root put inside it): then it is never removed
