@@ -451,6 +451,29 @@ def test_what_a_load_could_not_read_fails_the_save_naming_key_and_type(tmp_path,
     assert ckpt.steps() == []
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        ({1: "int", "1": "str"}, "bag.1"),
+        ({"a.b": 1, "a": {"b": 2}}, "bag.a.b"),
+        ({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, "bag.a.b"),
+        ({"l": [torch.ones(1)], "l.0": torch.zeros(1)}, "bag.l.0"),
+    ],
+    ids=["int_and_str", "dotted_and_nested", "tensors", "list_and_dotted"],
+)
+def test_two_values_with_one_checkpoint_key_fail_the_save_naming_it(tmp_path, monkeypatch, value, key, blocking):
+    # DCP's ValueError "duplicated flatten key" said neither why nor how to fix it.
+    ckpt = checkpointer(tmp_path, monkeypatch=monkeypatch)
+    with pytest.raises(TypeError, match=f"same checkpoint key {key!r}.*rename one"):
+        ckpt.save(1, {"bag": Bag(value)}, blocking=blocking)
+    ckpt.wait()
+    assert ckpt.steps() == []
+    ckpt.save(1, {"bag": Bag({"a.b": 1, "c": {"d": 2}})}, blocking=blocking)  # dotted keys alone are fine
+    ckpt.wait()
+    assert ckpt.steps() == [1]
+
+
 def test_registered_classes_round_trip_and_an_unregistered_load_names_the_option(tmp_path, monkeypatch):
     state = {"bag": Bag({"phase": Phase.DECAY, "cfg": Config("x", when=Perm.R | Perm.X), "p": Point(Level.LOW, Frozen(0.5))})}
     want = {k: v for k, v in state["bag"].state.items()}

@@ -40,12 +40,23 @@ def check_saveable(state_dict: dict[str, Any]) -> None:
     """Refuse tensors DCP cannot write, naming the key (sync and async saves alike).
 
     Raises:
-        TypeError: a sparse tensor (any non-strided layout), a meta tensor (it has no data), a
+        TypeError: two values with the same checkpoint key (DCP's dotted path), a sparse tensor (any non-strided layout), a meta tensor (it has no data), a
             tensor of a raw bit dtype (``torch.bits8``...), a tensor subclass with its own
             ``__torch_dispatch__`` (a wrapper of other tensors), a nested tensor, or a tensor with DCP's
             ``CheckpointableTensor`` fields (torch 2.15+), which distckpt cannot save as DCP would.
     """
-    flat, _ = flatten_state_dict(state_dict)
+    try:
+        flat, _ = flatten_state_dict(state_dict)
+    except ValueError as exc:
+        if "duplicated flatten key" not in str(exc):
+            raise
+        key = str(exc).rsplit("duplicated flatten key", 1)[1].strip()
+        # DCP names every value by its path joined with '.', and an int key by its digits.
+        raise TypeError(
+            f"cannot save: two values of the state have the same checkpoint key {key!r} (keys are paths joined with "
+            "'.', and an int key is written as its digits: {'a.b': x} and {'a': {'b': y}}, {1: x} and {'1': y}, or "
+            "{'l': [x], 'l.0': y} collide); rename one of them"
+        ) from None
     fields = CHECKPOINTABLE_TENSOR_FIELDS
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
