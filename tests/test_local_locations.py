@@ -131,6 +131,12 @@ def test_url_roots_overlap_by_filesystem_path_and_options():
     assert overlaps("s3://b/run", here, "simplecache::s3://b/run", {"s3": here})
     assert not overlaps("s3://b/run", here, "s3://b/run", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:10"}})
     assert not overlaps("/b/run", None, "s3://b/run", {})
+    # One server spelt two ways (found by a helper: with a trailing '/', the replica's retention
+    # deleted the root's steps): case, the default port, a trailing '/', loopback's names.
+    for other in ("http://127.0.0.1:9/", "HTTP://LOCALHOST:9", "http://[::1]:9"):
+        assert overlaps("s3://b/run", here, "s3://b/run", {"endpoint_url": other}), other
+    assert overlaps("s3://b/r", {"endpoint_url": "https://s3.example.com"}, "s3://b/r", {"endpoint_url": "https://S3.example.com:443/"})
+    assert not overlaps("s3://b/r", {"endpoint_url": "https://s3.example.com"}, "s3://b/r", {"endpoint_url": "http://s3.example.com"})
 
 
 def test_replica_options_for_a_local_replica_are_refused(tmp_path):

@@ -24,6 +24,7 @@ import os
 import posixpath
 import socket
 import stat
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -109,7 +110,33 @@ def _place_options(options: object, key: str = "") -> list[tuple[str, str]]:
     if isinstance(options, Mapping):
         return sorted(x for k, v in options.items() for x in _place_options(v, f"{key}.{k}"))
     name = key.rsplit(".", 1)[-1].lower()
-    return [(name, repr(options))] if any(w in name for w in ("endpoint", "host", "port", "url")) else []
+    return [(name, _place(options))] if any(w in name for w in ("endpoint", "host", "port", "url")) else []
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _place(value: object) -> str:
+    """An endpoint as the server it names: a URL's scheme and host in lower case, its port made
+    explicit, no trailing ``/``, loopback names as one (``http://localhost:9000/`` is
+    ``http://127.0.0.1:9000``); other values as they are (a port's number, as text)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        return repr(value)
+    text = value.strip()
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return text
+    if not parts.scheme or not parts.hostname:
+        return "loopback" if text.lower() in _LOOPBACK else text
+    scheme, host = parts.scheme.lower(), parts.hostname.lower()
+    host = "loopback" if host in _LOOPBACK else host
+    port = port if port is not None else _DEFAULT_PORTS.get(scheme)
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: Mapping[str, object] | None) -> bool:
