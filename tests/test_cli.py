@@ -189,6 +189,14 @@ def test_json_usage_errors_print_json_too(tmp_path, capsys):
         assert report["ok"] is False and report["type"] == "Usage" and report["error"] in err
 
 
+def test_a_negative_step_is_a_usage_error(tmp_path, capsys):
+    # It was "checkpoint .../step_-00000001 does not exist" (exit 1), a path that cannot exist.
+    for argv in (["verify", str(tmp_path), "--step", "-1"], ["inspect", str(tmp_path), "--step", "-3"],
+                 ["convert", str(tmp_path), str(tmp_path / "x.pt"), "--to", "torch", "--step", "-5"]):  # fmt: skip
+        code, out, err = run(argv, capsys)
+        assert code == 2 and "steps are ints >= 0" in err and "step_-" not in err, (argv, err)
+
+
 def test_json_failure_with_stdout_unwritable_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
     class Full(io.StringIO):
         def write(self, text):

@@ -378,6 +378,17 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
 
 
 # -------------------------------------------------------------------------------------------------
+def _step(text: str) -> int:
+    """``--step``: a non-negative int (a usage error otherwise, not "step_-0000001 does not exist")."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid step {text!r}: an int >= 0") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"invalid step {text!r}: steps are ints >= 0")
+    return step
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--storage-option", "-o", action="append", default=[], metavar="KEY=VALUE",
@@ -397,13 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", parents=[common], help="every entry: key, dtype, shape, bytes, shards; totals; manifest")
     p.add_argument("ckpt", help="step directory, root (newest step) or plain DCP directory")
-    p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
+    p.add_argument("--step", type=_step, help="step under a root (default: newest committed)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", parents=[common], help="check that every file is present and intact")
     p.add_argument("ckpt", help="step directory or root (newest step)")
-    p.add_argument("--step", type=int, help="step under a root (default: newest committed)")
+    p.add_argument("--step", type=_step, help="step under a root (default: newest committed)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--state", action="store_true",
                    help="also recompute every tensor's fingerprint from the files and compare it with the manifest")
@@ -426,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoded-values", action="store_true",
                    help="--to torch: write non-JSON values (NumPy scalars, Enums, paths...) in distckpt's encoded "
                         "form, as plain dcp.load sees them (default: decoded, in plain types, or skipped)")
-    p.add_argument("--step", type=int, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
+    p.add_argument("--step", type=_step, help="step to export (default newest) / step to import as (default: the file's step/epoch, else 0)")
     p.add_argument("--replace", action="append", default=[], metavar="NAME",
                    help="--to hf: a Hugging Face weight file there that distckpt did not write and may replace (name or pattern; repeatable)")
     p.add_argument("--overwrite", action="store_true",
