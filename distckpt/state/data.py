@@ -77,7 +77,6 @@ class GlobalBatchSampler:
         self.batches_consumed = 0  # global batches handed out since the start of training
         self._consuming = False  # (consume(): the loader's iterator is being made)
         self._warned = False
-        self._handed: int | None = None  # (consume(): batches its loader has fetched, ahead of training)
         self._order_epoch = -1
         self._order: torch.Tensor | None = None
 
@@ -129,14 +128,14 @@ class GlobalBatchSampler:
         except for the iterator of a loader made by :meth:`consume` (which counts them itself)."""
         if self._consuming:
             return self._ahead(self.batches_consumed)
-        self._handed = None
         workers = _loader_workers(sys._getframe(1))
         if workers and not self._warned:
             self._warned = True  # (a DataLoader's iterator takes two: once is enough)
             warnings.warn(
                 f"distckpt: a GlobalBatchSampler is the batch_sampler of a DataLoader with num_workers={workers}, which "
                 "fetches batches ahead of training: the sampler's saved position would count those batches too (they "
-                "would be skipped at a resume). Iterate `sampler.consume(loader)` instead of the loader: it counts a "
+                "would be skipped at a resume from it; a StatefulDataLoader's own state makes up for it at the same world "
+                "size only). Make it a torch.utils.data.DataLoader and iterate `sampler.consume(loader)`: it counts a "
                 "batch when the loader hands it to training",
                 stacklevel=3,
             )
@@ -149,26 +148,37 @@ class GlobalBatchSampler:
     def _ahead(self, start: int) -> Iterator[list[int]]:
         index = start
         while True:
-            part = self._part(index)
+            yield self._part(index)
             index += 1
-            self._handed = index  # (before the yield: a loader's snapshot follows it at once)
-            yield part
 
     def consume(self, loader: Iterable[T]) -> Iterator[T]:
-        """(each rank, not collective) Iterate ``loader``, a ``DataLoader`` (or torchdata's
-        ``StatefulDataLoader``) whose ``batch_sampler`` is this sampler, counting a global batch
-        consumed when the loader hands it to the caller: its workers fetch batches ahead, which
-        therefore never count. Resumes from the current position (after a ``load``, the saved
-        one): make the iterator after loading. Save the sampler in the checkpointed state; the
-        loader's own state is not needed (nor loaded at another world size).
+        """(each rank, not collective) Iterate ``loader``, a ``torch.utils.data.DataLoader``
+        whose ``batch_sampler`` is this sampler, counting a global batch consumed when the loader
+        hands it to the caller: its workers fetch batches ahead, which therefore never count.
+        Resumes from the current position (after a ``load``, the saved one): make the iterator
+        after loading. The sampler is the data position: save it, not the loader.
 
         Raises:
-            ValueError: the loader's ``batch_sampler`` is not this sampler.
+            ValueError: the loader's ``batch_sampler`` is not this sampler; the loader returns
+                batches out of order (``in_order=False``); or it is torchdata's
+                ``StatefulDataLoader``, which keeps its own position (per rank) and restores its
+                batch sampler itself (use a ``DataLoader``: this sampler's position is global).
         """
         if getattr(loader, "batch_sampler", None) is not self:
             raise ValueError(
                 f"consume(loader): the loader's batch_sampler is {type(getattr(loader, 'batch_sampler', None)).__name__}, "
                 "not this GlobalBatchSampler (make it with DataLoader(dataset, batch_sampler=sampler, ...))"
+            )
+        if getattr(loader, "in_order", True) is False:
+            raise ValueError(
+                "consume(loader): the loader returns batches out of order (in_order=False): the position would count "
+                "batches training has not had yet; make it with in_order=True (the default)"
+            )
+        if any(c.__name__ == "StatefulDataLoader" for c in type(loader).__mro__):
+            raise ValueError(
+                "consume(loader): a StatefulDataLoader keeps its own position (per rank) and restores its batch sampler "
+                "itself, behind this sampler's back; use torch.utils.data.DataLoader (this sampler is the position, "
+                "at any world size)"
             )
         self._consuming = True
         try:
@@ -183,15 +193,8 @@ class GlobalBatchSampler:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: batches consumed by training. Asked by the ``DataLoader`` iterator
-        itself (torchdata's ``StatefulDataLoader`` records its batch sampler's state each time it
-        fetches a batch, and fast-forwards from there at its own resume), the batches it has
-        fetched, as the loader's own records expect (see :meth:`consume`)."""
-        position = self.batches_consumed
-        if self._handed is not None and _asked_by_loader(sys._getframe(1)):
-            position = self._handed
         return {
-            "batches_consumed": position,
+            "batches_consumed": self.batches_consumed,
             "samples_consumed": self.samples_consumed,
             "global_batch_size": self.global_batch_size,
             "num_samples": self.num_samples,
@@ -207,7 +210,6 @@ class GlobalBatchSampler:
                     "resuming would not continue the same data order"
                 )
         self.batches_consumed = int(state["batches_consumed"])
-        self._handed = None
 
 
 def _loader_workers(frame: Any) -> int:
@@ -220,16 +222,3 @@ def _loader_workers(frame: Any) -> int:
         return int(getattr(caller, "_num_workers", 0) or 0)
     return 0
 
-
-def _asked_by_loader(frame: Any) -> bool:
-    """Whether a ``DataLoader`` iterator's method is among the few callers above ``frame``
-    (torchdata's snapshot of its batch sampler, through its ``try_to_serialize``)."""
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    for _ in range(4):
-        if frame is None:
-            return False
-        if isinstance(frame.f_locals.get("self"), _BaseDataLoaderIter):
-            return True
-        frame = frame.f_back
-    return False
