@@ -235,7 +235,15 @@ class Checkpointer:
         if tier == "local":
             return local
         tiers = self._tiers() if tier == "all" else [self.storage if tier == "root" else self.replica.remote]  # type: ignore[union-attr]
-        return sorted({s for storage in tiers for s in committed_steps(storage)} | set(local))
+        found = set(local)
+        for storage in tiers:
+            try:
+                found.update(committed_steps(storage))
+            except OSError:
+                if tier != "all" or self.local is None:
+                    raise
+                # Unreachable (a stopped object store): a load reads the local tier's steps.
+        return sorted(found)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none (local or replica): the step
@@ -250,13 +258,27 @@ class Checkpointer:
                 holds steps of several jobs (which is this run's cannot be told: pass ``job=``).
         """
         tiers = self._tiers()
-        if self.local is not None and not any(t.root_exists() for t in tiers):
+        if self.local is not None and not self._reachable(tiers):
             held = self.local.committed()
             return held[-1] if held else None
         try:
             return loading.locate(tiers, None, self._eligible())[1]
         except FileNotFoundError:  # (no root, or no step this job may resume)
             return None
+        except OSError:
+            if self.local is None:
+                raise
+            held = self.local.committed()  # unreachable while listing: as load, the tier's newest
+            return held[-1] if held else None
+
+    @staticmethod
+    def _reachable(tiers: list[Storage]) -> bool:
+        """Whether the root or the replica is there; ``False`` where neither can be reached (a
+        missing mount, a stopped object store), as the local tier's recovery takes it."""
+        try:
+            return any(t.root_exists() for t in tiers)
+        except OSError:
+            return False
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: the newest, as :meth:`latest_step`).

@@ -137,6 +137,22 @@ def test_url_roots_overlap_by_filesystem_path_and_options():
         assert overlaps("s3://b/run", here, "s3://b/run", {"endpoint_url": other}), other
     assert overlaps("s3://b/r", {"endpoint_url": "https://s3.example.com"}, "s3://b/r", {"endpoint_url": "https://S3.example.com:443/"})
     assert not overlaps("s3://b/r", {"endpoint_url": "https://s3.example.com"}, "s3://b/r", {"endpoint_url": "http://s3.example.com"})
+    # Given twice on one side (top-level and in client_kwargs); a host name's case.
+    assert overlaps("s3://b/run", {"endpoint_url": "http://127.0.0.1:9", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}},
+                    "s3://b/run", here)  # fmt: skip
+    assert overlaps("s3://b/run", {"client_kwargs": {"host": "MinIO"}}, "s3://b/run", {"client_kwargs": {"host": "minio"}})
+
+
+def test_an_s3_endpoint_from_the_environment_is_the_server_it_names(monkeypatch):
+    here = {"endpoint_url": "http://127.0.0.1:9"}
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://localhost:9/")
+    assert overlaps("s3://b/run", {}, "s3://b/run", here)  # botocore takes the root's from the environment
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://elsewhere:9")
+    assert not overlaps("s3://b/run", {}, "s3://b/run", here)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert not overlaps("s3://b/run", {}, "s3://b/run", here)
 
 
 def test_replica_options_for_a_local_replica_are_refused(tmp_path):

@@ -289,6 +289,10 @@ def test_recovery_with_the_s3_server_stopped(tmp_path):
         server.stop()
     fresh = {"model": torch.nn.Linear(6, 3)}
     with distckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "tier") as ckpt:
+        # What load resumes, as latest_step() says (it raised the store's ConnectionError).
+        assert ckpt.latest_step() == 2 and ckpt.steps(tier="all") == [1, 2]
+        with pytest.raises(OSError):
+            ckpt.steps()  # the root's own listing: the store's error, as without a tier
         assert ckpt.load(fresh) == 2 and ckpt.last_load_report.tier == "local"
     assert torch.equal(fresh["model"].bias, model.bias) and torch.equal(fresh["model"].weight, model.weight)
 

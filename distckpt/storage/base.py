@@ -108,7 +108,8 @@ def _place_options(options: object, key: str = "") -> list[tuple[str, str]]:
     depth: ``client_kwargs``, a chain's per-protocol options): the rest (block sizes, credentials,
     retries) change how a place is reached, not which it is."""
     if isinstance(options, Mapping):
-        return sorted(x for k, v in options.items() for x in _place_options(v, f"{key}.{k}"))
+        # (a set: one endpoint given twice, top-level and in client_kwargs, is one place)
+        return sorted({x for k, v in options.items() for x in _place_options(v, f"{key}.{k}")})
     name = key.rsplit(".", 1)[-1].lower()
     return [(name, _place(options))] if any(w in name for w in ("endpoint", "host", "port", "url")) else []
 
@@ -131,12 +132,24 @@ def _place(value: object) -> str:
         port = parts.port
     except ValueError:
         return text
-    if not parts.scheme or not parts.hostname:
-        return "loopback" if text.lower() in _LOOPBACK else text
+    if not parts.scheme or not parts.hostname:  # a host name alone: names are not case-sensitive
+        return "loopback" if text.lower() in _LOOPBACK else text.lower()
     scheme, host = parts.scheme.lower(), parts.hostname.lower()
     host = "loopback" if host in _LOOPBACK else host
     port = port if port is not None else _DEFAULT_PORTS.get(scheme)
     return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
+
+
+def _server(url: str, options: Mapping[str, object] | None) -> list[tuple[str, str]]:
+    """:func:`_place_options` of a URL's options; for S3 without an endpoint among them, the one
+    botocore takes from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``), so a
+    root relying on it and a replica naming the same server are one place."""
+    places = _place_options(options)
+    if url.split("://", 1)[0].lower() in ("s3", "s3a") and not any("endpoint" in n or "url" in n for n, _ in places):
+        env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if env:
+            places = sorted({*places, ("endpoint_url", _place(env))})
+    return places
 
 
 def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: Mapping[str, object] | None) -> bool:
@@ -152,7 +165,7 @@ def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: 
         return os.path.commonpath([ra, rb]) in (ra, rb)
     # A chain of caches (simplecache::s3://...) keeps its files where its last link says.
     a, b = a.rsplit("::", 1)[-1], b.rsplit("::", 1)[-1]
-    if "://" not in a or "://" not in b or _place_options(a_options) != _place_options(b_options):
+    if "://" not in a or "://" not in b or _server(a, a_options) != _server(b, b_options):
         return False
     try:
         cls_a = fsspec.get_filesystem_class(fsspec.utils.get_protocol(a))
