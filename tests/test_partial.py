@@ -130,3 +130,58 @@ def test_partial_loads_at_two_fsdp2_ranks(tmp_path):
             assert res[only]["clean"], (r, only)
         assert res["nothing"] is not None and "matches nothing" in res["nothing"], (r, res["nothing"])
     assert results[0]["nothing"] == results[1]["nothing"]
+
+
+class Counted(Position):
+    """Records every load_state_dict (torchdata's loader rewinds the sampler beside it there)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.loads: list[dict] = []
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loads.append(dict(sd))
+        super().load_state_dict(sd)
+
+
+def _adam_step(model, optim):
+    model.zero_grad()
+    model(torch.ones(2, 8)).sum().backward()
+    optim.step()
+
+
+def test_entries_a_lenient_load_reads_nothing_of_are_left_as_they_were(tmp_path):
+    # strict=False with entries the checkpoint lacks: each was handed its own state from before
+    # the load (a stateful object's load_state_dict ran), and a fresh optimizer kept the state of
+    # the zero-gradient step DCP makes its load target with (step 1, zero moments): its next step
+    # differed from a fresh optimizer's.
+    model = torch.nn.Linear(8, 4)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model})
+    loaded, fresh = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    extra = Counted(5)
+    optim = torch.optim.AdamW(loaded.parameters(), lr=0.1)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": loaded, "optim": optim, "extra": extra}, strict=False)
+    assert extra.loads == [] and extra.n == 5
+    assert not optim.state  # as before the load
+    fresh.load_state_dict(loaded.state_dict())
+    reference = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    _adam_step(loaded, optim)
+    _adam_step(fresh, reference)
+    assert torch.equal(loaded.weight, fresh.weight) and torch.equal(loaded.bias, fresh.bias)
+
+
+def test_a_parameter_added_since_the_save_starts_with_no_optimizer_state(tmp_path):
+    old = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW(old.parameters(), lr=0.1)
+    _adam_step(old, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": old, "optim": optim})
+    new = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))  # a layer added
+    optim = torch.optim.AdamW(new.parameters(), lr=0.1)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": new, "optim": optim}, strict=False)
+    added = {id(p) for p in new[1].parameters()}
+    assert all(id(p) not in added for p in optim.state)  # not the zero-gradient step's (step 1)
+    assert all(float(s["step"]) == 1.0 for s in optim.state.values()) and len(optim.state) == 2  # the saved ones

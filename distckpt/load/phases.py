@@ -304,6 +304,12 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
     nested = unflatten_state_dict(plan.flat, plan.mappings)
     for e in plan.entries:
         if e.name in nested:
+            if not any(k == e.name or k.startswith(e.name + ".") for k in plan.request):
+                # Nothing of it read (strict=False: missing or mismatched throughout): left as
+                # it is, not handed its own state from before the load (a torchdata loader's
+                # would rewind the sampler loaded beside it).
+                e.left_alone()
+                continue
             loaded = nested[e.name]
             saved = manifest.entries.get(e.name, {})
             if saved.get("scope") == scope.PER_RANK:

@@ -105,6 +105,22 @@ class Entry:
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         raise NotImplementedError
 
+    def left_alone(self) -> None:
+        """(each rank, instead of :meth:`apply`) The load read nothing of this entry
+        (``strict=False``: missing from the checkpoint or mismatched throughout): undo what
+        :meth:`load_target` changed, if anything; the object stays as it was."""
+
+
+def unread_params(loaded: Mapping[str, Any], read: set[str] | None) -> set[str]:
+    """The fqns of parameters with state in an optimizer's load target ``loaded`` (flat keys
+    ``state.<fqn>.<name>``, relative) none of whose keys the load ``read`` (``None``: all read)."""
+    if read is None:
+        return set()
+    def fqn(key: str) -> str:
+        return key[len("state.") :].rsplit(".", 1)[0]
+
+    return {fqn(k) for k in loaded if k.startswith("state.")} - {fqn(k) for k in read if k.startswith("state.")}
+
 
 class ModuleEntry(Entry):
     kind = "module"
@@ -268,6 +284,10 @@ class OptimizerEntry(Entry):
         # state for, with the target's values (see :meth:`set_stateless`).
         self.stateless: dict[str, Any] = {}
         self.read: set[str] | None = None  # the keys (relative) the load reads; None: all
+        # Whether the optimizer held no state when the load began: DCP's load target of such an
+        # optimizer is made by a step with zero gradients (step counts 1, moments 0), whose state
+        # must not outlive the load for parameters the load gives nothing.
+        self.fresh = False
 
     def set_stateless(self, target: Mapping[str, Any], saved_keys: Iterable[str]) -> list[str]:
         """(each rank, at load planning) The keys of ``target`` (this entry's flat load target,
@@ -307,18 +327,27 @@ class OptimizerEntry(Entry):
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        self.fresh = not self.optim.state
         if not saved.get("initialized", True):
             return flat_param_groups(self.optim, self.module.param_fqns())
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+
+    def left_alone(self) -> None:
+        if self.fresh:
+            self.optim.state.clear()  # (the zero-gradient step's state of the load target)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name, self.read)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
-            # target's for those the checkpoint holds none for, removed right after.
+            # target's for those the checkpoint holds none for, removed right after; so is that of
+            # parameters the load read nothing for (strict=False: added since the save), where
+            # the target's is the zero-gradient step's.
             set_optimizer_state_dict(self.module.module, self.optim, {**loaded, **self.stateless}, options=_FLAT_OPTIM)
-            if self.stateless:
-                without = {k[len("state.") :].rsplit(".", 1)[0] for k in self.stateless}
+            without = {k[len("state.") :].rsplit(".", 1)[0] for k in self.stateless}
+            if self.fresh:
+                without |= unread_params(loaded, self.read)
+            if without:
                 fqns = self.module.param_fqns()
                 for p in optimizer_params(self.optim):
                     if fqns.get(id(p)) in without:

@@ -25,6 +25,7 @@ from distckpt.state.entries import (
     check_param_groups,
     flat_param_groups,
     load_flat_param_groups,
+    unread_params,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
         return get_optimizer_state_dict(self.module.module, local, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        self.fresh = not self.zero.optim.state
         fqns = self.module.param_fqns()
         # Hyper-parameters of *all* parameters (small values) so that every rank restores the
         # wrapper's groups identically, also for groups with no parameter on this rank.
@@ -89,6 +91,11 @@ class ZeroOptimizerEntry(OptimizerEntry):
             target.update(get_optimizer_state_dict(self.module.module, self.zero.optim, options=_FLAT_OPTIM))
         return target
 
+    def left_alone(self) -> None:
+        if self.fresh:
+            self.zero.optim.state.clear()  # (the zero-gradient step's state of the load target)
+            self._sync_wrapper_to_local()
+
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
         check_param_groups(self.zero, fqns, loaded, self.name, self.read)
@@ -96,8 +103,11 @@ class ZeroOptimizerEntry(OptimizerEntry):
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
         # helper cannot handle the empty param groups a ZeRO partition may have.
         per_param: dict[str, dict[str, Any]] = {}
+        # (a fresh optimizer's target state of parameters the load read nothing for is the
+        # zero-gradient step's: they get none, as OptimizerEntry.apply)
+        unread = unread_params(loaded, self.read) if self.fresh else set()
         for key, value in loaded.items():
-            if key.startswith("state."):
+            if key.startswith("state.") and key[len("state.") :].rsplit(".", 1)[0] not in unread:
                 fqn, name = key[len("state."):].rsplit(".", 1)
                 per_param.setdefault(fqn, {})[name] = value
         local = self.zero.optim
