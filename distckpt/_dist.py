@@ -26,13 +26,32 @@ S = TypeVar("S")
 
 @dataclass
 class Group:
-    """The process group distckpt talks on (``None`` = default group, or no distribution)."""
+    """The process group distckpt talks on (``None`` = default group, or no distribution).
+
+    Whether it spans a ``torch.distributed`` job is fixed when it is made: a job's group whose
+    process group was destroyed meanwhile (``dist.destroy_process_group()`` with an async save
+    in flight, or :meth:`GroupHolder.release`) raises instead of becoming a group of one rank,
+    which committed the coordinator's share of a save as the whole step."""
 
     pg: dist.ProcessGroup | None = None
+    distributed: bool | None = None  # (None: whether torch.distributed is initialized now)
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        if self.distributed is None:
+            self.distributed = dist.is_available() and dist.is_initialized()
 
     @property
     def enabled(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+        if not self.distributed:
+            return False
+        if self.released or not dist.is_initialized():
+            raise CheckpointError(
+                "the process group distckpt was using is gone (torch.distributed.destroy_process_group(), or the "
+                "checkpointer closed, while a save or load was still running): it is not committed; call ckpt.wait() "
+                "or ckpt.close() before destroy_process_group()"
+            )
+        return True
 
     @property
     def rank(self) -> int:

@@ -108,6 +108,7 @@ class GroupHolder:
         if group is None or group.pg is None or self.user_pg is not None:
             return
         pg, group.pg = group.pg, None  # frames and errors that still hold the Group lose the pg
+        group.released = True  # (and raise if they use it, instead of using the default group)
         try:
             if dist.is_initialized() and group_is_registered(pg):
                 dist.destroy_process_group(pg)

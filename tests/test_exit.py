@@ -46,3 +46,32 @@ def test_thirty_processes_that_used_distckpt_all_exit_zero(tmp_path):
     bad = [(job, rc, err[-2000:]) for job, rc, out, err in results if rc != 0 or "done" not in out]
     assert len(results) == 2 * JOBS
     assert not bad, f"{len(bad)} of {len(results)} processes did not exit cleanly: {bad[:3]}"
+
+
+@pytest.mark.timeout(300)
+def test_destroying_the_process_group_under_an_async_save_commits_nothing(tmp_path):
+    # The group gone, distckpt's group became one of one rank: rank 0 committed its share of
+    # step 5 as the whole step (world_size 1, rank 1's tensors missing) and keep_last=1 deleted
+    # step 4, the last good one.
+    import torch
+
+    import distckpt
+
+    root = tmp_path / "root"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "destroy_job.py"), str(rank), "2", str(root), str(tmp_path / "store")],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    results = [(p.wait(timeout=240), *p.communicate(timeout=60)) for p in procs]
+    assert all(rc == 0 and "done" in out for rc, out, _ in results), results
+    assert "process group distckpt was using is gone" in results[0][2] + results[1][2], results
+    with distckpt.Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [4] and ckpt.manifest(4).world_size == 2
+        state = {"model": torch.nn.Linear(64, 64), "position": distckpt.PerRank(torch.zeros(4))}
+        torch.manual_seed(0)
+        want = torch.nn.Linear(64, 64)
+        assert ckpt.load(state, strict=False) == 4  # (at one rank: the per-rank entry is skipped)
+        assert torch.equal(state["model"].weight, want.weight)
