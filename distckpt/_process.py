@@ -270,6 +270,17 @@ def closed(obj: Closable) -> None:
     _open.discard(obj)
 
 
+def _forget_all() -> None:
+    # A child forked from a process using distckpt (a DataLoader worker, an eval fork) inherits
+    # its checkpointers: they are the parent's (their save threads do not exist here, their
+    # writers serve the parent), so the child's exit must not wait for or close them.
+    _open.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)
+
+
 @atexit.register
 def _close_all() -> None:
     # An async save still in flight at interpreter exit is finished, not silently dropped.

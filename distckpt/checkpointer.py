@@ -182,6 +182,7 @@ class Checkpointer:
             self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.url)
         self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False
+        self._pid = os.getpid()
         self.last_load_report: LoadReport | None = None
         close_at_exit(self)
 
@@ -210,6 +211,7 @@ class Checkpointer:
     def _open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"{call}() on a closed Checkpointer")
+        self._forked(call)
 
     # -- listing (not collective) ---------------------------------------------------------------
     def steps(self, tier: str = "root") -> list[int]:
@@ -362,22 +364,47 @@ class Checkpointer:
         Returns its stats, or ``None`` if nothing was in flight. Raises the background save's
         error, identically on every rank.
         """
+        self._forked("wait")
         return self._saver.wait()
 
     def close(self) -> None:
         """(all ranks) Wait for the in-flight save and release staging buffers, threads, the
-        writer process and distckpt's process group (also done at interpreter exit)."""
+        writer process and distckpt's process group (also done at interpreter exit).
+
+        Interrupted while it waits (Ctrl-C), the save stays in flight and nothing is released,
+        as with :meth:`wait`: a second ``close()`` finishes it. In a child forked from the
+        process that made the checkpointer it only marks it closed (all it holds is the
+        parent's)."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            closed(self)
             return
         try:
             self._saver.wait()
-        finally:
-            self._closed = True
+        except Exception:
+            self._release()
+            raise
+        # (a KeyboardInterrupt passes through with nothing released: the save is still running)
+        self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        try:
             self._saver.close()
+        finally:
             if self.replica is not None:
                 self.replica.close()
             self._groups.release()
             closed(self)
+
+    def _forked(self, call: str) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{call}() in process {os.getpid()}, a child forked from process {self._pid}, which made this "
+                "Checkpointer (its saves, writers and process group are the parent's): make a new one in the child"
+            )
 
     # -- loading --------------------------------------------------------------------------------
     def load(

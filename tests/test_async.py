@@ -349,6 +349,79 @@ def _main_thread_in(qualname: str, depth: int = 1) -> bool:
     return found >= depth
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_close_ended_by_ctrl_c_keeps_the_save_in_flight_and_a_second_close_finishes_it(tmp_path, monkeypatch, mode):
+    """Ctrl-C while close() waited for an async save: close went on releasing everything under
+    the running save (process mode: the writer stopped, the step never committed, the second
+    close a no-op). Found by a helper (2026-12-06)."""
+    import signal
+    import threading
+
+    from distckpt.save import writer as _writer
+
+    release = threading.Event()
+    if mode == "thread":  # a disk that stalls until the interrupt came (writer processes: a bigger state)
+        orig = _writer._ChecksumStream.write
+
+        def write(stream, b):
+            release.wait(120)
+            return orig(stream, b)
+
+        monkeypatch.setattr(_writer._ChecksumStream, "write", write)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    ck = distckpt.Checkpointer(tmp_path / "ck", async_mode=mode)
+    n = 1 << 16 if mode == "thread" else 1 << 24
+    w = torch.full((n,), 7.0)
+    interrupted = False
+    try:
+        ck.save(1, {"w": w}, blocking=False)
+
+        def watch():
+            deadline = time.monotonic() + 120
+            while not _main_thread_in("SaveDriver.wait") and time.monotonic() < deadline and ck.in_flight:
+                time.sleep(0.001)
+            if ck.in_flight:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        try:
+            ck.close()
+        except KeyboardInterrupt:
+            interrupted = True
+            assert not ck._closed and ck.in_flight  # nothing released: the save still runs
+        t.join()
+        release.set()
+        ck.close()  # finishes it
+        assert ck._closed and (interrupted or mode == "process")  # (writer processes may finish first)
+        with distckpt.Checkpointer(tmp_path / "ck") as again:
+            got = {"w": torch.zeros(n)}
+            assert again.load(got) == 1 and bool((got["w"] == 7.0).all())
+    finally:
+        release.set()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_forked_child_leaves_its_parents_checkpointer_alone(tmp_path, mode):
+    """A child forked while an async save ran hung forever at its exit (waiting for a save thread
+    that does not exist in it), and an idle one's exit closed the parent's writer process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parent / "fork_job.py"
+    done = subprocess.run([sys.executable, str(job), str(tmp_path / "ck"), mode], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"child": 0, "writer_alive": True, "steps": [1, 2, 4]}, (got, done.stderr[-2000:])
+
+
 def test_a_wait_ended_by_ctrl_c_keeps_the_save_in_flight(tmp_path, monkeypatch):
     """A KeyboardInterrupt (Ctrl-C, or a preemption handler raising) ending ``wait()`` while an
     async save was writing made the checkpointer forget that save: ``wait`` dropped it before

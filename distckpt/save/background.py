@@ -241,6 +241,7 @@ class WriterProcess:
         # start's key. None with one rank.
         self._peers = peers
         self._failed_key = failed_key
+        self._owner = os.getpid()  # (a child forked from the training process inherits this object)
 
     @classmethod
     def start(cls, group: Group, *, timeout: timedelta, nice: int, threads: int) -> WriterProcess:
@@ -382,7 +383,10 @@ class WriterProcess:
         return written
 
     def detach(self) -> None:
-        """Ask the writer to exit without waiting (its checkpointer was dropped unclosed)."""
+        """Ask the writer to exit without waiting (its checkpointer was dropped unclosed). Not
+        from a forked child: the writer is its parent's, still saving."""
+        if os.getpid() != self._owner:
+            return
         try:
             _send(self.conn, ("close", None))
         except (BrokenPipeError, OSError):
@@ -391,7 +395,9 @@ class WriterProcess:
     def close(self, timeout: float = 60.0) -> None:
         """(each rank) Ask the writer to leave its group and exit; kill it if it does not (at
         once where it never said it was ready: it may wait in its group's rendezvous for a
-        writer that died, and has nothing of a save)."""
+        writer that died, and has nothing of a save). Not from a forked child (its parent's)."""
+        if os.getpid() != self._owner:
+            return
         try:
             _send(self.conn, ("close", None))
         except (BrokenPipeError, OSError):
