@@ -243,6 +243,37 @@ def test_a_staging_arena_has_no_name_and_close_releases_it():
     assert not _leftovers(os.getpid())
 
 
+def test_an_arena_in_a_mount_too_small_for_it_is_an_error_not_a_sigbus(monkeypatch):
+    """Where memfd_create is refused (a seccomp profile), the arena is a file in /dev/shm. On a
+    tmpfs smaller than the arena (Docker's 64 MiB default) the sparse file was accepted and the
+    first copy into a page it had no room for killed training with SIGBUS (found by a helper:
+    a 64 MiB tmpfs in a private mount namespace). Its blocks are reserved when it is made."""
+    import errno
+
+    from distckpt.save.shared_arena import SharedArena
+
+    def refused(*_a, **_k):
+        raise OSError(errno.EPERM, "memfd_create refused")
+
+    monkeypatch.setattr(os, "memfd_create", refused, raising=False)
+    arena = SharedArena(1 << 16)  # the named file, with room: as before
+    arena.tensor.fill_(7)
+    assert int(arena.tensor.sum()) == 7 << 16 and not _leftovers(os.getpid())
+    arena.close()
+    reserved = []
+
+    def full(fd, offset, length):
+        reserved.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match=r"needs 1,048,576 bytes of shared memory .*--shm-size.*async_mode=\"thread\"") as info:
+        SharedArena(1 << 20)
+    assert info.value.errno == errno.ENOSPC and reserved == [1 << 20]
+    assert set(os.listdir("/proc/self/fd")) <= before and not _leftovers(os.getpid())  # nothing left open or named
+
+
 def _staging_descriptors() -> list[int]:
     """This process's open descriptors of staging arenas."""
     out = []

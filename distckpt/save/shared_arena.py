@@ -21,6 +21,7 @@ device-to-host copies into it run asynchronously, as DCP's own shared+pinned sta
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -153,17 +154,43 @@ def _anonymous_file(nbytes: int) -> int:
             fd = os.memfd_create("distckpt-stage", os.MFD_CLOEXEC)
         except OSError:  # e.g. a seccomp profile without it: fall back to a named file
             fd = -1
-    if fd < 0:
+    named = fd < 0
+    if named:
         fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=_shm_dir())
         # Mapped through the descriptor, so the name can go at once. Should this process die
         # in between, its file is a leftover of a dead process: the next arena removes it.
         os.unlink(path)
     try:
         os.ftruncate(fd, nbytes)
+        if named and nbytes:
+            _reserve(fd, nbytes)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the named file's blocks now: a sparse file on a tmpfs too small for it (Docker's
+    64 MiB ``/dev/shm``) is accepted, and the first copy into a page it has no room for kills
+    the process with SIGBUS. (Not for ``memfd_create``'s memory, which no mount limits.)
+
+    Raises:
+        OSError: ``ENOSPC``, naming the directory, the size and the ways out.
+    """
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a filesystem that cannot reserve: as before
+        raise OSError(
+            exc.errno,
+            f"distckpt's staging arena needs {nbytes:,} bytes of shared memory in {_shm_dir()} (memfd_create is not "
+            f"available here) and cannot have them ({os.strerror(exc.errno)}): enlarge that mount (docker run "
+            "--shm-size), or save with async_mode=\"thread\" (private host memory)",
+        ) from None
 
 
 def _fd_path(fd: int) -> str:
