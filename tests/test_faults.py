@@ -329,3 +329,35 @@ def test_peer_dead_before_distckpts_group_exists_is_a_checkpoint_error(tmp_path)
     """A raw ``RuntimeError: Wait timeout`` from new_group used to reach the user."""
     out = run_ranks(_peer_gone_before_the_group_body, 2, tmp_path, str(tmp_path / "ck"), expect_dead=frozenset({1}), timeout=90)
     assert out[0].startswith("CheckpointError: creating distckpt's process group (rank 0 of 2) failed"), out[0]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_failing_right_after_its_claim_releases_the_step(tmp_path, monkeypatch, blocking):
+    """Ctrl-C (or a failure) after the coordinator had claimed the step directory, before the
+    write began: the lease stayed held, its thread refreshed it for the life of the process and
+    the step folder stayed "being written", so the retry of that save was refused as another
+    writer's. Found by a helper (2026-12-06)."""
+    import threading
+
+    from distckpt.storage.local_tier import LocalTier
+
+    def interrupted(self, group, step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalTier, "open_step", interrupted)
+    root = tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root, local_dir=tmp_path / "tier", async_mode="thread")
+    state = {"w": torch.arange(16.0)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(1, state, blocking=blocking)
+            ckpt.wait()
+        assert ckpt._saver.lease is None
+        assert not [t for t in threading.enumerate() if t.name.startswith("distckpt-lease")]
+        assert not (root / step_dir(1)).exists()
+        monkeypatch.undo()
+        ckpt.save(1, state, blocking=blocking)  # the retry
+        ckpt.wait()
+        assert ckpt.steps() == [1]
+    finally:
+        ckpt.close()

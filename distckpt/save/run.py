@@ -361,9 +361,15 @@ class SaveDriver:
                 where = opts.storage.display(step_dir(step))
                 raise CheckpointError(f"save of step {step}: could not create {where}: {one_line(exc)}") from exc
 
-        on_coordinator(group, f"save of step {step}", claim)
-        if tier is not None:
-            tier.open_step(group, step)
+        try:
+            on_coordinator(group, f"save of step {step}", claim)
+            if tier is not None:
+                tier.open_step(group, step)
+        except BaseException:
+            # E.g. Ctrl-C, or a peer's failure in the claim's exchange: the step directory this
+            # rank claimed goes (its lease thread would refresh it for the life of the process).
+            self._release_lease(committed=False)
+            raise
         stats.phases["claim"] = time.perf_counter() - t0
 
     def _write_in_process(
