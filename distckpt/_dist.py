@@ -11,7 +11,7 @@ import pickle
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import torch
@@ -28,38 +28,58 @@ S = TypeVar("S")
 class Group:
     """The process group distckpt talks on (``None`` = default group, or no distribution).
 
-    Whether it spans a ``torch.distributed`` job is fixed when it is made: a job's group whose
-    process group was destroyed meanwhile (``dist.destroy_process_group()`` with an async save
-    in flight, or :meth:`GroupHolder.release`) raises instead of becoming a group of one rank,
-    which committed the coordinator's share of a save as the whole step."""
+    Its rank and size are remembered while ``torch.distributed`` is up: a group that spanned
+    several ranks and is gone (``dist.destroy_process_group()`` with an async save in flight, or
+    :meth:`GroupHolder.release`) keeps its rank and size, and its collectives raise instead of
+    becoming those of a group of one rank (which committed the coordinator's share of a save as
+    the whole step). A new save or load gets a new group (:meth:`GroupHolder.get`)."""
 
     pg: dist.ProcessGroup | None = None
-    distributed: bool | None = None  # (None: whether torch.distributed is initialized now)
     released: bool = False
-
-    def __post_init__(self) -> None:
-        if self.distributed is None:
-            self.distributed = dist.is_available() and dist.is_initialized()
+    _seen: tuple[int, int] | None = field(default=None, repr=False)  # (rank, size) while it was up
 
     @property
-    def enabled(self) -> bool:
-        if not self.distributed:
+    def live(self) -> bool:
+        """Whether ``torch.distributed`` is up for it now (its rank and size remembered)."""
+        if self.released or not (dist.is_available() and dist.is_initialized()):
             return False
-        if self.released or not dist.is_initialized():
-            raise CheckpointError(
-                "the process group distckpt was using is gone (torch.distributed.destroy_process_group(), or the "
-                "checkpointer closed, while a save or load was still running): it is not committed; call ckpt.wait() "
-                "or ckpt.close() before destroy_process_group()"
-            )
+        if self._seen is None:
+            self._seen = (dist.get_rank(self.pg), dist.get_world_size(self.pg))
         return True
 
     @property
+    def gone(self) -> bool:
+        """It spanned several ranks and ``torch.distributed`` is no longer up for it."""
+        return not self.live and self._seen is not None and self._seen[1] > 1
+
+    @property
+    def enabled(self) -> bool:
+        """Whether collectives go over ``torch.distributed`` (``False``: one process).
+
+        Raises:
+            CheckpointError: the group spanned several ranks and is gone.
+        """
+        if self.live:
+            return True
+        if self.gone:
+            raise CheckpointError(
+                "the process group distckpt was using is gone (torch.distributed.destroy_process_group() ran, or the "
+                "checkpointer was closed, while a save or load was still running): it did not complete, and a save "
+                "is not committed; wait() for or close() the checkpointer before destroy_process_group()"
+            )
+        return False
+
+    @property
     def rank(self) -> int:
-        return dist.get_rank(self.pg) if self.enabled else 0
+        if self.live:
+            return dist.get_rank(self.pg)
+        return self._seen[0] if self._seen is not None else 0
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.pg) if self.enabled else 1
+        if self.live:
+            return dist.get_world_size(self.pg)
+        return self._seen[1] if self._seen is not None else 1
 
     @property
     def coordinator_global_rank(self) -> int:

@@ -65,6 +65,10 @@ class GroupHolder:
         """
         if self._disagreement is not None:
             raise self._disagreement
+        if self.group is not None and (self.group.gone or (self.group.live and self.group.pg is not None and not group_is_registered(self.group.pg))):
+            # Its process group was destroyed (destroy_process_group(), then maybe a new one):
+            # this call starts over, with a group of the job as it is now (or of this process).
+            self.group = None
         if self.group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 self.group = Group(None)

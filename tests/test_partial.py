@@ -185,3 +185,22 @@ def test_a_parameter_added_since_the_save_starts_with_no_optimizer_state(tmp_pat
     added = {id(p) for p in new[1].parameters()}
     assert all(id(p) not in added for p in optim.state)  # not the zero-gradient step's (step 1)
     assert all(float(s["step"]) == 1.0 for s in optim.state.values()) and len(optim.state) == 2  # the saved ones
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", None])
+def test_a_layer_added_since_the_save_gets_no_state_from_the_local_tier_either(tmp_path, checksum):
+    # The local tier plans a load before it (DCP's load target: a zero-gradient step), and the
+    # load plans again where that plan is not reused (no checksum, a fallback): the optimizer no
+    # longer looked fresh, and the added layer kept the step's state (step 1, zero moments).
+    old = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW(old.parameters(), lr=0.1)
+    _adam_step(old, optim)
+    with distckpt.Checkpointer(tmp_path / "root", local_dir=tmp_path / "tier", checksum=checksum) as ckpt:
+        ckpt.save(1, {"model": old, "optim": optim})
+    new = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
+    optim = torch.optim.AdamW(new.parameters(), lr=0.1)
+    with distckpt.Checkpointer(tmp_path / "root", local_dir=tmp_path / "tier", checksum=checksum) as ckpt:
+        ckpt.load({"model": new, "optim": optim}, strict=False)
+        assert ckpt.last_load_report.tier == "local"
+    added = {id(p) for p in new[1].parameters()}
+    assert all(id(p) not in added for p in optim.state) and len(optim.state) == 2

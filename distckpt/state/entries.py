@@ -16,6 +16,7 @@ values back to the live object (``apply``). All keys are world-size independent:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping, Set
 from typing import Any
 
@@ -109,6 +110,19 @@ class Entry:
         """(each rank, instead of :meth:`apply`) The load read nothing of this entry
         (``strict=False``: missing from the checkpoint or mismatched throughout): undo what
         :meth:`load_target` changed, if anything; the object stays as it was."""
+
+
+#: Optimizers whose only state is the zero-gradient step's that a load target of a fresh
+#: optimizer is made with (DCP's): still fresh to a second planning of the same load (the local
+#: tier plans before the load, a load that falls back plans again) and to the load after a
+#: failed one. An optimizer leaves it when a load hands it its values (or leaves it alone).
+_TARGET_STATE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def target_of_fresh(optim: Any) -> bool:
+    """(at load planning, before the load target is made) Whether ``optim`` holds no state of
+    its own: none at all, or only a load target's (:data:`_TARGET_STATE`)."""
+    return not optim.state or optim in _TARGET_STATE
 
 
 def unread_params(loaded: Mapping[str, Any], read: set[str] | None) -> set[str]:
@@ -327,17 +341,22 @@ class OptimizerEntry(Entry):
         return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        self.fresh = not self.optim.state
+        self.fresh = target_of_fresh(self.optim)
         if not saved.get("initialized", True):
             return flat_param_groups(self.optim, self.module.param_fqns())
-        return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        if self.fresh:
+            _TARGET_STATE.add(self.optim)
+        return target
 
     def left_alone(self) -> None:
         if self.fresh:
             self.optim.state.clear()  # (the zero-gradient step's state of the load target)
+        _TARGET_STATE.discard(self.optim)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name, self.read)
+        _TARGET_STATE.discard(self.optim)  # (what it holds from here on is the checkpoint's)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
             # target's for those the checkpoint holds none for, removed right after; so is that of

@@ -24,7 +24,9 @@ from distckpt.state.entries import (
     OptimizerEntry,
     check_param_groups,
     flat_param_groups,
+    _TARGET_STATE,
     load_flat_param_groups,
+    target_of_fresh,
     unread_params,
 )
 
@@ -80,7 +82,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
         return get_optimizer_state_dict(self.module.module, local, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        self.fresh = not self.zero.optim.state
+        self.fresh = target_of_fresh(self.zero.optim)
         fqns = self.module.param_fqns()
         # Hyper-parameters of *all* parameters (small values) so that every rank restores the
         # wrapper's groups identically, also for groups with no parameter on this rank.
@@ -89,16 +91,20 @@ class ZeroOptimizerEntry(OptimizerEntry):
             g["params"] for g in self.zero.optim.param_groups
         ):
             target.update(get_optimizer_state_dict(self.module.module, self.zero.optim, options=_FLAT_OPTIM))
+            if self.fresh:
+                _TARGET_STATE.add(self.zero.optim)
         return target
 
     def left_alone(self) -> None:
         if self.fresh:
             self.zero.optim.state.clear()  # (the zero-gradient step's state of the load target)
             self._sync_wrapper_to_local()
+        _TARGET_STATE.discard(self.zero.optim)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
         check_param_groups(self.zero, fqns, loaded, self.name, self.read)
+        _TARGET_STATE.discard(self.zero.optim)
         load_flat_param_groups(self.zero, fqns, loaded)
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
         # helper cannot handle the empty param groups a ZeRO partition may have.

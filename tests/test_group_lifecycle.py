@@ -1,0 +1,67 @@
+"""distckpt's process group across the job's own: made before ``init_process_group``, after
+``destroy_process_group`` (a save done, or a load for an export at the end), and after a new
+``init_process_group``. A group that spanned ranks never turns into a group of one rank under a
+running save (tests/test_exit.py), and these flows, which worked, keep working."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distckpt
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _state(rank: int) -> dict:
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(4, 4), "r": distckpt.PerRank(torch.full((2,), float(rank)))}
+
+
+def _lifecycle_body(rank: int, world: int, base: str) -> dict:
+    out = {}
+    store = dist.FileStore  # (the harness initialised the group; each phase below re-creates it)
+    dist.destroy_process_group()
+    # 1. Made, and first used (a resume attempt), before init_process_group: it committed step 1
+    #    as a job of one rank (world_size 1, the other rank's per-rank value missing).
+    ckpt = distckpt.Checkpointer(f"{base}/root", async_mode="thread", timeout=timedelta(seconds=30),
+                                 replicate_to=f"{base}/replica")  # fmt: skip
+    try:
+        ckpt.load(_state(rank))
+    except FileNotFoundError:
+        pass
+    dist.init_process_group("gloo", store=store(f"{base}/store1", world), rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    ckpt.save(1, _state(rank))
+    out["world_of_1"] = ckpt.manifest(1).world_size
+    # 2. An async save done, then destroy_process_group() and close(): close raised "not
+    #    committed" and the upload to the replica was never queued.
+    ckpt.save(2, _state(rank), blocking=False)
+    ckpt.wait()
+    dist.destroy_process_group()
+    ckpt.close()
+    out["replica"] = distckpt.Checkpointer(f"{base}/replica").steps()
+    # 3. A load after destroy_process_group() (an export at the end): one process's load.
+    ckpt = distckpt.Checkpointer(f"{base}/root")
+    state = _state(rank)
+    out["load_after_destroy"] = ckpt.load(state, step=2, strict=False)
+    ckpt.close()
+    # 4. A new init_process_group: a checkpointer of the first one saves again, as a job of two.
+    again = distckpt.Checkpointer(f"{base}/root2", timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store(f"{base}/store2", world), rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    again.save(1, _state(rank))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store(f"{base}/store3", world), rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    again.save(2, _state(rank))
+    out["world_after_reinit"] = again.manifest(2).world_size
+    again.close()
+    return out
+
+
+def test_the_group_before_init_after_destroy_and_after_a_new_init(tmp_path):
+    out = run_ranks(_lifecycle_body, 2, tmp_path, str(tmp_path), timeout=200)
+    for got in out:
+        assert got == {"world_of_1": 2, "replica": [1, 2], "load_after_destroy": 2, "world_after_reinit": 2}, out
