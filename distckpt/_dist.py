@@ -228,6 +228,15 @@ def _peer_failures(op: str) -> Iterator[None]:
     """A collective that fails (a peer died, timed out, or the group broke) as a CheckpointError."""
     try:
         yield
+    except ValueError as exc:
+        # The group destroyed between the check and the call (destroy_process_group() beside a
+        # running save): torch's "Group ... is not registered" / "... not initialized".
+        if "not registered" not in str(exc) and "not initialized" not in str(exc):
+            raise
+        raise CheckpointError(
+            f"distckpt {op} across ranks failed: its process group is gone (torch.distributed.destroy_process_group() "
+            f"ran while a save or load was still running); nothing of it is committed: {one_line(exc)}"
+        ) from exc
     except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError and timeouts subclass it
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

@@ -54,23 +54,45 @@ class GroupHolder:
         self.group: Group | None = None
         self.local_ranks = 1  # ranks of the group on this host (known once the group exists)
         self._disagreement: ValueError | None = None
+        self._lone = False  # the group was made without torch.distributed (one process)
+        self._job_world = 1  # the most ranks a group of this checkpointer spanned
+        self.generation = 0  # counts the groups made: what was made for an earlier one is stale
 
-    def get(self) -> Group:
+    def get(self, save: bool = False) -> Group:
         """(all ranks, collective the first time) The group; a single-process one without
-        ``torch.distributed``.
+        ``torch.distributed``. Made again where the job's process group changed since: destroyed
+        (then a group of this process, or of the job's new process group), or initialised after
+        a single-process group was made (distckpt's own group then: never the default group,
+        whose collectives training uses).
+
+        Args:
+            save: for a save: a save after the job's process group was destroyed is refused (each
+                process would save its share as the whole step).
 
         Raises:
             ValueError: on every rank, this time and every later one, where the ranks passed
                 different values of an ``agree`` option (naming each, with the ranks of each value).
+            CheckpointError: ``save``, and the job's process group was destroyed (not made again).
         """
         if self._disagreement is not None:
             raise self._disagreement
-        if self.group is not None and (self.group.gone or (self.group.live and self.group.pg is not None and not group_is_registered(self.group.pg))):
-            # Its process group was destroyed (destroy_process_group(), then maybe a new one):
-            # this call starts over, with a group of the job as it is now (or of this process).
-            self.group = None
+        up = dist.is_available() and dist.is_initialized()
+        if self.group is not None:
+            group = self.group
+            if group.gone or (up and (self._lone or (group.pg is not None and not group_is_registered(group.pg)))):
+                if group.gone or group.world_size > 1:
+                    self._job_world = max(self._job_world, group.world_size)
+                self.group = None
         if self.group is None:
-            if not (dist.is_available() and dist.is_initialized()):
+            if not up and save and self._job_world > 1:
+                raise CheckpointError(
+                    f"save: this checkpointer saved and loaded as a job of {self._job_world} ranks, whose process group was "
+                    "destroyed (torch.distributed.destroy_process_group()); each process would save its share as the whole "
+                    "step. Save before destroying the process group, or init_process_group() again"
+                )
+            self._lone = not up
+            self.generation += 1
+            if not up:
                 self.group = Group(None)
             elif self.user_pg is not None:
                 # Used as given: creating a group over a subset would need every rank of the

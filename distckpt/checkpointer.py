@@ -27,6 +27,7 @@ from distckpt.load.phases import LoadReport
 from distckpt.options import ASYNC_MODES, CheckpointerOptions  # noqa: F401 (ASYNC_MODES: public before)
 from distckpt.save.run import SaveDriver, SaveStats
 from distckpt.storage import ownership
+from distckpt.state.entries import targets_undone_on_failure
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
 from distckpt.storage.local_tier import LocalTier
@@ -459,7 +460,7 @@ class Checkpointer:
         self._open("load")
         step = plain_int(step)  # type: ignore[assignment]  # NumPy's integers too
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
-        with gc_paused():
+        with gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
             loaded = None
             if self.local is not None:

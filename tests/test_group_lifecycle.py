@@ -24,12 +24,14 @@ def _state(rank: int) -> dict:
 
 def _lifecycle_body(rank: int, world: int, base: str) -> dict:
     out = {}
-    store = dist.FileStore  # (the harness initialised the group; each phase below re-creates it)
+    store = dist.FileStore  # (the harness initialised a group; each phase below makes its own)
     dist.destroy_process_group()
     # 1. Made, and first used (a resume attempt), before init_process_group: it committed step 1
-    #    as a job of one rank (world_size 1, the other rank's per-rank value missing).
+    #    as a job of one rank (world_size 1, the other rank's per-rank value missing); then it ran
+    #    its collectives on the default group, beside training's (a hang); its local tier kept the
+    #    nodes of one process (IndexError on rank 1).
     ckpt = distckpt.Checkpointer(f"{base}/root", async_mode="thread", timeout=timedelta(seconds=30),
-                                 replicate_to=f"{base}/replica")  # fmt: skip
+                                 replicate_to=f"{base}/replica", local_dir=f"{base}/tier{rank}")  # fmt: skip
     try:
         ckpt.load(_state(rank))
     except FileNotFoundError:
@@ -37,11 +39,20 @@ def _lifecycle_body(rank: int, world: int, base: str) -> dict:
     dist.init_process_group("gloo", store=store(f"{base}/store1", world), rank=rank, world_size=world, timeout=timedelta(seconds=30))
     ckpt.save(1, _state(rank))
     out["world_of_1"] = ckpt.manifest(1).world_size
-    # 2. An async save done, then destroy_process_group() and close(): close raised "not
-    #    committed" and the upload to the replica was never queued.
+    # 2. An async save beside training's own collectives on the default group; done, then
+    #    destroy_process_group() and close(): close raised "not committed" and the upload to the
+    #    replica was never queued.
     ckpt.save(2, _state(rank), blocking=False)
+    for _ in range(20):
+        dist.all_reduce(torch.ones(4))
     ckpt.wait()
     dist.destroy_process_group()
+    # A save after the destroy: each process would commit its share as the whole step.
+    try:
+        ckpt.save(3, _state(rank))
+        out["save_after_destroy"] = "saved"
+    except distckpt.CheckpointError as exc:
+        out["save_after_destroy"] = "refused" if "was destroyed" in str(exc) else str(exc)
     ckpt.close()
     out["replica"] = distckpt.Checkpointer(f"{base}/replica").steps()
     # 3. A load after destroy_process_group() (an export at the end): one process's load.
@@ -64,4 +75,5 @@ def _lifecycle_body(rank: int, world: int, base: str) -> dict:
 def test_the_group_before_init_after_destroy_and_after_a_new_init(tmp_path):
     out = run_ranks(_lifecycle_body, 2, tmp_path, str(tmp_path), timeout=200)
     for got in out:
-        assert got == {"world_of_1": 2, "replica": [1, 2], "load_after_destroy": 2, "world_after_reinit": 2}, out
+        assert got == {"world_of_1": 2, "save_after_destroy": "refused", "replica": [1, 2], "load_after_destroy": 2,
+                       "world_after_reinit": 2}, out  # fmt: skip

@@ -204,3 +204,24 @@ def test_a_layer_added_since_the_save_gets_no_state_from_the_local_tier_either(t
         assert ckpt.last_load_report.tier == "local"
     added = {id(p) for p in new[1].parameters()}
     assert all(id(p) not in added for p in optim.state) and len(optim.state) == 2
+
+
+def test_a_failed_load_leaves_a_fresh_optimizer_fresh(tmp_path):
+    # The load's target (a zero-gradient step) stayed after a strict load failed: training from
+    # scratch then began with step 1 and zero moments, not a fresh optimizer's step.
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _adam_step(model, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 4))  # other keys: the strict load fails
+    optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(distckpt.StateMismatchError):
+            ckpt.load({"model": fresh, "optim": optim})
+    assert not optim.state
+    # ... and an optimizer that trained since is no longer taken for a fresh one by a later load.
+    _adam_step(fresh, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh, "optim": optim}, strict=False)
+    assert len(optim.state) == 2 and all(float(s["step"]) == 1.0 for s in optim.state.values())

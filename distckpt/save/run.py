@@ -142,6 +142,7 @@ class SaveDriver:
         # Deletes retired steps' files in the background (coordinator; see storage.retention).
         self.reaper = Reaper()
         self.last_save: SaveStats | None = None
+        self._generation: int | None = None  # (GroupHolder.generation of the group saves use)
 
     # -- the calls -------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
@@ -157,7 +158,7 @@ class SaveDriver:
         first. The failure of an earlier reservation is raised here, on every rank."""
         self.wait()
         with gc_paused():
-            group = self.groups.get()
+            group = self._current_group()
             prepared, views = exchange(
                 group,
                 "prepare_staging",
@@ -223,8 +224,19 @@ class SaveDriver:
                 self.stager = None
 
     # -- one save ------------------------------------------------------------------------------
+    def _current_group(self) -> Group:
+        """(all ranks) The group of a save; where it was made anew since the last save (the job's
+        process group destroyed, or made again), the writer and the plans of the old one go."""
+        group = self.groups.get(save=True)
+        if self._generation != self.groups.generation:
+            if self._generation is not None:
+                self.stop_writer()  # (its writers formed a group with the old job's)
+                self.plan_cache = PlanCache()
+            self._generation = self.groups.generation
+        return group
+
     def _save(self, t0: float, step: int, state: Mapping[str, Any], blocking: bool, metadata: Mapping[str, Any] | None) -> None:
-        group = self.groups.get()
+        group = self._current_group()
         opts = replace(self.opts, local_ranks=self.groups.local_ranks)  # known once the group is
         writes_in_process = self._writes_in_process(group)
         if writes_in_process and self.writer is None:

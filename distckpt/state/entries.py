@@ -17,7 +17,8 @@ values back to the live object (``apply``). All keys are world-size independent:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping, Set
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Set
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -117,6 +118,22 @@ class Entry:
 #: tier plans before the load, a load that falls back plans again) and to the load after a
 #: failed one. An optimizer leaves it when a load hands it its values (or leaves it alone).
 _TARGET_STATE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@contextmanager
+def targets_undone_on_failure() -> Iterator[None]:
+    """(each rank, around a whole load) Where the load fails, the optimizers that were fresh
+    before it get no state from it: a load that fails leaves them fresh (its zero-gradient
+    target's state would otherwise stay, and make their next step differ from a fresh one's)."""
+    before = set(map(id, _TARGET_STATE))
+    try:
+        yield
+    except BaseException:
+        for optim in list(_TARGET_STATE):
+            if id(optim) not in before:
+                optim.state.clear()
+                _TARGET_STATE.discard(optim)
+        raise
 
 
 def target_of_fresh(optim: Any) -> bool:

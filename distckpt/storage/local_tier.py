@@ -285,12 +285,16 @@ class LocalTier:
         self.storage = Storage(local_dir)
         self.storage.tier_copies = True  # its step folders are this tier's (marked) copies
         self.nodes: Nodes | None = None
+        self._nodes_for: Group | None = None
         self._warned_one_node = False
 
     def nodes_of(self, group: Group) -> Nodes:
-        """(all ranks, collective the first time) The nodes of the group's ranks."""
-        if self.nodes is None:
+        """(all ranks, collective the first time for each group) The nodes of the group's ranks
+        (gathered again for a group made anew: the job's process group made again, or made
+        after a first use without one)."""
+        if self.nodes is None or self._nodes_for is not group:
             self.nodes = Nodes.gather(group)
+            self._nodes_for = group
         return self.nodes
 
     def step_path(self, step: int) -> str:
