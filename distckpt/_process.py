@@ -83,13 +83,13 @@ class GroupHolder:
                 if group.gone or group.world_size > 1:
                     self._job_world = max(self._job_world, group.world_size)
                 self.group = None
+        if not up and save and self._job_world > 1:  # (also once a load made a group of this process)
+            raise CheckpointError(
+                f"save: this checkpointer saved and loaded as a job of {self._job_world} ranks, whose process group was "
+                "destroyed (torch.distributed.destroy_process_group()); each process would save its share as the whole "
+                "step. Save before destroying the process group, or init_process_group() again"
+            )
         if self.group is None:
-            if not up and save and self._job_world > 1:
-                raise CheckpointError(
-                    f"save: this checkpointer saved and loaded as a job of {self._job_world} ranks, whose process group was "
-                    "destroyed (torch.distributed.destroy_process_group()); each process would save its share as the whole "
-                    "step. Save before destroying the process group, or init_process_group() again"
-                )
             self._lone = not up
             self.generation += 1
             if not up:

@@ -47,12 +47,18 @@ def _lifecycle_body(rank: int, world: int, base: str) -> dict:
         dist.all_reduce(torch.ones(4))
     ckpt.wait()
     dist.destroy_process_group()
-    # A save after the destroy: each process would commit its share as the whole step.
-    try:
-        ckpt.save(3, _state(rank))
-        out["save_after_destroy"] = "saved"
-    except distckpt.CheckpointError as exc:
-        out["save_after_destroy"] = "refused" if "was destroyed" in str(exc) else str(exc)
+    # A save after the destroy (also after a load there, which made a group of this process):
+    # each process would commit its share as the whole step.
+    for load_first in (False, True):
+        if load_first:
+            ckpt.load(_state(rank), step=1, strict=False)
+        try:
+            ckpt.save(3, _state(rank))
+            out["save_after_destroy"] = "saved"
+        except distckpt.CheckpointError as exc:
+            out["save_after_destroy"] = "refused" if "was destroyed" in str(exc) else str(exc)
+        if out["save_after_destroy"] != "refused":
+            break
     ckpt.close()
     out["replica"] = distckpt.Checkpointer(f"{base}/replica").steps()
     # 3. A load after destroy_process_group() (an export at the end): one process's load.
