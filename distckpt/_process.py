@@ -80,8 +80,7 @@ class GroupHolder:
         if self.group is not None:
             group = self.group
             if group.gone or (up and (self._lone or (group.pg is not None and not group_is_registered(group.pg)))):
-                if group.gone or group.world_size > 1:
-                    self._job_world = max(self._job_world, group.world_size)
+                self._job_world = max(self._job_world, group.world_size)
                 self.group = None
         if not up and save and self._job_world > 1:  # (also once a load made a group of this process)
             raise CheckpointError(

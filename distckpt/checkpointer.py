@@ -262,8 +262,7 @@ class Checkpointer:
         """
         tiers = self._tiers()
         if self.local is not None and not self._reachable(tiers):
-            held = self.local.committed()
-            return held[-1] if held else None
+            return max(self.local.committed(), default=None)
         try:
             return loading.locate(tiers, None, self._eligible())[1]
         except FileNotFoundError:  # (no root, or no step this job may resume)
@@ -271,8 +270,7 @@ class Checkpointer:
         except OSError:
             if self.local is None:
                 raise
-            held = self.local.committed()  # unreachable while listing: as load, the tier's newest
-            return held[-1] if held else None
+            return max(self.local.committed(), default=None)  # unreachable while listing: as load
 
     @staticmethod
     def _reachable(tiers: list[Storage]) -> bool:

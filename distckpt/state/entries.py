@@ -142,15 +142,17 @@ def target_of_fresh(optim: Any) -> bool:
     return not optim.state or optim in _TARGET_STATE
 
 
+def state_fqn(key: str) -> str:
+    """The parameter fqn of an optimizer's flat state key ``state.<fqn>.<name>`` (relative)."""
+    return key[len("state.") :].rsplit(".", 1)[0]
+
+
 def unread_params(loaded: Mapping[str, Any], read: set[str] | None) -> set[str]:
     """The fqns of parameters with state in an optimizer's load target ``loaded`` (flat keys
     ``state.<fqn>.<name>``, relative) none of whose keys the load ``read`` (``None``: all read)."""
     if read is None:
         return set()
-    def fqn(key: str) -> str:
-        return key[len("state.") :].rsplit(".", 1)[0]
-
-    return {fqn(k) for k in loaded if k.startswith("state.")} - {fqn(k) for k in read if k.startswith("state.")}
+    return {state_fqn(k) for k in loaded if k.startswith("state.")} - {state_fqn(k) for k in read if k.startswith("state.")}
 
 
 class ModuleEntry(Entry):
@@ -380,7 +382,7 @@ class OptimizerEntry(Entry):
             # parameters the load read nothing for (strict=False: added since the save), where
             # the target's is the zero-gradient step's.
             set_optimizer_state_dict(self.module.module, self.optim, {**loaded, **self.stateless}, options=_FLAT_OPTIM)
-            without = {k[len("state.") :].rsplit(".", 1)[0] for k in self.stateless}
+            without = {state_fqn(k) for k in self.stateless}
             if self.fresh:
                 without |= unread_params(loaded, self.read)
             if without:

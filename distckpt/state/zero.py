@@ -26,6 +26,7 @@ from distckpt.state.entries import (
     flat_param_groups,
     _TARGET_STATE,
     load_flat_param_groups,
+    state_fqn,
     target_of_fresh,
     unread_params,
 )
@@ -113,7 +114,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
         # zero-gradient step's: they get none, as OptimizerEntry.apply)
         unread = unread_params(loaded, self.read) if self.fresh else set()
         for key, value in loaded.items():
-            if key.startswith("state.") and key[len("state.") :].rsplit(".", 1)[0] not in unread:
+            if key.startswith("state.") and state_fqn(key) not in unread:
                 fqn, name = key[len("state."):].rsplit(".", 1)
                 per_param.setdefault(fqn, {})[name] = value
         local = self.zero.optim

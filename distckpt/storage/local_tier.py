@@ -422,7 +422,7 @@ class LocalTier:
         this root's leftovers (no manifest). Another root's steps, and anything without this
         root's mark, are never touched."""
         mine = [s for s in self._steps() if self._owned(s)]
-        committed = sorted(s for s in mine if s <= newest and os.path.isfile(os.path.join(self.step_path(s), MANIFEST_NAME)))
+        committed = sorted(s for s in mine if s <= newest and self._has_manifest(s))
         keep = set(committed[-self.keep :])
         for s in mine:
             if s not in keep and not self._kept_for_foreign(s):
@@ -431,7 +431,10 @@ class LocalTier:
     def committed(self) -> list[int]:
         """(any rank, not collective) This root's steps committed in this node's tier, ascending
         (the node's own view: a lost node's tier holds none, its peer's the copies)."""
-        return [s for s in self._steps() if self._owned(s) and os.path.isfile(os.path.join(self.step_path(s), MANIFEST_NAME))]
+        return [s for s in self._steps() if self._owned(s) and self._has_manifest(s)]
+
+    def _has_manifest(self, step: int) -> bool:
+        return os.path.isfile(os.path.join(self.step_path(step), MANIFEST_NAME))
 
     def _kept_for_foreign(self, step: int) -> bool:
         """Whether this node's ``step`` directory holds anything the tier does not write (a
