@@ -25,6 +25,10 @@ def _state(rank: int) -> dict:
 def _lifecycle_body(rank: int, world: int, base: str) -> dict:
     out = {}
     store = dist.FileStore  # (the harness initialised a group; each phase below makes its own)
+    # Every rank has finished connecting before any rank tears the group down: gloo connects its
+    # pairs while init_process_group returns, and a peer destroying its side first made the other's
+    # init fail ('Connection closed by peer', seen once in CI under torch 2.11).
+    dist.barrier()
     dist.destroy_process_group()
     # 1. Made, and first used (a resume attempt), before init_process_group: it committed step 1
     #    as a job of one rank (world_size 1, the other rank's per-rank value missing); then it ran
