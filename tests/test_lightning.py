@@ -456,6 +456,18 @@ def test_step_of_another_run_is_not_overwritten(tmp_path: Path) -> None:
     with pytest.raises(distckpt.StepExistsError, match="global step 1 into"):
         _fit(io, 2, [ModelCheckpoint(dirpath=ck / "b", every_n_epochs=1, save_top_k=-1)])
     io.teardown()
+    # The same plugin object kept for the next run (a sweep, a notebook): its save at a step the
+    # earlier fit saved (or a predict loaded) wrote only a pointer, to the earlier run's state.
+    for before in ("fit", "predict"):
+        io = DistckptCheckpointIO(str(tmp_path / f"root_{before}"))
+        first = ck / f"{before}_a"
+        _fit(io, 1, [ModelCheckpoint(dirpath=first, filename="{step}", every_n_epochs=1, save_top_k=-1)])
+        if before == "predict":
+            _trainer(io, 1).predict(_Model(), _loader(), ckpt_path=str(first / "step=1.ckpt"))
+        with pytest.raises(distckpt.StepExistsError, match="global step 1 into"):
+            _fit(io, 1, [ModelCheckpoint(dirpath=ck / f"{before}_b", every_n_epochs=1, save_top_k=-1)])
+        assert not (ck / f"{before}_b").exists() or not list((ck / f"{before}_b").iterdir())
+        io.teardown()
 
 
 def test_s3_root(s3_server, s3_bucket: str, tmp_path: Path) -> None:

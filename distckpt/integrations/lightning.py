@@ -201,6 +201,11 @@ class DistckptCheckpointIO(CheckpointIO):
         finally:
             ckpt, self._ckpt = self._ckpt, None
             self._thread = None
+            # A save at a step seen before skips the save (one more pointer to it); that holds
+            # within one fit only. After teardown the plugin may serve another run (a sweep or a
+            # notebook reusing it): its save at a step the earlier run saved or loaded pointed at
+            # the earlier run's state, silently. Now it reaches the root, which refuses the step.
+            self._steps.clear()
             if ckpt is not None:
                 ckpt.close()
 
