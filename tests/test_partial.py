@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 
@@ -185,6 +186,38 @@ def test_a_parameter_added_since_the_save_starts_with_no_optimizer_state(tmp_pat
     added = {id(p) for p in new[1].parameters()}
     assert all(id(p) not in added for p in optim.state)  # not the zero-gradient step's (step 1)
     assert all(float(s["step"]) == 1.0 for s in optim.state.values()) and len(optim.state) == 2  # the saved ones
+
+
+def test_a_parameter_whose_shape_changed_starts_with_no_optimizer_state(tmp_path):
+    # A vocabulary grown since the save (strict=False): the embedding is mismatched and keeps its
+    # fresh values, but its optimizer state was the checkpoint's 0-d step (read: its shape fits)
+    # beside the load target's zero moments, so its next step differed from a fresh optimizer's.
+    def net(vocab):
+        torch.manual_seed(vocab)
+        return torch.nn.Sequential(torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, 4))
+
+    def step(model, optim):
+        model(torch.arange(10)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    old = net(16)
+    optim = torch.optim.AdamW(old.parameters(), lr=1e-2)
+    step(old, optim)
+    step(old, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"model": old, "optim": optim})
+    new = net(20)
+    optim = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": new, "optim": optim}, strict=False)
+        assert sorted(ckpt.last_load_report.mismatched) == ["model.0.weight", "optim.state.0.weight.exp_avg", "optim.state.0.weight.exp_avg_sq"]
+    assert new[0].weight not in optim.state and len(optim.state) == 2
+    assert all(float(s["step"]) == 2.0 for s in optim.state.values())
+    reference = copy.deepcopy(new)  # the loaded linear layer, the fresh embedding
+    step(reference, torch.optim.AdamW(reference[0].parameters(), lr=1e-2))  # a fresh optimizer's step
+    step(new, optim)
+    assert torch.equal(new[0].weight, reference[0].weight)
 
 
 @pytest.mark.parametrize("checksum", ["crc32c", None])

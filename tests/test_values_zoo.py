@@ -617,6 +617,28 @@ def test_lists_holding_empty_dicts_save_the_same_keys_sync_and_async(tmp_path, m
     assert fresh["extra"]["n"] == [None, {}] and torch.equal(fresh["extra"]["t"], torch.ones(2))
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_lists_of_values_beside_tensors_load_whole_whatever_the_fresh_length(tmp_path, blocking):
+    """A dict holding a tensor and plain lists (a loss history, best steps): DCP stores each such
+    list as one value, and the load merged it item by item into the fresh state's list, cut to
+    that list's length: a fresh ``[]`` stayed ``[]`` (the history lost), a longer one kept its
+    stale items; strict, clean, no warning."""
+    saved = {"loss": [4.2, 3.9, 3.1], "ema": torch.tensor([0.5]), "best": {"steps": [10, 20]},
+             "walked": [torch.ones(1), [1, 2], {"k": [3]}], "was_list": 7, "now_list": [1]}  # fmt: skip
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.save(1, {"metrics": saved}, blocking=blocking)
+    for fresh_loss in ([], [0.0], [0.0] * 5):
+        history = list(fresh_loss)
+        fresh = {"loss": history, "ema": torch.zeros(1), "best": {"steps": []},
+                 "walked": [torch.zeros(1), [], {"k": [0, 0]}], "was_list": [], "now_list": 0}  # fmt: skip
+        with distckpt.Checkpointer(tmp_path) as ckpt:
+            ckpt.load({"metrics": fresh})
+        assert fresh["loss"] == [4.2, 3.9, 3.1] and fresh["loss"] is history  # in place, as a value entry's
+        assert fresh["best"] == {"steps": [10, 20]} and torch.equal(fresh["ema"], torch.tensor([0.5]))
+        assert fresh["walked"][1:] == [[1, 2], {"k": [3]}] and torch.equal(fresh["walked"][0], torch.ones(1))
+        assert fresh["was_list"] == 7 and fresh["now_list"] == [1]
+
+
 def test_unflattening_for_dcp_gives_the_same_keys_seeded():
     """Seeded trees of dicts, lists, empty containers, None, tensors and plain values: what async
     staging hands DCP (flattened, then ``unflatten_for_dcp``) flattens into the keys, and the

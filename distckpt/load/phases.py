@@ -33,7 +33,7 @@ from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_c
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, OptimizerEntry, tied_duplicates
+from distckpt.state.entries import Entry, OptimizerEntry, state_fqn, tied_duplicates, unread_params
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -163,7 +163,17 @@ def plan_load(
     request = {k: v for k, v in flat.items() if k in index and k not in mismatched and selection.key(k)}
     for e in entries:
         if isinstance(e, OptimizerEntry):  # what it reads (its groups' values are judged by those)
-            e.read = {k[len(e.name) + 1 :] for k in request if k.startswith(e.name + ".")}
+            prefix = e.name + "."
+            e.read = {k[len(prefix) :] for k in request if k.startswith(prefix)}
+            if e.fresh:
+                # A fresh optimizer's parameter the load reads part of the state for (its shape
+                # changed since the save: the moments mismatch, the 0-d step fits) gets none
+                # (OptimizerEntry.apply), so that part is not read either: the state check
+                # would judge the step the optimizer was never given.
+                partial = unread_params({k[len(prefix) :]: None for k in flat if k.startswith(prefix)}, e.read)
+                for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in partial]:
+                    del request[key]
+                    e.read.discard(key[len(prefix) :])
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 

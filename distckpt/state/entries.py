@@ -149,10 +149,13 @@ def state_fqn(key: str) -> str:
 
 def unread_params(loaded: Mapping[str, Any], read: set[str] | None) -> set[str]:
     """The fqns of parameters with state in an optimizer's load target ``loaded`` (flat keys
-    ``state.<fqn>.<name>``, relative) none of whose keys the load ``read`` (``None``: all read)."""
+    ``state.<fqn>.<name>``, relative) some of whose keys the load did not ``read`` (``None``: all
+    read). Not only those it read nothing for: a parameter whose shape changed since the save
+    (strict=False) has its moments unread but its 0-d ``step`` read, and kept the target's zero
+    moments beside the checkpoint's step, a state no optimizer ever had."""
     if read is None:
         return set()
-    return {state_fqn(k) for k in loaded if k.startswith("state.")} - {state_fqn(k) for k in read if k.startswith("state.")}
+    return {state_fqn(k) for k in loaded if k.startswith("state.") and k not in read}
 
 
 class ModuleEntry(Entry):
@@ -485,20 +488,49 @@ def _merged_tuple(live: Any, loaded: Any) -> Any:
     return loaded
 
 
+def _stored_whole(value: Any) -> bool:
+    """Whether DCP stores this item of a tree as one value (its flattening's rule, torch's
+    ``_traverse._is_terminal``): anything but a dict or a list, and a list holding no tensor and
+    no dict or list it walks into. Such a list arrives whole, whatever its length; a list DCP
+    walks into arrives item by item, in the live list's shape."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _stored_whole(v)) for v in value)
+
+
+def _walked(live: Any) -> bool:
+    """Whether what is loaded for ``live`` is merged into it (a dict, or a list DCP walked into)
+    rather than replacing it. (DCP stores nothing for an empty dict: its place in a list comes
+    back as ``None``, and the live ``{}`` stays.)"""
+    return isinstance(live, MutableMapping) or (isinstance(live, list) and not _stored_whole(live))
+
+
 def _merge_into(live: Any, loaded: Any) -> None:
+    """Tensors of ``loaded`` are the live ones (filled in place); every other value replaces the
+    live one. A list stored whole replaces the live list's items (a history of losses in a fresh
+    state is ``[]``: it was merged item by item, cut to the live length, and stayed ``[]``)."""
     if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
         for k, v in loaded.items():
             key = k
             if k not in live:  # DCP's flattening turns keys into strings
                 key = next((lk for lk in live if str(lk) == k), k)
-            if key in live and isinstance(live[key], (MutableMapping, list)) and not isinstance(v, torch.Tensor):
+            if key in live and _walked(live[key]) and not isinstance(v, torch.Tensor):
                 _merge_into(live[key], v)
+            elif key in live and isinstance(live[key], list) and isinstance(v, list):
+                live[key][:] = v  # in place: the caller may hold the list
             elif not isinstance(live.get(key), torch.Tensor):
                 live[key] = v
     elif isinstance(live, list) and isinstance(loaded, list):
+        if _stored_whole(live):
+            live[:] = loaded
+            return
         for i, v in enumerate(loaded[: len(live)]):
-            if isinstance(live[i], (MutableMapping, list)):
+            if _walked(live[i]):
                 _merge_into(live[i], v)
+            elif isinstance(live[i], list) and isinstance(v, list):
+                live[i][:] = v
             elif not isinstance(live[i], torch.Tensor):
                 live[i] = v
 
