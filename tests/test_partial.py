@@ -220,6 +220,35 @@ def test_a_parameter_whose_shape_changed_starts_with_no_optimizer_state(tmp_path
     assert torch.equal(new[0].weight, reference[0].weight)
 
 
+def test_a_fresh_optimizer_keeps_what_is_read_where_a_pattern_or_the_checkpoint_leaves_a_key_out(tmp_path):
+    # Only a parameter whose shape changed loses its state: one moment left out by exclude= (or
+    # missing from the checkpoint: amsgrad switched on since the save) keeps the rest as read.
+    def made(amsgrad=False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 3)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=amsgrad)
+
+    model, optim = made()
+    for _ in range(3):
+        _adam_step(model, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim})
+    saved = [optim.state[p] for p in model.parameters()]
+    for strict in (True, False):
+        fresh, fresh_optim = made()
+        with distckpt.Checkpointer(tmp_path) as ckpt:
+            ckpt.load({"model": fresh, "optim": fresh_optim}, strict=strict, exclude="optim.state.*.exp_avg_sq")
+            assert ckpt.last_load_report.clean
+        for p, want in zip(fresh.parameters(), saved):
+            assert torch.equal(fresh_optim.state[p]["exp_avg"], want["exp_avg"]) and float(fresh_optim.state[p]["step"]) == 3.0
+    fresh, fresh_optim = made(amsgrad=True)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim}, strict=False)
+        assert not ckpt.last_load_report.unexpected and len(ckpt.last_load_report.missing) == 2
+    for p, want in zip(fresh.parameters(), saved):
+        assert torch.equal(fresh_optim.state[p]["exp_avg_sq"], want["exp_avg_sq"]) and float(fresh_optim.state[p]["step"]) == 3.0
+
+
 @pytest.mark.parametrize("checksum", ["crc32c", None])
 def test_a_layer_added_since_the_save_gets_no_state_from_the_local_tier_either(tmp_path, checksum):
     # The local tier plans a load before it (DCP's load target: a zero-gradient step), and the

@@ -33,7 +33,7 @@ from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_c
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, OptimizerEntry, state_fqn, tied_duplicates, unread_params
+from distckpt.state.entries import Entry, OptimizerEntry, state_fqn, tied_duplicates
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -166,12 +166,14 @@ def plan_load(
             prefix = e.name + "."
             e.read = {k[len(prefix) :] for k in request if k.startswith(prefix)}
             if e.fresh:
-                # A fresh optimizer's parameter the load reads part of the state for (its shape
-                # changed since the save: the moments mismatch, the 0-d step fits) gets none
-                # (OptimizerEntry.apply), so that part is not read either: the state check
-                # would judge the step the optimizer was never given.
-                partial = unread_params({k[len(prefix) :]: None for k in flat if k.startswith(prefix)}, e.read)
-                for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in partial]:
+                # A fresh optimizer's parameter whose shape changed since the save (strict=False:
+                # its moments mismatch, its 0-d step fits) kept the checkpoint's step beside the
+                # load target's zero moments. None of its state is read, so it gets none
+                # (OptimizerEntry.apply: unread_params), as in a fresh optimizer; the state check
+                # then judges no step it was never given. (Keys left out by only/exclude or
+                # missing from the checkpoint keep their parameters' other state, as before.)
+                changed = {state_fqn(k[len(prefix) :]) for k in mismatched if k.startswith(prefix + "state.")}
+                for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in changed]:
                     del request[key]
                     e.read.discard(key[len(prefix) :])
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)

@@ -149,13 +149,10 @@ def state_fqn(key: str) -> str:
 
 def unread_params(loaded: Mapping[str, Any], read: set[str] | None) -> set[str]:
     """The fqns of parameters with state in an optimizer's load target ``loaded`` (flat keys
-    ``state.<fqn>.<name>``, relative) some of whose keys the load did not ``read`` (``None``: all
-    read). Not only those it read nothing for: a parameter whose shape changed since the save
-    (strict=False) has its moments unread but its 0-d ``step`` read, and kept the target's zero
-    moments beside the checkpoint's step, a state no optimizer ever had."""
+    ``state.<fqn>.<name>``, relative) none of whose keys the load ``read`` (``None``: all read)."""
     if read is None:
         return set()
-    return {state_fqn(k) for k in loaded if k.startswith("state.") and k not in read}
+    return {state_fqn(k) for k in loaded if k.startswith("state.")} - {state_fqn(k) for k in read if k.startswith("state.")}
 
 
 class ModuleEntry(Entry):
@@ -488,28 +485,16 @@ def _merged_tuple(live: Any, loaded: Any) -> Any:
     return loaded
 
 
-def _stored_whole(value: Any) -> bool:
-    """Whether DCP stores this item of a tree as one value (its flattening's rule, torch's
-    ``_traverse._is_terminal``): anything but a dict or a list, and a list holding no tensor and
-    no dict or list it walks into. Such a list arrives whole, whatever its length; a list DCP
-    walks into arrives item by item, in the live list's shape."""
-    if isinstance(value, Mapping):
-        return False
-    if not isinstance(value, list):
-        return True
-    return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _stored_whole(v)) for v in value)
-
-
 def _walked(live: Any) -> bool:
     """Whether what is loaded for ``live`` is merged into it (a dict, or a list DCP walked into)
     rather than replacing it. (DCP stores nothing for an empty dict: its place in a list comes
     back as ``None``, and the live ``{}`` stays.)"""
-    return isinstance(live, MutableMapping) or (isinstance(live, list) and not _stored_whole(live))
+    return isinstance(live, MutableMapping) or (isinstance(live, list) and not containers.dcp_leaf(live))
 
 
 def _merge_into(live: Any, loaded: Any) -> None:
     """Tensors of ``loaded`` are the live ones (filled in place); every other value replaces the
-    live one. A list stored whole replaces the live list's items (a history of losses in a fresh
+    live one. A list DCP stores whole (:func:`~distckpt.state.containers.dcp_leaf`) replaces the live list's items (a history of losses in a fresh
     state is ``[]``: it was merged item by item, cut to the live length, and stayed ``[]``)."""
     if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
         for k, v in loaded.items():
@@ -523,7 +508,7 @@ def _merge_into(live: Any, loaded: Any) -> None:
             elif not isinstance(live.get(key), torch.Tensor):
                 live[key] = v
     elif isinstance(live, list) and isinstance(loaded, list):
-        if _stored_whole(live):
+        if containers.dcp_leaf(live):
             live[:] = loaded
             return
         for i, v in enumerate(loaded[: len(live)]):
