@@ -145,6 +145,9 @@ def _ddp_body(rank: int, world: int, root: str, dirs: list[str] | None, ckpt_pat
     model = _Model(per_rank_key_at=EPOCHS)
     trainer = _trainer(io, EPOCHS, callbacks, strategy=DistckptDDPStrategy(process_group_backend="gloo"), devices=world)
     trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    if dirs is not None and ckpt_path is None:
+        # After fit, the same tensors as its last step: a pointer to it, agreed by every rank.
+        trainer.save_checkpoint(Path(dirs[0]).parent / "final.ckpt")
     return model.losses
 
 
@@ -188,7 +191,7 @@ def test_ddp_train_save_resume_at_2_3_1_ranks(tmp_path: Path) -> None:
     # The best callback removed its older pointers; their steps stay, as every/ still points at them.
     kept = [f"best-step={EPOCHS - 1}.ckpt", f"best-step={EPOCHS}.ckpt", "last.ckpt"]
     assert sorted(p.name for p in best.iterdir()) == kept
-    assert _pointer(best / "last.ckpt")["step"] == EPOCHS
+    assert _pointer(best / "last.ckpt")["step"] == EPOCHS and _pointer(tmp_path / "final.ckpt")["step"] == EPOCHS
     resume_from = str(every / f"epoch={RESUME_FROM - 1}-step={RESUME_FROM}.ckpt")
 
     # 2 ranks, bit for bit: from a copy of the root and of the pointers up to the resumed epoch (a
@@ -464,10 +467,23 @@ def test_step_of_another_run_is_not_overwritten(tmp_path: Path) -> None:
         _fit(io, 1, [ModelCheckpoint(dirpath=first, filename="{step}", every_n_epochs=1, save_top_k=-1)])
         if before == "predict":
             _trainer(io, 1).predict(_Model(), _loader(), ckpt_path=str(first / "step=1.ckpt"))
+        L.seed_everything(1, verbose=False)  # another run: other weights (the same ones would be the same state)
         with pytest.raises(distckpt.StepExistsError, match="global step 1 into"):
-            _fit(io, 1, [ModelCheckpoint(dirpath=ck / f"{before}_b", every_n_epochs=1, save_top_k=-1)])
+            _trainer(io, 1, [ModelCheckpoint(dirpath=ck / f"{before}_b", every_n_epochs=1, save_top_k=-1)]).fit(_Model(), _loader())
         assert not (ck / f"{before}_b").exists() or not list((ck / f"{before}_b").iterdir())
         io.teardown()
+    # ... while the same run's trainer.save_checkpoint after fit (the same tensors as its last
+    # step, which fit's teardown had made an earlier step) points at that step, as it did.
+    io = DistckptCheckpointIO(str(tmp_path / "root_manual"))
+    L.seed_everything(0, verbose=False)
+    trainer = _trainer(io, 2, [ModelCheckpoint(dirpath=ck / "manual", every_n_epochs=1, save_top_k=-1)])
+    trainer.fit(_Model(), _loader())
+    for weights_only in (False, True):
+        trainer.save_checkpoint(ck / f"final_{weights_only}.ckpt", weights_only=weights_only)
+        assert _pointer(ck / f"final_{weights_only}.ckpt")["step"] == 2
+    assert io.checkpointer.steps() == [1, 2]
+    _trainer(io, 2).predict(_Model(), _loader(), ckpt_path=str(ck / "final_False.ckpt"))
+    io.teardown()
 
 
 def test_s3_root(s3_server, s3_bucket: str, tmp_path: Path) -> None:

@@ -75,7 +75,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "distckpt.integrations.lightning needs Lightning (>= 2.4): pip install 'distckpt[lightning]'"
     ) from exc
 
-from distckpt._dist import Group, on_coordinator
+import torch
+
+from distckpt._compat import flatten_state_dict
+from distckpt._dist import Group, exchange, on_coordinator
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import (
     CheckpointError,
@@ -90,6 +93,7 @@ from distckpt.integrations.lightning_layout import (
     read_layout,
     template,
 )
+from distckpt.state import fingerprint
 from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
     Pointer,
@@ -159,6 +163,7 @@ class DistckptCheckpointIO(CheckpointIO):
         self._job: str | None = options.get("job")
         self._strategy: Callable[[], DDPStrategy | None] | None = None  # weakref to the attached strategy
         self._steps: dict[int, frozenset[str]] = {}  # steps saved or loaded here -> Lightning keys they hold
+        self._earlier: dict[int, frozenset[str]] = {}  # the same, before the last teardown
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -202,9 +207,11 @@ class DistckptCheckpointIO(CheckpointIO):
             ckpt, self._ckpt = self._ckpt, None
             self._thread = None
             # A save at a step seen before skips the save (one more pointer to it); that holds
-            # within one fit only. After teardown the plugin may serve another run (a sweep or a
-            # notebook reusing it): its save at a step the earlier run saved or loaded pointed at
-            # the earlier run's state, silently. Now it reaches the root, which refuses the step.
+            # within one fit. After teardown the plugin may serve another run (a sweep or a
+            # notebook reusing it), whose save at a step the earlier run saved or loaded pointed
+            # at the earlier run's state, silently: such a step is taken again only for the same
+            # tensors (trainer.save_checkpoint after fit), see _same_as_saved.
+            self._earlier.update(self._steps)
             self._steps.clear()
             if ckpt is not None:
                 ckpt.close()
@@ -244,6 +251,8 @@ class DistckptCheckpointIO(CheckpointIO):
         epoch = checkpoint.get("epoch")
         record: PointerRecord = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
         known = self._steps.get(step)
+        if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
+            known = self._steps[step] = self._earlier[step]
         if known is not None:
             missing = [k for k in keys if k not in known]
             if missing:
@@ -347,6 +356,26 @@ class DistckptCheckpointIO(CheckpointIO):
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
+    def _same_as_saved(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any]) -> bool:
+        """(every rank) Whether the model's and the optimizers' tensors in ``state`` are those
+        committed in ``step`` (the fingerprints its manifest records; a tensor without one, e.g.
+        ``fingerprint=False``, is not), on every rank: a save at a step of an earlier
+        fit/validate of this plugin is then the same run's (``trainer.save_checkpoint`` after
+        ``fit``), not another run's. The rest (callbacks' scores, loops, plain values) may differ,
+        as between two callbacks saving at one step within a fit."""
+
+        def here() -> bool:
+            try:
+                manifest = ckpt.manifest(step)
+            except (CheckpointError, OSError, ValueError):
+                return False  # deleted since, or unreadable: saving it again is refused as before
+            saved, version = manifest.fingerprints, manifest.fingerprint_version
+            compared = {k: state[k] for k in (entry_name("state_dict"), entry_name("optimizer_states")) if k in state}
+            tensors = {k: v for k, v in flatten_state_dict(compared)[0].items() if isinstance(v, torch.Tensor)}
+            return bool(tensors) and all(k in saved and saved[k] == fingerprint.of_tensor(v, version) for k, v in tensors.items())
+
+        return all(exchange(Group(), f"comparing the state with step {step}", lambda: (None, here()))[1])
+
     def _remember(self, path: str | os.PathLike) -> None:
         self._dirs.add(dir_of(path))
 
@@ -375,6 +404,7 @@ class DistckptCheckpointIO(CheckpointIO):
             self._job = job
         for step in deleted:
             self._steps.pop(step, None)
+            self._earlier.pop(step, None)
 
     def _apply(self, actions: Iterable[_Action]) -> tuple[str | None, list[int]]:
         """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
