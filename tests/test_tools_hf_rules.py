@@ -339,3 +339,30 @@ def test_pipeline_stages_load_their_parts(tmp_path):
 
     save_file({"a": torch.ones(4), "b": torch.ones(4), "c": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     assert run_ranks(_pipeline_stage_job, 2, tmp_path, str(tmp_path), timeout=120) == [[1, ["a"]], [2, ["b", "c"]]]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_key_renamed_onto_a_skipped_keys_name_gets_the_renamed_tensor(tmp_path, sharded):
+    """Model surgery with key_map (drop layer 1 of 3, shift layer 2 down): checkpoint key l.2 is
+    mapped to the model's l.1, the checkpoint's own l.1 skipped (None, strict=False). Both went
+    under the name l.1 to the reader, and the one listed last in the files (l.1 sorts after l.2
+    in one file) filled the model's l.1, reported 'unexpected' (unused). Found by a helper."""
+    saved = {f"l.{i}": torch.full((4,), float(i)) for i in range(3)}
+    if sharded:
+        tmp_path.mkdir(exist_ok=True)
+        save_file({"l.0": saved["l.0"], "l.2": saved["l.2"]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+        save_file({"l.1": saved["l.1"]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+        weight_map = {"l.0": "model-00001-of-00002.safetensors", "l.2": "model-00001-of-00002.safetensors", "l.1": "model-00002-of-00002.safetensors"}
+        (tmp_path / INDEX_NAME).write_text(__import__("json").dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        save_file(saved, str(tmp_path / "model.safetensors"))
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.ParameterList([nn.Parameter(torch.zeros(4)) for _ in range(2)])
+
+    model = Two()
+    report = hf.load_pretrained(model, str(tmp_path), strict=False, key_map={"l.0": "l.0", "l.1": None, "l.2": "l.1"}.get)
+    assert torch.equal(model.l[0], saved["l.0"]) and torch.equal(model.l[1], saved["l.2"])
+    assert report.loaded == 2 and report.unexpected == ["l.1"] and not report.missing

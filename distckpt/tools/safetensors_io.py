@@ -361,9 +361,20 @@ class SafetensorsReader(StorageReader):
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         metadata = self.index.metadata()
         inverse = {v: k for k, v in self.rename.items()}
-        metadata.state_dict_metadata = {inverse.get(k, k): v for k, v in metadata.state_dict_metadata.items()}
+
+        def named(fqn: str) -> str | None:
+            # A file's key that is a renamed key's state name (key_map a -> b, b -> skipped) is
+            # not read under it: both were 'b' here, and whichever the files listed last filled
+            # the model's b (the skipped tensor, reported unused).
+            if fqn in inverse:
+                return inverse[fqn]
+            return None if fqn in self.rename else fqn
+
+        metadata.state_dict_metadata = {
+            name: v for k, v in metadata.state_dict_metadata.items() if (name := named(k)) is not None
+        }
         metadata.storage_data = {
-            MetadataIndex(inverse.get(i.fqn, i.fqn), i.offset): s for i, s in metadata.storage_data.items()
+            MetadataIndex(name, i.offset): s for i, s in metadata.storage_data.items() if (name := named(i.fqn)) is not None
         }
         metadata.storage_meta = StorageMeta()
         return metadata
