@@ -106,8 +106,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step (tests/demos of preemption)")
     args = p.parse_args(argv)
-    if args.steps < 0 or args.save_every < 1 or args.global_batch < 1:
-        p.error("--steps must be >= 0, --save-every and --global-batch >= 1")
+    # Checked here, as usage errors naming the flag: --log-every 0 passed and killed every rank
+    # after its first step (modulo by zero), --seq-len 0 trained on NaN losses.
+    bad = [f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}" for name, low in (
+        ("steps", 0), ("warmup", 0), ("step_delay", 0), ("weight_decay", 0), ("save_every", 1), ("global_batch", 1),
+        ("log_every", 1), ("vocab", 1), ("seq_len", 1), ("d_model", 1), ("n_layers", 1), ("n_heads", 1),
+        ("num_samples", 1), ("decay_steps", 1), ("local_keep", 1),
+    ) if getattr(args, name) < low]  # fmt: skip
+    if args.keep_last is not None and args.keep_last < 1:
+        bad.append(f"--keep-last must be >= 1, got {args.keep_last}")
+    if not 0 <= args.dropout < 1:
+        bad.append(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not args.lr >= 0:  # (NaN too)
+        bad.append(f"--lr must be >= 0, got {args.lr}")
+    if args.n_heads >= 1 and args.d_model % args.n_heads:
+        bad.append(f"--n-heads ({args.n_heads}) must divide --d-model ({args.d_model})")
+    if bad:
+        p.error("; ".join(bad))
     return args
 
 

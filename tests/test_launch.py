@@ -328,3 +328,25 @@ def test_the_device_is_one_gpu_per_rank_or_the_cpu():
     assert pick_device("cuda", 1, 2, 2) == (torch.device("cuda", 1), None)
     with pytest.raises(SystemExit, match="2 rank.s. on this node need one GPU each, but 1 GPU"):
         pick_device("cuda", 0, 2, 1)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
+    (["--keep-last", "0", "--local-keep", "0"], "--local-keep must be >= 1, got 0; --keep-last must be >= 1, got 0"),
+    (["--n-heads", "3"], "--n-heads (3) must divide --d-model (256)"),
+    (["--steps", "-1"], "--steps must be >= 0, got -1"),
+])  # fmt: skip
+def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
+    # --log-every 0 passed the checks and killed every rank after its first step (a modulo by
+    # zero), --seq-len 0 trained on NaN losses: a usage error before any process group is made.
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from train import parse_args
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--steps", "4", "--ckpt-dir", "x", *flags])
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+    assert parse_args(["--steps", "4", "--ckpt-dir", "x"]).log_every == 10
