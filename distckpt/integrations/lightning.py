@@ -93,7 +93,6 @@ from distckpt.integrations.lightning_layout import (
     read_layout,
     template,
 )
-from distckpt.state import fingerprint
 from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
     Pointer,
@@ -110,6 +109,7 @@ from distckpt.integrations.lightning_pointers import (
     try_pointer,
     write_pointer,
 )
+from distckpt.state import fingerprint
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
 

@@ -494,8 +494,9 @@ def _walked(live: Any) -> bool:
 
 def _merge_into(live: Any, loaded: Any) -> None:
     """Tensors of ``loaded`` are the live ones (filled in place); every other value replaces the
-    live one. A list DCP stores whole (:func:`~distckpt.state.containers.dcp_leaf`) replaces the live list's items (a history of losses in a fresh
-    state is ``[]``: it was merged item by item, cut to the live length, and stayed ``[]``)."""
+    live one. A list DCP stores whole (:func:`~distckpt.state.containers.dcp_leaf`) replaces the
+    live list's items (a loss history in a fresh state is ``[]``: it was merged item by item,
+    cut to the live length, and stayed ``[]``)."""
     if isinstance(live, MutableMapping) and isinstance(loaded, Mapping):
         for k, v in loaded.items():
             key = k
