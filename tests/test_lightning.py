@@ -467,23 +467,27 @@ def test_step_of_another_run_is_not_overwritten(tmp_path: Path) -> None:
         _fit(io, 1, [ModelCheckpoint(dirpath=first, filename="{step}", every_n_epochs=1, save_top_k=-1)])
         if before == "predict":
             _trainer(io, 1).predict(_Model(), _loader(), ckpt_path=str(first / "step=1.ckpt"))
-        L.seed_everything(1, verbose=False)  # another run: other weights (the same ones would be the same state)
-        with pytest.raises(distckpt.StepExistsError, match="global step 1 into"):
-            _trainer(io, 1, [ModelCheckpoint(dirpath=ck / f"{before}_b", every_n_epochs=1, save_top_k=-1)]).fit(_Model(), _loader())
+        # Another run, even of the same seed (the same values: a sweep over what the tensors do
+        # not hold, a schedule, reaches them too) is not the earlier run.
+        with pytest.raises(distckpt.StepExistsError, match="global step 1 into.*before its last teardown"):
+            _fit(io, 1, [ModelCheckpoint(dirpath=ck / f"{before}_b", every_n_epochs=1, save_top_k=-1)])
         assert not (ck / f"{before}_b").exists() or not list((ck / f"{before}_b").iterdir())
         io.teardown()
     # ... while the same run's trainer.save_checkpoint after fit (the same tensors as its last
     # step, which fit's teardown had made an earlier step) points at that step, as it did.
-    io = DistckptCheckpointIO(str(tmp_path / "root_manual"))
-    L.seed_everything(0, verbose=False)
-    trainer = _trainer(io, 2, [ModelCheckpoint(dirpath=ck / "manual", every_n_epochs=1, save_top_k=-1)])
-    trainer.fit(_Model(), _loader())
-    for weights_only in (False, True):
-        trainer.save_checkpoint(ck / f"final_{weights_only}.ckpt", weights_only=weights_only)
-        assert _pointer(ck / f"final_{weights_only}.ckpt")["step"] == 2
-    assert io.checkpointer.steps() == [1, 2]
-    _trainer(io, 2).predict(_Model(), _loader(), ckpt_path=str(ck / "final_False.ckpt"))
-    io.teardown()
+    # (also without fingerprints: the tensors are recognised as the very ones saved, unchanged)
+    for options in ({}, {"fingerprint": False}):
+        io = DistckptCheckpointIO(str(tmp_path / f"root_manual{len(options)}"), **options)
+        L.seed_everything(0, verbose=False)
+        trainer = _trainer(io, 2, [ModelCheckpoint(dirpath=ck / f"manual{len(options)}", every_n_epochs=1, save_top_k=-1)])
+        trainer.fit(_Model(), _loader())
+        for weights_only in (False, True):
+            final = ck / f"final_{len(options)}_{weights_only}.ckpt"
+            trainer.save_checkpoint(final, weights_only=weights_only)
+            assert _pointer(final)["step"] == 2
+        assert io.checkpointer.steps() == [1, 2]
+        _trainer(io, 2).predict(_Model(), _loader(), ckpt_path=str(ck / f"final_{len(options)}_False.ckpt"))
+        io.teardown()
 
 
 def test_s3_root(s3_server, s3_bucket: str, tmp_path: Path) -> None:

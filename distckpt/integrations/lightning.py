@@ -109,7 +109,6 @@ from distckpt.integrations.lightning_pointers import (
     try_pointer,
     write_pointer,
 )
-from distckpt.state import fingerprint
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
 
@@ -119,6 +118,22 @@ _Action = tuple[str, str, PointerRecord | None]
 
 # --------------------------------------------------------------------------------------------
 # the plugin
+def _compared(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's and the optimizers' tensors of a Lightning state (prepared), by flat key."""
+    compared = {k: state[k] for k in (entry_name("state_dict"), entry_name("optimizer_states")) if k in state}
+    return {k: v for k, v in flatten_state_dict(compared)[0].items() if isinstance(v, torch.Tensor)}
+
+
+def _identity(t: torch.Tensor) -> tuple[weakref.ref, int] | None:
+    """The storage of ``t`` (held weakly: its Python object lives as long as the storage does,
+    and a dead one never equals a new one at the same address) and its version counter, which
+    every in-place change moves; ``None`` for a tensor without a storage (sparse, nested)."""
+    try:
+        return weakref.ref(t.untyped_storage()), t._version
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 class DistckptCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that saves and loads distckpt checkpoints.
 
@@ -164,6 +179,9 @@ class DistckptCheckpointIO(CheckpointIO):
         self._strategy: Callable[[], DDPStrategy | None] | None = None  # weakref to the attached strategy
         self._steps: dict[int, frozenset[str]] = {}  # steps saved or loaded here -> Lightning keys they hold
         self._earlier: dict[int, frozenset[str]] = {}  # the same, before the last teardown
+        # Steps saved here -> the model's and optimizers' tensors as saved: (their storage, held
+        # weakly, and version counter) by key; see _same_as_saved.
+        self._saved_tensors: dict[int, dict[str, tuple[weakref.ref, int] | None]] = {}
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -209,8 +227,8 @@ class DistckptCheckpointIO(CheckpointIO):
             # A save at a step seen before skips the save (one more pointer to it); that holds
             # within one fit. After teardown the plugin may serve another run (a sweep or a
             # notebook reusing it), whose save at a step the earlier run saved or loaded pointed
-            # at the earlier run's state, silently: such a step is taken again only for the same
-            # tensors (trainer.save_checkpoint after fit), see _same_as_saved.
+            # at the earlier run's state, silently: such a step is taken again only for the very
+            # tensors it saved, unchanged (trainer.save_checkpoint after fit), see _same_as_saved.
             self._earlier.update(self._steps)
             self._steps.clear()
             if ckpt is not None:
@@ -251,7 +269,7 @@ class DistckptCheckpointIO(CheckpointIO):
         epoch = checkpoint.get("epoch")
         record: PointerRecord = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
         known = self._steps.get(step)
-        if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
+        if known is None and step in self._earlier and self._same_as_saved(step, state):
             known = self._steps[step] = self._earlier[step]
         if known is not None:
             missing = [k for k in keys if k not in known]
@@ -273,12 +291,20 @@ class DistckptCheckpointIO(CheckpointIO):
         try:
             ckpt.save(step, state, blocking=not self.async_save, metadata={LAYOUT_KEY: layout})
         except StepExistsError as exc:
+            why = " (a run resumed from an older checkpoint and trained past newer ones?)"
+            if step in self._earlier:
+                why = (
+                    " (this plugin saved or loaded it before its last teardown, but the model's and optimizers' tensors "
+                    "are not the ones it saved: another run reusing the plugin, or a model moved to another device or "
+                    "changed since)"
+                )
             raise StepExistsError(
                 f"{exc}. Lightning saves global step {step} into {self.root}, which holds that step from an earlier "
-                f"run or another job (a run resumed from an older checkpoint and trained past newer ones?); distckpt "
-                f"never overwrites a committed step: use a new root for this run, or resume from the newest checkpoint"
+                f"run or another job{why}; distckpt never overwrites a committed step: use a new root for this run, "
+                f"or resume from the newest checkpoint"
             ) from exc
         self._steps[step] = frozenset(keys)
+        self._saved_tensors[step] = {k: _identity(t) for k, t in _compared(state).items()}
         if self.async_save:
             self._inflight = step
             self._pending.append(("point", os.fspath(path), record))
@@ -356,23 +382,26 @@ class DistckptCheckpointIO(CheckpointIO):
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
-    def _same_as_saved(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any]) -> bool:
-        """(every rank) Whether the model's and the optimizers' tensors in ``state`` are those
-        committed in ``step`` (the fingerprints its manifest records; a tensor without one, e.g.
-        ``fingerprint=False``, is not), on every rank: a save at a step of an earlier
-        fit/validate of this plugin is then the same run's (``trainer.save_checkpoint`` after
-        ``fit``), not another run's. The rest (callbacks' scores, loops, plain values) may differ,
-        as between two callbacks saving at one step within a fit."""
+    def _same_as_saved(self, step: int, state: Mapping[str, Any]) -> bool:
+        """(every rank) Whether the model's and the optimizers' tensors in ``state`` are the very
+        tensors this plugin saved as ``step`` (the same storages, still alive) and unchanged since
+        (the same version counters: an optimizer step or an in-place re-initialisation moves them),
+        on every rank: a save at a step of an earlier fit of this plugin is then the same run's
+        (``trainer.save_checkpoint`` after ``fit``), not another run's, whatever else differs
+        (callbacks' scores, loops, a scheduler stepped at the epoch's end, as between callbacks
+        saving at one step within a fit). Equal values are not enough: another run of a sweep can
+        reach the same weights with another schedule. A step only loaded here is never the same."""
 
         def here() -> bool:
-            try:
-                manifest = ckpt.manifest(step)
-            except (CheckpointError, OSError, ValueError):
-                return False  # deleted since, or unreadable: saving it again is refused as before
-            saved, version = manifest.fingerprints, manifest.fingerprint_version
-            compared = {k: state[k] for k in (entry_name("state_dict"), entry_name("optimizer_states")) if k in state}
-            tensors = {k: v for k, v in flatten_state_dict(compared)[0].items() if isinstance(v, torch.Tensor)}
-            return bool(tensors) and all(k in saved and saved[k] == fingerprint.of_tensor(v, version) for k, v in tensors.items())
+            saved = self._saved_tensors.get(step)
+            tensors = _compared(state)
+            if not saved or saved.keys() != tensors.keys():
+                return False
+            for key, t in tensors.items():
+                before, now = saved[key], _identity(t)
+                if before is None or now is None or before[0]() is None or before[0]() is not now[0]() or before[1] != now[1]:
+                    return False
+            return True
 
         return all(exchange(Group(), f"comparing the state with step {step}", lambda: (None, here()))[1])
 
@@ -391,6 +420,7 @@ class DistckptCheckpointIO(CheckpointIO):
             # Nothing may point at the failed step, and the removals queued after it are dropped:
             # they were to make room for it, and could delete the last good checkpoint.
             self._steps.pop(step, None)
+            self._saved_tensors.pop(step, None)
             raise
         self._run_on_rank0(pending)
 
@@ -405,6 +435,7 @@ class DistckptCheckpointIO(CheckpointIO):
         for step in deleted:
             self._steps.pop(step, None)
             self._earlier.pop(step, None)
+            self._saved_tensors.pop(step, None)
 
     def _apply(self, actions: Iterable[_Action]) -> tuple[str | None, list[int]]:
         """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
