@@ -109,6 +109,7 @@ from distckpt.integrations.lightning_pointers import (
     try_pointer,
     write_pointer,
 )
+from distckpt.state import fingerprint
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
 
@@ -179,8 +180,8 @@ class DistckptCheckpointIO(CheckpointIO):
         self._strategy: Callable[[], DDPStrategy | None] | None = None  # weakref to the attached strategy
         self._steps: dict[int, frozenset[str]] = {}  # steps saved or loaded here -> Lightning keys they hold
         self._earlier: dict[int, frozenset[str]] = {}  # the same, before the last teardown
-        # Steps saved here -> the model's and optimizers' tensors as saved: (their storage, held
-        # weakly, and version counter) by key; see _same_as_saved.
+        # The last step saved here -> the model's and optimizers' tensors as saved: (their
+        # storage, held weakly, and version counter) by key; see _same_as_saved.
         self._saved_tensors: dict[int, dict[str, tuple[weakref.ref, int] | None]] = {}
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
@@ -269,7 +270,7 @@ class DistckptCheckpointIO(CheckpointIO):
         epoch = checkpoint.get("epoch")
         record: PointerRecord = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
         known = self._steps.get(step)
-        if known is None and step in self._earlier and self._same_as_saved(step, state):
+        if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
             known = self._steps[step] = self._earlier[step]
         if known is not None:
             missing = [k for k in keys if k not in known]
@@ -304,7 +305,9 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"or resume from the newest checkpoint"
             ) from exc
         self._steps[step] = frozenset(keys)
-        self._saved_tensors[step] = {k: _identity(t) for k, t in _compared(state).items()}
+        # Only the last save's tensors can still be unchanged (kept for one step: a long run
+        # would otherwise hold an entry per tensor per step).
+        self._saved_tensors = {step: {k: _identity(t) for k, t in _compared(state).items()}}
         if self.async_save:
             self._inflight = step
             self._pending.append(("point", os.fspath(path), record))
@@ -382,26 +385,34 @@ class DistckptCheckpointIO(CheckpointIO):
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
-    def _same_as_saved(self, step: int, state: Mapping[str, Any]) -> bool:
+    def _same_as_saved(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any]) -> bool:
         """(every rank) Whether the model's and the optimizers' tensors in ``state`` are the very
-        tensors this plugin saved as ``step`` (the same storages, still alive) and unchanged since
-        (the same version counters: an optimizer step or an in-place re-initialisation moves them),
-        on every rank: a save at a step of an earlier fit of this plugin is then the same run's
-        (``trainer.save_checkpoint`` after ``fit``), not another run's, whatever else differs
-        (callbacks' scores, loops, a scheduler stepped at the epoch's end, as between callbacks
-        saving at one step within a fit). Equal values are not enough: another run of a sweep can
-        reach the same weights with another schedule. A step only loaded here is never the same."""
+        tensors this plugin last saved, as ``step`` (the same storages, still alive), unchanged
+        since (the same version counters: an optimizer step or an in-place re-initialisation moves
+        them) and of the values the manifest's fingerprints record (writes through ``p.data``
+        move no version counter: an EMA swapped in at the end of fit), on every rank. A save at a
+        step of an earlier fit of this plugin is then the same run's (``trainer.save_checkpoint``
+        after ``fit``, also weights only), not another run's, whatever else differs (callbacks'
+        scores, loops, a scheduler stepped at the epoch's end, as between callbacks saving at one
+        step within a fit). Equal values alone are not enough: another run of a sweep can reach
+        the same weights with another schedule. A step only loaded here is never the same. With
+        ``fingerprint=False`` the values are not compared (writes through ``.data`` go unseen)."""
 
         def here() -> bool:
             saved = self._saved_tensors.get(step)
             tensors = _compared(state)
-            if not saved or saved.keys() != tensors.keys():
+            if not saved or not tensors or not tensors.keys() <= saved.keys():
                 return False
             for key, t in tensors.items():
                 before, now = saved[key], _identity(t)
                 if before is None or now is None or before[0]() is None or before[0]() is not now[0]() or before[1] != now[1]:
                     return False
-            return True
+            try:
+                manifest = ckpt.manifest(step)
+            except (CheckpointError, OSError, ValueError):
+                return False  # deleted since, or unreadable: saving it again is refused as before
+            prints, version = manifest.fingerprints, manifest.fingerprint_version
+            return all(prints[k] == fingerprint.of_tensor(t, version) for k, t in tensors.items() if k in prints)
 
         return all(exchange(Group(), f"comparing the state with step {step}", lambda: (None, here()))[1])
 
