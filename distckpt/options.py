@@ -10,6 +10,7 @@ process) take.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,33 @@ from distckpt._ints import plain_int
 from distckpt.storage.retention import check_keep_last
 
 ASYNC_MODES = ("process", "thread")
+MAX_THREADS = 256
+MIN_LEASE_S = 1.0
+
+
+def flag(value: object, name: str, what: str = "True or False") -> bool:
+    """``value`` as a bool where it is one (NumPy's too); ``ValueError`` naming ``name``
+    otherwise: a string from a config file ('False') was taken by its truth, as True."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _timeout(value: object) -> timedelta:
+    """``timeout`` as a positive, finite timedelta (seconds given as a number)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        # (0 or a negative one failed every collective with a message about dead peers)
+        raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {value!r}")
+    try:
+        return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {value!r}") from None
 
 
 @dataclass
@@ -110,15 +138,23 @@ class CheckpointerOptions:
             raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
         if self.checksum is not None and self.checksum not in ALGORITHMS:
             raise ValueError(f"checksum must be one of {ALGORITHMS} or None, got {self.checksum!r}")
-        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int) or self.thread_count < 1:
-            raise ValueError(f"thread_count must be an int >= 1, got {self.thread_count!r}")
+        if isinstance(self.thread_count, bool) or not isinstance(self.thread_count, int) or not 1 <= self.thread_count <= MAX_THREADS:
+            # (each writes a file of every save: 10**6 exhausted the process's threads)
+            raise ValueError(f"thread_count must be an int from 1 to {MAX_THREADS}, got {self.thread_count!r}")
+        if isinstance(self.background_nice, bool) or not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 39:
+            # (a str from a config file failed in the async save's thread, which then never ended)
+            raise ValueError(f"background_nice must be an int from 0 to 39 (niceness added), got {self.background_nice!r}")
+        for name in ("sync_files", "save_rng", "verify", "fingerprint", "skip_torch_record_crc"):
+            setattr(self, name, flag(getattr(self, name), name))
+        if self.verify_state is not None:
+            self.verify_state = flag(self.verify_state, "verify_state", "None, True or False")
         if self.on_replica_drift not in statecheck.DRIFT_POLICIES:
             raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {self.on_replica_drift!r}")
-        if not self.lease_s > 0:
-            raise ValueError(f"lease_s must be positive, got {self.lease_s!r}")
+        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not MIN_LEASE_S <= self.lease_s <= ownership.MAX_LEASE_S:
+            # (a tiny lease rewrote the owner record without pause; infinity crashed its refresh)
+            raise ValueError(f"lease_s must be a number of seconds from {MIN_LEASE_S:g} to {ownership.MAX_LEASE_S:g}, got {self.lease_s!r}")
         self.lease_s = float(self.lease_s)
-        if not isinstance(self.timeout, timedelta):
-            self.timeout = timedelta(seconds=self.timeout)
+        self.timeout = _timeout(self.timeout)
         check_job(self.job)
         # Validated once (ValueError naming the bad entry). Not part of save_options(): those are
         # pickled into a writer process's job, where classes defined in __main__ cannot be

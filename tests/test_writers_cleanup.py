@@ -626,3 +626,30 @@ def test_judging_a_folder_lists_it_once_on_object_stores(tmp_path):
     (tmp_path / "local" / "s" / "a.bin").write_bytes(b"xy")
     (tmp_path / "local" / "s" / "gone").symlink_to(tmp_path / "nowhere")
     assert local.list_entries("s") == Storage.list_entries(local, "s") == ({"a.bin": 2}, ["gone", "sub"])
+
+
+def test_a_record_is_judged_by_its_writers_lease_where_longer(tmp_path):
+    """Job A with lease_s=5 judged job B's record by its own lease: B (lease_s=600) refreshes
+    every 150 s, so A's first save removed B's step while B wrote it (found by a helper). The
+    record carries its writer's lease; the longer one decides, up to MAX_LEASE_S (a record
+    claiming more, forged or garbled, does not hold its step for longer)."""
+    import json
+    import time
+
+    storage = Storage(tmp_path / "root")
+    lease = ownership.Lease(storage, step_dir(1), lease_s=600.0)
+    lease.acquire()
+    try:
+        now = time.time()
+        assert not ownership.is_stale(storage, step_dir(1), 5.0, now=now + 7)
+        assert ownership.is_stale(storage, step_dir(1), 5.0, now=now + 601)
+    finally:
+        lease.release(committed=False)
+    (tmp_path / "root" / step_dir(2)).mkdir()
+    forged = {"writer": "x", "host": "elsewhere", "pid": 5, "time": time.time(), "lease_s": 1e12}
+    (tmp_path / "root" / step_dir(2) / ownership.OWNER_NAME).write_text(json.dumps(forged))
+    assert not ownership.is_stale(storage, step_dir(2), 5.0, now=time.time() + 3600)
+    assert ownership.is_stale(storage, step_dir(2), 5.0, now=time.time() + ownership.MAX_LEASE_S + 10)
+    for garbled in ("600", True, float("nan"), -1):
+        (tmp_path / "root" / step_dir(2) / ownership.OWNER_NAME).write_text(json.dumps({**forged, "lease_s": garbled}))
+        assert ownership.is_stale(storage, step_dir(2), 5.0, now=time.time() + 7), garbled  # the cleaner's lease

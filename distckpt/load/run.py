@@ -43,7 +43,7 @@ from distckpt.load.phases import (
 )
 from distckpt.load.planner import SafeLoadPlanner
 from distckpt.load.reader import checkpoint_reader
-from distckpt.options import CheckpointerOptions
+from distckpt.options import CheckpointerOptions, flag
 from distckpt.state import values
 from distckpt.storage.base import Storage
 from distckpt.storage.stream import Streams
@@ -104,8 +104,9 @@ def locate(
                 "other jobs' (a Checkpointer with a job name resumes only its own; pass step=N to load another's)"
             )
         raise FileNotFoundError(f"no committed checkpoint under {' or '.join(s.display() for s in tiers)}")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"step must be an int or None, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        # (-1 was looked for as step_-00000001 and named as a missing step)
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     for storage in tiers:
         if storage.exists(step_dir(step), MANIFEST_NAME) and not tier_copy(storage, step):
             return storage, step
@@ -252,7 +253,12 @@ def load(
 
     def plan_here() -> Any:
         # Inside the exchange: patterns a rank got wrong (malformed, or matching nothing) fail
-        # every rank alike; raised before it, one rank's ``only=[]`` hung the others.
+        # every rank alike; raised before it, one rank's ``only=[]`` hung the others. So are
+        # flags that are no bools (strict='no' was strict, by its truth).
+        flag(strict, "load(strict=...)")
+        flag(restore_rng, "load(restore_rng=...)")
+        if verify_state is not None:
+            flag(verify_state, "load(verify_state=...)", "None, True or False")
         refuse_dead_patterns(only, exclude, index, where)
         selected.append(Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index)))
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])

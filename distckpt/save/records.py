@@ -233,12 +233,17 @@ def write_items(
             with lock:
                 results.extend(done)
 
-    threads = [threading.Thread(target=work, args=(True,), name=f"distckpt-write-{t}", daemon=True) for t in range(1, thread_count)]
-    for t in threads:
-        t.start()
+    threads = []
+    for t in range(1, min(thread_count, jobs.qsize())):
+        thread = threading.Thread(target=work, args=(True,), name=f"distckpt-write-{t}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no more threads in this process: the started ones and this one write the rest
+            break
+        threads.append(thread)
     work(False)
-    for t in threads:
-        t.join()
+    for thread in threads:
+        thread.join()
     if errors:
         raise errors[0]
     return results

@@ -318,8 +318,8 @@ class SaveDriver:
         job = _InFlight(step, stats)
 
         def run() -> None:
-            lower_priority(self.options.background_nice)
             try:
+                lower_priority(self.options.background_nice)
                 self._claim(group, opts, step, stats, tier)
                 self._write_and_commit(group, opts, prepared, stats, write, tier)
                 stats.total_s = time.perf_counter() - t0

@@ -82,10 +82,30 @@ DEFAULT_LEASE_S = 600.0
 TOMBSTONE_PREFIX = ".distckpt-removing-"
 
 
-def _record(writer: str, released: bool = False) -> bytes:
-    return json.dumps(
-        {"writer": writer, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "released": released}
-    ).encode()
+#: The longest lease a record's own ``lease_s`` makes a cleaner honour (a record claiming more,
+#: forged or garbled, would hold its step for as long): also the largest ``lease_s`` option.
+MAX_LEASE_S = 7 * 24 * 3600.0
+
+
+def _record(writer: str, released: bool = False, lease_s: float | None = None) -> bytes:
+    record: dict[str, object] = {
+        "writer": writer, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "released": released
+    }  # fmt: skip
+    if lease_s is not None:
+        # The writer's own lease: a cleaner with a shorter one judges the record by this one
+        # (a job with lease_s=5 removed another job's step while it was written, refreshed
+        # every 600 / 4 s).
+        record["lease_s"] = lease_s
+    return json.dumps(record).encode()
+
+
+def held_lease(record: Mapping[str, object], lease_s: float) -> float:
+    """The lease a cleaner judges ``record`` by: its own ``lease_s``, or the writer's recorded
+    in it where longer (at most :data:`MAX_LEASE_S`)."""
+    held = record.get("lease_s")
+    if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) and held > lease_s:
+        return min(float(held), max(lease_s, MAX_LEASE_S))
+    return lease_s
 
 
 def _write_record(storage: Storage, dirname: str, data: bytes) -> None:
@@ -123,7 +143,7 @@ class Lease:
         Raises:
             FileExistsError: the directory (or, on object stores, its owner record) exists.
         """
-        self.storage.create_exclusive(self.dirname, OWNER_NAME, _record(self.writer))
+        self.storage.create_exclusive(self.dirname, OWNER_NAME, _record(self.writer, lease_s=self.lease_s))
         self._thread = threading.Thread(target=self._refresh, name=f"distckpt-lease-{self.dirname}", daemon=True)
         self._thread.start()
 
@@ -137,7 +157,7 @@ class Lease:
     def renew(self) -> None:
         """Refresh the record if it is still this writer's; never re-creates the directory."""
         if self.still_mine():
-            _write_record(self.storage, self.dirname, _record(self.writer))
+            _write_record(self.storage, self.dirname, _record(self.writer, lease_s=self.lease_s))
 
     def still_mine(self) -> bool:
         """Whether the owner record is still this writer's (checked right before committing)."""
@@ -206,6 +226,7 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
         if not process_exists(record["pid"]):
             return True
+    lease_s = held_lease(record, lease_s)
     stamp = record.get("time")
     # NaN or infinity (json reads both) would never expire: a garbled record, no claim.
     if not isinstance(stamp, (int, float)) or not math.isfinite(stamp):
