@@ -10,7 +10,7 @@ process) take.
 
 from __future__ import annotations
 
-import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +34,7 @@ from distckpt.storage.retention import check_keep_last
 ASYNC_MODES = ("process", "thread")
 MAX_THREADS = 256
 MIN_LEASE_S = 1.0
+MAX_TIMEOUT = timedelta(days=365)
 
 
 def flag(value: object, name: str, what: str = "True or False") -> bool:
@@ -44,21 +45,31 @@ def flag(value: object, name: str, what: str = "True or False") -> bool:
     raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
+def _known_backend(name: str) -> bool:
+    """Whether torch knows backend ``name`` (``gloo``, or per device: ``cpu:gloo,cuda:nccl``);
+    backends registered by extensions (``Backend.register_backend``) are in its list too."""
+    parts = [p.split(":", 1)[-1] for p in name.split(",")] if ":" in name else [name]
+    return all(p.strip().lower() in dist.Backend.backend_list[1:] for p in parts)
+
+
+def seconds(value: object) -> float | None:
+    """A real number of seconds (NumPy's too) as a float; ``None`` for anything else (a bool,
+    text from a config file)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
 def _timeout(value: object) -> timedelta:
-    """``timeout`` as a positive, finite timedelta (seconds given as a number)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    else:
-        seconds = float("nan")
-    if not (math.isfinite(seconds) and seconds > 0):
-        # (0 or a negative one failed every collective with a message about dead peers)
-        raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {value!r}")
-    try:
-        return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
-    except OverflowError:
-        raise ValueError(f"timeout must be a positive timedelta or number of seconds, got {value!r}") from None
+    """``timeout`` as a positive timedelta of at most :data:`MAX_TIMEOUT` (seconds given as a
+    number): 0 or a negative one failed every collective with a message about dead peers, and
+    gloo hangs or overflows on ones of some hundred years."""
+    given = value.total_seconds() if isinstance(value, timedelta) else seconds(value)
+    if given is None or not 0 < given <= MAX_TIMEOUT.total_seconds():
+        raise ValueError(
+            f"timeout must be a positive timedelta or number of seconds, at most {MAX_TIMEOUT.days} days, got {value!r}"
+        )
+    return value if isinstance(value, timedelta) else timedelta(seconds=given)
 
 
 @dataclass
@@ -150,10 +161,19 @@ class CheckpointerOptions:
             self.verify_state = flag(self.verify_state, "verify_state", "None, True or False")
         if self.on_replica_drift not in statecheck.DRIFT_POLICIES:
             raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {self.on_replica_drift!r}")
-        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) or not MIN_LEASE_S <= self.lease_s <= ownership.MAX_LEASE_S:
+        lease = seconds(self.lease_s)
+        if lease is None or not MIN_LEASE_S <= lease <= ownership.MAX_LEASE_S:
             # (a tiny lease rewrote the owner record without pause; infinity crashed its refresh)
             raise ValueError(f"lease_s must be a number of seconds from {MIN_LEASE_S:g} to {ownership.MAX_LEASE_S:g}, got {self.lease_s!r}")
-        self.lease_s = float(self.lease_s)
+        self.lease_s = lease
+        if self.backend is not None and not (isinstance(self.backend, str) and _known_backend(self.backend)):
+            # (a typo failed the first save on every rank, blaming a dead peer)
+            raise ValueError(
+                f"backend must be None or a torch.distributed backend ({', '.join(dist.Backend.backend_list[1:])}, or "
+                f"'cpu:gloo,cuda:nccl'), got {self.backend!r}"
+            )
+        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be None or a torch.distributed.ProcessGroup, got {self.process_group!r}")
         self.timeout = _timeout(self.timeout)
         check_job(self.job)
         # Validated once (ValueError naming the bad entry). Not part of save_options(): those are

@@ -19,14 +19,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:
 @pytest.mark.parametrize("option, value", [
     ("background_nice", "10"), ("background_nice", None), ("background_nice", 1.5), ("background_nice", -1),
     ("timeout", 0), ("timeout", -5), ("timeout", None), ("timeout", "30"), ("timeout", float("nan")),
-    ("timeout", timedelta(0)), ("timeout", 1e300),
+    ("timeout", timedelta(0)), ("timeout", 1e300), ("timeout", 8_640_000_000), ("timeout", timedelta.max),
+    ("backend", "glo"), ("backend", 5), ("backend", "cpu:glo"), ("process_group", "x"),
     ("lease_s", 1e-6), ("lease_s", float("inf")), ("lease_s", "600"), ("lease_s", True),
     ("thread_count", 10**6), ("thread_count", 0),
     ("save_rng", "False"), ("verify", 0), ("sync_files", None), ("fingerprint", "no"), ("skip_torch_record_crc", 1),
-    ("verify_state", "always"),
+    ("verify_state", "always"), ("safe_types", 5), ("safe_types", "Mode"),
 ])  # fmt: skip
 def test_bad_option_values_are_refused_naming_the_option(tmp_path, option, value):
-    with pytest.raises(ValueError, match=rf"^{option} must be"):
+    with pytest.raises(ValueError, match=rf"^{option} (must be|takes)"):
         distckpt.Checkpointer(tmp_path / "root", **{option: value})
     assert not (tmp_path / "root").exists()
 
@@ -35,10 +36,12 @@ def test_good_values_of_those_options_are_taken(tmp_path):
     import numpy as np
 
     ckpt = distckpt.Checkpointer(
-        tmp_path, background_nice=np.int64(0), timeout=30, lease_s=1, thread_count=np.int32(4), save_rng=np.bool_(False),
-        verify_state=True,
+        tmp_path, background_nice=np.int64(0), timeout=np.int64(30), lease_s=np.float32(600), thread_count=np.int32(4),
+        save_rng=np.bool_(False), verify_state=True, backend="cpu:gloo,cuda:nccl",
     )  # fmt: skip
-    assert ckpt.options.timeout == timedelta(seconds=30) and ckpt.options.save_rng is False
+    assert ckpt.options.timeout == timedelta(seconds=30) and ckpt.options.save_rng is False and ckpt.options.lease_s == 600.0
+    ckpt.close()
+    ckpt = distckpt.Checkpointer(tmp_path, lease_s=1, timeout=timedelta(days=365))
     assert distckpt.Checkpointer(tmp_path, timeout=timedelta(minutes=1)).options.timeout == timedelta(minutes=1)
     ckpt.save(1, {"w": torch.ones(2)})
     ckpt.close()

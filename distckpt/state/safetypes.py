@@ -70,6 +70,8 @@ class SafeTypes:
             types = DEFAULT_SAFE_TYPES
         if isinstance(types, type):  # safe_types=Mode instead of [Mode]: an Enum class iterates its members
             raise ValueError(f"safe_types takes a list of classes, e.g. safe_types=[{types.__qualname__}]")
+        if isinstance(types, (str, bytes)) or not isinstance(types, Iterable):
+            raise ValueError(f"safe_types takes a list of classes, got {types!r}")
         by_name: dict[str, type] = {}
         for t in types:
             if not isinstance(t, type) or not registrable(t):

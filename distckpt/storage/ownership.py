@@ -12,11 +12,12 @@ coordinator of each job (and by the replica's uploader, :mod:`distckpt.storage.r
   So does a save (or an upload) of a step whose folder is another tool's (:func:`not_distckpts`),
   checked first: an object store's conditional put creates only the record, beside its files.
 * **A lease protects an incomplete step.** The owner record (``.owner`` in the step directory:
-  writer id, host, pid, time) is refreshed every ``lease_s / 4`` seconds while the save runs; a
-  refresh rewrites the record inside the existing directory and never re-creates a directory
-  that is gone. Cleanup of incomplete directories removes one only when its lease is *stale*:
-  its writer is a dead process on this host, or its record is older than ``lease_s`` (default
-  10 minutes), or it was released (a failed save, or retention deleting the step). A directory
+  writer id, host, pid, time, the writer's ``lease_s``) is refreshed every ``lease_s / 4``
+  seconds while the save runs; a refresh rewrites the record inside the existing directory and
+  never re-creates a directory that is gone. Cleanup of incomplete directories removes one only
+  when its lease is *stale*: its writer is a dead process on this host, or its record is older
+  than ``lease_s`` (default 10 minutes; the cleaner's, or the writer's where longer, up to
+  :data:`MAX_LEASE_S`), or it was released (a failed save, or retention deleting the step). A directory
   with **no record** gets ``lease_s`` of grace from its last change (the newest time of the
   directory and the files directly inside it): on fsspec stores with real directories the
   directory exists before its record is put, and a committed step's record is removed after its
