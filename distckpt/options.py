@@ -49,7 +49,11 @@ def _known_backend(name: str) -> bool:
     """Whether torch knows backend ``name`` (``gloo``, or per device: ``cpu:gloo,cuda:nccl``);
     backends registered by extensions (``Backend.register_backend``) are in its list too."""
     parts = [p.split(":", 1)[-1] for p in name.split(",")] if ":" in name else [name]
-    return all(p.strip().lower() in dist.Backend.backend_list[1:] for p in parts)
+    return all(p.strip().lower() in _backends() for p in parts)
+
+
+def _backends() -> list[str]:
+    return [b for b in dist.Backend.backend_list if b != dist.Backend.UNDEFINED]
 
 
 def seconds(value: object) -> float | None:
@@ -169,7 +173,7 @@ class CheckpointerOptions:
         if self.backend is not None and not (isinstance(self.backend, str) and _known_backend(self.backend)):
             # (a typo failed the first save on every rank, blaming a dead peer)
             raise ValueError(
-                f"backend must be None or a torch.distributed backend ({', '.join(dist.Backend.backend_list[1:])}, or "
+                f"backend must be None or a torch.distributed backend ({', '.join(_backends())}, or "
                 f"'cpu:gloo,cuda:nccl'), got {self.backend!r}"
             )
         if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
