@@ -26,7 +26,6 @@ from distckpt.state.entries import (
     flat_param_groups,
     _TARGET_STATE,
     load_flat_param_groups,
-    state_fqn,
     target_of_fresh,
     unread_params,
 )
@@ -114,9 +113,10 @@ class ZeroOptimizerEntry(OptimizerEntry):
         # zero-gradient step's: they get none, as OptimizerEntry.apply)
         unread = unread_params(loaded, self.read) if self.fresh else set()
         for key, value in loaded.items():
-            if key.startswith("state.") and state_fqn(key) not in unread:
-                fqn, name = key[len("state."):].rsplit(".", 1)
-                per_param.setdefault(fqn, {})[name] = value
+            if key.startswith("state."):
+                fqn, name = key[len("state.") :].rsplit(".", 1)
+                if fqn not in unread:
+                    per_param.setdefault(fqn, {})[name] = value
         local = self.zero.optim
         local.state.clear()
         for group in local.param_groups:
