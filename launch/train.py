@@ -112,13 +112,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("steps", 0), ("warmup", 0), ("step_delay", 0), ("weight_decay", 0), ("save_every", 1), ("global_batch", 1),
         ("log_every", 1), ("vocab", 1), ("seq_len", 1), ("d_model", 1), ("n_layers", 1), ("n_heads", 1),
         ("num_samples", 1), ("decay_steps", 1), ("local_keep", 1),
-    ) if getattr(args, name) < low]  # fmt: skip
+    ) if not getattr(args, name) >= low]  # fmt: skip  (not >=: NaN fails it, NaN < low does not)
     if args.keep_last is not None and args.keep_last < 1:
         bad.append(f"--keep-last must be >= 1, got {args.keep_last}")
     if not 0 <= args.dropout < 1:
         bad.append(f"--dropout must be in [0, 1), got {args.dropout}")
     if not args.lr >= 0:  # (NaN too)
         bad.append(f"--lr must be >= 0, got {args.lr}")
+    if not math.isfinite(args.step_delay):  # inf would sleep for ever after the first step
+        bad.append(f"--step-delay must be finite, got {args.step_delay}")
     if args.n_heads >= 1 and args.d_model % args.n_heads:
         bad.append(f"--n-heads ({args.n_heads}) must divide --d-model ({args.d_model})")
     if bad:

@@ -337,6 +337,9 @@ def test_the_device_is_one_gpu_per_rank_or_the_cpu():
     (["--keep-last", "0", "--local-keep", "0"], "--local-keep must be >= 1, got 0; --keep-last must be >= 1, got 0"),
     (["--n-heads", "3"], "--n-heads (3) must divide --d-model (256)"),
     (["--steps", "-1"], "--steps must be >= 0, got -1"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),  # NaN < 0 is false: it passed
+    (["--step-delay", "nan"], "--step-delay must be >= 0, got nan"),
+    (["--step-delay", "inf"], "--step-delay must be finite, got inf"),  # slept for ever after step 1
 ])  # fmt: skip
 def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
     # --log-every 0 passed the checks and killed every rank after its first step (a modulo by
