@@ -391,12 +391,15 @@ class Checkpointer:
     def _release(self) -> None:
         self._closed = True
         try:
-            self._saver.close()
-        finally:
             if self.replica is not None:
-                self.replica.close()
-            self._groups.release()
-            closed(self)
+                self.replica.close()  # (waits for the uploads)
+                self._saver.retire_uploaded()
+        finally:
+            try:
+                self._saver.close()
+            finally:
+                self._groups.release()
+                closed(self)
 
     def _forked(self, call: str) -> None:
         if os.getpid() != self._pid:

@@ -225,6 +225,29 @@ def test_a_replica_keeping_every_step_gets_every_step_when_uploads_lag(tmp_path,
     assert _remote_steps(remote) == [1, 2, 3, 4, 5]
 
 
+def test_close_retires_the_steps_the_root_held_for_their_uploads(tmp_path, monkeypatch):
+    # keep_last=2 at the root, every step on the replica, uploads lagging: the root held steps
+    # beyond keep_last for their uploads, and after close() (which waits for the uploads) it
+    # still held all of them until the next run's first save (the disk full of old steps).
+    go = _uploads_held(monkeypatch)
+    remote, root = tmp_path / "remote", tmp_path / "root"
+    ckpt = distckpt.Checkpointer(root, keep_last=2, replicate_to=str(remote), replicate_keep_last=None)
+    for step in (1, 2, 3, 4, 5):
+        ckpt.save(step, _state(0, step))
+    assert ckpt.steps() == [1, 2, 3, 4, 5]
+    go.set()
+    ckpt.close()
+    assert committed_steps(Storage(root)) == [4, 5] and _remote_steps(remote) == [1, 2, 3, 4, 5]
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # tombstones deleted at close too
+    # A resume from step 4 saving step 3 anew (another lineage, rolled back): close keeps what it saved.
+    remote2, root2 = tmp_path / "remote2", tmp_path / "root2"
+    with distckpt.Checkpointer(root2, keep_last=1, replicate_to=str(remote2), replicate_keep_last=None) as ckpt:
+        ckpt.save(4, _state(0, 4))
+    with distckpt.Checkpointer(root2, keep_last=1, replicate_to=str(remote2), replicate_keep_last=None) as ckpt:
+        ckpt.save(3, _state(0, 3))
+    assert 3 in committed_steps(Storage(root2))
+
+
 def test_a_replica_keeping_as_many_steps_as_the_root_still_skips_superseded_uploads(tmp_path, monkeypatch):
     # The default: the replica would drop the older steps anyway, so the root retires them at
     # once and their uploads are skipped (nothing lost, no root growing while uploads lag).

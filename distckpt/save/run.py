@@ -142,6 +142,7 @@ class SaveDriver:
         # Deletes retired steps' files in the background (coordinator; see storage.retention).
         self.reaper = Reaper()
         self.last_save: SaveStats | None = None
+        self._committed_here: int | None = None  # (coordinator) the step this driver committed last
         self._generation: int | None = None  # (GroupHolder.generation of the group saves use)
 
     # -- the calls -------------------------------------------------------------------------------
@@ -212,6 +213,21 @@ class SaveDriver:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+    def retire_uploaded(self) -> None:
+        """(all ranks, at close, once the replica's uploads ended; acts on the coordinator) The
+        root's retention that uploads still to come held back at the last commit
+        (:meth:`~distckpt.storage.replica.Replicator.holds`): without it the root kept every such
+        step beyond ``keep_last`` after the job ended, until the next run's first save. Warns,
+        never raises (see :func:`~distckpt.storage.retention.delete_old_steps`)."""
+        step = self._committed_here
+        if step is None or self.replica is None or self.opts.keep_last is None:
+            return
+        phases.apply_retention(
+            self.opts, self.reaper, lambda s: self.lineage.owns(self.opts.storage, s),
+            keep=lambda s: s == step,  # (a resume from an older step: never what it saved last)
+            forget=lambda s: self.lineage.forget(self.opts.storage, s),
+        )  # fmt: skip
 
     def stop_writer(self) -> None:
         """Stop the writer process; a new one gets fresh staging buffers (nothing of a failed
@@ -432,6 +448,7 @@ class SaveDriver:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 self._release_lease(committed=True)
                 replica, step = self.replica, prepared.step
+                self._committed_here = step
                 # This number is this job's now, whatever was remembered of it (another job's
                 # step of that number, deleted since).
                 self.lineage.forget(opts.storage, step)
