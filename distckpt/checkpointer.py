@@ -263,6 +263,16 @@ class Checkpointer:
         tiers = self._tiers()
         if self.local is not None and not self._reachable(tiers):
             return max(self.local.committed(), default=None)
+        if self.local is not None and not _there(self.storage):
+            # Only the replica is there: its uploads lag behind the saves the tier holds, and
+            # load takes the tier's newer step (local_tier.decide).
+            tiers = tiers[1:]
+            try:
+                newest = loading.locate(tiers, None, self._eligible())[1]
+            except OSError:  # (FileNotFoundError: none there) the tier's, as load
+                newest = None
+            local = max(self.local.committed(), default=None)
+            return local if newest is None or (local is not None and local > newest) else newest
         try:
             return loading.locate(tiers, None, self._eligible())[1]
         except FileNotFoundError:  # (no root, or no step this job may resume)
@@ -276,10 +286,7 @@ class Checkpointer:
     def _reachable(tiers: list[Storage]) -> bool:
         """Whether the root or the replica is there; ``False`` where neither can be reached (a
         missing mount, a stopped object store), as the local tier's recovery takes it."""
-        try:
-            return any(t.root_exists() for t in tiers)
-        except OSError:
-            return False
+        return any(_there(t) for t in tiers)
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: the newest, as :meth:`latest_step`).
@@ -482,14 +489,17 @@ class Checkpointer:
         self.last_load_report = loaded.report
         return loaded.step
 
-    def _root_steps(self) -> list[int] | None:
-        """(coordinator, for the local tier) Committed steps of the root and its replica; ``None``
-        where neither exists (a root moved away or unreachable: the local tier decides)."""
-        tiers = self._tiers()
-        if not any(t.root_exists() for t in tiers):
+    def _root_steps(self) -> tuple[list[int], bool] | None:
+        """(coordinator, for the local tier) Committed steps of the root and its replica, and
+        whether they are the replica's alone (the root is not there: its uploads lag behind the
+        saves the tier holds, see :func:`~distckpt.storage.local_tier.decide`); ``None`` where
+        neither is there (a root moved away or unreachable: the local tier decides)."""
+        tiers = [t for t in self._tiers() if _there(t)]
+        if not tiers:
             return None
         # (with job= given: this job's, as load(step=None) takes from the root)
-        return sorted({s for t in tiers for s in committed_steps(t) if self._lineage.may_resume(t, s)})
+        steps = sorted({s for t in tiers for s in committed_steps(t) if self._lineage.may_resume(t, s)})
+        return steps, tiers[0] is not self.storage
 
     def _root_manifest(self, step: int) -> bytes | None:
         """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root (else
@@ -556,3 +566,12 @@ class Checkpointer:
             loaded.report.sources = sources
             return loaded
         return None
+
+
+def _there(storage: Storage) -> bool:
+    """Whether ``storage``'s root is there; ``False`` where it cannot be reached (a missing mount,
+    a stopped object store)."""
+    try:
+        return storage.root_exists()
+    except OSError:
+        return False

@@ -247,6 +247,40 @@ def test_latest_step_and_steps_agree_with_load_when_the_root_is_unreachable(tmp_
         distckpt.Checkpointer(tmp_path / "r").steps(tier="local")
 
 
+@pytest.mark.parametrize("replica_has", [[2], []])
+def test_with_the_root_gone_a_lagging_replica_does_not_hide_the_tiers_newer_step(tmp_path, replica_has):
+    """The root's mount gone, the replica there but behind (step 3's upload cut off, or nothing
+    uploaded yet): its listing was taken for the root's, so load resumed step 2 silently (or
+    raised FileNotFoundError with an empty replica) while the tier held step 3 whole."""
+    import torch
+
+    root, rep, tier = tmp_path / "mnt" / "root", tmp_path / "replica", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, replicate_to=str(rep), keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4,), float(step)), "step": step})
+    for step in (1, 2, 3):
+        if step not in replica_has:
+            shutil.rmtree(rep / f"step_{step:09d}", ignore_errors=True)
+    shutil.rmtree(tmp_path / "mnt")
+    with distckpt.Checkpointer(root, local_dir=tier, replicate_to=str(rep), keep_last=2) as ckpt:
+        assert ckpt.latest_step() == 3
+        state = {"w": torch.zeros(4), "step": 0}
+        assert ckpt.load(state) == 3 and state["step"] == 3 and ckpt.last_load_report.tier == "local"
+        assert torch.equal(state["w"], torch.full((4,), 3.0))
+        # A step of the replica's number is still checked against the replica's manifest.
+        assert ckpt.load(state, step=2) == 2 and state["step"] == 2
+
+
+def test_decide_with_a_lagging_replica_takes_the_tiers_steps_from_its_newest_on():
+    nodes = local_tier.Nodes((0,))
+    files = ["__0_0.distcp", ".metadata", "manifest.json"]
+    reports = [{s: local_tier.Holding("a", files, files) for s in (2, 3)}]
+    assert local_tier.decide(nodes, reports, root_steps=[2], want=None, lagging=True).step == 3
+    assert local_tier.decide(nodes, reports, root_steps=[], want=None, lagging=True).step == 3
+    assert local_tier.decide(nodes, reports, root_steps=[4], want=None, lagging=True).step is None  # replica newer
+    assert local_tier.decide(nodes, reports, root_steps=[2], want=None).step == 2  # the root's listing: its newest only
+
+
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
     """A local tier that cannot take a step (here a file where the step's directory must go,
     which the tier never removes: it is not the tier's) does not fail the save: the step is

@@ -209,6 +209,7 @@ def decide(
     root_steps: list[int] | None,
     want: int | None,
     root_manifests: Mapping[int, str] | None = None,
+    lagging: bool = False,
 ) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
 
@@ -216,7 +217,9 @@ def decide(
     root could be listed (``root_steps``), its newest step and only that one: a newer step in the
     tier was deleted at the root or is left from an earlier life of the job (a rollback), and an
     older one is not what a resume wants. When it could not (``None``: unreachable), the newest
-    step of the tier. A step is recoverable when the nodes that hold it agree on its manifest,
+    step of the tier. ``lagging``: ``root_steps`` are the replica's, the root being unreachable:
+    its uploads lag behind the saves, so the tier's newest step not older than the replica's
+    newest (a step the replica has not received yet is no rollback's). A step is recoverable when the nodes that hold it agree on its manifest,
     that manifest is the root's where ``root_manifests`` has the step's digest (the number may
     have been saved again at the root since: a rollback, then a new run), and every file of it
     is intact on some node."""
@@ -224,6 +227,13 @@ def decide(
     if want is not None:
         candidates = [want] if want in steps else []
         why = f"step {want} is not in the local tier"
+    elif root_steps is not None and lagging:
+        floor = max(root_steps, default=None)
+        candidates = [s for s in steps if floor is None or s >= floor]
+        why = (
+            "no committed step in the local tier of any node" if floor is None
+            else f"no step in the local tier as new as the replica's newest step {floor} (the root is unreachable)"
+        )  # fmt: skip
     elif root_steps is not None:
         newest = max(root_steps) if root_steps else None
         candidates = [newest] if newest in steps else []
@@ -459,7 +469,7 @@ class LocalTier:
         self,
         group: Group,
         want: int | None,
-        root_steps: Callable[[], list[int] | None],
+        root_steps: Callable[[], tuple[list[int], bool] | None],
         check: bool,
         needs: Callable[[Manifest], set[str]] | None = None,
         agree: Mapping[str, object] | None = None,
@@ -470,8 +480,9 @@ class LocalTier:
         Returns a :class:`Recovery`: the step (``None``: load from the root; a warning on every
         rank said why, where the tier should have served it), where each file of this node's
         copy came from, and whether ``needs`` succeeded on every rank. ``root_steps`` runs on the
-        coordinator only: the root's committed steps, ``None`` where it cannot be listed
-        (see :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
+        coordinator only: the root's committed steps and whether they are only its replica's (the
+        root unreachable: its uploads lag), ``None`` where neither can be listed (see
+        :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
         ``needs(manifest)`` (each rank, once this node holds the step's ``.metadata``): the files
         this rank's load will read; a node is then sent only what its ranks read (``None``, or
         a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
@@ -487,6 +498,7 @@ class LocalTier:
         report: dict[int, Holding] | None = None
         raw: dict[int, bytes] = {}
         listed: list[int] | None = None
+        lagging = False
         try:
             report, raw = self._inventory(nodes, group.rank, check)
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
@@ -494,7 +506,9 @@ class LocalTier:
         at_root: dict[int, str] = {}
         if group.is_coordinator:
             try:
-                listed = root_steps()
+                found = root_steps()
+                if found is not None:
+                    listed, lagging = found
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
             target = want if want is not None else max(listed, default=None) if listed is not None else None
@@ -505,10 +519,10 @@ class LocalTier:
                         at_root[target] = hashlib.sha256(raw_root).hexdigest()
                 except Exception as exc:  # noqa: BLE001 - unreadable there: the tier's copy is judged alone
                     log.warning("distckpt: could not read the root's manifest of step %d (%s)", target, one_line(exc))
-        gathered = group.all_gather((report or {}, listed, dict(agree or {}), at_root))
+        gathered = group.all_gather((report or {}, (listed, lagging), dict(agree or {}), at_root))
         refuse_different_arguments("load()", [a for _, _, a, _ in gathered])
         reports = [r for r, _, _, _ in gathered]
-        decision = decide(nodes, reports, gathered[0][1], want, gathered[0][3])
+        decision = decide(nodes, reports, gathered[0][1][0], want, gathered[0][3], lagging=gathered[0][1][1])
         if decision.step is None:
             if any(reports) and want is None:  # a step the tier should have served
                 _warn_root(decision.reason)
