@@ -16,6 +16,7 @@ after another, each set up by rank 0 between barriers:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -279,6 +280,55 @@ def test_decide_with_a_lagging_replica_takes_the_tiers_steps_from_its_newest_on(
     assert local_tier.decide(nodes, reports, root_steps=[], want=None, lagging=True).step == 3
     assert local_tier.decide(nodes, reports, root_steps=[4], want=None, lagging=True).step is None  # replica newer
     assert local_tier.decide(nodes, reports, root_steps=[2], want=None).step == 2  # the root's listing: its newest only
+
+
+def test_copies_a_full_tier_left_incomplete_never_retire_its_last_whole_step(tmp_path, monkeypatch):
+    """A full tmpfs: steps 2 and 3 kept a manifest without their data file (the save warned).
+    Retention counted them and deleted step 1, the only whole copy: with the root's mount then
+    gone, nothing could be recovered. Now incomplete copies do not count."""
+    import errno
+
+    import torch
+
+    real = local_tier.LocalCopy.write
+
+    def full_after_step_1(self, data):
+        if self._f is not None and "step_000000001" not in self.path and self.path.endswith(".distcp"):
+            self._fail(OSError(errno.ENOSPC, "No space left on device"))
+        real(self, data)
+
+    monkeypatch.setattr(local_tier.LocalCopy, "write", full_after_step_1)
+    root, tier = tmp_path / "mnt" / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            with pytest.warns(UserWarning, match="local-tier copy is incomplete") if step > 1 else contextlib.nullcontext():
+                ckpt.save(step, {"w": torch.full((1024,), float(step)), "step": step})
+        assert ckpt.steps(tier="local") == [1, 3, 4]  # step 1 whole, and the newest 2 (incomplete)
+    monkeypatch.setattr(local_tier.LocalCopy, "write", real)
+    shutil.rmtree(tmp_path / "mnt")
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        state = {"w": torch.zeros(1024), "step": 0}
+        assert ckpt.load(state) == 1 and state["step"] == 1 and torch.equal(state["w"], torch.full((1024,), 1.0))
+        assert ckpt.last_load_report.tier == "local"
+
+
+def _three_saves_body(rank: int, world: int, root: str, nodes: str) -> None:
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank), local_keep=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((8,), float(rank * 10 + step)), "step": step}, blocking=step != 2)
+
+
+@pytest.mark.timeout(120)
+def test_whole_copies_on_two_nodes_count_for_local_keep(tmp_path):
+    # Each node holds its own ranks' files and its peer node's: that copy is whole, so
+    # local_keep=1 keeps one step per node (an incomplete copy would keep an older one too).
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    run_ranks(_three_saves_body, WORLD, tmp_path, str(root), str(nodes), timeout=100)
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (nodes / node).iterdir()) == ["step_000000003"], node
 
 
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):

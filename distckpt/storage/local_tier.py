@@ -396,8 +396,10 @@ class LocalTier:
                 _write_atomic(self.step_path(step), MANIFEST_NAME, manifest_json)
             except OSError as exc:
                 problems.append(f"{self.step_path(step)}: {one_line(exc)}")
-            self.retain(step)
         everyone = group.all_gather(problems)
+        if nodes.local_rank(group.rank) == 0 and ours[group.rank]:
+            # After the gather: every rank of the node has finished writing what it received.
+            self.retain(step, nodes, nodes.of[group.rank])
         # Warnings after the last collective, on every rank: one turned into an error by the
         # caller's filters then fails every rank alike instead of stranding the others.
         if self.peers and nodes.count < 2 and not self._warned_one_node:
@@ -425,18 +427,48 @@ class LocalTier:
             stacklevel=4,
         )
 
-    def retain(self, newest: int) -> None:
-        """(one rank per node) Keep the newest ``keep`` committed steps of this root in this
-        node's tier, up to ``newest`` (the step just committed). A step of this root newer than
-        ``newest`` is an earlier life's (the job went back to an older step) and goes; so do
+    def retain(self, newest: int, nodes: Nodes, node: int) -> None:
+        """(one rank per node: ``node``) Keep the newest ``keep`` committed steps of this root in
+        this node's tier, up to ``newest`` (the step just committed). A step of this root newer
+        than ``newest`` is an earlier life's (the job went back to an older step) and goes; so do
         this root's leftovers (no manifest). Another root's steps, and anything without this
-        root's mark, are never touched."""
+        root's mark, are never touched.
+
+        Steps whose copy here lacks files (a full tmpfs: the save warned) are kept but do not
+        count: the newest ``keep`` whole ones stay too. Counted, two such saves retired the last
+        whole copy, and with the root unreachable nothing could be recovered."""
         mine = [s for s in self._steps() if self._owned(s)]
         committed = sorted(s for s in mine if s <= newest and self._has_manifest(s))
-        keep = set(committed[-self.keep :])
+        whole = [s for s in committed if self._whole_here(s, nodes, node)]
+        keep = set(committed[-self.keep :]) | set(whole[-self.keep :])
         for s in mine:
             if s not in keep and not self._kept_for_foreign(s):
                 _remove_tree(self.step_path(s))
+
+    def _whole_here(self, step: int, nodes: Nodes, node: int) -> bool:
+        """Whether this node's copy of committed ``step`` holds every file it keeps, by size: its
+        ranks' files, its predecessor node's (peer copies) and the shared ones. A step saved at
+        another world size (an earlier run's) counts as whole: what this node keeps of it cannot
+        be told."""
+        path = self.step_path(step)
+        try:
+            manifest = Manifest.from_json(_read_regular(os.path.join(path, MANIFEST_NAME)))
+        except (OSError, ValueError):
+            return False
+        if manifest.world_size != len(nodes.of):
+            return True
+        for name in manifest.files:
+            m = DATA_FILE.fullmatch(name)
+            if m is not None:
+                src = int(m.group(1))
+                if src >= len(nodes.of):
+                    continue
+                peer = nodes.peer(src) if self.peers else None
+                if nodes.of[src] != node and (peer is None or nodes.of[peer] != node):
+                    continue  # another node's file, not kept here
+            if not _intact(os.path.join(path, name), manifest, name, check=False):
+                return False
+        return True
 
     def committed(self) -> list[int]:
         """(any rank, not collective) This root's steps committed in this node's tier, ascending
