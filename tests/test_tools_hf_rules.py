@@ -301,6 +301,32 @@ def test_ranks_that_differ_fail_alike_before_reading(tmp_path, case):
         assert "the ranks called load_pretrained(" in msg and expect in msg, msg
 
 
+def _publish_differ_job(rank: int, world: int, out: str, case: str) -> str:
+    torch.manual_seed(0)
+    model = ABC()
+    kwargs: dict = {"max_shard_size": "20B" if rank == 0 else "5GB"} if case == "max_shard_size" else {}
+    if case == "dtype":
+        kwargs["dtype"] = torch.bfloat16 if rank == 0 else None
+    try:
+        return repr(hf.save_pretrained(model, out, **kwargs)["files"])
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("case", ["max_shard_size", "dtype"])
+def test_publishing_ranks_that_differ_fail_alike_and_publish_nothing(tmp_path, case):
+    """Ranks passing different max_shard_size (a per-node config) each wrote the shards of their
+    own layout: the folder was committed with an index naming shards no rank wrote, and no error
+    anywhere (from_pretrained then failed on a missing file). Found by a helper (2026-12-06)."""
+    from dist_harness import run_ranks
+
+    out = tmp_path / "pub"
+    got = run_ranks(_publish_differ_job, 2, tmp_path, str(out), case, timeout=120)
+    for msg in got:
+        assert "the ranks called save_pretrained(" in msg and f"{case}:" in msg, msg
+    assert not out.exists()
+
+
 def test_careless_arguments_are_refused_not_ignored(tmp_path, monkeypatch):
     """An empty path (an unset variable) loaded whatever the working directory held; storage
     options with a local path, and strip_prefix beside key_map, were ignored. Found by a helper

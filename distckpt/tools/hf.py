@@ -355,7 +355,8 @@ def save_pretrained(
     limit = parse_size(max_shard_size)
     patterns = replace_patterns(replace)
 
-    def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]]], str]:
+    def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]], bytes | None], tuple[str, dict[str, object]]]:
+        config_json = None if config is None else config.to_json_string().encode()
         sd = get_model_state_dict(module)
         tied = tied_duplicates(sd)
         planned: list[PlannedTensor] = []
@@ -374,12 +375,25 @@ def save_pretrained(
             raise ValueError("the model has no tensors to publish")
         files = plan_files(planned, limit)
         digest = repr([(t.key, t.shape, str(t.dtype)) for t in planned])
-        return (tensors, files), digest
+        # What every rank must share besides the model: each rank writes the files its own
+        # layout gives it, and the coordinator commits its own. Another max_shard_size on one
+        # rank published an index naming shards no rank wrote, with no error.
+        agree = {
+            "out": where,
+            "dtype": str(dtype),
+            "max_shard_size": limit,
+            "strip_prefix": strip_prefix,
+            "overwrite": bool(overwrite),
+            "replace": sorted(patterns),
+            "config (digest)": None if config_json is None else _digest(config_json),
+        }
+        return (tensors, files, config_json), (digest, agree)
 
-    (tensors, files), digests = exchange(group, f"save_pretrained to {where}", prepare)
-    if len(set(digests)) > 1:
+    (tensors, files, config_json), views = exchange(group, f"save_pretrained to {where}", prepare)
+    refuse_different_arguments(f"save_pretrained({where!r})", [agree for _, agree in views])
+    if len({digest for digest, _ in views}) > 1:
         raise ValueError("ranks disagree on the model's keys, shapes or dtypes; every rank must publish the same model")
-    layout = Layout(files, None if config is None else config.to_json_string().encode())
+    layout = Layout(files, config_json)
     # Largest files first, each to the least-loaded rank: the same assignment on every rank.
     load = [0] * group.world_size
     owner: dict[int, int] = {}
