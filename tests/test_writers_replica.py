@@ -248,6 +248,57 @@ def test_close_retires_the_steps_the_root_held_for_their_uploads(tmp_path, monke
     assert 3 in committed_steps(Storage(root2))
 
 
+def _failing_uploads(monkeypatch, of_step: int, times: int | None):
+    """Uploads of ``of_step`` fail ``times`` times (``None``: always), as with S3 down."""
+    real, failures = Replicator._put, []
+
+    def put(self, name, filename):
+        if name == step_dir(of_step) and (times is None or len(failures) < times):
+            failures.append(name)
+            raise OSError("connection refused (the object store is down)")
+        return real(self, name, filename)
+
+    monkeypatch.setattr(Replicator, "_put", put)
+    return failures
+
+
+def test_an_upload_that_failed_is_retried_before_the_root_retires_its_step(tmp_path, monkeypatch):
+    # The object store down for step 1's upload only: the root's retention deleted step 1 at
+    # the next save, and the replica (keeping every step) never got it: lost everywhere, with
+    # no warning when the last copy went. Now it is uploaded again first.
+    _failing_uploads(monkeypatch, 1, times=1)
+    remote, root = tmp_path / "remote", tmp_path / "root"
+    with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        with pytest.warns(UserWarning, match="step 1 was committed locally .* failed"):
+            ckpt.save(1, _state(0, 1))
+            ckpt.replica.wait(raise_on_failure=False)
+        assert [s for s, _ in ckpt.replica.status().failed] == [1]
+        ckpt.save(2, _state(0, 2))  # retention comes to step 1: uploaded again, kept meanwhile
+        ckpt.replica.wait()  # the retry succeeded: no failure left to raise
+        assert ckpt.replica.status().failed == () and 1 in ckpt.replica.status().uploaded
+        ckpt.save(3, _state(0, 3))
+    assert _remote_steps(remote) == [1, 2, 3] and committed_steps(Storage(root)) == [3]
+    _assert_remote(str(remote), {}, 1, 0)
+
+
+def test_a_step_whose_upload_keeps_failing_stays_at_the_root_through_close(tmp_path, monkeypatch):
+    _failing_uploads(monkeypatch, 1, times=None)
+    remote, root = tmp_path / "remote", tmp_path / "root"
+    with pytest.warns(UserWarning, match="step 1 was committed locally"):
+        with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, _state(0, step))
+                ckpt.replica.wait(raise_on_failure=False)
+            assert [s for s, _ in ckpt.replica.status().failed] == [1]  # one entry, the latest cause
+    assert committed_steps(Storage(root)) == [1, 3] and _remote_steps(remote) == [2, 3]
+    monkeypatch.undo()  # the store is back: the next run's retention uploads step 1, then retires it
+    with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
+        assert ckpt.load({"w": torch.zeros(16, 16), "who": -1}) == 3  # the resume: this job's steps
+        ckpt.save(4, _state(0, 4))
+        ckpt.replica.wait()
+    assert _remote_steps(remote) == [1, 2, 3, 4] and committed_steps(Storage(root)) == [4]
+
+
 def test_a_replica_keeping_as_many_steps_as_the_root_still_skips_superseded_uploads(tmp_path, monkeypatch):
     # The default: the replica would drop the older steps anyway, so the root retires them at
     # once and their uploads are skipped (nothing lost, no root growing while uploads lag).

@@ -220,12 +220,14 @@ class SaveDriver:
         (:meth:`~distckpt.storage.replica.Replicator.holds`): without it the root kept every such
         step beyond ``keep_last`` after the job ended, until the next run's first save. Warns,
         never raises (see :func:`~distckpt.storage.retention.delete_old_steps`)."""
-        step = self._committed_here
-        if step is None or self.replica is None or self.opts.keep_last is None:
+        step, replica = self._committed_here, self.replica
+        if step is None or replica is None or self.opts.keep_last is None:
             return
         phases.apply_retention(
             self.opts, self.reaper, lambda s: self.lineage.owns(self.opts.storage, s),
-            keep=lambda s: s == step,  # (a resume from an older step: never what it saved last)
+            # Never what it saved last (a resume from an older step), nor a step the replica
+            # keeps that it lacks (an upload that failed: the next run's retention uploads it).
+            keep=lambda s: s == step or replica.holds(s, step),
             forget=lambda s: self.lineage.forget(self.opts.storage, s),
         )  # fmt: skip
 

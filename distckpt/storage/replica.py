@@ -138,7 +138,8 @@ class Replicator:
     Attributes:
         remote: the remote :class:`~distckpt.storage.base.Storage` (``load`` falls back to it).
         uploaded: steps committed on the remote by this replicator, in order.
-        failed: ``(step, message)`` of uploads that failed (messages carry no credentials).
+        failed: ``(step, message)`` of uploads that failed (messages carry no credentials);
+            retried when the root's retention comes to the step (an entry goes once it succeeds).
         skipped: steps not uploaded because a newer step superseded them before their turn.
     """
 
@@ -303,25 +304,28 @@ class Replicator:
         committed) and the newer queued steps are there. Retention deleting it first would lose
         it from a replica that keeps more than the root (``replicate_keep_last``).
 
-        A step this replicator never handled (committed by an earlier run of the job whose
-        upload a crash cut off, or saved before ``replicate_to`` was given) that the remote
-        lacks and would keep is queued for upload here, and held until it is there: otherwise
-        the root's retention deleted the only copy of a step the replica keeps, silently."""
+        A step whose upload failed (an object store down for a while), or that this replicator
+        never handled (committed by an earlier run of the job whose upload a crash cut off, or
+        saved before ``replicate_to`` was given), that the remote lacks and would keep is queued
+        for upload here (again), and held until it is there: otherwise the root's retention
+        deleted the only copy of a step the replica keeps. Once closed (the root's retention at
+        ``close()``), such a step is held with no upload: the next run's retention uploads it."""
         with self._lock:
-            if self._closed:
-                return False
+            closed = self._closed
             queued = step in self._pending
-            handled = step in self.uploaded or step in self.skipped or any(s == step for s, _ in self.failed)
+            there = step in self.uploaded or step in self.skipped
             newer = {s for s in self._pending if s > step} | ({newest} if newest > step else set())
         if queued:
             return self.keep_last is None or len(newer) < self.keep_last
-        if handled or self._dropped_anyway(step):
-            return False  # uploaded, superseded, or its failure already reported (replica.failed)
+        if there or self._dropped_anyway(step):
+            return False  # uploaded, or superseded
         try:
             if self.remote.exists(step_dir(step), MANIFEST_NAME):
                 return False  # there already (this job's, or another writer's commit of the number)
         except Exception:  # noqa: BLE001 - an unreachable remote: the upload fails and is reported
             pass
+        if closed:
+            return True
         log.info("step %d is not at %s: uploading it before the root's retention deletes it", step, self.remote.display())
         self.submit(step)
         return True
@@ -350,6 +354,7 @@ class Replicator:
                 self._record(self.skipped, step)
                 return
             msg = f"{type(exc).__name__}: {exc}"
+            self._forget_failure(step)  # (a retry: one entry per step, the latest cause)
             self._record(self.failed, (step, msg))
             log.error("replication of step %d to %s failed: %s", step, self.remote.display(), msg)
             _warn(
@@ -357,6 +362,7 @@ class Replicator:
                 f"but its upload to {self.remote.display(step_dir(step))} failed: {msg}"
             )
             return
+        self._forget_failure(step)  # (a retry that succeeded: no longer failed)
         self._record(self.uploaded, step)
         log.info(
             "replicated step %d to %s: %.1f MB in %.2fs",
@@ -369,6 +375,10 @@ class Replicator:
             self._apply_retention(step)
         except Exception as exc:  # noqa: BLE001
             _warn(f"distckpt: retention on {self.remote.display()} failed: {exc}")
+
+    def _forget_failure(self, step: int) -> None:
+        with self._lock:
+            self.failed[:] = [(s, m) for s, m in self.failed if s != step]
 
     def _record(self, where: list, item: object) -> None:
         with self._lock:
