@@ -331,6 +331,38 @@ def test_peer_dead_before_distckpts_group_exists_is_a_checkpoint_error(tmp_path)
     assert out[0].startswith("CheckpointError: creating distckpt's process group (rank 0 of 2) failed"), out[0]
 
 
+def test_retrying_a_step_whose_release_could_not_reach_the_store_is_not_refused(tmp_path, monkeypatch):
+    """A save failing while the object store is down: its release could not remove the step
+    folder nor mark its record released, and the retry of that step by the same process (the
+    store back) was refused for lease_s as "being written by another writer ... two jobs".
+    Found by a helper (2026-12-06)."""
+    from distckpt.save import phases
+    from distckpt.storage import ownership
+    from distckpt.storage.base import Storage
+
+    real_write, real_read = phases.write, Storage.read_bytes
+
+    def store_down(*args, **kwargs):
+        def down(self, *parts):
+            raise OSError("connection refused (the object store is down)")
+
+        monkeypatch.setattr(Storage, "read_bytes", down)
+        monkeypatch.setattr(ownership, "remove_uncommitted", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
+        monkeypatch.setattr(ownership, "_write_record", lambda *a, **k: (_ for _ in ()).throw(OSError("down")))
+        raise OSError("connection refused (the object store is down)")
+
+    monkeypatch.setattr(phases, "write", store_down)
+    root = tmp_path / "root"
+    with distckpt.Checkpointer(root) as ckpt:
+        with pytest.raises(Exception, match="object store is down"):
+            ckpt.save(1, {"w": torch.arange(4.0)})
+        assert (root / step_dir(1)).exists()  # left behind, its record still live-looking
+        monkeypatch.undo()
+        assert Storage.read_bytes is real_read and phases.write is real_write
+        ckpt.save(1, {"w": torch.arange(4.0)})  # the retry, the store back
+        assert ckpt.steps() == [1]
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 def test_a_save_failing_right_after_its_claim_releases_the_step(tmp_path, monkeypatch, blocking):
     """Ctrl-C (or a failure) after the coordinator had claimed the step directory, before the

@@ -83,6 +83,12 @@ DEFAULT_LEASE_S = 600.0
 TOMBSTONE_PREFIX = ".distckpt-removing-"
 
 
+#: Writers (owner record ids) of this process whose save failed: their leases were released,
+#: even where the store could not be told so (an object store down at that moment), so their
+#: records are stale to this process's cleanup at once. Without it, retrying the failed step in
+#: the same process was refused as "another writer's" for ``lease_s``.
+_RELEASED_HERE: set[str] = set()
+
 #: The longest lease a record's own ``lease_s`` makes a cleaner honour (a record claiming more,
 #: forged or garbled, would hold its step for as long): also the largest ``lease_s`` option.
 MAX_LEASE_S = 7 * 24 * 3600.0
@@ -176,6 +182,8 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if not committed:
+            _RELEASED_HERE.add(self.writer)
         try:
             if committed:
                 self.storage.remove(self.dirname, OWNER_NAME)
@@ -198,7 +206,8 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
     it is empty and its store reports no times, or if it is a temporary directory whose name
     says a process of this host made it that is gone: killed before its record was written). So
     is one whose record is dated more than ``lease_s`` ahead of this clock (a writer whose clock
-    is ahead). A record that cannot be read for another reason than its absence (an I/O error)
+    is ahead). A record of a writer of this process whose save failed is stale at once (its
+    release may not have reached the store). A record that cannot be read for another reason than its absence (an I/O error)
     leaves the directory alone.
     """
     now = time.time() if now is None else now
@@ -222,7 +231,8 @@ def is_stale(storage: Storage, dirname: str, lease_s: float = DEFAULT_LEASE_S, n
             raise ValueError("not a record")
     except Exception:  # noqa: BLE001 - a garbled record is no claim
         return True
-    if record.get("released"):
+    writer = record.get("writer")
+    if record.get("released") or (isinstance(writer, str) and writer in _RELEASED_HERE):
         return True
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int):
         if not process_exists(record["pid"]):
