@@ -331,6 +331,22 @@ def test_whole_copies_on_two_nodes_count_for_local_keep(tmp_path):
         assert sorted(p.name for p in (nodes / node).iterdir()) == ["step_000000003"], node
 
 
+def test_a_damaged_root_manifest_is_named_as_a_possible_cause_not_only_a_resave(tmp_path):
+    # The warning said only "saved again at the root since the tier kept it" for a root manifest
+    # that was garbage; the load then failed on it (never the tier's copy: which step the root
+    # holds cannot be told).
+    import torch
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)})
+    (root / "step_000000001" / "manifest.json").write_text("{not json")
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        with pytest.warns(UserWarning, match="manifest of it differs .*or damaged there"):
+            with pytest.raises(distckpt.IntegrityError):
+                ckpt.load({"w": torch.zeros(4)})
+
+
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
     """A local tier that cannot take a step (here a file where the step's directory must go,
     which the tier never removes: it is not the tier's) does not fail the save: the step is

@@ -248,7 +248,10 @@ def decide(
             why = f"the nodes hold different manifests of step {step}"
             continue
         if root_manifests is not None and step in root_manifests and root_manifests[step] not in shas:
-            why = f"the local tier's step {step} is not the root's (saved again at the root since the tier kept it)"
+            why = (
+                f"the local tier's step {step} is not the root's: the root's manifest of it differs (saved again at the "
+                "root since the tier kept it, or damaged there)"
+            )
             continue
         needed = held[0][1].files
         holders: dict[str, list[int]] = {f: [] for f in needed}
