@@ -347,6 +347,38 @@ def test_a_damaged_root_manifest_is_named_as_a_possible_cause_not_only_a_resave(
                 ckpt.load({"w": torch.zeros(4)})
 
 
+def test_verify_of_a_tier_copy_checks_what_the_node_holds(tmp_path):
+    """With three nodes or more a node's tier holds its own ranks' files and its peer node's
+    only: `distckpt verify` of a healthy node's local_dir failed, calling the others missing.
+    Now they are named as on other nodes; what the node holds is still verified."""
+    import json
+
+    import torch
+    from cli_runner import run_cli
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, thread_count=2) as ckpt:
+        ckpt.save(1, {"w": torch.ones(64), "v": torch.zeros(64)})
+    step = tier / "step_000000001"
+    data = sorted(p for p in step.iterdir() if p.suffix == ".distcp")
+    assert len(data) >= 2
+    data[0].unlink()  # as if it were another node's file
+    out = run_cli("verify", str(tier))
+    assert out.returncode == 0 and "1 data file(s) are not on this node" in out.stdout, out
+    report = json.loads(run_cli("verify", str(tier), "--json").stdout)
+    assert report["ok"] and report["not_on_this_node"] == [data[0].name]
+    assert run_cli("verify", str(tier), "--state").returncode == 1  # needs every file
+    raw = bytearray(data[1].read_bytes())
+    raw[-1] ^= 0xFF
+    data[1].write_bytes(bytes(raw))
+    out = run_cli("verify", str(tier))
+    assert out.returncode == 1 and data[1].name in out.stderr, out
+    # A root's step missing a file still fails.
+    (root / "step_000000001" / data[0].name).unlink()
+    out = run_cli("verify", str(root))
+    assert out.returncode == 1 and f"{data[0].name}: missing" in out.stderr, out
+
+
 def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
     """A local tier that cannot take a step (here a file where the step's directory must go,
     which the tier never removes: it is not the tier's) does not fail the save: the step is

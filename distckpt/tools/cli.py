@@ -31,7 +31,9 @@ from fsspec.core import url_to_fs
 
 from distckpt._version import __version__
 from distckpt.errors import StepDeletedError, UnsafeCheckpointError
+from distckpt.integrity.manifest import DATA_FILE, parse_step_dir, tier_copy
 from distckpt.integrity.shards import CheckpointSource
+from distckpt.integrity.stepfiles import StepFiles
 from distckpt.load.reader import CheckpointReader
 from distckpt.state.decoding import decode_loaded
 from distckpt.state.statecheck import compare_files
@@ -246,6 +248,12 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     # a moment ago) says so, as do problems found for that reason (below).
     with found.kept("verified"):
         problems = found.problems()
+        not_here = _not_on_this_node(found)
+        problems = [p for p in problems if p not in {f"{found.display(n)}: missing" for n in not_here}]
+        if not_here and args.state:
+            problems.append(
+                f"{found.display()}: --state needs every file; this node's tier copy lacks {len(not_here)} (on other nodes' tiers)"
+            )
         if not problems:
             try:
                 found.metadata()
@@ -292,7 +300,8 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     if args.json:
         json.dump(
             {"checkpoint": found.display(), "ok": not problems, "verified": not unverified, "files": len(files),
-             "bytes": found.manifest.total_bytes, "problems": problems, "unverified": unverified},
+             "bytes": found.manifest.total_bytes, "problems": problems, "unverified": unverified,
+             "not_on_this_node": not_here},
             sys.stdout, indent=1,
         )  # fmt: skip
         print()
@@ -308,8 +317,26 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
             how += f"; fingerprints of {checked_state} tensors"
         if checked_values:
             how += f", digests of {checked_values} non-tensor items"
-        print(f"OK {found.display()}: {len(files)} files, {_human_bytes(found.manifest.total_bytes)} ({how})")
+        if not_here:
+            print(
+                f"OK {found.display()}: {len(files) - len(not_here)} of {len(files)} files, a node's tier copy ({how}); "
+                f"{len(not_here)} data file(s) are not on this node (a node keeps its own ranks' files and its peer "
+                "node's: with three nodes or more the others are on other nodes' tiers)"
+            )
+        else:
+            print(f"OK {found.display()}: {len(files)} files, {_human_bytes(found.manifest.total_bytes)} ({how})")
     return 1 if problems else 0
+
+
+def _not_on_this_node(found: StepFiles) -> list[str]:
+    """The data files a local tier's copy (``found``: a step folder carrying the tier's mark) does
+    not hold: by design on other nodes' tiers, not damage (a node keeps only its own ranks' files
+    and its peer node's). ``[]`` for any other step."""
+    step = parse_step_dir(found.dirname) if found.dirname else None
+    if step is None or found.files is None or not tier_copy(found.storage, step):
+        return []
+    present = set(found.storage.list_files(found.dirname))
+    return sorted(n for n in found.files if n not in present and DATA_FILE.fullmatch(n))
 
 
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
