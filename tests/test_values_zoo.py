@@ -639,6 +639,29 @@ def test_lists_of_values_beside_tensors_load_whole_whatever_the_fresh_length(tmp
         assert fresh["was_list"] == 7 and fresh["now_list"] == [1]
 
 
+@pytest.mark.parametrize("verify_state", [None, True])
+def test_a_dict_of_plain_defaults_takes_saved_numpy_path_and_enum_values(tmp_path, verify_state):
+    """The usual resume: the fresh state holds {"epoch": 0, "data": "/x"} and the checkpoint
+    np.int64(3) and a Path. The value entry judged "plain JSON" from the fresh dict, the load
+    filled it in place, and the state check after it encoded the filled dict as JSON: every
+    such resume failed with "cannot be saved: value at ['epoch'] is of type int64". Found by a
+    helper (2026-12-06)."""
+    saved = {"epoch": np.int64(3), "data": pathlib.Path("/data/x"), "phase": Phase.DECAY, "lr": np.float32(0.5)}
+    top = {"n": np.int64(7)}
+    with distckpt.Checkpointer(tmp_path, safe_types=[Phase]) as ckpt:
+        ckpt.save(1, {"meta": saved, "top": top["n"], "w": torch.ones(2)})
+    fresh = {"epoch": 0, "data": "/data/x", "phase": None, "lr": 0.0}
+    state = {"meta": fresh, "top": 0, "w": torch.zeros(2)}
+    with distckpt.Checkpointer(tmp_path, safe_types=[Phase], verify_state=verify_state) as ckpt:
+        assert ckpt.load(state) == 1
+        assert state["meta"] is fresh and fresh == saved and state["top"] == 7
+        assert [type(v) for v in fresh.values()] == [type(v) for v in saved.values()]
+        ckpt.save(2, state)  # and saved again from the filled dict
+        fresh2 = {"epoch": 0, "data": "", "phase": None, "lr": 0.0}
+        ckpt.load({"meta": fresh2, "top": 0, "w": torch.zeros(2)})
+        assert fresh2 == saved and type(fresh2["epoch"]) is np.int64
+
+
 def test_unflattening_for_dcp_gives_the_same_keys_seeded():
     """Seeded trees of dicts, lists, empty containers, None, tensors and plain values: what async
     staging hands DCP (flattened, then ``unflatten_for_dcp``) flattens into the keys, and the

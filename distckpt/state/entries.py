@@ -536,7 +536,14 @@ class ValueEntry(Entry):
     def __init__(self, name: str, value: Any) -> None:
         super().__init__(name)
         self.value = value
-        self.plain = values.stores_as_json(value)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the value as it is now is stored as JSON text. Judged at each use, not once:
+        a load fills a dict in place (``{"epoch": 0}`` takes the saved ``np.int64(3)``), and the
+        state check after it re-extracts the value (the JSON encoder refused the NumPy value,
+        failing every resume of such a dict as a "cannot be saved")."""
+        return values.stores_as_json(self.value)
 
     def save_state(self) -> str | encoded.TopLevel:
         return values.encode(self.value, self.name) if self.plain else encoded.TopLevel(self.value)
@@ -557,8 +564,10 @@ class ValueEntry(Entry):
             live[:] = value
         elif self.holder is not None:
             self.holder.obj = value  # a PerRank/Global wrapper stays in state
+            self.value = value
         else:
             state[self.name] = value
+            self.value = value
 
 
 def contains(value: object, kind: type = torch.Tensor) -> bool:
