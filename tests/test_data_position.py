@@ -87,3 +87,31 @@ def test_consume_refuses_loaders_it_cannot_count_for():
         with pytest.raises(ValueError, match="out of order"):
             sampler.consume(DataLoader(list(range(N)), batch_sampler=sampler, num_workers=2, in_order=False))
     assert sampler.batches_consumed == 0
+
+
+def test_numpy_arguments_are_taken_and_others_refused_naming_them():
+    """num_samples, global_batch_size and seed read from a config array (NumPy ints): accepted,
+    but the first batch failed in torch's Generator with "an integer is required", naming
+    nothing. Found by a helper (2026-12-06)."""
+    import numpy as np
+
+    import distckpt
+
+    plain = distckpt.GlobalBatchSampler(40, 4, rank=1, world_size=2, seed=9)
+    numpy = distckpt.GlobalBatchSampler(np.int64(40), np.int64(4), rank=np.int32(1), world_size=np.int64(2), seed=np.int64(9),
+                                        shuffle=np.bool_(True))  # fmt: skip
+    assert [numpy.next_batch() for _ in range(12)] == [plain.next_batch() for _ in range(12)]
+    assert type(numpy.epoch) is int and type(numpy.state_dict()["seed"]) is int
+    for kwargs, named in [({"seed": 1.5}, "seed"), ({"num_samples": "40"}, "num_samples"), ({"global_batch_size": True}, "global_batch_size"),
+                          ({"shuffle": "False"}, "shuffle")]:  # fmt: skip
+        args = {"num_samples": 40, "global_batch_size": 4, "rank": 0, "world_size": 1, **kwargs}
+        with pytest.raises(TypeError, match=f"GlobalBatchSampler: {named} must be"):
+            distckpt.GlobalBatchSampler(**args)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        distckpt.GlobalBatchSampler(40, 4, rank=0, world_size=0)
+    # The incomplete last global batch of each epoch is dropped (README).
+    seq = distckpt.GlobalBatchSampler(10, 4, rank=0, world_size=1, shuffle=False)
+    assert [seq.next_batch() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]] and seq.epoch == 1
+    other = distckpt.GlobalBatchSampler(12, 4, rank=0, world_size=1, shuffle=False)
+    with pytest.raises(ValueError, match="num_samples=10 but this sampler has 12"):
+        other.load_state_dict(seq.state_dict())

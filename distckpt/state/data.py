@@ -16,6 +16,7 @@ position up to ``num_workers x prefetch_factor`` batches past what training saw)
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
@@ -57,6 +58,19 @@ class GlobalBatchSampler:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_initialized() else 0
+        # Plain ints (NumPy's taken: a config read into an array): an np.int64 seed failed at the
+        # first batch in torch's Generator with "an integer is required", naming nothing.
+        num_samples, global_batch_size, rank, world_size, seed = (
+            _count(v, n) for v, n in (
+                (num_samples, "num_samples"), (global_batch_size, "global_batch_size"), (rank, "rank"),
+                (world_size, "world_size"), (seed, "seed"),
+            )
+        )  # fmt: skip
+        if not (isinstance(shuffle, bool) or (type(shuffle).__module__ == "numpy" and type(shuffle).__name__ in ("bool", "bool_"))):
+            raise TypeError(f"GlobalBatchSampler: shuffle must be True or False, got {shuffle!r}")
+        shuffle = bool(shuffle)
+        if world_size < 1:
+            raise ValueError(f"GlobalBatchSampler: world_size must be >= 1, got {world_size}")
         if global_batch_size < 1 or num_samples < global_batch_size:
             raise ValueError(
                 f"need 1 <= global_batch_size <= num_samples, got global_batch_size={global_batch_size}, "
@@ -210,6 +224,17 @@ class GlobalBatchSampler:
                     "resuming would not continue the same data order"
                 )
         self.batches_consumed = int(state["batches_consumed"])
+
+
+def _count(value: object, name: str) -> int:
+    """``value`` as a plain int (NumPy's integers too); ``TypeError`` naming ``name`` otherwise
+    (a float, a string, a bool)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"GlobalBatchSampler: {name} must be an int, got {type(value).__name__} {value!r}")
 
 
 def _loader_workers(frame: Any) -> int:
