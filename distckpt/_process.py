@@ -9,6 +9,7 @@ every rank of the job must do together).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit callback first: see _close_all)
 import gc
 import logging
 import os
@@ -314,3 +315,11 @@ def _close_all() -> None:
             obj.close()
         except BaseException as exc:  # noqa: BLE001
             warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)
+
+
+# Also (first) at the start of threading's shutdown, before atexit: from then on thread pools
+# refuse new work (concurrent.futures' own callback, registered when it was imported above, runs
+# after this one), and the replica's uploads that close() waits for run in one: each failed
+# with "cannot schedule new futures after interpreter shutdown", the steps never uploaded.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_close_all)

@@ -75,3 +75,37 @@ def test_destroying_the_process_group_under_an_async_save_commits_nothing(tmp_pa
         want = torch.nn.Linear(64, 64)
         assert ckpt.load(state, strict=False) == 4  # (at one rank: the per-rank entry is skipped)
         assert torch.equal(state["model"].weight, want.weight)
+
+
+_UPLOADS_AT_EXIT = r"""
+import sys, threading, torch, distckpt
+from distckpt.storage.replica import Replicator
+
+go, real = threading.Event(), Replicator._put
+def held(self, *a, **k):
+    assert go.wait(60)
+    return real(self, *a, **k)
+Replicator._put = held
+threading._register_atexit(go.set)  # registered after distckpt's: called first at shutdown
+ckpt = distckpt.Checkpointer(sys.argv[1], keep_last=1, replicate_to=sys.argv[2], replicate_keep_last=None)
+for step in (1, 2, 3):
+    ckpt.save(step, {"w": torch.full((64,), float(step))})
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_uploads_still_queued_at_exit_are_finished_by_the_close_at_exit(tmp_path):
+    # No close(): the close at exit waited for the queued uploads, but by then (atexit, after
+    # threading's shutdown) thread pools refused new work, and every upload still queued failed
+    # with "cannot schedule new futures after interpreter shutdown". Found by a helper (2026-12-06).
+    from distckpt.integrity.manifest import committed_steps
+    from distckpt.storage.base import Storage
+
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    job = subprocess.run([sys.executable, "-c", _UPLOADS_AT_EXIT, str(root), str(remote)], cwd=REPO,
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert job.returncode == 0 and "saved" in job.stdout, job.stderr[-2000:]
+    assert "cannot schedule new futures" not in job.stderr, job.stderr[-2000:]
+    assert committed_steps(Storage(remote)) == [1, 2, 3]
+    assert committed_steps(Storage(root)) == [3]  # and the root's retention ran once they were there
