@@ -273,7 +273,19 @@ def test_an_upload_that_failed_is_retried_before_the_root_retires_its_step(tmp_p
             ckpt.save(1, _state(0, 1))
             ckpt.replica.wait(raise_on_failure=False)
         assert [s for s, _ in ckpt.replica.status().failed] == [1]
+        import threading
+
+        asked, exists = [], ckpt.replica.remote.exists
+
+        def recorded(*parts):
+            if threading.current_thread() is threading.main_thread():
+                asked.append(parts)
+            return exists(*parts)
+
+        monkeypatch.setattr(ckpt.replica.remote, "exists", recorded)
         ckpt.save(2, _state(0, 2))  # retention comes to step 1: uploaded again, kept meanwhile
+        # The commit asked the remote nothing about it (a store that hangs stalled every save).
+        assert not [p for p in asked if step_dir(1) in p], asked
         ckpt.replica.wait()  # the retry succeeded: no failure left to raise
         assert ckpt.replica.status().failed == () and 1 in ckpt.replica.status().uploaded
         ckpt.save(3, _state(0, 3))
@@ -286,17 +298,41 @@ def test_a_step_whose_upload_keeps_failing_stays_at_the_root_through_close(tmp_p
     remote, root = tmp_path / "remote", tmp_path / "root"
     with pytest.warns(UserWarning, match="step 1 was committed locally"):
         with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
-            for step in (1, 2, 3):
+            for step in (1, 2):
                 ckpt.save(step, _state(0, step))
                 ckpt.replica.wait(raise_on_failure=False)
             assert [s for s, _ in ckpt.replica.status().failed] == [1]  # one entry, the latest cause
-    assert committed_steps(Storage(root)) == [1, 3] and _remote_steps(remote) == [2, 3]
+    assert committed_steps(Storage(root)) == [1, 2] and _remote_steps(remote) == [2]
     monkeypatch.undo()  # the store is back: the next run's retention uploads step 1, then retires it
     with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(remote), replicate_keep_last=None) as ckpt:
-        assert ckpt.load({"w": torch.zeros(16, 16), "who": -1}) == 3  # the resume: this job's steps
-        ckpt.save(4, _state(0, 4))
+        assert ckpt.load({"w": torch.zeros(16, 16), "who": -1}) == 2  # the resume: this job's steps
+        ckpt.save(3, _state(0, 3))
         ckpt.replica.wait()
-    assert _remote_steps(remote) == [1, 2, 3, 4] and committed_steps(Storage(root)) == [4]
+    assert _remote_steps(remote) == [1, 2, 3] and committed_steps(Storage(root)) == [3]
+
+
+def test_a_replica_that_cannot_be_written_gives_steps_up_after_three_attempts(tmp_path):
+    # A replica that can never be written (here its path lies under a regular file; a missing
+    # bucket, revoked credentials): holding every failed step turned keep_last off (the root
+    # grew by one step per save) and each save retried every held step again (attempts grew
+    # quadratically). Now each step gets three attempts; then keep_last retires it, as warned.
+    import warnings
+
+    (tmp_path / "blocker").write_text("")
+    root = tmp_path / "root"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with distckpt.Checkpointer(root, keep_last=2, replicate_to=str(tmp_path / "blocker" / "remote"), replicate_keep_last=None) as ckpt:
+            for step in range(1, 9):
+                ckpt.save(step, _state(0, step))
+                ckpt.replica.wait(raise_on_failure=False)
+                assert len(committed_steps(Storage(root))) <= 2 + 2, step  # keep_last, and two steps being retried
+            assert len(ckpt.replica._submitted) <= 3 * 8
+    failed = [str(w.message) for w in seen if "was committed locally" in str(w.message)]
+    assert any("step 1 " in m and "attempt 3 of 3: no more" in m for m in failed), failed
+    assert any("step 1 " in m and "retried at the next save" in m for m in failed), failed
+    # After close: 7 and 8 as keep_last says, and 6 (two attempts so far: the next run retries it).
+    assert committed_steps(Storage(root)) == [6, 7, 8]
 
 
 def test_a_replica_keeping_as_many_steps_as_the_root_still_skips_superseded_uploads(tmp_path, monkeypatch):

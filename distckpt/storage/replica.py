@@ -109,6 +109,11 @@ def _warn(message: str) -> None:
         log.warning("%s", message)
 
 
+#: Attempts to upload a step before it is given up: its first, then a retry at each of the next
+#: saves whose retention comes to it (see :meth:`Replicator.holds`).
+UPLOAD_ATTEMPTS = 3
+
+
 def _default_is_coordinator() -> bool:
     import torch.distributed as dist
 
@@ -139,7 +144,8 @@ class Replicator:
         remote: the remote :class:`~distckpt.storage.base.Storage` (``load`` falls back to it).
         uploaded: steps committed on the remote by this replicator, in order.
         failed: ``(step, message)`` of uploads that failed (messages carry no credentials);
-            retried when the root's retention comes to the step (an entry goes once it succeeds).
+            retried when the root's retention comes to the step, up to :data:`UPLOAD_ATTEMPTS`
+            attempts in all (an entry goes once it succeeds).
         skipped: steps not uploaded because a newer step superseded them before their turn.
     """
 
@@ -172,6 +178,7 @@ class Replicator:
         self._coordinator: bool | None = None
         self.uploaded: list[int] = []
         self.failed: list[tuple[int, str]] = []
+        self._failures: dict[int, int] = {}  # step -> failed attempts to upload it
         self.skipped: list[int] = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: list[int] = []  # queued or uploading, oldest first
@@ -308,17 +315,29 @@ class Replicator:
         never handled (committed by an earlier run of the job whose upload a crash cut off, or
         saved before ``replicate_to`` was given), that the remote lacks and would keep is queued
         for upload here (again), and held until it is there: otherwise the root's retention
-        deleted the only copy of a step the replica keeps. Once closed (the root's retention at
-        ``close()``), such a step is held with no upload: the next run's retention uploads it."""
+        deleted the only copy of a step the replica keeps. A failed step is retried without
+        asking the remote first, and given up after :data:`UPLOAD_ATTEMPTS` failed attempts.
+        Once closed (the root's retention at ``close()``), such a step is held with no upload:
+        the next run's retention uploads it."""
         with self._lock:
             closed = self._closed
             queued = step in self._pending
             there = step in self.uploaded or step in self.skipped
+            failures = self._failures.get(step, 0)
             newer = {s for s in self._pending if s > step} | ({newest} if newest > step else set())
         if queued:
             return self.keep_last is None or len(newer) < self.keep_last
         if there or self._dropped_anyway(step):
             return False  # uploaded, or superseded
+        if failures:
+            # Retried in the background (nothing asked of the remote here: a store that hangs
+            # would stall every commit), at most UPLOAD_ATTEMPTS times in all: a replica that
+            # can never be written (a missing bucket) must not turn the root's keep_last off.
+            if failures >= UPLOAD_ATTEMPTS:
+                return False  # given up (its last failure's warning said the root retires it)
+            if not closed:
+                self.submit(step)
+            return True
         try:
             if self.remote.exists(step_dir(step), MANIFEST_NAME):
                 return False  # there already (this job's, or another writer's commit of the number)
@@ -356,10 +375,17 @@ class Replicator:
             msg = f"{type(exc).__name__}: {exc}"
             self._forget_failure(step)  # (a retry: one entry per step, the latest cause)
             self._record(self.failed, (step, msg))
-            log.error("replication of step %d to %s failed: %s", step, self.remote.display(), msg)
+            with self._lock:
+                failures = self._failures[step] = self._failures.get(step, 0) + 1
+            log.error("replication of step %d to %s failed (attempt %d): %s", step, self.remote.display(), failures, msg)
+            then = (
+                f"it was attempt {failures} of {UPLOAD_ATTEMPTS}: no more; the root's keep_last may retire the step now"
+                if failures >= UPLOAD_ATTEMPTS
+                else "retried at the next save, the root keeping the step meanwhile"
+            )
             _warn(
                 f"distckpt: step {step} was committed locally at {self.local.display(step_dir(step))} "
-                f"but its upload to {self.remote.display(step_dir(step))} failed: {msg}"
+                f"but its upload to {self.remote.display(step_dir(step))} failed: {msg} ({then})"
             )
             return
         self._forget_failure(step)  # (a retry that succeeded: no longer failed)
