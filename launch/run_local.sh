@@ -22,5 +22,9 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # them ignore these): forward SIGUSR1 too, and give ranks time to save before SIGKILL.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-120}
+# One CPU thread per rank unless told otherwise: torchrun sets it only for more than one process
+# per node, so a rank alone on its node computed with several threads, rounded otherwise, and a
+# run moved between layouts of one world size (2 nodes x 1 -> 1 node x 2) was not bit-exact.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     "$HERE/train.py" "$@"

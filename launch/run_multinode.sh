@@ -19,6 +19,10 @@ RDZV_ID=${RDZV_ID:-distckpt-train}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-120}
+# One CPU thread per rank unless told otherwise: torchrun sets it only for more than one process
+# per node, so a rank alone on its node computed with several threads, rounded otherwise, and a
+# run moved between layouts of one world size (2 nodes x 1 -> 1 node x 2) was not bit-exact.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$RDZV_ID" \

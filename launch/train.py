@@ -28,7 +28,8 @@ Behaviour:
   ranks) and the sample order is global (:class:`distckpt.GlobalBatchSampler`), so a resumed job
   sees exactly the data the uninterrupted job would have seen, at any world size.
 * Resuming at the same world size reproduces the uninterrupted losses bit for bit (dropout RNG
-  included); at another world size (``--dropout 0``) they agree to floating-point reduction order.
+  included; on the CPU with the same ``OMP_NUM_THREADS`` per rank, which the launch scripts set
+  to 1 unless it is set); at another world size (``--dropout 0``) they agree to floating-point reduction order.
 * SIGTERM or SIGUSR1 on any rank: every rank finishes its step, saves synchronously and exits 0.
   ``torchrun`` forwards SIGTERM; add SIGUSR1 to ``--signals-to-handle`` for SLURM's warning.
 * ``--local-dir /dev/shm/JOB`` (the same path on every node): every committed step is also kept

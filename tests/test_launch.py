@@ -353,3 +353,22 @@ def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
         parse_args(["--steps", "4", "--ckpt-dir", "x", *flags])
     assert exit_.value.code == 2 and named in capsys.readouterr().err
     assert parse_args(["--steps", "4", "--ckpt-dir", "x"]).log_every == 10
+
+
+@pytest.mark.parametrize("script", ["run_local.sh", "run_multinode.sh"])
+def test_the_launch_scripts_give_each_rank_one_thread_unless_told(tmp_path, script):
+    # torchrun sets OMP_NUM_THREADS=1 only for more than one process per node: a rank alone on
+    # its node computed with several threads, so a run moved from 2 nodes x 1 to 1 node x 2 (one
+    # world size) was not bit-exact. Found by a helper (2026-12-06). PYTHON: a stand-in that
+    # shows what torchrun would have been started with.
+    import os
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "OMP=${OMP_NUM_THREADS:-unset}"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(PYTHON=str(fake), NNODES="2", NODE_RANK="0", RDZV_ENDPOINT="127.0.0.1:1")
+    args = ["bash", str(REPO / "launch" / script)] + (["2"] if script == "run_local.sh" else [])
+    assert subprocess.run(args, env=env, capture_output=True, text=True, timeout=30).stdout.strip() == "OMP=1"
+    env["OMP_NUM_THREADS"] = "4"
+    assert subprocess.run(args, env=env, capture_output=True, text=True, timeout=30).stdout.strip() == "OMP=4"
