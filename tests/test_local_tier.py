@@ -312,6 +312,36 @@ def test_copies_a_full_tier_left_incomplete_never_retire_its_last_whole_step(tmp
         assert ckpt.last_load_report.tier == "local"
 
 
+def test_a_tier_filled_for_a_while_frees_its_extra_steps_once_a_copy_is_whole(tmp_path, monkeypatch):
+    """A passing episode (the tmpfs full during steps 2 and 3): the last whole step (1) stays
+    beside them, and once a new copy is whole (4), only the newest local_keep stay. Keeping
+    local_keep whole steps beside the incomplete ones held the tmpfs full, so no copy was ever
+    whole again. Found by a helper (2026-12-06)."""
+    import errno
+
+    import torch
+
+    real = local_tier.LocalCopy.write
+
+    def full_at_2_and_3(self, data):
+        if self._f is not None and ("step_000000002" in self.path or "step_000000003" in self.path) and self.path.endswith(".distcp"):
+            self._fail(OSError(errno.ENOSPC, "No space left on device"))
+        real(self, data)
+
+    monkeypatch.setattr(local_tier.LocalCopy, "write", full_at_2_and_3)
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=2) as ckpt:
+        ckpt.save(1, {"w": torch.ones(64)})
+        for step in (2, 3):
+            with pytest.warns(UserWarning, match="local-tier copy is incomplete"):
+                ckpt.save(step, {"w": torch.ones(64)})
+        assert ckpt.steps(tier="local") == [1, 2, 3]
+        ckpt.save(4, {"w": torch.ones(64)})
+        assert ckpt.steps(tier="local") == [3, 4]
+        ckpt.save(5, {"w": torch.ones(64)})
+        assert ckpt.steps(tier="local") == [4, 5]
+
+
 def _three_saves_body(rank: int, world: int, root: str, nodes: str) -> None:
     import torch
 

@@ -437,13 +437,18 @@ class LocalTier:
         this root's leftovers (no manifest). Another root's steps, and anything without this
         root's mark, are never touched.
 
-        Steps whose copy here lacks files (a full tmpfs: the save warned) are kept but do not
-        count: the newest ``keep`` whole ones stay too. Counted, two such saves retired the last
-        whole copy, and with the root unreachable nothing could be recovered."""
+        Where none of those is whole here (a full tmpfs left their copies without files: the
+        saves warned), the newest whole step stays too (``keep`` + 1 at most): else two such
+        saves retired the last whole copy, and with the root unreachable nothing could be
+        recovered. One step, not ``keep`` more: a tier filled by a passing episode must free
+        enough room for the next step to be whole again."""
         mine = [s for s in self._steps() if self._owned(s)]
         committed = sorted(s for s in mine if s <= newest and self._has_manifest(s))
-        whole = [s for s in committed if self._whole_here(s, nodes, node)]
-        keep = set(committed[-self.keep :]) | set(whole[-self.keep :])
+        keep = set(committed[-self.keep :])
+        if not any(self._whole_here(s, nodes, node) for s in keep):
+            whole = next((s for s in reversed(committed) if s not in keep and self._whole_here(s, nodes, node)), None)
+            if whole is not None:
+                keep.add(whole)
         for s in mine:
             if s not in keep and not self._kept_for_foreign(s):
                 _remove_tree(self.step_path(s))
