@@ -362,6 +362,31 @@ def test_round_trip_keeps_types_and_keys(tmp_path: Path) -> None:
     io.teardown()
 
 
+def test_convert_of_a_lightning_step_takes_its_state_dict_as_the_model(tmp_path: Path) -> None:
+    # `distckpt convert STEP --to torch --model-only` (and --to hf) on a step of this plugin
+    # failed: "holds several models (callbacks, extra, optimizer_states, state_dict)", counting
+    # Lightning's dicts beside the model as models. Found by a helper (2026-12-06).
+    from cli_runner import run_cli
+
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    weights = {"net.0.weight": torch.randn(3, 2), "net.0.bias": torch.randn(3)}
+    io.save_checkpoint({"global_step": 7, "state_dict": weights, "optimizer_states": [
+        {"state": {0: {"exp_avg": torch.randn(3, 2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
+        "callbacks": {"cb": {"t": torch.ones(2)}}}, tmp_path / "x.ckpt")  # fmt: skip
+    io.teardown()
+    step = tmp_path / "root" / "step_000000007"
+    out = run_cli("convert", str(step), "--to", "torch", "--model-only", str(tmp_path / "model.pt"))
+    assert out.returncode == 0, out.stderr
+    got = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(got) == sorted(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
+    # The .ckpt path users hold (a pointer): each direction names the step folder to pass.
+    for to in ("torch", "dcp"):
+        out = run_cli("convert", str(tmp_path / "x.ckpt"), "--to", to, str(tmp_path / f"out_{to}"))
+        assert out.returncode == 1 and "pointer file written by Lightning's DistckptCheckpointIO, to step 7" in out.stderr, out
+        assert str(step) in out.stderr or "step_000000007" in out.stderr, out
+    assert run_cli("inspect", str(tmp_path / "x.ckpt")).returncode == 1
+
+
 def _assert_equal(a: Any, b: Any, where: str = "") -> None:
     if isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where

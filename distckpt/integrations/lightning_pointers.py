@@ -32,7 +32,7 @@ from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
 
 __all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
-           "pointer_bytes", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
+           "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
 POINTER_FORMAT = "distckpt-lightning-pointer"
@@ -149,6 +149,19 @@ def parse_pointer(data: bytes) -> Pointer | None:
 def _read_small(fs: AbstractFileSystem, path: str) -> bytes:
     with fs.open(path, "rb") as f:
         return f.read(_POINTER_MAX_BYTES + 1)
+
+
+def pointer_hint(data: bytes) -> str | None:
+    """(the CLI) What a pointer file is and what to pass instead (``data``: the file's first
+    bytes); ``None`` where ``data`` is no pointer."""
+    record = parse_pointer(data)
+    if record is None:
+        return None
+    target = f"{record['root'].rstrip('/')}/{step_dir(record['step'])}"
+    return (
+        f"a pointer file written by Lightning's DistckptCheckpointIO, to step {record['step']} at {record['root']}: "
+        f"pass that step's folder, {target}"
+    )
 
 
 def try_pointer(path: str) -> Pointer | None:

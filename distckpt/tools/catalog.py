@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from distckpt.integrations.lightning_pointers import pointer_hint
 from distckpt.errors import CheckpointError, StepDeletedError
 from distckpt.integrity.manifest import (
     MANIFEST_NAME,
@@ -116,7 +117,17 @@ def _refuse_file(storage: Storage, what: str) -> None:
         NotADirectoryError: naming the file and what was expected instead.
     """
     if storage.fs.isfile(storage.path):
+        try:
+            with storage.fs.open(storage.path, "rb") as f:
+                hint = pointer_hint(f.read(_POINTER_PEEK))
+        except OSError:
+            hint = None
+        if hint is not None:  # (users hold Lightning's .ckpt paths, not step folders)
+            raise NotADirectoryError(f"{storage.display()} is {hint}")
         raise NotADirectoryError(f"{storage.display()} is a file, not {what}")
+
+
+_POINTER_PEEK = 64 * 1024 + 1  # (pointers are smaller: a larger read is no pointer)
 
 
 def _committed(storage: Storage, step: int, listed: bool = False) -> StepFiles:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from fsspec.core import url_to_fs
 
+from distckpt.integrations.lightning_pointers import pointer_hint
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity import deep_stack
@@ -171,6 +172,10 @@ def _torch_load(path: str, where: str) -> object:
                     "which distckpt does not import: re-save it under a current torch, if you trust it: "
                     "torch.save(torch.load(OLD, weights_only=True), NEW), then import NEW"
                 )
+                f.seek(0)
+            hint = pointer_hint(f.read(64 * 1024 + 1))
+            if hint is not None:  # its step is a DCP checkpoint already: nothing to import
+                raise ValueError(f"{where} is not a torch.save file but {hint} (a distckpt step, readable as it is)")
             raise ValueError(f"{where} is not a torch.save file: not a zip archive as torch.save writes (a text file? a damaged copy?)")
         bound = deep_stack.refuse_record_work_bombs(f, None, where)
         if bound is None:

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from distckpt.integrations.lightning_layout import LAYOUT_KEY
 from distckpt.integrity.shards import CheckpointSource
 from distckpt.integrity.stepfiles import StepFiles
 
@@ -30,7 +31,13 @@ def _model_names(found: StepFiles, source: CheckpointSource) -> list[str]:
     if modules:
         return modules
     # Imported checkpoints hold the model as a dict of tensors ("tree" entry).
-    return sorted(n for n, e in entries.items() if e.get("kind") == "tree")
+    trees = sorted(n for n, e in entries.items() if e.get("kind") == "tree")
+    extra = found.manifest.extra if found.manifest is not None else {}
+    if LAYOUT_KEY in extra and "state_dict" in trees:
+        # A step of the Lightning plugin: its trees are Lightning's checkpoint dict (the
+        # optimizer states, callbacks ... beside it); the model is its "state_dict".
+        return ["state_dict"]
+    return trees
 
 
 def select_tensors(
@@ -61,7 +68,9 @@ def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key
             tops = sorted({k.split(".", 1)[0] for k in keys})
             if not names:
                 raise SelectionError(f"{found.display()} records no model; pick tensors with --key PREFIX (top-level names: {', '.join(tops)})")
-            raise SelectionError(f"{found.display()} holds several models ({', '.join(names)}); pick one with --key NAME")
+            raise SelectionError(
+                f"{found.display()} holds several models or dicts of tensors ({', '.join(names)}); pick one with --key NAME"
+            )
         prefix = names[0]
     if prefix is None:
         return [(k, k) for k in keys]
