@@ -342,6 +342,47 @@ def test_a_tier_filled_for_a_while_frees_its_extra_steps_once_a_copy_is_whole(tm
         assert ckpt.steps(tier="local") == [4, 5]
 
 
+def _full_on_node_0_body(rank: int, world: int, root: str, nodes: str, phase: str):
+    import errno
+    import warnings
+
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
+    tier = f"{nodes}/node{rank}"
+    if phase == "save":
+        real = local_tier.LocalCopy.write
+
+        def full(self, data):
+            if rank == 0 and self._f is not None and ("step_000000002" in self.path or "step_000000003" in self.path) and self.path.endswith(".distcp"):
+                self._fail(OSError(errno.ENOSPC, "No space left on device"))
+            real(self, data)
+
+        local_tier.LocalCopy.write = full
+        warnings.simplefilter("ignore")
+        with distckpt.Checkpointer(root, local_dir=tier, local_keep=1, local_peers=0) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, {"w": torch.full((64,), float(rank * 10 + step))})
+        return sorted(os.listdir(tier))
+    state = {"w": torch.zeros(64)}
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=1, local_peers=0) as ckpt:
+        return ckpt.load(state), float(state["w"][0]), ckpt.last_load_report.tier
+
+
+@pytest.mark.timeout(150)
+def test_the_last_step_whole_on_every_node_is_kept_on_every_node(tmp_path):
+    """Two nodes, local_peers=0: node 0's tmpfs full for steps 2 and 3. Each node judged
+    whole-ness alone: node 0 kept step 1 (its last whole copy), node 1 kept only step 3 (whole
+    there) and deleted its step 1, so no step was whole anywhere and with the root gone nothing
+    could be recovered. Found by a helper (2026-12-06)."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    tiers = run_ranks(_full_on_node_0_body, 2, tmp_path, str(root), str(nodes), "save", timeout=120)
+    assert tiers == [["step_000000001", "step_000000003"]] * 2
+    root.rename(tmp_path / "gone")
+    got = run_ranks(_full_on_node_0_body, 2, tmp_path, str(root), str(nodes), "load", timeout=120)
+    assert got == [(1, 1.0, "local"), (1, 11.0, "local")]
+
+
 def _three_saves_body(rank: int, world: int, root: str, nodes: str) -> None:
     import torch
 

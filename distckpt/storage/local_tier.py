@@ -400,9 +400,15 @@ class LocalTier:
             except OSError as exc:
                 problems.append(f"{self.step_path(step)}: {one_line(exc)}")
         everyone = group.all_gather(problems)
-        if nodes.local_rank(group.rank) == 0 and ours[group.rank]:
-            # After the gather: every rank of the node has finished writing what it received.
-            self.retain(step, nodes, nodes.of[group.rank])
+        # After that gather every rank of the node has finished writing what it received: each
+        # node's leader says which steps it holds whole, and a step counts as whole where every
+        # node does (with local_peers=0 a node's own copy is all there is of its ranks' files).
+        leader = nodes.local_rank(group.rank) == 0 and ours[group.rank]
+        whole_here = self._whole_steps(step, nodes, nodes.of[group.rank]) if leader else None
+        wholes = [w for w in group.all_gather(whole_here) if w is not None]
+        whole = set.intersection(*map(set, wholes)) if len(wholes) == nodes.count else set()
+        if leader:
+            self.retain(step, whole)
         # Warnings after the last collective, on every rank: one turned into an error by the
         # caller's filters then fails every rank alike instead of stranding the others.
         if self.peers and nodes.count < 2 and not self._warned_one_node:
@@ -430,28 +436,38 @@ class LocalTier:
             stacklevel=4,
         )
 
-    def retain(self, newest: int, nodes: Nodes, node: int) -> None:
-        """(one rank per node: ``node``) Keep the newest ``keep`` committed steps of this root in
-        this node's tier, up to ``newest`` (the step just committed). A step of this root newer
-        than ``newest`` is an earlier life's (the job went back to an older step) and goes; so do
-        this root's leftovers (no manifest). Another root's steps, and anything without this
-        root's mark, are never touched.
+    def retain(self, newest: int, whole: frozenset[int] | set[int] = frozenset()) -> None:
+        """(one rank per node) Keep the newest ``keep`` committed steps of this root in this
+        node's tier, up to ``newest`` (the step just committed). A step of this root newer than
+        ``newest`` is an earlier life's (the job went back to an older step) and goes; so do this
+        root's leftovers (no manifest). Another root's steps, and anything without this root's
+        mark, are never touched.
 
-        Where none of those is whole here (a full tmpfs left their copies without files: the
-        saves warned), the newest whole step stays too (``keep`` + 1 at most): else two such
-        saves retired the last whole copy, and with the root unreachable nothing could be
-        recovered. One step, not ``keep`` more: a tier filled by a passing episode must free
-        enough room for the next step to be whole again."""
+        ``whole``: the steps every node holds whole (every rank alike). Where none of the kept
+        ones is (a full tmpfs left copies without files: the saves warned), the newest whole
+        step stays too (``keep`` + 1 at most), on every node alike: else two such saves retired
+        the last recoverable step, and with the root unreachable nothing could be recovered.
+        One step, not ``keep`` more: a tier filled by a passing episode must free enough room
+        for the next step to be whole again."""
         mine = [s for s in self._steps() if self._owned(s)]
         committed = sorted(s for s in mine if s <= newest and self._has_manifest(s))
         keep = set(committed[-self.keep :])
-        if not any(self._whole_here(s, nodes, node) for s in keep):
-            whole = next((s for s in reversed(committed) if s not in keep and self._whole_here(s, nodes, node)), None)
-            if whole is not None:
-                keep.add(whole)
+        if not keep & whole:
+            last_whole = next((s for s in reversed(committed) if s in whole), None)
+            if last_whole is not None:
+                keep.add(last_whole)
         for s in mine:
             if s not in keep and not self._kept_for_foreign(s):
                 _remove_tree(self.step_path(s))
+
+    def _whole_steps(self, newest: int, nodes: Nodes, node: int) -> list[int]:
+        """(one rank per node) This root's committed steps up to ``newest`` whose copy on this
+        node is whole (:meth:`_whole_here`); ``[]`` where the tier cannot be read."""
+        try:
+            steps = [s for s in self._steps() if s <= newest and self._owned(s) and self._has_manifest(s)]
+            return [s for s in steps if self._whole_here(s, nodes, node)]
+        except OSError:
+            return []
 
     def _whole_here(self, step: int, nodes: Nodes, node: int) -> bool:
         """Whether this node's copy of committed ``step`` holds every file it keeps, by size: its
