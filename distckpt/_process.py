@@ -9,7 +9,6 @@ every rank of the job must do together).
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread  # noqa: F401  (its exit callback first: see _close_all)
 import gc
 import logging
 import os
@@ -17,10 +16,11 @@ import socket
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -307,6 +307,35 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_all)
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def pools_refuse(exc: RuntimeError) -> bool:
+    """Whether ``exc`` (from ``ThreadPoolExecutor.submit``) says thread pools refuse new work
+    because the interpreter is shutting down: so they do in the close at exit (atexit runs after
+    concurrent.futures shut down), where the work is then done in the calling thread."""
+    return "interpreter shutdown" in str(exc)
+
+
+def map_in_threads(fn: Callable[[T], R], items: Iterable[T], workers: int, name: str) -> list[R]:
+    """``[fn(item) for item in items]``, on up to ``workers`` threads named ``name``; in the
+    calling thread once pools refuse work (:func:`pools_refuse`: the close at interpreter exit,
+    whose uploads each failed with "cannot schedule new futures after interpreter shutdown")."""
+    items = list(items)
+    futures: list[Future[R]] = []
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))), thread_name_prefix=name) as pool:
+        for item in items:
+            try:
+                futures.append(pool.submit(fn, item))
+            except RuntimeError as exc:
+                if not pools_refuse(exc):
+                    raise
+                break
+        done = [f.result() for f in futures]
+    return done + [fn(item) for item in items[len(futures) :]]
+
+
 @atexit.register
 def _close_all() -> None:
     # An async save still in flight at interpreter exit is finished, not silently dropped.
@@ -315,11 +344,3 @@ def _close_all() -> None:
             obj.close()
         except BaseException as exc:  # noqa: BLE001
             warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)
-
-
-# Also (first) at the start of threading's shutdown, before atexit: from then on thread pools
-# refuse new work (concurrent.futures' own callback, registered when it was imported above, runs
-# after this one), and the replica's uploads that close() waits for run in one: each failed
-# with "cannot schedule new futures after interpreter shutdown", the steps never uploaded.
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_close_all)

@@ -55,6 +55,26 @@ def test_pieces_hashed_beside_their_write_give_the_file_s_digest(tmp_path, monke
     assert timings["checksum"] >= 0 and timings["io_write"] > 0
 
 
+def test_pieces_are_hashed_in_line_where_thread_pools_refuse_work_at_exit(tmp_path, monkeypatch):
+    # An async save finished by the close at interpreter exit: thread pools refuse new work by
+    # then, and the hash beside a piece's write raised "cannot schedule new futures".
+    from concurrent.futures import ThreadPoolExecutor
+
+    def refused(self, *args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(_writer, "BESIDE_BYTES", 64 << 10)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", refused)
+    fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None, beside=True)
+    path = tmp_path / "h.distcp"
+    pieces = [bytes([i]) * (100 << 10) for i in range(5)]
+    with fs.create_stream(path, "wb") as stream:
+        for p in pieces:
+            stream.write(memoryview(p))
+    data = path.read_bytes()
+    assert data == b"".join(pieces) and fs.files["h.distcp"] == (len(data), f"{crc32c.crc32c(data):08x}")
+
+
 def test_a_failing_write_of_a_large_piece_is_recorded_without_a_digest(tmp_path, monkeypatch):
     monkeypatch.setattr(_writer, "BESIDE_BYTES", 64 << 10)
     fs = _writer._ChecksummingFS(FileSystem(), "crc32c", sync=None, beside=True)

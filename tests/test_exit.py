@@ -86,7 +86,7 @@ def held(self, *a, **k):
     assert go.wait(60)
     return real(self, *a, **k)
 Replicator._put = held
-threading._register_atexit(go.set)  # registered after distckpt's: called first at shutdown
+threading._register_atexit(go.set)  # at threading's shutdown, before atexit's close
 ckpt = distckpt.Checkpointer(sys.argv[1], keep_last=1, replicate_to=sys.argv[2], replicate_keep_last=None)
 for step in (1, 2, 3):
     ckpt.save(step, {"w": torch.full((64,), float(step))})
@@ -109,3 +109,34 @@ def test_uploads_still_queued_at_exit_are_finished_by_the_close_at_exit(tmp_path
     assert "cannot schedule new futures" not in job.stderr, job.stderr[-2000:]
     assert committed_steps(Storage(remote)) == [1, 2, 3]
     assert committed_steps(Storage(root)) == [3]  # and the root's retention ran once they were there
+
+
+_THREAD_SAVES_AFTER_MAIN = r"""
+import sys, threading, time, torch, distckpt
+
+ckpt = distckpt.Checkpointer(sys.argv[1], replicate_to=sys.argv[2])
+
+def train():
+    while threading.main_thread().is_alive():  # saves once the main thread has returned
+        time.sleep(0.005)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": torch.full((64,), float(step))})
+    print("thread saved", flush=True)
+
+threading.Thread(target=train).start()  # not a daemon, never joined: the interpreter waits for it
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_non_daemon_thread_saving_after_main_returned_is_not_closed_under(tmp_path):
+    # A fix of the uploads at exit closed checkpointers at the start of threading's shutdown,
+    # before the interpreter joins non-daemon threads: a training thread still running then got
+    # "save() on a closed Checkpointer". Found by a helper's review (2026-12-06).
+    from distckpt.integrity.manifest import committed_steps
+    from distckpt.storage.base import Storage
+
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    job = subprocess.run([sys.executable, "-c", _THREAD_SAVES_AFTER_MAIN, str(root), str(remote)], cwd=REPO,
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert job.returncode == 0 and "thread saved" in job.stdout, job.stderr[-2000:]
+    assert committed_steps(Storage(root)) == [1, 2, 3] and committed_steps(Storage(remote)) == [1, 2, 3]

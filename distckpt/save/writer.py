@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from distckpt._process import has_spare_cores
+from distckpt._process import has_spare_cores, pools_refuse
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.checksums import Buffer, new_hasher
 from distckpt.save.d2h import PARTS as D2H_PARTS
@@ -136,7 +136,12 @@ class _ChecksumStream(io.RawIOBase):
             if self._hash_beside and memoryview(b).nbytes >= BESIDE_BYTES:
                 if self._hasher_thread is None:
                     self._hasher_thread = ThreadPoolExecutor(1, thread_name_prefix="distckpt-checksum")
-                hashing = self._hasher_thread.submit(self._hasher.update, b)
+                try:
+                    hashing = self._hasher_thread.submit(self._hasher.update, b)
+                except RuntimeError as exc:  # (an async save finished by the close at exit)
+                    if not pools_refuse(exc):
+                        raise
+                    self._hasher.update(b)
             else:
                 self._hasher.update(b)
         t1 = time.perf_counter()

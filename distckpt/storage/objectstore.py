@@ -13,13 +13,13 @@ import datetime
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any, TypeVar
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from distckpt._process import map_in_threads
 from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
 from distckpt.storage.base import Storage, _flat_namespace, _redact
 
@@ -78,8 +78,7 @@ class FsspecStorage(Storage, kind="url"):
         # An async filesystem's (s3fs, gcsfs, adlfs) blocking calls may come from several threads:
         # each runs on the filesystem's event loop, so the requests overlap. Others (sftp ...) may
         # hold one connection that is not meant to be shared: asked one at a time above.
-        with ThreadPoolExecutor(max_workers=min(_QUERIES_AT_ONCE, len(items)), thread_name_prefix="distckpt-query") as pool:
-            return list(pool.map(query, items))
+        return map_in_threads(query, items, _QUERIES_AT_ONCE, "distckpt-query")
 
     def _ls(self, *parts: str) -> list[dict[str, Any]]:  # fsspec's detail entries
         self.refresh()

@@ -45,9 +45,9 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from distckpt._process import map_in_threads
 from distckpt.errors import CheckpointError, StepExistsError
 from distckpt.integrity.manifest import (
     MANIFEST_NAME,
@@ -493,9 +493,7 @@ class Replicator:
     def _put_all(self, name: str, manifest: Manifest) -> None:
         """Upload the data files, then ``.metadata``, and check every remote size."""
         data = sorted(f for f in manifest.files if f != _METADATA)
-        with ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="distckpt-put") as pool:
-            for future in [pool.submit(self._put, name, f) for f in data]:
-                future.result()
+        map_in_threads(lambda f: self._put(name, f), data, self.max_concurrency, "distckpt-put")
         if _METADATA in manifest.files:
             self._put(name, _METADATA)
         remote_files = self.remote.list_files(name)
