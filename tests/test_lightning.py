@@ -379,6 +379,11 @@ def test_convert_of_a_lightning_step_takes_its_state_dict_as_the_model(tmp_path:
     assert out.returncode == 0, out.stderr
     got = torch.load(tmp_path / "model.pt", weights_only=True)
     assert sorted(got) == sorted(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
+    # A step of another tool whose metadata merely holds a "lightning" key: still ambiguous.
+    with distckpt.Checkpointer(tmp_path / "plain") as plain:
+        plain.save(1, {"state_dict": dict(weights), "ema": dict(weights)}, metadata={"lightning": "2.4.0"})
+    out = run_cli("convert", str(tmp_path / "plain"), "--to", "torch", "--model-only", str(tmp_path / "m2.pt"))
+    assert out.returncode == 1 and "pick one with --key" in out.stderr, out
     # The .ckpt path users hold (a pointer): each direction names the step folder to pass.
     for to in ("torch", "dcp"):
         out = run_cli("convert", str(tmp_path / "x.ckpt"), "--to", to, str(tmp_path / f"out_{to}"))

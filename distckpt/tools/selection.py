@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-from distckpt.integrations.lightning_layout import LAYOUT_KEY
+from distckpt.errors import IntegrityError
+from distckpt.integrations.lightning_layout import read_layout
 from distckpt.integrity.shards import CheckpointSource
 from distckpt.integrity.stepfiles import StepFiles
 
@@ -32,12 +33,22 @@ def _model_names(found: StepFiles, source: CheckpointSource) -> list[str]:
         return modules
     # Imported checkpoints hold the model as a dict of tensors ("tree" entry).
     trees = sorted(n for n, e in entries.items() if e.get("kind") == "tree")
-    extra = found.manifest.extra if found.manifest is not None else {}
-    if LAYOUT_KEY in extra and "state_dict" in trees:
+    if "state_dict" in trees and _lightning_step(found):
         # A step of the Lightning plugin: its trees are Lightning's checkpoint dict (the
         # optimizer states, callbacks ... beside it); the model is its "state_dict".
         return ["state_dict"]
     return trees
+
+
+def _lightning_step(found: StepFiles) -> bool:
+    """Whether ``found`` was saved by Lightning's ``DistckptCheckpointIO``: its manifest holds
+    that plugin's layout (not merely a ``"lightning"`` key a user's metadata may hold) whose
+    top-level keys include ``state_dict``."""
+    try:
+        keys, _ = read_layout(found.manifest.extra if found.manifest is not None else {}, found.display())
+    except IntegrityError:
+        return False
+    return "state_dict" in keys
 
 
 def select_tensors(
