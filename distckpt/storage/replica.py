@@ -192,11 +192,12 @@ class Replicator:
         return f"Replicator({self.local.display()!r} -> {self.remote.display()!r}, keep_last={self.keep_last})"
 
     # ---------------------------------------------------------------------------------------
-    def submit(self, step: int) -> None:
+    def submit(self, step: int, *, retry: bool = False) -> None:
         """(all ranks, not collective) Queue the upload of committed local ``step``.
 
         Returns at once. On the coordinator, the upload runs on a background thread; on other
-        ranks this does nothing.
+        ranks this does nothing. ``retry``: again, after a failed attempt (else the step was
+        committed anew: attempts of an earlier step of that number no longer count).
         """
         if self._closed:
             raise RuntimeError("submit() on a closed Replicator")
@@ -205,6 +206,8 @@ class Replicator:
         if not self._coordinator:
             return
         with self._lock:
+            if not retry:
+                self._failures.pop(step, None)
             self._pending.append(step)
             self._submitted.append(step)
         if self._thread is None:
@@ -336,7 +339,7 @@ class Replicator:
             if failures >= UPLOAD_ATTEMPTS:
                 return False  # given up (its last failure's warning said the root retires it)
             if not closed:
-                self.submit(step)
+                self.submit(step, retry=True)
             return True
         try:
             if self.remote.exists(step_dir(step), MANIFEST_NAME):
