@@ -431,6 +431,13 @@ def test_unusual_tensors_save_or_fail_the_same_sync_and_async(tmp_path, blocking
     out = {"q": torch.quantize_per_tensor(torch.zeros(6), 0.1, 3, torch.quint8)}
     ckpt.load(out)
     assert torch.equal(out["q"].int_repr(), q.int_repr()) and out["q"].q_zero_point() == 3
+    # Into a tensor quantized otherwise (a fresh one's scale): its integers under that scale
+    # were other values, silently ([0.6, 0.3] came back as [4.5, 3.0]). Found by a helper (2026-12-06).
+    for other in (torch.quantize_per_tensor(torch.zeros(6), 0.5, 0, torch.quint8),
+                  torch.quantize_per_channel(torch.zeros(6), torch.ones(6), torch.zeros(6, dtype=torch.long), 0, torch.quint8)):  # fmt: skip
+        with pytest.raises(distckpt.CheckpointError, match=r"'q' was saved quantized as .*0\.1, 3\).* cannot change its quantization"):
+            ckpt.load({"q": other})
+    ckpt.close()
 
 
 def test_resealed_metadata_pointing_one_tensor_at_anothers_bytes_is_caught_everywhere(tmp_path):

@@ -328,8 +328,33 @@ class CheckpointReader(FileSystemReader):
                 raise IntegrityError(
                     f"{where}: item {req.storage_index.fqn} has shape {list(tensor.shape)}, expected {list(target.shape)}"
                 )
+            if target.is_quantized or tensor.is_quantized:
+                _refuse_other_quantizer(target, tensor, req.storage_index.fqn, where)
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _quantizer(t: torch.Tensor) -> tuple | None:
+    """What turns ``t``'s integers into values (``None``: not quantized)."""
+    if not t.is_quantized:
+        return None
+    if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return (str(t.qscheme()), t.dtype, t.q_scale(), t.q_zero_point())
+    return (str(t.qscheme()), t.dtype, t.q_per_channel_axis(), t.q_per_channel_scales().tolist(), t.q_per_channel_zero_points().tolist())
+
+
+def _refuse_other_quantizer(target: torch.Tensor, stored: torch.Tensor, key: str, where: str) -> None:
+    """A load copies a stored tensor's values into the live one in place, which cannot take
+    another scale or zero point: a quantized tensor loaded into one quantized otherwise got the
+    stored integers under its own scale (other values), silently. Refused, naming both."""
+    want, have = _quantizer(stored), _quantizer(target)
+    if want != have:
+        raise ValueError(
+            f"{where}: {key!r} was saved quantized as {want} but the tensor loaded into is {have}: a load copies "
+            "values into your tensor in place and cannot change its quantization; load into a tensor quantized as "
+            "saved (e.g. torch.quantize_per_tensor(torch.zeros(shape), scale, zero_point, dtype)), or save it "
+            "dequantized"
+        )
 
 
 def _on_host(target: torch.Tensor) -> bool:
