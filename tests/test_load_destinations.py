@@ -79,3 +79,20 @@ def test_overlapping_windows_are_refused_and_slices_load(tmp_path):
         base = torch.zeros(3, 4)
         ck.load({"w": torch.zeros(20).as_strided((2, 2), (5, 1)), "col": base[:, 1], "step": base[0, ::2]})
         assert torch.equal(base[:, 1], torch.arange(3.0)) and torch.equal(base[0, ::2], torch.arange(2.0))
+
+
+def test_a_model_still_on_the_meta_device_is_refused_naming_its_keys(tmp_path):
+    """Built under torch.device("meta") and loaded before to_empty: DCP's planner put fresh
+    tensors in their place, the load returned normally and the model held no values (with a
+    process group; without one, an error about the default process group, naming no key).
+    Found by a helper (2026-12-06)."""
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(3, 2), "extra": {"x": torch.ones(2)}})
+        with torch.device("meta"):
+            model = torch.nn.Linear(3, 2)
+        with pytest.raises(ValueError, match=r"meta device: 'model.weight', 'model.bias'.*to_empty"):
+            ckpt.load({"model": model, "extra": {"x": torch.ones(2)}})
+        with pytest.raises(ValueError, match=r"meta device: 'extra.x'"):
+            ckpt.load({"model": torch.nn.Linear(3, 2), "extra": {"x": torch.empty(2, device="meta")}})
+        model.to_empty(device="cpu")
+        assert ckpt.load({"model": model, "extra": {"x": torch.zeros(2)}}) == 1

@@ -180,6 +180,24 @@ def plan_load(
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 
 
+def refuse_meta(request: Mapping[str, Any], where: str) -> None:
+    """(each rank, inside the plan exchange so every rank fails alike) Refuse destinations on
+    the meta device (a model built under ``torch.device("meta")`` and not yet ``to_empty``'d):
+    DCP's planner replaced them with fresh tensors nothing reads back, so the load returned
+    normally and the model held no values (without a process group, an error naming no key).
+
+    Raises:
+        ValueError: naming up to five keys and ``where``.
+    """
+    meta = [k for k, v in request.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if meta:
+        shown = ", ".join(repr(k) for k in meta[:5]) + (f" (+{len(meta) - 5} more)" if len(meta) > 5 else "")
+        raise ValueError(
+            f"cannot load {where} into tensors on the meta device: {shown}; give them memory first "
+            "(model.to_empty(device=...), then load)"
+        )
+
+
 def refuse_overlapping(request: Mapping[str, Any], where: str) -> None:
     """(each rank, inside the plan exchange so every rank fails alike) Refuse a destination
     whose elements share memory (``t.expand(...)``, a stride of 0, or an overlapping

@@ -37,6 +37,7 @@ from distckpt.load.phases import (
     judge,
     metadata_index,
     plan_load,
+    refuse_meta,
     refuse_overlapping,
     read,
     requested_keys,
@@ -262,6 +263,7 @@ def load(
         refuse_dead_patterns(only, exclude, index, where)
         selected.append(Selection(patterns(only, "only"), patterns(exclude, "exclude"), frozenset(index)))
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
+        refuse_meta(plan.request, where)
         refuse_overlapping(plan.request, where)
         if explicit:
             verify.refuse_unprovable(plan.request, saved_dtypes, manifest.step, where)
