@@ -19,6 +19,7 @@ Not collective: any rank, any time.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,4 +79,9 @@ def load(module: nn.Module, loaded: Mapping[str, Any], raw_of: Mapping[str, str]
         set_model_state_dict(module, dict(loaded), options=StateDictOptions(strict=False))
         return
     with torch.no_grad():
-        module.load_state_dict({raw_of.get(k, k): v for k, v in loaded.items()}, strict=False)
+        sd = OrderedDict((raw_of.get(k, k), v) for k, v in loaded.items())
+        # The modules' versions, as a state_dict carries them: without them each module takes the
+        # dict for its oldest format (torch.ao's quantized Linear then looked for 'weight' and
+        # raised a bare KeyError: a quantized model saved, and never loaded).
+        sd._metadata = getattr(module.state_dict(), "_metadata", OrderedDict())  # type: ignore[attr-defined]
+        module.load_state_dict(sd, strict=False)
