@@ -732,3 +732,23 @@ def test_the_zoo_round_trips_at_two_ranks_sync_and_async(tmp_path):
             assert res[f"{mode}-scope"] == ("per_rank", "global"), (rank, mode)
         assert "cannot save state value 'bag.x' of type _thread.lock" in res["bad"] and res["bad_steps"] == []
     assert results[0]["bad"] == results[1]["bad"]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_an_optimizer_keeping_lists_in_its_state_fails_the_save_naming_them(tmp_path, blocking):
+    """LBFGS keeps its history in lists, which DCP's flat optimizer form cannot hold: torch's
+    NotImplementedError named neither the entry nor the keys. Found by a helper (2026-12-06)."""
+    model = nn.Linear(3, 1)
+    optim = torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def closure():
+        optim.zero_grad()
+        loss = model(torch.ones(2, 3)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    optim.step(closure)
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        with pytest.raises(TypeError, match=r"state\['optim'\] cannot be saved: LBFGS: its state holds 'al' \(list\), 'old_dirs' \(list\)"):
+            ckpt.save(1, {"model": model, "optim": optim}, blocking=blocking)
+        assert ckpt.steps() == []

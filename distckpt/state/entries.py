@@ -357,7 +357,12 @@ class OptimizerEntry(Entry):
             # get_optimizer_state_dict would run a zero-grad step() to create state; saving must
             # never change the optimizer, so an optimizer that has not stepped saves its groups.
             return flat_param_groups(self.optim, self.module.param_fqns())
-        return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        try:
+            return get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        except NotImplementedError as exc:
+            # DCP flattens optimizer state of tensors, ints, floats and dicts only: LBFGS keeps
+            # lists (its history); torch's error named no entry and no key.
+            raise TypeError(f"state[{self.name!r}] cannot be saved: {_unflattenable(self.optim)}; {exc}") from None
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         self.fresh = target_of_fresh(self.optim)
@@ -519,6 +524,17 @@ def _merge_into(live: Any, loaded: Any) -> None:
                 live[i][:] = v
             elif not isinstance(live[i], torch.Tensor):
                 live[i] = v
+
+
+def _unflattenable(optim: torch.optim.Optimizer) -> str:
+    """Which state values of ``optim`` DCP's flat optimizer form cannot hold (for the error)."""
+    bad = sorted({
+        f"{k!r} ({type(v).__name__})"
+        for state in optim.state.values() if isinstance(state, Mapping)
+        for k, v in state.items() if not isinstance(v, (torch.Tensor, int, float, dict))
+    })  # fmt: skip
+    where = f"its state holds {', '.join(bad[:5])}" if bad else "its state holds values DCP cannot flatten"
+    return f"{type(optim).__name__}: {where}, which torch.distributed.checkpoint's optimizer state cannot hold"
 
 
 class ValueEntry(Entry):
