@@ -9,6 +9,7 @@ every rank of the job must do together).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import gc
 import logging
 import os
@@ -336,6 +337,21 @@ def map_in_threads(fn: Callable[[T], R], items: Iterable[T], workers: int, name:
     return done + [fn(item) for item in items[len(futures) :]]
 
 
+def _close_before_pools_stop() -> None:
+    """At the start of threading's shutdown (before thread pools refuse work: s3fs opens its
+    connections through asyncio's pool, so an upload left to atexit failed with "cannot schedule
+    new futures after interpreter shutdown"): the close at exit, unless threads of the user's
+    still run (the interpreter joins them after this; one may still save): then atexit's."""
+    workers = set(getattr(concurrent.futures.thread, "_threads_queues", {}))  # pools' idle threads
+    me = threading.current_thread()
+    if any(t is not me and not t.daemon and t not in workers and t.is_alive() for t in threading.enumerate()):
+        return
+    try:
+        _close_all()
+    except BaseException:  # noqa: BLE001 - (a warning turned error): threading's shutdown must go on; atexit's retries
+        pass
+
+
 @atexit.register
 def _close_all() -> None:
     # An async save still in flight at interpreter exit is finished, not silently dropped.
@@ -344,3 +360,7 @@ def _close_all() -> None:
             obj.close()
         except BaseException as exc:  # noqa: BLE001
             warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)
+
+
+if hasattr(threading, "_register_atexit"):  # (called before concurrent.futures' own: see above)
+    threading._register_atexit(_close_before_pools_stop)

@@ -349,11 +349,13 @@ def _refuse_other_quantizer(target: torch.Tensor, stored: torch.Tensor, key: str
     stored integers under its own scale (other values), silently. Refused, naming both."""
     want, have = _quantizer(stored), _quantizer(target)
     if want != have:
+        saved = f"quantized as {want}" if want is not None else f"unquantized ({stored.dtype})"
+        into = f"quantized as {have}" if have is not None else f"unquantized ({target.dtype})"
         raise ValueError(
-            f"{where}: {key!r} was saved quantized as {want} but the tensor loaded into is {have}: a load copies "
-            "values into your tensor in place and cannot change its quantization; load into a tensor quantized as "
-            "saved (e.g. torch.quantize_per_tensor(torch.zeros(shape), scale, zero_point, dtype)), or save it "
-            "dequantized"
+            f"{where}: {key!r} was saved {saved} but the tensor loaded into is {into}: a load copies values into "
+            "your tensor in place and cannot change its quantization; load into a tensor quantized as saved (e.g. "
+            "torch.quantize_per_tensor(torch.zeros(shape), scale, zero_point, dtype)), or save it dequantized (a "
+            "torch.ao statically quantized module: save and load the float model, quantize after the load)"
         )
 
 
