@@ -262,6 +262,26 @@ def _failing_uploads(monkeypatch, of_step: int, times: int | None):
     return failures
 
 
+def test_retention_at_close_failing_warns_and_close_still_releases(tmp_path, monkeypatch):
+    # The root unreachable by the time of close(): its retention must not make close() (or the
+    # close at exit) raise; the next run's saves retire those steps.
+    from distckpt.storage import retention
+
+    go = _uploads_held(monkeypatch)
+    ckpt = distckpt.Checkpointer(tmp_path / "root", keep_last=1, replicate_to=str(tmp_path / "remote"), replicate_keep_last=None)
+    for step in (1, 2):
+        ckpt.save(step, _state(0, step))
+    go.set()
+
+    def unreachable(storage):
+        raise OSError("the root's mount is gone")
+
+    monkeypatch.setattr(retention, "committed_steps", unreachable)
+    with pytest.warns(UserWarning, match="retention at close on .* failed: the root's mount is gone"):
+        ckpt.close()
+    assert ckpt._closed and _remote_steps(tmp_path / "remote") == [1, 2]
+
+
 def test_an_upload_that_failed_is_retried_before_the_root_retires_its_step(tmp_path, monkeypatch):
     # The object store down for step 1's upload only: the root's retention deleted step 1 at
     # the next save, and the replica (keeping every step) never got it: lost everywhere, with
