@@ -362,5 +362,7 @@ def _close_all() -> None:
             warnings.warn(f"distckpt: in-flight save failed at exit: {exc}", stacklevel=1)
 
 
-if hasattr(threading, "_register_atexit"):  # (called before concurrent.futures' own: see above)
-    threading._register_atexit(_close_before_pools_stop)
+try:  # (called before concurrent.futures' own: see above)
+    threading._register_atexit(_close_before_pools_stop)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # (no such hook, or distckpt first imported at shutdown)
+    pass
