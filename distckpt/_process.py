@@ -98,6 +98,12 @@ class GroupHolder:
             elif self.user_pg is not None:
                 # Used as given: creating a group over a subset would need every rank of the
                 # job, members or not, to call new_group, and non-members never get here.
+                if not group_is_registered(self.user_pg):
+                    # (torch's "Group ... is not registered, please create group with new_group")
+                    raise CheckpointError(
+                        "the process_group given to this Checkpointer was destroyed (destroy_process_group()); "
+                        "make a new Checkpointer with the job's new group"
+                    )
                 self.group = Group(self.user_pg)
             else:
                 try:

@@ -179,6 +179,16 @@ class CheckpointerOptions:
         if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be None or a torch.distributed.ProcessGroup, got {self.process_group!r}")
         self.timeout = _timeout(self.timeout)
+        if self.process_group is not None:
+            # Both shape distckpt's own group only: beside a group of yours they were ignored
+            # (a timeout=10 wiring mistake then hung for the group's 30 minutes).
+            ignored = [f"{n}={v!r}" for n, v, default in (
+                ("backend", self.backend, "gloo"), ("timeout", self.timeout, timedelta(minutes=10))) if v != default]  # fmt: skip
+            if ignored:
+                raise ValueError(
+                    f"{', '.join(ignored)} apply to distckpt's own process group, not to process_group=: distckpt's "
+                    "collectives run on your group, bounded by its timeout (new_group(..., timeout=...)); leave them out"
+                )
         check_job(self.job)
         # Validated once (ValueError naming the bad entry). Not part of save_options(): those are
         # pickled into a writer process's job, where classes defined in __main__ cannot be

@@ -87,3 +87,39 @@ def test_the_group_before_init_after_destroy_and_after_a_new_init(tmp_path):
     for got in out:
         assert got == {"world_of_1": 2, "save_after_destroy": "refused", "replica": [1, 2], "load_after_destroy": 2,
                        "world_after_reinit": 2}, out  # fmt: skip
+
+
+def _user_group_body(rank: int, world: int, base: str) -> dict:
+    out = {}
+    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=30))
+    # timeout= and backend= shape distckpt's own group only: beside a group of the user's they
+    # were ignored (a wiring mistake then hung for the group's 30 minutes, not timeout=10).
+    for kwargs in ({"timeout": 10}, {"backend": "nccl"}):
+        try:
+            distckpt.Checkpointer(f"{base}/root", process_group=group, **kwargs)
+            out[str(kwargs)] = "accepted"
+        except ValueError as exc:
+            out[str(kwargs)] = "refused" if "apply to distckpt's own process group" in str(exc) else str(exc)
+    ckpt = distckpt.Checkpointer(f"{base}/root", process_group=group)
+    ckpt.save(1, _state(rank))
+    # The job's groups destroyed and made again: the checkpointer's group is gone (torch's
+    # "Group ... is not registered, please create group with new_group" reached the user).
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(f"{base}/store2", world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))  # fmt: skip
+    try:
+        ckpt.save(2, _state(rank))
+        out["after_reinit"] = "saved"
+    except distckpt.CheckpointError as exc:
+        out["after_reinit"] = "refused" if "make a new Checkpointer" in str(exc) else str(exc)
+    ckpt.close()
+    with distckpt.Checkpointer(f"{base}/root", process_group=dist.new_group(ranks=list(range(world)))) as again:
+        out["new"] = again.load(_state(rank))
+    return out
+
+
+def test_a_users_group_takes_no_timeout_or_backend_and_is_named_once_destroyed(tmp_path):
+    out = run_ranks(_user_group_body, 2, tmp_path, str(tmp_path), timeout=150)
+    for got in out:
+        assert got == {"{'timeout': 10}": "refused", "{'backend': 'nccl'}": "refused", "after_reinit": "refused", "new": 1}, out
