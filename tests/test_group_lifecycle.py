@@ -108,6 +108,7 @@ def _user_group_body(rank: int, world: int, base: str) -> dict:
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.FileStore(f"{base}/store2", world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))  # fmt: skip
+    dist.barrier()  # (every pair connected before any rank can tear down: see _lifecycle_body)
     try:
         ckpt.save(2, _state(rank))
         out["after_reinit"] = "saved"
