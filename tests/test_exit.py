@@ -77,6 +77,13 @@ def test_destroying_the_process_group_under_an_async_save_commits_nothing(tmp_pa
         assert torch.equal(state["model"].weight, want.weight)
 
 
+def _job(script: str, done: str, *args: object) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter with ``args``; it must exit 0 having printed ``done``."""
+    job = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert job.returncode == 0 and done in job.stdout, job.stderr[-2000:]
+    return job
+
+
 _UPLOADS_AT_EXIT = r"""
 import sys, threading, torch, distckpt
 from distckpt.storage.replica import Replicator
@@ -103,9 +110,7 @@ def test_uploads_still_queued_at_exit_are_finished_by_the_close_at_exit(tmp_path
     from distckpt.storage.base import Storage
 
     root, remote = tmp_path / "root", tmp_path / "remote"
-    job = subprocess.run([sys.executable, "-c", _UPLOADS_AT_EXIT, str(root), str(remote)], cwd=REPO,
-                         capture_output=True, text=True, timeout=100)  # fmt: skip
-    assert job.returncode == 0 and "saved" in job.stdout, job.stderr[-2000:]
+    job = _job(_UPLOADS_AT_EXIT, "saved", root, remote)
     assert "cannot schedule new futures" not in job.stderr, job.stderr[-2000:]
     assert committed_steps(Storage(remote)) == [1, 2, 3]
     assert committed_steps(Storage(root)) == [3]  # and the root's retention ran once they were there
@@ -136,9 +141,7 @@ def test_a_non_daemon_thread_saving_after_main_returned_is_not_closed_under(tmp_
     from distckpt.storage.base import Storage
 
     root, remote = tmp_path / "root", tmp_path / "remote"
-    job = subprocess.run([sys.executable, "-c", _THREAD_SAVES_AFTER_MAIN, str(root), str(remote)], cwd=REPO,
-                         capture_output=True, text=True, timeout=100)  # fmt: skip
-    assert job.returncode == 0 and "thread saved" in job.stdout, job.stderr[-2000:]
+    _job(_THREAD_SAVES_AFTER_MAIN, "thread saved", root, remote)
     assert committed_steps(Storage(root)) == [1, 2, 3] and committed_steps(Storage(remote)) == [1, 2, 3]
 
 
@@ -158,8 +161,6 @@ def test_an_s3_upload_left_to_the_close_at_exit_reaches_the_bucket(tmp_path, s3_
     import s3fs
 
     url = f"s3://{s3_bucket}/run"
-    job = subprocess.run([sys.executable, "-c", _S3_UPLOAD_AT_EXIT, str(tmp_path / "root"), url, repr(s3_server.storage_options)],
-                         cwd=REPO, capture_output=True, text=True, timeout=100)  # fmt: skip
-    assert job.returncode == 0 and "saved" in job.stdout, job.stderr[-2000:]
+    job = _job(_S3_UPLOAD_AT_EXIT, "saved", tmp_path / "root", url, repr(s3_server.storage_options))
     fs = s3fs.S3FileSystem(**s3_server.storage_options)
     assert fs.exists(f"{s3_bucket}/run/step_000000002/manifest.json"), job.stderr[-3000:]
