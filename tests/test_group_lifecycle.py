@@ -64,7 +64,9 @@ def _lifecycle_body(rank: int, world: int, base: str) -> dict:
         if out["save_after_destroy"] != "refused":
             break
     ckpt.close()
-    out["replica"] = distckpt.Checkpointer(f"{base}/replica").steps()
+    # (the coordinator's close waited for its uploads; another rank's has none to wait for, and
+    # with the group gone there is no barrier: it may look before the upload of step 2 ended)
+    out["replica"] = distckpt.Checkpointer(f"{base}/replica").steps() if rank == 0 else "coordinator's"
     # 3. A load after destroy_process_group() (an export at the end): one process's load.
     ckpt = distckpt.Checkpointer(f"{base}/root")
     state = _state(rank)
@@ -84,9 +86,9 @@ def _lifecycle_body(rank: int, world: int, base: str) -> dict:
 
 def test_the_group_before_init_after_destroy_and_after_a_new_init(tmp_path):
     out = run_ranks(_lifecycle_body, 2, tmp_path, str(tmp_path), timeout=200)
-    for got in out:
-        assert got == {"world_of_1": 2, "save_after_destroy": "refused", "replica": [1, 2], "load_after_destroy": 2,
-                       "world_after_reinit": 2}, out  # fmt: skip
+    for rank, got in enumerate(out):
+        assert got == {"world_of_1": 2, "save_after_destroy": "refused", "replica": [1, 2] if rank == 0 else "coordinator's",
+                       "load_after_destroy": 2, "world_after_reinit": 2}, out  # fmt: skip
 
 
 def _user_group_body(rank: int, world: int, base: str) -> dict:
