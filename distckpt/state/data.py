@@ -16,13 +16,14 @@ position up to ``num_workers x prefetch_factor`` batches past what training saw)
 
 from __future__ import annotations
 
-import operator
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
+
+from distckpt._ints import plain_int
 
 T = TypeVar("T")
 
@@ -229,11 +230,9 @@ class GlobalBatchSampler:
 def _count(value: object, name: str) -> int:
     """``value`` as a plain int (NumPy's integers too); ``TypeError`` naming ``name`` otherwise
     (a float, a string, a bool)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            pass
+    count = plain_int(value)
+    if type(count) is int:
+        return count
     raise TypeError(f"GlobalBatchSampler: {name} must be an int, got {type(value).__name__} {value!r}")
 
 
