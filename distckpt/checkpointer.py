@@ -260,38 +260,49 @@ class Checkpointer:
             CheckpointError: without ``job=``, the root holds no committed step and the replica
                 holds steps of several jobs (which is this run's cannot be told: pass ``job=``).
         """
-        tiers = self._tiers()
-        if self.local is not None and not self._reachable(tiers):
-            return max(self.local.committed(), default=None)
-        if self.local is not None and not _there(self.storage):
-            # Only the replica is there: its uploads lag behind the saves the tier holds, and
-            # load takes the tier's newer step (local_tier.decide).
-            tiers = tiers[1:]
+        tiers, eligible = self._tiers(), self._eligible()
+        if self.local is None:
             try:
-                newest = loading.locate(tiers, None, self._eligible())[1]
-            except OSError:  # (FileNotFoundError: none there) the tier's, as load
-                newest = None
-            local = max(self.local.committed(), default=None)
-            return local if newest is None or (local is not None and local > newest) else newest
+                return loading.locate(tiers, None, eligible)[1]
+            except FileNotFoundError:  # (no root, or no step this job may resume)
+                return None
+        # With a local tier: as load decides (local_tier.decide over _root_listing).
         try:
-            return loading.locate(tiers, None, self._eligible())[1]
-        except FileNotFoundError:  # (no root, or no step this job may resume)
-            return None
-        except OSError:
-            if self.local is None:
-                raise
-            return max(self.local.committed(), default=None)  # unreachable while listing: as load
-
-    @staticmethod
-    def _reachable(tiers: list[Storage]) -> bool:
-        """Whether the root or the replica is there; ``False`` where neither can be reached (a
-        missing mount, a stopped object store), as the local tier's recovery takes it."""
-        return any(_there(t) for t in tiers)
+            found = self._root_listing()
+        except OSError:  # unreachable while listing: the tier decides, as in load
+            found = None
+        local = max(self.local.committed(), default=None)
+        if found is None:
+            return local
+        listed, steps, lagging = found
+        newest = max(steps, default=None)
+        if lagging and local is not None and (newest is None or local >= newest):
+            return local  # a step the replica has not received yet
+        if listed is not self.storage and eligible is None and steps:
+            # The replica's, as load's fallback takes them: refused where it holds several jobs'.
+            loading.refuse_several_jobs(self.storage, listed, steps)
+        return newest if newest is not None or not lagging else local
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: the newest, as :meth:`latest_step`).
         ``FileNotFoundError`` if not committed. Not collective."""
-        storage, step = loading.locate(self._tiers(), plain_int(step), self._eligible())  # type: ignore[arg-type]
+        step = plain_int(step)  # type: ignore[assignment]
+        if self.local is not None:
+            # The step load reads, from the tier where neither the root nor the replica has it
+            # (the root unreachable, or a step it no longer keeps).
+            step = self.latest_step() if step is None else step
+            if step is not None and step in self.local.committed():
+                try:
+                    found = self._root_listing()
+                except OSError:
+                    found = None
+                if found is not None:
+                    try:  # the commit load compares the tier's copy with (it loads that one)
+                        return read_manifest(found[0], step)
+                    except FileNotFoundError:
+                        pass
+                return read_manifest(self.local.storage, step)
+        storage, step = loading.locate(self._tiers(), step, self._eligible())
         return read_manifest(storage, step)
 
     def _eligible(self) -> Callable[[Storage, int], bool] | None:
@@ -489,27 +500,26 @@ class Checkpointer:
         self.last_load_report = loaded.report
         return loaded.step
 
-    def _root_steps(self) -> tuple[list[int], bool] | None:
-        """(coordinator, for the local tier) Committed steps of the root and its replica, and
-        whether they are the replica's alone (the root is not there: its uploads lag behind the
-        saves the tier holds, see :func:`~distckpt.storage.local_tier.decide`); ``None`` where
-        neither is there (a root moved away or unreachable: the local tier decides)."""
-        tiers = [t for t in self._tiers() if _there(t)]
-        if not tiers:
-            return None
-        # (with job= given: this job's, as load(step=None) takes from the root)
-        steps = sorted({s for t in tiers for s in committed_steps(t) if self._lineage.may_resume(t, s)})
-        return steps, tiers[0] is not self.storage
-
-    def _root_manifest(self, step: int) -> bytes | None:
-        """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root (else
-        its replica); ``None`` where neither holds it."""
-        for t in self._tiers():
-            try:
-                return t.read_bytes(step_dir(step), MANIFEST_NAME)
-            except FileNotFoundError:
-                continue
-        return None
+    def _root_listing(self) -> tuple[Storage, list[int], bool] | None:
+        """(coordinator, for the local tier and :meth:`latest_step`) Where the root's committed
+        steps are listed from, those steps (with ``job=``: this job's, as ``load(step=None)``
+        takes from the root) and whether they lag behind the saves the tier holds (see
+        :func:`~distckpt.storage.local_tier.decide`). The root's, where it is there and holds
+        any; else the replica's: lagging where the root is unreachable (its uploads follow the
+        saves), not where the root is there but empty (its steps were deleted). Never the two
+        merged: a replica's step newer than the root's newest was deleted at the root (a
+        rollback) or is another job's on a shared replica, neither this run's to resume.
+        ``None`` where neither is there (a root moved away or unreachable: the local tier
+        decides)."""
+        root_there = _there(self.storage)
+        if root_there:
+            steps = [s for s in committed_steps(self.storage) if self._lineage.may_resume(self.storage, s)]
+            if steps or self.replica is None:
+                return self.storage, steps, False
+        if self.replica is not None and _there(self.replica.remote):
+            remote = self.replica.remote
+            return remote, [s for s in committed_steps(remote) if self._lineage.may_resume(remote, s)], not root_there
+        return (self.storage, [], False) if root_there else None
 
     def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
         """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
@@ -536,9 +546,24 @@ class Checkpointer:
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
             planned.clear()
+            listed: list[Storage] = []  # (coordinator) where root_steps listed: its manifests are compared
+
+            def root_steps() -> tuple[list[int], bool] | None:
+                found = self._root_listing()
+                if found is None:
+                    return None
+                listed.append(found[0])
+                return found[1], found[2]
+
+            def root_manifest(n: int) -> bytes | None:
+                try:
+                    return listed[-1].read_bytes(step_dir(n), MANIFEST_NAME) if listed else None
+                except FileNotFoundError:  # the root no longer keeps step n: the tier may serve it
+                    return None
+
             recovery = local.recover(
-                group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
-                root_manifest=self._root_manifest,
+                group, step, root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
+                root_manifest=root_manifest,
             )
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:
@@ -554,6 +579,9 @@ class Checkpointer:
                     group, self.options, [local.storage], state, chosen, *args, preread=ready,
                     planned=made[1] if ready is not None else None,
                     streams=recovery.streams if ready is not None else (),
+                    # Named alike on every rank: a caller's mistake (a typo in only=) is then the
+                    # same error everywhere, raised as such, not taken for damaged copies.
+                    where=f"{self.storage.display(step_dir(chosen))} (the local tier's copy)",
                 )
             except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                 last = attempt == len(checks) - 1

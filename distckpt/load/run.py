@@ -92,7 +92,7 @@ def locate(
         for storage in tiers:
             steps = committed_steps(storage)
             if storage is not root and eligible is None and steps:
-                _refuse_several_jobs(root, storage, steps)
+                refuse_several_jobs(root, storage, steps)
             for s in reversed(steps):
                 if eligible is None or eligible(storage, s):
                     return storage, s
@@ -121,7 +121,7 @@ def locate(
     raise FileNotFoundError(f"checkpoint step {step} not found at {where} (committed steps: {committed_steps(root)})")
 
 
-def _refuse_several_jobs(root: Storage, replica: Storage, steps: list[int]) -> None:
+def refuse_several_jobs(root: Storage, replica: Storage, steps: list[int]) -> None:
     """The root holds no committed step, so ``load(step=None)`` would take the replica's newest:
     refused where the replica (which several jobs may share) holds steps of more than one job,
     since a checkpointer without ``job=`` cannot tell which is its own (it would resume another
@@ -224,6 +224,7 @@ def load(
     streams: Sequence[tuple[str, int, int]] = (),
     expect: Manifest | None = None,
     eligible: Callable[[Storage, int], bool] | None = None,
+    where: str | None = None,
 ) -> Loaded:
     """(all ranks) Load ``step`` (default newest; ``eligible``: see :func:`locate`) of ``tiers`` into ``state`` in place (see
     :meth:`distckpt.Checkpointer.load` for the arguments and errors). ``preread``: the step's
@@ -235,7 +236,9 @@ def load(
     first tier's directory of the receiving rank but sent by a rank whose directory holds them,
     during the read (the local tier's recovery, :mod:`distckpt.storage.stream`). ``expect``
     (every rank alike): the commit the step must be, its manifest (:func:`moving_on`'s retry of
-    a step deleted from the root): another is a :class:`StepDeletedError` saying so."""
+    a step deleted from the root): another is a :class:`StepDeletedError` saying so. ``where``
+    (every rank alike): the step's name in errors, instead of its path (a local tier's copy:
+    each node's directory is its own, and an error naming it would differ between ranks)."""
     if preread is not None:
         tier, (manifest, metadata) = 0, preread
     else:
@@ -243,7 +246,7 @@ def load(
         tier, manifest, metadata = on_coordinator(group, "load", lambda: _read_index(tiers, step, options.verify, strict, expect, eligible))
     index = metadata_index(metadata)
     storage = tiers[tier]
-    where = storage.display(step_dir(manifest.step))
+    where = where or storage.display(step_dir(manifest.step))
     # Every rank alike (pure): a non-tensor item the save recorded must still be one.
     values.check_items_listed(manifest.value_digests, index, storage.display(step_dir(manifest.step), ".metadata"))
     if planned is not None and (preread is None or planned.metadata is not metadata):

@@ -544,7 +544,8 @@ class LocalTier:
         a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
         every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
         rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
-        of the root's manifest of ``step`` (``None``: not there), compared with the tier's copy.
+        of the manifest of ``step`` where ``root_steps`` listed (``None``: not there), compared
+        with the tier's copy.
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -568,7 +569,9 @@ class LocalTier:
             except Exception as exc:  # noqa: BLE001 - an unreachable root: the local tier decides
                 log.warning("distckpt: could not list the root (%s); recovering from the local tier", one_line(exc))
             target = want if want is not None else max(listed, default=None) if listed is not None else None
-            if target is not None and listed is not None and target in listed and root_manifest is not None:
+            # Also for a step=N the listing leaves out (another job's step N, with job=): the
+            # tier's copy must be the commit the root holds of that number, whoever saved it.
+            if target is not None and listed is not None and root_manifest is not None:
                 try:
                     raw_root = root_manifest(target)
                     if raw_root is not None:

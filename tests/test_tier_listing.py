@@ -1,0 +1,147 @@
+"""Which step a checkpointer with a local tier and a replica resumes, lists and describes.
+
+``load``, ``latest_step`` and ``manifest`` must agree, and none may take a step the root no
+longer holds (a rollback) or another job's commit (a shared replica, ``job=``) for this run's.
+Found by a helper (2026-12-06, /tmp/attack34)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distckpt
+from dist_harness import run_ranks
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:distckpt:UserWarning"),
+]
+
+STEP = "step_{:09d}".format
+
+
+def _state(value: float, tag: str = "") -> dict:
+    return {"w": torch.full((4,), value), "tag": tag}
+
+
+def _load(ckpt: distckpt.Checkpointer, step: int | None = None) -> tuple[int, str, str]:
+    state = _state(-1.0)
+    got = ckpt.load(state, step=step)
+    return got, state["tag"], ckpt.last_load_report.tier
+
+
+def test_a_step_deleted_at_the_root_is_not_resumed_from_the_replica_and_tier(tmp_path):
+    """The root rolled back (its newest step deleted by hand); the replica and the tier still
+    hold that step. The replica's listing was merged into the root's, so ``load`` resumed the
+    deleted step 3 from the tier while ``latest_step()`` said 2."""
+    root, rep, tier = tmp_path / "root", tmp_path / "rep", tmp_path / "tier"
+    with distckpt.Checkpointer(root, replicate_to=rep, local_dir=tier) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s, _state(float(s), f"X{s}"))
+        ckpt.replica.wait()
+    shutil.rmtree(root / STEP(3))
+    with distckpt.Checkpointer(root, replicate_to=rep, local_dir=tier) as ckpt:
+        assert ckpt.latest_step() == 2
+        assert ckpt.manifest().step == 2
+        assert _load(ckpt)[:2] == (2, "X2")
+
+
+def test_step_n_of_a_named_job_is_the_roots_commit_of_that_number(tmp_path):
+    """``job="A"`` with a tier holding A's old step 5; the root's step 5 is now job B's. Because
+    the root's listing left B's step out, the tier's copy was never compared with the root's
+    manifest and A's stale state loaded (without ``job=`` or the tier, B's)."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, keep_last=1, job="A", local_dir=tier) as a:
+        for s in (5, 6):
+            a.save(s, _state(float(s), f"A{s}"))
+    assert not (root / STEP(5)).exists() and (tier / STEP(5)).exists()
+    with distckpt.Checkpointer(root, job="B") as b:
+        b.save(5, _state(500.0, "B5"))
+    with distckpt.Checkpointer(root, job="A", local_dir=tier) as a:
+        assert a.manifest(5).job == "B"
+        assert _load(a, step=5) == (5, "B5", "root")
+        assert _load(a)[:2] == (6, "A6")  # its own newest, from the tier
+
+
+def test_another_jobs_step_n_on_a_shared_replica_does_not_hide_this_roots_tier_copy(tmp_path):
+    """The root retired step 2, its tier keeps it, and the replica it shares with another root
+    holds that root's step 2. The tier's copy was compared with the replica's (another job's)
+    manifest, refused, and the other job's state loaded in its place."""
+    r1, r2, rep, tier = tmp_path / "r1", tmp_path / "r2", tmp_path / "rep", tmp_path / "tier"
+    with distckpt.Checkpointer(r1, keep_last=1, replicate_to=rep, replicate_keep_last=1, local_dir=tier) as x:
+        for s in (1, 2, 3):
+            x.save(s, _state(float(s), f"X{s}"))
+            x.replica.wait()
+        job = x.manifest(3).job
+    with distckpt.Checkpointer(r2, replicate_to=rep) as y:
+        y.save(2, _state(200.0, "Y2"))
+        y.replica.wait()
+    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier) as x:
+        assert x.manifest(2).job == job
+        assert _load(x, step=2) == (2, "X2", "local")
+
+
+def test_latest_step_refuses_a_replica_of_several_jobs_as_load_does(tmp_path):
+    """Root unreachable, a replica shared by two jobs, a tier holding this job's older steps:
+    ``load`` refused (which job's cannot be told) but ``latest_step()`` returned the other job's
+    newest step, and ``manifest()`` its manifest."""
+    r1, r2, rep, tier = tmp_path / "r1", tmp_path / "r2", tmp_path / "rep", tmp_path / "tier"
+    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier) as x:
+        for s in (1, 2):
+            x.save(s, _state(float(s), f"X{s}"))
+        x.replica.wait()
+    with distckpt.Checkpointer(r2, replicate_to=rep) as y:
+        y.save(3, _state(300.0, "Y3"))
+        y.replica.wait()
+    os.rename(r1, tmp_path / "away")
+    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier) as x:
+        for call in (x.latest_step, x.manifest, lambda: x.load(_state(0.0))):
+            with pytest.raises(distckpt.CheckpointError, match="steps of 2 jobs"):
+                call()
+
+
+def test_manifest_of_a_step_only_the_tier_can_serve(tmp_path):
+    """Root unreachable: ``steps("all")`` and ``latest_step()`` named the tier's step 1, and
+    ``load`` resumed it, but ``manifest()`` said the root does not exist."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(1, _state(1.0, "one"))
+        made = ckpt.manifest(1)
+    os.rename(root, tmp_path / "away")
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        assert ckpt.latest_step() == 1
+        for got in (ckpt.manifest(), ckpt.manifest(1)):
+            assert (got.step, got.files) == (1, made.files)
+        with pytest.raises(FileNotFoundError):
+            ckpt.manifest(2)
+
+
+def _typo_body(rank: int, world: int, base: str) -> tuple[str, list[str]]:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # each rank a node of its own, each its own local_dir
+    root, tier = f"{base}/root", f"{base}/node{rank}"
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(4, 2), "step": 1})
+    dist.barrier()
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                ckpt.load({"model": torch.nn.Linear(4, 2), "step": 0}, exclude="stpe")
+                got = "loaded"
+            except ValueError as exc:
+                got = str(exc)
+    return got, [str(w.message) for w in seen if "local tier" in str(w.message)]
+
+
+def test_a_typo_in_a_pattern_is_the_same_error_on_every_node_of_the_tier(tmp_path):
+    """Nodes with local_dirs of their own: the typo's ``ValueError`` named each node's path, so
+    the ranks' errors differed, were merged into a ``CheckpointError`` and taken for damaged
+    copies (two warnings, every copy re-checksummed, then the root)."""
+    out = run_ranks(_typo_body, 2, tmp_path, str(tmp_path), timeout=120)
+    assert out[0][0] == out[1][0] and "'stpe'" in out[0][0] and "matches nothing" in out[0][0], out
+    assert out[0][1] == out[1][1] == [], out
