@@ -271,15 +271,17 @@ class Checkpointer:
             found = self._root_listing()
         except OSError:  # unreachable while listing: the tier decides, as in load
             found = None
-        local = max(self.local.committed(), default=None)
+        held = [s for s in self.local.committed() if self._lineage.may_resume(self.local.storage, s)]
+        local = max(held, default=None)
         if found is None:
             return local
         listed, steps, lagging = found
         newest = max(steps, default=None)
         if lagging and local is not None and (newest is None or local >= newest):
             return local  # a step the replica has not received yet
-        if listed is not self.storage and eligible is None and steps:
-            # The replica's, as load's fallback takes them: refused where it holds several jobs'.
+        if listed is not self.storage and eligible is None and steps and newest not in held:
+            # The replica's, as load's fallback takes them: refused where it holds several jobs'
+            # (not where this root's tier holds its newest: load serves that from the tier).
             loading.refuse_several_jobs(self.storage, listed, steps)
         return newest if newest is not None or not lagging else local
 
@@ -292,16 +294,17 @@ class Checkpointer:
             # (the root unreachable, or a step it no longer keeps).
             step = self.latest_step() if step is None else step
             if step is not None and step in self.local.committed():
+                held = read_manifest(self.local.storage, step)
                 try:
-                    found = self._root_listing()
+                    found = self._root_manifest(step) if self._root_listing() is not None else None
                 except OSError:
                     found = None
-                if found is not None:
-                    try:  # the commit load compares the tier's copy with (it loads that one)
-                        return read_manifest(found[0], step)
-                    except FileNotFoundError:
-                        pass
-                return read_manifest(self.local.storage, step)
+                if found is None:
+                    return held
+                # The commit load compares the tier's copy with (and then loads), as decide judges:
+                # the root's; the replica's only where the tier's copy is of the same job.
+                theirs = Manifest.from_json(found[0])
+                return theirs if not found[1] or theirs.job == held.job else held
         storage, step = loading.locate(self._tiers(), step, self._eligible())
         return read_manifest(storage, step)
 
@@ -521,6 +524,27 @@ class Checkpointer:
             return remote, [s for s in committed_steps(remote) if self._lineage.may_resume(remote, s)], not root_there
         return (self.storage, [], False) if root_there else None
 
+    def _root_steps(self) -> tuple[list[int], bool] | None:
+        """(coordinator, for the local tier) :meth:`_root_listing`'s steps and whether they lag."""
+        found = self._root_listing()
+        return None if found is None else (found[1], found[2])
+
+    def _root_manifest(self, step: int) -> tuple[bytes, bool] | None:
+        """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root, else at
+        its replica, and whether they are the replica's; ``None`` where neither holds it. The
+        replica's count only where the same job saved the tier's copy (``local_tier.decide``): a
+        shared replica holds other roots' steps of the same numbers."""
+        for t in self._tiers():
+            try:
+                return t.read_bytes(step_dir(step), MANIFEST_NAME), t is not self.storage
+            except FileNotFoundError:
+                continue  # (the root no longer keeps the step): the replica's
+            except OSError:
+                if t is not self.storage:
+                    raise
+                # (the root cannot be reached): the replica's
+        return None
+
     def _load_local(self, group: Any, state: MutableMapping[str, Any], step: int | None, *args: Any) -> loading.Loaded | None:
         """(all ranks) The load from the local tier, or ``None`` where the root must serve it (a
         warning said why). A state that does not match the checkpoint is raised as from the root.
@@ -546,24 +570,9 @@ class Checkpointer:
         checks = (False, True) if self.options.verify else (True,)
         for attempt, check in enumerate(checks):
             planned.clear()
-            listed: list[Storage] = []  # (coordinator) where root_steps listed: its manifests are compared
-
-            def root_steps() -> tuple[list[int], bool] | None:
-                found = self._root_listing()
-                if found is None:
-                    return None
-                listed.append(found[0])
-                return found[1], found[2]
-
-            def root_manifest(n: int) -> bytes | None:
-                try:
-                    return listed[-1].read_bytes(step_dir(n), MANIFEST_NAME) if listed else None
-                except FileNotFoundError:  # the root no longer keeps step n: the tier may serve it
-                    return None
-
             recovery = local.recover(
-                group, step, root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
-                root_manifest=root_manifest,
+                group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
+                root_manifest=self._root_manifest, job=self._lineage.job if self._lineage.fixed else None,
             )
             chosen, sources = recovery.step, recovery.sources
             if chosen is None:

@@ -145,3 +145,63 @@ def test_a_typo_in_a_pattern_is_the_same_error_on_every_node_of_the_tier(tmp_pat
     out = run_ranks(_typo_body, 2, tmp_path, str(tmp_path), timeout=120)
     assert out[0][0] == out[1][0] and "'stpe'" in out[0][0] and "matches nothing" in out[0][0], out
     assert out[0][1] == out[1][1] == [], out
+
+
+@pytest.mark.parametrize("job", [None, "J"])
+def test_step_n_saved_again_by_the_same_job_is_the_replicas_not_the_tiers_stale_copy(tmp_path, job):
+    """A rollback to step 1 and a new step 2 (the same job: it resumed through load), then the
+    root retired step 2 while the replica keeps it. The tier of a node that kept the old step 2
+    must not serve it: the replica's commit of that number by the same job is the one. (The
+    first form of the fix above compared with the root alone and loaded the stale copy.)"""
+    root, rep, tier, old = (tmp_path / n for n in ("root", "rep", "tier", "old"))
+    kw = dict(replicate_to=rep, replicate_keep_last=None, job=job)
+    with distckpt.Checkpointer(root, local_dir=tier, **kw) as ckpt:
+        ckpt.save(1, _state(1.0, "a1"))
+        ckpt.save(2, _state(2.0, "a2"))
+        ckpt.replica.wait()
+    shutil.copytree(tier, old)  # a node that keeps the step 2 of before the rollback
+    shutil.rmtree(root / STEP(2))
+    shutil.rmtree(rep / STEP(2))
+    with distckpt.Checkpointer(root, keep_last=1, local_dir=tmp_path / "other", **kw) as ckpt:
+        ckpt.load(_state(0.0), step=1)
+        ckpt.save(2, _state(22.0, "b2"))
+        ckpt.save(3, _state(3.0, "b3"))
+        ckpt.replica.wait()
+    assert not (root / STEP(2)).exists()
+    with distckpt.Checkpointer(root, local_dir=old, **kw) as ckpt:
+        assert _load(ckpt, step=2) == (2, "b2", "replica")
+        assert ckpt.manifest(2).files == distckpt.Checkpointer(rep).manifest(2).files
+
+
+def test_a_named_job_resumes_its_own_step_from_the_tier_with_the_root_unreachable(tmp_path):
+    """Two jobs share a root and a local_dir. With the root unreachable the tier's newest step
+    was taken whoever saved it: job B resumed job A's step 5."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=5, job="B") as b:
+        b.save(1, _state(1.0, "B1"))
+        b.save(2, _state(2.0, "B2"))
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=5, job="A") as a:
+        a.save(5, _state(5.0, "A5"))
+    os.rename(root, tmp_path / "away")
+    with distckpt.Checkpointer(root, local_dir=tier, job="B") as b:
+        assert b.latest_step() == 2
+        assert b.manifest().job == "B"
+        assert _load(b) == (2, "B2", "local")
+
+
+def test_latest_step_takes_the_replicas_newest_the_tier_holds_as_load_does(tmp_path):
+    """The root wiped (there, empty), the replica shared with another root: its newest step is
+    this root's, which the tier holds, and load resumes it from there; ``latest_step()`` and
+    ``manifest()`` refused instead ("steps of 2 jobs")."""
+    r1, r2, rep, tier = tmp_path / "r1", tmp_path / "r2", tmp_path / "rep", tmp_path / "tier"
+    with distckpt.Checkpointer(r2, replicate_to=rep, job="Y") as y:
+        y.save(1, _state(100.0, "Y1"))
+        y.replica.wait()
+    with distckpt.Checkpointer(r1, replicate_to=rep, replicate_keep_last=None, local_dir=tier, job="X") as x:
+        x.save(2, _state(2.0, "X2"))
+        x.replica.wait()
+    shutil.rmtree(r1 / STEP(2))
+    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier) as x:
+        assert x.latest_step() == 2
+        assert x.manifest().job == "X"
+        assert _load(x) == (2, "X2", "local")

@@ -180,6 +180,7 @@ class Holding:
     manifest_sha: str
     files: list[str]  # every file the step needs (manifest.json included), from the manifest
     intact: list[str]  # files this rank checked and found intact (its share of the node's)
+    job: str | None = None  # the job its manifest records (a named job resumes its own steps)
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,8 @@ def decide(
     want: int | None,
     root_manifests: Mapping[int, str] | None = None,
     lagging: bool = False,
+    replica_manifests: Mapping[int, tuple[str, str | None]] | None = None,
+    job: str | None = None,
 ) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
 
@@ -221,9 +224,15 @@ def decide(
     its uploads lag behind the saves, so the tier's newest step not older than the replica's
     newest (a step the replica has not received yet is no rollback's). A step is recoverable when the nodes that hold it agree on its manifest,
     that manifest is the root's where ``root_manifests`` has the step's digest (the number may
-    have been saved again at the root since: a rollback, then a new run), and every file of it
-    is intact on some node."""
+    have been saved again at the root since: a rollback, then a new run), or the replica's where
+    ``replica_manifests`` has the step's ``(digest, job)`` of the same job as the tier's copy
+    (a replica's commit of that number by another job is another root's on a shared replica,
+    not this root's saved again), and every file of it is intact on some node. ``job``: a named
+    job's (``job=``) resume without ``want`` takes only its own steps and ones that recorded no
+    job, as from the root."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
+    if want is None and job is not None:
+        steps = [s for s in steps if next(rep[s].job for rep in reports if s in rep) in (job, None)]
     if want is not None:
         candidates = [want] if want in steps else []
         why = f"step {want} is not in the local tier"
@@ -253,6 +262,14 @@ def decide(
                 "root since the tier kept it, or damaged there)"
             )
             continue
+        if replica_manifests is not None and step in replica_manifests:
+            sha, saved_by = replica_manifests[step]
+            if sha not in shas and saved_by == held[0][1].job:
+                why = (
+                    f"the local tier's step {step} is not the replica's: the same job committed it again since the tier "
+                    "kept it (a rollback)"
+                )
+                continue
         needed = held[0][1].files
         holders: dict[str, list[int]] = {f: [] for f in needed}
         for r, h in held:
@@ -529,7 +546,8 @@ class LocalTier:
         check: bool,
         needs: Callable[[Manifest], set[str]] | None = None,
         agree: Mapping[str, object] | None = None,
-        root_manifest: Callable[[int], bytes | None] | None = None,
+        root_manifest: Callable[[int], tuple[bytes, bool] | None] | None = None,
+        job: str | None = None,
     ) -> Recovery:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
@@ -544,8 +562,9 @@ class LocalTier:
         a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
         every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
         rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
-        of the manifest of ``step`` where ``root_steps`` listed (``None``: not there), compared
-        with the tier's copy.
+        of the root's manifest of ``step``, else the replica's, and whether they are the
+        replica's (``None``: neither holds it), compared with the tier's copy (see
+        :func:`decide`). ``job``: a named job's (see :func:`decide`).
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -561,6 +580,7 @@ class LocalTier:
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
         at_root: dict[int, str] = {}
+        at_replica: dict[int, tuple[str, str | None]] = {}
         if group.is_coordinator:
             try:
                 found = root_steps()
@@ -573,15 +593,20 @@ class LocalTier:
             # tier's copy must be the commit the root holds of that number, whoever saved it.
             if target is not None and listed is not None and root_manifest is not None:
                 try:
-                    raw_root = root_manifest(target)
-                    if raw_root is not None:
-                        at_root[target] = hashlib.sha256(raw_root).hexdigest()
+                    got = root_manifest(target)
+                    if got is not None and not got[1]:
+                        at_root[target] = hashlib.sha256(got[0]).hexdigest()
+                    elif got is not None:
+                        at_replica[target] = (hashlib.sha256(got[0]).hexdigest(), Manifest.from_json(got[0]).job)
                 except Exception as exc:  # noqa: BLE001 - unreadable there: the tier's copy is judged alone
                     log.warning("distckpt: could not read the root's manifest of step %d (%s)", target, one_line(exc))
-        gathered = group.all_gather((report or {}, (listed, lagging), dict(agree or {}), at_root))
+        gathered = group.all_gather((report or {}, (listed, lagging), dict(agree or {}), (at_root, at_replica)))
         refuse_different_arguments("load()", [a for _, _, a, _ in gathered])
         reports = [r for r, _, _, _ in gathered]
-        decision = decide(nodes, reports, gathered[0][1][0], want, gathered[0][3], lagging=gathered[0][1][1])
+        decision = decide(
+            nodes, reports, gathered[0][1][0], want, gathered[0][3][0], lagging=gathered[0][1][1],
+            replica_manifests=gathered[0][3][1], job=job,
+        )
         if decision.step is None:
             if any(reports) and want is None:  # a step the tier should have served
                 _warn_root(decision.reason)
@@ -714,7 +739,7 @@ class LocalTier:
             for i, name in enumerate(names):
                 if i % len(ranks) == mine and _intact(os.path.join(path, name), manifest, name, check):
                     intact.append(name)
-            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact)
+            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact, manifest.job)
             raws[step] = raw
         return out, raws
 
