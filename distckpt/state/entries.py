@@ -608,9 +608,15 @@ def tied_duplicates(tensors: Mapping[str, object]) -> dict[str, str]:
         if not isinstance(value, torch.Tensor):
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
-        if local.numel() == 0 or local.device.type == "meta":
+        if local.device.type == "meta":
             continue
-        sid = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), tuple(local.stride()))
+        storage = local.untyped_storage()
+        # An empty shard (FSDP2 leaves the last ranks of a short dimension none) has no data
+        # pointer to tell tensors apart by (every empty one's is 0), but its storage object is
+        # one per tensor, shared by the keys of a tied one: skipping empties made a rank with an
+        # empty shard miss the tie the others saw (false "missing key" / "ranks disagree").
+        where = storage.data_ptr() if local.numel() else ("empty", storage._cdata)
+        sid = (where, local.storage_offset(), tuple(local.shape), tuple(local.stride()))
         if sid in first:
             out[key] = first[sid]
         else:

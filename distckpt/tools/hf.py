@@ -350,7 +350,8 @@ def save_pretrained(
     """
     group = _group(process_group)
     opts = dict(storage_options or {})
-    storage = publish_folder(location(out, "out", opts), opts)
+    out = location(out, "out", opts)  # (a Path too: the publish checks it as text)
+    storage = publish_folder(out, opts)
     where = storage.display()
     limit = parse_size(max_shard_size)
     patterns = replace_patterns(replace)
@@ -358,6 +359,10 @@ def save_pretrained(
     def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]], bytes | None], tuple[str, dict[str, object]]]:
         config_json = None if config is None else config.to_json_string().encode()
         sd = get_model_state_dict(module)
+        if strip_prefix:
+            # Ties among the keys published: a tied tensor whose first key lies outside the
+            # prefix (a head registered before the backbone) was skipped under both keys.
+            sd = {k: v for k, v in sd.items() if k.startswith(strip_prefix)}
         tied = tied_duplicates(sd)
         planned: list[PlannedTensor] = []
         tensors: dict[str, torch.Tensor] = {}

@@ -1,0 +1,87 @@
+"""Tied weights through ``save_pretrained`` / ``load_pretrained``: FSDP2 ranks holding an empty
+shard of the tied tensor, and ``strip_prefix`` leaving out the tie's first key. Found by a
+helper (2026-12-06, /tmp/attack37)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+from distckpt.tools import hf
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+class _Tied(nn.Module):
+    """A language-model shape: the head shares the embedding (4 rows: at 3 FSDP2 ranks the
+    last rank's shard of it is empty)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(4, 6)
+        self.body = nn.Linear(6, 5)
+        self.head = nn.Linear(6, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _sharded(seed: int, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = _Tied(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(m.body, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _full(m: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in m.state_dict().items()}
+
+
+def _publish_and_load_body(rank: int, world: int, out: str) -> tuple:
+    saved = _sharded(0, world)
+    hf.save_pretrained(saved, out)
+    fresh = _sharded(7, world)
+    report = hf.load_pretrained(fresh, out)
+    a, b = _full(saved), _full(fresh)
+    return report.missing, report.tied, [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_tied_weights_with_an_empty_shard_on_a_rank_publish_and_load(tmp_path):
+    """The rank whose shard of the tied tensor was empty never saw the tie (ties were told by
+    data pointer, and empty shards were skipped): ``save_pretrained`` failed on every rank with
+    "ranks disagree on the model's keys", ``load_pretrained`` with "missing keys: head.weight"."""
+    out = run_ranks(_publish_and_load_body, 3, tmp_path, str(tmp_path / "pub"), timeout=120)
+    assert out == [([], {"head.weight": "embed.weight"}, [])] * 3, out
+
+
+class _HeadFirst(nn.Module):
+    """A head registered before the backbone it shares its weight with: the tie's first key
+    (``head.weight``) lies outside the backbone's prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 10, bias=False)
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(10, 4)
+        self.model.proj = nn.Linear(4, 4)
+        self.head.weight = self.model.embed.weight
+
+
+def test_strip_prefix_publishes_a_tied_weight_whose_first_key_it_leaves_out(tmp_path):
+    """``strip_prefix="model."`` skipped ``model.embed.weight`` as the tie's duplicate and
+    ``head.weight`` for lacking the prefix: the embedding was published nowhere, silently."""
+    m = _HeadFirst()
+    hf.save_pretrained(m, tmp_path / "pub", strip_prefix="model.")
+    backbone = nn.Module()
+    backbone.embed = nn.Embedding(10, 4)
+    backbone.proj = nn.Linear(4, 4)
+    report = hf.load_pretrained(backbone, tmp_path / "pub")
+    assert report.missing == [] and report.loaded == 3
+    assert torch.equal(backbone.embed.weight, m.model.embed.weight)
