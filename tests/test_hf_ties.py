@@ -85,3 +85,22 @@ def test_strip_prefix_publishes_a_tied_weight_whose_first_key_it_leaves_out(tmp_
     report = hf.load_pretrained(backbone, tmp_path / "pub")
     assert report.missing == [] and report.loaded == 3
     assert torch.equal(backbone.embed.weight, m.model.embed.weight)
+
+
+def test_load_pretrained_names_values_a_narrower_dtype_turned_into_inf(tmp_path):
+    """float32 values beyond float16's range, loaded into a float16 model, became inf with no
+    word (Checkpointer.load warns about such casts); values within range load without one."""
+    import warnings
+
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.tensor([[1e5, 3.0e38, 1.0]]), "bias": torch.tensor([0.5])}, str(tmp_path / "model.safetensors"))
+    m = nn.Linear(3, 1).to(torch.float16)
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) hold inf after the cast.*weight \(torch.float32 into torch.float16\)"):
+        hf.load_pretrained(m, tmp_path)
+    save_file({"weight": torch.tensor([[1e3, 3.0, 1.0]]), "bias": torch.tensor([0.5])}, str(tmp_path / "model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", ".*torch.distributed is disabled")
+        hf.load_pretrained(m, tmp_path)
+    assert m.weight.tolist() == [[1000.0, 3.0, 1.0]]

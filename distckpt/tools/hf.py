@@ -24,6 +24,7 @@ with the same arguments, and an error on any rank is raised on every rank.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -252,9 +253,35 @@ def load_pretrained(
         aside, report.bytes_read = _read_tied_pairs(group, where, index, rename, request, pairs, thread_count)
     reader = SafetensorsReader(index, {k: rename[k] for k in request if rename[k] != k}, thread_count=thread_count)
     read(group, where, request, reader, DefaultLoadPlanner(allow_partial_load=True))
+    _warn_overflow(where, request, {k: index.spans[rename[k]].dtype for k in request})
     set_model_state_dict(module, {**request, **aside}, options=StateDictOptions(strict=False))
     report.bytes_read += reader.bytes_read
     return report
+
+
+def _warn_overflow(where: str, loaded: Mapping[str, torch.Tensor], stored: Mapping[str, torch.dtype]) -> None:
+    """(each rank, its shards) One warning naming the tensors cast from a dtype of a wider range
+    (float32 into float16) that hold infinities once loaded: values beyond the model's dtype's
+    range became ``inf`` in the cast, silently. Only those casts are checked (one pass over
+    their loaded values); an infinity the file itself holds is named too (it cannot be told
+    apart without reading the file again)."""
+    hit: list[str] = []
+    for key, value in loaded.items():
+        src = stored.get(key)
+        if src is None or not (src.is_floating_point and value.dtype.is_floating_point):
+            continue
+        if torch.finfo(src).max <= torch.finfo(value.dtype).max:
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() and bool(torch.isinf(local).any()):
+            hit.append(f"{key} ({src} into {value.dtype})")
+    if hit:
+        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+        warnings.warn(
+            f"distckpt: load_pretrained of {where}: {len(hit)} tensor(s) hold inf after the cast into the model's dtype "
+            f"(values beyond its range become inf; or the file holds inf): {shown}",
+            stacklevel=3,
+        )
 
 
 def _read_tied_pairs(
