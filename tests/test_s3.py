@@ -558,3 +558,23 @@ def test_a_save_or_upload_never_writes_into_another_tools_folder_on_s3(tmp_path,
     assert local.steps() == [6]
     local.close()
     assert storage.list_files("step_000000006") == {"notes.txt": 1}
+
+
+@pytest.mark.parametrize("where", ["missing bucket", "missing folder", "local"])
+def test_load_pretrained_from_nowhere_says_so(s3_server, s3_bucket, tmp_path, where):
+    """A missing bucket (or folder) was reported as a folder without safetensors files, while
+    save_pretrained to it said the bucket does not exist. Found by a helper (2026-12-06)."""
+    opts = s3_server.storage_options
+    path = {
+        "missing bucket": f"s3://nowhere-{uuid.uuid4().hex[:8]}/hf",
+        "missing folder": f"s3://{s3_bucket}/no/such/hf",
+        "local": str(tmp_path / "no-such-hf"),
+    }[where]
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        distckpt.load_pretrained(torch.nn.Linear(2, 2), path, storage_options=None if where == "local" else opts)
+    if where == "missing folder":  # a folder that is there but holds no weights: as before
+        import s3fs
+
+        s3fs.S3FileSystem(**opts).pipe(f"{s3_bucket}/no/such/hf/readme.txt", b"x")
+        with pytest.raises(FileNotFoundError, match=r"no model\.safetensors\.index\.json"):
+            distckpt.load_pretrained(torch.nn.Linear(2, 2), path, storage_options=opts)

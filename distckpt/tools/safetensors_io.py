@@ -279,6 +279,8 @@ class SafetensorsIndex:
             weight_map = None
             names = sorted(f for f in files if f.endswith(".safetensors"))
             if not names:
+                if not files and not storage.root_exists():  # (a typo in the path, a missing bucket)
+                    raise FileNotFoundError(f"{storage.display()}: no such folder (or bucket)")
                 raise FileNotFoundError(f"{storage.display()}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors files")
             if len(names) > 1:
                 shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
