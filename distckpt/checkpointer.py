@@ -302,9 +302,11 @@ class Checkpointer:
                 if found is None:
                     return held
                 # The commit load compares the tier's copy with (and then loads), as decide judges:
-                # the root's; the replica's only where the tier's copy is of the same job.
+                # the root's; the replica's only where it is this root's and newer than the tier's.
                 theirs = Manifest.from_json(found[0])
-                return theirs if not found[1] or theirs.job == held.job else held
+                if not found[1] or (theirs.root == self.storage.url and theirs.created_unix > held.created_unix):
+                    return theirs
+                return held
         storage, step = loading.locate(self._tiers(), step, self._eligible())
         return read_manifest(storage, step)
 
@@ -532,8 +534,8 @@ class Checkpointer:
     def _root_manifest(self, step: int) -> tuple[bytes, bool] | None:
         """(coordinator, for the local tier) The bytes of ``step``'s manifest at the root, else at
         its replica, and whether they are the replica's; ``None`` where neither holds it. The
-        replica's count only where the same job saved the tier's copy (``local_tier.decide``): a
-        shared replica holds other roots' steps of the same numbers."""
+        replica's count only where it records this root and is newer than the tier's copy
+        (``local_tier.decide``): a shared replica holds other roots' steps of the same numbers."""
         for t in self._tiers():
             try:
                 return t.read_bytes(step_dir(step), MANIFEST_NAME), t is not self.storage

@@ -6,6 +6,7 @@ Found by a helper (2026-12-06, /tmp/attack34)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -68,21 +69,22 @@ def test_step_n_of_a_named_job_is_the_roots_commit_of_that_number(tmp_path):
         assert _load(a)[:2] == (6, "A6")  # its own newest, from the tier
 
 
-def test_another_jobs_step_n_on_a_shared_replica_does_not_hide_this_roots_tier_copy(tmp_path):
+@pytest.mark.parametrize("job", [None, "J"])  # J: both roots' jobs of one name (a job can't tell roots apart)
+def test_another_roots_step_n_on_a_shared_replica_does_not_hide_this_roots_tier_copy(tmp_path, job):
     """The root retired step 2, its tier keeps it, and the replica it shares with another root
-    holds that root's step 2. The tier's copy was compared with the replica's (another job's)
-    manifest, refused, and the other job's state loaded in its place."""
+    holds that root's step 2. The tier's copy was compared with the replica's (another root's)
+    manifest, refused, and the other root's state loaded in its place."""
     r1, r2, rep, tier = tmp_path / "r1", tmp_path / "r2", tmp_path / "rep", tmp_path / "tier"
-    with distckpt.Checkpointer(r1, keep_last=1, replicate_to=rep, replicate_keep_last=1, local_dir=tier) as x:
+    with distckpt.Checkpointer(r1, keep_last=1, replicate_to=rep, replicate_keep_last=1, local_dir=tier, job=job) as x:
         for s in (1, 2, 3):
             x.save(s, _state(float(s), f"X{s}"))
             x.replica.wait()
-        job = x.manifest(3).job
-    with distckpt.Checkpointer(r2, replicate_to=rep) as y:
+        mine = x.manifest(3).job
+    with distckpt.Checkpointer(r2, replicate_to=rep, job=job) as y:
         y.save(2, _state(200.0, "Y2"))
         y.replica.wait()
-    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier) as x:
-        assert x.manifest(2).job == job
+    with distckpt.Checkpointer(r1, replicate_to=rep, local_dir=tier, job=job) as x:
+        assert x.manifest(2).job == mine and x.manifest(2).root == x.storage.url
         assert _load(x, step=2) == (2, "X2", "local")
 
 
@@ -147,12 +149,15 @@ def test_a_typo_in_a_pattern_is_the_same_error_on_every_node_of_the_tier(tmp_pat
     assert out[0][1] == out[1][1] == [], out
 
 
-@pytest.mark.parametrize("job", [None, "J"])
-def test_step_n_saved_again_by_the_same_job_is_the_replicas_not_the_tiers_stale_copy(tmp_path, job):
-    """A rollback to step 1 and a new step 2 (the same job: it resumed through load), then the
-    root retired step 2 while the replica keeps it. The tier of a node that kept the old step 2
-    must not serve it: the replica's commit of that number by the same job is the one. (The
-    first form of the fix above compared with the root alone and loaded the stale copy.)"""
+@pytest.mark.parametrize("job", [None, "J", "new run"])
+def test_step_n_saved_again_is_the_replicas_not_the_tiers_stale_copy(tmp_path, job):
+    """A rollback to step 1 and a new step 2 (by the same job, resumed through load, or by a new
+    run that did not load: a new job), then the root retired step 2 while the replica keeps it.
+    The tier of a node that kept the old step 2 must not serve it: the replica's newer commit
+    of this root's step 2 is the one. (The first form of the fix above compared with the root
+    alone, the second with the replica's commit by the same job only: both loaded the stale copy.)"""
+    new_run = job == "new run"
+    job = None if new_run else job
     root, rep, tier, old = (tmp_path / n for n in ("root", "rep", "tier", "old"))
     kw = dict(replicate_to=rep, replicate_keep_last=None, job=job)
     with distckpt.Checkpointer(root, local_dir=tier, **kw) as ckpt:
@@ -163,7 +168,8 @@ def test_step_n_saved_again_by_the_same_job_is_the_replicas_not_the_tiers_stale_
     shutil.rmtree(root / STEP(2))
     shutil.rmtree(rep / STEP(2))
     with distckpt.Checkpointer(root, keep_last=1, local_dir=tmp_path / "other", **kw) as ckpt:
-        ckpt.load(_state(0.0), step=1)
+        if not new_run:
+            ckpt.load(_state(0.0), step=1)
         ckpt.save(2, _state(22.0, "b2"))
         ckpt.save(3, _state(3.0, "b3"))
         ckpt.replica.wait()
@@ -205,3 +211,27 @@ def test_latest_step_takes_the_replicas_newest_the_tier_holds_as_load_does(tmp_p
         assert x.latest_step() == 2
         assert x.manifest().job == "X"
         assert _load(x) == (2, "X2", "local")
+
+
+def test_a_tier_copy_newer_than_the_replicas_commit_of_the_step_is_served(tmp_path):
+    """A rollback at the root only (the replica keeps the old step 3), a re-save of step 3 whose
+    upload fails (the replica holds this job's older commit), then the root retires step 3. The
+    tier's copy is this root's last commit of step 3: comparing with the replica's by job alone
+    loaded the replica's older one."""
+    root, rep, tier = tmp_path / "root", tmp_path / "rep", tmp_path / "tier"
+    kw = dict(replicate_to=rep, replicate_keep_last=None, local_dir=tier, local_keep=5)
+    with distckpt.Checkpointer(root, **kw) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s, _state(float(s), f"old{s}"))
+        ckpt.replica.wait()
+    shutil.rmtree(root / STEP(3))
+    with distckpt.Checkpointer(root, keep_last=1, **kw) as ckpt:
+        ckpt.load(_state(0.0), step=2)
+        for s in (3, 4, 5):  # (the root keeps step 3 until its upload is given up: 3 attempts)
+            ckpt.save(s, _state(10.0 * s, f"new{s}"))
+        ckpt.replica.wait(raise_on_failure=False)
+    made = {w: json.loads((w / STEP(3) / "manifest.json").read_text())["created_unix"] for w in (rep, tier)}
+    assert not (root / STEP(3)).exists() and made[rep] < made[tier]
+    with distckpt.Checkpointer(root, **kw) as ckpt:
+        assert _load(ckpt, step=3) == (3, "new3", "local")
+        assert ckpt.manifest(3).created_unix == made[tier]

@@ -119,6 +119,9 @@ class Manifest:
             distckpt recorded them: those items are then read unverified (a ``.metadata``
             re-pointed at another record goes unnoticed), except top-level plain values, whose
             entries carry their own ``sha256``.
+        root: the URL of the root it was committed to (credentials left out), also in a
+            replica's copy: a replica several roots share tells their steps of one number apart
+            (:mod:`distckpt.storage.local_tier`). ``None`` in manifests written before.
     """
 
     step: int
@@ -135,6 +138,7 @@ class Manifest:
     value_digests: dict[str, str] | None = None
     fingerprint_version: int = 1
     job: str | None = None
+    root: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -227,6 +231,8 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
         raise bad("fingerprint_version", "a positive int")
     if raw.get("job") is not None and not isinstance(raw["job"], str):
         raise bad("job", "a string or null")
+    if raw.get("root") is not None and not isinstance(raw["root"], str):
+        raise bad("root", "a string or null")
     digests = raw.get("value_digests")
     if digests is not None and (not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values())):
         raise bad("value_digests", "an object of strings or null")

@@ -181,6 +181,7 @@ class Holding:
     files: list[str]  # every file the step needs (manifest.json included), from the manifest
     intact: list[str]  # files this rank checked and found intact (its share of the node's)
     job: str | None = None  # the job its manifest records (a named job resumes its own steps)
+    created: float = 0.0  # its manifest's created_unix (which of two commits of a step is newer)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def decide(
     want: int | None,
     root_manifests: Mapping[int, str] | None = None,
     lagging: bool = False,
-    replica_manifests: Mapping[int, tuple[str, str | None]] | None = None,
+    replica_manifests: Mapping[int, tuple[str, float]] | None = None,
     job: str | None = None,
 ) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
@@ -224,10 +225,12 @@ def decide(
     its uploads lag behind the saves, so the tier's newest step not older than the replica's
     newest (a step the replica has not received yet is no rollback's). A step is recoverable when the nodes that hold it agree on its manifest,
     that manifest is the root's where ``root_manifests`` has the step's digest (the number may
-    have been saved again at the root since: a rollback, then a new run), or the replica's where
-    ``replica_manifests`` has the step's ``(digest, job)`` of the same job as the tier's copy
-    (a replica's commit of that number by another job is another root's on a shared replica,
-    not this root's saved again), and every file of it is intact on some node. ``job``: a named
+    have been saved again at the root since: a rollback, then a new run), and not older than the
+    replica's where ``replica_manifests`` has the step's ``(digest, created_unix)``: a commit of
+    this root (the caller keeps only those) the replica received after the tier's copy was
+    made, so the step was saved again since (a rollback, then retired at the root); a newer
+    copy in the tier is a re-save whose upload failed. Every file of it must be intact on
+    some node. ``job``: a named
     job's (``job=``) resume without ``want`` takes only its own steps and ones that recorded no
     job, as from the root."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
@@ -263,11 +266,11 @@ def decide(
             )
             continue
         if replica_manifests is not None and step in replica_manifests:
-            sha, saved_by = replica_manifests[step]
-            if sha not in shas and saved_by == held[0][1].job:
+            sha, created = replica_manifests[step]
+            if sha not in shas and created > held[0][1].created:
                 why = (
-                    f"the local tier's step {step} is not the replica's: the same job committed it again since the tier "
-                    "kept it (a rollback)"
+                    f"the local tier's step {step} is older than the replica's commit of it: the step was saved again at "
+                    "the root since the tier kept it (a rollback)"
                 )
                 continue
         needed = held[0][1].files
@@ -564,7 +567,9 @@ class LocalTier:
         rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
         of the root's manifest of ``step``, else the replica's, and whether they are the
         replica's (``None``: neither holds it), compared with the tier's copy (see
-        :func:`decide`). ``job``: a named job's (see :func:`decide`).
+        :func:`decide`; a replica's only where it records this root, :attr:`Manifest.root`:
+        a shared replica holds other roots' steps of the same numbers). ``job``: a named
+        job's (see :func:`decide`).
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -580,7 +585,7 @@ class LocalTier:
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
         at_root: dict[int, str] = {}
-        at_replica: dict[int, tuple[str, str | None]] = {}
+        at_replica: dict[int, tuple[str, float]] = {}
         if group.is_coordinator:
             try:
                 found = root_steps()
@@ -597,7 +602,9 @@ class LocalTier:
                     if got is not None and not got[1]:
                         at_root[target] = hashlib.sha256(got[0]).hexdigest()
                     elif got is not None:
-                        at_replica[target] = (hashlib.sha256(got[0]).hexdigest(), Manifest.from_json(got[0]).job)
+                        theirs = Manifest.from_json(got[0])
+                        if theirs.root == self.root:  # (another root's on a shared replica, or unrecorded: not this one's)
+                            at_replica[target] = (hashlib.sha256(got[0]).hexdigest(), theirs.created_unix)
                 except Exception as exc:  # noqa: BLE001 - unreadable there: the tier's copy is judged alone
                     log.warning("distckpt: could not read the root's manifest of step %d (%s)", target, one_line(exc))
         gathered = group.all_gather((report or {}, (listed, lagging), dict(agree or {}), (at_root, at_replica)))
@@ -739,7 +746,7 @@ class LocalTier:
             for i, name in enumerate(names):
                 if i % len(ranks) == mine and _intact(os.path.join(path, name), manifest, name, check):
                     intact.append(name)
-            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact, manifest.job)
+            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact, manifest.job, manifest.created_unix)
             raws[step] = raw
         return out, raws
 
