@@ -5,15 +5,18 @@ Not part of the library. Every rank body is a module-level function so it can be
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import shutil
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "tests") not in sys.path:
@@ -32,6 +35,107 @@ if str(REPO) not in sys.path and not chosen_on_pythonpath():
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+#: Where the published (committed) measurements live: only a full run the user asked for writes here.
+RESULTS = REPO / "benchmarks" / "results"
+
+
+# ------------------------------------------------------------------------------------------
+# command-line values: a bad one is a usage error naming its flag (exit 2), not a traceback
+# later or an empty table. argparse prefixes an ArgumentTypeError's message with the flag.
+def positive_int(text: str) -> int:
+    """An ``int`` >= 1 (repeats, world sizes, threads, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An ``int`` >= 0 (where 0 means "none", e.g. ``--unprepared-repeats 0``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite ``float`` > 0 (sizes): nan and inf would build no state or never finish."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def positive_ints(text: str, *, allow_empty: bool = False) -> list[int]:
+    """Comma-separated positive ints (``"1,2"``); an empty list only where ``allow_empty`` (a
+    flag whose ``''`` means "skip this part")."""
+    parts = [x.strip() for x in text.split(",")] if text.strip() else []
+    if not parts and not allow_empty:
+        raise argparse.ArgumentTypeError("expected comma-separated positive integers, got ''")
+    try:
+        return [positive_int(x) for x in parts]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
+def positive_ints_or_none(text: str) -> list[int]:
+    """:func:`positive_ints`, ``''`` allowed (an empty list)."""
+    return positive_ints(text, allow_empty=True)
+
+
+def choice_list(choices: tuple[str, ...], *, allow_empty: bool = False) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``choices`` (a typo is a usage
+    error, not a silently empty or mislabelled measurement), in the order given, no repeats."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in names if x not in choices]
+        if bad or (not names and not allow_empty) or len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)} (each once), got {text!r}")
+        return names
+
+    parse.__name__ = "choice list"
+    return parse
+
+
+def existing_dir(text: str) -> str:
+    """A directory that exists: the scripts work in a folder of their own made inside it and
+    remove only that, so a mistyped path is refused rather than created."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"not an existing directory: {text!r}")
+    return text
+
+
+def resolve_quick(args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any]) -> None:
+    """Fill every option the user left out (parsed as ``None``) with its ``--quick`` value or its
+    full-run default: ``--quick`` only changes defaults, never a value given on the command line."""
+    for name, value in ({**full, **quick} if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def resolve_outputs(args: argparse.Namespace, name: str, *, png: bool = False) -> None:
+    """Fill ``args.json`` (and ``args.png``) when not given: a full run publishes to
+    ``benchmarks/results/<name>.json``; a ``--quick`` run (a smoke run, not a measurement) to a
+    new temporary folder, printed, so that it never overwrites the committed results the README
+    quotes. The plot follows the JSON (same stem, ``.png``); ``--json ''`` writes neither."""
+    if args.json is None:
+        if args.quick:
+            args.json = str(Path(tempfile.mkdtemp(prefix=f"distckpt-bench-{name}-")) / f"{name}.json")
+            print(f"[{name}] --quick without --json: results go to {args.json}", flush=True)
+        else:
+            args.json = str(RESULTS / f"{name}.json")
+    if png and args.png is None:
+        args.png = str(Path(args.json).with_suffix(".png")) if args.json else ""
 
 
 # ------------------------------------------------------------------------------------------
@@ -208,6 +312,15 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def run_folder(base: str | None, prefix: str) -> tuple[Path, bool]:
+    """A new, empty folder for this run inside ``base`` (an existing ``--dir``; default
+    ``benchmarks/.scratch``, created if missing), and whether ``base`` is that default: the run
+    deletes only this folder (:func:`remove_scratch`), never what ``base`` held before."""
+    parent = Path(base) if base else REPO / "benchmarks" / ".scratch"
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=parent)), base is None
 
 
 def remove_scratch(scratch: Path, own_parent: bool) -> None:

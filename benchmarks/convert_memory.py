@@ -5,7 +5,7 @@ weights, plus biases) with :class:`distckpt.Checkpointer` under a temporary dire
 then converts it in a child process per case and reads the child's peak resident set size from
 ``os.wait4`` (``ru_maxrss``). Cases:
 
-* ``distckpt convert --to safetensors`` and ``--to torch`` (streaming);
+* ``distckpt convert --to safetensors`` and ``--to torch --model-only`` (streaming);
 * ``distckpt convert --to safetensors --dtype bf16``;
 * DCP's ``format_utils.dcp_to_torch_save`` (whole state in memory), with ``--naive``.
 
@@ -17,7 +17,8 @@ converter itself may hold stays the same under every build.
     python benchmarks/convert_memory.py [--naive] [--gib 2]     # --quick: a 64 MiB smoke run
 
 Prints a table and writes ``benchmarks/results/convert_memory.json`` (and ``.md``), like the
-other benchmarks (``--json PATH`` elsewhere).
+other benchmarks (``--json PATH`` elsewhere; a ``--quick`` run without ``--json``: a new temporary
+folder, printed).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, publish  # noqa: E402
+from _common import existing_dir, machine_info, positive_float, publish, resolve_outputs, resolve_quick  # noqa: E402
 
 TARGET_MB = 600
 #: What the converter may hold above ``import torch`` + DCP (600 MB less the CPU build's ~280 MB).
@@ -82,19 +83,23 @@ def run_child(cmd: list[str]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size")
+    # --gib defaults to None: --quick fills it only where the user left it out.
+    parser.add_argument("--gib", type=positive_float, default=None, help="checkpoint size (default 2; --quick: 0.0625)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run (--gib 0.0625)")
     parser.add_argument("--naive", action="store_true", help="also run DCP's dcp_to_torch_save for contrast")
-    parser.add_argument("--dir", default="/tmp", help="where to put the temporary checkpoint (not /dev/shm)")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "convert_memory.json"), help="where to write the results")
+    parser.add_argument("--dir", type=existing_dir, default="/tmp",
+                        help="an existing dir for the temporary checkpoint (a folder of this run's inside it; not /dev/shm)")
+    parser.add_argument("--json", default=None,
+                        help="where to write the results (and the table as .md); default benchmarks/results/convert_memory.json, "
+                             "with --quick a new temporary folder")  # fmt: skip
     parser.add_argument("--build", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.quick:
-        args.gib = 0.0625
+    resolve_quick(args, full={"gib": 2.0}, quick={"gib": 0.0625})
     if args.build:
         print(json.dumps(build_checkpoint(args.build, args.gib)))
         return 0
 
+    resolve_outputs(args, "convert_memory")
     py = sys.executable
     work = tempfile.mkdtemp(prefix="distckpt-convert-bench-", dir=args.dir)
     try:
@@ -113,7 +118,7 @@ def main() -> int:
             ("import torch + distckpt (baseline)", [], ""),
             ("distckpt convert --to safetensors", ["--to", "safetensors"], "out.safetensors"),
             ("distckpt convert --to safetensors --dtype bf16", ["--to", "safetensors", "--dtype", "bf16"], "out_bf16.safetensors"),
-            ("distckpt convert --to torch", ["--to", "torch", "--model-only"], "out.pt"),
+            ("distckpt convert --to torch --model-only", ["--to", "torch", "--model-only"], "out.pt"),
         ]
         if args.quick:  # a smoke run: one conversion per format (each case is a fresh process)
             cases = [c for c in cases if c[1] and "--dtype" not in c[1]]

@@ -4,7 +4,8 @@ usage::
 
     python benchmarks/gpu.py                      # one GPU, ~4.0 GB of fp32 model + AdamW state
     python benchmarks/gpu.py --nproc 8            # one process per GPU, each with its own state
-    python benchmarks/gpu.py --device cpu --size-gb 0.05 --repeats 1   # anywhere (smoke)
+    python benchmarks/gpu.py --device cpu --size-gb 0.05 --repeats 1   # anywhere
+    python benchmarks/gpu.py --quick              # a smoke run: tiny state, 1 repeat, results in a temporary folder
 
 Each process holds a transformer-like fp32 model (``Linear(d, d)`` + GELU blocks) with AdamW
 state on its device, trains a few steps, then times, alternating methods within each repeat
@@ -15,7 +16,11 @@ state on its device, trains a few steps, then times, alternating methods within 
   ``--threads`` threads into as many files, fsync), ``raw_read_h2d_s`` (the files read back into
   pinned buffers and copied to the device);
 * ``distckpt_sync_s`` / ``dcp_sync_s``: a blocking save (``distckpt_sync_unproven_s``: with
-  ``verify_staging=False``, what proving each device-to-host copy costs); ``distckpt_load_s`` /
+  ``verify_staging=False``, what proving each device-to-host copy costs). ``dcp_sync_s`` is plain
+  DCP as a user calls it, ``dcp.save(state, checkpoint_id=path)``: its default ``FileSystemWriter``,
+  one writer thread (issue 32's "plain DCP" and the target's baseline); ``dcp_sync_same_threads_s``
+  is DCP's ``FileSystemWriter`` with ``thread_count=--threads``, distckpt's thread count
+  (informational, no target): what of the difference is the thread count. ``distckpt_load_s`` /
   ``dcp_load_s``: a load at the same world size, into the live objects, whose every bit was set
   first (untimed); the benchmark stops unless a load restored every tensor (the optimizer's step
   counters too) bit for bit, by name (against copies kept on the GPU where it has room for them,
@@ -33,16 +38,18 @@ state on its device, trains a few steps, then times, alternating methods within 
   reserves memory in the background);
 * ``phases`` in the JSON and a table: each kind of save's ``SaveStats.phases`` (medians).
 
-Rows are medians over ``--repeats`` (>= 3 for published numbers). Results go to
-``benchmarks/results/gpu.json`` (``device``, ``torch``, ``state_bytes``, ``dir``, ``rows`` and the raw
-samples) and a markdown table beside it; the process count, threads and sizes are recorded too.
-The targets (issue 32) are printed with each ratio.
+Rows are medians over ``--repeats`` (>= 3 for published numbers). Results go to ``--json`` (alias
+``--out``; default ``benchmarks/results/gpu.json``, with ``--quick`` a new temporary folder):
+``device``, ``torch``, ``state_bytes``, ``dir``, ``rows`` and the raw samples, and a markdown table
+beside it (.md); the process count, threads and sizes are recorded too. The targets (issue 32) are
+printed with each ratio. The files go into a folder made for this run inside ``--dir`` (an
+existing directory; default ``benchmarks/.scratch``), removed at the end: nothing else in
+``--dir`` is touched.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -54,7 +61,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-import _common  # noqa: E402,F401 - this checkout's distckpt on the path, unless PYTHONPATH names another
+import _common  # noqa: E402 - this checkout's distckpt on the path, unless PYTHONPATH names another
 
 
 #: The phases the table shows (all are in the JSON): an async save blocks for prepare + stage.
@@ -115,8 +122,9 @@ class Bench:
         self.state_bytes = sum(t.numel() * t.element_size() for t in self.tensors)
         pin = self.device.type == "cuda"
         self.pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in self.tensors]
-        self.dir = Path(args.dir) / f"rank{rank}"
-        shutil.rmtree(self.dir, ignore_errors=True)
+        # Inside the folder main() made for this run (args.run_dir), never a folder of --dir
+        # itself: what the user keeps there is not this benchmark's to delete.
+        self.dir = Path(args.run_dir) / f"rank{rank}"
         self.dir.mkdir(parents=True)
         self.n = 0
         self.phases: dict[str, list[dict[str, float]]] = {}  # SaveStats.phases per kind of save
@@ -263,6 +271,17 @@ class Bench:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         self.last_dcp = path
 
+    def dcp_sync_same_threads(self) -> None:
+        """DCP's save with ``--threads`` writer threads, as distckpt gets (``dcp_sync`` is plain
+        DCP's default, one thread). No load reads it: the caller removes it, untimed."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        path = self.fresh("dcp-threads")
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(str(path), thread_count=self.args.threads))
+        self.last_dcp_threads = path
+
     def dcp_load(self) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -387,6 +406,9 @@ def run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
             add("distckpt_sync_ab_chunk_s", _timed(ab_save, b.device))
         add("dcp_sync_s", _timed(b.dcp_sync, b.device))
+        if b.args.dcp_same_threads:
+            add("dcp_sync_same_threads_s", _timed(b.dcp_sync_same_threads, b.device))
+            shutil.rmtree(b.last_dcp_threads, ignore_errors=True)
         # Each load starts from a scrambled state and must restore the saved values exactly.
         expected = b.scrambled()
         add("distckpt_load_s", _timed(b.distckpt_load, b.device))
@@ -446,28 +468,40 @@ TARGETS = [
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
-    p.add_argument("--nproc", type=int, default=1, help="processes, one GPU each")
-    p.add_argument("--size-gb", type=float, default=4.0, help="model + AdamW state per process (GB)")
-    p.add_argument("--width", type=int, default=None, help="Linear width (default 4096 on a GPU, 256 on the CPU)")
-    p.add_argument("--batch", type=int, default=None, help="training batch rows (default 8192 on a GPU, 16 on the CPU)")
-    p.add_argument("--threads", type=int, default=8, help="writer/reader threads (distckpt) and parallel raw writes")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--unprepared-repeats", type=int, default=1, metavar="N",
+    p.add_argument("--nproc", type=_common.positive_int, default=1, help="processes, one GPU each")
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--size-gb", type=_common.positive_float, default=None, help="model + AdamW state per process (GB; default 4, --quick: 0.02)")
+    p.add_argument("--width", type=_common.positive_int, default=None,
+                   help="Linear width (default 4096 on a GPU, 256 on the CPU and with --quick)")
+    p.add_argument("--batch", type=_common.positive_int, default=None,
+                   help="training batch rows (default 8192 on a GPU, 16 on the CPU and with --quick)")
+    p.add_argument("--threads", type=_common.positive_int, default=None,
+                   help="writer/reader threads (distckpt, dcp_sync_same_threads_s) and parallel raw writes (default 8; --quick: 2)")
+    p.add_argument("--repeats", type=_common.positive_int, default=None, help="default 3 (--quick: 1)")
+    p.add_argument("--unprepared-repeats", type=_common.nonnegative_int, default=1, metavar="N",
                    help="samples of distckpt_async_blocked_first_unprepared_s (informational, no target; each "
-                        "waits for a whole background save)")
-    p.add_argument("--train-steps", type=int, default=10, help="steps per training-speed measurement")
-    p.add_argument("--parts", default="sync,async", type=lambda v: set(v.split(",")),
+                        "waits for a whole background save; 0: none)")
+    p.add_argument("--train-steps", type=_common.positive_int, default=None, help="steps per training-speed measurement (default 10; --quick: 2)")
+    p.add_argument("--parts", default="sync,async", type=_common.choice_list(("sync", "async")),
                    help="which rows: sync (floors, sync saves, loads), async (async saves, training), or both")
-    p.add_argument("--ab-proof-chunk", type=int, default=0, metavar="N",
+    p.add_argument("--ab-proof-chunk", type=_common.nonnegative_int, default=0, metavar="N",
                    help="also time each proven sync save with the proof's host digest in calls of N elements "
-                        "(distckpt_sync_ab_chunk_s; distckpt.save.d2h.PROOF_CHUNK is the default)")
-    p.add_argument("--dir", default=None, help="scratch directory (default: benchmarks/.scratch/gpu)")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
+                        "(distckpt_sync_ab_chunk_s; distckpt.save.d2h.PROOF_CHUNK is the default; 0: not)")
+    p.add_argument("--dir", type=_common.existing_dir, default=None,
+                   help="an existing directory to work in: a folder of this run's is made inside it and removed "
+                        "at the end (default: benchmarks/.scratch)")
+    p.add_argument("--json", "--out", dest="json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/gpu.json, "
+                        "with --quick a new temporary folder")
+    p.add_argument("--dcp-same-threads", action="store_true",
+                   help="also time dcp_sync_same_threads_s (DCP's FileSystemWriter with --threads threads; off by "
+                        "default: one more full save per repeat, and the GPU run must finish in 4 minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 0.02 GB, width 256, batch 16, 1 repeat, 2 threads, 2 training steps")
     args = p.parse_args(argv)
-    if args.unprepared_repeats < 0:
-        p.error(f"--unprepared-repeats must be >= 0, got {args.unprepared_repeats}")
-    if not args.parts or args.parts - {"sync", "async"}:
-        p.error(f"--parts: a comma-separated list of sync and async, got {','.join(sorted(args.parts))!r}")
+    _common.resolve_quick(args, full={"size_gb": 4.0, "threads": 8, "repeats": 3, "train_steps": 10},
+                          quick={"size_gb": 0.02, "threads": 2, "repeats": 1, "train_steps": 2, "width": 256, "batch": 16})
+    _common.resolve_outputs(args, "gpu")
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -475,16 +509,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"--nproc {args.nproc} needs {args.nproc} GPUs, {torch.cuda.device_count()} visible")
     args.width = args.width or (4096 if args.device == "cuda" else 256)
     args.batch = args.batch or (8192 if args.device == "cuda" else 16)
-    args.dir = args.dir or str(REPO / "benchmarks" / ".scratch" / "gpu")
+    # Every file of this run goes into a new folder of its own (the processes' rank<N> inside
+    # it), removed at the end: --dir may hold the user's own files, rank0/ included.
+    run_dir, own_parent = _common.run_folder(args.dir, "gpu")
+    args.run_dir = str(run_dir)
+    args.dir = args.dir or str(run_dir.parent)
     t0 = time.perf_counter()
-    if args.nproc == 1:
-        results = [run(0, args)]
-    else:
-        import torch.multiprocessing as mp
+    try:
+        if args.nproc == 1:
+            results = [run(0, args)]
+        else:
+            import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(args.nproc) as pool:
-            results = pool.starmap(run, [(r, args) for r in range(args.nproc)])
+            ctx = mp.get_context("spawn")
+            with ctx.Pool(args.nproc) as pool:
+                results = pool.starmap(run, [(r, args) for r in range(args.nproc)])
+    finally:
+        _common.remove_scratch(run_dir, own_parent)
     rows = {k: statistics.median([v for r in results for v in r["samples"][k]]) for k in results[0]["samples"]}
     out = {
         "device": results[0]["device"],
@@ -494,6 +535,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "parts": sorted(args.parts),
         "state_bytes": results[0]["state_bytes"],
         "dir": args.dir,
+        "run_dir": args.run_dir,  # this run's folder inside dir (removed)
         "rows": rows,
         "samples": [r["samples"] for r in results],
         "phases": [r["phases"] for r in results],  # per process: median SaveStats phases per kind of save
@@ -504,6 +546,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = [f"# GPU benchmark: {out['device']}, torch {out['torch']}, {out['state_bytes'] / 1e9:.2f} GB state per process, "
              f"{args.nproc} process(es), {args.threads} threads, {out['date']}", "", "| row | seconds / ratio |", "|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v:.4f} |" for k, v in rows.items()]
+    if "dcp_sync_s" in rows:
+        lines += ["", "`dcp_sync_s`: plain DCP as called by default, `dcp.save(state, checkpoint_id=path)` (its default "
+                  "`FileSystemWriter`, 1 writer thread): issue 32's plain DCP and the target's baseline."
+                  + (f" `dcp_sync_same_threads_s`: DCP's `FileSystemWriter(path, thread_count={args.threads})`, distckpt's "
+                     "thread count (informational, no target)." if "dcp_sync_same_threads_s" in rows else
+                     f" distckpt ran with {args.threads} threads (`--dcp-same-threads` times DCP with as many).")]  # fmt: skip
     phases = results[0]["phases"]
     if phases:  # the first process's: where a save's time goes
         lines += ["", "Phases (`SaveStats.phases`, process 0): each column its own median; serialize, checksum, "
@@ -519,10 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         met = ratio == ratio and bool(ok(rows))  # a NaN (no sample) is not met
         out["targets"][text] = {"ratio": ratio, "met": met}
         lines.append(f"| {text} | {ratio:.2f} | {'yes' if met else 'no'} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _common.publish(out, "\n".join(lines), args.json)
     return out
 
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, GiB, MiB, current_rss, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, transformer_like_shapes, publish  # noqa: E402
+from _common import (  # noqa: E402
+    GiB, MiB, current_rss, existing_dir, machine_info, median, peak_rss, positive_float, positive_int, publish, remove_scratch,
+    reset_peak_rss, resolve_outputs, resolve_quick, run_folder, transformer_like_shapes,
+)  # fmt: skip
 
 TARGET_RSS = 0.6
 
@@ -105,27 +107,52 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         report = hf.load_pretrained(model, cfg["dir"])
         dist.barrier()
         records.append({"time_s": time.perf_counter() - t0, "peak_rss_over_start": peak_rss() - before, "bytes_read": report.bytes_read})
-    # Spot check: the loaded shards are the file's values.
-    local = next(iter(model.parameters())).to_local()
-    return {"rank": rank, "records": records, "local_numel": local.numel()}
+    return {"rank": rank, "records": records, "checked": _check_values(model, Path(cfg["dir"]))}
+
+
+def _check_values(model: Any, directory: Path) -> list[str]:
+    """Spot check, after the timed loads: this rank's shards of the first, a middle and the last
+    parameter equal the rows of the safetensors files they come from, element for element (a
+    fast load of wrong bytes must not pass as a measurement). Raises naming the first that differs."""
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    params = dict(model.named_parameters())
+    names = sorted(params)
+    checked = []
+    for name in dict.fromkeys([names[0], names[len(names) // 2], names[-1]]):
+        p = params[name]
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        with safe_open(str(directory / weight_map[name]), framework="pt") as f:
+            rows = f.get_slice(name)[offset[0] : offset[0] + shape[0]]  # FSDP2: Shard(0), whole rows
+        local = p.to_local()
+        if tuple(local.shape) != tuple(rows.shape) or not torch.equal(local, rows):
+            raise AssertionError(f"load_pretrained loaded wrong values into {name} (rows {offset[0]}..{offset[0] + shape[0]})")
+        checked.append(name)
+    return checked
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size-gib", type=float, default=2.0)
-    p.add_argument("--shard-mib", type=int, default=512)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch)")
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/hf_load.json"))
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--size-gib", type=positive_float, default=None, help="model size (default 2 GiB; --quick: 64 MiB)")
+    p.add_argument("--shard-mib", type=positive_int, default=None, help="bytes per safetensors file (default 512 MiB; --quick: 16)")
+    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=None, help="loads per rank (default 4; --quick: 1)")
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/hf_load.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.shard_mib, args.repeats = 1 / 16, 16, 1
+    resolve_quick(args, full={"size_gib": 2.0, "shard_mib": 512, "repeats": 4}, quick={"size_gib": 1 / 16, "shard_mib": 16, "repeats": 1})
+    resolve_outputs(args, "hf_load")
     from dist_harness import run_ranks
 
-    own = args.dir is None
-    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"hf-{os.getpid()}"
+    scratch, own = run_folder(args.dir, "hf")
     shapes = transformer_like_shapes(int(args.size_gib * GiB))
     t0 = time.perf_counter()
     try:
@@ -153,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_vs_raw_read": raw_s / load_s,
         "peak_rss_per_rank_bytes": rss,
         "bytes_read_per_rank": read,
+        "values_checked_per_rank": [pr["checked"] for pr in per_rank],  # compared with the files after the loads
         "wall_s": time.perf_counter() - t0,
         "targets": [
             {

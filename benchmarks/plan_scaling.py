@@ -78,7 +78,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, layer_shapes, machine_info, publish, save_figure  # noqa: E402
+from _common import (  # noqa: E402
+    choice_list, layer_shapes, machine_info, nonnegative_int, positive_int, positive_ints, publish, resolve_outputs, resolve_quick,
+    save_figure,
+)  # fmt: skip
 
 #: Targets of issue 14: (layout, planner, save, world size) -> (max coordinator_s, max gathered bytes).
 #: Issue 29 holds the 2-D layouts to the same at 4,096 ranks: HSDP, whose items written do not
@@ -707,30 +710,39 @@ def _plot(rows: list[dict[str, Any]], png: Path, info: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-sizes", default="8,32,128,512,1024,2048,4096")
-    p.add_argument("--tensors", type=int, default=1000)
-    p.add_argument("--tensors-2d", type=int, default=125, help="tensors of the fsdp_tp layout (see the module docstring)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layouts", default="replicated,sharded", help="also: hsdp, fsdp_tp (2-D meshes)")
-    p.add_argument("--planners", default="dcp,distckpt")
-    p.add_argument("--saves", default="first,repeat")
-    p.add_argument("--sharded-max", type=int, default=512, help="largest simulated world size for the sharded layout")
-    p.add_argument("--real", type=int, default=0, metavar="N", help="also save a tiny state on N real gloo processes")
-    p.add_argument("--real-tensors", type=int, default=100)
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/plan_scaling.json"))
-    p.add_argument("--png", default=str(REPO / "benchmarks/results/plan_scaling.png"))
+    # Options --quick changes default to None: it fills only those the user left out. The list
+    # options take only known names: a typo would measure nothing (or another layout) and say so nowhere.
+    p.add_argument("--world-sizes", type=positive_ints, default=None, help="default 8,32,128,512,1024,2048,4096 (--quick: 8,32)")
+    p.add_argument("--tensors", type=positive_int, default=None, help="default 1000 (--quick: 50)")
+    p.add_argument("--tensors-2d", type=positive_int, default=None,
+                   help="tensors of the fsdp_tp layout (see the module docstring; default 125, --quick: 26)")
+    p.add_argument("--hidden", type=positive_int, default=4096)
+    p.add_argument("--layouts", type=choice_list(("replicated", "sharded", *MESH_LAYOUTS)), default="replicated,sharded",
+                   help="comma-separated: replicated, sharded; also hsdp, fsdp_tp (2-D meshes, distckpt's planner only)")
+    p.add_argument("--planners", type=choice_list(("dcp", "distckpt")), default="dcp,distckpt", help="comma-separated: dcp, distckpt")
+    p.add_argument("--saves", type=choice_list(("first", "repeat")), default="first,repeat", help="comma-separated: first, repeat")
+    p.add_argument("--sharded-max", type=positive_int, default=512, help="largest simulated world size for the sharded layout")
+    p.add_argument("--real", type=nonnegative_int, default=0, metavar="N", help="also save a tiny state on N real gloo processes")
+    p.add_argument("--real-tensors", type=positive_int, default=100)
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/plan_scaling.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
+    p.add_argument("--png", default=None, help="the plot (default: beside --json, same name, .png; '' to skip)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = p.parse_args(argv)
-    if args.quick:
-        args.world_sizes, args.tensors, args.tensors_2d = "8,32", 50, 26
+    resolve_quick(args, full={"world_sizes": [8, 32, 128, 512, 1024, 2048, 4096], "tensors": 1000, "tensors_2d": 125},
+                  quick={"world_sizes": [8, 32], "tensors": 50, "tensors_2d": 26})  # fmt: skip
+    if args.planners == ["dcp"] and all(lay in MESH_LAYOUTS for lay in args.layouts):
+        p.error(f"--layouts {','.join(args.layouts)} are measured with --planners distckpt only (DCP's planner on the 1-D layouts)")
+    resolve_outputs(args, "plan_scaling", png=True)
     shapes = model_shapes(args.tensors, args.hidden)
     shapes_2d = model_shapes(args.tensors_2d, args.hidden)
-    planners = args.planners.split(",")
-    saves = args.saves.split(",")
+    planners = args.planners
+    saves = args.saves
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    for layout in args.layouts.split(","):
-        for w in [int(x) for x in args.world_sizes.split(",")]:
+    for layout in args.layouts:
+        for w in args.world_sizes:
             if layout == "sharded" and w > args.sharded_max:
                 continue
             for r in measure(layout, shapes_2d if layout == "fsdp_tp" else shapes, w, planners, saves):
@@ -745,12 +757,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "plan_scaling", "machine": info, "tensors": len(shapes), "rows": rows}
     table = _table(rows)
     if args.real:
-        one_d = [lay for lay in args.layouts.split(",") if lay not in MESH_LAYOUTS]  # _real_body builds 1-D layouts
+        one_d = [lay for lay in args.layouts if lay not in MESH_LAYOUTS]  # _real_body builds 1-D layouts
         result["real"] = real_check(one_d, args.real, args.real_tensors)
         table += "\n\nSimulation against real gloo processes (a tiny state, same code path):\n\n" + _real_table(result["real"])
     result["wall_s"] = time.perf_counter() - t_start
     publish(result, table, args.json)
-    if args.png:
+    if args.png and rows:  # (no rows: every sharded world size above --sharded-max)
         _plot(rows, Path(args.png), info)
     return result
 

@@ -18,14 +18,13 @@ Run ``python benchmarks/read_share.py --help``; ``--quick`` is a tiny smoke run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, MiB, machine_info, median, publish, remove_scratch  # noqa: E402
+from _common import MiB, existing_dir, machine_info, median, positive_int, publish, remove_scratch, resolve_outputs, resolve_quick, run_folder  # noqa: E402
 
 TARGET = 1.25
 SLACK = MiB
@@ -110,21 +109,24 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16, help="Linear(hidden, hidden) layers (default: ~800 MB with AdamW)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch)")
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/read_share.json"))
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--world-size", type=positive_int, default=None, help="default 4 (--quick: 2)")
+    p.add_argument("--hidden", type=positive_int, default=None, help="default 2048 (--quick: 64)")
+    p.add_argument("--layers", type=positive_int, default=None, help="Linear(hidden, hidden) layers (default 16: ~800 MB with AdamW; --quick: 2)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/read_share.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny smoke run (2 ranks, small model, 1 repeat)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.world_size, args.hidden, args.layers, args.repeats = 2, 64, 2, 1
+    resolve_quick(args, full={"world_size": 4, "hidden": 2048, "layers": 16, "repeats": 3},
+                  quick={"world_size": 2, "hidden": 64, "layers": 2, "repeats": 1})  # fmt: skip
+    resolve_outputs(args, "read_share")
     from dist_harness import run_ranks
 
-    own = args.dir is None
-    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"read-share-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch, own = run_folder(args.dir, "read-share")
     cfg = {"dir": str(scratch), "hidden": args.hidden, "layers": args.layers, "repeats": args.repeats}
     t0 = time.perf_counter()
     try:

@@ -30,7 +30,8 @@ the cold disk; the tier adds <= 10% to the blocked time and costs training <= 3%
 
     python benchmarks/recovery.py [--gib 1] [--repeats 3] [--no-s3]    # --quick: a tiny smoke run (async saves from threads)
 
-Writes ``benchmarks/results/recovery.json`` (``rows``: the figures above) and ``.md``.
+Writes ``benchmarks/results/recovery.json`` (``rows``: the figures above) and ``.md`` (``--json``
+elsewhere; a ``--quick`` run without ``--json``: a new temporary folder, printed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,10 +50,18 @@ from _common import (  # noqa: E402
     GiB,
     REPO,
     drop_cache,
+    existing_dir,
     machine_info,
     make_tensors,
     median,
+    nbytes,
+    positive_float,
+    positive_int,
     publish,
+    remove_scratch,
+    resolve_outputs,
+    resolve_quick,
+    run_folder,
     steps_while_in_flight,
     transformer_like_shapes,
 )
@@ -82,6 +92,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     full = make_tensors(transformer_like_shapes(int(cfg["size_bytes"])))
+    built = nbytes(full)  # what the shapes came to (recorded), not what --gib asked for
     # Every rank built the same tensors: no broadcast, each keeps a copy of its shard only (a
     # view would keep the whole tensor alive: four ranks x the state).
     shards = {}
@@ -241,7 +252,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for ck in (with_tier, without, s3_ck):
         if ck is not None:
             ck.close()
-    return {"records": records}
+    return {"records": records, "state_bytes": built}
 
 
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -295,28 +306,29 @@ def targets(rows: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=1.0, help="state size (all ranks together)")
-    p.add_argument("--repeats", type=int, default=3)
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--gib", type=positive_float, default=None, help="state size, all ranks together (default 1; --quick: 1/64)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="include the S3 row (moto)")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (16 MiB, 1 repetition)")
     p.add_argument(
         "--values", action=argparse.BooleanOptionalAction, default=True,
         help="the state also holds an optimizer's and a scheduler's plain values (written once, read by every rank)",
     )  # fmt: skip
-    p.add_argument("--dir", default=None, help="scratch directory on disk (default benchmarks/.scratch)")
-    p.add_argument("--json", default=str(HERE / "results" / "recovery.json"))
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing directory on disk to work in (a folder of this run's inside it; default benchmarks/.scratch)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/recovery.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
     args = p.parse_args(argv)
-    if args.quick:
-        args.gib, args.repeats = 1 / 64, 1
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    resolve_quick(args, full={"gib": 1.0, "repeats": 3}, quick={"gib": 1 / 64, "repeats": 1})
+    resolve_outputs(args, "recovery")
     sys.path.insert(0, str(REPO / "tests"))
     from dist_harness import run_ranks
 
-    scratch = Path(args.dir or (HERE / ".scratch")) / f"recovery-{os.getpid()}"
+    scratch, own_dir = run_folder(args.dir, "recovery")
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else scratch
-    shm = shm_base / f"distckpt-recovery-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    shm = Path(tempfile.mkdtemp(prefix=f"distckpt-recovery-{os.getpid()}-", dir=shm_base))
     server = None
     cfg: dict[str, Any] = {
         "dir": str(scratch),
@@ -345,18 +357,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if server is not None:
             server.stop()
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch, own_dir)
     rows = summarize(per_rank)
+    state_bytes = per_rank[0]["state_bytes"]
     result = {
         "benchmark": "recovery",
         "machine": machine_info(),
-        "config": {"world_size": WORLD, "nodes": WORLD // PER_NODE, "state_bytes": cfg["size_bytes"], "repeats": args.repeats, "s3": args.s3, "local_dir": str(shm_base), "values": args.values},
+        # state_bytes: the tensors built (transformer-like shapes come close to, not exactly, --gib).
+        "config": {"world_size": WORLD, "nodes": WORLD // PER_NODE, "state_bytes": state_bytes, "requested_bytes": cfg["size_bytes"], "repeats": args.repeats, "s3": args.s3, "local_dir": str(shm_base), "values": args.values},
         "rows": rows,
         "targets": targets(rows),
         "wall_s": round(wall, 1),
     }
     lines = [
-        f"Recovery of {cfg['size_bytes'] / GiB:.2f} GiB at world size {WORLD} (2 simulated nodes), medians of {args.repeats}",
+        f"Recovery of {state_bytes / GiB:.2f} GiB at world size {WORLD} (2 simulated nodes), medians of {args.repeats}",
         "",
         "| row | value |",
         "|---|---:|",

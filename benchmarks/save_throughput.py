@@ -76,14 +76,22 @@ from _common import (  # noqa: E402
     publish,
     GiB,
     MiB,
-    REPO,
+    choice_list,
     drop_cache,
+    existing_dir,
     machine_info,
     make_tensors,
     median,
     nbytes,
     peak_rss,
+    positive_float,
+    positive_int,
+    positive_ints,
+    positive_ints_or_none,
     reset_peak_rss,
+    resolve_outputs,
+    resolve_quick,
+    run_folder,
     split_greedy,
     steps_while_in_flight,
     remove_scratch,
@@ -289,6 +297,7 @@ class _Rank:
 
 def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import distckpt
+    from distckpt.integrity.manifest import step_dir
 
     b = _Rank(rank, world, cfg)
     torch = b.torch
@@ -503,8 +512,10 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(rootdir / f"async{rep}", ignore_errors=True)
             for mib in small:
                 shutil.rmtree(rootdir / f"small{mib}", ignore_errors=True)
-            shutil.rmtree(rootdir / "sync" / f"step_{rep:010d}", ignore_errors=True)
-            shutil.rmtree(rootdir / "torchcrc" / f"step_{rep:010d}", ignore_errors=True)
+            # The library's own step folder name (step_{step:09d}): a hand-written format that
+            # differs leaves every repetition's checkpoints on the disk until the end.
+            shutil.rmtree(rootdir / "sync" / step_dir(rep), ignore_errors=True)
+            shutil.rmtree(rootdir / "torchcrc" / step_dir(rep), ignore_errors=True)
             for d in (rootdir / "sync").glob("*"):
                 if d.is_dir() and d.name != "step_ref":
                     shutil.rmtree(d, ignore_errors=True)
@@ -733,36 +744,42 @@ def _plot(result: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1 GiB)")
-    p.add_argument("--world-sizes", default="1,2", help="comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch on the repo's disk; /dev/shm works)")
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--size-gib", type=positive_float, default=None, help="state size (default 1 GiB; --quick: 8 MiB)")
+    p.add_argument("--world-sizes", type=positive_ints, default=None, help="comma-separated (default 1,2; --quick: 1)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch on the repo's disk; /dev/shm works)")
     p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="include the S3 part")
-    p.add_argument("--s3-size-gib", type=float, default=0.25, help="bytes moved in the S3 part (moto is slow)")
+    p.add_argument("--s3-size-gib", type=positive_float, default=None, help="bytes moved in the S3 part (moto is slow; default 0.25, --quick: 2 MiB)")
     p.add_argument("--train", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives (cuda: one GPU per rank)")
-    p.add_argument("--small-mib", default="10,100", help="sizes of the fixed-cost saves, MiB (comma-separated; '' to skip)")
-    p.add_argument("--small-repeats", type=int, default=3, help="fixed-cost saves per size and repetition")
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/save_throughput.json"))
-    p.add_argument("--png", default=str(REPO / "benchmarks/results/save_throughput.png"))
+    p.add_argument("--small-mib", type=positive_ints_or_none, default=None,
+                   help="sizes of the fixed-cost saves, MiB (comma-separated; '' to skip; default 10,100, --quick: 1)")
+    p.add_argument("--small-repeats", type=positive_int, default=None, help="fixed-cost saves per size and repetition (default 3; --quick: 1)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/save_throughput.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
+    p.add_argument("--png", default=None, help="the plot (default: beside --json, same name, .png; '' to skip)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (8 MiB, 1 repeat, world size 1)")
     p.add_argument(
         "--only",
+        type=choice_list(GROUPS, allow_empty=True),
         default="",
         help=f"comma-separated method groups to run (default all): {','.join(GROUPS)}; "
         "loads and training save what they need untimed",
     )
     args = p.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.repeats, args.s3_size_gib, args.small_mib, args.small_repeats = 8 / 1024, 1, 2 / 1024, "1", 1
-        if args.world_sizes == "1,2":
-            args.world_sizes = "1"
-    worlds = [int(w) for w in args.world_sizes.split(",") if w]
-    only = [g for g in args.only.split(",") if g]
-    if any(g not in GROUPS for g in only):
-        p.error(f"--only takes groups from {GROUPS}, got {args.only!r}")
-    if len(set(worlds)) != len(worlds) or any(w < 1 for w in worlds):
-        p.error(f"--world-sizes must be distinct positive ints, got {args.world_sizes!r}")
+    resolve_quick(
+        args,
+        full={"size_gib": 1.0, "world_sizes": [1, 2], "repeats": 3, "s3_size_gib": 0.25, "small_mib": [10, 100], "small_repeats": 3},
+        quick={"size_gib": 8 / 1024, "world_sizes": [1], "repeats": 1, "s3_size_gib": 2 / 1024, "small_mib": [1], "small_repeats": 1},
+    )
+    resolve_outputs(args, "save_throughput", png=True)
+    worlds = args.world_sizes
+    only = args.only
+    if len(set(worlds)) != len(worlds):
+        p.error(f"--world-sizes must be distinct, got {','.join(map(str, worlds))}")
     if args.device == "cuda":
         import torch
 
@@ -771,9 +788,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("save_throughput: for the GPU rows and targets of issue 32 run benchmarks/gpu.py (< 4 min on one GPU)", file=sys.stderr)
     from dist_harness import run_ranks
 
-    own_dir = args.dir is None
-    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"run-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch, own_dir = run_folder(args.dir, "run")
     size_bytes = int(args.size_gib * GiB)
     server = None
     s3cfg = None
@@ -797,7 +812,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_steps": 5 if args.quick else 30,
         "s3": s3cfg,
         "device": args.device,
-        "small_mib": [int(x) for x in args.small_mib.split(",") if x],
+        "small_mib": args.small_mib,
         "small_repeats": args.small_repeats,
         "only": only,
     }

@@ -34,13 +34,19 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     GiB,
-    REPO,
     drop_cache,
+    existing_dir,
     machine_info,
     make_tensors,
     median,
+    positive_float,
+    positive_int,
+    positive_ints,
     publish,
     remove_scratch,
+    resolve_outputs,
+    resolve_quick,
+    run_folder,
     transformer_like_shapes,
 )
 
@@ -168,19 +174,21 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="state size (default 1 GiB)")
-    p.add_argument("--world-sizes", default="1,2", help="comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int, default=3)
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--size-gib", type=positive_float, default=None, help="state size (default 1 GiB; --quick: 8 MiB)")
+    p.add_argument("--world-sizes", type=positive_ints, default="1,2", help="comma-separated (default 1,2)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch on the repo's disk)")
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/verify_cost.json"))
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch on the repo's disk)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/verify_cost.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny smoke run (8 MiB, 1 repeat, world sizes 1,2)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.repeats = 8 / 1024, 1
-    worlds = [int(w) for w in args.world_sizes.split(",") if w]
-    if not worlds or any(w < 1 for w in worlds):
-        p.error(f"--world-sizes must be positive ints, got {args.world_sizes!r}")
+    resolve_quick(args, full={"size_gib": 1.0, "repeats": 3}, quick={"size_gib": 8 / 1024, "repeats": 1})
+    resolve_outputs(args, "verify_cost")
+    worlds = args.world_sizes
     if args.device == "cuda":
         import torch
 
@@ -188,9 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"--device cuda needs {max(worlds)} GPU(s)")
     from dist_harness import run_ranks
 
-    own_dir = args.dir is None
-    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"verify-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch, own_dir = run_folder(args.dir, "verify")
     t_start = time.perf_counter()
     results = []
     try:

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, MiB, machine_info, median, peak_rss, remove_scratch, reset_peak_rss, publish  # noqa: E402
+from _common import (  # noqa: E402
+    MiB, existing_dir, machine_info, median, peak_rss, positive_int, publish, remove_scratch, reset_peak_rss, resolve_outputs,
+    resolve_quick, run_folder,
+)  # fmt: skip
 
 TARGET = 0.35
 
@@ -112,22 +115,25 @@ def _zero_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default=None, help="scratch dir (default: benchmarks/.scratch)")
-    p.add_argument("--json", default=str(REPO / "benchmarks/results/zero_memory.json"))
+    # Options --quick changes default to None: it fills only those the user left out.
+    p.add_argument("--world-size", type=positive_int, default=None, help="default 4 (--quick: 2)")
+    p.add_argument("--hidden", type=positive_int, default=None, help="default 1024 (--quick: 64)")
+    p.add_argument("--layers", type=positive_int, default=None, help="default 8 (--quick: 2)")
+    p.add_argument("--vocab", type=positive_int, default=None, help="default 16384 (--quick: 512)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
+    p.add_argument("--dir", type=existing_dir, default=None,
+                   help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch)")
+    p.add_argument("--json", default=None,
+                   help="results (and the table as .md beside it); default benchmarks/results/zero_memory.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny smoke run (2 ranks, small model, 1 repeat)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.world_size, args.hidden, args.layers, args.vocab, args.repeats = 2, 64, 2, 512, 1
+    resolve_quick(args, full={"world_size": 4, "hidden": 1024, "layers": 8, "vocab": 16384, "repeats": 3},
+                  quick={"world_size": 2, "hidden": 64, "layers": 2, "vocab": 512, "repeats": 1})  # fmt: skip
+    resolve_outputs(args, "zero_memory")
     from dist_harness import run_ranks
 
-    own = args.dir is None
-    scratch = Path(args.dir or (REPO / "benchmarks" / ".scratch")) / f"zero-{os.getpid()}"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch, own = run_folder(args.dir, "zero")
     cfg = {"dir": str(scratch), "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "repeats": args.repeats}
     t0 = time.perf_counter()
     try:

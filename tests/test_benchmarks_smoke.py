@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -16,12 +17,28 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 
 
+def _scratch(tmp_path: Path) -> Path:
+    """A --dir that holds a file of the user's: --dir must exist, and a run works in a folder of
+    its own inside it and removes only that."""
+    scratch = tmp_path / "scratch"
+    (scratch / "rank0").mkdir(parents=True)
+    (scratch / "rank0" / "mine.txt").write_text("not the benchmark's")
+    return scratch
+
+
+def _untouched(scratch: Path) -> None:
+    """After a run, ``scratch`` holds what it held before and nothing more."""
+    assert sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*")) == ["rank0", "rank0/mine.txt"]
+
+
 def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{script}.json"
     cmd = [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # the smoke runs are CPU runs
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if "--dir" in extra:
+        _untouched(Path(extra[extra.index("--dir") + 1]))
     return json.loads(out.read_text())
 
 
@@ -29,7 +46,7 @@ def _run(script: str, tmp_path: Path, *extra: str) -> dict:
 def test_save_throughput_quick(tmp_path: Path) -> None:
     pytest.importorskip("moto")
     pytest.importorskip("matplotlib")
-    res = _run("save_throughput.py", tmp_path, "--png", str(tmp_path / "st.png"), "--dir", str(tmp_path / "scratch"))
+    res = _run("save_throughput.py", tmp_path, "--png", str(tmp_path / "st.png"), "--dir", str(_scratch(tmp_path)))
     assert (tmp_path / "st.png").stat().st_size > 0
     (ws,) = res["world_sizes"]
     m = ws["methods"]
@@ -66,7 +83,7 @@ def test_plan_scaling_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_zero_memory_quick(tmp_path: Path) -> None:
-    res = _run("zero_memory.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    res = _run("zero_memory.py", tmp_path, "--dir", str(_scratch(tmp_path)))
     assert set(res["methods"]) == {"distckpt_save", "consolidate_save", "distckpt_load", "consolidate_load"}
     assert res["full_opt_bytes"] > 0
     for v in res["methods"].values():
@@ -75,7 +92,7 @@ def test_zero_memory_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_read_share_quick(tmp_path: Path) -> None:
-    res = _run("read_share.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    res = _run("read_share.py", tmp_path, "--dir", str(_scratch(tmp_path)))
     assert set(res["methods"]) == {"distckpt_load", "dcp_load"}
     for v in res["methods"].values():
         assert v["time_s"] > 0 and len(v["read_mib_per_rank"]) == 2
@@ -86,8 +103,10 @@ def test_read_share_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_hf_load_quick(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
-    res = _run("hf_load.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    res = _run("hf_load.py", tmp_path, "--dir", str(_scratch(tmp_path)))
     assert res["model_bytes"] > 0 and res["load_s"] > 0 and res["raw_read_s"] > 0
+    # every rank compared its shards of three parameters with the safetensors files
+    assert [len(c) for c in res["values_checked_per_rank"]] == [3, 3]
     # Each of the two FSDP2 ranks reads its own half of the model, not all of it.
     assert len(res["bytes_read_per_rank"]) == 2
     assert all(0.3 * res["model_bytes"] <= b <= 0.7 * res["model_bytes"] for b in res["bytes_read_per_rank"])
@@ -97,7 +116,7 @@ def test_hf_load_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_verify_cost_quick(tmp_path: Path) -> None:
-    res = _run("verify_cost.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    res = _run("verify_cost.py", tmp_path, "--dir", str(_scratch(tmp_path)))
     assert [ws["world_size"] for ws in res["world_sizes"]] == [1, 2]
     for ws in res["world_sizes"]:
         m = ws["median_s"]
@@ -111,18 +130,21 @@ def test_verify_cost_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     # benchmarks/gpu.py's CPU fallback, tiny: every row of the issue is there, measured (a finite,
-    # positive number of seconds, a median over its samples), and every target is judged.
+    # positive number of seconds, a median over its samples), and every target is judged. Its
+    # --dir holds a rank0/ of the user's: the run works in a folder of its own and leaves it.
     out = tmp_path / "gpu.json"
+    scratch = _scratch(tmp_path)
     cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--size-gb", "0.02", "--repeats", "1",
-           "--train-steps", "2", "--threads", "2", "--unprepared-repeats", "2",
-           "--dir", str(tmp_path / "scratch"), "--out", str(out)]  # fmt: skip
+           "--train-steps", "2", "--threads", "2", "--unprepared-repeats", "2", "--dcp-same-threads",
+           "--dir", str(scratch), "--out", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert len(res["samples"][0]["distckpt_async_blocked_first_unprepared_s"]) == 2  # --unprepared-repeats
     assert res["device"] == "cpu" and res["state_bytes"] >= 0.5 * 0.02e9 and res["dir"] == str(tmp_path / "scratch")
-    seconds = ["d2h_floor_s", "raw_write_s", "raw_write_parallel_s", "raw_read_h2d_s", "distckpt_sync_s", "dcp_sync_s", "distckpt_sync_unproven_s",
+    seconds = ["d2h_floor_s", "raw_write_s", "raw_write_parallel_s", "raw_read_h2d_s", "distckpt_sync_s", "dcp_sync_s",
+               "dcp_sync_same_threads_s", "distckpt_sync_unproven_s",
                "distckpt_load_s", "dcp_load_s", "distckpt_async_blocked_first_s", "distckpt_async_blocked_steady_s",
                "dcp_async_blocked_steady_s"]  # fmt: skip
     for name in seconds:
@@ -136,8 +158,11 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(phases["async_steady"][k] > 0 for k in ("blocking_s", "prepare", "stage", "write"))
     assert {"train_ratio_distckpt", "train_ratio_dcp"} <= set(res["rows"])
     assert len(res["targets"]) == 7 and all(isinstance(t["met"], bool) for t in res["targets"].values())
-    assert (tmp_path / "gpu.md").read_text().startswith("# GPU benchmark: cpu")
-    assert not (tmp_path / "scratch" / "rank0").exists()  # scratch files removed
+    md = (tmp_path / "gpu.md").read_text()
+    assert md.startswith("# GPU benchmark: cpu")
+    # both DCP sync rows in the table, and which is which
+    assert "| dcp_sync_same_threads_s |" in md and "thread_count=2" in md and "1 writer thread" in md
+    _untouched(scratch)  # its own files removed, the user's kept
 
 
 
@@ -146,7 +171,7 @@ def test_gpu_benchmark_parts_and_the_proof_chunk_ab(tmp_path: Path) -> None:
     # save (its own row and phase kind); every sample printed as it is measured.
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, str(BENCH / "gpu.py"), "--device", "cpu", "--size-gb", "0.01", "--repeats", "1", "--threads", "2",
-           "--parts", "sync", "--ab-proof-chunk", "1000", "--dir", str(tmp_path / "scratch"), "--out", str(out)]  # fmt: skip
+           "--parts", "sync", "--ab-proof-chunk", "1000", "--dir", str(_scratch(tmp_path)), "--json", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -168,7 +193,7 @@ def test_gpu_benchmark_stops_on_a_wrong_load(tmp_path: Path) -> None:
         import gpu
     finally:
         sys.path.remove(str(BENCH))
-    args = argparse.Namespace(device="cpu", size_gb=0.0005, width=16, batch=4, dir=str(tmp_path / "scratch"))
+    args = argparse.Namespace(device="cpu", size_gb=0.0005, width=16, batch=4, run_dir=str(tmp_path / "run"))
     b = gpu.Bench(args, 0)
     assert b.expected_device().type == "cpu"
     expected = b.scrambled()
@@ -186,8 +211,16 @@ def test_gpu_benchmark_stops_on_a_wrong_load(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_recovery_quick(tmp_path: Path) -> None:
     pytest.importorskip("moto")
-    res = _run("recovery.py", tmp_path, "--dir", str(tmp_path / "scratch"))
+    res = _run("recovery.py", tmp_path, "--dir", str(_scratch(tmp_path)))
     rows = res["rows"]
+    # the size of the state built (transformer-like shapes near --gib), not the size asked for
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _common import GiB, transformer_like_shapes
+    finally:
+        sys.path.remove(str(BENCH))
+    built = sum(4 * math.prod(shape) for _, shape in transformer_like_shapes(int(GiB / 64)))
+    assert res["config"]["state_bytes"] == built and res["config"]["requested_bytes"] == GiB // 64 != built
     for name in ("recover_local_s", "recover_peer_s", "recover_disk_cold_s", "recover_s3_s", "save_blocked_with_tier_s",
                  "save_blocked_without_tier_s", "train_ratio_with_tier", "wire_peer_warm_s", "wire_peer_fresh_s"):  # fmt: skip
         assert rows[name] is not None and rows[name] > 0, name

@@ -41,6 +41,7 @@ if [[ " $WHAT " == *" tests "* ]]; then
 fi
 wait
 if [[ " $WHAT " == *" bench "* ]]; then
+  mkdir -p /dev/shm/distckpt-gpu  # (gpu.py makes its run folder inside an existing --dir)
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -W ignore benchmarks/gpu.py --repeats 3 --dir /dev/shm/distckpt-gpu \
     ${BENCH_ARGS:-} --out "$O/gpu_tmpfs.json" > "$O/bench.txt" 2>&1
