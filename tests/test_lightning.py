@@ -311,9 +311,11 @@ def test_async_pointer_and_removal_wait_for_the_commit(tmp_path: Path) -> None:
 
     io.save_checkpoint(state(1), ck / "a.ckpt")
     io.save_checkpoint(state(1), ck / "a2.ckpt")  # a second callback at the step in flight: no wait
-    assert not (ck / "a.ckpt").exists() and not (ck / "a2.ckpt").exists()  # step 1 not known committed yet
+    # step 1 not known committed yet: the files exist (ModelCheckpoint looks for them), pending
+    assert _pointer(ck / "a.ckpt")["pending"]["step"] == _pointer(ck / "a2.ckpt")["pending"]["step"] == 1
     io.save_checkpoint(state(2), ck / "b.ckpt")  # waits for step 1, then points a and a2 at it
     assert _pointer(ck / "a.ckpt")["step"] == _pointer(ck / "a2.ckpt")["step"] == 1
+    assert "pending" not in _pointer(ck / "a.ckpt")
     io.remove_checkpoint(ck / "a.ckpt")  # step 2 in flight: step 1 may be the last good one
     assert (ck / "a.ckpt").exists() and 1 in io.checkpointer.steps()
     io.teardown()  # step 2 committed: b.ckpt written, a.ckpt removed; a2.ckpt still points at step 1
@@ -555,3 +557,83 @@ def test_refusals(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="async_save=True"):
         strategy.setup_environment()
     io.teardown()
+
+
+# ------------------------------------------------------------------------------------------
+# Pointers written before the step commits (found by a helper, 2026-12-06, /tmp/attack39)
+class _Ranked(_Model):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("gs", float(self.global_step), sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("callbacks", ["versions", "two in one folder"])
+def test_async_saves_keep_what_model_checkpoint_keeps(tmp_path: Path, callbacks: str) -> None:
+    """With async saves a pointer was written only at the next save: ModelCheckpoint's version
+    counter looked for ``best.ckpt`` on disk, found nothing, saved the next checkpoint under the
+    same name, and the plugin then deleted the best step it replaced (with two callbacks in one
+    folder, the keep-all callback's steps). Async must keep what sync keeps."""
+    kept = {}
+    for mode, kw in (("sync", {}), ("async", {"async_save": True, "async_mode": "thread"})):
+        base = tmp_path / mode
+        io = DistckptCheckpointIO(str(base / "root"), **kw)
+        if callbacks == "versions":
+            cbs = [ModelCheckpoint(dirpath=base / "ck", filename="best", monitor="gs", mode="min", save_top_k=2)]
+        else:
+            cbs = [ModelCheckpoint(dirpath=base / "ck", save_top_k=-1, every_n_epochs=1),
+                   ModelCheckpoint(dirpath=base / "ck", monitor="gs", mode="max", save_top_k=1)]  # fmt: skip
+        L.seed_everything(0, verbose=False)
+        _trainer(io, 4, cbs).fit(_Ranked(), _loader())
+        files = {p.name: _pointer(p)["step"] for p in sorted((base / "ck").iterdir())}
+        assert not any("pending" in _pointer(p) for p in (base / "ck").iterdir())
+        kept[mode] = (files, io.checkpointer.steps(), [sorted(float(v) for v in cb.best_k_models.values()) for cb in cbs])
+    assert kept["async"] == kept["sync"], kept
+    assert kept["sync"][1] == ([1, 2] if callbacks == "versions" else [1, 2, 3, 4])
+
+
+def _state(step: int) -> dict:
+    return {"global_step": step, "epoch": 0, "state_dict": {"w": torch.full((3,), float(step))}, "loops": {"n": step}}
+
+
+def test_a_stop_between_the_commit_and_the_pointer_resumes_the_committed_step(tmp_path: Path, monkeypatch) -> None:
+    """A run stopped after step 2 committed but before its pointer was written: the pointer still
+    named step 1, so the resume trained again from step 1 and then failed at step 2 with
+    StepExistsError. The pointer written before the save names step 2 as pending: a load takes
+    it once committed, else the previous target."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    io.save_checkpoint(_state(1), ck / "last.ckpt")
+    real = dl.write_pointer
+
+    def stop_at_the_final_pointer(path: str, data: bytes) -> None:
+        if b'"pending"' not in data:
+            raise KeyboardInterrupt("preempted")
+        real(path, data)
+
+    monkeypatch.setattr(dl, "write_pointer", stop_at_the_final_pointer)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(_state(2), ck / "last.ckpt")
+    monkeypatch.setattr(dl, "write_pointer", real)
+    assert io.checkpointer.steps() == [1, 2]
+    resumed = DistckptCheckpointIO(str(root))
+    assert resumed.load_checkpoint(ck / "last.ckpt")["global_step"] == 2
+    # A save that failed before its commit: the pointer is put back as it was.
+    def disk_full(*a: Any, **k: Any) -> None:
+        assert "pending" in _pointer(ck / "last.ckpt")  # written before the save
+        raise OSError("disk full")
+
+    monkeypatch.setattr(resumed.checkpointer, "save", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        resumed.save_checkpoint(_state(3), ck / "last.ckpt")
+    monkeypatch.undo()
+    assert "pending" not in _pointer(ck / "last.ckpt") and resumed.load_checkpoint(ck / "last.ckpt")["global_step"] == 2
+    # A pending pointer whose step never committed: its previous target, or an error saying so.
+    job = _pointer(ck / "last.ckpt")["job"]
+    (ck / "last.ckpt").write_bytes(dl.pointer_bytes(str(root), job, {"step": 2, "keys": ["global_step", "epoch", "state_dict", "loops"], "epoch": 0},
+                                                    pending=(job, {"step": 7, "keys": ["global_step"], "epoch": 0})))  # fmt: skip
+    assert resumed.load_checkpoint(ck / "last.ckpt")["global_step"] == 2
+    (ck / "new.ckpt").write_bytes(dl.pointer_bytes(str(root), job, {"step": 7, "keys": ["global_step"], "epoch": 0},
+                                                   pending=(job, {"step": 7, "keys": ["global_step"], "epoch": 0})))  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="never committed"):
+        resumed.load_checkpoint(ck / "new.ckpt")
+    resumed.teardown()

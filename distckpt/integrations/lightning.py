@@ -97,15 +97,19 @@ from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
     Pointer,
     PointerRecord,
+    as_record,
     check_pointer_path,
     delete_unreferenced,
     dir_of,
     dir_url,
     exists,
     pointer_bytes,
+    pending_of,
+    pointer_files_in,
     pointers_in,
     read_pointer,
     remove_file,
+    resolve,
     try_pointer,
     write_pointer,
 )
@@ -283,17 +287,27 @@ class DistckptCheckpointIO(CheckpointIO):
             # The same state again (two ModelCheckpoint callbacks at one step): one more pointer,
             # written when the step is committed (without waiting for an async save here).
             if step == self._inflight:
+                self._placeholder(path, record)
                 self._pending.append(("point", os.fspath(path), record))
             else:
                 self._settle()
                 self._run_on_rank0([("point", os.fspath(path), record)])
             return
         self._settle()  # the previous async save commits before anything points at or deletes for it
+        self._placeholder(path, record)
         try:
             ckpt.save(step, state, blocking=not self.async_save, metadata={LAYOUT_KEY: layout})
-        except StepExistsError as exc:
+        except Exception as exc:  # (raised on every rank alike; an interrupt leaves the pending pointer: it resolves)
+            self._unplace([os.fspath(path)], step)
+            if not isinstance(exc, StepExistsError):
+                raise
             why = " (a run resumed from an older checkpoint and trained past newer ones?)"
-            if step in self._earlier:
+            named = self._pointers_to(step)
+            if named:
+                # A run stopped between the step's commit and its last pointers (a preemption):
+                # the newest state is there, named by a checkpoint written before it stopped.
+                why = f" (a run stopped after committing it; resume from {named[0]}, which names it)"
+            elif step in self._earlier:
                 why = (
                     " (this plugin saved or loaded it before its last teardown, but the model's and optimizers' tensors "
                     "are not the ones it saved: another run reusing the plugin, or a model moved to another device or "
@@ -427,13 +441,82 @@ class DistckptCheckpointIO(CheckpointIO):
         pending, self._pending = self._pending, []
         try:
             self.checkpointer.wait()  # raises the save's error on every rank alike
-        except BaseException:
+        except BaseException as exc:
             # Nothing may point at the failed step, and the removals queued after it are dropped:
             # they were to make room for it, and could delete the last good checkpoint.
             self._steps.pop(step, None)
             self._saved_tensors.pop(step, None)
+            if isinstance(exc, Exception):  # (an interrupt leaves the pending pointers: they resolve)
+                self._unplace([path for kind, path, _ in pending if kind == "point"], step)
             raise
         self._run_on_rank0(pending)
+
+    def _pointers_to(self, step: int) -> list[str]:
+        """(any rank, not collective) The pending checkpoint files (written before their save, left
+        by a run that stopped before the final pointer) in the directories known that a load
+        follows to ``step``, sorted; ``[]`` where none can be read."""
+        try:
+            found = []
+            for path, pointer in pointer_files_in(self._pointer_dirs()):
+                if pending_of(pointer) is None:
+                    continue
+                try:
+                    if resolve(pointer, lambda s: self.checkpointer.manifest(s).job)["step"] == step:
+                        found.append(path)
+                except (FileNotFoundError, ValueError):
+                    continue
+            return sorted(found)
+        except OSError:
+            return []
+
+    def _placeholder(self, path: str | os.PathLike, record: PointerRecord) -> None:
+        """(every rank) Rank 0 writes the pending pointer of a save about to start (see
+        :mod:`~distckpt.integrations.lightning_pointers`): the file exists from now on, as
+        ModelCheckpoint expects, and names the file's previous target until the step commits."""
+        job = self.checkpointer._lineage.job  # what the step's manifest will record
+
+        def write() -> None:
+            where = os.fspath(path)
+            check_pointer_path(where, self.root)
+            old = try_pointer(where)
+            if old is not None and pending_of(old) is None:
+                data = pointer_bytes(self.root, old.get("job"), as_record(old), pending=(job, record))
+            elif old is not None:  # a pending one left by a crash: its own resolution stays its target
+                try:
+                    target = resolve(old, lambda s: self.checkpointer.manifest(s).job)
+                    data = pointer_bytes(self.root, target.get("job"), as_record(target), pending=(job, record))
+                except FileNotFoundError:
+                    data = pointer_bytes(self.root, job, record, pending=(job, record))
+            else:
+                data = pointer_bytes(self.root, job, record, pending=(job, record))
+            write_pointer(where, data)
+
+        on_coordinator(Group(), f"writing Lightning checkpoint pointer {os.fspath(path)}", write)
+
+    def _unplace(self, paths: list[str], step: int) -> None:
+        """(every rank) After the save of ``step`` failed: rank 0 puts the pending pointers at
+        ``paths`` back as they were (the previous target; removed where there was none). Never
+        raises (the save's error is the one to see): a failure is warned about, and a pointer
+        left pending resolves to its previous target anyway."""
+
+        def undo() -> None:
+            for where in paths:
+                try:
+                    old = try_pointer(where)
+                    pending = pending_of(old) if old is not None else None
+                    if old is None or pending is None or pending["step"] != step:
+                        continue
+                    if old["step"] == pending["step"] and old.get("job") == pending["job"]:
+                        remove_file(where)
+                    else:
+                        write_pointer(where, pointer_bytes(self.root, old.get("job"), as_record(old)))
+                except OSError as exc:
+                    warnings.warn(f"distckpt: could not restore {where} after the failed save of step {step}: {exc}", stacklevel=4)
+
+        try:
+            on_coordinator(Group(), "restoring Lightning checkpoint pointers", undo)
+        except Exception as exc:  # noqa: BLE001 - never hides the save's error
+            warnings.warn(f"distckpt: could not restore the pointers of the failed save of step {step}: {exc}", stacklevel=3)
 
     def _run_on_rank0(self, actions: list[_Action]) -> None:
         """(every rank) Rank 0 writes/removes pointers and deletes unreferenced steps; every rank
@@ -485,6 +568,10 @@ class DistckptCheckpointIO(CheckpointIO):
         """(rank 0) Every pointer in the directories known (seen paths' directories and the
         trainer's ModelCheckpoint directories). Raises ``OSError`` if a directory or a file in it
         cannot be read (a missing directory holds no pointers)."""
+        return pointers_in(self._pointer_dirs())
+
+    def _pointer_dirs(self) -> set[str]:
+        """The directories known to hold this plugin's pointers (see :meth:`_visible_pointers`)."""
         dirs = set(self._dirs)
         strategy = self._strategy() if self._strategy is not None else None
         try:
@@ -496,12 +583,16 @@ class DistckptCheckpointIO(CheckpointIO):
             dirpath = getattr(cb, "dirpath", None)
             if dirpath:
                 dirs.add(dir_url(dirpath))
-        return pointers_in(dirs)
+        return dirs
 
     def _locate(self, path: str) -> tuple[int, list[str], list[str], str, int, str | None]:
         """(rank 0) Read and check the pointer at ``path`` and the layout of its step."""
         ckpt = self.checkpointer
         record = read_pointer(path)
+        try:  # a pending pointer (a crash during its save): its step where it committed, else its previous one
+            record = resolve(record, lambda s: ckpt.manifest(s).job)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path}: {exc}") from None
         step = record["step"]
         try:
             manifest = ckpt.manifest(step)

@@ -7,6 +7,13 @@ atomically (:func:`write_pointer`), parsed strictly (:func:`parse_pointer`: anyt
 pointer) and listed per directory (:func:`pointers_in`); a step of this job that no pointer refers
 to any more is deleted (:func:`delete_unreferenced`), as distckpt's retention deletes a step.
 
+A save writes its pointer twice: before the step is saved, a *pending* one (the file's previous
+target, if any, plus ``pending``: the step being saved), so that the file exists at once
+(ModelCheckpoint's version counter and ``save_last="link"`` look for it on disk while an async
+save is still writing) and a crash between the step's commit and the final pointer loses
+nothing (:func:`resolve`: the pending step where it committed, else the previous target); then,
+once the step is committed, the final one.
+
 Imports no Lightning. Not collective: global rank 0 reads, writes and removes pointers.
 """
 
@@ -115,8 +122,10 @@ def check_pointer_path(path: str | os.PathLike, root: str) -> None:
     check_output(location)
 
 
-def pointer_bytes(root: str, job: str | None, record: PointerRecord) -> bytes:
-    body = {
+def pointer_bytes(root: str, job: str | None, record: PointerRecord, pending: tuple[str | None, PointerRecord] | None = None) -> bytes:
+    """A pointer to ``record``'s step of job ``job``; ``pending``: ``(job, record)`` of a step
+    being saved that the file will point to once it is committed (see the module doc)."""
+    body: dict[str, object] = {
         "format": POINTER_FORMAT,
         "version": _POINTER_VERSION,
         "root": _root_id(root),
@@ -125,7 +134,44 @@ def pointer_bytes(root: str, job: str | None, record: PointerRecord) -> bytes:
         "epoch": record["epoch"],
         "keys": list(record["keys"]),
     }
+    if pending is not None:
+        body["pending"] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
     return (json.dumps(body, indent=1) + "\n").encode()
+
+
+def as_record(pointer: Pointer | dict) -> PointerRecord:
+    """The :class:`PointerRecord` a pointer (or its ``pending`` part) names."""
+    epoch = pointer.get("epoch")
+    return {"step": pointer["step"], "keys": list(pointer["keys"]), "epoch": epoch if type(epoch) is int else None}
+
+
+def pending_of(pointer: Pointer) -> dict | None:
+    """The ``pending`` part of a pointer written before its step committed, else ``None``."""
+    return pointer.get("pending")  # type: ignore[return-value]
+
+
+def resolve(pointer: Pointer, committed_job: Callable[[int], object]) -> Pointer:
+    """The pointer a load follows: a pending one's step where it committed (``committed_job(step)``
+    returns the job its manifest records, or raises ``FileNotFoundError`` where it is not
+    committed) by the pending job, else its previous target.
+
+    Raises:
+        FileNotFoundError: the pending step never committed and the file had no target before.
+    """
+    pending = pending_of(pointer)
+    if pending is None:
+        return pointer
+    try:
+        job = committed_job(pending["step"])
+    except FileNotFoundError:
+        job = FileNotFoundError
+    if job is not FileNotFoundError and (pending["job"] is None or job == pending["job"]):
+        return {**pointer, "step": pending["step"], "job": job, "epoch": pending["epoch"], "keys": pending["keys"]}  # type: ignore[typeddict-item]
+    if pointer["step"] == pending["step"] and pointer.get("job") == pending["job"]:
+        raise FileNotFoundError(
+            f"it names step {pending['step']}, whose save never committed (the run stopped while saving it)"
+        )
+    return pointer
 
 
 def parse_pointer(data: bytes) -> Pointer | None:
@@ -143,6 +189,14 @@ def parse_pointer(data: bytes) -> Pointer | None:
         return None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not (job is None or isinstance(job, str)):
         return None
+    if "pending" in body:
+        p = body["pending"]
+        if not isinstance(p, dict) or type(p.get("step")) is not int or p["step"] < 0:
+            return None
+        if not isinstance(p.get("keys"), list) or not all(isinstance(k, str) for k in p["keys"]):
+            return None
+        if not (p.get("job") is None or isinstance(p.get("job"), str)):
+            return None
     return body
 
 
@@ -259,8 +313,9 @@ def read_pointer(path: str) -> Pointer:
     return record
 
 
-def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
-    """Every pointer in the directories ``dirs`` (URLs, as :func:`dir_of` names them).
+def pointer_files_in(dirs: Iterable[str]) -> Iterator[tuple[str, Pointer]]:
+    """``(path, pointer)`` of every pointer file in the directories ``dirs`` (URLs, as
+    :func:`dir_of` names them).
 
     Raises:
         OSError: a directory, or a file in it, cannot be read (a missing directory holds none).
@@ -276,7 +331,21 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
                 continue
             record = parse_pointer(_read_small(fs, item["name"]))
             if record is not None:
-                yield record
+                yield _named(fs, item["name"]), record
+
+
+def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
+    """Every pointer in the directories ``dirs`` (as :func:`pointer_files_in`); a pending one
+    also as a pointer to its pending step (both are referred to until its save settles).
+
+    Raises:
+        OSError: a directory, or a file in it, cannot be read (a missing directory holds none).
+    """
+    for _, record in pointer_files_in(dirs):
+        yield record
+        pending = pending_of(record)
+        if pending is not None:
+            yield {**record, "step": pending["step"], "job": pending["job"]}  # type: ignore[typeddict-item]
 
 
 def delete_unreferenced(
