@@ -637,3 +637,20 @@ def test_a_stop_between_the_commit_and_the_pointer_resumes_the_committed_step(tm
     with pytest.raises(FileNotFoundError, match="never committed"):
         resumed.load_checkpoint(ck / "new.ckpt")
     resumed.teardown()
+
+
+def test_tuples_holding_tensors_round_trip(tmp_path: Path) -> None:
+    """A callback's ``(mean, var)`` pair, a list of ``(tensor, name)`` tuples, a top-level tuple:
+    the layout recorded them as plain values while distckpt stored them as trees, so the save
+    succeeded and every load failed with a StateMismatchError naming no tuple."""
+    values = {
+        "callbacks": {"Ema": {"shadow": (torch.ones(2), torch.zeros(3))}, "pairs": [(torch.full((1,), 4.0), "a")]},
+        "extra": (torch.arange(3), 1, "x"),
+        "plain": {"t": (1, 2)},
+    }
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}, **values}, tmp_path / "a.ckpt")
+    io.teardown()
+    got = DistckptCheckpointIO(str(tmp_path / "root")).load_checkpoint(tmp_path / "a.ckpt")
+    _assert_equal({k: got[k] for k in values}, values)
+    assert type(got["extra"]) is tuple and type(got["callbacks"]["pairs"][0]) is tuple

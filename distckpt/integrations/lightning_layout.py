@@ -38,7 +38,9 @@ _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 
 
 #: A layout node (JSON): ``["v"]`` a value, ``["t", shape, dtype]`` a tensor, ``["d" | "o", [[tag,
-#: key, node], ...]]`` a dict or OrderedDict, ``["l", [node, ...]]`` a list DCP enters.
+#: key, node], ...]]`` a dict or OrderedDict, ``["l", [node, ...]]`` a list DCP enters, ``["T",
+#: [node, ...]]`` a tuple holding tensors (distckpt stores it as a tree: a callback's ``(mean,
+#: var)`` pair of tensors; a tuple of plain values is one value).
 Node = list[object]
 
 
@@ -102,13 +104,18 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
             node, out[k] = _walk(v, f"{where}.{k}", depth + 1, copy_values)
             items.append([tag, k, node])
         return ["o" if ordered else "d", items], out
-    if isinstance(value, list) and not dcp_leaf(value):
+    if isinstance(value, list) and (not dcp_leaf(value) or contains(value)):  # (a list of tuples holding tensors too)
         nodes, out_list = [], []
         for i, v in enumerate(value):
             node, c = _walk(v, f"{where}.{i}", depth + 1, copy_values)
             nodes.append(node)
             out_list.append(c)
         return ["l", nodes], out_list
+    if type(value) is tuple and contains(value):
+        # (a tuple of values only is one value, as before; a tuple holding tensors was one value
+        # here but a tree in distckpt's state: saved, then never loadable)
+        pairs = [_walk(v, f"{where}.{i}", depth + 1, copy_values) for i, v in enumerate(value)]
+        return ["T", [n for n, _ in pairs]], tuple(c for _, c in pairs)
     return ["v"], _copied(value, copy_values)
 
 
@@ -201,6 +208,8 @@ def _build(node: object, left: list[int], depth: int) -> Any:
         return out
     if kind == "l" and len(node) == 2 and isinstance(node[1], list):
         return [_build(child, left, depth + 1) for child in node[1]]
+    if kind == "T" and len(node) == 2 and isinstance(node[1], list):
+        return tuple(_build(child, left, depth + 1) for child in node[1])
     raise _BadLayout(f"unknown node {kind!r:.20}")
 
 
