@@ -30,7 +30,7 @@ from distckpt.storage import ownership
 from distckpt.state.entries import targets_undone_on_failure
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
-from distckpt.storage.local_tier import LocalTier
+from distckpt.storage.local_tier import LocalTier, superseded_by
 from distckpt.storage.replica import Replicator
 
 __all__ = ["Checkpointer", "SaveStats"]
@@ -304,7 +304,7 @@ class Checkpointer:
                 # The commit load compares the tier's copy with (and then loads), as decide judges:
                 # the root's; the replica's only where it is this root's and newer than the tier's.
                 theirs = Manifest.from_json(found[0])
-                if not found[1] or (theirs.root == self.storage.url and theirs.created_unix > held.created_unix):
+                if not found[1] or superseded_by(held, theirs.root, theirs.job, theirs.created_unix):
                     return theirs
                 return held
         storage, step = loading.locate(self._tiers(), step, self._eligible())

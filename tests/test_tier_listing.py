@@ -149,15 +149,21 @@ def test_a_typo_in_a_pattern_is_the_same_error_on_every_node_of_the_tier(tmp_pat
     assert out[0][1] == out[1][1] == [], out
 
 
-@pytest.mark.parametrize("job", [None, "J", "new run"])
-def test_step_n_saved_again_is_the_replicas_not_the_tiers_stale_copy(tmp_path, job):
+@pytest.mark.parametrize("job", [None, "J", "new run", "through a link", "old manifests"])
+def test_step_n_saved_again_is_the_replicas_not_the_tiers_stale_copy(tmp_path, monkeypatch, job):
     """A rollback to step 1 and a new step 2 (by the same job, resumed through load, or by a new
-    run that did not load: a new job), then the root retired step 2 while the replica keeps it.
-    The tier of a node that kept the old step 2 must not serve it: the replica's newer commit
-    of this root's step 2 is the one. (The first form of the fix above compared with the root
-    alone, the second with the replica's commit by the same job only: both loaded the stale copy.)"""
-    new_run = job == "new run"
-    job = None if new_run else job
+    run that did not load: a new job; through a symbolic link to the root; or by a release whose
+    manifests record no root), then the root retired step 2 while the replica keeps it. The tier
+    of a node that kept the old step 2 must not serve it: the replica's newer commit of this
+    root's step 2 is the one. (The first form of the fix above compared with the root alone, the
+    second with the replica's commit by the same job only, the third with the root's URL as
+    written: each loaded the stale copy in one of these.)"""
+    new_run, link, unrecorded = job == "new run", job == "through a link", job == "old manifests"
+    job = None if job in ("new run", "through a link", "old manifests") else job
+    if unrecorded:  # as a release before manifests recorded their root wrote them
+        from distckpt.storage.local import LocalStorage
+
+        monkeypatch.setattr(LocalStorage, "identity", lambda self: None)
     root, rep, tier, old = (tmp_path / n for n in ("root", "rep", "tier", "old"))
     kw = dict(replicate_to=rep, replicate_keep_last=None, job=job)
     with distckpt.Checkpointer(root, local_dir=tier, **kw) as ckpt:
@@ -167,13 +173,18 @@ def test_step_n_saved_again_is_the_replicas_not_the_tiers_stale_copy(tmp_path, j
     shutil.copytree(tier, old)  # a node that keeps the step 2 of before the rollback
     shutil.rmtree(root / STEP(2))
     shutil.rmtree(rep / STEP(2))
-    with distckpt.Checkpointer(root, keep_last=1, local_dir=tmp_path / "other", **kw) as ckpt:
+    if link:
+        os.symlink(root, tmp_path / "alias")
+    with distckpt.Checkpointer(tmp_path / "alias" if link else root, keep_last=1, local_dir=tmp_path / "other", **kw) as ckpt:
         if not new_run:
             ckpt.load(_state(0.0), step=1)
         ckpt.save(2, _state(22.0, "b2"))
         ckpt.save(3, _state(3.0, "b3"))
         ckpt.replica.wait()
     assert not (root / STEP(2)).exists()
+    if unrecorded:
+        monkeypatch.undo()
+        assert json.loads((rep / STEP(2) / "manifest.json").read_text())["root"] is None
     with distckpt.Checkpointer(root, local_dir=old, **kw) as ckpt:
         assert _load(ckpt, step=2) == (2, "b2", "replica")
         assert ckpt.manifest(2).files == distckpt.Checkpointer(rep).manifest(2).files

@@ -102,6 +102,14 @@ def test_sampler_position_is_world_size_independent():
 def test_storage_redacts_credentials_in_urls():
     s = distckpt.Storage("memory://user:secret@bucket/prefix?token=abc")
     assert "secret" not in repr(s) and "abc" not in s.display("x")
+    # A password holding "@": everything up to the last "@" of the host part is user info (the
+    # first "@" left "ss@host", the password's tail, in every display and manifest).
+    s = distckpt.Storage("memory://bob:p@ss@host/ckpt")
+    assert s.url == "memory://host/ckpt" and s.identity() == s.url
+    # Azure's container@account is the storage's name, not a user: two containers stay two roots.
+    from distckpt.storage.base import _redact
+
+    assert _redact("abfs://a@acct.dfs.core.windows.net/x") != _redact("abfs://b@acct.dfs.core.windows.net/x")
 
 
 class _Counter:

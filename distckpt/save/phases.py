@@ -607,7 +607,7 @@ def commit(
         fingerprint_version=fingerprint.VERSION,
         job=job,
         value_digests=dict(sorted(written.value_digests.items())),
-        root=storage.url,
+        root=storage.identity(),
     )
     where = storage.display(step_dir(step))
     if lease is not None and not lease.still_mine():

@@ -208,9 +208,16 @@ def _redact(url: str) -> str:
         return url
     scheme, rest = url.split("://", 1)
     rest = rest.split("?", 1)[0]
-    if "@" in rest.split("/", 1)[0]:
-        rest = rest.split("@", 1)[1]
+    host = rest.split("/", 1)[0]
+    # Azure's container@account names the storage, not a user: kept (else two containers'
+    # roots read alike). Elsewhere everything up to the LAST "@" is user info: a password may
+    # hold "@" itself (ftp://bob:p@ss@host is user bob, password p@ss, host host).
+    if "@" in host and scheme.lower() not in _AZURE_SCHEMES:
+        rest = rest.rsplit("@", 1)[1] if "/" not in rest else host.rsplit("@", 1)[1] + "/" + rest.split("/", 1)[1]
     return f"{scheme}://{rest}"
+
+
+_AZURE_SCHEMES = frozenset({"abfs", "abfss", "az", "adl", "wasb", "wasbs"})
 
 
 def named_os_error(exc: OSError, where: str) -> OSError:
@@ -356,6 +363,12 @@ class Storage:
     def display(self, *parts: str) -> str:
         """User-facing location (URL with scheme, no credentials) of ``parts``."""
         raise NotImplementedError
+
+    def identity(self) -> str:
+        """The root as manifests record it (:attr:`Manifest.root`): its URL without credentials;
+        a local root with symbolic links resolved (one folder named through a link or ``//`` is
+        one root)."""
+        return self.url
 
     def refresh(self) -> None:
         """Forget cached listings (another rank or job may have written)."""

@@ -51,6 +51,9 @@ class LocalStorage(Storage, kind="local"):
         self.url = self.path
         self.fs = fsspec.filesystem("file")
 
+    def identity(self) -> str:
+        return os.path.realpath(self.path)
+
     # paths and queries ------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
         return os.path.join(self.path, *parts)

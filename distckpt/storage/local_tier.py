@@ -182,6 +182,21 @@ class Holding:
     intact: list[str]  # files this rank checked and found intact (its share of the node's)
     job: str | None = None  # the job its manifest records (a named job resumes its own steps)
     created: float = 0.0  # its manifest's created_unix (which of two commits of a step is newer)
+    root: str | None = None  # the root its manifest records (Manifest.root)
+
+
+def superseded_by(held: Holding | Manifest, root: str | None, job: str | None, created: float) -> bool:
+    """(pure) Whether a replica's commit of a step (the ``root`` and ``job`` its manifest
+    records, made at ``created``) is a newer commit of the step the tier's copy ``held`` is:
+    the same root saved it again since (a rollback, then retired at the root), whichever job.
+    Manifests that record no root (written before they did): the same job. Another root's
+    commit on a shared replica never supersedes, nor does an older one (a re-save whose upload
+    failed). "Newer" is read from the saving machines' clocks."""
+    mine_root = held.root
+    mine_job = held.job
+    mine_created = held.created if isinstance(held, Holding) else held.created_unix
+    same = root == mine_root if root is not None and mine_root is not None else job == mine_job
+    return same and created > mine_created
 
 
 @dataclass(frozen=True)
@@ -212,7 +227,7 @@ def decide(
     want: int | None,
     root_manifests: Mapping[int, str] | None = None,
     lagging: bool = False,
-    replica_manifests: Mapping[int, tuple[str, float]] | None = None,
+    replica_manifests: Mapping[int, tuple[str, str | None, str | None, float]] | None = None,
     job: str | None = None,
 ) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
@@ -226,11 +241,9 @@ def decide(
     newest (a step the replica has not received yet is no rollback's). A step is recoverable when the nodes that hold it agree on its manifest,
     that manifest is the root's where ``root_manifests`` has the step's digest (the number may
     have been saved again at the root since: a rollback, then a new run), and not older than the
-    replica's where ``replica_manifests`` has the step's ``(digest, created_unix)``: a commit of
-    this root (the caller keeps only those) the replica received after the tier's copy was
-    made, so the step was saved again since (a rollback, then retired at the root); a newer
-    copy in the tier is a re-save whose upload failed. Every file of it must be intact on
-    some node. ``job``: a named
+    replica's where ``replica_manifests`` has the step's ``(digest, root, job, created_unix)``
+    and it supersedes the tier's copy (:func:`superseded_by`). Every file of it must be intact
+    on some node. ``job``: a named
     job's (``job=``) resume without ``want`` takes only its own steps and ones that recorded no
     job, as from the root."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
@@ -266,8 +279,8 @@ def decide(
             )
             continue
         if replica_manifests is not None and step in replica_manifests:
-            sha, created = replica_manifests[step]
-            if sha not in shas and created > held[0][1].created:
+            sha, root, saved_by, created = replica_manifests[step]
+            if sha not in shas and superseded_by(held[0][1], root, saved_by, created):
                 why = (
                     f"the local tier's step {step} is older than the replica's commit of it: the step was saved again at "
                     "the root since the tier kept it (a rollback)"
@@ -585,7 +598,7 @@ class LocalTier:
         except Exception as exc:  # noqa: BLE001 - a damaged tier must not stop the load
             log.warning("distckpt: rank %d could not read its local tier %s: %s", group.rank, self.dir, one_line(exc))
         at_root: dict[int, str] = {}
-        at_replica: dict[int, tuple[str, float]] = {}
+        at_replica: dict[int, tuple[str, str | None, str | None, float]] = {}
         if group.is_coordinator:
             try:
                 found = root_steps()
@@ -603,8 +616,7 @@ class LocalTier:
                         at_root[target] = hashlib.sha256(got[0]).hexdigest()
                     elif got is not None:
                         theirs = Manifest.from_json(got[0])
-                        if theirs.root == self.root:  # (another root's on a shared replica, or unrecorded: not this one's)
-                            at_replica[target] = (hashlib.sha256(got[0]).hexdigest(), theirs.created_unix)
+                        at_replica[target] = (hashlib.sha256(got[0]).hexdigest(), theirs.root, theirs.job, theirs.created_unix)
                 except Exception as exc:  # noqa: BLE001 - unreadable there: the tier's copy is judged alone
                     log.warning("distckpt: could not read the root's manifest of step %d (%s)", target, one_line(exc))
         gathered = group.all_gather((report or {}, (listed, lagging), dict(agree or {}), (at_root, at_replica)))
@@ -746,7 +758,9 @@ class LocalTier:
             for i, name in enumerate(names):
                 if i % len(ranks) == mine and _intact(os.path.join(path, name), manifest, name, check):
                     intact.append(name)
-            out[step] = Holding(hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact, manifest.job, manifest.created_unix)
+            out[step] = Holding(
+                hashlib.sha256(raw).hexdigest(), names + [MANIFEST_NAME], intact, manifest.job, manifest.created_unix, manifest.root
+            )
             raws[step] = raw
         return out, raws
 
