@@ -654,3 +654,70 @@ def test_tuples_holding_tensors_round_trip(tmp_path: Path) -> None:
     got = DistckptCheckpointIO(str(tmp_path / "root")).load_checkpoint(tmp_path / "a.ckpt")
     _assert_equal({k: got[k] for k in values}, values)
     assert type(got["extra"]) is tuple and type(got["callbacks"]["pairs"][0]) is tuple
+
+
+def test_a_failed_save_leaves_the_file_at_its_path_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    """The first form of the pending pointers overwrote a user's file at the path before the
+    save and removed it when the save failed; and it removed a valid pointer to the very step
+    a refused save (StepExistsError) was saving, taking "names this step already" for "named
+    nothing before". Found by a review (2026-12-06, /tmp/attack40)."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    ck.mkdir()
+    notes = ck / "notes.ckpt"
+    notes.write_bytes(b"my notes, not a checkpoint\n")
+    io = DistckptCheckpointIO(str(root))
+
+    def disk_full(*a: Any, **k: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(io.checkpointer, "save", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint(_state(1), notes)
+    monkeypatch.undo()
+    assert notes.read_bytes() == b"my notes, not a checkpoint\n"
+    io.save_checkpoint(_state(1), ck / "final.ckpt")
+    io.teardown()
+    again = DistckptCheckpointIO(str(root), job=_pointer(ck / "final.ckpt")["job"])  # the same job, a new run
+    with pytest.raises(distckpt.StepExistsError):
+        again.save_checkpoint({**_state(1), "state_dict": {"w": torch.zeros(3)}}, ck / "final.ckpt")
+    assert _pointer(ck / "final.ckpt")["step"] == 1 and "pending" not in _pointer(ck / "final.ckpt")
+    assert again.load_checkpoint(ck / "final.ckpt")["global_step"] == 1
+    again.teardown()
+
+
+def test_a_resume_settles_the_pending_pointers_a_stopped_run_left(tmp_path: Path) -> None:
+    """A run stopped while saving step 2 (pending pointers written, the step never committed)
+    left ``b.ckpt`` pending: the resumed run's ModelCheckpoint then versioned its own file of
+    that name, and the file kept the resumed run's step 2 from retention for good. A resume
+    now settles them (and ``distckpt ls`` names both steps of a pending pointer)."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    io.save_checkpoint(_state(1), ck / "a.ckpt")
+    job = _pointer(ck / "a.ckpt")["job"]
+    keys = ["global_step", "epoch", "state_dict", "loops"]
+    # What a stop during step 2's save leaves: a new file naming only it, and a.ckpt naming it pending.
+    (ck / "b.ckpt").write_bytes(dl.pointer_bytes(str(root), job, {"step": 2, "keys": keys, "epoch": 0},
+                                                 pending=(job, {"step": 2, "keys": keys, "epoch": 0}), alone=True))  # fmt: skip
+    (ck / "a.ckpt").write_bytes(dl.pointer_bytes(str(root), job, {"step": 1, "keys": keys, "epoch": 0},
+                                                 pending=(job, {"step": 2, "keys": keys, "epoch": 0})))  # fmt: skip
+    from distckpt.integrations.lightning_pointers import pointer_hint
+
+    hint = pointer_hint((ck / "a.ckpt").read_bytes())
+    assert hint is not None and "step_000000002 if it is committed; else" in hint and "step_000000001" in hint
+    io.teardown()
+    resumed = DistckptCheckpointIO(str(root))
+    assert resumed.load_checkpoint(ck / "a.ckpt")["global_step"] == 1
+    assert not (ck / "b.ckpt").exists() and _pointer(ck / "a.ckpt") == {**_pointer(ck / "a.ckpt"), "step": 1}
+    assert "pending" not in _pointer(ck / "a.ckpt")
+    resumed.teardown()
+
+
+def test_a_namedtuple_holding_tensors_is_refused_at_save(tmp_path: Path) -> None:
+    """It was saved as a tree and never loadable (the layout rebuilds plain tuples only)."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "mean var")
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    with pytest.raises(TypeError, match=r"'callbacks\.Ema' is a Pair \(a tuple subclass\) holding tensors"):
+        io.save_checkpoint({**_state(1), "callbacks": {"Ema": Pair(torch.ones(1), torch.ones(1))}}, tmp_path / "a.ckpt")
+    io.teardown()

@@ -378,7 +378,38 @@ class DistckptCheckpointIO(CheckpointIO):
         self._steps[step] = frozenset(all_keys)
         if self._options.get("job") is None:
             self._job = job  # distckpt's full load continues the loaded step's job
+        self._settle_leftovers()
         return {k: state[entry_name(k)] for k in keys}
+
+    def _settle_leftovers(self) -> None:
+        """(every rank) After a resume: the pending pointers of this job that a stopped run left
+        in the directories known are settled as their save did: made final where the step
+        committed, else put back to their previous target (removed where they had none). Left
+        pending, one made ModelCheckpoint version the resumed run's file of that name, and kept
+        a step the resumed run saves again from retention as long as it stayed."""
+        job = self._job
+
+        def settle() -> None:
+            try:
+                found = list(pointer_files_in(self._pointer_dirs()))
+            except OSError:
+                return
+            for where, pointer in found:
+                pending = pending_of(pointer)
+                if pending is None or job is None or pending.get("job") != job:
+                    continue
+                try:
+                    target = resolve(pointer, lambda s: self.checkpointer.manifest(s).job)
+                    write_pointer(where, pointer_bytes(self.root, target.get("job"), as_record(target)))
+                except FileNotFoundError:
+                    remove_file(where)  # its save never committed, and it named nothing before
+                except OSError as exc:
+                    warnings.warn(f"distckpt: could not settle {where}, left by a stopped run: {exc}", stacklevel=4)
+
+        try:
+            on_coordinator(Group(), "settling Lightning checkpoint pointers of a stopped run", settle)
+        except Exception as exc:  # noqa: BLE001 - the resume itself succeeded
+            warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=3)
 
     # -- internals ----------------------------------------------------------------------------
     def _enter(self, what: str) -> None:
@@ -479,6 +510,8 @@ class DistckptCheckpointIO(CheckpointIO):
             where = os.fspath(path)
             check_pointer_path(where, self.root)
             old = try_pointer(where)
+            if old is None and exists(where):
+                return  # a file of the user's: replaced only by the final pointer, once the step commits
             if old is not None and pending_of(old) is None:
                 data = pointer_bytes(self.root, old.get("job"), as_record(old), pending=(job, record))
             elif old is not None:  # a pending one left by a crash: its own resolution stays its target
@@ -486,9 +519,9 @@ class DistckptCheckpointIO(CheckpointIO):
                     target = resolve(old, lambda s: self.checkpointer.manifest(s).job)
                     data = pointer_bytes(self.root, target.get("job"), as_record(target), pending=(job, record))
                 except FileNotFoundError:
-                    data = pointer_bytes(self.root, job, record, pending=(job, record))
+                    data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True)
             else:
-                data = pointer_bytes(self.root, job, record, pending=(job, record))
+                data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True)
             write_pointer(where, data)
 
         on_coordinator(Group(), f"writing Lightning checkpoint pointer {os.fspath(path)}", write)
@@ -506,7 +539,7 @@ class DistckptCheckpointIO(CheckpointIO):
                     pending = pending_of(old) if old is not None else None
                     if old is None or pending is None or pending["step"] != step:
                         continue
-                    if old["step"] == pending["step"] and old.get("job") == pending["job"]:
+                    if pending.get("alone"):
                         remove_file(where)
                     else:
                         write_pointer(where, pointer_bytes(self.root, old.get("job"), as_record(old)))

@@ -111,6 +111,11 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
             nodes.append(node)
             out_list.append(c)
         return ["l", nodes], out_list
+    if isinstance(value, tuple) and type(value) is not tuple and contains(value):
+        raise TypeError(
+            f"checkpoint value {where!r} is a {type(value).__qualname__} (a tuple subclass) holding tensors: "
+            "DistckptCheckpointIO rebuilds plain tuples, dicts and lists only; store it as a dict (its _asdict()) or a tuple"
+        )
     if type(value) is tuple and contains(value):
         # (a tuple of values only is one value, as before; a tuple holding tensors was one value
         # here but a tree in distckpt's state: saved, then never loadable)

@@ -122,9 +122,12 @@ def check_pointer_path(path: str | os.PathLike, root: str) -> None:
     check_output(location)
 
 
-def pointer_bytes(root: str, job: str | None, record: PointerRecord, pending: tuple[str | None, PointerRecord] | None = None) -> bytes:
+def pointer_bytes(
+    root: str, job: str | None, record: PointerRecord, pending: tuple[str | None, PointerRecord] | None = None, alone: bool = False
+) -> bytes:
     """A pointer to ``record``'s step of job ``job``; ``pending``: ``(job, record)`` of a step
-    being saved that the file will point to once it is committed (see the module doc)."""
+    being saved that the file will point to once it is committed (see the module doc);
+    ``alone``: the file had no target before (``record`` is then the pending one)."""
     body: dict[str, object] = {
         "format": POINTER_FORMAT,
         "version": _POINTER_VERSION,
@@ -136,6 +139,8 @@ def pointer_bytes(root: str, job: str | None, record: PointerRecord, pending: tu
     }
     if pending is not None:
         body["pending"] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
+        if alone:
+            body["pending"]["alone"] = True  # (type: ignore) no previous target to fall back to
     return (json.dumps(body, indent=1) + "\n").encode()
 
 
@@ -167,7 +172,7 @@ def resolve(pointer: Pointer, committed_job: Callable[[int], object]) -> Pointer
         job = FileNotFoundError
     if job is not FileNotFoundError and (pending["job"] is None or job == pending["job"]):
         return {**pointer, "step": pending["step"], "job": job, "epoch": pending["epoch"], "keys": pending["keys"]}  # type: ignore[typeddict-item]
-    if pointer["step"] == pending["step"] and pointer.get("job") == pending["job"]:
+    if pending.get("alone"):
         raise FileNotFoundError(
             f"it names step {pending['step']}, whose save never committed (the run stopped while saving it)"
         )
@@ -195,7 +200,7 @@ def parse_pointer(data: bytes) -> Pointer | None:
             return None
         if not isinstance(p.get("keys"), list) or not all(isinstance(k, str) for k in p["keys"]):
             return None
-        if not (p.get("job") is None or isinstance(p.get("job"), str)):
+        if not (p.get("job") is None or isinstance(p.get("job"), str)) or not isinstance(p.get("alone", False), bool):
             return None
     return body
 
@@ -212,6 +217,14 @@ def pointer_hint(data: bytes) -> str | None:
     if record is None:
         return None
     target = f"{record['root'].rstrip('/')}/{step_dir(record['step'])}"
+    pending = pending_of(record)
+    if pending is not None:
+        new = f"{record['root'].rstrip('/')}/{step_dir(pending['step'])}"
+        before = "it named no step before" if pending.get("alone") else f"else {target}"
+        return (
+            f"a pointer file written by Lightning's DistckptCheckpointIO while step {pending['step']} was being saved at "
+            f"{record['root']} (the run stopped before the save settled): pass {new} if it is committed; {before}"
+        )
     return (
         f"a pointer file written by Lightning's DistckptCheckpointIO, to step {record['step']} at {record['root']}: "
         f"pass that step's folder, {target}"
