@@ -42,26 +42,24 @@ RESULTS = REPO / "benchmarks" / "results"
 # ------------------------------------------------------------------------------------------
 # command-line values: a bad one is a usage error naming its flag (exit 2), not a traceback
 # later or an empty table. argparse prefixes an ArgumentTypeError's message with the flag.
-def positive_int(text: str) -> int:
-    """An ``int`` >= 1 (repeats, world sizes, threads, ...)."""
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An ``int`` >= 1 (repeats, world sizes, threads, ...)."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
     """An ``int`` >= 0 (where 0 means "none", e.g. ``--unprepared-repeats 0``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
