@@ -721,3 +721,40 @@ def test_a_namedtuple_holding_tensors_is_refused_at_save(tmp_path: Path) -> None
     with pytest.raises(TypeError, match=r"'callbacks\.Ema' is a Pair \(a tuple subclass\) holding tensors"):
         io.save_checkpoint({**_state(1), "callbacks": {"Ema": Pair(torch.ones(1), torch.ones(1))}}, tmp_path / "a.ckpt")
     io.teardown()
+
+
+def test_a_resume_leaves_pending_pointers_of_saves_in_flight_and_of_other_roots(tmp_path: Path) -> None:
+    """The settling of leftovers above, reviewed: an evaluation loading while training saves
+    (the same job) removed the training's pending pointer of the step it was writing, and
+    ModelCheckpoint then reused the name, deleting that step; and a fork on a copied root
+    rewrote the original run's pending ``last.ckpt`` back to an older step, judged by the
+    copy's steps. Found by a review (2026-12-06, /tmp/attack42)."""
+    from distckpt.storage import ownership
+    from distckpt.storage.base import Storage
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    io.save_checkpoint(_state(1), ck / "a.ckpt")
+    job = _pointer(ck / "a.ckpt")["job"]
+    keys = ["global_step", "epoch", "state_dict", "loops"]
+    # Another process of this job is writing step 2: its folder and live lease, its pending pointer.
+    lease = ownership.Lease(Storage(str(root)), "step_000000002")
+    lease.acquire()
+    flying = dl.pointer_bytes(str(root), job, {"step": 2, "keys": keys, "epoch": 0}, pending=(job, {"step": 2, "keys": keys, "epoch": 0}), alone=True)
+    (ck / "b.ckpt").write_bytes(flying)
+    # A pointer of another root (the original of a copied root), pending a step this root lacks.
+    other = dl.pointer_bytes(str(tmp_path / "original"), job, {"step": 1, "keys": keys, "epoch": 0}, pending=(job, {"step": 3, "keys": keys, "epoch": 0}))
+    (ck / "last.ckpt").write_bytes(other)
+    io.teardown()
+    try:
+        evaluation = DistckptCheckpointIO(str(root))
+        assert evaluation.load_checkpoint(ck / "a.ckpt")["global_step"] == 1
+        assert (ck / "b.ckpt").read_bytes() == flying and (ck / "last.ckpt").read_bytes() == other
+        evaluation.teardown()
+    finally:
+        lease.release(committed=False)
+    # Once that writer is gone (its lease released: a stopped run), a resume settles the pointer.
+    resumed = DistckptCheckpointIO(str(root))
+    resumed.load_checkpoint(ck / "a.ckpt")
+    assert not (ck / "b.ckpt").exists() and (ck / "last.ckpt").read_bytes() == other
+    resumed.teardown()

@@ -110,6 +110,7 @@ def test_storage_redacts_credentials_in_urls():
     from distckpt.storage.base import _redact
 
     assert _redact("abfs://a@acct.dfs.core.windows.net/x") != _redact("abfs://b@acct.dfs.core.windows.net/x")
+    assert _redact("az://user:secret@acct/run") == "az://acct/run"  # ... but a password goes there too
 
 
 class _Counter:

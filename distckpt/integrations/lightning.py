@@ -95,6 +95,7 @@ from distckpt.integrations.lightning_layout import (
 )
 from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
+    _root_id,
     Pointer,
     PointerRecord,
     as_record,
@@ -113,7 +114,9 @@ from distckpt.integrations.lightning_pointers import (
     try_pointer,
     write_pointer,
 )
+from distckpt.integrity.manifest import step_dir
 from distckpt.state import fingerprint
+from distckpt.storage import ownership
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
 
@@ -388,22 +391,36 @@ class DistckptCheckpointIO(CheckpointIO):
         pending, one made ModelCheckpoint version the resumed run's file of that name, and kept
         a step the resumed run saves again from retention as long as it stayed."""
         job = self._job
+        ckpt = self.checkpointer
+        mine = _root_id(self.root)
+
+        def in_flight(step: int) -> bool:
+            # A save still writing it (another process of this job: an evaluation loading while
+            # training saves): its step folder is there, uncommitted, under a live lease.
+            name = step_dir(step)
+            if step in ckpt.steps() or not ckpt.storage.exists(name):
+                return False
+            return not ownership.is_stale(ckpt.storage, name, ckpt.options.lease_s)
 
         def settle() -> None:
             try:
                 found = list(pointer_files_in(self._pointer_dirs()))
-            except OSError:
+            except OSError as exc:
+                warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=4)
                 return
             for where, pointer in found:
                 pending = pending_of(pointer)
-                if pending is None or job is None or pending.get("job") != job:
+                # Only this job's, of this root (a fork's copied root holds other steps).
+                if pending is None or job is None or pending.get("job") != job or pointer.get("root") != mine:
                     continue
                 try:
-                    target = resolve(pointer, lambda s: self.checkpointer.manifest(s).job)
+                    if in_flight(pending["step"]):
+                        continue
+                    target = resolve(pointer, lambda s: ckpt.manifest(s).job)
                     write_pointer(where, pointer_bytes(self.root, target.get("job"), as_record(target)))
                 except FileNotFoundError:
                     remove_file(where)  # its save never committed, and it named nothing before
-                except OSError as exc:
+                except (OSError, ValueError, CheckpointError) as exc:
                     warnings.warn(f"distckpt: could not settle {where}, left by a stopped run: {exc}", stacklevel=4)
 
         try:

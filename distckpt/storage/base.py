@@ -210,9 +210,10 @@ def _redact(url: str) -> str:
     rest = rest.split("?", 1)[0]
     host = rest.split("/", 1)[0]
     # Azure's container@account names the storage, not a user: kept (else two containers'
-    # roots read alike). Elsewhere everything up to the LAST "@" is user info: a password may
-    # hold "@" itself (ftp://bob:p@ss@host is user bob, password p@ss, host host).
-    if "@" in host and scheme.lower() not in _AZURE_SCHEMES:
+    # roots read alike), unless it holds a password (user:secret@). Elsewhere everything up to
+    # the LAST "@" is user info: a password may hold "@" itself (ftp://bob:p@ss@host is user
+    # bob, password p@ss, host host).
+    if "@" in host and (scheme.lower() not in _AZURE_SCHEMES or ":" in host.rsplit("@", 1)[0]):
         rest = rest.rsplit("@", 1)[1] if "/" not in rest else host.rsplit("@", 1)[1] + "/" + rest.split("/", 1)[1]
     return f"{scheme}://{rest}"
 
