@@ -59,7 +59,9 @@ refers to) :mod:`distckpt.integrations.lightning_pointers`.
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -79,6 +81,7 @@ import torch
 
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, exchange, on_coordinator
+from distckpt._process import process_exists
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import (
     CheckpointError,
@@ -119,6 +122,10 @@ from distckpt.state import fingerprint
 from distckpt.storage import ownership
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
+
+#: (root, step) of the saves the plugins of this process have begun and not yet settled: a
+#: pending pointer this process wrote is a stopped save's only where it is not among them.
+_SAVING: set[tuple[str, int]] = set()
 
 #: What waits for a save to commit, in order: ``("point", path, record)`` or ``("remove", path, None)``.
 _Action = tuple[str, str, PointerRecord | None]
@@ -298,24 +305,27 @@ class DistckptCheckpointIO(CheckpointIO):
             return
         self._settle()  # the previous async save commits before anything points at or deletes for it
         self._placeholder(path, record)
+        saving = (_root_id(self.root), step)
+        _SAVING.add(saving)  # (another plugin of this process loading meanwhile: see _settle_leftovers)
         try:
             ckpt.save(step, state, blocking=not self.async_save, metadata={LAYOUT_KEY: layout})
         except Exception as exc:  # (raised on every rank alike; an interrupt leaves the pending pointer: it resolves)
+            _SAVING.discard(saving)
             self._unplace([os.fspath(path)], step)
             if not isinstance(exc, StepExistsError):
                 raise
             why = " (a run resumed from an older checkpoint and trained past newer ones?)"
             named = self._pointers_to(step)
-            if named:
-                # A run stopped between the step's commit and its last pointers (a preemption):
-                # the newest state is there, named by a checkpoint written before it stopped.
-                why = f" (a run stopped after committing it; resume from {named[0]}, which names it)"
-            elif step in self._earlier:
+            if step in self._earlier:
                 why = (
                     " (this plugin saved or loaded it before its last teardown, but the model's and optimizers' tensors "
                     "are not the ones it saved: another run reusing the plugin, or a model moved to another device or "
                     "changed since)"
                 )
+            elif named:
+                # This job's newer state is there (a run that stopped after committing it, before
+                # the pointer this run resumed from caught up), named by a checkpoint file.
+                why = f" (this job committed it before: resume from {named[0]}, which names it)"
             raise StepExistsError(
                 f"{exc}. Lightning saves global step {step} into {self.root}, which holds that step from an earlier "
                 f"run or another job{why}; distckpt never overwrites a committed step: use a new root for this run, "
@@ -329,7 +339,10 @@ class DistckptCheckpointIO(CheckpointIO):
             self._inflight = step
             self._pending.append(("point", os.fspath(path), record))
         else:
-            self._run_on_rank0([("point", os.fspath(path), record)])
+            try:
+                self._run_on_rank0([("point", os.fspath(path), record)])
+            finally:
+                _SAVING.discard(saving)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """(every rank) Delete the pointer at ``path``, and its step once nothing points at it
@@ -394,13 +407,26 @@ class DistckptCheckpointIO(CheckpointIO):
         ckpt = self.checkpointer
         mine = _root_id(self.root)
 
-        def in_flight(step: int) -> bool:
+        def in_flight(pending: Mapping[str, Any]) -> bool:
             # A save still writing it (another process of this job: an evaluation loading while
-            # training saves): its step folder is there, uncommitted, under a live lease.
-            name = step_dir(step)
-            if step in ckpt.steps() or not ckpt.storage.exists(name):
+            # training saves): its writer is alive (this host), or wrote it less than a lease ago
+            # (another host; an async save makes the step folder only after staging), or its
+            # step folder is there, uncommitted, under a live lease.
+            step = pending["step"]
+            if step in ckpt.steps():
                 return False
-            return not ownership.is_stale(ckpt.storage, name, ckpt.options.lease_s)
+            who = pending.get("writer")
+            if isinstance(who, Mapping):
+                if who.get("host") == socket.gethostname() and type(who.get("pid")) is int:
+                    if who["pid"] == os.getpid():
+                        if (mine, step) in _SAVING:  # another plugin of this process is saving it
+                            return True
+                    elif process_exists(who["pid"]):
+                        return True
+                elif isinstance(who.get("time"), (int, float)) and time.time() - who["time"] < ckpt.options.lease_s:
+                    return True
+            name = step_dir(step)
+            return ckpt.storage.exists(name) and not ownership.is_stale(ckpt.storage, name, ckpt.options.lease_s)
 
         def settle() -> None:
             try:
@@ -414,13 +440,15 @@ class DistckptCheckpointIO(CheckpointIO):
                 if pending is None or job is None or pending.get("job") != job or pointer.get("root") != mine:
                     continue
                 try:
-                    if in_flight(pending["step"]):
+                    if in_flight(pending):
                         continue
-                    target = resolve(pointer, lambda s: ckpt.manifest(s).job)
+                    try:
+                        target = resolve(pointer, lambda s: ckpt.manifest(s).job)
+                    except FileNotFoundError:
+                        remove_file(where)  # its save never committed, and it named nothing before
+                        continue
                     write_pointer(where, pointer_bytes(self.root, target.get("job"), as_record(target)))
-                except FileNotFoundError:
-                    remove_file(where)  # its save never committed, and it named nothing before
-                except (OSError, ValueError, CheckpointError) as exc:
+                except (OSError, ValueError, KeyError, CheckpointError) as exc:
                     warnings.warn(f"distckpt: could not settle {where}, left by a stopped run: {exc}", stacklevel=4)
 
         try:
@@ -488,7 +516,10 @@ class DistckptCheckpointIO(CheckpointIO):
         step, self._inflight = self._inflight, None
         pending, self._pending = self._pending, []
         try:
-            self.checkpointer.wait()  # raises the save's error on every rank alike
+            try:
+                self.checkpointer.wait()  # raises the save's error on every rank alike
+            finally:
+                _SAVING.discard((_root_id(self.root), step))
         except BaseException as exc:
             # Nothing may point at the failed step, and the removals queued after it are dropped:
             # they were to make room for it, and could delete the last good checkpoint.
@@ -500,19 +531,19 @@ class DistckptCheckpointIO(CheckpointIO):
         self._run_on_rank0(pending)
 
     def _pointers_to(self, step: int) -> list[str]:
-        """(any rank, not collective) The pending checkpoint files (written before their save, left
-        by a run that stopped before the final pointer) in the directories known that a load
-        follows to ``step``, sorted; ``[]`` where none can be read."""
+        """(any rank, not collective) The checkpoint files in the directories known that a load
+        follows to this job's ``step`` (pending ones resolved), sorted; ``[]`` where none can be
+        read."""
+        job = self.checkpointer._lineage.job
         try:
             found = []
             for path, pointer in pointer_files_in(self._pointer_dirs()):
-                if pending_of(pointer) is None:
-                    continue
                 try:
-                    if resolve(pointer, lambda s: self.checkpointer.manifest(s).job)["step"] == step:
-                        found.append(path)
-                except (FileNotFoundError, ValueError):
+                    target = resolve(pointer, lambda s: self.checkpointer.manifest(s).job)
+                except (FileNotFoundError, ValueError, CheckpointError):
                     continue
+                if target["step"] == step and target.get("job") == job:
+                    found.append(path)
             return sorted(found)
         except OSError:
             return []
@@ -522,6 +553,7 @@ class DistckptCheckpointIO(CheckpointIO):
         :mod:`~distckpt.integrations.lightning_pointers`): the file exists from now on, as
         ModelCheckpoint expects, and names the file's previous target until the step commits."""
         job = self.checkpointer._lineage.job  # what the step's manifest will record
+        writer = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
 
         def write() -> None:
             where = os.fspath(path)
@@ -530,15 +562,15 @@ class DistckptCheckpointIO(CheckpointIO):
             if old is None and exists(where):
                 return  # a file of the user's: replaced only by the final pointer, once the step commits
             if old is not None and pending_of(old) is None:
-                data = pointer_bytes(self.root, old.get("job"), as_record(old), pending=(job, record))
+                data = pointer_bytes(self.root, old.get("job"), as_record(old), pending=(job, record), writer=writer)
             elif old is not None:  # a pending one left by a crash: its own resolution stays its target
                 try:
                     target = resolve(old, lambda s: self.checkpointer.manifest(s).job)
-                    data = pointer_bytes(self.root, target.get("job"), as_record(target), pending=(job, record))
+                    data = pointer_bytes(self.root, target.get("job"), as_record(target), pending=(job, record), writer=writer)
                 except FileNotFoundError:
-                    data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True)
+                    data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True, writer=writer)
             else:
-                data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True)
+                data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True, writer=writer)
             write_pointer(where, data)
 
         on_coordinator(Group(), f"writing Lightning checkpoint pointer {os.fspath(path)}", write)

@@ -123,11 +123,18 @@ def check_pointer_path(path: str | os.PathLike, root: str) -> None:
 
 
 def pointer_bytes(
-    root: str, job: str | None, record: PointerRecord, pending: tuple[str | None, PointerRecord] | None = None, alone: bool = False
+    root: str,
+    job: str | None,
+    record: PointerRecord,
+    pending: tuple[str | None, PointerRecord] | None = None,
+    alone: bool = False,
+    writer: dict[str, object] | None = None,
 ) -> bytes:
     """A pointer to ``record``'s step of job ``job``; ``pending``: ``(job, record)`` of a step
     being saved that the file will point to once it is committed (see the module doc);
-    ``alone``: the file had no target before (``record`` is then the pending one)."""
+    ``alone``: the file had no target before (``record`` is then the pending one); ``writer``:
+    who writes the pending step (``host``, ``pid``, ``time``), so that another process does not
+    take a save in flight for a stopped run's."""
     body: dict[str, object] = {
         "format": POINTER_FORMAT,
         "version": _POINTER_VERSION,
@@ -141,6 +148,8 @@ def pointer_bytes(
         body["pending"] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
         if alone:
             body["pending"]["alone"] = True  # (type: ignore) no previous target to fall back to
+        if writer is not None:
+            body["pending"]["writer"] = dict(writer)  # (type: ignore)
     return (json.dumps(body, indent=1) + "\n").encode()
 
 
@@ -171,7 +180,7 @@ def resolve(pointer: Pointer, committed_job: Callable[[int], object]) -> Pointer
     except FileNotFoundError:
         job = FileNotFoundError
     if job is not FileNotFoundError and (pending["job"] is None or job == pending["job"]):
-        return {**pointer, "step": pending["step"], "job": job, "epoch": pending["epoch"], "keys": pending["keys"]}  # type: ignore[typeddict-item]
+        return {**pointer, "step": pending["step"], "job": job, "epoch": pending.get("epoch"), "keys": pending["keys"]}  # type: ignore[typeddict-item]
     if pending.get("alone"):
         raise FileNotFoundError(
             f"it names step {pending['step']}, whose save never committed (the run stopped while saving it)"
