@@ -760,27 +760,34 @@ def test_a_resume_leaves_pending_pointers_of_saves_in_flight_and_of_other_roots(
     resumed.teardown()
 
 
-def test_a_pending_pointer_of_a_live_writer_is_left_before_its_step_folder_exists(tmp_path: Path) -> None:
-    """An async save makes its step folder only after staging: an evaluation loading in that
-    window took the training's pending pointer for a stopped run's, removed it, and the step was
-    deleted later (the lease check alone could not see it). The pointer now names its writer.
-    Found by a review (2026-12-06, /tmp/attack43)."""
+def _step_one_and_pending_two(tmp_path: Path, pid: int) -> tuple[Path, Path, bytes]:
+    """A root holding step 1 (``ck/a.ckpt``) and ``ck/b.ckpt``: the pending pointer of a save of
+    step 2 by process ``pid`` of this host, whose step folder does not exist yet."""
     import socket
-    import subprocess
-    import sys
 
     root, ck = tmp_path / "root", tmp_path / "ck"
     io = DistckptCheckpointIO(str(root))
     io.save_checkpoint(_state(1), ck / "a.ckpt")
     job = _pointer(ck / "a.ckpt")["job"]
     io.teardown()
-    keys = ["global_step", "epoch", "state_dict", "loops"]
+    record: Any = {"step": 2, "keys": ["global_step", "epoch", "state_dict", "loops"], "epoch": 0}
+    writer = {"host": socket.gethostname(), "pid": pid, "time": 0.0}
+    flying = dl.pointer_bytes(str(root), job, record, pending=(job, record), alone=True, writer=writer)
+    (ck / "b.ckpt").write_bytes(flying)
+    return root, ck, flying
+
+
+def test_a_pending_pointer_of_a_live_writer_is_left_before_its_step_folder_exists(tmp_path: Path) -> None:
+    """An async save makes its step folder only after staging: an evaluation loading in that
+    window took the training's pending pointer for a stopped run's, removed it, and the step was
+    deleted later (the lease check alone could not see it). The pointer now names its writer.
+    Found by a review (2026-12-06, /tmp/attack43)."""
+    import subprocess
+    import sys
+
     training = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        writer = {"host": socket.gethostname(), "pid": training.pid, "time": 0.0}
-        flying = dl.pointer_bytes(str(root), job, {"step": 2, "keys": keys, "epoch": 0},
-                                  pending=(job, {"step": 2, "keys": keys, "epoch": 0}), alone=True, writer=writer)  # fmt: skip
-        (ck / "b.ckpt").write_bytes(flying)
+        root, ck, flying = _step_one_and_pending_two(tmp_path, training.pid)
         assert not (root / "step_000000002").exists()
         evaluation = DistckptCheckpointIO(str(root))
         evaluation.load_checkpoint(ck / "a.ckpt")
@@ -798,20 +805,9 @@ def test_a_pending_pointer_of_a_live_writer_is_left_before_its_step_folder_exist
 def test_a_pending_pointer_of_a_save_of_this_process_in_flight_is_left(tmp_path: Path) -> None:
     """The same in one process (a notebook evaluating beside its training): the writer's pid is
     this process's, so the saves its plugins have begun decide. (/tmp/attack43/r1b...)"""
-    import socket
-
     from distckpt.integrations.lightning_pointers import _root_id
 
-    root, ck = tmp_path / "root", tmp_path / "ck"
-    io = DistckptCheckpointIO(str(root))
-    io.save_checkpoint(_state(1), ck / "a.ckpt")
-    job = _pointer(ck / "a.ckpt")["job"]
-    io.teardown()
-    keys = ["global_step", "epoch", "state_dict", "loops"]
-    writer = {"host": socket.gethostname(), "pid": os.getpid(), "time": 0.0}
-    flying = dl.pointer_bytes(str(root), job, {"step": 2, "keys": keys, "epoch": 0},
-                              pending=(job, {"step": 2, "keys": keys, "epoch": 0}), alone=True, writer=writer)  # fmt: skip
-    (ck / "b.ckpt").write_bytes(flying)
+    root, ck, flying = _step_one_and_pending_two(tmp_path, os.getpid())
     dl._SAVING.add((_root_id(str(root)), 2))
     try:
         evaluation = DistckptCheckpointIO(str(root))
