@@ -295,8 +295,8 @@ class Checkpointer:
             step = self.latest_step() if step is None else step
             if step is not None and step in self.local.committed():
                 held = read_manifest(self.local.storage, step)
-                try:
-                    found = self._root_manifest(step) if self._root_listing() is not None else None
+                try:  # (None where neither the root nor the replica holds it, or is there)
+                    found = self._root_manifest(step)
                 except OSError:
                     found = None
                 if found is None:

@@ -407,13 +407,13 @@ class DistckptCheckpointIO(CheckpointIO):
         ckpt = self.checkpointer
         mine = _root_id(self.root)
 
-        def in_flight(pending: Mapping[str, Any]) -> bool:
+        def in_flight(pending: Mapping[str, Any], committed: set[int]) -> bool:
             # A save still writing it (another process of this job: an evaluation loading while
             # training saves): its writer is alive (this host), or wrote it less than a lease ago
             # (another host; an async save makes the step folder only after staging), or its
             # step folder is there, uncommitted, under a live lease.
             step = pending["step"]
-            if step in ckpt.steps():
+            if step in committed:
                 return False
             who = pending.get("writer")
             if isinstance(who, Mapping):
@@ -429,21 +429,22 @@ class DistckptCheckpointIO(CheckpointIO):
             return ckpt.storage.exists(name) and not ownership.is_stale(ckpt.storage, name, ckpt.options.lease_s)
 
         def settle() -> None:
+            if job is None:
+                return
             try:
                 found = list(pointer_files_in(self._pointer_dirs()))
             except OSError as exc:
                 warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=4)
                 return
-            for where, pointer in found:
-                pending = pending_of(pointer)
-                # Only this job's, of this root (a fork's copied root holds other steps).
-                if pending is None or job is None or pending.get("job") != job or pointer.get("root") != mine:
-                    continue
+            # Only this job's, of this root (a fork's copied root holds other steps).
+            ours = [(where, p) for where, p in found if (pending_of(p) or {}).get("job") == job and p.get("root") == mine]
+            committed = set(ckpt.steps()) if ours else set()
+            for where, pointer in ours:
                 try:
-                    if in_flight(pending):
+                    if in_flight(pending_of(pointer), committed):  # type: ignore[arg-type]
                         continue
                     try:
-                        target = resolve(pointer, lambda s: ckpt.manifest(s).job)
+                        target = resolve(pointer, self._committed_job)
                     except FileNotFoundError:
                         remove_file(where)  # its save never committed, and it named nothing before
                         continue
@@ -539,7 +540,7 @@ class DistckptCheckpointIO(CheckpointIO):
             found = []
             for path, pointer in pointer_files_in(self._pointer_dirs()):
                 try:
-                    target = resolve(pointer, lambda s: self.checkpointer.manifest(s).job)
+                    target = resolve(pointer, self._committed_job)
                 except (FileNotFoundError, ValueError, CheckpointError):
                     continue
                 if target["step"] == step and target.get("job") == job:
@@ -558,19 +559,18 @@ class DistckptCheckpointIO(CheckpointIO):
         def write() -> None:
             where = os.fspath(path)
             check_pointer_path(where, self.root)
-            old = try_pointer(where)
-            if old is None and exists(where):
+            previous = try_pointer(where)
+            if previous is None and exists(where):
                 return  # a file of the user's: replaced only by the final pointer, once the step commits
-            if old is not None and pending_of(old) is None:
-                data = pointer_bytes(self.root, old.get("job"), as_record(old), pending=(job, record), writer=writer)
-            elif old is not None:  # a pending one left by a crash: its own resolution stays its target
+            if previous is not None:  # (a pending one left by a crash: its own resolution is its target)
                 try:
-                    target = resolve(old, lambda s: self.checkpointer.manifest(s).job)
-                    data = pointer_bytes(self.root, target.get("job"), as_record(target), pending=(job, record), writer=writer)
+                    previous = resolve(previous, self._committed_job)
                 except FileNotFoundError:
-                    data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True, writer=writer)
-            else:
+                    previous = None
+            if previous is None:
                 data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True, writer=writer)
+            else:
+                data = pointer_bytes(self.root, previous.get("job"), as_record(previous), pending=(job, record), writer=writer)
             write_pointer(where, data)
 
         on_coordinator(Group(), f"writing Lightning checkpoint pointer {os.fspath(path)}", write)
@@ -667,12 +667,17 @@ class DistckptCheckpointIO(CheckpointIO):
                 dirs.add(dir_url(dirpath))
         return dirs
 
+    def _committed_job(self, step: int) -> str | None:
+        """The job committed ``step`` of this root records (:func:`resolve`); ``FileNotFoundError``
+        where it is not committed."""
+        return self.checkpointer.manifest(step).job
+
     def _locate(self, path: str) -> tuple[int, list[str], list[str], str, int, str | None]:
         """(rank 0) Read and check the pointer at ``path`` and the layout of its step."""
         ckpt = self.checkpointer
         record = read_pointer(path)
         try:  # a pending pointer (a crash during its save): its step where it committed, else its previous one
-            record = resolve(record, lambda s: ckpt.manifest(s).job)
+            record = resolve(record, self._committed_job)
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"{path}: {exc}") from None
         step = record["step"]

@@ -145,11 +145,12 @@ def pointer_bytes(
         "keys": list(record["keys"]),
     }
     if pending is not None:
-        body["pending"] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
+        part: dict[str, object] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
         if alone:
-            body["pending"]["alone"] = True  # (type: ignore) no previous target to fall back to
+            part["alone"] = True  # no previous target to fall back to
         if writer is not None:
-            body["pending"]["writer"] = dict(writer)  # (type: ignore)
+            part["writer"] = dict(writer)
+        body["pending"] = part
     return (json.dumps(body, indent=1) + "\n").encode()
 
 
@@ -178,9 +179,10 @@ def resolve(pointer: Pointer, committed_job: Callable[[int], object]) -> Pointer
     try:
         job = committed_job(pending["step"])
     except FileNotFoundError:
-        job = FileNotFoundError
-    if job is not FileNotFoundError and (pending["job"] is None or job == pending["job"]):
-        return {**pointer, "step": pending["step"], "job": job, "epoch": pending.get("epoch"), "keys": pending["keys"]}  # type: ignore[typeddict-item]
+        pass
+    else:
+        if pending["job"] is None or job == pending["job"]:
+            return {**pointer, "step": pending["step"], "job": job, "epoch": pending.get("epoch"), "keys": pending["keys"]}  # type: ignore[typeddict-item]
     if pending.get("alone"):
         raise FileNotFoundError(
             f"it names step {pending['step']}, whose save never committed (the run stopped while saving it)"

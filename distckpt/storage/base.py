@@ -214,7 +214,7 @@ def _redact(url: str) -> str:
     # the LAST "@" is user info: a password may hold "@" itself (ftp://bob:p@ss@host is user
     # bob, password p@ss, host host).
     if "@" in host and (scheme.lower() not in _AZURE_SCHEMES or ":" in host.rsplit("@", 1)[0]):
-        rest = rest.rsplit("@", 1)[1] if "/" not in rest else host.rsplit("@", 1)[1] + "/" + rest.split("/", 1)[1]
+        rest = host.rsplit("@", 1)[1] + rest[len(host) :]
     return f"{scheme}://{rest}"
 
 

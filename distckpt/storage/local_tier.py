@@ -181,7 +181,7 @@ class Holding:
     files: list[str]  # every file the step needs (manifest.json included), from the manifest
     intact: list[str]  # files this rank checked and found intact (its share of the node's)
     job: str | None = None  # the job its manifest records (a named job resumes its own steps)
-    created: float = 0.0  # its manifest's created_unix (which of two commits of a step is newer)
+    created_unix: float = 0.0  # its manifest's (which of two commits of a step is newer)
     root: str | None = None  # the root its manifest records (Manifest.root)
 
 
@@ -192,11 +192,8 @@ def superseded_by(held: Holding | Manifest, root: str | None, job: str | None, c
     Manifests that record no root (written before they did): the same job. Another root's
     commit on a shared replica never supersedes, nor does an older one (a re-save whose upload
     failed). "Newer" is read from the saving machines' clocks."""
-    mine_root = held.root
-    mine_job = held.job
-    mine_created = held.created if isinstance(held, Holding) else held.created_unix
-    same = root == mine_root if root is not None and mine_root is not None else job == mine_job
-    return same and created > mine_created
+    same = root == held.root if root is not None and held.root is not None else job == held.job
+    return same and created > held.created_unix
 
 
 @dataclass(frozen=True)
