@@ -113,6 +113,14 @@ def existing_dir(text: str) -> str:
     return text
 
 
+def add_json_arg(p: argparse.ArgumentParser, name: str, *aliases: str) -> None:
+    """The ``--json`` option every script takes (its results, the table beside them as .md),
+    filled by :func:`resolve_outputs` when not given."""
+    p.add_argument("--json", *aliases, dest="json", default=None,
+                   help=f"results (and the table as .md beside it); default benchmarks/results/{name}.json, "
+                        "with --quick a new temporary folder")  # fmt: skip
+
+
 def resolve_quick(args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any]) -> None:
     """Fill every option the user left out (parsed as ``None``) with its ``--quick`` value or its
     full-run default: ``--quick`` only changes defaults, never a value given on the command line."""

@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import existing_dir, machine_info, positive_float, publish, resolve_outputs, resolve_quick  # noqa: E402
+from _common import add_json_arg, existing_dir, machine_info, positive_float, publish, resolve_outputs, resolve_quick  # noqa: E402
 
 TARGET_MB = 600
 #: What the converter may hold above ``import torch`` + DCP (600 MB less the CPU build's ~280 MB).
@@ -89,9 +89,7 @@ def main() -> int:
     parser.add_argument("--naive", action="store_true", help="also run DCP's dcp_to_torch_save for contrast")
     parser.add_argument("--dir", type=existing_dir, default="/tmp",
                         help="an existing dir for the temporary checkpoint (a folder of this run's inside it; not /dev/shm)")
-    parser.add_argument("--json", default=None,
-                        help="where to write the results (and the table as .md); default benchmarks/results/convert_memory.json, "
-                             "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(parser, "convert_memory")
     parser.add_argument("--build", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     resolve_quick(args, full={"gib": 2.0}, quick={"gib": 0.0625})

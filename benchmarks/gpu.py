@@ -490,9 +490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dir", type=_common.existing_dir, default=None,
                    help="an existing directory to work in: a folder of this run's is made inside it and removed "
                         "at the end (default: benchmarks/.scratch)")
-    p.add_argument("--json", "--out", dest="json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/gpu.json, "
-                        "with --quick a new temporary folder")
+    _common.add_json_arg(p, "gpu", "--out")
     p.add_argument("--dcp-same-threads", action="store_true",
                    help="also time dcp_sync_same_threads_s (DCP's FileSystemWriter with --threads threads; off by "
                         "default: one more full save per repeat, and the GPU run must finish in 4 minutes)")

@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     GiB, MiB, current_rss, existing_dir, machine_info, median, peak_rss, positive_float, positive_int, publish, remove_scratch,
     reset_peak_rss, resolve_outputs, resolve_quick, run_folder, transformer_like_shapes,
 )  # fmt: skip
@@ -143,9 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=positive_int, default=None, help="loads per rank (default 4; --quick: 1)")
     p.add_argument("--dir", type=existing_dir, default=None,
                    help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch)")
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/hf_load.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "hf_load")
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
     args = p.parse_args(argv)
     resolve_quick(args, full={"size_gib": 2.0, "shard_mib": 512, "repeats": 4}, quick={"size_gib": 1 / 16, "shard_mib": 16, "repeats": 1})

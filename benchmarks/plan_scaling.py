@@ -79,6 +79,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     choice_list, layer_shapes, machine_info, nonnegative_int, positive_int, positive_ints, publish, resolve_outputs, resolve_quick,
     save_figure,
 )  # fmt: skip
@@ -724,9 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sharded-max", type=positive_int, default=512, help="largest simulated world size for the sharded layout")
     p.add_argument("--real", type=nonnegative_int, default=0, metavar="N", help="also save a tiny state on N real gloo processes")
     p.add_argument("--real-tensors", type=positive_int, default=100)
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/plan_scaling.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "plan_scaling")
     p.add_argument("--png", default=None, help="the plot (default: beside --json, same name, .png; '' to skip)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = p.parse_args(argv)

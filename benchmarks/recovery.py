@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     GiB,
     REPO,
     drop_cache,
@@ -317,9 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     p.add_argument("--dir", type=existing_dir, default=None,
                    help="an existing directory on disk to work in (a folder of this run's inside it; default benchmarks/.scratch)")
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/recovery.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "recovery")
     args = p.parse_args(argv)
     resolve_quick(args, full={"gib": 1.0, "repeats": 3}, quick={"gib": 1 / 64, "repeats": 1})
     resolve_outputs(args, "recovery")

@@ -72,6 +72,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     as_module,
     publish,
     GiB,
@@ -757,9 +758,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--small-mib", type=positive_ints_or_none, default=None,
                    help="sizes of the fixed-cost saves, MiB (comma-separated; '' to skip; default 10,100, --quick: 1)")
     p.add_argument("--small-repeats", type=positive_int, default=None, help="fixed-cost saves per size and repetition (default 3; --quick: 1)")
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/save_throughput.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "save_throughput")
     p.add_argument("--png", default=None, help="the plot (default: beside --json, same name, .png; '' to skip)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (8 MiB, 1 repeat, world size 1)")
     p.add_argument(

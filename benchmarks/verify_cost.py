@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     GiB,
     drop_cache,
     existing_dir,
@@ -181,9 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dir", type=existing_dir, default=None,
                    help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch on the repo's disk)")
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/verify_cost.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "verify_cost")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (8 MiB, 1 repeat, world sizes 1,2)")
     args = p.parse_args(argv)
     resolve_quick(args, full={"size_gib": 1.0, "repeats": 3}, quick={"size_gib": 8 / 1024, "repeats": 1})

@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_json_arg,
     MiB, existing_dir, machine_info, median, peak_rss, positive_int, publish, remove_scratch, reset_peak_rss, resolve_outputs,
     resolve_quick, run_folder,
 )  # fmt: skip
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=positive_int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--dir", type=existing_dir, default=None,
                    help="an existing dir to work in (a folder of this run's inside it; default: benchmarks/.scratch)")
-    p.add_argument("--json", default=None,
-                   help="results (and the table as .md beside it); default benchmarks/results/zero_memory.json, "
-                        "with --quick a new temporary folder")  # fmt: skip
+    add_json_arg(p, "zero_memory")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (2 ranks, small model, 1 repeat)")
     args = p.parse_args(argv)
     resolve_quick(args, full={"world_size": 4, "hidden": 1024, "layers": 8, "vocab": 16384, "repeats": 3},
