@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._ints import plain_int
+from distckpt._dist import on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
@@ -562,8 +563,12 @@ class Checkpointer:
         planned: dict[int, tuple[Manifest, loading.Planned]] = {}
 
         def needs(manifest: Manifest) -> set[str]:
-            # What this rank's load will read: a node is sent only what its ranks read.
-            metadata = read_metadata(local.storage, manifest, verify=True)
+            # What this rank's load will read: a node is sent only what its ranks read. Every
+            # node holds the step's .metadata by now (recover() called this on every rank
+            # alike): read and verified once, by the coordinator, as the root's load reads it.
+            # Four ranks scanning it at once (its safety scans are pure Python) cost a recovery
+            # a fifth of its time; another node's damaged copy goes unread (the load reads none).
+            metadata = on_coordinator(group, "load", lambda: read_metadata(local.storage, manifest, verify=True))
             ahead = loading.plan_ahead(group, manifest, metadata, state, restore_rng, only, exclude)
             planned[manifest.step] = (manifest, ahead)  # the load reuses this plan and its metadata
             return set(ahead.files)

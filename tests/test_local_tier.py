@@ -658,9 +658,9 @@ def test_a_node_recovering_an_fsdp_state_with_an_optimizer_gets_its_share(tmp_pa
 
 
 @pytest.mark.parametrize("checksum", ["crc32c", None])
-def test_a_tier_load_reads_the_metadata_once_per_rank(tmp_path, monkeypatch, checksum):
-    """Recovery reads and verifies the step's ``.metadata`` on each rank to plan the files it
-    needs; the load then reuses it rather than reading it again on the coordinator. Without
+def test_a_tier_load_reads_the_metadata_once(tmp_path, monkeypatch, checksum):
+    """Recovery reads and verifies the step's ``.metadata`` (on the coordinator) to plan the
+    files each rank needs; the load then reuses it rather than reading it again on the coordinator. Without
     checksums the copies cannot be told apart: the load reads the coordinator's, as from the root."""
     import torch
 
@@ -680,14 +680,15 @@ def test_a_tier_load_reads_the_metadata_once_per_rank(tmp_path, monkeypatch, che
 
 
 def _counted_load_body(rank: int, world: int, root: str, nodes: str) -> dict:
-    """``_sharded_load_body`` counting this rank's load planning (distckpt's and DCP's) and
-    distckpt's collectives during the load."""
+    """``_sharded_load_body`` counting this rank's load planning (distckpt's and DCP's), its
+    reads of the step's ``.metadata`` and distckpt's collectives during the load."""
     import torch.distributed.checkpoint.default_planner as dcp_planner
 
     from distckpt import _dist
+    from distckpt import checkpointer as checkpointer_module
     from distckpt.load import run as load_run
 
-    counts = {"plan_load": 0, "dcp_plan": 0, "all_gather": 0}
+    counts = {"plan_load": 0, "dcp_plan": 0, "all_gather": 0, "metadata": 0}
 
     def counting(owner: object, name: str, key: str) -> None:
         real = getattr(owner, name)
@@ -701,6 +702,7 @@ def _counted_load_body(rank: int, world: int, root: str, nodes: str) -> dict:
     counting(load_run, "plan_load", "plan_load")
     counting(dcp_planner, "create_default_local_load_plan", "dcp_plan")
     counting(_dist.Group, "all_gather", "all_gather")
+    counting(checkpointer_module, "read_metadata", "metadata")
     tier, sources, exact = _sharded_load_body(rank, world, root, nodes)
     return {"tier": tier, "exact": exact, "sources": sources, **counts}
 
@@ -716,7 +718,9 @@ def test_a_recovery_plans_once_and_a_restart_rewrites_nothing(tmp_path):
     nodes all hold the step sends, writes and gathers nothing beyond what it must: the tier's
     files are untouched (same inode, same mtime) and the load takes at most six collectives
     (distckpt's group of a fresh Checkpointer, the nodes, the inventory, whether every rank
-    planned, the plan exchange, the read; twelve before the fast path)."""
+    planned, the plan exchange, the read; twelve before the fast path). The step's ``.metadata``
+    is read and verified once, by the coordinator, not by every rank (its safety scans are pure
+    Python: four ranks scanning at once on two cores cost a recovery ~0.1 s)."""
     root, nodes = tmp_path / "root", tmp_path / "nodes"
     run_ranks(_sharded_save_body, WORLD, tmp_path, str(root), str(nodes), timeout=120)
     before = {n: _tier_files(nodes / n) for n in ("node0", "node1")}
@@ -726,6 +730,7 @@ def test_a_recovery_plans_once_and_a_restart_rewrites_nothing(tmp_path):
         assert set(got["sources"].values()) == {"local"}, got
         assert (got["plan_load"], got["dcp_plan"]) == (1, 1), (rank, got["plan_load"], got["dcp_plan"], got["all_gather"])
         assert got["all_gather"] <= 6, (rank, got)
+        assert got["metadata"] == (1 if rank == 0 else 0), (rank, got)
     assert {n: _tier_files(nodes / n) for n in ("node0", "node1")} == before
     # A lost node: its files come from the peer, and still one plan per rank.
     shutil.rmtree(nodes / "node1")
@@ -733,6 +738,7 @@ def test_a_recovery_plans_once_and_a_restart_rewrites_nothing(tmp_path):
     for rank, got in enumerate(results):
         assert got["tier"] == "local" and got["exact"], (rank, got)
         assert (got["plan_load"], got["dcp_plan"]) == (1, 1), (rank, got["plan_load"], got["dcp_plan"], got["all_gather"])
+        assert got["metadata"] == (1 if rank == 0 else 0), (rank, got)
     assert any(src != "local" for src in results[2]["sources"].values())
 
 

@@ -570,9 +570,9 @@ class LocalTier:
         coordinator only: the root's committed steps and whether they are only its replica's (the
         root unreachable: its uploads lag), ``None`` where neither can be listed (see
         :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
-        ``needs(manifest)`` (each rank, once this node holds the step's ``.metadata``): the files
-        this rank's load will read; a node is then sent only what its ranks read (``None``, or
-        a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
+        ``needs(manifest)`` (every rank alike, once every node holds the step's ``.metadata``;
+        it may run collectives): the files this rank's load will read; a node is then sent only
+        what its ranks read (``None``, or a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
         every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
         rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
         of the root's manifest of ``step``, else the replica's, and whether they are the
@@ -683,8 +683,8 @@ class LocalTier:
                 first = [t for t in moves if t[0] == METADATA]
                 failures = transfer(group, self.step_path(step), first, manifest, verify=True)
                 # Its own collective, not merged into the next one: a receiver renames the file
-                # into place after transfer()'s last collective, and the other ranks of its node
-                # read it in needs() only once they know every receiver is done.
+                # into place after transfer()'s last collective, and needs() reads it (on the
+                # coordinator, which may be a receiver) only once every receiver is done.
                 if any(group.all_gather(failures)) and not failures:  # decided alike on every rank
                     failures = ["sending .metadata failed on another rank"]
                 wanted = None if failures else _plan(needs, manifest, group.rank)
