@@ -469,6 +469,41 @@ def test_a_tier_that_cannot_be_written_warns_and_the_root_commits(tmp_path):
         assert ckpt.last_load_report.tier == "root"
 
 
+def _one_node_blocked_body(rank: int, world: int, root: str, nodes: str) -> tuple:
+    import warnings
+
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distckpt.Checkpointer(root, local_dir=_node_dir(nodes, rank), save_rng=False) as ckpt:
+            ckpt.save(1, {"w": torch.full((4,), float(rank))}, blocking=False)
+            ckpt.wait()
+            ckpt.save(2, {"w": torch.full((4,), float(rank))}, blocking=False)
+            ckpt.wait()
+            steps = ckpt.steps()
+    return steps, [str(w.message) for w in caught if "keeps no local-tier copy" in str(w.message)]
+
+
+@pytest.mark.timeout(120)
+def test_one_nodes_tier_that_cannot_take_a_step_keeps_it_out_of_every_tier(tmp_path):
+    """Where one node's tier cannot take a step (something not the tier's in the way), every
+    rank is told (one warning each, async saves too) and no node keeps a copy of that step: a
+    copy on some nodes only could never be recovered as a whole. The next step is kept again."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    (nodes / "node1").mkdir(parents=True)
+    (nodes / "node1" / "step_000000001").write_text("in the way")
+    results = run_ranks(_one_node_blocked_body, WORLD, tmp_path, str(root), str(nodes), timeout=100)
+    for rank, (steps, warned) in enumerate(results):
+        assert steps == [1, 2], (rank, steps)
+        assert len(warned) == 1 and "step 1" in warned[0], (rank, warned)
+    assert not (nodes / "node0" / "step_000000001").exists()
+    assert (nodes / "node1" / "step_000000001").read_text() == "in the way"
+    for node in ("node0", "node1"):
+        assert (nodes / node / "step_000000002" / "manifest.json").is_file(), node
+
+
 @pytest.mark.timeout(120)
 def test_recovery_with_the_s3_server_stopped(tmp_path):
     """Root on S3 (a real moto server on 127.0.0.1); the server stopped before the restart: the

@@ -104,6 +104,9 @@ class SaveView:
         writer_exit: this rank's background writer process's exit code where it exited since
             the last save (killed while idle, by the OOM killer say), else ``None``: any such
             rank makes every rank restart its writer before this save (they form one group).
+        tier_usable: whether this node's local recovery tier can take the step
+            (:meth:`~distckpt.storage.local_tier.LocalTier.usable_for`; ``True`` without a tier):
+            the save keeps a local copy only where every rank's can.
 
     Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
@@ -118,6 +121,7 @@ class SaveView:
     cache: tuple[int, str] | None = None
     blocking: bool = True  # must agree: a save is synchronous on every rank or on none
     writer_exit: int | None = None
+    tier_usable: bool = True
 
 
 @dataclass

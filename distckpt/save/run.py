@@ -286,6 +286,9 @@ class SaveDriver:
             prepared, view = phases.prepare(opts, step, state, extra, group.rank, blocking, plans, safe_types=self.options.safe_types)
             if in_process and self.writer is not None:
                 view.writer_exit = self.writer.proc.poll()
+            if local is not None:
+                # In the exchange, not a collective of its own: an async save's blocked time.
+                view.tier_usable = local.usable_for(step)
             return prepared, view
 
         prepared, views = exchange(group, f"save of step {step}", prepare)
@@ -311,7 +314,7 @@ class SaveDriver:
         if local is not None:
             # Every node's tier must be able to take the step (nothing of another root's in the
             # way), or this save keeps no local copy anywhere.
-            if all(group.all_gather(local.usable_for(step))):
+            if all(v.tier_usable for v in views):
                 tier = local
             else:
                 local.skipped(step)
