@@ -393,3 +393,67 @@ def test_a_save_failing_right_after_its_claim_releases_the_step(tmp_path, monkey
         assert ckpt.steps() == [1]
     finally:
         ckpt.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("warnings_as_errors", [False, True])
+def test_retention_failing_after_the_commit_never_fails_the_save(tmp_path, monkeypatch, blocking, warnings_as_errors):
+    """Retention runs after the manifest committed the step. A listing of the root that fails
+    there (an object store's transient error) was raised as the save's error: a committed step
+    reported failed, never copied to the local tier or the replica, and its retry refused as
+    existing. It is a warning (a log line where warnings are errors); the next save retries."""
+    import warnings
+
+    from distckpt.storage import retention
+
+    real = retention.committed_steps
+    failing = {"on": True}
+
+    def listing(storage):
+        if failing["on"]:
+            raise OSError("listing failed (transient)")
+        return real(storage)
+
+    monkeypatch.setattr(retention, "committed_steps", listing)
+    root, replica, tier = tmp_path / "root", tmp_path / "replica", tmp_path / "tier"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("error" if warnings_as_errors else "always")
+        with distckpt.Checkpointer(root, keep_last=1, replicate_to=str(replica), local_dir=tier, local_peers=0, save_rng=False) as ckpt:
+            ckpt.save(1, {"w": torch.ones(3)}, blocking=blocking)
+            ckpt.wait()
+            assert ckpt.steps() == [1]
+            failing["on"] = False
+            ckpt.save(2, {"w": torch.ones(3) * 2}, blocking=blocking)
+            ckpt.wait()
+            assert ckpt.steps() == [2]  # the next save's retention did retire step 1
+    if not warnings_as_errors:
+        assert any("retention on" in str(w.message) and "listing failed" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert (tier / step_dir(1) / MANIFEST_NAME).is_file() or (tier / step_dir(2) / MANIFEST_NAME).is_file()
+    assert (replica / step_dir(2) / MANIFEST_NAME).is_file()
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        fresh = {"w": torch.zeros(3)}
+        assert ckpt.load(fresh) == 2 and torch.equal(fresh["w"], torch.ones(3) * 2)
+
+
+def test_load_after_a_failed_async_save_raises_its_error_then_loads(tmp_path, monkeypatch):
+    """(README, "Asynchronous saves") ``load`` waits for the in-flight save: a save that failed in
+    the background is raised there, once, and nothing is loaded; the next ``load`` loads."""
+    from distckpt.save import writer as _writer
+
+    orig = _writer._ChecksumStream.write
+
+    def write(self, b):
+        raise OSError(28, "No space left on device")
+
+    state = {"w": torch.ones(16)}
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.save(1, state)
+        monkeypatch.setattr(_writer._ChecksumStream, "write", write)
+        ckpt.save(2, {"w": torch.full((16,), 2.0)}, blocking=False)
+        fresh = {"w": torch.zeros(16)}
+        with pytest.raises(distckpt.CheckpointError, match="No space left"):
+            ckpt.load(fresh)
+        assert torch.equal(fresh["w"], torch.zeros(16))
+        monkeypatch.setattr(_writer._ChecksumStream, "write", orig)
+        assert ckpt.load(fresh) == 1 and torch.equal(fresh["w"], torch.ones(16))
+        assert ckpt.steps() == [1]

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -637,9 +638,23 @@ def apply_retention(
     owned: Callable[[int], bool] | None = None,
     keep: Callable[[int], bool] | None = None,
     forget: Callable[[int], None] | None = None,
+    what: str = "retention",
+    then: str = "the next save retries it",
 ) -> None:
     """(coordinator) Delete this job's committed steps beyond ``keep_last`` (``owned``: which are
     this job's; ``None``: all; ``keep``: steps kept for now; ``forget``: see
     :func:`~distckpt.storage.retention.delete_old_steps`); warn, never fail, on errors. With
-    ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`)."""
-    delete_old_steps(opts.storage, opts.keep_last, reaper, owned, keep, forget)
+    ``reaper``, their files are unlinked in its thread (see :class:`~distckpt.storage.retention.Reaper`).
+
+    Runs after the manifest committed the step: whatever fails here (listing the root, reading
+    an old step's manifest to tell whose it is) is a warning, never the save's error. Raised,
+    it reported a committed save as failed; a retry of the step then met ``StepExistsError``,
+    and the local tier and replica never got the step."""
+    try:
+        delete_old_steps(opts.storage, opts.keep_last, reaper, owned, keep, forget)
+    except Exception as exc:  # noqa: BLE001 - the step is committed; the next save's retention retries
+        message = f"distckpt: {what} on {opts.storage.display()} failed: {exc} ({then})"
+        try:
+            warnings.warn(message, stacklevel=2)
+        except Exception:  # noqa: BLE001 - warnings turned into errors (-W error): still never the save's
+            log.warning(message)

@@ -230,6 +230,7 @@ class SaveDriver:
                 # keeps that it lacks (an upload that failed: the next run's retention uploads it).
                 keep=lambda s: s == step or replica.holds(s, step),
                 forget=lambda s: self.lineage.forget(self.opts.storage, s),
+                what="retention at close", then="the next run's saves retire those steps",
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - e.g. the root unreachable by now: the next run's saves retire them
             warnings.warn(f"distckpt: retention at close on {self.opts.storage.display()} failed: {exc}", stacklevel=3)
