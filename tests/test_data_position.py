@@ -115,3 +115,98 @@ def test_numpy_arguments_are_taken_and_others_refused_naming_them():
     other = distckpt.GlobalBatchSampler(12, 4, rank=0, world_size=1, shuffle=False)
     with pytest.raises(ValueError, match="num_samples=10 but this sampler has 12"):
         other.load_state_dict(seq.state_dict())
+
+
+
+def test_any_non_negative_seed_is_taken_and_orders_stay_as_they_were():
+    """``seed=time.time_ns()`` (or any seed past ~1.8e13) was accepted, then the first batch
+    failed in torch's Generator with "Overflow when unpacking long long", naming nothing. Found
+    by a helper (2026-12-06). Seeds that worked give the same order as before."""
+    import torch
+
+    for seed in (1_800_000_000_000_000, 2**64, 2**70 + 3):
+        first = distckpt.GlobalBatchSampler(40, 4, rank=0, world_size=1, seed=seed)
+        again = distckpt.GlobalBatchSampler(40, 4, rank=0, world_size=1, seed=seed)
+        batches = [first.next_batch() for _ in range(12)]
+        assert batches == [again.next_batch() for _ in range(12)] and sorted(i for b in batches[:10] for i in b) == list(range(40))
+    # The order of a seed that always worked: torch's permutation of that seed, as before.
+    old = torch.randperm(40, generator=torch.Generator().manual_seed(9 * 1_000_003 + 0)).tolist()
+    assert distckpt.GlobalBatchSampler(40, 4, rank=0, world_size=1, seed=9).global_batch(0) == old[:4]
+
+
+def _epoch_loader(workers: int, epoch: int | None = None):
+    """A StatefulDataLoader over a shuffling DistributedSampler (one replica), at ``epoch``."""
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sampler = DistributedSampler(list(range(N)), num_replicas=1, rank=0, shuffle=True, seed=3)
+    if epoch is not None:
+        sampler.set_epoch(epoch)
+    return StatefulDataLoader(list(range(N)), batch_size=8, sampler=sampler, num_workers=workers), sampler
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_the_load_reads_nothing_of_is_left_as_it_was(tmp_path, workers):
+    """``strict=False`` with a StatefulDataLoader the checkpoint does not hold: the load planned
+    it by calling its ``state_dict()``, which starts an iterator (its epoch's order, workers
+    prefetching) that its next ``iter()`` returned. ``set_epoch(3)`` after the load was ignored:
+    epoch 0's order came out again. Found by a helper (2026-12-06)."""
+    import torch
+
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"epoch": 3, "w": torch.ones(2)})
+    loader, sampler = _epoch_loader(workers)
+    state = {"epoch": 0, "w": torch.zeros(2), "loader": loader}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load(state, strict=False)
+        assert ckpt.last_load_report.missing and all(k.startswith("loader.") for k in ckpt.last_load_report.missing)
+    sampler.set_epoch(state["epoch"])
+    expected, _ = _epoch_loader(0, epoch=3)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in expected]
+
+
+def test_a_failed_load_leaves_a_loader_without_the_iterator_its_planning_started(tmp_path):
+    """A load that fails (``strict=True``, a key missing) after planning a fresh loader: the
+    iterator the planning started is dropped, as it was never asked for."""
+    import torch
+
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+    loader, sampler = _epoch_loader(0)
+    with distckpt.Checkpointer(tmp_path) as ckpt, pytest.raises(distckpt.StateMismatchError):
+        ckpt.load({"w": torch.zeros(2), "loader": loader})
+    sampler.set_epoch(2)
+    expected, _ = _epoch_loader(0, epoch=2)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in expected]
+
+
+def _save_per_rank_loader(rank: int, world: int, root: str) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sampler = _sampler(rank, world)
+    loader = StatefulDataLoader(list(range(N)), batch_sampler=sampler, num_workers=0)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(4, {"sampler": sampler, "loader": loader})
+
+
+def test_a_loader_skipped_at_another_world_size_resumes_at_the_samplers_position(tmp_path):
+    """Per-rank state saved at world size 2, loaded at 1 with ``strict=False``: the loader is
+    skipped (reported) and the sampler's global position resumes. The loader's planning had
+    started an iterator at the sampler's position before the load (batch 0): the first batches
+    after the resume were the start of training."""
+    from dist_harness import run_ranks
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    run_ranks(_save_per_rank_loader, 2, tmp_path, str(tmp_path / "root"), timeout=100)
+    sampler = _sampler()
+    loader = StatefulDataLoader(list(range(N)), batch_sampler=sampler, num_workers=2)  # they fetch ahead
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.load({"sampler": sampler, "loader": loader}, strict=False)
+        assert "loader" in ckpt.last_load_report.skipped
+    position = sampler.batches_consumed
+    assert position == 4
+    batches = iter(loader)
+    assert [next(batches).tolist() for _ in range(2)] == [sampler.global_batch(i) for i in (position, position + 1)]

@@ -103,11 +103,14 @@ def plan_load(
             held = f"a {saved.get('kind')!r} entry (saved from an object holding tensors)"
             given = f"a plain value ({type(getattr(e, 'value', None)).__name__})"
             raise StateMismatchError([], [], {}, f"step {manifest.step}", kinds={e.name: (held, given)})
+        if saved.get("scope") == scope.PER_RANK and manifest.world_size != group.world_size:
+            # Cannot be resharded: reported (strict) or skipped. Before its load target is made:
+            # making it can change the object (a torchdata loader's state_dict() starts an
+            # iterator, which the next epoch then runs instead of a fresh one).
+            per_rank[e.name] = (manifest.world_size, group.world_size)
+            continue
         target = e.load_target(saved)
         if saved.get("scope") == scope.PER_RANK:
-            if manifest.world_size != group.world_size:
-                per_rank[e.name] = (manifest.world_size, group.world_size)
-                continue  # cannot be resharded: reported (strict) or skipped
             target = {scope.rank_key(group.rank): target}
         targets[e.name] = target
     rng_key = None

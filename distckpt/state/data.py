@@ -111,7 +111,10 @@ class GlobalBatchSampler:
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
             if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                # Within the Generator's 64 bits (the same seed as before wherever it fitted):
+                # seed=time.time_ns() failed at the first batch with "Overflow when unpacking
+                # long long", naming nothing.
+                g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)
                 self._order = torch.randperm(self.num_samples, generator=g)
             else:
                 self._order = torch.arange(self.num_samples)

@@ -124,8 +124,10 @@ _TARGET_STATE: weakref.WeakSet[Any] = weakref.WeakSet()
 def targets_undone_on_failure() -> Iterator[None]:
     """(each rank, around a whole load) Where the load fails, the optimizers that were fresh
     before it get no state from it: a load that fails leaves them fresh (its zero-gradient
-    target's state would otherwise stay, and make their next step differ from a fresh one's)."""
+    target's state would otherwise stay, and make their next step differ from a fresh one's);
+    nor do data loaders keep an iterator its planning started (:data:`_TARGET_ITERATORS`)."""
     before = set(map(id, _TARGET_STATE))
+    loaders_before = set(map(id, _TARGET_ITERATORS))
     try:
         yield
     except BaseException:
@@ -133,7 +135,33 @@ def targets_undone_on_failure() -> Iterator[None]:
             if id(optim) not in before:
                 optim.state.clear()
                 _TARGET_STATE.discard(optim)
+        for loader in list(_TARGET_ITERATORS):
+            if id(loader) not in loaders_before:
+                _drop_target_iterator(loader)
         raise
+
+
+#: Data loaders whose iterator a load target started (torchdata's ``StatefulDataLoader``:
+#: ``state_dict()`` on a loader without an iterator starts one, which its next ``iter()`` then
+#: returns). Where the load hands the loader nothing (left alone, skipped, or a failed load),
+#: that iterator is dropped: it was made with the sampler as it was before the load (its epoch's
+#: order, its workers prefetching), and the loader's next epoch would replay it.
+_TARGET_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _starts_an_iterator(obj: Any) -> bool:
+    """Whether ``state_dict()`` on ``obj`` would start an iterator the object keeps (torchdata's
+    ``StatefulDataLoader`` before its first ``iter()``)."""
+    return hasattr(obj, "_initial_iter_for_state_dict") and getattr(obj, "_iterator", False) is None
+
+
+def _drop_target_iterator(obj: Any) -> None:
+    """Undo the iterator a load target started on ``obj`` (if any, and still unused)."""
+    if obj in _TARGET_ITERATORS:
+        _TARGET_ITERATORS.discard(obj)
+        if getattr(obj, "_initial_iter_for_state_dict", False):
+            obj._iterator = None  # (its workers, if any, stop as it is collected)
+            obj._initial_iter_for_state_dict = False
 
 
 def target_of_fresh(optim: Any) -> bool:
@@ -420,14 +448,22 @@ class StatefulEntry(Entry):
         return dict(sd)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        starts = _starts_an_iterator(self.obj)
         self._like = self.save_state()
+        if starts and getattr(self.obj, "_initial_iter_for_state_dict", False):
+            _TARGET_ITERATORS.add(self.obj)
         return self._like
+
+    def left_alone(self) -> None:
+        _drop_target_iterator(self.obj)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         if not loaded and not self.obj.state_dict():
+            _drop_target_iterator(self.obj)
             return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
         if self._like is not None:  # DCP's unflattening gives plain dicts with str keys
             loaded = containers.restore_containers(loaded, self._like)
+        _TARGET_ITERATORS.discard(self.obj)  # (its load_state_dict replaces any iterator)
         self.obj.load_state_dict(loaded)
 
 
