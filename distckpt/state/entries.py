@@ -396,7 +396,24 @@ class OptimizerEntry(Entry):
         self.fresh = target_of_fresh(self.optim)
         if not saved.get("initialized", True):
             return flat_param_groups(self.optim, self.module.param_fqns())
-        target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        if not self.optim.state:
+            # DCP makes the target of an optimizer without state by a step with zero gradients,
+            # but skips that step (a target with no state at all) where any parameter holds a
+            # gradient: a forward/backward before the resume. A strict load then named every
+            # saved moment "unexpected"; strict=False resumed with fresh moments; and at several
+            # ranks, one with gradients loaded none while the others did, reported clean. The
+            # gradients are set aside for the target's step and given back after it.
+            params = optimizer_params(self.optim)
+            grads = [p.grad for p in params]
+            try:
+                for p in params:
+                    p.grad = None
+                target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
+        else:
+            target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
         if self.fresh:
             _TARGET_STATE.add(self.optim)
         return target

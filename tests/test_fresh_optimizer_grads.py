@@ -1,0 +1,79 @@
+"""A fresh optimizer loaded while its parameters hold gradients (a forward/backward ran before
+the resume: a warm-up, gradient accumulation). DCP makes the load target of an optimizer without
+state by a step with zero gradients, and skips that step where any gradient exists: the target
+then held no state. A strict load named every saved moment "unexpected"; ``strict=False``
+resumed with fresh moments; and at several ranks, one with gradients loaded no state while the
+others did, reported clean. Found by a helper (2026-12-06)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        model(torch.randn(8, 4)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _moments(optim: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    return [[s["step"], s["exp_avg"], s["exp_avg_sq"]] for s in (optim.state[p] for g in optim.param_groups for p in g["params"])]
+
+
+def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_fresh_optimizer_with_gradients_loads_its_state_and_keeps_them(tmp_path, strict):
+    model = _net(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optim, 3)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh = _net(1)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh(torch.randn(8, 4)).sum().backward()
+    grads = [p.grad.clone() for p in fresh.parameters()]
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim}, strict=strict)
+        assert ckpt.last_load_report.clean, ckpt.last_load_report
+    assert _same(_moments(fresh_optim), _moments(optim))
+    assert all(torch.equal(p.grad, g) for p, g in zip(fresh.parameters(), grads))  # given back, untouched
+
+
+def _ddp_body(rank: int, world: int, root: str) -> list[list[torch.Tensor]]:
+    model = nn.parallel.DistributedDataParallel(_net(0))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optim, 3)
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh = nn.parallel.DistributedDataParallel(_net(1))
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    if rank == 1:  # only this rank ran a backward before resuming
+        for p in fresh.parameters():
+            p.grad = torch.ones_like(p)
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim})
+    assert _same(_moments(fresh_optim), _moments(optim)), rank
+    return _moments(fresh_optim)
+
+
+@pytest.mark.timeout(120)
+def test_replicas_load_the_same_optimizer_state_whichever_holds_gradients(tmp_path):
+    got = run_ranks(_ddp_body, 2, tmp_path, str(tmp_path / "root"), timeout=100)
+    assert _same(got[0], got[1])
