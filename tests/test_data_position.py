@@ -210,3 +210,70 @@ def test_a_loader_skipped_at_another_world_size_resumes_at_the_samplers_position
     assert position == 4
     batches = iter(loader)
     assert [next(batches).tolist() for _ in range(2)] == [sampler.global_batch(i) for i in (position, position + 1)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_state_the_user_restored_survives_a_load_that_hands_it_nothing(tmp_path, workers):
+    """The loader's position restored (``load_state_dict``, or an earlier load), then a load of a
+    checkpoint without it (``strict=False``): the planning's ``state_dict()`` started an iterator
+    that used up the restored position; dropping that iterator must give the position back, or
+    the next epoch starts at batch 0. Found by a review helper (2026-12-06)."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    source = StatefulDataLoader(list(range(N)), batch_size=8, num_workers=workers)
+    batches = iter(source)
+    for _ in range(3):
+        next(batches)
+    position = source.state_dict()
+    del batches
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+    loader = StatefulDataLoader(list(range(N)), batch_size=8, num_workers=workers)
+    loader.load_state_dict(position)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"w": torch.zeros(2), "loader": loader}, strict=False)
+    assert next(iter(loader)).tolist() == list(range(24, 32))
+
+
+def test_the_state_check_takes_no_state_of_a_loader_the_load_left_alone(tmp_path):
+    """``verify_state=True`` re-reads every entry's state after the load to compare it with the
+    saved fingerprints; for a loader the load read nothing into, that re-read started the stale
+    iterator again (the fix above undone). Found by a review helper (2026-12-06)."""
+    import torch
+
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"epoch": 3, "w": torch.ones(2)})
+    loader, sampler = _epoch_loader(0)
+    state = {"epoch": 0, "w": torch.zeros(2), "loader": loader}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load(state, strict=False, verify_state=True)
+    sampler.set_epoch(state["epoch"])
+    expected, _ = _epoch_loader(0, epoch=3)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in expected]
+
+
+def test_an_unhashable_stateful_object_the_load_left_alone_is_fine(tmp_path):
+    """Left alone (missing from the checkpoint, ``strict=False``), an object that cannot be
+    hashed (a dataclass with ``eq``) is not looked up among the loaders' iterators."""
+    import dataclasses
+
+    import torch
+
+    @dataclasses.dataclass
+    class Counter:
+        n: int = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+    counter = Counter(7)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"w": torch.zeros(2), "counter": counter}, strict=False)
+        assert ckpt.last_load_report.missing == ["counter.n"]
+    assert counter.n == 7

@@ -33,6 +33,8 @@ The verdict equals :func:`distckpt.state.statecheck.diverged` over gathered part
 
 from __future__ import annotations
 
+import bisect
+
 import os
 import sys
 import warnings
@@ -312,12 +314,17 @@ def check_loaded(
         StateDivergedError: on every rank, naming the tensors that differ.
     """
 
+    read = _entries_read([e.name for e in plan.entries], requested)
+
     def current() -> dict[str, Any]:
         # Re-extracted through the same functions a save uses, so a wrong mapping between what
         # DCP read and what the objects hold shows up too.
         out: dict[str, Any] = {}
         for e in plan.entries:
-            if e.name in plan.per_rank:
+            if e.name in plan.per_rank or e.name not in read:
+                # Skipped, or nothing of it read (left alone): nothing to judge, and its state
+                # is not taken (a torchdata loader's state_dict() starts an iterator its next
+                # epoch would replay, with the sampler's order from before the load).
                 continue
             value = e.save_state()
             if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
@@ -418,3 +425,16 @@ def _warn_unverifiable(step: int, where: str, relaid: bool) -> None:
         "fingerprint=False), so the loaded state was not verified",
         stacklevel=5,
     )
+
+
+def _entries_read(names: Sequence[str], requested: Sequence[str]) -> set[str]:
+    """The entry names of which some key (the name itself, or ``name.<...>``) is in ``requested``."""
+    keys = sorted(requested)
+    out = set()
+    for name in names:
+        for probe in (name, name + "."):
+            i = bisect.bisect_left(keys, probe)
+            if i < len(keys) and (keys[i] == name or keys[i].startswith(name + ".")):
+                out.add(name)
+                break
+    return out

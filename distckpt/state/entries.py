@@ -146,7 +146,9 @@ def targets_undone_on_failure() -> Iterator[None]:
 #: returns). Where the load hands the loader nothing (left alone, skipped, or a failed load),
 #: that iterator is dropped: it was made with the sampler as it was before the load (its epoch's
 #: order, its workers prefetching), and the loader's next epoch would replay it.
-_TARGET_ITERATORS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Each maps to the position the loader held for its next iterator (``next_iter_state``, set by
+#: its ``load_state_dict``), which starting the iterator used up: given back with the drop.
+_TARGET_ITERATORS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _starts_an_iterator(obj: Any) -> bool:
@@ -156,12 +158,15 @@ def _starts_an_iterator(obj: Any) -> bool:
 
 
 def _drop_target_iterator(obj: Any) -> None:
-    """Undo the iterator a load target started on ``obj`` (if any, and still unused)."""
-    if obj in _TARGET_ITERATORS:
-        _TARGET_ITERATORS.discard(obj)
+    """Undo the iterator a load target started on ``obj`` (if any, and still unused), giving
+    back the position it used up."""
+    # Only loaders are ever kept (any other object, unhashable ones included, is never looked up).
+    if hasattr(obj, "_initial_iter_for_state_dict") and obj in _TARGET_ITERATORS:
+        position = _TARGET_ITERATORS.pop(obj)
         if getattr(obj, "_initial_iter_for_state_dict", False):
             obj._iterator = None  # (its workers, if any, stop as it is collected)
             obj._initial_iter_for_state_dict = False
+            obj.next_iter_state = position
 
 
 def target_of_fresh(optim: Any) -> bool:
@@ -466,9 +471,10 @@ class StatefulEntry(Entry):
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         starts = _starts_an_iterator(self.obj)
+        position = getattr(self.obj, "next_iter_state", None)  # (what the iterator will use up)
         self._like = self.save_state()
         if starts and getattr(self.obj, "_initial_iter_for_state_dict", False):
-            _TARGET_ITERATORS.add(self.obj)
+            _TARGET_ITERATORS[self.obj] = position
         return self._like
 
     def left_alone(self) -> None:
@@ -480,7 +486,8 @@ class StatefulEntry(Entry):
             return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
         if self._like is not None:  # DCP's unflattening gives plain dicts with str keys
             loaded = containers.restore_containers(loaded, self._like)
-        _TARGET_ITERATORS.discard(self.obj)  # (its load_state_dict replaces any iterator)
+        if hasattr(self.obj, "_initial_iter_for_state_dict"):
+            _TARGET_ITERATORS.pop(self.obj, None)  # (its load_state_dict replaces any iterator)
         self.obj.load_state_dict(loaded)
 
 
