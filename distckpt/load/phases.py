@@ -335,6 +335,7 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
     """(each rank, no collectives) Hand what DCP read to the live objects."""
     plan.flat.update(plan.request)  # DCP replaced non-tensor values in the request dict
     nested = unflatten_state_dict(plan.flat, plan.mappings)
+    handed: list[tuple[Entry, Any]] = []
     for e in plan.entries:
         if e.name in nested:
             if not any(k == e.name or k.startswith(e.name + ".") for k in plan.request):
@@ -347,9 +348,30 @@ def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableM
             saved = manifest.entries.get(e.name, {})
             if saved.get("scope") == scope.PER_RANK:
                 loaded = loaded[scope.rank_key(group.rank)]
-            if saved.get("kind") == "value":
-                values.check_digest(loaded, saved, e.name)
+            handed.append((e, loaded))
+    # Every refusal that changes nothing first (a value that is not the one recorded, optimizer
+    # groups changed since the save): an entry refusing after others took their state left the
+    # model, scheduler and optimizer loaded, the rest not, under a plain refusal.
+    for e, loaded in handed:
+        saved = manifest.entries.get(e.name, {})
+        if saved.get("kind") == "value":
+            values.check_digest(loaded, saved, e.name)
+        e.check(loaded)
+    applied: list[str] = []
+    for e, loaded in handed:
+        try:
             e.apply(loaded, state)
+        except Exception as exc:
+            # The object's own load_state_dict refused (a sampler of another dataset size):
+            # raised as it is, saying what the load already changed.
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(
+                    f"distckpt: the load of step {manifest.step} stopped handing state[{e.name!r}] its state; tensors"
+                    f" were read in place, and {', '.join(map(repr, applied)) or 'no entry'} already took the"
+                    " checkpoint's state: load again before using the state"
+                )
+            raise
+        applied.append(e.name)
     if plan.rng_key is not None and rng.NAMESPACE in nested:
         saved = nested[rng.NAMESPACE][plan.rng_key]
         try:

@@ -104,6 +104,11 @@ class Entry:
         """What DCP should fill. ``saved`` is this entry's manifest description."""
         return self.save_state()
 
+    def check(self, loaded: Any) -> None:
+        """(each rank, before any entry is applied) Refuse ``loaded`` where :meth:`apply` would:
+        checks that change nothing, run for every entry first, so that a refusal leaves every
+        object as the read left it (no entry handed its state while a later one refuses)."""
+
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         raise NotImplementedError
 
@@ -428,8 +433,11 @@ class OptimizerEntry(Entry):
             self.optim.state.clear()  # (the zero-gradient step's state of the load target)
         _TARGET_STATE.discard(self.optim)
 
-    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+    def check(self, loaded: Any) -> None:
         check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name, self.read)
+
+    def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
+        self.check(loaded)
         _TARGET_STATE.discard(self.optim)  # (what it holds from here on is the checkpoint's)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
