@@ -220,6 +220,37 @@ def test_a_parameter_whose_shape_changed_starts_with_no_optimizer_state(tmp_path
     assert torch.equal(new[0].weight, reference[0].weight)
 
 
+def test_a_stepped_optimizer_keeps_its_own_whole_state_for_a_parameter_whose_shape_changed(tmp_path):
+    """An optimizer that already stepped (strict=False, the head's shape changed since the save):
+    the head's 0-d step fitted and was loaded (5) beside its own moments of one step, so its
+    bias correction was wrong, silently. Its state is now left whole, as it was. Found by a
+    helper (2026-12-06)."""
+
+    def net(out):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, out))
+
+    def step(model, optim):
+        model(torch.ones(2, 4)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    old = net(2)
+    optim = torch.optim.AdamW(old.parameters(), lr=1e-2)
+    for _ in range(5):
+        step(old, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"model": old, "optim": optim})
+    new = net(3)
+    stepped = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    step(new, stepped)
+    own = {k: v.clone() for k, v in stepped.state[new[1].weight].items()}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": new, "optim": stepped}, strict=False)
+    assert all(torch.equal(stepped.state[new[1].weight][k], v) for k, v in own.items())  # step 1 with its moments
+    assert float(stepped.state[new[0].weight]["step"]) == 5.0  # the layer whose shape fits: the checkpoint's
+
+
 def test_a_fresh_optimizer_keeps_what_is_read_where_a_pattern_or_the_checkpoint_leaves_a_key_out(tmp_path):
     # Only a parameter whose shape changed loses its state: one moment left out by exclude= (or
     # missing from the checkpoint: amsgrad switched on since the save) keeps the rest as read.

@@ -168,17 +168,18 @@ def plan_load(
         if isinstance(e, OptimizerEntry):  # what it reads (its groups' values are judged by those)
             prefix = e.name + "."
             e.read = {k[len(prefix) :] for k in request if k.startswith(prefix)}
-            if e.fresh:
-                # A fresh optimizer's parameter whose shape changed since the save (strict=False:
-                # its moments mismatch, its 0-d step fits) kept the checkpoint's step beside the
-                # load target's zero moments. None of its state is read, so it gets none
-                # (OptimizerEntry.apply: unread_params), as in a fresh optimizer; the state check
-                # then judges no step it was never given. (Keys left out by only/exclude or
-                # missing from the checkpoint keep their parameters' other state, as before.)
-                changed = {state_fqn(k[len(prefix) :]) for k in mismatched if k.startswith(prefix + "state.")}
-                for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in changed]:
-                    del request[key]
-                    e.read.discard(key[len(prefix) :])
+            # A parameter whose shape changed since the save (strict=False: its moments
+            # mismatch, its 0-d step fits) kept the checkpoint's step beside other moments: the
+            # load target's zeros (a fresh optimizer) or its own (one that stepped: a bias
+            # correction for 5 steps over moments of 1, silently). None of its state is read:
+            # a fresh optimizer's parameter gets none (OptimizerEntry.apply: unread_params), a
+            # stepped one's keeps its own, whole; the state check then judges no step it was
+            # never given. (Keys left out by only/exclude or missing from the checkpoint keep
+            # their parameters' other state, as before.)
+            changed = {state_fqn(k[len(prefix) :]) for k in mismatched if k.startswith(prefix + "state.")}
+            for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in changed]:
+                del request[key]
+                e.read.discard(key[len(prefix) :])
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 
