@@ -70,3 +70,18 @@ def test_a_tuple_of_tensors_into_a_plain_placeholder_names_the_mismatch(tmp_path
         assert set(caught.value.kinds) == {"v"}
         state = {"v": (torch.zeros(2), 0), "p": 0}
         assert ck.load(state) == 1 and state["v"][1] == 5 and state["p"] == 3
+
+
+def test_tuples_inside_a_tree_take_their_tensors_in_place(tmp_path):
+    """A tuple inside a dict or list of the state (stored whole, as a tuple entry is): its tensors
+    were replaced by the host copies the read made, the live ones (which the caller may hold, on
+    their own device) left with their old values. Found by a helper (2026-12-06)."""
+    state = {"tree": {"pair": (torch.full((2,), 3.0), 4), "items": [(torch.ones(1), "a")]}}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+    pair, item = torch.zeros(2), torch.zeros(1)
+    fresh = {"tree": {"pair": (pair, 0), "items": [(item, "b")]}}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load(fresh)
+    assert fresh["tree"]["pair"][0] is pair and torch.equal(pair, torch.full((2,), 3.0)) and fresh["tree"]["pair"][1] == 4
+    assert fresh["tree"]["items"][0][0] is item and torch.equal(item, torch.ones(1)) and fresh["tree"]["items"][0][1] == "a"

@@ -558,6 +558,14 @@ def _merged_tuple(live: Any, loaded: Any) -> Any:
     return loaded
 
 
+def _merged_items(live: list, loaded: list) -> list:
+    """The items of a list stored whole: ``loaded``'s, with tensors (also inside tuples) into
+    the live ones where the lists match item for item (:func:`_merged_tuple`)."""
+    if len(live) != len(loaded):
+        return list(loaded)
+    return [_merged_tuple(a, b) for a, b in zip(live, loaded)]
+
+
 def _walked(live: Any) -> bool:
     """Whether what is loaded for ``live`` is merged into it (a dict, or a list DCP walked into)
     rather than replacing it. (DCP stores nothing for an empty dict: its place in a list comes
@@ -578,18 +586,24 @@ def _merge_into(live: Any, loaded: Any) -> None:
             if key in live and _walked(live[key]) and not isinstance(v, torch.Tensor):
                 _merge_into(live[key], v)
             elif key in live and isinstance(live[key], list) and isinstance(v, list):
-                live[key][:] = v  # in place: the caller may hold the list
+                live[key][:] = _merged_items(live[key], v)  # in place: the caller may hold the list
+            elif key in live and isinstance(live[key], tuple):
+                # Stored whole: its tensors into the live ones (in place, on their device), as a
+                # tuple entry's; they were replaced by host copies, the live ones left as they were.
+                live[key] = _merged_tuple(live[key], v)
             elif not isinstance(live.get(key), torch.Tensor):
                 live[key] = v
     elif isinstance(live, list) and isinstance(loaded, list):
         if containers.dcp_leaf(live):
-            live[:] = loaded
+            live[:] = _merged_items(live, loaded)
             return
         for i, v in enumerate(loaded[: len(live)]):
             if _walked(live[i]):
                 _merge_into(live[i], v)
             elif isinstance(live[i], list) and isinstance(v, list):
-                live[i][:] = v
+                live[i][:] = _merged_items(live[i], v)
+            elif isinstance(live[i], tuple):
+                live[i] = _merged_tuple(live[i], v)
             elif not isinstance(live[i], torch.Tensor):
                 live[i] = v
 
