@@ -485,6 +485,8 @@ class Checkpointer:
         self._open("load")
         step = plain_int(step)  # type: ignore[assignment]  # NumPy's integers too
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
+        # A load that fails leaves no report: the previous load's would describe another step.
+        self.last_load_report = None
         with gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
             loaded = None

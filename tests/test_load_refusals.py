@@ -54,3 +54,15 @@ def test_an_object_refusing_its_state_says_what_the_load_already_changed(tmp_pat
     if sys.version_info >= (3, 11):
         notes = "\n".join(getattr(caught.value, "__notes__", []))
         assert "stopped handing state['sampler'] its state" in notes and "'sched'" in notes and "load again" in notes, notes
+
+
+def test_a_failed_load_leaves_no_report_of_the_load_before(tmp_path):
+    """``last_load_report`` after a load that failed was the previous load's, describing another
+    step as if it were this one's. Found by a helper (2026-12-06)."""
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+        ckpt.load({"w": torch.zeros(2), "extra": torch.zeros(1)}, strict=False)
+        assert ckpt.last_load_report is not None and ckpt.last_load_report.missing == ["extra"]
+        with pytest.raises(distckpt.StateMismatchError):
+            ckpt.load({"w": torch.zeros(3)})
+        assert ckpt.last_load_report is None
