@@ -77,3 +77,30 @@ def _ddp_body(rank: int, world: int, root: str) -> list[list[torch.Tensor]]:
 def test_replicas_load_the_same_optimizer_state_whichever_holds_gradients(tmp_path):
     got = run_ranks(_ddp_body, 2, tmp_path, str(tmp_path / "root"), timeout=100)
     assert _same(got[0], got[1])
+
+
+def _zero_body(rank: int, world: int, root: str) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def made(seed: int):
+        model = nn.parallel.DistributedDataParallel(_net(seed))
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+
+    model, optim = made(0)
+    _train(model, optim, 3)
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+    fresh, fresh_optim = made(1)
+    if rank == 1:
+        for p in fresh.parameters():
+            p.grad = torch.ones_like(p)
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim})
+    assert len(fresh_optim.optim.state) == len(optim.optim.state) > 0, (rank, len(fresh_optim.optim.state))
+    for p_old, p_new in zip(optim.optim.param_groups[0]["params"], fresh_optim.optim.param_groups[0]["params"]):
+        assert torch.equal(optim.optim.state[p_old]["exp_avg"], fresh_optim.optim.state[p_new]["exp_avg"]), rank
+
+
+@pytest.mark.timeout(120)
+def test_a_zero_optimizer_with_gradients_on_one_rank_loads_its_state(tmp_path):
+    run_ranks(_zero_body, 2, tmp_path, str(tmp_path / "root"), timeout=100)

@@ -66,3 +66,39 @@ def test_a_failed_load_leaves_no_report_of_the_load_before(tmp_path):
         with pytest.raises(distckpt.StateMismatchError):
             ckpt.load({"w": torch.zeros(3)})
         assert ckpt.last_load_report is None
+
+
+def _zero_groups_body(rank: int, world: int, root: str) -> int:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build(seed: int, split: bool):
+        torch.manual_seed(seed)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        w, b = model.module.weight, model.module.bias
+        groups = [{"params": [w], "lr": 0.1}, {"params": [b], "lr": 0.2}] if split else [{"params": [w, b], "lr": 0.1}]
+        return model, ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.Adam, lr=0.1)
+
+    model, optim = build(0, split=True)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 1)
+    for i in range(2):
+        torch.manual_seed(i)
+        model(torch.randn(8, 4)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": model, "sched": sched, "optim": optim})
+    fresh, fresh_optim = build(1, split=False)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_optim, 1)
+    with distckpt.Checkpointer(root) as ckpt, pytest.raises(distckpt.StateMismatchError, match="param_groups"):
+        ckpt.load({"model": fresh, "sched": fresh_sched, "optim": fresh_optim})
+    return fresh_sched.last_epoch
+
+
+@pytest.mark.timeout(120)
+def test_zero_groups_changed_since_the_save_are_refused_before_any_entry_takes_its_state(tmp_path):
+    """As above for ZeRO: its wrapper's groups (not its partition's) are checked first. Found by
+    a review helper (2026-12-06)."""
+    from dist_harness import run_ranks
+
+    assert run_ranks(_zero_groups_body, 2, tmp_path, str(tmp_path / "root"), timeout=100) == [0, 0]

@@ -85,3 +85,27 @@ def test_tuples_inside_a_tree_take_their_tensors_in_place(tmp_path):
         ckpt.load(fresh)
     assert fresh["tree"]["pair"][0] is pair and torch.equal(pair, torch.full((2,), 3.0)) and fresh["tree"]["pair"][1] == 4
     assert fresh["tree"]["items"][0][0] is item and torch.equal(item, torch.ones(1)) and fresh["tree"]["items"][0][1] == "a"
+
+
+def test_tuples_inside_a_tree_that_cannot_be_written_in_place_or_hold_no_tensor_keep_loading(tmp_path):
+    """Review of the in-place merge above: live tensors that cannot be written (an inference
+    tensor: validation losses kept as ``(loss, epoch)``; an ``expand``ed one) take the loaded
+    values as new tensors, as before, rather than failing the load; a tuple holding no tensor
+    (a ``torch.Size``) keeps its saved type. Found by a review helper (2026-12-06)."""
+    with torch.inference_mode():
+        losses = [torch.tensor(2.0), torch.tensor(1.5)]
+    state = {"tree": {"history": [(losses[0], 0), (losses[1], 1)], "pair": (torch.arange(4.0), 4), "shape": torch.Size([2, 3]),
+                      "shapes": [torch.Size([4])]}}  # fmt: skip
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+    with torch.inference_mode():
+        stale = [torch.tensor(0.0), torch.tensor(0.0)]
+    fresh = {"tree": {"history": [(stale[0], 0), (stale[1], 0)], "pair": (torch.zeros(1).expand(4), 0), "shape": torch.Size([0]),
+                      "shapes": [torch.Size([0])]}}  # fmt: skip
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load(fresh)
+    tree = fresh["tree"]
+    assert [(float(t), e) for t, e in tree["history"]] == [(2.0, 0), (1.5, 1)]
+    assert torch.equal(tree["pair"][0], torch.arange(4.0)) and tree["pair"][1] == 4
+    assert type(tree["shape"]) is torch.Size and tree["shape"] == torch.Size([2, 3])
+    assert type(tree["shapes"][0]) is torch.Size and tree["shapes"] == [torch.Size([4])]

@@ -269,6 +269,28 @@ def optimizer_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optim.param_groups for p in g["params"]]
 
 
+def target_state_dict(module: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """(each rank, at load planning) DCP's flat state dict of ``optim`` as a load target.
+
+    DCP makes the target of an optimizer without state by a step with zero gradients, but skips
+    that step (a target with no state at all) where any parameter holds a gradient: a
+    forward/backward before the resume. A strict load then named every saved moment
+    "unexpected"; ``strict=False`` resumed with fresh moments; and at several ranks, one with
+    gradients loaded none while the others did, reported clean. The gradients are set aside for
+    the target's step and given back after it."""
+    if optim.state:
+        return get_optimizer_state_dict(module, optim, options=_FLAT_OPTIM)
+    params = optimizer_params(optim)
+    grads = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        return get_optimizer_state_dict(module, optim, options=_FLAT_OPTIM)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
 def flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str]) -> dict[str, Any]:
     """``param_groups.<fqn>.<hyper-parameter>`` for every parameter, as DCP's flat format has it."""
     out: dict[str, Any] = {}
@@ -406,24 +428,7 @@ class OptimizerEntry(Entry):
         self.fresh = target_of_fresh(self.optim)
         if not saved.get("initialized", True):
             return flat_param_groups(self.optim, self.module.param_fqns())
-        if not self.optim.state:
-            # DCP makes the target of an optimizer without state by a step with zero gradients,
-            # but skips that step (a target with no state at all) where any parameter holds a
-            # gradient: a forward/backward before the resume. A strict load then named every
-            # saved moment "unexpected"; strict=False resumed with fresh moments; and at several
-            # ranks, one with gradients loaded none while the others did, reported clean. The
-            # gradients are set aside for the target's step and given back after it.
-            params = optimizer_params(self.optim)
-            grads = [p.grad for p in params]
-            try:
-                for p in params:
-                    p.grad = None
-                target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
-            finally:
-                for p, g in zip(params, grads):
-                    p.grad = g
-        else:
-            target = get_optimizer_state_dict(self.module.module, self.optim, options=_FLAT_OPTIM)
+        target = target_state_dict(self.module.module, self.optim)
         if self.fresh:
             _TARGET_STATE.add(self.optim)
         return target
@@ -544,18 +549,42 @@ class TreeEntry(Entry):
 
 def _merged_tuple(live: Any, loaded: Any) -> Any:
     """``loaded`` for a live tuple: tensors into the live tensors of the same shape and dtype (in
-    place, on the live one's device), others moved to the live one's device (they are read onto
-    the host), tuples (named ones too) rebuilt, anything else as loaded."""
+    place, on the live one's device, where they can be written: not an inference tensor, not one
+    whose elements share memory such as an ``expand``), others moved to the live one's device
+    (they are read onto the host), tuples (named ones too) holding tensors rebuilt, anything else
+    (a ``torch.Size``, a tuple of plain values) as loaded."""
     if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
-        if live.shape == loaded.shape and live.dtype == loaded.dtype:
+        if live.shape == loaded.shape and live.dtype == loaded.dtype and _writable(live):
             with torch.no_grad():
                 live.copy_(loaded)
             return live
         return loaded if live.is_meta else loaded.to(live.device)
+    if isinstance(live, tuple) and not _holds_tensor(live):
+        return loaded  # kept as saved (its own type: torch.Size is a tuple)
     if isinstance(live, tuple) and isinstance(loaded, (tuple, list)) and len(live) == len(loaded):
         items = [_merged_tuple(a, b) for a, b in zip(live, loaded)]
         return type(live)(*items) if hasattr(live, "_fields") else tuple(items)
     return loaded
+
+
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether ``copy_`` into ``tensor`` works: not on the meta device, not an inference tensor
+    outside inference mode, no two elements in one place (an ``expand``ed tensor)."""
+    if tensor.is_meta or (tensor.is_inference() and not torch.is_inference_mode_enabled()):
+        return False
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)  # (private: absent, assume none)
+    return overlap is None or overlap(tensor) != 1  # 1: overlapping for sure
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a tuple, list or dict holding one (at any depth)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
 
 
 def _merged_items(live: list, loaded: list) -> list:

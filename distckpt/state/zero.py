@@ -27,6 +27,7 @@ from distckpt.state.entries import (
     _TARGET_STATE,
     load_flat_param_groups,
     target_of_fresh,
+    target_state_dict,
     unread_params,
 )
 
@@ -90,7 +91,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
         if saved.get("initialized", True) and self.zero.optim.param_groups and any(
             g["params"] for g in self.zero.optim.param_groups
         ):
-            target.update(get_optimizer_state_dict(self.module.module, self.zero.optim, options=_FLAT_OPTIM))
+            target.update(target_state_dict(self.module.module, self.zero.optim))  # (gradients set aside)
             if self.fresh:
                 _TARGET_STATE.add(self.zero.optim)
         return target
@@ -101,9 +102,13 @@ class ZeroOptimizerEntry(OptimizerEntry):
             self._sync_wrapper_to_local()
         _TARGET_STATE.discard(self.zero.optim)
 
+    def check(self, loaded: Any) -> None:
+        # The wrapper's groups (every parameter's), not the local optimizer's partition.
+        check_param_groups(self.zero, self.module.param_fqns(), loaded, self.name, self.read)
+
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
-        check_param_groups(self.zero, fqns, loaded, self.name, self.read)
+        self.check(loaded)
         _TARGET_STATE.discard(self.zero.optim)
         load_flat_param_groups(self.zero, fqns, loaded)
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
