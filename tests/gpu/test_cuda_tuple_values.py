@@ -38,3 +38,19 @@ def test_an_async_save_of_a_tuple_written_on_the_callers_stream(tmp_path, mode):
     torch.cuda.synchronize()
     got = state["pair"]
     assert got[0].device.type == "cuda" and bool((got[0] == 5.0).all()) and bool((got[1] == 2.0).all())
+
+
+def test_tuples_inside_a_tree_come_back_into_the_live_cuda_tensors(tmp_path):
+    """A tuple inside a dict of the state, and a list stored whole holding tuples: their CUDA
+    tensors were replaced by the host copies the load unpickles (the tree's tensors then on the
+    CPU); they are copied into the live CUDA tensors (2026-12-06; unmeasured on a GPU when added)."""
+    state = {"tree": {"pair": (torch.full((3,), 5.0, device="cuda"), 1), "items": [(torch.ones(2, device="cuda"), "a")]}}
+    with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
+        ckpt.save(1, state)
+    pair, item = torch.zeros(3, device="cuda"), torch.zeros(2, device="cuda")
+    fresh = {"tree": {"pair": (pair, 0), "items": [(item, "b")]}}
+    with distckpt.Checkpointer(tmp_path, save_rng=False) as ckpt:
+        ckpt.load(fresh)
+    torch.cuda.synchronize()
+    assert fresh["tree"]["pair"][0] is pair and bool((pair == 5.0).all()) and fresh["tree"]["pair"][1] == 1
+    assert fresh["tree"]["items"][0][0] is item and bool((item == 1.0).all()) and fresh["tree"]["items"][0][1] == "a"
