@@ -109,3 +109,26 @@ def test_tuples_inside_a_tree_that_cannot_be_written_in_place_or_hold_no_tensor_
     assert torch.equal(tree["pair"][0], torch.arange(4.0)) and tree["pair"][1] == 4
     assert type(tree["shape"]) is torch.Size and tree["shape"] == torch.Size([2, 3])
     assert type(tree["shapes"][0]) is torch.Size and tree["shapes"] == [torch.Size([4])]
+
+
+def test_sparse_tensors_in_tuples_load_in_place_and_tuples_take_the_live_type(tmp_path):
+    """Review of the writability check above: sparse tensors have no strides to overlap (CSR
+    raised inside the check and failed the load; COO was taken for overlapping and replaced); a
+    live NamedTuple of plain values given a plain tuple saved before the code changed is
+    rebuilt as the NamedTuple, as before. Found by a review helper (2026-12-06)."""
+
+    class Pair(NamedTuple):
+        a: int
+        b: str
+
+    dense = torch.full((3, 3), 5.0)
+    state = {"csr": (dense.to_sparse_csr(), 1), "coo": (dense.to_sparse(), 1), "tree": {"nt": (1, "x"), "w": torch.ones(2)}}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+    csr, coo = torch.ones(3, 3).to_sparse_csr(), torch.ones(3, 3).to_sparse()
+    fresh = {"csr": (csr, 0), "coo": (coo, 0), "tree": {"nt": Pair(0, ""), "w": torch.zeros(2)}}
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load(fresh)
+    assert fresh["csr"][0] is csr and torch.equal(csr.to_dense(), dense)
+    assert fresh["coo"][0] is coo and torch.equal(coo.to_dense(), dense)
+    assert fresh["tree"]["nt"] == Pair(1, "x") and type(fresh["tree"]["nt"]) is Pair

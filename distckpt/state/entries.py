@@ -559,8 +559,8 @@ def _merged_tuple(live: Any, loaded: Any) -> Any:
                 live.copy_(loaded)
             return live
         return loaded if live.is_meta else loaded.to(live.device)
-    if isinstance(live, tuple) and not _holds_tensor(live):
-        return loaded  # kept as saved (its own type: torch.Size is a tuple)
+    if isinstance(live, tuple) and not _holds_tensor(live) and (type(loaded) is type(live) or isinstance(loaded, torch.Size)):
+        return loaded  # kept as saved (torch.Size is a tuple: rebuilt below, it lost its type)
     if isinstance(live, tuple) and isinstance(loaded, (tuple, list)) and len(live) == len(loaded):
         items = [_merged_tuple(a, b) for a, b in zip(live, loaded)]
         return type(live)(*items) if hasattr(live, "_fields") else tuple(items)
@@ -572,8 +572,13 @@ def _writable(tensor: torch.Tensor) -> bool:
     outside inference mode, no two elements in one place (an ``expand``ed tensor)."""
     if tensor.is_meta or (tensor.is_inference() and not torch.is_inference_mode_enabled()):
         return False
+    if tensor.layout != torch.strided:
+        return True  # (sparse, nested: no strides to overlap; copy_ as before)
     overlap = getattr(torch, "_debug_has_internal_overlap", None)  # (private: absent, assume none)
-    return overlap is None or overlap(tensor) != 1  # 1: overlapping for sure
+    try:
+        return overlap is None or overlap(tensor) != 1  # 1: overlapping for sure
+    except RuntimeError:
+        return True  # cannot tell: copy_ as before
 
 
 def _holds_tensor(value: Any) -> bool:
