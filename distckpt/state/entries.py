@@ -551,8 +551,9 @@ def _merged_tuple(live: Any, loaded: Any) -> Any:
     """``loaded`` for a live tuple: tensors into the live tensors of the same shape and dtype (in
     place, on the live one's device, where they can be written: not an inference tensor, not one
     whose elements share memory such as an ``expand``), others moved to the live one's device
-    (they are read onto the host), tuples (named ones too) holding tensors rebuilt, anything else
-    (a ``torch.Size``, a tuple of plain values) as loaded."""
+    (they are read onto the host), tuples rebuilt with the live tuple's type (named ones too),
+    except a tuple of plain values saved as the live one's type (a ``torch.Size`` too): as
+    loaded; anything else as loaded."""
     if isinstance(live, torch.Tensor) and isinstance(loaded, torch.Tensor):
         if live.shape == loaded.shape and live.dtype == loaded.dtype and _writable(live):
             with torch.no_grad():
