@@ -212,7 +212,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             done, seconds = steps_while_in_flight(ck, train_step, n_during)
             ck.wait()
             barrier()
-            records.append({"rep": rep, "method": f"save_blocked_{name}", "time_s": blocked})
+            records.append({"rep": rep, "step": step, "method": f"save_blocked_{name}", "time_s": blocked})
             records.append({"rep": rep, "method": f"train_{name}", "steps_per_s": done / seconds if done and seconds > 0 else None})
         # -- recoveries (fresh checkpointers: a restarted job) ----------------------------------
         # Node 1's tier as this rep's saves left it: a peer recovery streams into the load and
@@ -269,14 +269,11 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
     def worst_blocked(name: str) -> float | None:
         # Blocked time: the slowest rank's, per save (two per repetition and method).
-        by_save: dict[tuple[int, int], float] = {}
+        by_save: dict[int, float] = {}
         for pr in per_rank:
-            seen: dict[int, int] = {}
             for r in pr["records"]:
                 if r["method"] == name:
-                    k = (r["rep"], seen.setdefault(r["rep"], 0))
-                    seen[r["rep"]] += 1
-                    by_save[k] = max(by_save.get(k, 0.0), r["time_s"])
+                    by_save[r["step"]] = max(by_save.get(r["step"], 0.0), r["time_s"])
         return median(list(by_save.values()))
 
     def train(name: str) -> float | None:

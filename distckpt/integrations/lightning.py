@@ -437,11 +437,15 @@ class DistckptCheckpointIO(CheckpointIO):
                 warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=4)
                 return
             # Only this job's, of this root (a fork's copied root holds other steps).
-            ours = [(where, p) for where, p in found if (pending_of(p) or {}).get("job") == job and p.get("root") == mine]
+            ours = []
+            for where, pointer in found:
+                pending = pending_of(pointer)
+                if pending is not None and pending.get("job") == job and pointer.get("root") == mine:
+                    ours.append((where, pointer, pending))
             committed = set(ckpt.steps()) if ours else set()
-            for where, pointer in ours:
+            for where, pointer, pending in ours:
                 try:
-                    if in_flight(pending_of(pointer), committed):  # type: ignore[arg-type]
+                    if in_flight(pending, committed):
                         continue
                     try:
                         target = resolve(pointer, self._committed_job)

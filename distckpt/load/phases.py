@@ -15,6 +15,7 @@ it, O(keys) per rank instead of O(world x keys).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
@@ -332,14 +333,29 @@ def read(
     raise_if_any([failed for _, failed in outcomes], f"load of {where}")
 
 
+def entries_read(names: Iterable[str], requested: Iterable[str]) -> set[str]:
+    """(pure) The entry ``names`` of which some key (the name itself, or ``name.<...>``) is in
+    ``requested``: sorted once, each name found by bisection (not every key tried per entry)."""
+    keys = sorted(requested)
+    out = set()
+    for name in names:
+        for probe in (name, name + "."):
+            i = bisect.bisect_left(keys, probe)
+            if i < len(keys) and (keys[i] == name or keys[i].startswith(name + ".")):
+                out.add(name)
+                break
+    return out
+
+
 def apply_load(group: Group, manifest: Manifest, plan: LoadPlan, state: MutableMapping[str, Any]) -> None:
     """(each rank, no collectives) Hand what DCP read to the live objects."""
     plan.flat.update(plan.request)  # DCP replaced non-tensor values in the request dict
     nested = unflatten_state_dict(plan.flat, plan.mappings)
+    read = entries_read([e.name for e in plan.entries], plan.request)
     handed: list[tuple[Entry, Any]] = []
     for e in plan.entries:
         if e.name in nested:
-            if not any(k == e.name or k.startswith(e.name + ".") for k in plan.request):
+            if e.name not in read:
                 # Nothing of it read (strict=False: missing or mismatched throughout): left as
                 # it is, not handed its own state from before the load (a torchdata loader's
                 # would rewind the sampler loaded beside it).

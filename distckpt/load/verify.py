@@ -33,8 +33,6 @@ The verdict equals :func:`distckpt.state.statecheck.diverged` over gathered part
 
 from __future__ import annotations
 
-import bisect
-
 import os
 import sys
 import warnings
@@ -47,7 +45,7 @@ from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, all_ranks
 from distckpt.errors import CheckpointError
 from distckpt.integrity.manifest import Manifest
-from distckpt.load.phases import LoadPlan
+from distckpt.load.phases import LoadPlan, entries_read
 from distckpt.state import rng, scope
 from distckpt.state.entries import Entry
 from distckpt.state import fingerprint, fpkernels
@@ -314,7 +312,7 @@ def check_loaded(
         StateDivergedError: on every rank, naming the tensors that differ.
     """
 
-    read = _entries_read([e.name for e in plan.entries], requested)
+    read = entries_read([e.name for e in plan.entries], requested)
 
     def current() -> dict[str, Any]:
         # Re-extracted through the same functions a save uses, so a wrong mapping between what
@@ -425,16 +423,3 @@ def _warn_unverifiable(step: int, where: str, relaid: bool) -> None:
         "fingerprint=False), so the loaded state was not verified",
         stacklevel=5,
     )
-
-
-def _entries_read(names: Sequence[str], requested: Sequence[str]) -> set[str]:
-    """The entry names of which some key (the name itself, or ``name.<...>``) is in ``requested``."""
-    keys = sorted(requested)
-    out = set()
-    for name in names:
-        for probe in (name, name + "."):
-            i = bisect.bisect_left(keys, probe)
-            if i < len(keys) and (keys[i] == name or keys[i].startswith(name + ".")):
-                out.add(name)
-                break
-    return out

@@ -223,17 +223,15 @@ class SaveDriver:
         step, replica = self._committed_here, self.replica
         if step is None or replica is None or self.opts.keep_last is None:
             return
-        try:
-            phases.apply_retention(
-                self.opts, self.reaper, lambda s: self.lineage.owns(self.opts.storage, s),
-                # Never what it saved last (a resume from an older step), nor a step the replica
-                # keeps that it lacks (an upload that failed: the next run's retention uploads it).
-                keep=lambda s: s == step or replica.holds(s, step),
-                forget=lambda s: self.lineage.forget(self.opts.storage, s),
-                what="retention at close", then="the next run's saves retire those steps",
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - e.g. the root unreachable by now: the next run's saves retire them
-            warnings.warn(f"distckpt: retention at close on {self.opts.storage.display()} failed: {exc}", stacklevel=3)
+        # (warns where it fails, e.g. the root unreachable by now: the next run's saves retire them)
+        phases.apply_retention(
+            self.opts, self.reaper, lambda s: self.lineage.owns(self.opts.storage, s),
+            # Never what it saved last (a resume from an older step), nor a step the replica
+            # keeps that it lacks (an upload that failed: the next run's retention uploads it).
+            keep=lambda s: s == step or replica.holds(s, step),
+            forget=lambda s: self.lineage.forget(self.opts.storage, s),
+            what="retention at close", then="the next run's saves retire those steps",
+        )  # fmt: skip
 
     def stop_writer(self) -> None:
         """Stop the writer process; a new one gets fresh staging buffers (nothing of a failed

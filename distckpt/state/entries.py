@@ -156,17 +156,23 @@ def targets_undone_on_failure() -> Iterator[None]:
 _TARGET_ITERATORS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
+def _loader(obj: Any) -> bool:
+    """Whether ``obj`` keeps the iterator its ``state_dict()`` starts (torchdata's
+    ``StatefulDataLoader``): only such objects are ever looked up in :data:`_TARGET_ITERATORS`
+    (any other, unhashable ones included, never is)."""
+    return hasattr(obj, "_initial_iter_for_state_dict")
+
+
 def _starts_an_iterator(obj: Any) -> bool:
-    """Whether ``state_dict()`` on ``obj`` would start an iterator the object keeps (torchdata's
-    ``StatefulDataLoader`` before its first ``iter()``)."""
-    return hasattr(obj, "_initial_iter_for_state_dict") and getattr(obj, "_iterator", False) is None
+    """Whether ``state_dict()`` on ``obj`` would start an iterator the object keeps (a loader
+    before its first ``iter()``)."""
+    return _loader(obj) and getattr(obj, "_iterator", False) is None
 
 
 def _drop_target_iterator(obj: Any) -> None:
     """Undo the iterator a load target started on ``obj`` (if any, and still unused), giving
     back the position it used up."""
-    # Only loaders are ever kept (any other object, unhashable ones included, is never looked up).
-    if hasattr(obj, "_initial_iter_for_state_dict") and obj in _TARGET_ITERATORS:
+    if _loader(obj) and obj in _TARGET_ITERATORS:
         position = _TARGET_ITERATORS.pop(obj)
         if getattr(obj, "_initial_iter_for_state_dict", False):
             obj._iterator = None  # (its workers, if any, stop as it is collected)
@@ -499,7 +505,7 @@ class StatefulEntry(Entry):
             return  # e.g. a disabled GradScaler: nothing saved, nothing to restore
         if self._like is not None:  # DCP's unflattening gives plain dicts with str keys
             loaded = containers.restore_containers(loaded, self._like)
-        if hasattr(self.obj, "_initial_iter_for_state_dict"):
+        if _loader(self.obj):
             _TARGET_ITERATORS.pop(self.obj, None)  # (its load_state_dict replaces any iterator)
         self.obj.load_state_dict(loaded)
 

@@ -572,9 +572,9 @@ class LocalTier:
         :func:`decide`); ``check``: verify every copy's checksum (else sizes only).
         ``needs(manifest)`` (every rank alike, once every node holds the step's ``.metadata``;
         it may run collectives): the files this rank's load will read; a node is then sent only
-        what its ranks read (``None``, or a rank that cannot tell: every file of the step). ``agree``: the load's arguments that
-        every rank must pass alike, compared in the inventory's gather (``ValueError`` on every
-        rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
+        what its ranks read (``None``, or a rank that cannot tell: every file of the step).
+        ``agree``: the load's arguments that every rank must pass alike, compared in the
+        inventory's gather (``ValueError`` on every rank, naming them, where they differ). ``root_manifest(step)`` (coordinator): the bytes
         of the root's manifest of ``step``, else the replica's, and whether they are the
         replica's (``None``: neither holds it), compared with the tier's copy (see
         :func:`decide`; a replica's only where it records this root, :attr:`Manifest.root`:
