@@ -96,3 +96,39 @@ def test_a_model_still_on_the_meta_device_is_refused_naming_its_keys(tmp_path):
             ckpt.load({"model": torch.nn.Linear(3, 2), "extra": {"x": torch.empty(2, device="meta")}})
         model.to_empty(device="cpu")
         assert ckpt.load({"model": model, "extra": {"x": torch.zeros(2)}}) == 1
+
+
+def _views(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    # The same element offset, shape and stride in one storage, other dtypes: other bytes.
+    return {"a": base.view(torch.float32)[2:4], "b": base.view(torch.float64)[2:4]}
+
+
+def test_views_of_one_storage_in_two_dtypes_are_not_taken_for_tied_weights(tmp_path):
+    """Two tensors viewing one storage as float32 and float64 at the same element offset were
+    taken for one tensor under two keys: a load of their own checkpoint was refused as "one
+    tensor ... different values", a strict load of a checkpoint without the second key left it
+    unloaded, unreported, and save_pretrained left it out. Found by a helper (2026-12-06,
+    /tmp/attack52)."""
+    from safetensors.torch import load_file
+
+    from distckpt.tools import hf
+
+    saved = _views(torch.arange(16, dtype=torch.float32))
+    with distckpt.Checkpointer(tmp_path / "both") as ck:
+        ck.save(1, {"x": saved})
+        fresh = _views(torch.zeros(16, dtype=torch.float32))
+        ck.load({"x": fresh})
+    assert torch.equal(fresh["a"], saved["a"]) and torch.equal(fresh["b"], saved["b"])
+    with distckpt.Checkpointer(tmp_path / "one") as ck:
+        ck.save(1, {"x": {"a": torch.tensor([7.0, 8.0])}})
+        with pytest.raises(distckpt.StateMismatchError, match=r"missing keys \(1\): x\.b"):
+            ck.load({"x": _views(torch.zeros(16, dtype=torch.float32))})
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for k, v in _views(torch.arange(16, dtype=torch.float32)).items():
+                self.register_buffer(k, v)
+
+    hf.save_pretrained(M(), str(tmp_path / "hf"))
+    assert sorted(load_file(str(tmp_path / "hf" / "model.safetensors"))) == ["a", "b"]

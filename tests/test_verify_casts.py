@@ -25,6 +25,65 @@ def test_exact_casts():
     assert not exact_cast(torch.float32, torch.bfloat16) and not exact_cast(torch.bfloat16, torch.float16)
     assert not exact_cast(torch.int64, torch.float64) and not exact_cast(torch.uint8, torch.int8)
     assert not exact_cast(torch.float32, torch.bool) and not exact_cast(torch.complex64, torch.float32)
+    # Complex types are pairs of their component type (found by a helper, 2026-12-06: every
+    # cast involving complex was called lossy, and verify_state=True refused complex64 into
+    # complex128).
+    assert exact_cast(torch.complex64, torch.complex128) and exact_cast(torch.float32, torch.complex64)
+    assert exact_cast(torch.bool, torch.complex64) and exact_cast(torch.int16, torch.complex64)
+    assert not exact_cast(torch.complex128, torch.complex64) and not exact_cast(torch.float64, torch.complex64)
+    assert not exact_cast(torch.int64, torch.complex128) and not exact_cast(torch.complex64, torch.float64)
+
+
+def test_widening_complex_loads_are_proven(tmp_path):
+    """complex64 into complex128, float32 into complex64: proven (a changed value still caught),
+    with no warning (torch's complex-to-real cast warns: the real parts are taken)."""
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"x": {"c": torch.tensor([1 + 2j, -3j], dtype=torch.complex64), "f": torch.tensor([0.5, -2.0])}})
+        dst = {"c": torch.zeros(2, dtype=torch.complex128), "f": torch.zeros(2, dtype=torch.complex64)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.load({"x": dst}, verify_state=True)
+    assert dst["c"].tolist() == [1 + 2j, -3j] and dst["f"].tolist() == [0.5 + 0j, -2 + 0j]
+    group = Group(None)
+    saved = _saved({"f": torch.tensor([0.5, -2.0])})
+    for loaded, want in ((torch.tensor([0.5, -2.0 + 0j]), []), (torch.tensor([0.5 + 1j, -2.0]), ["f"])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = diverged_keys(group, lambda: {"f": loaded}, saved, ["f"], "check", saved_dtypes={"f": torch.float32})
+        assert got == want, loaded
+
+
+class _Ema(torch.optim.SGD):
+    """An optimizer keeping float32 state for a bfloat16 parameter (torch's load_state_dict casts
+    it to the parameter's dtype)."""
+
+
+def _ema_state(values: list[float]) -> tuple[nn.Parameter, torch.optim.Optimizer]:
+    p = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = _Ema([p], lr=0.1)
+    opt.state[p]["ema"] = torch.tensor(values)
+    return p, opt
+
+
+@pytest.mark.parametrize("values", [[1.0001, 2.0002, 3.0, 1e-3], [1.0, 2.0, 0.5, -4.0]])
+def test_a_cast_an_optimizer_makes_is_not_called_nan_nor_proven(tmp_path, values):
+    """torch's Optimizer.load_state_dict casts a floating-point parameter's state to its dtype:
+    float32 moments of a bfloat16 parameter came back bfloat16. verify_state=True accepted it,
+    with a warning calling them tensors "holding NaN". Now named as the object's own cast: with
+    verify_state=True a CheckpointError (the state is not the saved one), by default (a
+    resharded load) a warning; values a bfloat16 holds exactly are proven by casting back. Found by a helper
+    (2026-12-06, /tmp/attack52)."""
+    p, opt = _ema_state(values)
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"optim": opt, "model": nn.ParameterList([p])})
+        p2, opt2 = _ema_state([0.0] * 4)
+        exact = torch.equal(torch.tensor(values).bfloat16().float(), torch.tensor(values))
+        if exact:
+            ck.load({"optim": opt2, "model": nn.ParameterList([p2])}, verify_state=True)
+        else:
+            with pytest.raises(distckpt.CheckpointError, match=r"lost saved values in a cast their object's own load_state_dict made.*optim\.state\.0\.ema"):
+                ck.load({"optim": opt2, "model": nn.ParameterList([p2])}, verify_state=True)
+        assert opt2.state[p2]["ema"].dtype == torch.bfloat16
 
 
 def _saved(flat: dict) -> dict[str, str]:
@@ -117,3 +176,25 @@ def test_resharded_loads_with_casts_and_empty_parameters(tmp_path):
     assert all(g.count("distckpt:") == 1 and "casts 2 tensor(s)" in g and "model.lin.weight" in g for g in got), got  # one warning
     got = run_ranks(_load, 2, tmp_path, root, torch.float16, True)
     assert all(g.startswith("refused: load(verify_state=True)") and "bfloat16 into float16" in g for g in got), got
+
+
+def _load_ema(rank: int, world: int, root: str) -> str:
+    p, opt = _ema_state([0.0] * 4)
+    with warnings.catch_warnings(record=True) as seen, distckpt.Checkpointer(root) as ck:
+        warnings.simplefilter("always")
+        ck.load({"optim": opt, "model": nn.ParameterList([p])})
+    assert opt.state[p]["ema"].dtype == torch.bfloat16
+    return "; ".join(str(w.message) for w in seen if "distckpt" in str(w.message))
+
+
+def test_the_default_check_of_a_resharded_load_names_an_optimizers_lossy_cast(tmp_path):
+    """The default check (due here: saved by one process, loaded by two) names the tensors an
+    optimizer's own cast changed, instead of calling them NaN-holding."""
+    from dist_harness import run_ranks
+
+    p, opt = _ema_state([1.0001, 2.0, 3.0, 4.0])
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"optim": opt, "model": nn.ParameterList([p])})
+    for msg in run_ranks(_load_ema, 2, tmp_path, str(tmp_path), timeout=120):
+        assert "lost saved values in a cast their object's own load_state_dict made" in msg and "optim.state.0.ema" in msg, msg
+        assert "NaN" not in msg, msg

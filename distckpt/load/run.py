@@ -326,7 +326,7 @@ def load(
             then=lambda: apply_load(group, manifest, plan, state),
         )
         if verify.due(explicit, manifest, group.world_size, plan.entries, where):
-            verify.check_loaded(group, manifest, plan, requested, where, options.thread_count, saved_dtypes)
+            verify.check_loaded(group, manifest, plan, requested, where, options.thread_count, saved_dtypes, explicit)
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "

@@ -49,7 +49,7 @@ from distckpt.load.phases import LoadPlan, entries_read
 from distckpt.state import rng, scope
 from distckpt.state.entries import Entry
 from distckpt.state import fingerprint, fpkernels
-from distckpt.state.casts import exact_cast
+from distckpt.state.casts import cast_back, exact_cast
 from distckpt.state.placements import replication, writes_dtensor
 from distckpt.state.shape import numel
 from distckpt.state.statecheck import StateDivergedError
@@ -57,8 +57,8 @@ from distckpt.state.statecheck import StateDivergedError
 _LOW32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
 # Slots per key of the summed vector, in this order.
-_COPIES, _DESIGNATED, _COVERED, _BAD, _ALL_HI, _ALL_LO, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO, _MESHES, _UNPROVEN = range(12)
-_SLOTS = 12
+_COPIES, _DESIGNATED, _COVERED, _BAD, _ALL_HI, _ALL_LO, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO, _MESHES, _UNPROVEN, _LOSSY = range(13)
+_SLOTS = 13
 # The designated-copy slots, recomputed over one mesh for keys that several meshes hold.
 _PER_MESH = (_DESIGNATED, _COVERED, _MINE_HI, _MINE_LO, _SUM_HI, _SUM_LO)
 
@@ -73,6 +73,7 @@ def diverged_keys(
     version: int = fingerprint.VERSION,
     saved_dtypes: Mapping[str, torch.dtype] | None = None,
     unproven: list[str] | None = None,
+    lossy: list[str] | None = None,
 ) -> list[str]:
     """(all ranks, collective) The keys among ``keys`` whose loaded values differ from the
     saved ones, sorted, identical on every rank.
@@ -86,10 +87,13 @@ def diverged_keys(
         threads: fingerprinting threads.
         version: the fingerprint construction of ``saved`` (the manifest's ``fingerprint_version``).
         saved_dtypes: key -> the dtype the checkpoint holds. A tensor loaded into another dtype
-            is fingerprinted cast back to it where that cast is exact
-            (:func:`~distckpt.state.casts.exact_cast`: a bf16 checkpoint in an fp32 model); where
-            the load's cast lost values (fp32 into bf16) it cannot be proven: never judged,
-            its key appended to ``unproven`` (the same list on every rank).
+            is fingerprinted cast back to it (a bf16 checkpoint in an fp32 model); one holding
+            NaN cannot be proven (no cast keeps a NaN's bits): never judged, its key appended
+            to ``unproven`` (the same list on every rank).
+            Where the cast may lose values, the loaded values are judged cast back too: proven
+            if the saved values fit the new dtype; otherwise the key goes to ``unproven`` and
+            ``lossy`` (the cast lost values; a NaN-holding tensor goes to ``unproven`` only),
+            never to the result.
     """
     judged = sorted(k for k in keys if k in saved)
     index = {k: i for i, k in enumerate(judged)}
@@ -107,15 +111,18 @@ def diverged_keys(
             was = (saved_dtypes or {}).get(key)
             if was is None or not isinstance(value, torch.Tensor) or value.dtype == was:
                 continue
-            # (An empty tensor loses nothing in any cast.)
-            holds = _holds_only(value, was) if exact_cast(was, value.dtype) or not value.numel() else None
+            holds = _holds_only(value, was)
             if holds is not None:
                 back[key] = was
                 # Cast back, a value the saved dtype cannot hold would round to a saved one:
                 # every loaded value must be one of the saved dtype's (bit for bit).
                 if not holds:
                     slots[_BAD][index[key]] = 1
-            else:  # a cast that loses values, or NaNs (a cast keeps no NaN's bits): unprovable
+                # Into a dtype that cannot hold every saved value (fp32 into bf16): proven where
+                # the saved values fit it (cast back, the fingerprints match); where they differ
+                # the cast lost values (unprovable), which is no divergence.
+                slots[_LOSSY][index[key]] |= bool(value.numel()) and not exact_cast(was, value.dtype)
+            else:  # NaNs (a cast keeps no NaN's bits): unprovable
                 slots[_UNPROVEN][index[key]] += 1
                 del mine[key]
         lowest: dict[int, int] = {}  # id(mesh) -> its lowest global rank
@@ -149,16 +156,14 @@ def diverged_keys(
         return torch.tensor(slots, dtype=torch.int64).reshape(-1)
 
     summed = group.all_reduce(all_ranks(group, what, local), "sum").reshape(_SLOTS, len(judged)).tolist()
-    lossy = {i for i in range(len(judged)) if summed[_UNPROVEN][i]}
-    if unproven is not None:
-        unproven.extend(judged[i] for i in sorted(lossy))
-    bad = [1 if (summed[_BAD][i] or not summed[_COPIES][i]) and i not in lossy else 0 for i in range(len(judged))]
+    skipped = {i for i in range(len(judged)) if summed[_UNPROVEN][i]}
+    bad = [1 if (summed[_BAD][i] or not summed[_COPIES][i]) and i not in skipped else 0 for i in range(len(judged))]
     several = [i for i in range(len(judged)) if summed[_MESHES][i] > 1]  # the same list on every rank
     if several:
         _one_mesh(group, several, blocks, summed)
     if any(summed[_DESIGNATED]):  # every rank sees the same sums, so all take part or none
         for i, (replicas, global_shape, dtype) in sharded.items():
-            if i in lossy:
+            if i in skipped:
                 continue
             s = [row[i] for row in summed]
             copies = replicas * max(1, s[_MESHES])  # of each block, over every mesh holding the key
@@ -173,6 +178,14 @@ def diverged_keys(
             ):
                 bad[i] = 1
         bad = group.all_reduce(torch.tensor(bad, dtype=torch.uint8), "max").tolist()
+    # (bad and the slots are the same on every rank: so are these lists.)
+    lost = [i for i in range(len(judged)) if bad[i] and summed[_LOSSY][i]]
+    for i in lost:
+        bad[i] = 0
+    if unproven is not None:
+        unproven.extend(judged[i] for i in sorted(skipped | set(lost)))
+    if lossy is not None:
+        lossy.extend(judged[i] for i in lost)
     return [k for k, b in zip(judged, bad) if b]
 
 
@@ -186,9 +199,10 @@ def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool | None:
     local = value.to_local() if isinstance(value, DTensor) else value
     if not local.numel():
         return True
-    if local.dtype.is_floating_point and bool(torch.isnan(local).any()):
+    if (local.dtype.is_floating_point or local.dtype.is_complex) and bool(torch.isnan(local).any()):
         return None
-    return torch.equal(fpkernels.bits(local.to(dtype).to(local.dtype)), fpkernels.bits(local))
+    # (A complex tensor cast back into a real dtype: its imaginary parts must be zero.)
+    return torch.equal(fpkernels.bits(cast_back(local, dtype).to(local.dtype)), fpkernels.bits(local))
 
 
 def _one_mesh(
@@ -302,6 +316,7 @@ def check_loaded(
     where: str,
     threads: int,
     saved_dtypes: Mapping[str, torch.dtype] | None = None,
+    explicit: bool = False,
 ) -> None:
     """(all ranks) Fingerprints of what the objects hold now against the saved ones
     (``saved_dtypes``: key -> the checkpoint's dtype, for tensors loaded into another; see
@@ -310,6 +325,10 @@ def check_loaded(
 
     Raises:
         StateDivergedError: on every rank, naming the tensors that differ.
+        CheckpointError: on every rank, with ``explicit`` (``verify_state=True``), where an
+            object's own ``load_state_dict`` cast loaded tensors into a dtype that lost saved
+            values (torch's optimizers cast a floating-point parameter's state to the
+            parameter's dtype; without ``explicit``: a warning naming them).
     """
 
     read = entries_read([e.name for e in plan.entries], requested)
@@ -333,15 +352,32 @@ def check_loaded(
     # RNG states are reseeded, not restored, at another world size.
     judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
     unproven: list[str] = []
+    lossy: list[str] = []
     bad = diverged_keys(
         group, current, manifest.fingerprints, judged, f"state check of {where}", threads=threads,
-        version=manifest.fingerprint_version, saved_dtypes=saved_dtypes, unproven=unproven,
+        version=manifest.fingerprint_version, saved_dtypes=saved_dtypes, unproven=unproven, lossy=lossy,
     )  # fmt: skip
     if bad:
         raise StateDivergedError(bad, f"step {manifest.step} at {where}")
-    # Casts that lose values were named when the load was planned (warn_lossy); what is left
-    # holds NaNs, whose bits no cast keeps.
-    lossy = set(lossy_casts(plan.request, saved_dtypes or {}))
+    # Casts the load made that lose values were named when it was planned (warn_lossy). Ones an
+    # object made after (the state its load_state_dict was handed held the saved dtype) were
+    # taken for NaNs and skipped: fp32 moments of a bf16 parameter came back bf16, unreported.
+    planned = set(lossy_casts(plan.request, saved_dtypes or {}))
+    by_object = [k for k in lossy if k not in planned]
+    if by_object:
+        shown = _listed([f"{k} ({(saved_dtypes or {}).get(k)} saved)" for k in by_object])
+        what = (
+            f"the state check of step {manifest.step} at {where}: {len(by_object)} tensor(s) lost saved values in "
+            f"a cast their object's own load_state_dict made into another dtype (torch's optimizers cast a "
+            f"floating-point parameter's state to the parameter's dtype): {shown}"
+        )
+        if explicit:
+            raise CheckpointError(
+                f"load(verify_state=True): {what}; the loaded state is not the saved one (load with "
+                "verify_state=None to load it with a warning)"
+            )
+        warnings.warn(f"distckpt: {what}", stacklevel=_outside())
+    # What is left holds NaNs, whose bits no cast keeps.
     nans = [k for k in unproven if k not in lossy]
     if nans:
         warnings.warn(

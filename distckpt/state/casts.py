@@ -17,7 +17,11 @@ def exact_cast(saved: torch.dtype, loaded: torch.dtype) -> bool:
     every bit pattern; wider ones and integers by their ranges."""
     if saved == loaded:
         return True
-    if saved.is_complex or loaded.is_complex or loaded == torch.bool:
+    if loaded.is_complex:
+        # Complex values are pairs of the component type: exact where the saved values (or
+        # both parts of them) are exact in it (complex64 into complex128, float32 into complex64).
+        return exact_cast(_component(saved) if saved.is_complex else saved, _component(loaded))
+    if saved.is_complex or loaded == torch.bool:
         return False
     if saved == torch.bool:
         return True  # 0 and 1 are in every type, and cast back to False and True
@@ -42,3 +46,16 @@ def exact_cast(saved: torch.dtype, loaded: torch.dtype) -> bool:
         return max(abs(info.min), info.max) <= exact
     other = torch.iinfo(loaded)
     return other.min <= info.min and info.max <= other.max
+
+
+def _component(dtype: torch.dtype) -> torch.dtype:
+    """The real type of a complex type's two parts."""
+    return dtype.to_real()
+
+
+def cast_back(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` cast to ``dtype``; from a complex type into a real one, their real parts (torch's
+    cast warns that it discards the imaginary ones: callers check first that those are zero)."""
+    if values.is_complex() and not dtype.is_complex:
+        values = values.real
+    return values.to(dtype)

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from distckpt.state import fpkernels
+from distckpt.state.casts import cast_back
 from distckpt.state.fpkernels import MASK64 as _MASK64
 from distckpt.state.fpkernels import VERSIONS
 from distckpt.state.shape import contiguous_strides, numel
@@ -195,7 +196,7 @@ def local_parts(flat: dict, threads: int = 1, version: int = VERSION, as_dtype: 
 
     def values(block: tuple) -> torch.Tensor:
         dtype = cast.get(block[0])
-        return block[1] if dtype is None else block[1].to(dtype)
+        return block[1] if dtype is None else cast_back(block[1], dtype)
 
     if on_device:
         lazy = [_lazy_sum(values(b), b[2], b[3], version) for b in on_device]

@@ -249,39 +249,32 @@ def load_pretrained(
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing, unexpected, mismatched, f"Hugging Face checkpoint {where}")
     aside: dict[str, torch.Tensor] = {}
+    beyond: list[str] = []
     if pairs:
-        aside, report.bytes_read = _read_tied_pairs(group, where, index, rename, request, pairs, thread_count)
+        aside, report.bytes_read, beyond = _read_tied_pairs(group, where, index, rename, request, pairs, thread_count)
     reader = SafetensorsReader(index, {k: rename[k] for k in request if rename[k] != k}, thread_count=thread_count)
     read(group, where, request, reader, DefaultLoadPlanner(allow_partial_load=True))
-    _warn_overflow(where, request, {k: index.spans[rename[k]].dtype for k in request})
+    _warn_overflow(where, sorted({*beyond, *reader.beyond_range}), {**request, **aside}, index.spans, rename)
     set_model_state_dict(module, {**request, **aside}, options=StateDictOptions(strict=False))
     report.bytes_read += reader.bytes_read
     return report
 
 
-def _warn_overflow(where: str, loaded: Mapping[str, torch.Tensor], stored: Mapping[str, torch.dtype]) -> None:
-    """(each rank, its shards) One warning naming the tensors cast from a dtype of a wider range
-    (float32 into float16) that hold infinities once loaded: values beyond the model's dtype's
-    range became ``inf`` in the cast, silently. Only those casts are checked (one pass over
-    their loaded values); an infinity the file itself holds is named too (it cannot be told
-    apart without reading the file again)."""
-    hit: list[str] = []
-    for key, value in loaded.items():
-        src = stored.get(key)
-        if src is None or not (src.is_floating_point and value.dtype.is_floating_point):
-            continue
-        if torch.finfo(src).max <= torch.finfo(value.dtype).max:
-            continue
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if local.numel() and bool(torch.isinf(local).any()):
-            hit.append(f"{key} ({src} into {value.dtype})")
-    if hit:
-        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
-        warnings.warn(
-            f"distckpt: load_pretrained of {where}: {len(hit)} tensor(s) hold inf after the cast into the model's dtype "
-            f"(values beyond its range become inf; or the file holds inf): {shown}",
-            stacklevel=3,
-        )
+def _warn_overflow(
+    where: str, keys: list[str], loaded: Mapping[str, torch.Tensor], spans: Mapping[str, Any], rename: Mapping[str, str]
+) -> None:
+    """(each rank, its shards) One warning naming the tensors (``keys``, found by the reader)
+    some of whose values lay beyond the range of the model's dtype they were cast into (float32
+    into float16: ``inf``; into a float8 type: its largest value, or NaN), silently otherwise."""
+    if not keys:
+        return
+    hit = [f"{k} ({spans[rename[k]].dtype} into {loaded[k].dtype})" for k in keys]
+    shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+    warnings.warn(
+        f"distckpt: load_pretrained of {where}: {len(hit)} tensor(s) hold values beyond the range of the model's dtype, "
+        f"changed by the cast into it (into inf; a float8 type saturates to its largest value or gives NaN): {shown}",
+        stacklevel=3,
+    )
 
 
 def _read_tied_pairs(
@@ -292,13 +285,14 @@ def _read_tied_pairs(
     request: dict[str, torch.Tensor],
     pairs: list[tuple[str, str]],
     thread_count: int,
-) -> tuple[dict[str, torch.Tensor], int]:
+) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     """(all ranks) Tied weights the checkpoint stores under both keys (``pairs``: duplicate, key
     it is tied to). Read into buffers of their own and compared before anything is loaded:
     read into the model's one tensor, whichever came last in the files would win unreported.
 
     Removes both keys of every pair from ``request``; returns the tensors to load for them (the
-    values of the key tied to) and the bytes read.
+    values of the key tied to), the bytes read and the keys read with values beyond the model
+    dtype's range.
 
     Raises:
         ValueError: on every rank, naming both keys and their files, if any rank's block of a
@@ -327,7 +321,7 @@ def _read_tied_pairs(
         )
     for key in keys:
         request.pop(key, None)
-    return {b: aside[b] for _, b in pairs}, reader.bytes_read
+    return {b: aside[b] for _, b in pairs}, reader.bytes_read, reader.beyond_range
 
 
 def save_pretrained(

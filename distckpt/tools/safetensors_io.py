@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -352,6 +353,9 @@ class SafetensorsReader(StorageReader):
         self.rename = dict(rename or {})
         self.thread_count = max(1, thread_count)
         self.bytes_read = 0
+        # Keys some of whose values lie beyond the range of the dtype they were read into
+        # (appended by reader threads: list.append is atomic).
+        self.beyond_range: list[str] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -416,10 +420,34 @@ class SafetensorsReader(StorageReader):
                 target = planner.resolve_tensor(item).detach()
                 block = _read_block(f, span, tuple(item.storage_offsets), tuple(item.lengths), target, where, item.storage_index.fqn)
                 if block is not target:
+                    if beyond_range(block, target.dtype):
+                        self.beyond_range.append(item.storage_index.fqn)
                     target.copy_(block)
                 planner.commit_tensor(item, target)
                 nbytes += numel(item.lengths) * _itemsize(span.dtype)
         return nbytes
+
+
+def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting floating-point ``values`` into the narrower-ranged ``dtype`` loses some
+    to its range: they round beyond its largest finite value (into ``inf``; a float8 type
+    without infinities saturates to its largest value, or gives NaN), or are infinities it
+    cannot hold. Decided on the values before the cast: a saturated ``float8_e4m3fn`` value
+    cannot be told from a true 448 afterwards."""
+    if not (values.dtype.is_floating_point and dtype.is_floating_point) or not values.numel():
+        return False
+    info = torch.finfo(dtype)
+    if torch.finfo(values.dtype).max <= info.max:
+        return False
+    # Round to nearest: from half a unit in the last place above the largest value on, a value
+    # rounds beyond it.
+    limit = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+    holds_inf = bool(torch.isinf(torch.tensor(math.inf).to(dtype).float()))
+    wide = values.float() if values.element_size() == 1 else values  # float8 has no abs kernel
+    big = wide.abs() >= limit
+    if holds_inf:
+        big &= torch.isfinite(wide)
+    return bool(big.any())
 
 
 def _read_block(
