@@ -134,3 +134,36 @@ def test_load_pretrained_into_a_float8_model_names_saturated_values(tmp_path):
             warnings.filterwarnings("ignore", ".*torch.distributed is disabled")
             hf.load_pretrained(m, tmp_path)
         assert torch.equal(m.w, torch.tensor(values, dtype=torch.bfloat16).to(dtype)), dtype
+
+
+def test_tied_weights_stored_twice_with_values_beyond_the_range_are_named(tmp_path):
+    """Review of bb55558: tied weights stored under both keys (embedding and head), float32
+    values beyond float16's into a float16 model: the warning looked up the popped tied key and
+    raised KeyError (under FSDP2 on the ranks whose rows held the value only)."""
+    from safetensors.torch import save_file
+
+    w = torch.tensor([[1.0, 2.0], [1e5, 3.0], [0.5, 0.25], [4.0, 5.0]])
+    save_file({"embed.weight": w, "head.weight": w.clone()}, str(tmp_path / "model.safetensors"))
+    m = nn.Module()
+    m.embed = nn.Embedding(4, 2).to(torch.float16)
+    m.head = nn.Linear(2, 4, bias=False).to(torch.float16)
+    m.head.weight = m.embed.weight
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) hold values beyond.*embed\.weight \(torch.float32 into torch.float16\), head\.weight"):
+        hf.load_pretrained(m, tmp_path)
+    assert m.embed.weight[1, 0].item() == float("inf")
+
+
+def test_beyond_range_judges_the_values_before_the_cast():
+    """The thresholds: float16 rounds to inf from 65520; float8_e4m3fn saturates (from 464);
+    an infinity is lost only into a type without infinities, also one of a wider range."""
+    from distckpt.tools.safetensors_io import beyond_range
+
+    f16, e4, e5, e5z = torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e5m2fnuz
+    inf, nan = float("inf"), float("nan")
+    assert not beyond_range(torch.tensor([65519.0, -65519.0, inf, nan]), f16)
+    assert beyond_range(torch.tensor([65520.0]), f16) and beyond_range(torch.tensor([-1e9]), f16)
+    assert not beyond_range(torch.tensor([463.0]), e4) and beyond_range(torch.tensor([464.0]), e4)
+    assert beyond_range(torch.tensor([inf]), e4) and not beyond_range(torch.tensor([inf]), e5)
+    assert beyond_range(torch.tensor([inf], dtype=e5), e5z) and not beyond_range(torch.tensor([1.0], dtype=e5), e5z)
+    assert not beyond_range(torch.tensor([3e38]), torch.bfloat16) and not beyond_range(torch.tensor([1e6], dtype=e5), f16)
+    assert not beyond_range(torch.tensor([], dtype=torch.float64), f16) and not beyond_range(torch.tensor([7]), f16)

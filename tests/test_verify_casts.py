@@ -81,7 +81,7 @@ def test_a_cast_an_optimizer_makes_is_not_called_nan_nor_proven(tmp_path, values
         if exact:
             ck.load({"optim": opt2, "model": nn.ParameterList([p2])}, verify_state=True)
         else:
-            with pytest.raises(distckpt.CheckpointError, match=r"lost saved values in a cast their object's own load_state_dict made.*optim\.state\.0\.ema"):
+            with pytest.raises(distckpt.CheckpointError, match=r"were cast by their object's own load_state_dict into a dtype that did not keep.*optim\.state\.0\.ema"):
                 ck.load({"optim": opt2, "model": nn.ParameterList([p2])}, verify_state=True)
         assert opt2.state[p2]["ema"].dtype == torch.bfloat16
 
@@ -196,5 +196,50 @@ def test_the_default_check_of_a_resharded_load_names_an_optimizers_lossy_cast(tm
     with distckpt.Checkpointer(tmp_path) as ck:
         ck.save(1, {"optim": opt, "model": nn.ParameterList([p])})
     for msg in run_ranks(_load_ema, 2, tmp_path, str(tmp_path), timeout=120):
-        assert "lost saved values in a cast their object's own load_state_dict made" in msg and "optim.state.0.ema" in msg, msg
-        assert "NaN" not in msg, msg
+        assert "were cast by their object's own load_state_dict into a dtype that did not keep" in msg and "optim.state.0.ema" in msg, msg
+        assert "could not verify" not in msg, msg
+
+
+class _Casting:
+    """An object whose load_state_dict casts its tensor into another dtype."""
+
+    def __init__(self, t: torch.Tensor, into: torch.dtype | None = None) -> None:
+        self.t, self.into = t, into
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"].to(self.into)
+
+
+@pytest.mark.parametrize(
+    "saved, into",
+    [
+        (torch.tensor([1.0001, 2.0, float("nan")]), torch.bfloat16),  # NaN: a lossy cast cannot be shown harmless
+        (torch.tensor([-1, 5], dtype=torch.int64), torch.uint64),  # -1 loads as 2**64 - 1, casts back to -1
+        (torch.tensor([-1, 5], dtype=torch.int8), torch.uint8),
+    ],
+)
+def test_object_casts_a_cast_back_cannot_prove_are_refused(tmp_path, saved, into):
+    """Review of bb55558: an object's own lossy cast of a tensor holding NaN was accepted by
+    verify_state=True, with the old "holding NaN" warning; a signed-to-unsigned cast of the same
+    width was called proven (cast back, the bits match, the value changed)."""
+    with distckpt.Checkpointer(tmp_path) as ck:
+        ck.save(1, {"o": _Casting(saved)})
+        with pytest.raises(distckpt.CheckpointError, match=r"were cast by their object's own load_state_dict.*o\.t"):
+            ck.load({"o": _Casting(torch.zeros_like(saved), into)}, verify_state=True)
+
+
+def test_a_planned_lossy_cast_holding_nan_is_named_once(tmp_path):
+    """Review of bb55558: a float32 checkpoint into a bfloat16 model, a tensor holding NaN, with
+    the check due (saved with checksum=None): besides the planned cast's warning, a second one
+    called it unverified for its NaN."""
+    with distckpt.Checkpointer(tmp_path, checksum=None) as ck:
+        ck.save(1, {"x": {"a": torch.tensor([1.0001, float("nan")]), "b": torch.tensor([1.5, 2.0])}})
+        dst = {"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.bfloat16)}
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ck.load({"x": dst})
+    said = [str(w.message) for w in seen if "distckpt" in str(w.message)]
+    assert len(said) == 1 and "casts 2 tensor(s) into a dtype that cannot hold" in said[0], said

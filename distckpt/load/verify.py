@@ -93,7 +93,8 @@ def diverged_keys(
             Where the cast may lose values, the loaded values are judged cast back too: proven
             if the saved values fit the new dtype; otherwise the key goes to ``unproven`` and
             ``lossy`` (the cast lost values; a NaN-holding tensor goes to ``unproven`` only),
-            never to the result.
+            never to the result. A cast neither way exact (int64 into uint64) is never proven:
+            ``unproven`` and ``lossy``.
     """
     judged = sorted(k for k in keys if k in saved)
     index = {k: i for i, k in enumerate(judged)}
@@ -111,18 +112,27 @@ def diverged_keys(
             was = (saved_dtypes or {}).get(key)
             if was is None or not isinstance(value, torch.Tensor) or value.dtype == was:
                 continue
-            holds = _holds_only(value, was)
+            exact = exact_cast(was, value.dtype)
+            if exact or not value.numel():
+                holds = _holds_only(value, was)
+            elif exact_cast(value.dtype, was):
+                # Into a dtype that cannot hold every saved value, but whose values all cast back
+                # exactly (fp32 into bf16): the saved values fit it where the cast back matches
+                # their fingerprints (proven); where not, the cast lost values, no divergence.
+                holds = None if _holds_nan(value) else True
+            else:
+                # Neither way exact (int64 into uint64: -1 loads as 2**64 - 1 and casts back to
+                # -1): a cast back matching proves nothing.
+                holds = None
+            # (The same on every rank: ranks hold one dtype per key.)
+            slots[_LOSSY][index[key]] |= not exact and bool(value.numel())
             if holds is not None:
                 back[key] = was
                 # Cast back, a value the saved dtype cannot hold would round to a saved one:
                 # every loaded value must be one of the saved dtype's (bit for bit).
                 if not holds:
                     slots[_BAD][index[key]] = 1
-                # Into a dtype that cannot hold every saved value (fp32 into bf16): proven where
-                # the saved values fit it (cast back, the fingerprints match); where they differ
-                # the cast lost values (unprovable), which is no divergence.
-                slots[_LOSSY][index[key]] |= bool(value.numel()) and not exact_cast(was, value.dtype)
-            else:  # NaNs (a cast keeps no NaN's bits): unprovable
+            else:  # NaNs (a cast keeps no NaN's bits), or a cast no cast back can judge: unprovable
                 slots[_UNPROVEN][index[key]] += 1
                 del mine[key]
         lowest: dict[int, int] = {}  # id(mesh) -> its lowest global rank
@@ -185,8 +195,16 @@ def diverged_keys(
     if unproven is not None:
         unproven.extend(judged[i] for i in sorted(skipped | set(lost)))
     if lossy is not None:
-        lossy.extend(judged[i] for i in lost)
+        lossy.extend(judged[i] for i in sorted(skipped | set(lost)) if summed[_LOSSY][i])
     return [k for k, b in zip(judged, bad) if b]
+
+
+def _holds_nan(value: torch.Tensor) -> bool:
+    """Whether this rank's block of ``value`` holds a NaN."""
+    from torch.distributed.tensor import DTensor
+
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return bool(local.numel()) and (local.dtype.is_floating_point or local.dtype.is_complex) and bool(torch.isnan(local).any())
 
 
 def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool | None:
@@ -199,7 +217,7 @@ def _holds_only(value: torch.Tensor, dtype: torch.dtype) -> bool | None:
     local = value.to_local() if isinstance(value, DTensor) else value
     if not local.numel():
         return True
-    if (local.dtype.is_floating_point or local.dtype.is_complex) and bool(torch.isnan(local).any()):
+    if _holds_nan(local):
         return None
     # (A complex tensor cast back into a real dtype: its imaginary parts must be zero.)
     return torch.equal(fpkernels.bits(cast_back(local, dtype).to(local.dtype)), fpkernels.bits(local))
@@ -367,8 +385,9 @@ def check_loaded(
     if by_object:
         shown = _listed([f"{k} ({(saved_dtypes or {}).get(k)} saved)" for k in by_object])
         what = (
-            f"the state check of step {manifest.step} at {where}: {len(by_object)} tensor(s) lost saved values in "
-            f"a cast their object's own load_state_dict made into another dtype (torch's optimizers cast a "
+            f"the state check of step {manifest.step} at {where}: {len(by_object)} tensor(s) were cast by their "
+            f"object's own load_state_dict into a dtype that did not keep their saved values (or, holding NaN or "
+            f"cast between signed and unsigned integers, cannot be shown to have; torch's optimizers cast a "
             f"floating-point parameter's state to the parameter's dtype): {shown}"
         )
         if explicit:
@@ -377,8 +396,8 @@ def check_loaded(
                 "verify_state=None to load it with a warning)"
             )
         warnings.warn(f"distckpt: {what}", stacklevel=_outside())
-    # What is left holds NaNs, whose bits no cast keeps.
-    nans = [k for k in unproven if k not in lossy]
+    # What is left holds NaNs, whose bits no cast keeps (planned lossy casts were named).
+    nans = [k for k in unproven if k not in lossy and k not in planned]
     if nans:
         warnings.warn(
             f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(nans)} tensor(s) "

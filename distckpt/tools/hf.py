@@ -250,25 +250,26 @@ def load_pretrained(
         raise StateMismatchError(missing, unexpected, mismatched, f"Hugging Face checkpoint {where}")
     aside: dict[str, torch.Tensor] = {}
     beyond: list[str] = []
+    into = {k: v.dtype for k, v in request.items()}  # before the tied pairs leave request
     if pairs:
         aside, report.bytes_read, beyond = _read_tied_pairs(group, where, index, rename, request, pairs, thread_count)
     reader = SafetensorsReader(index, {k: rename[k] for k in request if rename[k] != k}, thread_count=thread_count)
     read(group, where, request, reader, DefaultLoadPlanner(allow_partial_load=True))
-    _warn_overflow(where, sorted({*beyond, *reader.beyond_range}), {**request, **aside}, index.spans, rename)
+    _warn_overflow(where, sorted({*beyond, *reader.beyond_range}), into, index.spans, rename)
     set_model_state_dict(module, {**request, **aside}, options=StateDictOptions(strict=False))
     report.bytes_read += reader.bytes_read
     return report
 
 
 def _warn_overflow(
-    where: str, keys: list[str], loaded: Mapping[str, torch.Tensor], spans: Mapping[str, Any], rename: Mapping[str, str]
+    where: str, keys: list[str], into: Mapping[str, torch.dtype], spans: Mapping[str, Any], rename: Mapping[str, str]
 ) -> None:
     """(each rank, its shards) One warning naming the tensors (``keys``, found by the reader)
     some of whose values lay beyond the range of the model's dtype they were cast into (float32
     into float16: ``inf``; into a float8 type: its largest value, or NaN), silently otherwise."""
     if not keys:
         return
-    hit = [f"{k} ({spans[rename[k]].dtype} into {loaded[k].dtype})" for k in keys]
+    hit = [f"{k} ({spans[rename[k]].dtype} into {into[k]})" for k in keys]
     shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
     warnings.warn(
         f"distckpt: load_pretrained of {where}: {len(hit)} tensor(s) hold values beyond the range of the model's dtype, "

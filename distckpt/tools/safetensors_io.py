@@ -437,13 +437,16 @@ def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
     if not (values.dtype.is_floating_point and dtype.is_floating_point) or not values.numel():
         return False
     info = torch.finfo(dtype)
-    if torch.finfo(values.dtype).max <= info.max:
+    holds_inf = bool(torch.isinf(torch.tensor(math.inf).to(dtype).float()))
+    wider = torch.finfo(values.dtype).max <= info.max
+    if wider and holds_inf:
         return False
+    wide = values.float() if values.element_size() == 1 else values  # float8 has no abs kernel
+    if wider:  # only infinities are lost (float8_e5m2 into float8_e5m2fnuz: NaN)
+        return bool(torch.isinf(wide).any())
     # Round to nearest: from half a unit in the last place above the largest value on, a value
     # rounds beyond it.
     limit = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
-    holds_inf = bool(torch.isinf(torch.tensor(math.inf).to(dtype).float()))
-    wide = values.float() if values.element_size() == 1 else values  # float8 has no abs kernel
     big = wide.abs() >= limit
     if holds_inf:
         big &= torch.isfinite(wide)
