@@ -277,3 +277,32 @@ def test_an_unhashable_stateful_object_the_load_left_alone_is_fine(tmp_path):
         ckpt.load({"w": torch.zeros(2), "counter": counter}, strict=False)
         assert ckpt.last_load_report.missing == ["counter.n"]
     assert counter.n == 7
+
+
+@pytest.mark.parametrize("after", ["verify_state", "prepare_staging"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loaded_loader_resumes_its_epoch_after_the_state_check_or_prepare_staging(tmp_path, workers, after):
+    """A loader saved one batch into epoch 1, loaded, then ``set_epoch(state["epoch"])`` (the
+    usual DistributedSampler pattern): the state check of ``verify_state=True`` (due by default
+    after a change of parallelism too) and ``prepare_staging`` after the load took the loader's
+    state, which started an iterator with the sampler still at epoch 0; the user's ``iter()``
+    got that one, and the resumed epoch ran epoch 0's order. The global generator is left as
+    the user's ``iter()`` needs it. Found by a helper (2026-12-06, /tmp/attack51)."""
+    import torch
+
+    loader, sampler = _epoch_loader(workers, epoch=1)
+    it = iter(loader)
+    next(it)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"loader": loader, "epoch": 1})
+    want = [b.tolist() for b in it]
+    loader, sampler = _epoch_loader(workers)
+    state = {"loader": loader, "epoch": 0}
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.load(state, verify_state=after == "verify_state")
+        rng = torch.get_rng_state()
+        if after == "prepare_staging":
+            ckpt.prepare_staging(state)
+        assert torch.equal(torch.get_rng_state(), rng)
+        sampler.set_epoch(state["epoch"])
+        assert [b.tolist() for b in loader] == want

@@ -361,7 +361,7 @@ def check_loaded(
                 # is not taken (a torchdata loader's state_dict() starts an iterator its next
                 # epoch would replay, with the sampler's order from before the load).
                 continue
-            value = e.save_state()
+            value = e.peek_state()
             if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
                 value = {scope.rank_key(group.rank): value}
             out[e.name] = value

@@ -204,6 +204,7 @@ def prepare(
     blocking: bool,
     cache: PlanCache | None = None,
     safe_types: safetypes.SafeTypesLike = None,
+    peek: bool = False,
 ) -> tuple[Prepared, SaveView]:
     """(each rank, no collectives) What to save, and this rank's view for the agreement check.
 
@@ -211,6 +212,8 @@ def prepare(
     :func:`write`) contributes its token, so that :func:`agree` can tell on every rank alike
     whether the previous save's plans still hold. ``safe_types``: the classes registered with
     ``Checkpointer(safe_types=...)`` (see :func:`distckpt.state.encoded.encode_for_save`).
+    ``peek``: the state is taken for a plan only (``prepare_staging``), leaving every object as
+    it was (:meth:`~distckpt.state.entries.Entry.peek_state`).
     """
     check_step(step)
     try:
@@ -218,7 +221,7 @@ def prepare(
     except (TypeError, ValueError) as exc:
         raise TypeError(f"save(metadata=...) must hold JSON values only: {exc}") from None
     entries = build_entries(state)
-    state_dict: dict[str, Any] = {e.name: e.save_state() for e in entries}
+    state_dict: dict[str, Any] = {e.name: e.peek_state() if peek else e.save_state() for e in entries}
     # Non-tensor values in the form a load reads (once, here: async staging copies this form);
     # what a load could not read fails this save, on every rank alike (prepare runs in an exchange).
     state_dict = encoded.encode_for_save(state_dict, safe_types)

@@ -163,7 +163,7 @@ class SaveDriver:
             prepared, views = exchange(
                 group,
                 "prepare_staging",
-                lambda: phases.prepare(self.opts, 0, state, {}, group.rank, False, None, safe_types=self.options.safe_types),
+                lambda: phases.prepare(self.opts, 0, state, {}, group.rank, False, None, safe_types=self.options.safe_types, peek=True),
             )
             phases.agree(prepared, views, group.rank)
             skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)

@@ -100,6 +100,11 @@ class Entry:
     def save_state(self) -> Any:
         raise NotImplementedError
 
+    def peek_state(self) -> Any:
+        """The state :meth:`save_state` gives, taken for a look only (the state check after a
+        load, ``prepare_staging``'s plan): the object must be left as it was."""
+        return self.save_state()
+
     def load_target(self, saved: Mapping[str, Any]) -> Any:
         """What DCP should fill. ``saved`` is this entry's manifest description."""
         return self.save_state()
@@ -487,6 +492,24 @@ class StatefulEntry(Entry):
         if not isinstance(sd, Mapping):
             raise TypeError(f"state[{self.name!r}].state_dict() returned {type(sd).__name__}, not a dict")
         return dict(sd)
+
+    def peek_state(self) -> dict[str, Any]:
+        # A loader without an iterator (right after its load_state_dict) starts one to give its
+        # state, built with its sampler as it is now, and its next iter() returns that one: the
+        # state check after a load, or prepare_staging after it, made the user's set_epoch()
+        # come too late (the resumed epoch ran the previous epoch's order). It is dropped and
+        # the position it used up given back; the global generator it draws its base seed from
+        # is restored (the user's iter() draws it).
+        if not _starts_an_iterator(self.obj):
+            return self.save_state()
+        position = getattr(self.obj, "next_iter_state", None)
+        with torch.random.fork_rng(devices=[]):
+            sd = self.save_state()
+        if getattr(self.obj, "_initial_iter_for_state_dict", False):
+            self.obj._iterator = None  # (its workers, if any, stop as it is collected)
+            self.obj._initial_iter_for_state_dict = False
+            self.obj.next_iter_state = position
+        return sd
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         starts = _starts_an_iterator(self.obj)
