@@ -78,7 +78,9 @@ class StateMismatchError(KeyError):
     def __reduce__(self) -> tuple:
         return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank, self.kinds))
 
-    def describe(self, where: str = "") -> str:
+    def describe(self, where: str = "", skipped: bool = False) -> str:
+        """The message; ``skipped``: for a ``strict=False`` load's warning, which skipped the
+        per-rank state (no advice to load with ``strict=False``)."""
         parts = [f"state does not match checkpoint{(' ' + where) if where else ''}:"]
         if self.missing:
             parts.append(f"missing keys ({len(self.missing)}): {_clip(self.missing)}")
@@ -95,7 +97,8 @@ class StateMismatchError(KeyError):
                 f"{k} (saved by {a} ranks, loading at {b}: each rank's own state cannot be mapped to another world size)"
                 for k, (a, b) in sorted(self.per_rank.items())
             ]
-            parts.append(f"per-rank state ({len(shown)}): {_clip(shown)}; load with strict=False to skip it")
+            then = "skipped" if skipped else "load with strict=False to skip it"
+            parts.append(f"per-rank state ({len(shown)}): {_clip(shown)}; {then}")
         if self.kinds:
             shown = [f"{k}: checkpoint {a} vs state {b}" for k, (a, b) in sorted(self.kinds.items())]
             parts.append(f"entries of another kind ({len(shown)}): {_clip(shown)}; put an object of the saved structure there")

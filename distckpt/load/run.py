@@ -330,7 +330,7 @@ def load(
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "
-            + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank).describe(),
+            + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank).describe(skipped=True),
             stacklevel=3,
         )
     return Loaded(manifest.step, storage, manifest, report)
