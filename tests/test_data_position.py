@@ -4,6 +4,7 @@ a resume skips the ones fetched ahead (at any world size: the sampler's state is
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -306,3 +307,52 @@ def test_a_loaded_loader_resumes_its_epoch_after_the_state_check_or_prepare_stag
         assert torch.equal(torch.get_rng_state(), rng)
         sampler.set_epoch(state["epoch"])
         assert [b.tolist() for b in loader] == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prepare_staging_leaves_a_fresh_shuffled_loaders_first_epoch_as_it_was(tmp_path, workers):
+    """Review of the fix above: on a fresh loader (never iterated, never loaded) the dropped
+    iterator had drawn the shuffle's permutation from the sampler's generator (and workers over
+    a GlobalBatchSampler fetched batches ahead): the first epoch came out in another order, or
+    skipped. A fresh loader keeps the iterator, as its own state_dict() does."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make():
+        return StatefulDataLoader(list(range(N)), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5), num_workers=workers)
+
+    want = [b.tolist() for b in make()]
+    loader = make()
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.prepare_staging({"loader": loader, "w": torch.ones(2)})
+    assert [b.tolist() for b in loader] == want
+    sampler = _sampler()
+    gbs = _loader("stateful", sampler, workers)
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.prepare_staging({"loader": gbs, "w": torch.ones(2)})
+    first = [b.tolist() for b in itertools.islice(iter(gbs), GLOBAL + 2)]  # (it runs on across epochs)
+    assert first == [b.tolist() for b in itertools.islice(iter(_loader("stateful", _sampler(), workers)), GLOBAL + 2)]
+
+
+def test_the_state_check_leaves_a_loaded_loaders_own_generator_as_it_was(tmp_path):
+    """A loaded loader with ``generator=``: the dropped iterator drew its base seed from that
+    generator; it is restored, so a resume with the check equals one without."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make():
+        return StatefulDataLoader(list(range(N)), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"loader": loader})
+    got = {}
+    for check in (False, True):
+        fresh = make()
+        with distckpt.Checkpointer(tmp_path) as ckpt:
+            ckpt.load({"loader": fresh}, verify_state=check)
+        got[check] = ([b.tolist() for b in fresh], fresh.generator.get_state())
+    assert got[True][0] == got[False][0] == [b.tolist() for b in it]
+    assert torch.equal(got[True][1], got[False][1])

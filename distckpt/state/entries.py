@@ -174,6 +174,18 @@ def _starts_an_iterator(obj: Any) -> bool:
     return _loader(obj) and getattr(obj, "_iterator", False) is None
 
 
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a loader's new iterator may draw from: its own and its
+    samplers' (each once)."""
+    found: dict[int, torch.Generator] = {}
+    for holder in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)):  # fmt: skip
+        g = getattr(holder, "generator", None)
+        if isinstance(g, torch.Generator):
+            found[id(g)] = g
+    return list(found.values())
+
+
 def _drop_target_iterator(obj: Any) -> None:
     """Undo the iterator a load target started on ``obj`` (if any, and still unused), giving
     back the position it used up."""
@@ -494,17 +506,24 @@ class StatefulEntry(Entry):
         return dict(sd)
 
     def peek_state(self) -> dict[str, Any]:
-        # A loader without an iterator (right after its load_state_dict) starts one to give its
-        # state, built with its sampler as it is now, and its next iter() returns that one: the
-        # state check after a load, or prepare_staging after it, made the user's set_epoch()
-        # come too late (the resumed epoch ran the previous epoch's order). It is dropped and
-        # the position it used up given back; the global generator it draws its base seed from
-        # is restored (the user's iter() draws it).
-        if not _starts_an_iterator(self.obj):
-            return self.save_state()
+        # A loaded loader without an iterator (right after its load_state_dict) starts one to
+        # give its state, built with its sampler as it is now, and its next iter() returns that
+        # one: the state check after a load, or prepare_staging after it, made the user's
+        # set_epoch() come too late (the resumed epoch ran the previous epoch's order). It is
+        # dropped and the position it used up given back (the next iterator starts from it
+        # again); the generators it drew from are restored (the user's iter() draws them).
+        # A fresh loader's (no position to start from) is kept, as its own state_dict() keeps
+        # it: dropped, the samples drawn for it (a shuffle's permutation, a sampler's batches
+        # its workers fetched ahead) would be lost to the first epoch.
         position = getattr(self.obj, "next_iter_state", None)
+        if not _starts_an_iterator(self.obj) or position is None:
+            return self.save_state()
+        generators = _generators(self.obj)
+        states = [g.get_state() for g in generators]
         with torch.random.fork_rng(devices=[]):
             sd = self.save_state()
+        for g, st in zip(generators, states):
+            g.set_state(st)
         if getattr(self.obj, "_initial_iter_for_state_dict", False):
             self.obj._iterator = None  # (its workers, if any, stop as it is collected)
             self.obj._initial_iter_for_state_dict = False
