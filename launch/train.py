@@ -29,7 +29,9 @@ Behaviour:
   sees exactly the data the uninterrupted job would have seen, at any world size.
 * Resuming at the same world size reproduces the uninterrupted losses bit for bit (dropout RNG
   included; on the CPU with the same ``OMP_NUM_THREADS`` per rank, which the launch scripts set
-  to 1 unless it is set); at another world size (``--dropout 0``) they agree to floating-point reduction order.
+  to 1 unless it is set; under DDP and ZeRO a resume first runs one forward and backward whose
+  gradients are dropped, so that DDP reduces in the bucket order the uninterrupted job had
+  reached); at another world size (``--dropout 0``) they agree to floating-point reduction order.
 * SIGTERM or SIGUSR1 on any rank: every rank finishes its step, saves synchronously and exits 0.
   ``torchrun`` forwards SIGTERM; add SIGUSR1 to ``--signals-to-handle`` for SLURM's warning.
 * ``--local-dir /dev/shm/JOB`` (the same path on every node): every committed step is also kept
@@ -198,6 +200,23 @@ def build(args: argparse.Namespace, world: int, device: torch.device) -> tuple[n
     return ddp, torch.optim.AdamW(ddp.parameters(), **adamw)
 
 
+def settle_ddp_buckets(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """(every rank, after a resume, under DDP) One forward and backward whose gradients are
+    dropped, under a forked random generator: DDP orders its gradient buckets by the order the
+    first backward made gradients ready, and reduces in that order from the next step on. An
+    uninterrupted job's step N+1 reduced in that order, a job resumed at step N in the initial
+    one: with more than two gloo ranks a ring all-reduce then adds in another order, and the
+    losses drifted by an ulp (seen at 4 ranks; FSDP has no such buckets). Costs one step's
+    compute, once per start."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return
+    with torch.random.fork_rng(devices=[x.device.index] if x.device.type == "cuda" else []):
+        model.train()
+        model(x, y).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
 def lr_lambda(warmup: int, decay_steps: int):
     """Linear warmup, then cosine down to 10% over ``decay_steps`` (then flat)."""
 
@@ -284,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         if blocking:
             log_save(ckpt.last_save, "sync")  # type: ignore[arg-type]
 
+    if 0 < step < args.steps:
+        x, y = data.batch([0] * (args.global_batch // world))
+        settle_ddp_buckets(model, x.to(device), y.to(device))
     flags = torch.zeros(2, dtype=torch.float64, device=device)
     t_window, steps_window = time.perf_counter(), 0
     stopped_by = None

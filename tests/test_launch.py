@@ -199,6 +199,26 @@ def test_resume_from_async_checkpoint_bit_identical(fsdp_runs, tmp_path: Path) -
 ZERO = ["--parallel", "zero", "--dropout", "0.1", "--save-every", "4", "--async"]
 
 
+def test_ddp_at_four_ranks_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """DDP (and ZeRO, on DDP) at 4 ranks: a job resumed at step 5 drifted from the uninterrupted
+    one by an ulp from step 10 on (DDP's first step after a start reduces in its initial bucket
+    order, the uninterrupted one's in the rebuilt order; with 4 gloo ranks the ring adds in
+    another order). Found by a helper (2026-12-06, /tmp/attack55)."""
+    args = ["--parallel", "ddp", "--steps", "15", "--save-every", "5", "--global-batch", "12", "--num-samples", "512",
+            "--n-layers", "1"]  # fmt: skip
+    ref_log, ckpt = tmp_path / "ref.jsonl", tmp_path / "ref"
+    run(4, [*args, "--ckpt-dir", str(ckpt), "--log-file", str(ref_log)], tmp_path / "ref.txt")
+    resumed, log = tmp_path / "resumed", tmp_path / "resumed.jsonl"
+    resumed.mkdir()
+    shutil.copytree(ckpt / "step_000000005", resumed / "step_000000005")
+    text = run(4, [*args, "--ckpt-dir", str(resumed), "--log-file", str(log)], tmp_path / "out.txt")
+    assert "resumed from step 5" in text
+    ref = losses(ref_log)
+    got = losses(log)
+    assert sorted(got) == list(range(6, 16))
+    assert {s: got[s] for s in got} == {s: ref[s] for s in got}
+
+
 def test_free_port_for_the_agents_lies_outside_the_ephemeral_range() -> None:
     """The two-node tests pick a port, then torchrun binds it seconds later: a port from the
     kernel's ephemeral range can meanwhile be taken by another test's gloo pair or store, and the
