@@ -211,8 +211,10 @@ def test_ddp_at_four_ranks_resumes_bit_for_bit(tmp_path: Path) -> None:
     resumed, log = tmp_path / "resumed", tmp_path / "resumed.jsonl"
     resumed.mkdir()
     shutil.copytree(ckpt / "step_000000005", resumed / "step_000000005")
-    text = run(4, [*args, "--ckpt-dir", str(resumed), "--log-file", str(log)], tmp_path / "out.txt")
+    # (Another --lr on resume: the checkpoint's optimizer and schedule state win, and it says so.)
+    text = run(4, [*args, "--ckpt-dir", str(resumed), "--log-file", str(log), "--lr", "0.1"], tmp_path / "out.txt")
     assert "resumed from step 5" in text
+    assert "--lr 0.1 not applied: resumed with the checkpoint's 0.003" in text
     ref = losses(ref_log)
     got = losses(log)
     assert sorted(got) == list(range(6, 16))
