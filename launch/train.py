@@ -306,10 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if step > 0:
         # The optimizer's and schedule's state come from the checkpoint: flags for them given
         # other values now do not apply (said, not silently dropped).
+        named = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)}
         kept = {"--lr": (args.lr, sched.base_lrs[0]), "--weight-decay": (args.weight_decay, optim.param_groups[0]["weight_decay"])}
         for flag, (given, saved) in kept.items():
-            if not math.isclose(given, saved, rel_tol=1e-9, abs_tol=0.0):
-                say(f"{flag} {given:g} not applied: resumed with the checkpoint's {saved:g} (its optimizer and schedule state)")
+            if flag in named and given != saved:
+                say(f"{flag} {given!r} not applied: resumed with the checkpoint's {saved!r} (its optimizer and schedule state)")
     if 0 < step < args.steps:
         x, y = data.batch([0] * (args.global_batch // world))
         settle_ddp_buckets(model, x.to(device), y.to(device))

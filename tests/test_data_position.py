@@ -356,3 +356,23 @@ def test_the_state_check_leaves_a_loaded_loaders_own_generator_as_it_was(tmp_pat
         got[check] = ([b.tolist() for b in fresh], fresh.generator.get_state())
     assert got[True][0] == got[False][0] == [b.tolist() for b in it]
     assert torch.equal(got[True][1], got[False][1])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prepare_staging_after_a_load_that_left_the_loader_alone(tmp_path, workers):
+    """Review of the fixes above: a loader the load left alone (``strict=False``, not in the
+    checkpoint) has no position to start from, was taken for a fresh one and kept the iterator
+    ``prepare_staging`` started: ``set_epoch(3)`` after it came too late. Every loader now drops
+    it, giving back its samplers' state and generators (the fresh loaders' tests above hold)."""
+    import torch
+
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"epoch": 3, "w": torch.ones(2)})
+    loader, sampler = _epoch_loader(workers)
+    state = {"epoch": 0, "w": torch.zeros(2), "loader": loader}
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.load(state, strict=False)
+        ckpt.prepare_staging(state)
+    sampler.set_epoch(state["epoch"])
+    expected, _ = _epoch_loader(0, epoch=3)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in expected]

@@ -180,9 +180,22 @@ def _generators(loader: Any) -> list[torch.Generator]:
     found: dict[int, torch.Generator] = {}
     for holder in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):  # fmt: skip
-        g = getattr(holder, "generator", None)
+        try:
+            g = getattr(holder, "generator", None)
+        except Exception:  # a property that fails: nothing to restore there
+            continue
         if isinstance(g, torch.Generator):
             found[id(g)] = g
+    return list(found.values())
+
+
+def _stateful_samplers(loader: Any) -> list[Any]:
+    """The loader's samplers that keep a state of their own (``state_dict``/``load_state_dict``:
+    a GlobalBatchSampler, torchdata's samplers), each once."""
+    found: dict[int, Any] = {}
+    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if callable(getattr(holder, "state_dict", None)) and callable(getattr(holder, "load_state_dict", None)):
+            found[id(holder)] = holder
     return list(found.values())
 
 
@@ -506,28 +519,30 @@ class StatefulEntry(Entry):
         return dict(sd)
 
     def peek_state(self) -> dict[str, Any]:
-        # A loaded loader without an iterator (right after its load_state_dict) starts one to
-        # give its state, built with its sampler as it is now, and its next iter() returns that
-        # one: the state check after a load, or prepare_staging after it, made the user's
+        # A loader without an iterator (right after its load_state_dict, or a fresh one) starts
+        # one to give its state, built with its sampler as it is now, and its next iter()
+        # returns that one: the state check after a load, or prepare_staging, made the user's
         # set_epoch() come too late (the resumed epoch ran the previous epoch's order). It is
-        # dropped and the position it used up given back (the next iterator starts from it
-        # again); the generators it drew from are restored (the user's iter() draws them).
-        # A fresh loader's (no position to start from) is kept, as its own state_dict() keeps
-        # it: dropped, the samples drawn for it (a shuffle's permutation, a sampler's batches
-        # its workers fetched ahead) would be lost to the first epoch.
-        position = getattr(self.obj, "next_iter_state", None)
-        if not _starts_an_iterator(self.obj) or position is None:
+        # dropped and what starting it used up given back: the position the next iterator
+        # starts from, the generators it drew from (a shuffle's permutation, its base seed; the
+        # user's iter() draws them) and its samplers' own state (a GlobalBatchSampler's batches
+        # its workers fetched ahead).
+        if not _starts_an_iterator(self.obj):
             return self.save_state()
+        position = getattr(self.obj, "next_iter_state", None)
         generators = _generators(self.obj)
         states = [g.get_state() for g in generators]
+        samplers = [(x, x.state_dict()) for x in _stateful_samplers(self.obj)]
         with torch.random.fork_rng(devices=[]):
             sd = self.save_state()
-        for g, st in zip(generators, states):
-            g.set_state(st)
         if getattr(self.obj, "_initial_iter_for_state_dict", False):
             self.obj._iterator = None  # (its workers, if any, stop as it is collected)
             self.obj._initial_iter_for_state_dict = False
             self.obj.next_iter_state = position
+        for g, st in zip(generators, states):
+            g.set_state(st)
+        for x, st in samplers:
+            x.load_state_dict(st)
         return sd
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
