@@ -376,3 +376,29 @@ def test_prepare_staging_after_a_load_that_left_the_loader_alone(tmp_path, worke
     sampler.set_epoch(state["epoch"])
     expected, _ = _epoch_loader(0, epoch=3)
     assert [b.tolist() for b in loader] == [b.tolist() for b in expected]
+
+
+def test_prepare_staging_keeps_a_stateful_distributed_samplers_loaded_position(tmp_path):
+    """Review of the fix above: the samplers' state was given back through their own
+    load_state_dict(state_dict()), which torchdata's StatefulDistributedSampler does not invert
+    (its state_dict() reports a stale count until it iterates): a position loaded into it was
+    reset to 0, and the loader restarted the data. Their attributes are given back instead."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def make():
+        sampler = StatefulDistributedSampler(list(range(64)), num_replicas=1, rank=0, shuffle=False)
+        return sampler, StatefulDataLoader(list(range(64)), batch_size=8, sampler=sampler)
+
+    sampler, loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"sampler": sampler})  # (the loader joins the state in the next run)
+    sampler, loader = make()
+    state = {"sampler": sampler, "loader": loader, "w": torch.ones(2)}
+    with distckpt.Checkpointer(tmp_path, async_mode="thread") as ckpt:
+        ckpt.load(state, strict=False)
+        ckpt.prepare_staging(state)
+    assert next(iter(loader)).tolist() == list(range(16, 24))

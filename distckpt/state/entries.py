@@ -189,12 +189,13 @@ def _generators(loader: Any) -> list[torch.Generator]:
     return list(found.values())
 
 
-def _stateful_samplers(loader: Any) -> list[Any]:
-    """The loader's samplers that keep a state of their own (``state_dict``/``load_state_dict``:
-    a GlobalBatchSampler, torchdata's samplers), each once."""
+def _samplers(loader: Any) -> list[Any]:
+    """The loader's sampler objects (its sampler, its batch sampler and the sampler inside that),
+    each once, those with attributes of their own (``__dict__``): what its iterator may change."""
+    batch = getattr(loader, "batch_sampler", None)
     found: dict[int, Any] = {}
-    for holder in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        if callable(getattr(holder, "state_dict", None)) and callable(getattr(holder, "load_state_dict", None)):
+    for holder in (getattr(loader, "sampler", None), batch, getattr(batch, "sampler", None)):
+        if holder is not None and holder is not loader and isinstance(getattr(holder, "__dict__", None), dict):
             found[id(holder)] = holder
     return list(found.values())
 
@@ -525,14 +526,14 @@ class StatefulEntry(Entry):
         # set_epoch() come too late (the resumed epoch ran the previous epoch's order). It is
         # dropped and what starting it used up given back: the position the next iterator
         # starts from, the generators it drew from (a shuffle's permutation, its base seed; the
-        # user's iter() draws them) and its samplers' own state (a GlobalBatchSampler's batches
-        # its workers fetched ahead).
+        # user's iter() draws them) and its samplers' attributes (a GlobalBatchSampler's batches
+        # its workers fetched ahead, a StatefulDistributedSampler's position).
         if not _starts_an_iterator(self.obj):
             return self.save_state()
         position = getattr(self.obj, "next_iter_state", None)
         generators = _generators(self.obj)
         states = [g.get_state() for g in generators]
-        samplers = [(x, x.state_dict()) for x in _stateful_samplers(self.obj)]
+        samplers = [(x, dict(vars(x))) for x in _samplers(self.obj)]
         with torch.random.fork_rng(devices=[]):
             sd = self.save_state()
         if getattr(self.obj, "_initial_iter_for_state_dict", False):
@@ -541,8 +542,9 @@ class StatefulEntry(Entry):
             self.obj.next_iter_state = position
         for g, st in zip(generators, states):
             g.set_state(st)
-        for x, st in samplers:
-            x.load_state_dict(st)
+        for x, fields in samplers:  # (not their load_state_dict: not every one inverts state_dict)
+            vars(x).clear()
+            vars(x).update(fields)
         return sd
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
