@@ -534,18 +534,19 @@ class StatefulEntry(Entry):
         generators = _generators(self.obj)
         states = [g.get_state() for g in generators]
         samplers = [(x, dict(vars(x))) for x in _samplers(self.obj)]
-        with torch.random.fork_rng(devices=[]):
-            sd = self.save_state()
-        if getattr(self.obj, "_initial_iter_for_state_dict", False):
-            self.obj._iterator = None  # (its workers, if any, stop as it is collected)
-            self.obj._initial_iter_for_state_dict = False
-            self.obj.next_iter_state = position
-        for g, st in zip(generators, states):
-            g.set_state(st)
-        for x, fields in samplers:  # (not their load_state_dict: not every one inverts state_dict)
-            vars(x).clear()
-            vars(x).update(fields)
-        return sd
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return self.save_state()
+        finally:  # (also where state_dict() failed half-way)
+            if getattr(self.obj, "_initial_iter_for_state_dict", False):
+                self.obj._iterator = None  # (its workers, if any, stop as it is collected)
+                self.obj._initial_iter_for_state_dict = False
+                self.obj.next_iter_state = position
+            for g, st in zip(generators, states):
+                g.set_state(st)
+            for x, fields in samplers:  # (not their load_state_dict: not every one inverts state_dict)
+                vars(x).clear()
+                vars(x).update(fields)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         starts = _starts_an_iterator(self.obj)
