@@ -125,7 +125,9 @@ def test_load_pretrained_into_a_float8_model_names_saturated_values(tmp_path):
     m = M(torch.float8_e4m3fn)
     with pytest.warns(UserWarning, match=r"1 tensor\(s\) hold values beyond.*w \(torch.bfloat16 into torch.float8_e4m3fn\)"):
         hf.load_pretrained(m, tmp_path)
-    assert m.w.float().tolist() == [[1.0, 2.0], [448.0, -3.0]]
+    # (torch 2.13 saturates to 448, 2.11 gives NaN: whatever torch's own cast gives.)
+    want = torch.tensor([[1.0, 2.0], [500.0, -3.0]], dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    assert torch.equal(m.w.view(torch.uint8), want.view(torch.uint8))
     for dtype, values in ((torch.float8_e5m2, [[1.0, 2.0], [500.0, -3.0]]), (torch.float16, [[1.0, float("inf")], [500.0, -3.0]])):
         save_file({"w": torch.tensor(values, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
         m = M(dtype)
