@@ -20,7 +20,7 @@ def exact_cast(saved: torch.dtype, loaded: torch.dtype) -> bool:
     if loaded.is_complex:
         # Complex values are pairs of the component type: exact where the saved values (or
         # both parts of them) are exact in it (complex64 into complex128, float32 into complex64).
-        return exact_cast(_component(saved) if saved.is_complex else saved, _component(loaded))
+        return exact_cast(saved.to_real() if saved.is_complex else saved, loaded.to_real())
     if saved.is_complex or loaded == torch.bool:
         return False
     if saved == torch.bool:
@@ -46,11 +46,6 @@ def exact_cast(saved: torch.dtype, loaded: torch.dtype) -> bool:
         return max(abs(info.min), info.max) <= exact
     other = torch.iinfo(loaded)
     return other.min <= info.min and info.max <= other.max
-
-
-def _component(dtype: torch.dtype) -> torch.dtype:
-    """The real type of a complex type's two parts."""
-    return dtype.to_real()
 
 
 def cast_back(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

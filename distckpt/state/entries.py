@@ -174,12 +174,22 @@ def _starts_an_iterator(obj: Any) -> bool:
     return _loader(obj) and getattr(obj, "_iterator", False) is None
 
 
+def _sampler_objects(loader: Any) -> list[Any]:
+    """The loader's sampler objects: its sampler, its batch sampler and the sampler inside that
+    (each once)."""
+    batch = getattr(loader, "batch_sampler", None)
+    found: dict[int, Any] = {}
+    for holder in (getattr(loader, "sampler", None), batch, getattr(batch, "sampler", None)):
+        if holder is not None and holder is not loader:
+            found[id(holder)] = holder
+    return list(found.values())
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
     """The ``torch.Generator`` objects a loader's new iterator may draw from: its own and its
     samplers' (each once)."""
     found: dict[int, torch.Generator] = {}
-    for holder in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)):  # fmt: skip
+    for holder in (loader, *_sampler_objects(loader)):
         try:
             g = getattr(holder, "generator", None)
         except Exception:  # a property that fails: nothing to restore there
@@ -190,25 +200,25 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 
 def _samplers(loader: Any) -> list[Any]:
-    """The loader's sampler objects (its sampler, its batch sampler and the sampler inside that),
-    each once, those with attributes of their own (``__dict__``): what its iterator may change."""
-    batch = getattr(loader, "batch_sampler", None)
-    found: dict[int, Any] = {}
-    for holder in (getattr(loader, "sampler", None), batch, getattr(batch, "sampler", None)):
-        if holder is not None and holder is not loader and isinstance(getattr(holder, "__dict__", None), dict):
-            found[id(holder)] = holder
-    return list(found.values())
+    """The loader's sampler objects with attributes of their own (``__dict__``): what its
+    iterator may change."""
+    return [x for x in _sampler_objects(loader) if isinstance(getattr(x, "__dict__", None), dict)]
+
+
+def _give_back(obj: Any, position: Any) -> None:
+    """Drop the iterator ``obj``'s ``state_dict()`` started (if still unused), giving back the
+    position it used up."""
+    if getattr(obj, "_initial_iter_for_state_dict", False):
+        obj._iterator = None  # (its workers, if any, stop as it is collected)
+        obj._initial_iter_for_state_dict = False
+        obj.next_iter_state = position
 
 
 def _drop_target_iterator(obj: Any) -> None:
     """Undo the iterator a load target started on ``obj`` (if any, and still unused), giving
     back the position it used up."""
     if _loader(obj) and obj in _TARGET_ITERATORS:
-        position = _TARGET_ITERATORS.pop(obj)
-        if getattr(obj, "_initial_iter_for_state_dict", False):
-            obj._iterator = None  # (its workers, if any, stop as it is collected)
-            obj._initial_iter_for_state_dict = False
-            obj.next_iter_state = position
+        _give_back(obj, _TARGET_ITERATORS.pop(obj))
 
 
 def target_of_fresh(optim: Any) -> bool:
@@ -538,10 +548,7 @@ class StatefulEntry(Entry):
             with torch.random.fork_rng(devices=[]):
                 return self.save_state()
         finally:  # (also where state_dict() failed half-way)
-            if getattr(self.obj, "_initial_iter_for_state_dict", False):
-                self.obj._iterator = None  # (its workers, if any, stop as it is collected)
-                self.obj._initial_iter_for_state_dict = False
-                self.obj.next_iter_state = position
+            _give_back(self.obj, position)
             for g, st in zip(generators, states):
                 g.set_state(st)
             for x, fields in samplers:  # (not their load_state_dict: not every one inverts state_dict)
