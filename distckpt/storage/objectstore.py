@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from distckpt._process import map_in_threads
 from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
-from distckpt.storage.base import Storage, _flat_namespace, _redact
+from distckpt.storage.base import Storage, _flat_namespace, _redact, check_literal
 
 
 _T = TypeVar("_T")
@@ -43,6 +43,7 @@ class FsspecStorage(Storage, kind="url"):
             raise ValueError(f"{_redact(root)}: {exc} (a local path, file://, local:// or an fsspec URL)") from None
         self.path = path.rstrip("/")
         self.url = _redact(root).rstrip("/")
+        check_literal(self.path, self.url)  # (the root's deletes must never match another's objects)
         self.flat = _flat_namespace(self.fs)
 
     # paths and queries ------------------------------------------------------------------------
@@ -138,9 +139,14 @@ class FsspecStorage(Storage, kind="url"):
             pass
 
     def remove_tree(self, *parts: str) -> None:
+        path = self.join(*parts)
         try:
             with self._at(*parts):
-                self.fs.rm(self.join(*parts), recursive=True)
+                if any(c in path for c in "*?["):  # (refused in roots; fsspec's rm would glob it)
+                    for name in self.fs.find(path):
+                        self.fs.rm_file(name)
+                else:
+                    self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
         self.refresh()

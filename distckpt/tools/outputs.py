@@ -22,7 +22,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import _flat_namespace, _redact, is_local_location, local_path, named_os_error
+from distckpt.storage.base import _flat_namespace, _redact, check_literal, is_local_location, local_path, named_os_error
 
 _CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
 
@@ -237,6 +237,7 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
             yield f
         return
     fs, path = url_to_fs(out, **dict(storage_options or {}))
+    check_literal(path, f"output {_redact(out)}")  # (a failed write's cleanup, a move into place: fsspec globs)
     if fs.isdir(path):
         raise IsADirectoryError(f"output {_redact(out)} is a directory")
     if not overwrite and fs.exists(path):
