@@ -178,7 +178,7 @@ def test_decide_is_pure_and_prefers_intact_copies():
     full = ["manifest.json", "__0_0.distcp", ".metadata", "__1_0.distcp"]
     reports = [{7: holding(full, "x"), 6: holding(full)}, {}, {7: holding(full, "y"), 6: holding(full)}, {}]
     d = local_tier.decide(nodes, reports, root_steps=None, want=None)
-    assert d.step == 6 and d.transfers == []
+    assert d.step == 6 and d.transfers == [] and "newer step 7" in d.reason and "different manifests" in d.reason
     assert local_tier.decide(nodes, reports, root_steps=None, want=7).step is None
     assert local_tier.decide(nodes, reports, root_steps=[6, 7], want=None).step is None
 
@@ -502,6 +502,26 @@ def test_one_nodes_tier_that_cannot_take_a_step_keeps_it_out_of_every_tier(tmp_p
     assert (nodes / "node1" / "step_000000001").read_text() == "in the way"
     for node in ("node0", "node1"):
         assert (nodes / node / "step_000000002" / "manifest.json").is_file(), node
+
+
+def test_an_older_step_recovered_with_the_root_unreachable_is_said(tmp_path):
+    """The tier's newest step has a damaged file (no other copy) and the root cannot be listed:
+    the load takes the tier's older step, which is what it has, but says so on every rank with
+    why (it did so silently: latest_step() said 2, load() gave 1)."""
+    import torch
+
+    root, tier = tmp_path / "mnt" / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier, local_keep=2, save_rng=False) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((1000,), float(step)), "step": step})
+    data = tier / "step_000000002" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-1])
+    shutil.rmtree(tmp_path / "mnt")
+    state = {"w": torch.zeros(1000), "step": 0}
+    with distckpt.Checkpointer(root, local_dir=tier, save_rng=False) as ckpt:
+        with pytest.warns(UserWarning, match=r"recovering step 1 from the local tier, an older one: its newer step 2 cannot be served \(.*__0_0\.distcp"):
+            assert ckpt.load(state) == 1
+    assert state["step"] == 1 and torch.equal(state["w"], torch.full((1000,), 1.0))
 
 
 @pytest.mark.timeout(120)

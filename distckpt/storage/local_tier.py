@@ -263,7 +263,10 @@ def decide(
     else:
         candidates = steps
         why = "no committed step in the local tier of any node"
+    passed: str | None = None  # why the newest candidate could not be served, once an older one is tried
     for step in candidates:
+        if passed is None and step != candidates[0]:
+            passed = f"its newer step {candidates[0]} cannot be served ({why})"
         held = [(r, rep[step]) for r, rep in enumerate(reports) if step in rep]
         shas = {h.manifest_sha for _, h in held}
         if len(shas) != 1:
@@ -304,7 +307,7 @@ def decide(
             for i, f in enumerate(missing):
                 hs = holders[f]
                 transfers.append((f, hs[i % len(hs)], receivers[i % len(receivers)]))
-        return Decision(step, "", transfers)
+        return Decision(step, passed or "", transfers)  # (the reason an older step is taken, where it is)
     return Decision(None, why)
 
 
@@ -630,6 +633,12 @@ class LocalTier:
                 log.info("distckpt: loading from the root: %s", decision.reason)
             return Recovery(None, {})
         step = decision.step
+        if decision.reason:  # an older step than the tier's newest, the root unreachable: never silently
+            warnings.warn(
+                f"distckpt: recovering step {step} from the local tier, an older one: {decision.reason}, and the "
+                "root cannot be listed",
+                stacklevel=3,
+            )
         if all(step in rep for rep in reports):
             # Every rank read the step's manifest, the same one (decide() compared their digests).
             manifest_json = raw[step]
