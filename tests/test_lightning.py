@@ -306,8 +306,12 @@ def test_async_pointer_and_removal_wait_for_the_commit(tmp_path: Path) -> None:
     root, ck = tmp_path / "root", tmp_path / "ck"
     io = DistckptCheckpointIO(str(root), async_save=True, async_mode="thread")
 
+    weights: dict[int, torch.Tensor] = {}
+
     def state(step: int) -> dict:
-        return {"global_step": step, "epoch": 0, "state_dict": {"w": torch.full((3,), float(step))}, "loops": {"n": step}}
+        # The same tensors for saves at one step, as Lightning's dicts hold the live parameters.
+        w = weights.setdefault(step, torch.full((3,), float(step)))
+        return {"global_step": step, "epoch": 0, "state_dict": {"w": w}, "loops": {"n": step}}
 
     io.save_checkpoint(state(1), ck / "a.ckpt")
     io.save_checkpoint(state(1), ck / "a2.ckpt")  # a second callback at the step in flight: no wait
@@ -820,3 +824,156 @@ def test_a_pending_pointer_of_a_save_of_this_process_in_flight_is_left(tmp_path:
     resumed.load_checkpoint(ck / "a.ckpt")
     assert not (ck / "b.ckpt").exists()
     resumed.teardown()
+
+
+# ------------------------------------------------------------------------------------------
+# Two saves at one global step (found by a helper, 2026-12-07, /tmp/attack59)
+class _Opaque:
+    """A class torch.load(weights_only=True) refuses: what a forged overlay may name."""
+
+
+def test_a_later_save_at_one_step_keeps_its_own_values(tmp_path: Path) -> None:
+    """A top-k save, then save_last at the same global step: the second's callbacks (its
+    ``last_model_path``) were dropped, the pointer loading the first's. Each pointer now loads
+    its own values, types kept; the model's tensors are the step's, stored once."""
+    import numpy as np
+
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    w = torch.arange(3.0)
+
+    def state(last: str, best: float, note: Any) -> dict:
+        callbacks = {"ModelCheckpoint": {"last_model_path": last, "best_model_score": torch.tensor(best), "note": note}}
+        return {"global_step": 5, "epoch": 0, "state_dict": {"w": w}, "callbacks": callbacks, "loops": {"n": 1}}
+
+    io.save_checkpoint(state("", 0.5, np.float64(1.5)), tmp_path / "a.ckpt")
+    io.save_checkpoint(state("last.ckpt", 0.25, Path("runs/x")), tmp_path / "last.ckpt")
+    io.save_checkpoint(state("", 0.5, np.float64(1.5)), tmp_path / "same.ckpt")  # the step's values: nothing kept
+    pointer = _pointer(tmp_path / "last.ckpt")
+    assert set(pointer["overlay"]) == {"callbacks"} and pointer["version"] == 2 and pointer["step"] == 5
+    assert "overlay" not in _pointer(tmp_path / "same.ckpt") and "overlay" not in _pointer(tmp_path / "a.ckpt")
+    assert io.checkpointer.steps() == [5]
+    io.teardown()
+    for name, last, best, note in (("a", "", 0.5, np.float64(1.5)), ("last", "last.ckpt", 0.25, Path("runs/x"))):
+        got = DistckptCheckpointIO(str(tmp_path / "root")).load_checkpoint(tmp_path / f"{name}.ckpt")
+        mc = got["callbacks"]["ModelCheckpoint"]
+        assert mc["last_model_path"] == last and torch.equal(mc["best_model_score"], torch.tensor(best)), name
+        assert type(mc["note"]) is type(note) and mc["note"] == note, name
+        assert torch.equal(got["state_dict"]["w"], w) and got["loops"] == {"n": 1}
+    # A damaged or forged overlay is named, never loaded.
+    for text, error in (("not base64!", distckpt.IntegrityError), (None, distckpt.UnsafeCheckpointError)):
+        if text is None:
+            import base64
+            import io as _io
+
+            buffer = _io.BytesIO()
+            torch.save(_Opaque(), buffer)
+            text = base64.b64encode(buffer.getvalue()).decode()
+        forged = dict(pointer, overlay={"callbacks": text})
+        (tmp_path / "forged.ckpt").write_text(json.dumps(forged))
+        with pytest.raises(error, match=r"forged\.ckpt.*'callbacks'"):
+            DistckptCheckpointIO(str(tmp_path / "root")).load_checkpoint(tmp_path / "forged.ckpt")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_later_save_at_one_step_with_other_weights_is_refused(tmp_path: Path, async_save: bool) -> None:
+    """A callback that changes the weights between two saves at one global step (a clamp at the
+    epoch's end after a save in its last batch): the second pointer loaded the first's weights,
+    silently. Refused now, naming the tensors; copies of the same values are the same state."""
+    kw = {"async_save": True, "async_mode": "thread"} if async_save else {}
+    io = DistckptCheckpointIO(str(tmp_path / "root"), **kw)
+    w = torch.arange(3.0)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": w}}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": w.clone()}}, tmp_path / "b.ckpt")  # equal values
+    w.clamp_(max=1.0)
+    with pytest.raises(distckpt.StepExistsError, match=r"global step 1 was saved before in this run.*state_dict\.w"):
+        io.save_checkpoint({"global_step": 1, "state_dict": {"w": w}}, tmp_path / "c.ckpt")
+    io.teardown()
+    assert not (tmp_path / "c.ckpt").exists() and _pointer(tmp_path / "b.ckpt")["step"] == 1
+
+
+class _Clamped(_Model):
+    def on_train_epoch_end(self) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+def test_a_callback_changing_weights_between_two_saves_at_one_step_fails_the_fit(tmp_path: Path) -> None:
+    cbs = [ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=1, save_top_k=-1),
+           ModelCheckpoint(dirpath=tmp_path / "b", every_n_epochs=1, save_top_k=-1, save_last=True)]  # fmt: skip
+    L.seed_everything(0, verbose=False)
+    with pytest.raises(distckpt.StepExistsError, match="changed since"):
+        _trainer(DistckptCheckpointIO(str(tmp_path / "root")), 1, cbs).fit(_Clamped(), _loader())
+
+
+def test_resuming_from_last_twice_keeps_one_last_checkpoint(tmp_path: Path) -> None:
+    """ModelCheckpoint(save_last=True), resumed with ckpt_path="last" twice: last.ckpt loaded the
+    top-k save's callback state (no last_model_path), so the resumed callback wrote last-v1.ckpt
+    beside it, and every step stayed. As with Lightning's own files: one last.ckpt, the newest."""
+    seen = {}
+    for kind in ("torch", "distckpt"):
+        base = tmp_path / kind
+        for i, epochs in enumerate((1, 2, 3)):
+            io = DistckptCheckpointIO(str(base / "root")) if kind == "distckpt" else None
+            _fit(io, epochs, [ModelCheckpoint(dirpath=base / "ck", save_last=True)], ckpt_path="last" if i else None)
+        seen[kind] = sorted(p.name for p in (base / "ck").iterdir())
+    assert seen["distckpt"] == seen["torch"] == ["epoch=2-step=3.ckpt", "last.ckpt"]
+    assert _pointer(tmp_path / "distckpt" / "ck" / "last.ckpt")["step"] == 3
+    assert distckpt.Checkpointer(str(tmp_path / "distckpt" / "root")).steps() == [3]
+
+
+class _Unsynced(_Model):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append((self.global_step, self.global_rank, loss.item()))
+        self.log("loss", loss)  # no sync_dist: each rank monitors its own loss
+        return loss
+
+
+def _unsynced_body(rank: int, world: int, root: str, ck: str | None, ckpt_path: str | None) -> list:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    cbs = None
+    if ck is not None:  # file names hold each rank's own loss: best_k_models differs per rank
+        cbs = [ModelCheckpoint(dirpath=ck, filename="{epoch}-{step}-{loss:.3f}", monitor="loss", save_top_k=-1, every_n_epochs=1)]
+    L.seed_everything(0, verbose=False)
+    model = _Unsynced()
+    trainer = _trainer(DistckptCheckpointIO(root), EPOCHS, cbs, strategy=DistckptDDPStrategy(process_group_backend="gloo"), devices=world)
+    trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+    return model.losses
+
+
+@pytest.mark.timeout(300)
+def test_ddp_resume_where_callbacks_differ_in_structure_between_ranks(tmp_path: Path) -> None:
+    """A metric logged without sync_dist names each rank's checkpoint files after its own loss:
+    the callbacks' state differs in structure between ranks, and the manifest recorded rank 0's
+    only, so no resume at the same world size could load it. Each rank's structure is recorded."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    uninterrupted = sorted(sum(run_ranks(_unsynced_body, 2, tmp_path, str(root), str(ck), None, timeout=240), []))
+    pointer = next(p for p in ck.iterdir() if _pointer(p)["step"] == RESUME_FROM)
+    resumed = sorted(sum(run_ranks(_unsynced_body, 2, tmp_path, str(root), None, str(pointer), timeout=240), []))
+    assert resumed == [x for x in uninterrupted if x[0] >= RESUME_FROM]
+
+
+def test_a_later_save_keeps_a_scheduler_stepped_since_with_its_learning_rate(tmp_path: Path) -> None:
+    """trainer.save_checkpoint after fit at the last checkpoint's step, a scheduler stepped at the
+    epoch's end in between: the scheduler's state and the optimizer's lr (its param_groups) are the
+    later save's, the optimizer's tensors the step's."""
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    exp_avg = torch.ones(3)
+
+    def state(lr: float, epoch: int) -> dict:
+        optim = {"state": {0: {"exp_avg": exp_avg}}, "param_groups": [{"lr": lr, "params": [0]}]}
+        return {"global_step": 4, "state_dict": {"w": exp_avg}, "optimizer_states": [optim],
+                "lr_schedulers": [{"last_epoch": epoch, "_last_lr": [lr]}]}  # fmt: skip
+
+    io.save_checkpoint(state(0.1, 1), tmp_path / "a.ckpt")
+    io.teardown()
+    io.save_checkpoint(state(0.05, 2), tmp_path / "final.ckpt")
+    assert set(_pointer(tmp_path / "final.ckpt")["overlay"]) == {"optimizer_states", "lr_schedulers"}
+    io.teardown()
+    for name, lr, epoch in (("a", 0.1, 1), ("final", 0.05, 2)):
+        got = DistckptCheckpointIO(str(tmp_path / "root")).load_checkpoint(tmp_path / f"{name}.ckpt")
+        assert got["optimizer_states"][0]["param_groups"] == [{"lr": lr, "params": [0]}], name
+        assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"], exp_avg)
+        assert got["lr_schedulers"] == [{"last_epoch": epoch, "_last_lr": [lr]}], name

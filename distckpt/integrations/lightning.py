@@ -26,7 +26,10 @@ pointer and loads the step from the plugin's own root, after checking that the s
 saved by the pointer's job (so a copied or moved root still loads, and a pointer from another
 run never loads a different checkpoint). Several saves at one global step (two
 ``ModelCheckpoint`` callbacks, ``save_last`` beside a top-k save) write one distckpt step and
-several pointers to it.
+several pointers to it; a later save's values that differ from the step's (callbacks' and loops'
+bookkeeping, the optimizers' ``param_groups``) are kept in its pointer
+(:mod:`~distckpt.integrations.lightning_overlay`), and one whose model's or optimizers' tensors
+changed since is refused.
 
 **What is stored.** Every top-level item of Lightning's checkpoint dict is an entry of the
 distckpt state (names escaped: distckpt reserves ``.`` and a leading ``_``): tensors as DCP
@@ -58,6 +61,7 @@ refers to) :mod:`distckpt.integrations.lightning_pointers`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
@@ -89,12 +93,16 @@ from distckpt.errors import (
     StateMismatchError,
     StepExistsError,
 )
+from distckpt.integrations import lightning_overlay as overlays
 from distckpt.integrations.lightning_layout import (
     LAYOUT_KEY,
     entry_name,
+    node_texts,
     prepare,
+    rank_layouts,
     read_layout,
     template,
+    with_rank_nodes,
 )
 from distckpt.integrations.lightning_pointers import (
     POINTER_FORMAT,
@@ -197,6 +205,9 @@ class DistckptCheckpointIO(CheckpointIO):
         # The last step saved here -> the model's and optimizers' tensors as saved: (their
         # storage, held weakly, and version counter) by key; see _same_as_saved.
         self._saved_tensors: dict[int, dict[str, tuple[weakref.ref, int] | None]] = {}
+        # The last step saved or loaded here -> its values beyond the model's and optimizers' state
+        # (this rank's records, lightning_overlay.snapshot): what a later save at it is compared with.
+        self._snapshot: tuple[int, dict[str, bytes]] | None = None
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -275,7 +286,7 @@ class DistckptCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         if type(step) is not int or step < 0:
             raise ValueError(f"a Lightning checkpoint must hold 'global_step', an int >= 0, got {step!r}")
-        keys, state, layout = prepare(checkpoint, copy_values=self.async_save)
+        keys, state, layout = self._prepare(checkpoint, path)
         # Before anything is saved, on every rank alike: a pointer must not land in a checkpoint
         # (it would replace a committed step's files) nor be refused after the step committed.
         on_coordinator(Group(), f"checking Lightning checkpoint path {os.fspath(path)}", lambda: check_pointer_path(path, self.root))
@@ -294,6 +305,10 @@ class DistckptCheckpointIO(CheckpointIO):
                     f"save at the same step cannot be stored as another distckpt step: let the callback that "
                     f"saves the full state come first, or save them at different steps"
                 )
+            self._refuse_changed_tensors(step, state, path)
+            overlay = self._overlay(step, checkpoint, path)
+            if overlay:
+                record["overlay"] = overlay
             # The same state again (two ModelCheckpoint callbacks at one step): one more pointer,
             # written when the step is committed (without waiting for an async save here).
             if step == self._inflight:
@@ -332,6 +347,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"or resume from the newest checkpoint"
             ) from exc
         self._steps[step] = frozenset(keys)
+        self._snapshot = self._snapshot_of(step, checkpoint)
         # Only the last save's tensors can still be unchanged (kept for one step: a long run
         # would otherwise hold an entry per tensor per step).
         self._saved_tensors = {step: {k: _identity(t) for k, t in _compared(state).items()}}
@@ -375,7 +391,12 @@ class DistckptCheckpointIO(CheckpointIO):
         self._settle()
         ckpt = self.checkpointer
         where = os.fspath(path)
-        step, keys, all_keys, nodes, budget, job = on_coordinator(Group(), f"loading {where}", lambda: self._locate(where))
+        step, keys, all_keys, nodes, ranks, budget, job, overlay = on_coordinator(Group(), f"loading {where}", lambda: self._locate(where))
+        group = Group()
+        if ranks is not None and len(ranks) == group.world_size:
+            # This rank's structure of the entries that differed between ranks (the saved world
+            # size: at another, distckpt refuses those per-rank entries, naming them).
+            nodes = with_rank_nodes(all_keys, nodes, ranks[group.rank], f"{where} (step {step})")
         state = template(keys_of=all_keys, nodes_json=nodes, budget=budget, where=f"{where} (step {step})")
         try:
             ckpt.load(state, step=step, strict=True, restore_rng=self.restore_rng)
@@ -392,10 +413,14 @@ class DistckptCheckpointIO(CheckpointIO):
             _note(exc, f"while loading Lightning checkpoint {where} (step {step} of {self.root})")
             raise
         self._steps[step] = frozenset(all_keys)
+        loaded = {k: state[entry_name(k)] for k in all_keys}
+        self._snapshot = self._snapshot_of(step, loaded)  # (the step's own values, before the pointer's)
+        if overlay:
+            self._read_overlay(overlay, f"{where} (step {step})", loaded)
         if self._options.get("job") is None:
             self._job = job  # distckpt's full load continues the loaded step's job
         self._settle_leftovers()
-        return {k: state[entry_name(k)] for k in keys}
+        return {k: loaded[k] for k in keys}
 
     def _settle_leftovers(self) -> None:
         """(every rank) After a resume: the pending pointers of this job that a stopped run left
@@ -511,6 +536,157 @@ class DistckptCheckpointIO(CheckpointIO):
 
         return all(exchange(Group(), f"comparing the state with step {step}", lambda: (None, here()))[1])
 
+    def _refuse_changed_tensors(self, step: int, state: Mapping[str, Any], path: str | os.PathLike) -> None:
+        """(every rank) A second save at ``step``, which this plugin saved: refused where the model's
+        or the optimizers' tensors are not the ones it saved, unchanged (their storages and version
+        counters, as :meth:`_same_as_saved`; a callback that changed the weights between two saves
+        at one global step, such as a clamp or pruning at the epoch's end after a top-k save in the
+        last batch's end). The step holds the first save's tensors: a pointer to it would load other
+        weights than this save's, silently. Tensors that are not the very ones saved, unchanged, are
+        compared by value with the step's fingerprints (a save in flight is waited for first).
+        A step only loaded here is not judged (its tensors were copied into the model). Writes
+        through ``.data`` move no version counter; with ``fingerprint=False`` other tensors of
+        the same shapes are taken for the same."""
+        saved = self._saved_tensors.get(step)
+        if saved is None:
+            return
+
+        def changed() -> list[str]:
+            out = []
+            for key, t in _compared(state).items():
+                before, now = saved.get(key), _identity(t)
+                if before is None or now is None or before[0]() is None or before[0]() is not now[0]() or before[1] != now[1]:
+                    out.append(key)
+            return out
+
+        _, found = exchange(Group(), f"comparing the state with step {step}", lambda: (None, changed()))
+        if not any(found):
+            return
+        # Other tensors, or changed in place since: judged by their values against the step's
+        # fingerprints (a save in flight is waited for: its manifest holds them). Equal values
+        # are the same state (a dict rebuilt with copies, a change undone).
+        self._settle()
+        ckpt = self.checkpointer
+
+        def differ() -> list[str]:
+            try:
+                manifest = ckpt.manifest(step)
+            except (CheckpointError, OSError, ValueError):
+                return list(found[Group().rank])
+            prints, version = manifest.fingerprints, manifest.fingerprint_version
+            tensors = _compared(state)
+            return [k for k in found[Group().rank] if k in prints and prints[k] != fingerprint.of_tensor(tensors[k], version)]
+
+        _, found = exchange(Group(), f"comparing the state with step {step}", lambda: (None, differ()))
+        bad = sorted({k for keys in found for k in keys})
+        if bad:
+            ranks = [r for r, keys in enumerate(found) if keys]
+            named = self._pointers_to(step)
+            raise StepExistsError(
+                f"global step {step} was saved before in this run{f' ({named[0]})' if named else ''}, and the "
+                f"model's or optimizers' tensors changed since on rank(s) {ranks} (e.g. {bad[:3]}): a callback changed "
+                f"them between two saves at one global step. distckpt keeps one step per global step and never "
+                f"overwrites it, so {os.fspath(path)} would load the earlier weights. Save once the change is made "
+                f"(one ModelCheckpoint at the epoch's end, or every_n_train_steps that avoids the epoch's last step), "
+                f"or make the change before the first save"
+            )
+
+    def _prepare(self, checkpoint: Mapping[str, Any], path: str | os.PathLike) -> tuple[list[str], dict[str, Any], dict[str, object]]:
+        """(every rank) :func:`~distckpt.integrations.lightning_layout.prepare` on every rank, an
+        error on any raised on every rank; where the structure of some top-level entries differs
+        between ranks (per-rank state: a callback's ``best_k_models`` keyed by file names holding
+        each rank's own metric), the layout also records every rank's nodes of those entries, so
+        that each rank loads its own at the same world size (only the coordinator's layout
+        reaches the manifest)."""
+        made: list[tuple[list[str], dict[str, Any], dict[str, object]]] = []
+
+        def run() -> tuple[None, tuple[list[str], list[str]]]:
+            made.append(prepare(checkpoint, copy_values=self.async_save))
+            texts = node_texts(made[0][2])
+            return None, (made[0][0], [hashlib.sha256(t.encode()).hexdigest() for t in texts])
+
+        _, seen = exchange(Group(), f"preparing Lightning checkpoint {os.fspath(path)}", run)
+        keys, state, layout = made[0]
+        if all(s == seen[0] for s in seen):
+            return keys, state, layout
+        if any(k != keys for k, _ in seen):
+            return keys, state, layout  # (other top-level keys: the coordinator's layout, as before)
+        differ = [i for i in range(len(keys)) if len({d[i] for _, d in seen}) > 1]
+        texts = node_texts(layout)
+        _, ranks = exchange(Group(), "gathering the per-rank layout", lambda: (None, {keys[i]: texts[i] for i in differ}))
+        return keys, state, {**layout, "ranks": ranks}
+
+    def _snapshot_of(self, step: int, checkpoint: Mapping[str, Any]) -> tuple[int, dict[str, bytes]] | None:
+        """(each rank) ``step`` and this rank's records of ``checkpoint``'s values beyond the model's
+        and optimizers' state; ``None`` where one cannot be made (a later save at the step then
+        keeps all of its values)."""
+        try:
+            return step, overlays.snapshot(checkpoint, self.checkpointer.options.safe_types)
+        except Exception:  # noqa: BLE001 - the save or load itself succeeded
+            return None
+
+    def _overlay(self, step: int, checkpoint: Mapping[str, Any], path: str | os.PathLike) -> overlays.Overlay:
+        """(every rank) The values of a later save at ``step`` that differ from the step's (on any
+        rank), as its pointer keeps them (:mod:`~distckpt.integrations.lightning_overlay`): the
+        same record for every rank, or one per rank where they differ. Without a record of the
+        step's values (a step saved before a teardown), every value of the save.
+
+        Raises:
+            TypeError: a value distckpt cannot store safely (on every rank).
+            ValueError: ranks whose dicts hold different top-level keys, or values too large
+                for a pointer (on every rank).
+        """
+        base = self._snapshot[1] if self._snapshot is not None and self._snapshot[0] == step else None
+        mine: dict[str, bytes] = {}
+
+        def differing() -> tuple[None, list[str]]:
+            mine.update(overlays.snapshot(checkpoint, self.checkpointer.options.safe_types))
+            return None, [k for k, v in mine.items() if base is None or base.get(k) != v]
+
+        _, changed = exchange(Group(), f"comparing the values saved at step {step}", differing)
+        union = [k for k in checkpoint if any(k in c for c in changed)]
+        if not union:
+            return {}
+
+        def records() -> tuple[None, dict[str, bytes]]:
+            absent = [k for k in union if k not in mine]
+            if absent:
+                raise ValueError(f"the Lightning checkpoint for {os.fspath(path)} lacks {absent} on this rank, which other ranks hold")
+            return None, {k: mine[k] for k in union}
+
+        _, gathered = exchange(Group(), f"gathering the values saved at step {step}", records)
+        overlay: overlays.Overlay = {}
+        for k in union:
+            texts = [overlays.as_text(g[k]) for g in gathered]
+            overlay[k] = texts[0] if all(t == texts[0] for t in texts) else texts
+        size = sum(len(v) if isinstance(v, str) else sum(map(len, v)) for v in overlay.values())
+        if size > overlays.MAX_OVERLAY_CHARS:
+            raise ValueError(
+                f"a second save at global step {step} ({os.fspath(path)}) holds other values of {union} than the step's "
+                f"first save, {size} characters encoded: more than a pointer keeps ({overlays.MAX_OVERLAY_CHARS}). "
+                "Save them at different global steps, or keep large values out of on_save_checkpoint"
+            )
+        return overlay
+
+    def _read_overlay(self, overlay: overlays.Overlay, where: str, loaded: dict[str, Any]) -> None:
+        """(every rank) Put the values a pointer keeps (this rank's where they differ between
+        ranks) into ``loaded``; an error on any rank is raised on every rank."""
+        group = Group()
+
+        def read() -> tuple[None, None]:
+            for key, text in overlay.items():
+                if isinstance(text, list):
+                    if len(text) != group.world_size:
+                        exc = StateMismatchError([], [], {}, where, per_rank={key: (len(text), group.world_size)})
+                        _note(exc, f"resuming {where}: {key!r} differed between ranks when saved (e.g. a callback monitoring "
+                              "a metric logged without sync_dist=True): resume at the saved world size, or log with sync_dist=True")
+                        raise exc
+                    text = text[group.rank]
+                overlays.apply(loaded, key, overlays.decode(text, key, where, self.checkpointer.options.safe_types), where)
+            return None, None
+
+        exchange(group, f"reading the values kept in {where}", read)
+
     def _remember(self, path: str | os.PathLike) -> None:
         self._dirs.add(dir_of(path))
 
@@ -616,6 +792,8 @@ class DistckptCheckpointIO(CheckpointIO):
             self._steps.pop(step, None)
             self._earlier.pop(step, None)
             self._saved_tensors.pop(step, None)
+            if self._snapshot is not None and self._snapshot[0] == step:
+                self._snapshot = None
 
     def _apply(self, actions: Iterable[_Action]) -> tuple[str | None, list[int]]:
         """(rank 0) Pointer writes and removals in order, then deletion of steps they orphaned."""
@@ -676,7 +854,9 @@ class DistckptCheckpointIO(CheckpointIO):
         where it is not committed."""
         return self.checkpointer.manifest(step).job
 
-    def _locate(self, path: str) -> tuple[int, list[str], list[str], str, int, str | None]:
+    def _locate(
+        self, path: str
+    ) -> tuple[int, list[str], list[str], str, list[dict[str, str]] | None, int, str | None, overlays.Overlay]:
         """(rank 0) Read and check the pointer at ``path`` and the layout of its step."""
         ckpt = self.checkpointer
         record = read_pointer(path)
@@ -699,13 +879,17 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"root that pointer was written for"
             )
         all_keys, nodes = read_layout(manifest.extra, f"step {step} of {self.root}")
+        ranks = rank_layouts(manifest.extra, f"step {step} of {self.root}")
         keys = record["keys"]
         if not set(keys) <= set(all_keys):
             raise IntegrityError(f"{path} lists keys {sorted(set(keys) - set(all_keys))} that step {step} does not hold")
         # Tensors are allocated from the layout before distckpt checks them against .metadata:
         # a layout may not claim more bytes than the step's files hold.
         budget = manifest.total_bytes + (1 << 20)
-        return step, keys, all_keys, nodes, budget, manifest.job
+        overlay = record.get("overlay") or {}
+        if not set(overlay) <= set(keys):
+            raise IntegrityError(f"{path} holds values of keys {sorted(set(overlay) - set(keys))} it does not list")
+        return step, keys, all_keys, nodes, ranks, budget, manifest.job, overlay
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from distckpt.state.containers import (
 )
 from distckpt.state.entries import contains
 
-__all__ = ["LAYOUT_KEY", "entry_name", "prepare", "read_layout", "template"]
+__all__ = ["LAYOUT_KEY", "entry_name", "node_texts", "prepare", "rank_layouts", "read_layout", "template", "with_rank_nodes"]
 
 #: Where the structure of Lightning's dict is recorded in the manifest (``Manifest.extra``).
 LAYOUT_KEY = "lightning"
@@ -164,6 +164,55 @@ def read_layout(extra: Mapping[str, object], where: str) -> tuple[list[str], str
     if not isinstance(all_keys, list) or not all(isinstance(k, str) for k in all_keys) or not isinstance(nodes, str):
         raise IntegrityError(f"{where}: malformed Lightning layout in its manifest")
     return all_keys, nodes
+
+
+def rank_layouts(extra: Mapping[str, object], where: str) -> list[dict[str, str]] | None:
+    """The per-rank nodes a layout records (:func:`with_rank_nodes`): per saving rank, the JSON
+    node of each top-level key whose structure differed between ranks; ``None`` where none did.
+
+    Raises:
+        IntegrityError: a malformed record.
+    """
+    layout = extra.get(LAYOUT_KEY)
+    ranks = layout.get("ranks") if isinstance(layout, Mapping) else None
+    if ranks is None:
+        return None
+    keys = layout.get("keys") if isinstance(layout, Mapping) else None
+    if not isinstance(ranks, list) or not ranks or not isinstance(keys, list) or not all(
+        isinstance(r, dict) and all(isinstance(k, str) and k in keys and isinstance(v, str) for k, v in r.items())
+        for r in ranks
+    ):
+        raise IntegrityError(f"{where}: malformed per-rank Lightning layout in its manifest")
+    return ranks
+
+
+def with_rank_nodes(keys_of: list[str], nodes_json: str, mine: Mapping[str, str], where: str) -> str:
+    """``nodes_json`` with the nodes of ``mine`` (top-level key -> this rank's JSON node) in place
+    of the recorded ones: the structure this rank saved where ranks differed (a callback's
+    ``best_k_models`` keyed by file names holding each rank's own metric).
+
+    Raises:
+        IntegrityError: a node that is not JSON, or a layout that does not match its keys.
+    """
+    if not mine:
+        return nodes_json
+    try:
+        nodes = json.loads(nodes_json)
+        replaced = {k: json.loads(v) for k, v in mine.items()}
+    except (ValueError, RecursionError):
+        raise IntegrityError(f"{where}: the manifest's Lightning layout is not valid JSON") from None
+    if not isinstance(nodes, list) or len(nodes) != len(keys_of):
+        raise IntegrityError(f"{where}: the manifest's Lightning layout does not match its keys")
+    for i, k in enumerate(keys_of):
+        if k in replaced:
+            nodes[i] = replaced[k]
+    return json.dumps(nodes, separators=(",", ":"))
+
+
+def node_texts(layout: Mapping[str, object]) -> list[str]:
+    """(each rank) The JSON node of each top-level key of a layout :func:`prepare` made (what
+    ranks compare to find the entries whose structure differs between them)."""
+    return [json.dumps(n, separators=(",", ":")) for n in json.loads(str(layout["nodes"]))]
 
 
 def template(keys_of: list[str], nodes_json: str, budget: int, where: str) -> dict[str, Any]:

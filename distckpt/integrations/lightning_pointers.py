@@ -32,31 +32,44 @@ import fsspec.implementations.local
 from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
+from distckpt.integrations.lightning_overlay import MAX_OVERLAY_CHARS, Overlay
+from distckpt.integrations.lightning_overlay import check as check_overlay
 from distckpt.integrity.manifest import parse_step_dir, step_dir
 from distckpt.storage.base import NEW_DIR_PREFIX, local_path, local_target
 from distckpt.storage.ownership import TOMBSTONE_PREFIX
 from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
 
-__all__ = ["POINTER_FORMAT", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
+__all__ = ["POINTER_FORMAT", "POINTER_MAX_BYTES", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
            "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
 POINTER_FORMAT = "distckpt-lightning-pointer"
 _POINTER_VERSION = 1
-#: Pointers are a few hundred bytes; larger files are never parsed as one.
-_POINTER_MAX_BYTES = 64 * 1024
+#: The version of a pointer holding an overlay: a distckpt that knows no overlays refuses it (as no
+#: pointer) rather than load the step's values in place of the overlay's.
+_OVERLAY_VERSION = 2
+#: Pointers are a few hundred bytes, and an overlay (a later save's values at one step, see
+#: :mod:`~distckpt.integrations.lightning_overlay`) at most MAX_OVERLAY_CHARS more; larger files
+#: are never parsed as one.
+POINTER_MAX_BYTES = MAX_OVERLAY_CHARS + 64 * 1024
+_POINTER_MAX_BYTES = POINTER_MAX_BYTES
 
 
-class PointerRecord(TypedDict):
-    """What a save points at: the step, the Lightning checkpoint's top-level keys, its epoch."""
+class _Overlaid(TypedDict, total=False):
+    overlay: Overlay  # (typing.NotRequired needs Python 3.11)
+
+
+class PointerRecord(_Overlaid):
+    """What a save points at: the step, the Lightning checkpoint's top-level keys, its epoch,
+    and (a later save at the step) the values it holds differently from the step's."""
 
     step: int
     keys: list[str]
     epoch: int | None
 
 
-class Pointer(TypedDict):
+class Pointer(_Overlaid):
     """A pointer file's fields as :func:`parse_pointer` returns them (all but ``epoch``,
     which is informational, checked)."""
 
@@ -144,8 +157,14 @@ def pointer_bytes(
         "epoch": record["epoch"],
         "keys": list(record["keys"]),
     }
+    if record.get("overlay"):
+        body["overlay"] = record["overlay"]
+        body["version"] = _OVERLAY_VERSION
     if pending is not None:
         part: dict[str, object] = {"step": pending[1]["step"], "job": pending[0], "epoch": pending[1]["epoch"], "keys": list(pending[1]["keys"])}
+        if pending[1].get("overlay"):
+            part["overlay"] = pending[1]["overlay"]
+            body["version"] = _OVERLAY_VERSION
         if alone:
             part["alone"] = True  # no previous target to fall back to
         if writer is not None:
@@ -157,7 +176,10 @@ def pointer_bytes(
 def as_record(pointer: Pointer | dict) -> PointerRecord:
     """The :class:`PointerRecord` a pointer (or its ``pending`` part) names."""
     epoch = pointer.get("epoch")
-    return {"step": pointer["step"], "keys": list(pointer["keys"]), "epoch": epoch if type(epoch) is int else None}
+    record: PointerRecord = {"step": pointer["step"], "keys": list(pointer["keys"]), "epoch": epoch if type(epoch) is int else None}
+    if pointer.get("overlay"):
+        record["overlay"] = pointer["overlay"]
+    return record
 
 
 def pending_of(pointer: Pointer) -> dict | None:
@@ -182,7 +204,11 @@ def resolve(pointer: Pointer, committed_job: Callable[[int], object]) -> Pointer
         pass
     else:
         if pending["job"] is None or job == pending["job"]:
-            return {**pointer, "step": pending["step"], "job": job, "epoch": pending.get("epoch"), "keys": pending["keys"]}  # type: ignore[typeddict-item]
+            resolved = {k: v for k, v in pointer.items() if k != "overlay"}  # (the previous target's values are not the pending save's)
+            resolved.update(step=pending["step"], job=job, epoch=pending.get("epoch"), keys=pending["keys"])
+            if pending.get("overlay"):
+                resolved["overlay"] = pending["overlay"]
+            return resolved  # type: ignore[return-value]
     if pending.get("alone"):
         raise FileNotFoundError(
             f"it names step {pending['step']}, whose save never committed (the run stopped while saving it)"
@@ -198,12 +224,14 @@ def parse_pointer(data: bytes) -> Pointer | None:
         body = json.loads(data)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT or body.get("version") != _POINTER_VERSION:
+    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT or body.get("version") not in (_POINTER_VERSION, _OVERLAY_VERSION):
         return None
     step, keys, job, root = body.get("step"), body.get("keys"), body.get("job"), body.get("root")
     if type(step) is not int or step < 0 or not isinstance(root, str):
         return None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not (job is None or isinstance(job, str)):
+        return None
+    if "overlay" in body and not check_overlay(body["overlay"]):
         return None
     if "pending" in body:
         p = body["pending"]
@@ -213,12 +241,17 @@ def parse_pointer(data: bytes) -> Pointer | None:
             return None
         if not (p.get("job") is None or isinstance(p.get("job"), str)) or not isinstance(p.get("alone", False), bool):
             return None
+        if "overlay" in p and not check_overlay(p["overlay"]):
+            return None
     return body
 
 
 def _read_small(fs: AbstractFileSystem, path: str) -> bytes:
     with fs.open(path, "rb") as f:
-        return f.read(_POINTER_MAX_BYTES + 1)
+        head = f.read(64)
+        if head.lstrip()[:1] != b"{":
+            return head  # no pointer (parse_pointer says so): the rest of another file is not read
+        return head + f.read(_POINTER_MAX_BYTES + 1 - len(head))
 
 
 def pointer_hint(data: bytes) -> str | None:

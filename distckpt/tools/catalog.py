@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from distckpt.integrations.lightning_pointers import pointer_hint
+from distckpt.integrations.lightning_pointers import POINTER_MAX_BYTES, pointer_hint
 from distckpt.errors import CheckpointError, StepDeletedError
 from distckpt.integrity.manifest import (
     MANIFEST_NAME,
@@ -127,7 +127,7 @@ def _refuse_file(storage: Storage, what: str) -> None:
         raise NotADirectoryError(f"{storage.display()} is a file, not {what}")
 
 
-_POINTER_PEEK = 64 * 1024 + 1  # (pointers are smaller: a larger read is no pointer)
+_POINTER_PEEK = POINTER_MAX_BYTES + 1  # (pointers are smaller: a larger read is no pointer)
 
 
 def _committed(storage: Storage, step: int, listed: bool = False) -> StepFiles:

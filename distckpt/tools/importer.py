@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from fsspec.core import url_to_fs
 
-from distckpt.integrations.lightning_pointers import pointer_hint
+from distckpt.integrations.lightning_pointers import POINTER_MAX_BYTES, pointer_hint
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity import deep_stack
@@ -173,7 +173,7 @@ def _torch_load(path: str, where: str) -> object:
                     "torch.save(torch.load(OLD, weights_only=True), NEW), then import NEW"
                 )
                 f.seek(0)
-            hint = pointer_hint(f.read(64 * 1024 + 1))
+            hint = pointer_hint(f.read(POINTER_MAX_BYTES + 1))
             if hint is not None:  # its step is a DCP checkpoint already: nothing to import
                 raise ValueError(f"{where} is not a torch.save file but {hint} (a distckpt step, readable as it is)")
             raise ValueError(f"{where} is not a torch.save file: not a zip archive as torch.save writes (a text file? a damaged copy?)")
