@@ -260,12 +260,16 @@ class Checkpointer:
         Raises:
             CheckpointError: without ``job=``, the root holds no committed step and the replica
                 holds steps of several jobs (which is this run's cannot be told: pass ``job=``).
+            FileNotFoundError: the root's bucket does not exist (or is not accessible), naming it.
         """
         tiers, eligible = self._tiers(), self._eligible()
         if self.local is None:
             try:
                 return loading.locate(tiers, None, eligible)[1]
             except FileNotFoundError:  # (no root, or no step this job may resume)
+                # A root in a bucket that does not exist is no new root: saves there fail. Said
+                # now, naming the bucket, not after a fresh start trained until its first save.
+                self.storage.check_bucket()
                 return None
         # With a local tier: as load decides (local_tier.decide over _root_listing).
         try:
@@ -608,6 +612,12 @@ class Checkpointer:
                 # caller's filters then ends the load on every rank alike, not on the coordinator alone.
                 warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
                 continue
+            if recovery.older:  # never silently: latest_step() named the newer step
+                warnings.warn(
+                    f"distckpt: recovered step {chosen} from the local tier, an older one: {recovery.older}, and the root "
+                    "cannot be listed",
+                    stacklevel=3,
+                )
             loaded.report.tier = "local"
             loaded.report.sources = sources
             return loaded

@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad.append(f"--keep-last must be >= 1, got {args.keep_last}")
     if not 0 <= args.dropout < 1:
         bad.append(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.log_file:  # (rank 0 opens it after the process group and the load: a crash there hid it)
+        folder = os.path.dirname(os.path.abspath(args.log_file))
+        if not os.path.isdir(folder):
+            bad.append(f"--log-file: directory {folder} does not exist")
+        elif os.path.isdir(args.log_file):
+            bad.append(f"--log-file: {args.log_file} is a directory")
     if not args.lr >= 0:  # (NaN too)
         bad.append(f"--lr must be >= 0, got {args.lr}")
     if not math.isfinite(args.step_delay):  # inf would sleep for ever after the first step
@@ -279,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         if fetched and os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node that lost its copy
             print(f"[train] rank {rank}: {len(fetched)} file(s) of step {step} fetched from a peer node", flush=True)
     except FileNotFoundError:
+        # A misspelled bucket is no empty root: latest_step() names it here, on every rank,
+        # instead of a fresh start that fails at its first save.
+        ckpt.latest_step()
         step = 0
         say(f"no checkpoint in {args.ckpt_dir}: starting from scratch")
     say(

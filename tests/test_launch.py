@@ -362,6 +362,7 @@ def test_the_device_is_one_gpu_per_rank_or_the_cpu():
     (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),  # NaN < 0 is false: it passed
     (["--step-delay", "nan"], "--step-delay must be >= 0, got nan"),
     (["--step-delay", "inf"], "--step-delay must be finite, got inf"),  # slept for ever after step 1
+    (["--log-file", "/nonexistent-dir/log.jsonl"], "--log-file: directory /nonexistent-dir does not exist"),  # crashed after the load
 ])  # fmt: skip
 def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
     # --log-every 0 passed the checks and killed every rank after its first step (a modulo by

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import warnings
 import shutil
 from pathlib import Path
 
@@ -178,7 +180,7 @@ def test_decide_is_pure_and_prefers_intact_copies():
     full = ["manifest.json", "__0_0.distcp", ".metadata", "__1_0.distcp"]
     reports = [{7: holding(full, "x"), 6: holding(full)}, {}, {7: holding(full, "y"), 6: holding(full)}, {}]
     d = local_tier.decide(nodes, reports, root_steps=None, want=None)
-    assert d.step == 6 and d.transfers == [] and "newer step 7" in d.reason and "different manifests" in d.reason
+    assert d.step == 6 and d.transfers == [] and "newer step(s) 7 " in d.reason and "different manifests" in d.reason
     assert local_tier.decide(nodes, reports, root_steps=None, want=7).step is None
     assert local_tier.decide(nodes, reports, root_steps=[6, 7], want=None).step is None
 
@@ -519,8 +521,12 @@ def test_an_older_step_recovered_with_the_root_unreachable_is_said(tmp_path):
     shutil.rmtree(tmp_path / "mnt")
     state = {"w": torch.zeros(1000), "step": 0}
     with distckpt.Checkpointer(root, local_dir=tier, save_rng=False) as ckpt:
-        with pytest.warns(UserWarning, match=r"recovering step 1 from the local tier, an older one: its newer step 2 cannot be served \(.*__0_0\.distcp"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             assert ckpt.load(state) == 1
+    said = [str(w.message) for w in seen if "an older one" in str(w.message)]
+    assert len(said) == 1 and re.search(r"recovered step 1 from the local tier, an older one: the tier's newer step\(s\) 2 cannot be served \(.*__0_0\.distcp", said[0]), said
+    assert seen[[str(w.message) for w in seen].index(said[0])].filename == __file__  # (the caller's load())
     assert state["step"] == 1 and torch.equal(state["w"], torch.full((1000,), 1.0))
 
 

@@ -205,11 +205,15 @@ def _misconfigured_body(rank: int, world: int, endpoint: str, cases: dict) -> di
             if rank == 0:
                 _set_moto_auth(endpoint, True)
             torch.distributed.barrier()
-        for op in ("save", "load"):
+        for op in ("save", "load", "latest_step"):
             ckpt = distckpt.Checkpointer(root, storage_options=opts, timeout=30)
             try:
                 if op == "save":
                     ckpt.save(1, {"w": torch.ones(4), "epoch": 1})
+                elif op == "latest_step":  # the quickstart's check: a typo is no fresh start
+                    out[(name, op)] = ckpt.latest_step()
+                    ckpt.close()
+                    continue
                 else:
                     ckpt.load({"w": torch.zeros(4), "epoch": 0})
                 out[(name, op)] = None
@@ -240,7 +244,7 @@ def test_wrong_bucket_or_credentials_fail_clearly_on_every_rank(tmp_path, s3_ser
         kind, message = got[0]
         assert bad_secret not in message and SECRET_KEY not in message and "AKIAWRONGKEY000" not in message, message
         if key[0] == "bucket":
-            assert kind == "FileNotFoundError" and missing in message, got[0]
+            assert kind == "FileNotFoundError" and f"bucket {missing!r} does not exist" in message, got[0]
         else:
             assert kind == "PermissionError" and s3_bucket in message and "credentials" in message, got[0]
     # The save did not create the misspelt bucket.

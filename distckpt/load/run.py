@@ -81,7 +81,8 @@ def locate(
     the newest it accepts: a named job resumes its own steps): the root first, then the replica.
 
     Raises:
-        FileNotFoundError: no root, no committed step, or ``step`` incomplete or absent (named).
+        FileNotFoundError: no root (a missing bucket named as such), no committed step, or
+            ``step`` incomplete or absent (named).
         ValueError: ``step`` is not an int.
         CheckpointError: ``step=None`` without ``eligible``, the root holds no committed step and
             the replica holds several jobs' steps (which is this run's cannot be told).
@@ -98,6 +99,7 @@ def locate(
                     return storage, s
             others = others or bool(steps)
         if not any(s.root_exists() for s in tiers):
+            root.check_bucket()  # (a misspelled bucket is named, not taken for a new root)
             raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
         if others:
             raise FileNotFoundError(
@@ -113,6 +115,7 @@ def locate(
             return storage, step
     where = root.display(step_dir(step))
     if not any(s.root_exists() for s in tiers):
+        root.check_bucket()
         raise FileNotFoundError(f"checkpoint root {root.display()} does not exist")
     if tier_copy(root, step):
         raise FileNotFoundError(f"checkpoint step {step} at {where} is {TIER_COPY}, not a step of this root")

@@ -178,25 +178,11 @@ def overlaps(a: str, a_options: Mapping[str, object] | None, b: str, b_options: 
     return pa == pb or pa.startswith(pb + "/") or pb.startswith(pa + "/")
 
 
-#: Characters fsspec's ``rm``, ``mv``, ``copy``, ``get`` and ``put`` read as a glob pattern in a path.
-_PATTERN_CHARS = ("*", "?", "[")
-
-
-def check_literal(path: str, shown: str) -> None:
-    """Refuse an fsspec path holding ``*``, ``?`` or ``[``: fsspec's deletes and moves take such a
-    path as a pattern (s3fs's ``rm`` of ``exp[12]/step_1`` deletes ``exp1/step_1`` and
-    ``exp2/step_1``, another checkpoint's, and not its own), so nothing distckpt writes there
-    could be cleaned up without touching what matches. ``shown``: the location as errors name it.
-
-    Raises:
-        ValueError: naming the location and the character.
-    """
-    found = [c for c in _PATTERN_CHARS if c in path]
-    if found:
-        raise ValueError(
-            f"{shown}: {found[0]!r} in a URL's path is a glob pattern to fsspec (its deletes and moves would act on "
-            "every matching object, other checkpoints' included); use a path without '*', '?' or '['"
-        )
+def is_pattern(path: str) -> bool:
+    """Whether fsspec's ``rm``, ``mv``, ``copy``, ``get`` and ``put`` read ``path`` as a glob
+    pattern (it holds ``*``, ``?`` or ``[``): where it does, distckpt deletes and moves by name
+    (``rm_file``, ``cp_file``), so that ``s3://b/exp[12]`` never touches ``exp1`` or ``exp2``."""
+    return any(c in path for c in "*?[")
 
 
 def _flat_namespace(fs: AbstractFileSystem) -> bool:

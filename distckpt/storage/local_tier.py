@@ -206,6 +206,9 @@ class Recovery:
     # (file, from rank, to rank), every rank alike: files the load receives from the rank that
     # holds them instead of reading them from this node's tier (see :mod:`distckpt.storage.stream`).
     streams: tuple[tuple[str, int, int], ...] = ()
+    # Why a step older than the tier's newest is recovered (the root unreachable), else "": said
+    # once the load succeeded (a failed attempt is retried, then the root).
+    older: str = ""
 
 
 @dataclass
@@ -263,10 +266,10 @@ def decide(
     else:
         candidates = steps
         why = "no committed step in the local tier of any node"
-    passed: str | None = None  # why the newest candidate could not be served, once an older one is tried
-    for step in candidates:
-        if passed is None and step != candidates[0]:
-            passed = f"its newer step {candidates[0]} cannot be served ({why})"
+    skipped: list[tuple[int, str]] = []  # newer candidates that cannot be served, and why
+    for i, step in enumerate(candidates):
+        if i:
+            skipped.append((candidates[i - 1], why))
         held = [(r, rep[step]) for r, rep in enumerate(reports) if step in rep]
         shas = {h.manifest_sha for _, h in held}
         if len(shas) != 1:
@@ -307,7 +310,10 @@ def decide(
             for i, f in enumerate(missing):
                 hs = holders[f]
                 transfers.append((f, hs[i % len(hs)], receivers[i % len(receivers)]))
-        return Decision(step, passed or "", transfers)  # (the reason an older step is taken, where it is)
+        older = ""  # (why an older step than the tier's newest is taken, where one is)
+        if skipped:
+            older = f"the tier's newer step(s) {', '.join(str(s) for s, _ in skipped)} cannot be served ({'; '.join(w for _, w in skipped)})"
+        return Decision(step, older, transfers)
     return Decision(None, why)
 
 
@@ -633,12 +639,6 @@ class LocalTier:
                 log.info("distckpt: loading from the root: %s", decision.reason)
             return Recovery(None, {})
         step = decision.step
-        if decision.reason:  # an older step than the tier's newest, the root unreachable: never silently
-            warnings.warn(
-                f"distckpt: recovering step {step} from the local tier, an older one: {decision.reason}, and the "
-                "root cannot be listed",
-                stacklevel=3,
-            )
         if all(step in rep for rep in reports):
             # Every rank read the step's manifest, the same one (decide() compared their digests).
             manifest_json = raw[step]
@@ -651,7 +651,8 @@ class LocalTier:
             # Every node holds every file: nothing to send, nothing to write, nothing that can fail.
             planned = _plan(needs, manifest, group.rank) is not None if needs is not None else False
             log.info("distckpt: recovering step %d from the local tier (every node holds it)", step)
-            return Recovery(step, {f: "local" for f in list(manifest.files) + [MANIFEST_NAME]}, all(group.all_gather(planned)))
+            sources = {f: "local" for f in list(manifest.files) + [MANIFEST_NAME]}
+            return Recovery(step, sources, all(group.all_gather(planned)), older=decision.reason)
         return self._complete(group, nodes, decision, reports, manifest, manifest_json, check, needs)
 
     def _complete(
@@ -738,7 +739,7 @@ class LocalTier:
         have = set(os.listdir(self.step_path(step)))
         sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME] if f in came or f in have}
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
-        return Recovery(step, sources, planned, tuple(streams))
+        return Recovery(step, sources, planned, tuple(streams), older=decision.reason)
 
     def _inventory(self, nodes: Nodes, rank: int, check: bool) -> tuple[dict[int, Holding], dict[int, bytes]]:
         """(each rank) The committed steps of this root in this node's tier, each with the files

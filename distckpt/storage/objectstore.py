@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from distckpt._process import map_in_threads
 from distckpt._compat import FsspecDcpFileSystem as _FsspecDcpFS
-from distckpt.storage.base import Storage, _flat_namespace, _redact, check_literal
+from distckpt.storage.base import Storage, _flat_namespace, _redact, is_pattern
 
 
 _T = TypeVar("_T")
@@ -43,7 +43,6 @@ class FsspecStorage(Storage, kind="url"):
             raise ValueError(f"{_redact(root)}: {exc} (a local path, file://, local:// or an fsspec URL)") from None
         self.path = path.rstrip("/")
         self.url = _redact(root).rstrip("/")
-        check_literal(self.path, self.url)  # (the root's deletes must never match another's objects)
         self.flat = _flat_namespace(self.fs)
 
     # paths and queries ------------------------------------------------------------------------
@@ -142,7 +141,7 @@ class FsspecStorage(Storage, kind="url"):
         path = self.join(*parts)
         try:
             with self._at(*parts):
-                if any(c in path for c in "*?["):  # (refused in roots; fsspec's rm would glob it)
+                if is_pattern(path):  # fsspec's rm would delete what the pattern matches: each object by name
                     for name in self.fs.find(path):
                         self.fs.rm_file(name)
                 else:
@@ -269,3 +268,15 @@ class _RemoteDcpFS(_FsspecDcpFS):
     def mkdir(self, path: str | os.PathLike) -> None:
         if not self.flat:  # object stores: prefixes need no creating
             super().mkdir(path)
+
+    # DCP's rename and rm_file call fsspec's mv and rm, which read '*', '?' and '[' in a path as a
+    # pattern (a root s3://b/exp[12] would rename and delete exp1's and exp2's files): literal here.
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        if is_pattern(os.fspath(path)) or is_pattern(os.fspath(new_path)):
+            self.fs.cp_file(path, new_path)
+            self.fs.rm_file(path)
+        else:
+            super().rename(path, new_path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.fs.rm_file(path)

@@ -22,7 +22,7 @@ from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 
 from distckpt.integrity.manifest import MANIFEST_NAME, parse_step_dir
-from distckpt.storage.base import _flat_namespace, _redact, check_literal, is_local_location, local_path, named_os_error
+from distckpt.storage.base import _flat_namespace, _redact, is_local_location, is_pattern, local_path, named_os_error
 
 _CHECKPOINT_MARKERS = (MANIFEST_NAME, ".metadata")
 
@@ -237,7 +237,6 @@ def open_output(out: str, storage_options: Mapping[str, object] | None = None, *
             yield f
         return
     fs, path = url_to_fs(out, **dict(storage_options or {}))
-    check_literal(path, f"output {_redact(out)}")  # (a failed write's cleanup, a move into place: fsspec globs)
     if fs.isdir(path):
         raise IsADirectoryError(f"output {_redact(out)} is a directory")
     if not overwrite and fs.exists(path):
@@ -281,7 +280,11 @@ def _staged_output(fs: AbstractFileSystem, path: str, where: str, overwrite: boo
         f.close()
         if not overwrite and fs.exists(path):  # (appeared while this was written)
             _refuse_existing(where)
-        fs.mv(tmp, path)
+        if is_pattern(path):  # (fsspec's mv reads '[', '*' and '?' as a pattern: moved by name)
+            fs.cp_file(tmp, path)
+            fs.rm_file(tmp)
+        else:
+            fs.mv(tmp, path)
     except BaseException:
         try:
             f.close()
