@@ -206,8 +206,8 @@ class DistckptCheckpointIO(CheckpointIO):
         # storage, held weakly, and version counter) by key; see _same_as_saved.
         self._saved_tensors: dict[int, dict[str, tuple[weakref.ref, int] | None]] = {}
         # The last step saved or loaded here -> its values beyond the model's and optimizers' state
-        # (this rank's records, lightning_overlay.snapshot): what a later save at it is compared with.
-        self._snapshot: tuple[int, dict[str, bytes]] | None = None
+        # (this rank's digests, lightning_overlay.digest): what a later save at it is compared with.
+        self._snapshot: tuple[int, dict[str, str]] | None = None
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -545,8 +545,8 @@ class DistckptCheckpointIO(CheckpointIO):
         weights than this save's, silently. Tensors that are not the very ones saved, unchanged, are
         compared by value with the step's fingerprints (a save in flight is waited for first).
         A step only loaded here is not judged (its tensors were copied into the model). Writes
-        through ``.data`` move no version counter; with ``fingerprint=False`` other tensors of
-        the same shapes are taken for the same."""
+        through ``.data`` move no version counter; with ``fingerprint=False`` other tensors, or
+        tensors changed in place, are refused, their values unproven."""
         saved = self._saved_tensors.get(step)
         if saved is None:
             return
@@ -575,7 +575,8 @@ class DistckptCheckpointIO(CheckpointIO):
                 return list(found[Group().rank])
             prints, version = manifest.fingerprints, manifest.fingerprint_version
             tensors = _compared(state)
-            return [k for k in found[Group().rank] if k in prints and prints[k] != fingerprint.of_tensor(tensors[k], version)]
+            # A tensor without a fingerprint (fingerprint=False) cannot be proven the same: changed.
+            return [k for k in found[Group().rank] if k not in prints or prints[k] != fingerprint.of_tensor(tensors[k], version)]
 
         _, found = exchange(Group(), f"comparing the state with step {step}", lambda: (None, differ()))
         bad = sorted({k for keys in found for k in keys})
@@ -616,20 +617,21 @@ class DistckptCheckpointIO(CheckpointIO):
         _, ranks = exchange(Group(), "gathering the per-rank layout", lambda: (None, {keys[i]: texts[i] for i in differ}))
         return keys, state, {**layout, "ranks": ranks}
 
-    def _snapshot_of(self, step: int, checkpoint: Mapping[str, Any]) -> tuple[int, dict[str, bytes]] | None:
-        """(each rank) ``step`` and this rank's records of ``checkpoint``'s values beyond the model's
-        and optimizers' state; ``None`` where one cannot be made (a later save at the step then
-        keeps all of its values)."""
+    def _snapshot_of(self, step: int, checkpoint: Mapping[str, Any]) -> tuple[int, dict[str, str]] | None:
+        """(each rank) ``step`` and the digests of ``checkpoint``'s values beyond the model's and
+        optimizers' state (this rank's); ``None`` where they cannot be made (a later save at the
+        step then keeps all of its values)."""
         try:
-            return step, overlays.snapshot(checkpoint, self.checkpointer.options.safe_types)
+            forms = overlays.snapshot(checkpoint, self.checkpointer.options.safe_types)
+            return step, {k: overlays.digest(f) for k, f in forms.items()}
         except Exception:  # noqa: BLE001 - the save or load itself succeeded
             return None
 
     def _overlay(self, step: int, checkpoint: Mapping[str, Any], path: str | os.PathLike) -> overlays.Overlay:
         """(every rank) The values of a later save at ``step`` that differ from the step's (on any
-        rank), as its pointer keeps them (:mod:`~distckpt.integrations.lightning_overlay`): the
-        same record for every rank, or one per rank where they differ. Without a record of the
-        step's values (a step saved before a teardown), every value of the save.
+        rank), as its pointer keeps them (:mod:`~distckpt.integrations.lightning_overlay`): one
+        record where every rank holds the same value, one per rank where they differ. Without
+        the digests of the step's values (a step saved before a teardown), every value of the save.
 
         Raises:
             TypeError: a value distckpt cannot store safely (on every rank).
@@ -637,28 +639,31 @@ class DistckptCheckpointIO(CheckpointIO):
                 for a pointer (on every rank).
         """
         base = self._snapshot[1] if self._snapshot is not None and self._snapshot[0] == step else None
-        mine: dict[str, bytes] = {}
+        forms: dict[str, Any] = {}
+        group = Group()
 
-        def differing() -> tuple[None, list[str]]:
-            mine.update(overlays.snapshot(checkpoint, self.checkpointer.options.safe_types))
-            return None, [k for k, v in mine.items() if base is None or base.get(k) != v]
+        def digests() -> tuple[None, dict[str, str]]:
+            forms.update(overlays.snapshot(checkpoint, self.checkpointer.options.safe_types))
+            return None, {k: overlays.digest(f) for k, f in forms.items()}
 
-        _, changed = exchange(Group(), f"comparing the values saved at step {step}", differing)
-        union = [k for k in checkpoint if any(k in c for c in changed)]
+        _, seen = exchange(group, f"comparing the values saved at step {step}", digests)
+        union = [k for k in checkpoint if any(k in d and (base is None or base.get(k) != d[k]) for d in seen)]
         if not union:
             return {}
+        absent = sorted({k for k in union for d in seen if k not in d})
+        if absent:
+            raise ValueError(f"the Lightning checkpoint for {os.fspath(path)} holds {absent} on some ranks only")
+        per_rank = {k for k in union if len({d[k] for d in seen}) > 1}
 
         def records() -> tuple[None, dict[str, bytes]]:
-            absent = [k for k in union if k not in mine]
-            if absent:
-                raise ValueError(f"the Lightning checkpoint for {os.fspath(path)} lacks {absent} on this rank, which other ranks hold")
-            return None, {k: mine[k] for k in union}
+            # Rank 0's record of a value every rank holds alike; every rank's of one they differ in.
+            keys = union if group.rank == 0 else [k for k in union if k in per_rank]
+            return None, {k: overlays.record(forms[k]) for k in keys}
 
-        _, gathered = exchange(Group(), f"gathering the values saved at step {step}", records)
+        _, gathered = exchange(group, f"gathering the values saved at step {step}", records)
         overlay: overlays.Overlay = {}
         for k in union:
-            texts = [overlays.as_text(g[k]) for g in gathered]
-            overlay[k] = texts[0] if all(t == texts[0] for t in texts) else texts
+            overlay[k] = [overlays.as_text(g[k]) for g in gathered] if k in per_rank else overlays.as_text(gathered[0][k])
         size = sum(len(v) if isinstance(v, str) else sum(map(len, v)) for v in overlay.values())
         if size > overlays.MAX_OVERLAY_CHARS:
             raise ValueError(

@@ -24,21 +24,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import pickle
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity import deep_stack
 from distckpt.state.decoding import decode_loaded
-from distckpt.state.encoded import encode_for_save
+from distckpt.state.encoded import TopLevel, encode_for_save
 from distckpt.state.safetypes import SafeTypesLike
 
-__all__ = ["MAX_OVERLAY_CHARS", "MODEL_KEYS", "OPTIMIZERS", "Overlay", "apply", "as_text", "check", "decode", "encode", "snapshot"]
+__all__ = ["MAX_OVERLAY_CHARS", "MODEL_KEYS", "OPTIMIZERS", "Overlay", "apply", "as_text", "check", "decode", "digest", "encoded", "record", "snapshot"]
 
 #: Lightning's top-level keys of the model's and optimizers' state: a later save at one step must
 #: hold the same tensors. The model's are never in an overlay; of the optimizers' state only the
@@ -54,25 +55,72 @@ MAX_OVERLAY_CHARS = 4 << 20
 Overlay = dict[str, "str | list[str]"]
 
 
-def encode(value: Any, key: str, safe_types: SafeTypesLike = None) -> bytes:
-    """(each rank) The record of one top-level value: its encoded form (tensors on the CPU), as
-    ``torch.save`` writes it. Equal values give equal records (what :func:`snapshot` compares).
+def encoded(value: Any, key: str, safe_types: SafeTypesLike = None) -> Any:
+    """(each rank) The encoded form of one top-level value, as distckpt stores a value entry
+    (``defaultdict``, ``torch.Size`` ... kept), tensors on the CPU and owning their data (a
+    view of a large buffer is stored as itself, not with the buffer).
 
     Raises:
         TypeError: naming ``key``, a value distckpt cannot store safely.
     """
-    encoded = encode_for_save({key: value}, safe_types)[key]
+    form = encode_for_save({key: TopLevel(value)}, safe_types)[key]
     # On the CPU, as loads give tensors back (Lightning moves them): the same value on another
     # device is the same record.
-    encoded = tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, encoded)
+    return _tensors_owned(form, 0)
+
+
+def _tensors_owned(x: Any, depth: int) -> Any:
+    """``x`` with every tensor in its plain containers :func:`_own`-ed (other containers, such as
+    ``torch.Size``, left as they are: pytree's ``tree_map`` made that one a tuple)."""
+    if isinstance(x, torch.Tensor):
+        return _own(x)
+    if depth > 1000:
+        return x
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _tensors_owned(v, depth + 1)) for k, v in x.items())
+    if type(x) in (list, tuple):
+        return type(x)(_tensors_owned(v, depth + 1) for v in x)
+    return x
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes or not t.is_contiguous() else t
+
+
+def record(form: Any) -> bytes:
+    """The bytes an overlay keeps of an :func:`encoded` value (``torch.save``)."""
     buffer = io.BytesIO()
-    torch.save(encoded, buffer)
+    torch.save(form, buffer)
     return buffer.getvalue()
 
 
-def snapshot(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) -> dict[str, bytes]:
-    """(each rank) The record of every top-level value of Lightning's dict but the model's and
-    optimizers' state (:data:`MODEL_KEYS`), by key; of the optimizers', their ``param_groups``."""
+def digest(form: Any) -> str:
+    """A digest of an :func:`encoded` value that equal values share whatever the order their
+    dicts were filled in (a dict built from a set differs in order between processes): what a
+    later save's values and every rank's are compared by."""
+    h = hashlib.sha256()
+    h.update(repr(_canonical(form, 0)).encode())
+    return h.hexdigest()
+
+
+def _canonical(x: Any, depth: int) -> Any:
+    if depth > 200:
+        raise TypeError("value nested too deeply")
+    if isinstance(x, torch.Tensor):
+        raw = x.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        return ("T", str(x.dtype), tuple(x.shape), hashlib.sha256(raw).hexdigest())
+    if isinstance(x, Mapping):
+        items = sorted(((_canonical(k, depth + 1), _canonical(v, depth + 1)) for k, v in x.items()), key=repr)
+        return (type(x).__name__, tuple(items))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_canonical(v, depth + 1) for v in x))
+    return (type(x).__name__, repr(x))
+
+
+def snapshot(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) -> dict[str, Any]:
+    """(each rank) The encoded form of every top-level value of Lightning's dict but the model's
+    and optimizers' state (:data:`MODEL_KEYS`), by key; of the optimizers', their ``param_groups``."""
     out = {}
     for k, v in checkpoint.items():
         if k == OPTIMIZERS:
@@ -81,7 +129,7 @@ def snapshot(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) ->
                 continue
         elif k in MODEL_KEYS:
             continue
-        out[k] = encode(v, k, safe_types)
+        out[k] = encoded(v, k, safe_types)
     return out
 
 
@@ -134,7 +182,10 @@ def decode(text: str, key: str, where: str, safe_types: SafeTypesLike = None) ->
         obj = deep_stack.torch_load(io.BytesIO(raw), raw, what)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"{what} needs code to be read, which distckpt never runs: {str(exc)[:300]}") from None
-    return decode_loaded(obj, key, safe_types)
+    value = decode_loaded(obj, key, safe_types)
+    if not isinstance(value, TopLevel):
+        raise IntegrityError(f"{what} is not a value record (the file was damaged or altered)")
+    return value.value
 
 
 def check(overlay: object) -> bool:

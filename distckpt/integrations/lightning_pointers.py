@@ -52,7 +52,7 @@ _OVERLAY_VERSION = 2
 #: Pointers are a few hundred bytes, and an overlay (a later save's values at one step, see
 #: :mod:`~distckpt.integrations.lightning_overlay`) at most MAX_OVERLAY_CHARS more; larger files
 #: are never parsed as one.
-POINTER_MAX_BYTES = MAX_OVERLAY_CHARS + 64 * 1024
+POINTER_MAX_BYTES = 2 * MAX_OVERLAY_CHARS + 64 * 1024  # (a pending pointer: the previous target's and the pending save's)
 _POINTER_MAX_BYTES = POINTER_MAX_BYTES
 
 
@@ -157,7 +157,7 @@ def pointer_bytes(
         "epoch": record["epoch"],
         "keys": list(record["keys"]),
     }
-    if record.get("overlay"):
+    if record.get("overlay") and not alone:  # (alone: the body is a placeholder, the pending part the record)
         body["overlay"] = record["overlay"]
         body["version"] = _OVERLAY_VERSION
     if pending is not None:
@@ -269,9 +269,13 @@ def pointer_hint(data: bytes) -> str | None:
             f"a pointer file written by Lightning's DistckptCheckpointIO while step {pending['step']} was being saved at "
             f"{record['root']} (the run stopped before the save settled): pass {new} if it is committed; {before}"
         )
+    kept = (
+        f" (the values this save held other than the step's, {sorted(record['overlay'])}, are kept in the pointer, "
+        "not in the folder)" if record.get("overlay") else ""
+    )
     return (
         f"a pointer file written by Lightning's DistckptCheckpointIO, to step {record['step']} at {record['root']}: "
-        f"pass that step's folder, {target}"
+        f"pass that step's folder, {target}{kept}"
     )
 
 
