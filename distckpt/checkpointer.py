@@ -279,6 +279,15 @@ class Checkpointer:
         held = [s for s in self.local.committed() if self._lineage.may_resume(self.local.storage, s)]
         local = max(held, default=None)
         if found is None:
+            if local is None:
+                try:
+                    gone = not self.storage.root_exists()
+                except PermissionError:
+                    raise  # (credentials refused: as without a tier, not a fresh start)
+                except OSError:  # unreachable: the tier decides (it holds nothing)
+                    gone = False
+                if gone:
+                    self.storage.check_bucket()  # (a misspelled bucket, as without a tier)
             return local
         listed, steps, lagging = found
         newest = max(steps, default=None)

@@ -122,10 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad.append(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.log_file:  # (rank 0 opens it after the process group and the load: a crash there hid it)
         folder = os.path.dirname(os.path.abspath(args.log_file))
-        if not os.path.isdir(folder):
+        if args.log_file.endswith(("/", os.sep)) or os.path.isdir(args.log_file):
+            bad.append(f"--log-file: {args.log_file} names a directory, not a file")
+        elif os.path.exists(folder) and not os.path.isdir(folder):
+            bad.append(f"--log-file: {folder} is not a directory")
+        elif not os.path.isdir(folder):
             bad.append(f"--log-file: directory {folder} does not exist")
-        elif os.path.isdir(args.log_file):
-            bad.append(f"--log-file: {args.log_file} is a directory")
     if not args.lr >= 0:  # (NaN too)
         bad.append(f"--lr must be >= 0, got {args.lr}")
     if not math.isfinite(args.step_delay):  # inf would sleep for ever after the first step

@@ -363,6 +363,7 @@ def test_the_device_is_one_gpu_per_rank_or_the_cpu():
     (["--step-delay", "nan"], "--step-delay must be >= 0, got nan"),
     (["--step-delay", "inf"], "--step-delay must be finite, got inf"),  # slept for ever after step 1
     (["--log-file", "/nonexistent-dir/log.jsonl"], "--log-file: directory /nonexistent-dir does not exist"),  # crashed after the load
+    (["--log-file", "/nonexistent-dir/"], "--log-file: /nonexistent-dir/ names a directory, not a file"),
 ])  # fmt: skip
 def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
     # --log-every 0 passed the checks and killed every rank after its first step (a modulo by

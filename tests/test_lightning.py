@@ -894,6 +894,14 @@ def test_overlay_digests_ignore_the_order_dicts_were_filled_in() -> None:
     a = ov.encoded({"x": 1, "y": [torch.ones(2)]}, "callbacks")
     b = ov.encoded({"y": [torch.ones(2)], "x": 1}, "callbacks")
     assert ov.digest(a) == ov.digest(b) != ov.digest(ov.encoded({"x": 2, "y": [torch.ones(2)]}, "callbacks"))
+    # An OrderedDict's order is part of its value (an LRU kept with move_to_end).
+    first = collections.OrderedDict([("a", 1), ("b", 2)])
+    assert ov.digest(ov.encoded(first, "k")) != ov.digest(ov.encoded(collections.OrderedDict([("b", 2), ("a", 1)]), "k"))
+    # Tensors the save takes: a conjugate view, one element with a stride.
+    z = torch.tensor([1 + 2j]).conj()
+    assert ov.digest(ov.encoded(z, "k")) == ov.digest(ov.encoded(torch.tensor([1 - 2j]), "k"))
+    assert ov.digest(ov.encoded(torch.arange(10.0).view(2, 5)[:1, 0], "k")) == ov.digest(ov.encoded(torch.zeros(1), "k"))
+    assert ov.digest(ov.encoded(1, "k")) != ov.digest(ov.encoded(1.0, "k")) != ov.digest(ov.encoded(True, "k"))
 
 
 def test_an_async_later_save_keeps_its_values_once_in_its_pending_pointer(tmp_path: Path) -> None:
@@ -1024,3 +1032,30 @@ def test_a_later_save_keeps_a_scheduler_stepped_since_with_its_learning_rate(tmp
         assert got["optimizer_states"][0]["param_groups"] == [{"lr": lr, "params": [0]}], name
         assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"], exp_avg)
         assert got["lr_schedulers"] == [{"last_epoch": epoch, "_last_lr": [lr]}], name
+
+
+def _per_rank_then_uniform_body(rank: int, world: int, root: str, ck: str) -> dict:
+    """The plugin called on every rank as DistckptDDPStrategy does."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 2)
+    io = DistckptCheckpointIO(root)
+    io._strategy = lambda: None  # (attached: called on every rank)
+
+    def state(extra: dict) -> dict:
+        return {"global_step": 5, "state_dict": net.state_dict(), "callbacks": {"n": 0}, "extra": extra}
+
+    io.save_checkpoint(state({"pos": rank}), f"{ck}/a.ckpt")  # per rank: each its own position
+    io.save_checkpoint(state({"pos": 0}), f"{ck}/last.ckpt")  # then every rank alike
+    got = io.load_checkpoint(f"{ck}/last.ckpt")
+    io.teardown()
+    return got["extra"]
+
+
+@pytest.mark.timeout(180)
+def test_a_value_per_rank_at_the_first_save_and_alike_at_the_second(tmp_path: Path) -> None:
+    """Each rank judged what changed against its own first value: rank 0 kept nothing and went on,
+    rank 1 waited to gather; both hung until the process group's timeout (or rank 1 raised
+    KeyError). Every rank now keeps the same keys."""
+    got = run_ranks(_per_rank_then_uniform_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), timeout=120, pg_timeout=60)
+    assert got == [{"pos": 0}, {"pos": 0}]
+    assert set(_pointer(tmp_path / "ck" / "last.ckpt")["overlay"]) == {"extra"}

@@ -427,3 +427,15 @@ def test_numpy_integers_are_ints_for_steps_and_counts(tmp_path):
     for bad in (4.0, "4", None):
         with pytest.raises(ValueError, match="step must be a non-negative int, got"):
             ckpt.save(bad, {"model": nn.Linear(2, 2)}, blocking=False)
+
+
+def test_a_one_element_view_with_a_stride_saves_and_loads(tmp_path):
+    """scores[:1, 0] is contiguous (one element) with stride 5: the save failed making a byte
+    view of it ("self.stride(-1) must be 1")."""
+    scores = torch.arange(10.0).view(2, 5)
+    state = {"one": scores[:1, 0], "col": scores[:, 0]}
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, state)
+    back = {"one": torch.zeros(1), "col": torch.zeros(2)}
+    ckpt.load(back)
+    assert torch.equal(back["one"], torch.tensor([0.0])) and torch.equal(back["col"], torch.tensor([0.0, 5.0]))

@@ -642,12 +642,16 @@ class DistckptCheckpointIO(CheckpointIO):
         forms: dict[str, Any] = {}
         group = Group()
 
-        def digests() -> tuple[None, dict[str, str]]:
+        def digests() -> tuple[None, tuple[dict[str, str], list[str]]]:
             forms.update(overlays.snapshot(checkpoint, self.checkpointer.options.safe_types))
-            return None, {k: overlays.digest(f) for k, f in forms.items()}
+            mine = {k: overlays.digest(f) for k, f in forms.items()}
+            # Changed against this rank's own record of the step's values (ranks may have held
+            # different ones): the union of every rank's is the same on all ranks.
+            return None, (mine, [k for k, d in mine.items() if base is None or base.get(k) != d])
 
-        _, seen = exchange(group, f"comparing the values saved at step {step}", digests)
-        union = [k for k in checkpoint if any(k in d and (base is None or base.get(k) != d[k]) for d in seen)]
+        _, gathered_digests = exchange(group, f"comparing the values saved at step {step}", digests)
+        seen = [d for d, _ in gathered_digests]
+        union = [k for k in checkpoint if any(k in changed for _, changed in gathered_digests)]
         if not union:
             return {}
         absent = sorted({k for k in union for d in seen if k not in d})

@@ -97,25 +97,30 @@ def record(form: Any) -> bytes:
 
 def digest(form: Any) -> str:
     """A digest of an :func:`encoded` value that equal values share whatever the order their
-    dicts were filled in (a dict built from a set differs in order between processes): what a
-    later save's values and every rank's are compared by."""
-    h = hashlib.sha256()
-    h.update(repr(_canonical(form, 0)).encode())
-    return h.hexdigest()
+    dicts were filled in (a dict built from a set differs in order between processes; an
+    ``OrderedDict``'s order counts): what a later save's values and every rank's are compared
+    by. Bottom-up: each node hashes its type and its children's digests."""
+    return _digest(form, 0).hex()
 
 
-def _canonical(x: Any, depth: int) -> Any:
-    if depth > 200:
+def _digest(x: Any, depth: int) -> bytes:
+    if depth > 1000:
         raise TypeError("value nested too deeply")
+    h = hashlib.sha256(type(x).__name__.encode() + b"\0")
     if isinstance(x, torch.Tensor):
-        raw = x.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-        return ("T", str(x.dtype), tuple(x.shape), hashlib.sha256(raw).hexdigest())
-    if isinstance(x, Mapping):
-        items = sorted(((_canonical(k, depth + 1), _canonical(v, depth + 1)) for k, v in x.items()), key=repr)
-        return (type(x).__name__, tuple(items))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(_canonical(v, depth + 1) for v in x))
-    return (type(x).__name__, repr(x))
+        t = x.detach().cpu().resolve_conj().resolve_neg().flatten().clone(memory_format=torch.contiguous_format)
+        h.update(f"{t.dtype}{tuple(x.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, Mapping):
+        pairs = [_digest(k, depth + 1) + _digest(v, depth + 1) for k, v in x.items()]
+        for pair in pairs if isinstance(x, OrderedDict) else sorted(pairs):
+            h.update(pair)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            h.update(_digest(v, depth + 1))
+    else:
+        h.update(repr(x).encode())
+    return h.digest()
 
 
 def snapshot(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) -> dict[str, Any]:

@@ -84,8 +84,11 @@ def _exact_alias(t: torch.Tensor) -> torch.Tensor:
         or not t.is_contiguous()
         or t.layout != torch.strided
         or t.is_quantized
+        # One element is "contiguous" whatever its stride (scores[:1, 0]), but no byte view
+        # of it can be made: copied.
+        or t.reshape(-1).stride(0) != 1
     ):
-        return t.clone()
+        return t.clone(memory_format=torch.contiguous_format)
     raw = t.reshape(-1).view(torch.uint8)
     return torch.frombuffer(memoryview(raw.numpy()), dtype=torch.uint8).view(t.dtype).view(t.shape)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -43,6 +44,11 @@ class FsspecStorage(Storage, kind="url"):
             raise ValueError(f"{_redact(root)}: {exc} (a local path, file://, local:// or an fsspec URL)") from None
         self.path = path.rstrip("/")
         self.url = _redact(root).rstrip("/")
+        query = self.path.split("?", 1)[1] if "?" in self.path else None
+        if query is not None and not re.match(r"[\w.%~-]+=", query):
+            # '?' starts a query to URLs (cut from them when shown): a root "exp?new" would be
+            # named, and its local tier's copies marked, as "exp", another root.
+            raise ValueError(f"{self.url}: '?' in a URL's path starts a query (key=value): use a path without '?'")
         self.flat = _flat_namespace(self.fs)
 
     # paths and queries ------------------------------------------------------------------------
@@ -142,8 +148,17 @@ class FsspecStorage(Storage, kind="url"):
         try:
             with self._at(*parts):
                 if is_pattern(path):  # fsspec's rm would delete what the pattern matches: each object by name
-                    for name in self.fs.find(path):
-                        self.fs.rm_file(name)
+                    found = self.fs.find(path, withdirs=True, detail=True)
+                    for name, info in found.items():
+                        if info.get("type") != "directory":
+                            self.fs.rm_file(name)
+                    if not self.flat:  # then the folders, deepest first (rmdir takes a path literally)
+                        folders = [n for n, info in found.items() if info.get("type") == "directory"]
+                        for name in sorted(folders, key=len, reverse=True) + [path]:
+                            try:
+                                self.fs.rmdir(name)
+                            except (FileNotFoundError, NotADirectoryError):
+                                pass
                 else:
                     self.fs.rm(path, recursive=True)
         except FileNotFoundError:
