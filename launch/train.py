@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.dropout < 1:
         bad.append(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.log_file:  # (rank 0 opens it after the process group and the load: a crash there hid it)
-        folder = os.path.dirname(os.path.abspath(args.log_file))
+        folder = os.path.dirname(args.log_file) or "."  # (not normalised: "missing/../x" needs "missing")
         if args.log_file.endswith(("/", os.sep)) or os.path.isdir(args.log_file):
             bad.append(f"--log-file: {args.log_file} names a directory, not a file")
         elif os.path.exists(folder) and not os.path.isdir(folder):

@@ -1059,3 +1059,28 @@ def test_a_value_per_rank_at_the_first_save_and_alike_at_the_second(tmp_path: Pa
     got = run_ranks(_per_rank_then_uniform_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), timeout=120, pg_timeout=60)
     assert got == [{"pos": 0}, {"pos": 0}]
     assert set(_pointer(tmp_path / "ck" / "last.ckpt")["overlay"]) == {"extra"}
+
+
+def _key_dropped_on_one_rank_body(rank: int, world: int, root: str, ck: str) -> str:
+    net = torch.nn.Linear(2, 2)
+    io = DistckptCheckpointIO(root)
+    io._strategy = lambda: None
+    base = {"global_step": 5, "state_dict": net.state_dict(), "callbacks": {"n": 0}}
+    io.save_checkpoint({**base, "extra": {"pos": 1}}, f"{ck}/a.ckpt")
+    second = {**base, "extra": {"pos": 2}} if rank == 0 else dict(base)
+    try:
+        io.save_checkpoint(second, f"{ck}/last.ckpt")
+        out = "saved"
+    except ValueError as exc:
+        out = str(exc)
+    io.save_checkpoint({**base, "global_step": 6, "extra": {"pos": 3}}, f"{ck}/b.ckpt")  # the ranks go on together
+    io.teardown()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_key_one_rank_changed_and_another_dropped_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 raised "on some ranks only" while rank 1 (whose dict lacked the key) went on to the
+    pointer's broadcast: a hang until the process group's timeout."""
+    got = run_ranks(_key_dropped_on_one_rank_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), timeout=120, pg_timeout=60)
+    assert got[0] == got[1] and "extra" in got[0], got

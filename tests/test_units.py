@@ -100,7 +100,7 @@ def test_sampler_position_is_world_size_independent():
 
 
 def test_storage_redacts_credentials_in_urls():
-    s = distckpt.Storage("memory://user:secret@bucket/prefix?token=abc")
+    s = distckpt.Storage("http://user:secret@bucket/prefix?token=abc")
     assert "secret" not in repr(s) and "abc" not in s.display("x")
     # A password holding "@": everything up to the last "@" of the host part is user info (the
     # first "@" left "ss@host", the password's tail, in every display and manifest).
@@ -432,10 +432,28 @@ def test_numpy_integers_are_ints_for_steps_and_counts(tmp_path):
 def test_a_one_element_view_with_a_stride_saves_and_loads(tmp_path):
     """scores[:1, 0] is contiguous (one element) with stride 5: the save failed making a byte
     view of it ("self.stride(-1) must be 1")."""
-    scores = torch.arange(10.0).view(2, 5)
-    state = {"one": scores[:1, 0], "col": scores[:, 0]}
+    scores = torch.arange(1.0, 11.0).view(2, 5)
+    state = {"one": scores[1:, 2], "col": scores[:, 0]}
     ckpt = distckpt.Checkpointer(tmp_path)
     ckpt.save(1, state)
-    back = {"one": torch.zeros(1), "col": torch.zeros(2)}
+    into = torch.zeros(2, 5)
+    back = {"one": into[1:, 2], "col": torch.zeros(2)}  # into a strided one-element view, in place
     ckpt.load(back)
-    assert torch.equal(back["one"], torch.tensor([0.0])) and torch.equal(back["col"], torch.tensor([0.0, 5.0]))
+    assert into[1, 2] == 8.0 and torch.equal(back["one"], torch.tensor([8.0])) and torch.equal(back["col"], torch.tensor([1.0, 6.0]))
+
+
+def _strided_one_element_body(rank: int, world: int, root: str) -> float:
+    scores = torch.arange(1.0, 11.0).view(2, 5)
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, {"one": scores[1:, 2]})  # the same value on both ranks: compared by digest
+    back = {"one": torch.zeros(1)}
+    ckpt.load(back)
+    ckpt.close()
+    return float(back["one"])
+
+
+@pytest.mark.timeout(120)
+def test_a_one_element_view_with_a_stride_saves_from_two_ranks(tmp_path):
+    from dist_harness import run_ranks
+
+    assert run_ranks(_strided_one_element_body, 2, tmp_path, str(tmp_path / "root"), timeout=90) == [8.0, 8.0]

@@ -73,13 +73,14 @@ def test_a_memory_root_with_a_glob_character_keeps_only_its_newest_step() -> Non
             ckpt.load({"w": torch.zeros(3)}, step=1)
 
 
-@pytest.mark.parametrize("url", ["memory://q/a?b/run", "memory://q/exp?"])
-def test_a_question_mark_that_starts_no_query_is_refused(url: str) -> None:
-    """Shown and marked without what follows '?' (a query), "exp?new" was named as "exp": another
-    root, whose local tier copies it overwrote and retired."""
-    with pytest.raises(ValueError, match=r"'\?' in a URL's path starts a query"):
+@pytest.mark.parametrize("url", ["memory://q/a?b/run", "memory://q/exp?", "memory://q/exp?a=b", "s3://b/exp?versionId=1"])
+def test_a_question_mark_in_a_literal_path_is_refused(url: str) -> None:
+    """Shown and marked without what follows '?' (a query), "exp?new" or "exp?a=b" was named as
+    "exp": another root, whose local tier copies it overwrote and retired, and whose load took
+    its copies."""
+    with pytest.raises(ValueError, match=r"'\?' in the path of a (memory|s3):// URL is taken literally"):
         distckpt.Checkpointer(url)
-    distckpt.Storage("memory://bucket/prefix?token=abc")  # a query: as before
+    distckpt.Storage("https://bucket/prefix?token=abc")  # an HTTP query: as before
 
 
 def test_cli_output_url_with_a_glob_character_is_written_literally(tmp_path: Path) -> None:

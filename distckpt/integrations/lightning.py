@@ -208,6 +208,7 @@ class DistckptCheckpointIO(CheckpointIO):
         # The last step saved or loaded here -> its values beyond the model's and optimizers' state
         # (this rank's digests, lightning_overlay.digest): what a later save at it is compared with.
         self._snapshot: tuple[int, dict[str, str]] | None = None
+        self._keys_seen: list[str] = []  # every rank's top-level keys of the save being made
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -298,7 +299,7 @@ class DistckptCheckpointIO(CheckpointIO):
         if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
             known = self._steps[step] = self._earlier[step]
         if known is not None:
-            missing = [k for k in keys if k not in known]
+            missing = sorted({k for k in self._keys_seen if k not in known})  # (every rank's keys: raised on every rank)
             if missing:
                 raise ValueError(
                     f"global step {step} was already saved without {missing} (a weights-only save?); a second "
@@ -608,6 +609,7 @@ class DistckptCheckpointIO(CheckpointIO):
 
         _, seen = exchange(Group(), f"preparing Lightning checkpoint {os.fspath(path)}", run)
         keys, state, layout = made[0]
+        self._keys_seen = [k for ks, _ in seen for k in ks]  # every rank's keys (judged alike on every rank)
         if all(s == seen[0] for s in seen):
             return keys, state, layout
         if any(k != keys for k, _ in seen):
@@ -651,7 +653,9 @@ class DistckptCheckpointIO(CheckpointIO):
 
         _, gathered_digests = exchange(group, f"comparing the values saved at step {step}", digests)
         seen = [d for d, _ in gathered_digests]
-        union = [k for k in checkpoint if any(k in changed for _, changed in gathered_digests)]
+        union: list[str] = []  # (from what every rank sent, never this rank's dict: alike on every rank)
+        for _, changed in gathered_digests:
+            union.extend(k for k in changed if k not in union)
         if not union:
             return {}
         absent = sorted({k for k in union for d in seen if k not in d})

@@ -243,7 +243,10 @@ class CheckpointReader(FileSystemReader):
             if any(int(o) for o in list(req.storage_offsets)[1:]):
                 return None
             target = planner.resolve_tensor(req).detach()
-            if target.device.type not in ("cpu", "cuda") or not target.is_contiguous() or target.is_conj() or target.is_neg():
+            if (
+                target.device.type not in ("cpu", "cuda") or not target.is_contiguous() or target.is_conj() or target.is_neg()
+                or target.view(-1).stride(0) != 1  # (one element with a stride is "contiguous": no byte view)
+            ):
                 return None  # (a lazy view's memory is not its values: DCP's copy_ fills it)
             if tuple(req.lengths) != tuple(target.shape):
                 return None

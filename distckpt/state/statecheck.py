@@ -181,6 +181,8 @@ def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = F
     else:
 
         flat = local.contiguous().reshape(-1)
+        if flat.stride(0) != 1:  # (one element with a stride: no byte view of it)
+            flat = flat.clone(memory_format=torch.contiguous_format)
         if flat.dtype.is_complex:
             flat = torch.view_as_real(flat).reshape(-1)
         hasher = new_hasher("crc32c")

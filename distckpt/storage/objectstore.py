@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -44,11 +43,12 @@ class FsspecStorage(Storage, kind="url"):
             raise ValueError(f"{_redact(root)}: {exc} (a local path, file://, local:// or an fsspec URL)") from None
         self.path = path.rstrip("/")
         self.url = _redact(root).rstrip("/")
-        query = self.path.split("?", 1)[1] if "?" in self.path else None
-        if query is not None and not re.match(r"[\w.%~-]+=", query):
-            # '?' starts a query to URLs (cut from them when shown): a root "exp?new" would be
-            # named, and its local tier's copies marked, as "exp", another root.
-            raise ValueError(f"{self.url}: '?' in a URL's path starts a query (key=value): use a path without '?'")
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        if "?" in root and not set(protocols) & {"http", "https"}:
+            # Shown without what follows '?' (a query to URLs), while this filesystem takes it as
+            # part of the path: a root "exp?new" or "exp?a=b" would be named, and its local
+            # tier's copies marked, as "exp", another root (whose load then took them).
+            raise ValueError(f"{self.url}: '?' in the path of a {protocols[0]}:// URL is taken literally but shown as a query: use a path without '?'")
         self.flat = _flat_namespace(self.fs)
 
     # paths and queries ------------------------------------------------------------------------
