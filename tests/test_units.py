@@ -457,3 +457,30 @@ def test_a_one_element_view_with_a_stride_saves_from_two_ranks(tmp_path):
     from dist_harness import run_ranks
 
     assert run_ranks(_strided_one_element_body, 2, tmp_path, str(tmp_path / "root"), timeout=90) == [8.0, 8.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bfloat16, torch.bool])
+def test_one_element_strided_views_of_every_width_save_and_load(tmp_path, dtype):
+    """int64/float64 fingerprints view the bytes as int32 words: that view failed too."""
+    src = torch.arange(1, 11).view(2, 5).to(dtype)
+    ckpt = distckpt.Checkpointer(tmp_path)
+    ckpt.save(1, {"s": src[1:, 2]})
+    into = torch.zeros(2, 5, dtype=dtype)
+    ckpt.load({"s": into[1:, 2]})
+    assert torch.equal(into[1:, 2], src[1:, 2])
+
+
+def test_save_and_load_pretrained_with_a_one_element_strided_buffer(tmp_path):
+    from distckpt.tools.hf import load_pretrained, save_pretrained
+
+    class M(torch.nn.Module):
+        def __init__(self, big: torch.Tensor) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("one", big[1:, 2])
+
+    src = M(torch.arange(1.0, 11.0).view(2, 5))
+    save_pretrained(src, tmp_path / "hf")
+    dst = M(torch.zeros(2, 5))
+    load_pretrained(dst, tmp_path / "hf")
+    assert torch.equal(dst.one, torch.tensor([8.0])) and torch.equal(dst.lin.weight, src.lin.weight)

@@ -101,8 +101,8 @@ def _partial(
         raise ValueError(f"shard of shape {shape} at offsets {offs} does not fit global shape {gshape}")
     if local.numel() == 0:
         return 0
-    if not local.is_contiguous():
-        local = local.contiguous()
+    if not local.is_contiguous() or local.reshape(-1).stride(0) != 1:  # (one element with a stride is "contiguous")
+        local = local.clone(memory_format=torch.contiguous_format)
     bits = fpkernels.bits(local)
     run_sum = fpkernels.device_run_sum if lazy else fpkernels.run_sum
     if not gshape:  # a scalar

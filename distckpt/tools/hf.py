@@ -466,6 +466,8 @@ def _write_shards(
             if mine:
                 try:
                     data = full.detach().to(device="cpu", dtype=t.dtype).contiguous()
+                    if data.reshape(-1).stride(0) != 1:  # (one element with a stride is "contiguous": no byte view)
+                        data = data.clone(memory_format=torch.contiguous_format)
                     if data.numel():
                         f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
                 except Exception as exc:  # noqa: BLE001 - see above

@@ -474,6 +474,7 @@ def _read_block(
         and target.dtype == span.dtype
         and target.device.type == "cpu"
         and target.is_contiguous()
+        and target.reshape(-1).stride(0) == 1  # (one element with a stride is "contiguous": no byte view)
         and tuple(target.shape) == tuple(int(n) for n in lengths)
     )
     buf = target if direct else torch.empty((count, *shape[1:]) if shape else (), dtype=span.dtype)
