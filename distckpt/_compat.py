@@ -289,3 +289,15 @@ def load_flat(state_dict: dict, storage_reader: object, planner: object) -> None
     ordered = {key: state_dict[key] for key in sorted(state_dict)}  # dcp.load's order
     _load_state_dict(state_dict=ordered, storage_reader=storage_reader, planner=planner, no_dist=True)
     state_dict.update(ordered)  # what dcp.load does for values that are not Stateful
+
+
+def byte_viewable(t: torch.Tensor) -> bool:
+    """Whether ``t.reshape(-1).view(torch.uint8)`` sees ``t``'s own memory: contiguous, with a unit
+    stride once flattened. One element counts as contiguous whatever its stride
+    (``scores[1:, 2]``), yet no byte view of it can be made."""
+    return t.is_contiguous() and t.reshape(-1).stride(0) == 1
+
+
+def as_byte_viewable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where :func:`byte_viewable`, else a contiguous copy."""
+    return t if byte_viewable(t) else t.clone(memory_format=torch.contiguous_format)

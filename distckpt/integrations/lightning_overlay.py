@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from distckpt._compat import as_byte_viewable
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity import deep_stack
 from distckpt.state.decoding import decode_loaded
@@ -108,9 +109,9 @@ def _digest(x: Any, depth: int) -> bytes:
         raise TypeError("value nested too deeply")
     h = hashlib.sha256(type(x).__name__.encode() + b"\0")
     if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().resolve_conj().resolve_neg().flatten().clone(memory_format=torch.contiguous_format)
+        t = as_byte_viewable(x.detach().cpu().resolve_conj().resolve_neg())
         h.update(f"{t.dtype}{tuple(x.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(x, Mapping):
         pairs = [_digest(k, depth + 1) + _digest(v, depth + 1) for k, v in x.items()]
         for pair in pairs if isinstance(x, OrderedDict) else sorted(pairs):

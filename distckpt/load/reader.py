@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from distckpt._compat import byte_viewable
 from distckpt.errors import IntegrityError
 from distckpt.integrity.manifest import FileRecord
 from distckpt.integrity.shards import load_record
@@ -243,10 +244,7 @@ class CheckpointReader(FileSystemReader):
             if any(int(o) for o in list(req.storage_offsets)[1:]):
                 return None
             target = planner.resolve_tensor(req).detach()
-            if (
-                target.device.type not in ("cpu", "cuda") or not target.is_contiguous() or target.is_conj() or target.is_neg()
-                or target.view(-1).stride(0) != 1  # (one element with a stride is "contiguous": no byte view)
-            ):
+            if target.device.type not in ("cpu", "cuda") or not byte_viewable(target) or target.is_conj() or target.is_neg():
                 return None  # (a lazy view's memory is not its values: DCP's copy_ fills it)
             if tuple(req.lengths) != tuple(target.shape):
                 return None

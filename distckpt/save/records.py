@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from distckpt._compat import StorageInfo, split_by_size_and_type, write_torch_record
+from distckpt._compat import StorageInfo, byte_viewable, split_by_size_and_type, write_torch_record
 from distckpt.save.d2h import Timings, caller_streams, follow, host_tensors, item_bytes
 
 DCP_SUFFIX = ".distcp"
@@ -81,12 +81,9 @@ def _exact_alias(t: torch.Tensor) -> torch.Tensor:
     is a plain contiguous tensor, else a contiguous clone."""
     if (
         t.numel() == 0
-        or not t.is_contiguous()
         or t.layout != torch.strided
         or t.is_quantized
-        # One element is "contiguous" whatever its stride (scores[:1, 0]), but no byte view
-        # of it can be made: copied.
-        or t.reshape(-1).stride(0) != 1
+        or not byte_viewable(t)
     ):
         return t.clone(memory_format=torch.contiguous_format)
     raw = t.reshape(-1).view(torch.uint8)

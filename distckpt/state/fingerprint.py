@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from distckpt._compat import as_byte_viewable
 from distckpt.state import fpkernels
 from distckpt.state.casts import cast_back
 from distckpt.state.fpkernels import MASK64 as _MASK64
@@ -101,8 +102,7 @@ def _partial(
         raise ValueError(f"shard of shape {shape} at offsets {offs} does not fit global shape {gshape}")
     if local.numel() == 0:
         return 0
-    if not local.is_contiguous() or local.reshape(-1).stride(0) != 1:  # (one element with a stride is "contiguous")
-        local = local.clone(memory_format=torch.contiguous_format)
+    local = as_byte_viewable(local)
     bits = fpkernels.bits(local)
     run_sum = fpkernels.device_run_sum if lazy else fpkernels.run_sum
     if not gshape:  # a scalar

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from distckpt._compat import as_byte_viewable
 from distckpt.state import fingerprint, fpkernels
 from distckpt.errors import StateMismatchError
 from distckpt.integrity.shards import ShardSource
@@ -180,9 +181,7 @@ def copy_digest(local: torch.Tensor, offsets: Sequence[int], on_device: bool = F
         value = lazy_sum(local, local.shape, zeros)
     else:
 
-        flat = local.contiguous().reshape(-1)
-        if flat.stride(0) != 1:  # (one element with a stride: no byte view of it)
-            flat = flat.clone(memory_format=torch.contiguous_format)
+        flat = as_byte_viewable(local).reshape(-1)
         if flat.dtype.is_complex:
             flat = torch.view_as_real(flat).reshape(-1)
         hasher = new_hasher("crc32c")

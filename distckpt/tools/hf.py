@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from distckpt._compat import as_byte_viewable
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
@@ -465,9 +466,7 @@ def _write_shards(
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if mine:
                 try:
-                    data = full.detach().to(device="cpu", dtype=t.dtype).contiguous()
-                    if data.reshape(-1).stride(0) != 1:  # (one element with a stride is "contiguous": no byte view)
-                        data = data.clone(memory_format=torch.contiguous_format)
+                    data = as_byte_viewable(full.detach().to(device="cpu", dtype=t.dtype))
                     if data.numel():
                         f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
                 except Exception as exc:  # noqa: BLE001 - see above

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from distckpt._compat import byte_viewable
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity.manifest import json_object
 from distckpt.integrity.stepfiles import _readinto
@@ -473,8 +474,7 @@ def _read_block(
         whole_rows
         and target.dtype == span.dtype
         and target.device.type == "cpu"
-        and target.is_contiguous()
-        and target.reshape(-1).stride(0) == 1  # (one element with a stride is "contiguous": no byte view)
+        and byte_viewable(target)
         and tuple(target.shape) == tuple(int(n) for n in lengths)
     )
     buf = target if direct else torch.empty((count, *shape[1:]) if shape else (), dtype=span.dtype)
