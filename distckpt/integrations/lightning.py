@@ -147,6 +147,13 @@ def _compared(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in flatten_state_dict(compared)[0].items() if isinstance(v, torch.Tensor)}
 
 
+def _unchanged(before: tuple[weakref.ref, int] | None, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the tensor whose :func:`_identity` was ``before``, unchanged since (the same
+    live storage, the same version counter)."""
+    now = _identity(t)
+    return before is not None and now is not None and before[0]() is not None and before[0]() is now[0]() and before[1] == now[1]
+
+
 def _identity(t: torch.Tensor) -> tuple[weakref.ref, int] | None:
     """The storage of ``t`` (held weakly: its Python object lives as long as the storage does,
     and a dead one never equals a new one at the same address) and its version counter, which
@@ -208,7 +215,6 @@ class DistckptCheckpointIO(CheckpointIO):
         # The last step saved or loaded here -> its values beyond the model's and optimizers' state
         # (this rank's digests, lightning_overlay.digest): what a later save at it is compared with.
         self._snapshot: tuple[int, dict[str, str]] | None = None
-        self._keys_seen: list[str] = []  # every rank's top-level keys of the save being made
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
@@ -287,7 +293,7 @@ class DistckptCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
         if type(step) is not int or step < 0:
             raise ValueError(f"a Lightning checkpoint must hold 'global_step', an int >= 0, got {step!r}")
-        keys, state, layout = self._prepare(checkpoint, path)
+        keys, state, layout, every_rank_keys = self._prepare(checkpoint, path)
         # Before anything is saved, on every rank alike: a pointer must not land in a checkpoint
         # (it would replace a committed step's files) nor be refused after the step committed.
         on_coordinator(Group(), f"checking Lightning checkpoint path {os.fspath(path)}", lambda: check_pointer_path(path, self.root))
@@ -299,7 +305,7 @@ class DistckptCheckpointIO(CheckpointIO):
         if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
             known = self._steps[step] = self._earlier[step]
         if known is not None:
-            missing = sorted({k for k in self._keys_seen if k not in known})  # (every rank's keys: raised on every rank)
+            missing = sorted({k for k in every_rank_keys if k not in known})  # (every rank's keys: raised on every rank)
             if missing:
                 raise ValueError(
                     f"global step {step} was already saved without {missing} (a weights-only save?); a second "
@@ -524,10 +530,8 @@ class DistckptCheckpointIO(CheckpointIO):
             tensors = _compared(state)
             if not saved or not tensors or not tensors.keys() <= saved.keys():
                 return False
-            for key, t in tensors.items():
-                before, now = saved[key], _identity(t)
-                if before is None or now is None or before[0]() is None or before[0]() is not now[0]() or before[1] != now[1]:
-                    return False
+            if not all(_unchanged(saved[key], t) for key, t in tensors.items()):
+                return False
             try:
                 manifest = ckpt.manifest(step)
             except (CheckpointError, OSError, ValueError):
@@ -553,12 +557,7 @@ class DistckptCheckpointIO(CheckpointIO):
             return
 
         def changed() -> list[str]:
-            out = []
-            for key, t in _compared(state).items():
-                before, now = saved.get(key), _identity(t)
-                if before is None or now is None or before[0]() is None or before[0]() is not now[0]() or before[1] != now[1]:
-                    out.append(key)
-            return out
+            return [key for key, t in _compared(state).items() if not _unchanged(saved.get(key), t)]
 
         _, found = exchange(Group(), f"comparing the state with step {step}", lambda: (None, changed()))
         if not any(found):
@@ -593,7 +592,9 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"or make the change before the first save"
             )
 
-    def _prepare(self, checkpoint: Mapping[str, Any], path: str | os.PathLike) -> tuple[list[str], dict[str, Any], dict[str, object]]:
+    def _prepare(
+        self, checkpoint: Mapping[str, Any], path: str | os.PathLike
+    ) -> tuple[list[str], dict[str, Any], dict[str, object], set[str]]:
         """(every rank) :func:`~distckpt.integrations.lightning_layout.prepare` on every rank, an
         error on any raised on every rank; where the structure of some top-level entries differs
         between ranks (per-rank state: a callback's ``best_k_models`` keyed by file names holding
@@ -609,15 +610,15 @@ class DistckptCheckpointIO(CheckpointIO):
 
         _, seen = exchange(Group(), f"preparing Lightning checkpoint {os.fspath(path)}", run)
         keys, state, layout = made[0]
-        self._keys_seen = [k for ks, _ in seen for k in ks]  # every rank's keys (judged alike on every rank)
+        every_rank = {k for ks, _ in seen for k in ks}  # (judged alike on every rank)
         if all(s == seen[0] for s in seen):
-            return keys, state, layout
+            return keys, state, layout, every_rank
         if any(k != keys for k, _ in seen):
-            return keys, state, layout  # (other top-level keys: the coordinator's layout, as before)
+            return keys, state, layout, every_rank  # (other top-level keys: the coordinator's layout, as before)
         differ = [i for i in range(len(keys)) if len({d[i] for _, d in seen}) > 1]
         texts = node_texts(layout)
         _, ranks = exchange(Group(), "gathering the per-rank layout", lambda: (None, {keys[i]: texts[i] for i in differ}))
-        return keys, state, {**layout, "ranks": ranks}
+        return keys, state, {**layout, "ranks": ranks}, every_rank
 
     def _snapshot_of(self, step: int, checkpoint: Mapping[str, Any]) -> tuple[int, dict[str, str]] | None:
         """(each rank) ``step`` and the digests of ``checkpoint``'s values beyond the model's and
