@@ -228,6 +228,8 @@ class Checkpointer:
         Raises:
             ValueError: another ``tier``, or ``"replica"`` without ``replicate_to``, or
                 ``"local"`` without ``local_dir``.
+            FileNotFoundError: the root's (or replica's) bucket does not exist or is not
+                accessible, naming it (with ``tier="all"`` and a local tier: that tier's steps).
         """
         if tier not in ("root", "replica", "local", "all"):
             raise ValueError(f'steps(tier=...) takes "root", "replica", "local" or "all", got {tier!r}')
@@ -242,7 +244,11 @@ class Checkpointer:
         found = set(local)
         for storage in tiers:
             try:
-                found.update(committed_steps(storage))
+                listed = committed_steps(storage)
+                if not listed:
+                    # A misspelled bucket is no empty root: name it (as latest_step and load do).
+                    storage.check_bucket()
+                found.update(listed)
             except OSError:
                 if tier != "all" or self.local is None:
                     raise

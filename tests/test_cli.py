@@ -471,6 +471,10 @@ def test_s3_ls_verify_convert(tmp_path, capsys, monkeypatch, s3_server, s3_bucke
     code, out, err = run(["ls", url, "--json", *opts], capsys)
     assert code == 0, err
     assert [r["step"] for r in json.loads(out)["steps"]] == [5]
+    # A misspelled bucket is named as such (it was "s3://b-typo/run does not exist": 2026-12-07).
+    for cmd in (["ls"], ["inspect"], ["verify"], ["convert", "--to", "torch", str(tmp_path / "x.pt")]):
+        code, out, err = run([cmd[0], f"s3://{s3_bucket}-typo/run", *cmd[1:], *opts], capsys)
+        assert code == 1 and f"bucket '{s3_bucket}-typo' does not exist" in err, (cmd, out, err)
     assert run(["verify", f"{url}/{step_dir(5)}", *opts], capsys)[0] == 0
     out_file = str(tmp_path / "m.safetensors")
     code, _, err = run(["convert", url, "--to", "safetensors", out_file, "-q", *opts], capsys)

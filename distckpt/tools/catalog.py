@@ -86,6 +86,7 @@ def locate(location: str, storage_options: Mapping[str, object] | None = None, s
     storage = Storage(location, options)
     _refuse_file(storage, "a checkpoint (a step directory, a root of steps or a DCP directory)")
     if not storage.root_exists():
+        storage.check_bucket()  # a misspelled bucket is named as such
         raise CheckpointNotFound(f"{storage.display()} does not exist")
     if storage.exists(MANIFEST_NAME):  # a committed step directory under another name
         found = _open_committed(storage, "", None)
@@ -165,6 +166,7 @@ def list_steps(storage: Storage) -> list[dict[str, Any]]:
     """
     _refuse_file(storage, "a checkpoint root (a directory of step_* directories)")
     if not storage.root_exists():
+        storage.check_bucket()  # a misspelled bucket is named as such
         raise CheckpointNotFound(f"{storage.display()} does not exist")
     steps = [(name, step) for name in storage.list_dirs() if (step := parse_step_dir(name)) is not None]
     # A request or two per step: asked concurrently on object stores (Storage.each).
