@@ -80,6 +80,12 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched or self.skipped)
 
 
+def _holds_state(name: str, index: KeyShapes, manifest: Manifest) -> bool:
+    """Whether the checkpoint holds per-parameter state of optimizer entry ``name``."""
+    prefix = name + ".state."
+    return any(k.startswith(prefix) for k in (*index, *manifest.fingerprints))
+
+
 def plan_load(
     group: Group,
     manifest: Manifest,
@@ -110,6 +116,11 @@ def plan_load(
             # iterator, which the next epoch then runs instead of a fresh one).
             per_rank[e.name] = (manifest.world_size, group.world_size)
             continue
+        if isinstance(e, OptimizerEntry) and not saved.get("initialized", True) and _holds_state(e.name, index, manifest):
+            # "initialized" is the coordinator's: a ZeRO partition of parameters that had no
+            # gradient yet holds no state on rank 0 while other ranks' do. The checkpoint's
+            # keys say (a target of groups only refused every saved moment as unexpected).
+            saved = {**saved, "initialized": True}
         target = e.load_target(saved)
         if saved.get("scope") == scope.PER_RANK:
             target = {scope.rank_key(group.rank): target}
