@@ -528,3 +528,26 @@ def test_the_repr_names_the_replica_and_its_retention(tmp_path):
     assert "keep_last=2" in text and "remote" in text and "replicate_keep_last=None" in text
     with distckpt.Checkpointer(tmp_path / "root2", keep_last=2) as ckpt:
         assert "replicate" not in repr(ckpt)
+
+
+def test_a_failed_upload_the_replica_drops_anyway_is_no_failure_once_superseded(tmp_path, monkeypatch):
+    """The store down for steps 1 and 2 only, then back: the replica (keep_last=2, as the root)
+    ends with steps 3 and 4, all it keeps; but 1 and 2 stayed in ``replica.failed`` for good, and
+    every ``replica.wait()`` raised for them (the advice: call it before exiting). Superseded,
+    they count as skipped. Found by a helper (2026-12-07)."""
+    _failing_uploads(monkeypatch, 1, times=None)
+    _failing_uploads(monkeypatch, 2, times=None)
+    remote = tmp_path / "remote"
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=2, replicate_to=str(remote)) as ckpt:
+        with pytest.warns(UserWarning, match="step 2 was committed locally"):
+            for step in (1, 2):
+                ckpt.save(step, _state(0, step))
+                ckpt.replica.wait(raise_on_failure=False)
+        assert [s for s, _ in ckpt.replica.status().failed] == [1, 2]
+        monkeypatch.undo()
+        for step in (3, 4):
+            ckpt.save(step, _state(0, step))
+            ckpt.replica.wait(raise_on_failure=False)
+        status = ckpt.replica.wait()  # raised for steps 1 and 2 before
+        assert status.failed == () and {1, 2} <= set(status.skipped), status
+    assert _remote_steps(remote) == [3, 4]

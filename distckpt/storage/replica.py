@@ -330,8 +330,17 @@ class Replicator:
             newer = {s for s in self._pending if s > step} | ({newest} if newest > step else set())
         if queued:
             return self.keep_last is None or len(newer) < self.keep_last
-        if there or self._dropped_anyway(step):
-            return False  # uploaded, or superseded
+        if there:
+            return False  # uploaded
+        if self._dropped_anyway(step):
+            if failures:
+                # Superseded: the replica's keep_last drops it anyway, so its failure is moot
+                # (wait() raised it for good, though the replica holds what it keeps).
+                self._forget_failure(step)
+                with self._lock:
+                    self._failures.pop(step, None)
+                self._record(self.skipped, step)
+            return False
         if failures:
             # Retried in the background (nothing asked of the remote here: a store that hangs
             # would stall every commit), at most UPLOAD_ATTEMPTS times in all: a replica that
