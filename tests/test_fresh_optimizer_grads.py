@@ -104,3 +104,79 @@ def _zero_body(rank: int, world: int, root: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_zero_optimizer_with_gradients_on_one_rank_loads_its_state(tmp_path):
     run_ranks(_zero_body, 2, tmp_path, str(tmp_path / "root"), timeout=100)
+
+
+def _held(optim: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """:func:`_moments` of the parameters holding state (without adding empty entries)."""
+    return [[s["step"], s["exp_avg"], s["exp_avg_sq"]] for s in (optim.state[p] for g in optim.param_groups for p in g["params"] if p in optim.state)]
+
+
+def _stepped_without_one(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and Adam that stepped while its last bias was frozen: no state for that bias."""
+    model = _net(seed)
+    model[2].bias.requires_grad_(False)
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, optim, 1)
+    model[2].bias.requires_grad_(True)
+    assert model[2].bias not in optim.state
+    return model, optim
+
+
+def test_a_stepped_optimizer_takes_the_state_of_a_parameter_it_held_none_for(tmp_path):
+    """An optimizer that had stepped but held no state for one of its parameters (frozen until
+    then, unfrozen for the resume) refused that parameter's saved state as "unexpected"
+    (``strict=False``: dropped it), where torch's ``load_state_dict`` takes it. Found by a
+    helper (2026-12-07)."""
+    model, optim = _net(0), None
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, optim, 3)
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim})
+        for strict in (True, False):
+            other, other_optim = _stepped_without_one(5)
+            ckpt.load({"model": other, "optim": other_optim}, strict=strict)
+            assert _same(_moments(other_optim), _moments(optim)), strict
+            assert strict or ckpt.last_load_report.clean, ckpt.last_load_report
+        # Where the load reads nothing for it (excluded), it keeps none, as before the load;
+        # the others take the checkpoint's.
+        other, other_optim = _stepped_without_one(5)
+        ckpt.load({"model": other, "optim": other_optim}, exclude="optim.state.2.bias.*")
+        assert other[2].bias not in other_optim.state
+        assert _same(_held(other_optim), _moments(optim)[:3])
+        # A load that fails leaves it without state, and the others' state as it was.
+        other, other_optim = _stepped_without_one(5)
+        before = _held(other_optim)
+        with pytest.raises(distckpt.StateMismatchError):
+            ckpt.load({"model": other, "optim": other_optim, "extra": torch.zeros(2)})
+        assert other[2].bias not in other_optim.state and _same(_held(other_optim), before)
+
+
+def test_a_fresh_sparse_adam_resumes(tmp_path):
+    """SparseAdam refuses dense gradients: the load target of a fresh one (made by a step with
+    zero gradients) failed with torch's bare "SparseAdam does not support dense gradients",
+    naming no entry; a checkpoint of it could be loaded only into one that had stepped. Found
+    by a helper (2026-12-07)."""
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        emb = nn.Embedding(10, 3, sparse=True)
+        return emb, torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+
+    def train(emb, optim, steps):
+        for i in range(steps):
+            emb(torch.tensor([i % 10, (3 * i) % 10])).sum().backward()
+            optim.step()
+            optim.zero_grad()
+
+    emb, optim = build(0)
+    train(emb, optim, 3)
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(3, {"model": emb, "optim": optim})
+        other, other_optim = build(7)
+        ckpt.load({"model": other, "optim": other_optim})
+    assert torch.equal(other.weight, emb.weight)
+    assert other_optim.state[other.weight]["step"] == optim.state[emb.weight]["step"] == 3
+    assert all(torch.equal(other_optim.state[other.weight][k], optim.state[emb.weight][k]) for k in ("exp_avg", "exp_avg_sq"))
+    train(emb, optim, 2)
+    train(other, other_optim, 2)
+    assert torch.equal(other.weight, emb.weight)

@@ -80,10 +80,11 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched or self.skipped)
 
 
-def _holds_state(name: str, index: KeyShapes, manifest: Manifest) -> bool:
-    """Whether the checkpoint holds per-parameter state of optimizer entry ``name``."""
+def _saved_state_fqns(name: str, index: KeyShapes, manifest: Manifest) -> set[str]:
+    """The parameters (fqns) the checkpoint holds per-parameter state of, for optimizer entry
+    ``name`` (``<name>.state.<fqn>.<key>``)."""
     prefix = name + ".state."
-    return any(k.startswith(prefix) for k in (*index, *manifest.fingerprints))
+    return {state_fqn(k[len(name) + 1 :]) for k in (*index, *manifest.fingerprints) if k.startswith(prefix)}
 
 
 def plan_load(
@@ -116,11 +117,13 @@ def plan_load(
             # iterator, which the next epoch then runs instead of a fresh one).
             per_rank[e.name] = (manifest.world_size, group.world_size)
             continue
-        if isinstance(e, OptimizerEntry) and not saved.get("initialized", True) and _holds_state(e.name, index, manifest):
-            # "initialized" is the coordinator's: a ZeRO partition of parameters that had no
-            # gradient yet holds no state on rank 0 while other ranks' do. The checkpoint's
-            # keys say (a target of groups only refused every saved moment as unexpected).
-            saved = {**saved, "initialized": True}
+        if isinstance(e, OptimizerEntry):
+            e.held = _saved_state_fqns(e.name, index, manifest)
+            if e.held and not saved.get("initialized", True):
+                # "initialized" is the coordinator's: a ZeRO partition of parameters that had no
+                # gradient yet holds no state on rank 0 while other ranks' do. The checkpoint's
+                # keys say (a target of groups only refused every saved moment as unexpected).
+                saved = {**saved, "initialized": True}
         target = e.load_target(saved)
         if saved.get("scope") == scope.PER_RANK:
             target = {scope.rank_key(group.rank): target}

@@ -123,28 +123,32 @@ class Entry:
         :meth:`load_target` changed, if anything; the object stays as it was."""
 
 
-#: Optimizers whose only state is the zero-gradient step's that a load target of a fresh
-#: optimizer is made with (DCP's): still fresh to a second planning of the same load (the local
+#: Per optimizer, the parameters (ids) whose only state is the zero-gradient step's that a load
+#: target is made with (:func:`target_state_dict`): still without state of their own to a second
+#: planning of the same load (the local
 #: tier plans before the load, a load that falls back plans again) and to the load after a
 #: failed one. An optimizer leaves it when a load hands it its values (or leaves it alone).
-_TARGET_STATE: weakref.WeakSet[Any] = weakref.WeakSet()
+_TARGET_STATE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
 def targets_undone_on_failure() -> Iterator[None]:
-    """(each rank, around a whole load) Where the load fails, the optimizers that were fresh
-    before it get no state from it: a load that fails leaves them fresh (its zero-gradient
-    target's state would otherwise stay, and make their next step differ from a fresh one's);
-    nor do data loaders keep an iterator its planning started (:data:`_TARGET_ITERATORS`)."""
-    before = set(map(id, _TARGET_STATE))
+    """(each rank, around a whole load) Where the load fails, the optimizers' parameters that
+    had no state before it get none from it: a load that fails leaves them without (its
+    zero-gradient target's state would otherwise stay, and make their next step differ from a
+    fresh one's); nor do data loaders keep an iterator its planning started
+    (:data:`_TARGET_ITERATORS`)."""
+    before = {id(optim): set(made) for optim, made in _TARGET_STATE.items()}
     loaders_before = set(map(id, _TARGET_ITERATORS))
     try:
         yield
     except BaseException:
-        for optim in list(_TARGET_STATE):
-            if id(optim) not in before:
-                optim.state.clear()
-                _TARGET_STATE.discard(optim)
+        for optim, made in list(_TARGET_STATE.items()):
+            new = made - before.get(id(optim), set())
+            drop_state(optim, new)
+            made -= new
+            if not made:
+                del _TARGET_STATE[optim]
         for loader in list(_TARGET_ITERATORS):
             if id(loader) not in loaders_before:
                 _drop_target_iterator(loader)
@@ -224,7 +228,22 @@ def _drop_target_iterator(obj: Any) -> None:
 def target_of_fresh(optim: Any) -> bool:
     """(at load planning, before the load target is made) Whether ``optim`` holds no state of
     its own: none at all, or only a load target's (:data:`_TARGET_STATE`)."""
-    return not optim.state or optim in _TARGET_STATE
+    made = _TARGET_STATE.get(optim, set())
+    return all(id(p) in made for p, st in optim.state.items() if st)
+
+
+def made_by_target(optim: Any, fqns: Mapping[int, str]) -> set[str]:
+    """The fqns of ``optim``'s parameters whose only state is a load target's."""
+    made = _TARGET_STATE.get(optim, set())
+    return {fqns[id(p)] for p in optimizer_params(optim) if id(p) in made and id(p) in fqns}
+
+
+def drop_state(optim: Any, ids: Set[int]) -> None:
+    """Remove the state of ``optim``'s parameters whose ids are in ``ids``."""
+    if ids:
+        for p in optimizer_params(optim):
+            if id(p) in ids:
+                optim.state.pop(p, None)
 
 
 def state_fqn(key: str) -> str:
@@ -316,8 +335,42 @@ def optimizer_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optim.param_groups for p in g["params"]]
 
 
-def target_state_dict(module: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def _zero_step(optim: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Give ``params`` (of ``optim``) state by a step with zero gradients and learning rate 0,
+    as DCP makes the load target of an optimizer without state; the optimizer's other
+    parameters get no gradient, so the step leaves their state alone. SparseAdam refuses dense
+    gradients (DCP's step failed with a bare RuntimeError): it gets empty sparse ones."""
+    every = optimizer_params(optim)
+    grads = [p.grad for p in every]
+    lrs = [(g, g["lr"]) for g in optim.param_groups if "lr" in g]
+    sparse = isinstance(optim, torch.optim.SparseAdam)
+    try:
+        for p in every:
+            p.grad = None
+        for p in params:
+            zero = torch.zeros_like(p)
+            p.grad = zero.to_sparse() if sparse else zero
+        for g, lr in lrs:
+            g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        optim.step()
+    finally:
+        for g, lr in lrs:
+            g["lr"] = lr
+        for p, g in zip(every, grads):
+            p.grad = g
+
+
+def target_state_dict(
+    module: torch.nn.Module, optim: torch.optim.Optimizer, fqns: Mapping[int, str], held: Set[str] | None = None
+) -> dict[str, Any]:
     """(each rank, at load planning) DCP's flat state dict of ``optim`` as a load target.
+
+    Parameters without state get the state of a step with zero gradients
+    (:func:`_zero_step`), recorded in :data:`_TARGET_STATE`: in an optimizer without state of
+    its own, every parameter that takes gradients (as DCP's target); in any optimizer, those
+    whose state the checkpoint holds (``held``, fqns). An optimizer that had stepped but held
+    no state for one parameter (frozen until now) refused that parameter's saved state as
+    "unexpected", where torch's ``load_state_dict`` takes it.
 
     DCP makes the target of an optimizer without state by a step with zero gradients, but skips
     that step (a target with no state at all) where any parameter holds a gradient: a
@@ -325,9 +378,19 @@ def target_state_dict(module: torch.nn.Module, optim: torch.optim.Optimizer) -> 
     "unexpected"; ``strict=False`` resumed with fresh moments; and at several ranks, one with
     gradients loaded none while the others did, reported clean. The gradients are set aside for
     the target's step and given back after it."""
+    params = optimizer_params(optim)
+    fresh = target_of_fresh(optim)
+    need = [
+        p for p in params
+        if not optim.state.get(p) and ((fresh and p.requires_grad) or (held is not None and fqns.get(id(p)) in held))
+    ]  # fmt: skip
+    if need:
+        _zero_step(optim, need)
+        made = {id(p) for p in need if optim.state.get(p)}
+        if made:
+            _TARGET_STATE.setdefault(optim, set()).update(made)
     if optim.state:
         return get_optimizer_state_dict(module, optim, options=_FLAT_OPTIM)
-    params = optimizer_params(optim)
     grads = [p.grad for p in params]
     try:
         for p in params:
@@ -424,10 +487,13 @@ class OptimizerEntry(Entry):
         # state for, with the target's values (see :meth:`set_stateless`).
         self.stateless: dict[str, Any] = {}
         self.read: set[str] | None = None  # the keys (relative) the load reads; None: all
-        # Whether the optimizer held no state when the load began: DCP's load target of such an
-        # optimizer is made by a step with zero gradients (step counts 1, moments 0), whose state
+        # The fqns of parameters with no state of their own when the load began: their load
+        # target is made by a step with zero gradients (step counts 1, moments 0), whose state
         # must not outlive the load for parameters the load gives nothing.
-        self.fresh = False
+        self.made: set[str] = set()
+        # The fqns of parameters the checkpoint holds state for (set by the load's planning
+        # before :meth:`load_target`; None: unknown).
+        self.held: set[str] | None = None
 
     def set_stateless(self, target: Mapping[str, Any], saved_keys: Iterable[str]) -> list[str]:
         """(each rank, at load planning) The keys of ``target`` (this entry's flat load target,
@@ -472,25 +538,29 @@ class OptimizerEntry(Entry):
             raise TypeError(f"state[{self.name!r}] cannot be saved: {_unflattenable(self.optim)}; {exc}") from None
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        self.fresh = target_of_fresh(self.optim)
+        fqns = self.module.param_fqns()
         if not saved.get("initialized", True):
-            return flat_param_groups(self.optim, self.module.param_fqns())
-        target = target_state_dict(self.module.module, self.optim)
-        if self.fresh:
-            _TARGET_STATE.add(self.optim)
+            self.made = made_by_target(self.optim, fqns)
+            return flat_param_groups(self.optim, fqns)
+        target = target_state_dict(self.module.module, self.optim, fqns, self.held)
+        self.made = made_by_target(self.optim, fqns)
         return target
 
+    def _drop_made(self, fqns: Set[str]) -> None:
+        """Remove the load target's state of parameters ``fqns`` (of :attr:`made`)."""
+        ids = {id(p) for p in optimizer_params(self.optim) if self.module.param_fqns().get(id(p)) in fqns}
+        drop_state(self.optim, ids)
+
     def left_alone(self) -> None:
-        if self.fresh:
-            self.optim.state.clear()  # (the zero-gradient step's state of the load target)
-        _TARGET_STATE.discard(self.optim)
+        self._drop_made(self.made)  # (the zero-gradient step's state of the load target)
+        _TARGET_STATE.pop(self.optim, None)
 
     def check(self, loaded: Any) -> None:
         check_param_groups(self.optim, self.module.param_fqns(), loaded, self.name, self.read)
 
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         self.check(loaded)
-        _TARGET_STATE.discard(self.optim)  # (what it holds from here on is the checkpoint's)
+        _TARGET_STATE.pop(self.optim, None)  # (what it holds from here on is the checkpoint's)
         if any(k.startswith("state.") for k in loaded):
             # DCP's set_optimizer_state_dict wants state for every parameter that has some: the
             # target's for those the checkpoint holds none for, removed right after; so is that of
@@ -498,8 +568,7 @@ class OptimizerEntry(Entry):
             # the target's is the zero-gradient step's.
             set_optimizer_state_dict(self.module.module, self.optim, {**loaded, **self.stateless}, options=_FLAT_OPTIM)
             without = {state_fqn(k) for k in self.stateless}
-            if self.fresh:
-                without |= unread_params(loaded, self.read)
+            without |= unread_params(loaded, self.read) & self.made
             if without:
                 fqns = self.module.param_fqns()
                 for p in optimizer_params(self.optim):

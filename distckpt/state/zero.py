@@ -25,8 +25,9 @@ from distckpt.state.entries import (
     check_param_groups,
     flat_param_groups,
     _TARGET_STATE,
+    drop_state,
     load_flat_param_groups,
-    target_of_fresh,
+    made_by_target,
     target_state_dict,
     unread_params,
 )
@@ -83,7 +84,6 @@ class ZeroOptimizerEntry(OptimizerEntry):
         return get_optimizer_state_dict(self.module.module, local, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        self.fresh = target_of_fresh(self.zero.optim)
         fqns = self.module.param_fqns()
         # Hyper-parameters of *all* parameters (small values) so that every rank restores the
         # wrapper's groups identically, also for groups with no parameter on this rank.
@@ -91,16 +91,16 @@ class ZeroOptimizerEntry(OptimizerEntry):
         if saved.get("initialized", True) and self.zero.optim.param_groups and any(
             g["params"] for g in self.zero.optim.param_groups
         ):
-            target.update(target_state_dict(self.module.module, self.zero.optim))  # (gradients set aside)
-            if self.fresh:
-                _TARGET_STATE.add(self.zero.optim)
+            target.update(target_state_dict(self.module.module, self.zero.optim, fqns, self.held))  # (gradients set aside)
+        self.made = made_by_target(self.zero.optim, fqns)
         return target
 
     def left_alone(self) -> None:
-        if self.fresh:
-            self.zero.optim.state.clear()  # (the zero-gradient step's state of the load target)
+        if self.made:  # (the zero-gradient step's state of the load target)
+            fqns = self.module.param_fqns()
+            drop_state(self.zero.optim, {id(p) for g in self.zero.optim.param_groups for p in g["params"] if fqns.get(id(p)) in self.made})
             self._sync_wrapper_to_local()
-        _TARGET_STATE.discard(self.zero.optim)
+        _TARGET_STATE.pop(self.zero.optim, None)
 
     def check(self, loaded: Any) -> None:
         # The wrapper's groups (every parameter's), not the local optimizer's partition.
@@ -109,14 +109,14 @@ class ZeroOptimizerEntry(OptimizerEntry):
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         fqns = self.module.param_fqns()
         self.check(loaded)
-        _TARGET_STATE.discard(self.zero.optim)
+        _TARGET_STATE.pop(self.zero.optim, None)
         load_flat_param_groups(self.zero, fqns, loaded)
         # Per-parameter state of this rank's partition, set directly: DCP's unflattening
         # helper cannot handle the empty param groups a ZeRO partition may have.
         per_param: dict[str, dict[str, Any]] = {}
         # (a fresh optimizer's target state of parameters the load read nothing for is the
         # zero-gradient step's: they get none, as OptimizerEntry.apply)
-        unread = unread_params(loaded, self.read) if self.fresh else set()
+        unread = unread_params(loaded, self.read) & self.made
         for key, value in loaded.items():
             if key.startswith("state."):
                 fqn, name = key[len("state.") :].rsplit(".", 1)
