@@ -353,3 +353,15 @@ def test_two_ranks_publish_into_a_folder_they_share_with_the_user(tmp_path):
         assert (out / name).read_bytes() == data
     assert _loads_exactly(str(out), _model(1))
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name], "no temporary directory left"
+
+
+def test_config_takes_a_dict_and_names_anything_else(tmp_path):
+    """``config={...}`` (a config read with ``json.load``) failed with a bare ``AttributeError``
+    ('dict' object has no attribute 'to_json_string'). Found by a helper (2026-12-07)."""
+    out = tmp_path / "hf"
+    hf.save_pretrained(_model(0), str(out), config={"model_type": "llama", "hidden_size": 8})
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8}
+    for bad, match in (("llama", "takes a transformers config .* got str"), ({"x": float("nan")}, "JSON values only")):
+        with pytest.raises(TypeError, match=match):
+            hf.save_pretrained(_model(0), str(tmp_path / "other"), config=bad)
+        assert not (tmp_path / "other").exists()

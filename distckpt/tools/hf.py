@@ -24,6 +24,7 @@ with the same arguments, and an error on any rank is raised on every rank.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -114,6 +115,33 @@ def _map_key(name: str, strip_prefix: str | None, add_prefix: str | None, key_ma
             return None
         name = name[len(strip_prefix) :]
     return f"{add_prefix}{name}" if add_prefix else name
+
+
+def _config_json(config: object) -> bytes | None:
+    """``config.json``'s bytes for :func:`save_pretrained`'s ``config``: a ``transformers``
+    config (``to_json_string()``) or a dict of JSON values (a config read with ``json.load``).
+
+    Raises:
+        TypeError: anything else (it failed with a bare ``AttributeError``), or a dict that is
+            not JSON (naming why).
+    """
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        try:
+            return (json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"save_pretrained(config=...): a dict config must hold JSON values only: {exc}") from None
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        raise TypeError(
+            f"save_pretrained(config=...) takes a transformers config (with to_json_string()) or a dict, "
+            f"got {type(config).__name__}"
+        )
+    text = to_json()
+    if not isinstance(text, str):
+        raise TypeError(f"save_pretrained(config=...): to_json_string() returned {type(text).__name__}, not str")
+    return text.encode()
 
 
 def load_pretrained(
@@ -333,7 +361,7 @@ def save_pretrained(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     storage_options: Mapping[str, object] | None = None,
-    config: HFConfig | None = None,
+    config: HFConfig | dict[str, Any] | None = None,
     strip_prefix: str | None = None,
     overwrite: bool = False,
     replace: str | Iterable[str] = (),
@@ -351,8 +379,9 @@ def save_pretrained(
             be on a filesystem every writer rank sees (one node, or a shared filesystem).
         dtype: cast floating-point tensors (a floating-point dtype, e.g. ``torch.bfloat16``).
         max_shard_size: largest file, ``"5GB"`` by default (Hugging Face's default).
-        config: optional object with ``to_json_string()`` (a ``transformers`` config): written
-            as ``config.json`` so that ``from_pretrained(out)`` needs nothing else.
+        config: optional object with ``to_json_string()`` (a ``transformers`` config), or a
+            dict of JSON values: written as ``config.json`` so that ``from_pretrained(out)``
+            needs nothing else (anything else is a ``TypeError``, on every rank).
         strip_prefix: remove this prefix from every key (keys without it are skipped).
         overwrite: replace distckpt's own previous publish at ``out`` (the files its record
             names and that are unchanged since), else ``FileExistsError``.
@@ -380,7 +409,7 @@ def save_pretrained(
     patterns = replace_patterns(replace)
 
     def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]], bytes | None], tuple[str, dict[str, object]]]:
-        config_json = None if config is None else config.to_json_string().encode()
+        config_json = _config_json(config)
         sd = get_model_state_dict(module)
         if strip_prefix:
             # Ties among the keys published: a tied tensor whose first key lies outside the
