@@ -199,6 +199,8 @@ RECORD_CASES = {
     "not JSON": (lambda d, out: (d / RECORD).write_bytes(b"\x00\xff{garbage"), distckpt.IntegrityError),
     "cut short": (lambda d, out: (d / RECORD).write_bytes((d / RECORD).read_bytes()[:25]), distckpt.IntegrityError),
     "wrong types": (lambda d, out: (d / RECORD).write_bytes(_record([{"name": 5, "size": "x"}])), distckpt.IntegrityError),
+    "stamp not text": (lambda d, out: (d / RECORD).write_bytes(_record([{**e, "stamp": 7} for e in _entries(d)])), distckpt.IntegrityError),
+    "stamp too long": (lambda d, out: (d / RECORD).write_bytes(_record([{**e, "stamp": "x" * 201} for e in _entries(d)])), distckpt.IntegrityError),
     "another format": (lambda d, out: (d / RECORD).write_bytes(json.dumps({"format": "x", "files": []}).encode()), distckpt.IntegrityError),
     "a symbolic link": (lambda d, out: ((out / "crafted.json").write_bytes(_record([{"name": "../outside.safetensors", "size": 4}])),
                                         (d / RECORD).unlink(), os.symlink(out / "crafted.json", d / RECORD)), distckpt.UnsafeCheckpointError),
@@ -365,3 +367,23 @@ def test_config_takes_a_dict_and_names_anything_else(tmp_path):
         with pytest.raises(TypeError, match=match):
             hf.save_pretrained(_model(0), str(tmp_path / "other"), config=bad)
         assert not (tmp_path / "other").exists()
+
+
+def test_a_shard_the_user_rewrote_at_the_same_size_is_theirs(folder):
+    """The record kept only the size of a shard: the user's own weights of the same model
+    written over ``model-00001-...`` (same size) were replaced by ``overwrite=True``, though the
+    README says a file the record names that you rewrote is yours again. Each shard's version
+    stamp (inode and mtime; an object's ETag) is recorded now. Found by a helper (2026-12-07)."""
+    folder.publish(_model(0), max_shard_size=SHARD)
+    shard = sorted(n for n in folder.files() if n.startswith("model-00001-of-"))[0]
+    data = bytearray(folder.read(shard))
+    data[-1] ^= 0xFF  # the user's weights: same header, same size, other values
+    folder.write(shard, bytes(data))
+    with pytest.raises(FileExistsError, match=f"{shard} was not written by distckpt.*replace="):
+        folder.publish(_model(1), max_shard_size=SHARD, overwrite=True)
+    assert folder.read(shard) == bytes(data)
+    folder.publish(_model(1), max_shard_size=SHARD, overwrite=True, replace=[shard])
+    assert _loads_exactly(folder.url, _model(1), folder.opts)
+    # distckpt's own publish, untouched, is still replaced with overwrite=True.
+    folder.publish(_model(2), max_shard_size=SHARD, overwrite=True)
+    assert _loads_exactly(folder.url, _model(2), folder.opts)

@@ -469,6 +469,13 @@ class Storage:
         """
         raise NotImplementedError
 
+    def file_stamp(self, *parts: str) -> str | None:
+        """An opaque token of the version of file ``parts`` that changes when the file is
+        written again, whatever its size: local disks its inode and modification time (kept by a
+        rename), object stores its ETag or modification time; ``None`` where the store reports
+        neither, or the file is missing."""
+        raise NotImplementedError
+
     def last_change(self, *parts: str) -> tuple[float | None, int]:
         """Newest modification time (Unix seconds) of directory ``parts`` and of the entries
         directly inside it (``None`` if the store reports no times), and how many entries it

@@ -182,6 +182,13 @@ class LocalStorage(Storage, kind="local"):
         os.rename(self.join(src), self.join(dst))
         return True
 
+    def file_stamp(self, *parts: str) -> str | None:
+        try:
+            st = os.lstat(self.join(*parts))
+        except OSError:
+            return None
+        return f"{st.st_ino}:{st.st_mtime_ns}"
+
     def last_change(self, *parts: str) -> tuple[float | None, int]:
         path = self.join(*parts)
         times: list[float] = []

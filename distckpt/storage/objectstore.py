@@ -171,6 +171,20 @@ class FsspecStorage(Storage, kind="url"):
     def move_dir(self, src: str, dst: str) -> bool:
         return False  # no atomic rename on object stores
 
+    def file_stamp(self, *parts: str) -> str | None:
+        path = self.join(*parts)
+        self.fs.invalidate_cache(path.rsplit("/", 1)[0])  # (a cached listing may be older)
+        try:
+            with self._at(*parts):
+                info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated", "created"):
+            value = info.get(key)
+            if value is not None and value != "":
+                return f"{key}:{value}"[:200]
+        return None
+
     def last_change(self, *parts: str) -> tuple[float | None, int]:
         times: list[float] = []
         entries = self._ls(*parts)

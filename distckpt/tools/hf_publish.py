@@ -17,6 +17,7 @@ collective.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fnmatch
 import hashlib
@@ -195,11 +196,14 @@ def replace_patterns(replace: str | Iterable[str] | None) -> list[str]:
 @dataclass(frozen=True)
 class OwnedFile:
     """One file a publish wrote: its name in the folder, its size and, for the small JSON files
-    (index, config), the sha256 of its content."""
+    (index, config), the sha256 of its content; for shards, once committed, the stamp of the
+    version written (:meth:`~distckpt.storage.base.Storage.file_stamp`): a shard the user
+    rewrote at the same size (the same model's weights) is theirs."""
 
     name: str
     size: int
     sha256: str | None = None
+    stamp: str | None = None
 
 
 @dataclass
@@ -219,7 +223,10 @@ class PublishRecord:
     complete: bool
 
     def to_bytes(self) -> bytes:
-        files = [{"name": f.name, "size": f.size, **({"sha256": f.sha256} if f.sha256 else {})} for f in self.files]
+        files = [
+            {"name": f.name, "size": f.size, **({"sha256": f.sha256} if f.sha256 else {}), **({"stamp": f.stamp} if f.stamp else {})}
+            for f in self.files
+        ]
         body = {"format": _RECORD_FORMAT, "version": 1, "complete": self.complete, "written_by": f"distckpt {__version__}", "files": files}
         return json.dumps(body, indent=1).encode()
 
@@ -239,16 +246,16 @@ class PublishRecord:
             raise IntegrityError(f"{where}: 'files' must be a list and 'complete' a bool; {fix}")
         files = []
         for e in entries:
-            name, size, digest = (e.get("name"), e.get("size"), e.get("sha256")) if isinstance(e, dict) else (None, None, None)
+            name, size, digest, stamp = (e.get("name"), e.get("size"), e.get("sha256"), e.get("stamp")) if isinstance(e, dict) else (None,) * 4
             if not isinstance(name, str) or type(size) is not int or size < 0 or not (
                 digest is None or (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest))
-            ):
-                raise IntegrityError(f"{where}: entry {e!r:.100} is not a name, a size and an optional sha256; {fix}")
+            ) or not (stamp is None or (isinstance(stamp, str) and 0 < len(stamp) <= 200)):
+                raise IntegrityError(f"{where}: entry {e!r:.100} is not a name, a size and an optional sha256 and stamp; {fix}")
             if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
                 raise UnsafeCheckpointError(f"{where}: names {name!r:.100}, which is not a file inside the folder; {fix}")
             if not _writable_name(name):
                 raise IntegrityError(f"{where}: claims {name!r:.100}, which distckpt never writes; {fix}")
-            files.append(OwnedFile(name, size, digest))
+            files.append(OwnedFile(name, size, digest, stamp))
         return cls(files, complete)
 
 
@@ -373,12 +380,11 @@ class Publish:
 
     def commit(self, storage: Storage, layout: Layout) -> None:
         """(coordinator) Make the written shards the folder's checkpoint (see the class doc)."""
-        record = PublishRecord(self.writes, complete=True).to_bytes()
         if self.fresh and not self.in_place:
             target = Storage(self.staged)
             for name, data in layout.small_files():
                 target.write_bytes(data, name)
-            target.write_bytes(record, RECORD_NAME)
+            target.write_bytes(self._record(target), RECORD_NAME)  # (a rename keeps the stamps)
             storage.commit_directory(self.staged, overwrite=False)
             self.committed = True
             return
@@ -394,11 +400,18 @@ class Publish:
             storage.write_bytes(data, name)
         self.committed = True  # the index is written: from here on nothing may be removed
         try:
-            storage.write_bytes(record, RECORD_NAME)
+            storage.write_bytes(self._record(storage), RECORD_NAME)
         except Exception as exc:  # noqa: BLE001 - the unfinished record still names these files
             warnings.warn(f"distckpt: {storage.display(RECORD_NAME)}: could not record the published files: {exc}", stacklevel=3)
         if not self.in_place:
             storage.abandon_directory(self.staged, [])  # the emptied temporary directory
+
+    def _record(self, where: Storage) -> bytes:
+        """The complete record of this publish, each shard stamped as it is in ``where``."""
+        shards = set(self.shards)
+        return PublishRecord(
+            [dataclasses.replace(f, stamp=where.file_stamp(f.name)) if f.name in shards else f for f in self.writes], complete=True
+        ).to_bytes()
 
     def abandon(self, storage: Storage) -> None:
         """(coordinator) After a failure before the commit, remove what this publish wrote, best
@@ -433,6 +446,8 @@ def _still_owned(storage: Storage, record: PublishRecord | None, files: Mapping[
         cut_short = not (record.complete or entry.sha256 is not None or storage.is_local or storage.flat)
         if not cut_short and files[name] != entry.size:
             continue
+        if entry.stamp is not None and storage.file_stamp(name) not in (None, entry.stamp):
+            continue  # written again since (the same size: the same model's weights)
         if entry.sha256 is not None and (
             entry.size > _MAX_RECORD or hashlib.sha256(storage.read_bytes(name)).hexdigest() != entry.sha256
         ):
