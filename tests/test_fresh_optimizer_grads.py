@@ -108,7 +108,7 @@ def test_a_zero_optimizer_with_gradients_on_one_rank_loads_its_state(tmp_path):
 
 def _held(optim: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
     """:func:`_moments` of the parameters holding state (without adding empty entries)."""
-    return [[s["step"], s["exp_avg"], s["exp_avg_sq"]] for s in (optim.state[p] for g in optim.param_groups for p in g["params"] if p in optim.state)]
+    return [[s["step"], s["exp_avg"], s["exp_avg_sq"]] for s in (optim.state[p] for g in optim.param_groups for p in g["params"] if optim.state.get(p))]
 
 
 def _stepped_without_one(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -141,7 +141,7 @@ def test_a_stepped_optimizer_takes_the_state_of_a_parameter_it_held_none_for(tmp
         # the others take the checkpoint's.
         other, other_optim = _stepped_without_one(5)
         ckpt.load({"model": other, "optim": other_optim}, exclude="optim.state.2.bias.*")
-        assert other[2].bias not in other_optim.state
+        assert not other_optim.state.get(other[2].bias)
         assert _same(_held(other_optim), _moments(optim)[:3])
         # A load that fails leaves it without state, and the others' state as it was.
         other, other_optim = _stepped_without_one(5)
@@ -180,3 +180,35 @@ def test_a_fresh_sparse_adam_resumes(tmp_path):
     train(emb, optim, 2)
     train(other, other_optim, 2)
     assert torch.equal(other.weight, emb.weight)
+
+
+def test_a_frozen_parameters_saved_state_is_reported_not_dropped_and_no_hook_sees_the_target_step(tmp_path):
+    """Review of the change above (2026-12-07): (1) a frozen parameter (``requires_grad=False``,
+    LoRA-style) got the target's state too, DCP's ``set_optimizer_state_dict`` then skipped it,
+    and the load reported clean: its saved state was dropped silently (it is "unexpected", as
+    before); (2) the zero-gradient step ran the user's step hooks on an optimizer that had
+    stepped (an EMA update, a step counter)."""
+    model = _net(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, optim, 2)
+    fired: list[str] = []
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim})
+        for stepped in (False, True):
+            if stepped:  # frozen again: the parameter it holds no state for
+                other, other_optim = _stepped_without_one(5)
+                frozen, key = other[2].bias, "optim.state.2.bias."
+            else:
+                other = _net(5)
+                other_optim = torch.optim.AdamW(other.parameters(), lr=0.05)
+                frozen, key = other[0].weight, "optim.state.0.weight."
+            frozen.requires_grad_(False)
+            other_optim.register_step_pre_hook(lambda *a: fired.append("pre"))
+            other_optim.register_step_post_hook(lambda *a: fired.append("post"))
+            with pytest.raises(distckpt.StateMismatchError, match=r"unexpected keys .*" + key.replace(".", r"\.") + "exp_avg"):
+                ckpt.load({"model": other, "optim": other_optim})
+            ckpt.load({"model": other, "optim": other_optim}, strict=False)
+            assert any(k.startswith(key) for k in ckpt.last_load_report.unexpected), (stepped, ckpt.last_load_report)
+            assert not other_optim.state.get(frozen), stepped
+            assert other_optim.state.get(other[2].weight), "the others take their saved state"
+    assert fired == [], fired

@@ -80,11 +80,11 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched or self.skipped)
 
 
-def _saved_state_fqns(name: str, index: KeyShapes, manifest: Manifest) -> set[str]:
+def _saved_state_fqns(name: str, index: KeyShapes, manifest: Manifest, selection: Selection) -> set[str]:
     """The parameters (fqns) the checkpoint holds per-parameter state of, for optimizer entry
-    ``name`` (``<name>.state.<fqn>.<key>``)."""
+    ``name`` (``<name>.state.<fqn>.<key>``), among the keys the load selects."""
     prefix = name + ".state."
-    return {state_fqn(k[len(name) + 1 :]) for k in (*index, *manifest.fingerprints) if k.startswith(prefix)}
+    return {state_fqn(k[len(name) + 1 :]) for k in (*index, *manifest.fingerprints) if k.startswith(prefix) and selection.key(k)}
 
 
 def plan_load(
@@ -118,7 +118,7 @@ def plan_load(
             per_rank[e.name] = (manifest.world_size, group.world_size)
             continue
         if isinstance(e, OptimizerEntry):
-            e.held = _saved_state_fqns(e.name, index, manifest)
+            e.held = _saved_state_fqns(e.name, index, manifest, selection)
             if e.held and not saved.get("initialized", True):
                 # "initialized" is the coordinator's: a ZeRO partition of parameters that had no
                 # gradient yet holds no state on rank 0 while other ranks' do. The checkpoint's

@@ -352,7 +352,14 @@ def _zero_step(optim: torch.optim.Optimizer, params: list[torch.Tensor]) -> None
             p.grad = zero.to_sparse() if sparse else zero
         for g, lr in lrs:
             g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        optim.step()
+        step = type(optim).step
+        if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
+            # torch's hook wrapper (Optimizer._patch_step_function), skipped: the user's step
+            # hooks (an EMA update, a step counter) and an LR scheduler's step tracking must not
+            # see a step the load takes to make its target.
+            step.__wrapped__(optim)
+        else:
+            optim.step()
     finally:
         for g, lr in lrs:
             g["lr"] = lr
@@ -368,9 +375,12 @@ def target_state_dict(
     Parameters without state get the state of a step with zero gradients
     (:func:`_zero_step`), recorded in :data:`_TARGET_STATE`: in an optimizer without state of
     its own, every parameter that takes gradients (as DCP's target); in any optimizer, those
-    whose state the checkpoint holds (``held``, fqns). An optimizer that had stepped but held
-    no state for one parameter (frozen until now) refused that parameter's saved state as
-    "unexpected", where torch's ``load_state_dict`` takes it.
+    whose state the checkpoint holds (``held``, fqns; the load's selected keys) and that take
+    gradients. An optimizer that had stepped but held no state for one parameter (frozen until
+    now) refused that parameter's saved state as "unexpected", where torch's ``load_state_dict``
+    takes it. A frozen parameter gets none: DCP's ``set_optimizer_state_dict`` skips it, so
+    state read for it was dropped while the load reported it read (its saved state stays
+    "unexpected", as it was).
 
     DCP makes the target of an optimizer without state by a step with zero gradients, but skips
     that step (a target with no state at all) where any parameter holds a gradient: a
@@ -382,7 +392,7 @@ def target_state_dict(
     fresh = target_of_fresh(optim)
     need = [
         p for p in params
-        if not optim.state.get(p) and ((fresh and p.requires_grad) or (held is not None and fqns.get(id(p)) in held))
+        if not optim.state.get(p) and p.requires_grad and (fresh or (held is not None and fqns.get(id(p)) in held))
     ]  # fmt: skip
     if need:
         _zero_step(optim, need)
