@@ -293,6 +293,9 @@ def test_a_publish_killed_half_way_is_replaced_by_the_next(kind, tmp_path, reque
     # The killed publishes' shards were recorded before they were written: all replaced.
     assert folder.files() == set(USER_FILES) | set(summary["files"]) | {INDEX_NAME, RECORD}
     assert _loads_exactly(folder.url, final, folder.opts)
+    # Locally, the killed publish's partial staging directory beside the folder (pub.tmp-...)
+    # is removed by the next publish: it stayed for good (found by a helper, 2026-12-07).
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
@@ -387,3 +390,53 @@ def test_a_shard_the_user_rewrote_at_the_same_size_is_theirs(folder):
     # distckpt's own publish, untouched, is still replaced with overwrite=True.
     folder.publish(_model(2), max_shard_size=SHARD, overwrite=True)
     assert _loads_exactly(folder.url, _model(2), folder.opts)
+
+
+def test_only_staging_directories_of_dead_processes_of_this_host_are_removed(tmp_path):
+    """A publish removes the staging directories a killed publish of this folder left beside it;
+    never those of a live process (a publish in progress), of another host (a pid means nothing
+    there) or of another folder, nor anything else."""
+    import subprocess
+    import sys
+
+    from distckpt.storage import local
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    tag = local._host_tag()
+    names = {
+        f"pub.tmp-{tag}-{dead.stdout.strip()}-0123abcd": False,  # removed
+        f"pub.tmp-{tag}-{os.getppid()}-0123abcd": True,  # live
+        f"pub.tmp-{'0' * 8 if tag != '0' * 8 else '1' * 8}-{dead.stdout.strip()}-0123abcd": True,  # another host
+        f"other.tmp-{tag}-{dead.stdout.strip()}-0123abcd": True,  # another folder
+        "pub.tmp-0123abcd": True,  # an older distckpt's (no owner in the name)
+        f"pub.tmp-{tag}-{dead.stdout.strip()}-notmine!": True,
+    }
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model-00001-of-00003.safetensors").write_bytes(b"x")
+    hf.save_pretrained(_model(0), str(tmp_path / "pub"), max_shard_size=SHARD)
+    assert {n for n in names if (tmp_path / n).exists()} == {n for n, kept in names.items() if kept}
+    assert _loads_exactly(str(tmp_path / "pub"), _model(0))
+
+
+def test_files_appearing_in_a_new_folder_during_the_publish_are_named_and_kept(tmp_path, monkeypatch):
+    """The folder did not exist when the publish began; another process wrote a tokenizer there
+    while the shards were written. The publish said "exists and is not empty (pass
+    overwrite=True)", with overwrite=True given. It names what appeared now, keeps it, and
+    leaves nothing of its own. Found by a helper (2026-12-07)."""
+    out = tmp_path / "hf"
+    real = hf._write_shards
+
+    def and_a_tokenizer(*args, **kwargs):
+        real(*args, **kwargs)
+        out.mkdir(exist_ok=True)
+        (out / "tokenizer.json").write_text("the user's tokenizer")
+
+    monkeypatch.setattr(hf, "_write_shards", and_a_tokenizer)
+    with pytest.raises(FileExistsError, match=r"files appeared there while this publish was written \(tokenizer\.json\).*publish again"):
+        hf.save_pretrained(_model(0), str(out), overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    monkeypatch.undo()
+    hf.save_pretrained(_model(0), str(out))  # the next one publishes beside it
+    assert (out / "tokenizer.json").read_text() == "the user's tokenizer" and _loads_exactly(str(out), _model(0))

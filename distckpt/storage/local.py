@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
+import socket
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -205,9 +207,30 @@ class LocalStorage(Storage, kind="local"):
     # a directory published as a whole: built under a temporary name, renamed into place ------
     def stage_directory(self, *, uncommit: str | None = None) -> str:
         # ``uncommit`` is not needed: the directory in place is untouched until the rename.
-        staged = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+        # The name says which process stages it (this host's, by pid): a publish killed
+        # half-way left its partial directory beside the folder for good; the next one here
+        # removes those of processes of this host that are gone.
+        self._remove_dead_staging()
+        staged = f"{self.path}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.makedirs(staged)
         return staged
+
+    def _remove_dead_staging(self) -> None:
+        """Remove staging directories of this folder left by dead processes of this host."""
+        parent, base = os.path.split(self.path)
+        prefix = f"{base}.tmp-{_host_tag()}-"
+        try:
+            names = [n for n in os.listdir(parent or ".") if n.startswith(prefix)]
+        except OSError:
+            return
+        for name in names:
+            pid, _, tail = name[len(prefix) :].partition("-")
+            if not (pid.isdigit() and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail)):
+                continue
+            path = os.path.join(parent, name)
+            if int(pid) == os.getpid() or _alive(int(pid)) or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
 
     def commit_directory(self, staged: str, *, overwrite: bool, stale: Callable[[str], bool] | None = None) -> None:
         # ``stale`` is not needed: the rename replaces the old directory with all its files.
@@ -281,3 +304,20 @@ class LocalStorage(Storage, kind="local"):
     # A second reader thread of a small load costs more than it saves: its per-tensor Python
     # work contends for the GIL with the first (measured: benchmarks/README.md).
     read_bytes_per_thread = 64 * 1024 * 1024
+
+
+def _host_tag() -> str:
+    """8 hex digits naming this host in staging directory names (a pid means something only
+    on its own host: a shared filesystem's other hosts' directories are never removed)."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: it exists)
+        return True
+    return True

@@ -385,7 +385,16 @@ class Publish:
             for name, data in layout.small_files():
                 target.write_bytes(data, name)
             target.write_bytes(self._record(target), RECORD_NAME)  # (a rename keeps the stamps)
-            storage.commit_directory(self.staged, overwrite=False)
+            try:
+                storage.commit_directory(self.staged, overwrite=False)
+            except FileExistsError:
+                # Empty when the publish began; another process wrote there meanwhile (the
+                # message said "pass overwrite=True", given or not, which would not help).
+                appeared = sorted(storage.list_files()) if storage.root_exists() else []
+                raise FileExistsError(
+                    f"{storage.display()}: files appeared there while this publish was written ({_shown(appeared)}); "
+                    "nothing there was replaced and this publish was discarded: publish again"
+                ) from None
             self.committed = True
             return
         if not self.in_place:
