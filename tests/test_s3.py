@@ -587,3 +587,38 @@ def test_load_pretrained_from_nowhere_says_so(s3_server, s3_bucket, tmp_path, wh
         s3fs.S3FileSystem(**opts).pipe(f"{s3_bucket}/no/such/hf/readme.txt", b"x")
         with pytest.raises(FileNotFoundError, match=r"no model\.safetensors\.index\.json"):
             distckpt.load_pretrained(torch.nn.Linear(2, 2), path, storage_options=opts)
+
+
+@pytest.mark.parametrize("where", ["s3", "local", "relative"])
+def test_load_pretrained_takes_a_safetensors_file(s3_server, s3_bucket, tmp_path, monkeypatch, where):
+    """"Single file or sharded": the path of ``model.safetensors`` itself was a bare
+    ``NotADirectoryError``. A file is read alone (an index beside it is not read); another file
+    is named. Found by a helper (2026-12-07)."""
+    from safetensors.torch import save
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    data = save({k: v.contiguous() for k, v in model.state_dict().items()})
+    other = b"not weights"
+    index = b'{"weight_map": {"weight": "elsewhere.safetensors"}}'  # beside it, not read
+    if where == "s3":
+        import s3fs
+
+        fs, base, opts = s3fs.S3FileSystem(**s3_server.storage_options), f"{s3_bucket}/hf", s3_server.storage_options
+        for name, body in (("model.safetensors", data), ("notes.txt", other), ("model.safetensors.index.json", index)):
+            fs.pipe(f"{base}/{name}", body)
+        path, bad = f"s3://{base}/model.safetensors", f"s3://{base}/notes.txt"
+    else:
+        (tmp_path / "hf").mkdir()
+        for name, body in (("model.safetensors", data), ("notes.txt", other), ("model.safetensors.index.json", index)):
+            (tmp_path / "hf" / name).write_bytes(body)
+        opts = None
+        path, bad = str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "hf" / "notes.txt")
+        if where == "relative":
+            monkeypatch.chdir(tmp_path / "hf")
+            path, bad = "model.safetensors", "notes.txt"
+    fresh = torch.nn.Linear(3, 2)
+    distckpt.load_pretrained(fresh, path, storage_options=opts)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(NotADirectoryError, match=r"notes\.txt is a file, not a \.safetensors file or a folder of them"):
+        distckpt.load_pretrained(torch.nn.Linear(3, 2), bad, storage_options=opts)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -117,6 +118,26 @@ def _map_key(name: str, strip_prefix: str | None, add_prefix: str | None, key_ma
     return f"{add_prefix}{name}" if add_prefix else name
 
 
+def _index(storage: Storage, given: str) -> SafetensorsIndex:
+    """The safetensors files :func:`load_pretrained` reads at ``storage`` (``given``: its path or
+    URL as given): a folder (one file, or shards and their index), or one ``.safetensors`` file
+    named itself (it was a bare ``NotADirectoryError``, though "a single file" invites passing
+    the file).
+
+    Raises:
+        NotADirectoryError: a file that is not a ``.safetensors`` file, naming it.
+    """
+    if not storage.fs.isfile(storage.path):
+        return SafetensorsIndex(storage)
+    if storage.is_local:
+        folder, name = os.path.split(storage.path)
+    else:
+        folder, _, name = given.rstrip("/").rpartition("/")
+    if not name.endswith(".safetensors"):
+        raise NotADirectoryError(f"{storage.display()} is a file, not a .safetensors file or a folder of them")
+    return SafetensorsIndex(Storage(folder, storage.storage_options), only=name)
+
+
 def _config_json(config: object) -> bytes | None:
     """``config.json``'s bytes for :func:`save_pretrained`'s ``config``: a ``transformers``
     config (``to_json_string()``) or a dict of JSON values (a config read with ``json.load``).
@@ -192,11 +213,12 @@ def load_pretrained(
     group = _group(process_group)
     if key_map is not None and (strip_prefix or add_prefix):
         raise ValueError("load_pretrained: key_map replaces strip_prefix and add_prefix (they would be ignored); fold them into key_map")
-    storage = Storage(location(path, "path", storage_options), dict(storage_options or {}))
+    given = location(path, "path", storage_options)
+    storage = Storage(given, dict(storage_options or {}))
     where = storage.display()
 
     def plan() -> tuple[tuple[dict[str, torch.Tensor], dict[str, str], SafetensorsIndex, dict[str, str]], _PlanView]:
-        index = SafetensorsIndex(storage)
+        index = _index(storage, given)
         # FSDP2 parameters left unsharded (after a no_grad forward) would keep serving the old
         # values to the next forward: reshard first (local), as Checkpointer.load does.
         ModuleEntry("model", module).settle()

@@ -246,6 +246,7 @@ class SafetensorsIndex:
 
     Args:
         storage: a :class:`~distckpt.storage.base.Storage` whose root is the directory.
+        only: read this one file of the directory (named by the caller), not its index.
 
     Raises:
         IntegrityError: a malformed header or index, several files without an index, or a
@@ -255,10 +256,13 @@ class SafetensorsIndex:
         FileNotFoundError: no safetensors files.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, only: str | None = None) -> None:
         self.storage = storage
         files = storage.list_files()
-        if INDEX_NAME in files:
+        if only is not None:  # one file, named by the caller (an index beside it is not read)
+            weight_map = None
+            names = [only]
+        elif INDEX_NAME in files:
             where = storage.display(INDEX_NAME)
             if files[INDEX_NAME] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
