@@ -212,3 +212,45 @@ def test_a_frozen_parameters_saved_state_is_reported_not_dropped_and_no_hook_see
             assert not other_optim.state.get(frozen), stepped
             assert other_optim.state.get(other[2].weight), "the others take their saved state"
     assert fired == [], fired
+
+
+def test_no_step_hook_sees_the_target_step_of_a_subclass_calling_super_step(tmp_path):
+    """Review (2026-12-07): skipping only the class's own hook wrapper left the hooks to the
+    ``super().step()`` of a subclass (once any plain Adam exists, Adam's step is wrapped too),
+    and global hooks ran as well."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    class MyAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.Adam(_net(0).parameters())  # (hooks Adam.step)
+    model = _net(0)
+    optim = MyAdam(model.parameters(), lr=0.05)
+    _train(model, optim, 2)
+    fired: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda *a: fired.append("global pre")),
+        register_optimizer_step_post_hook(lambda *a: fired.append("global post")),
+    ]
+    try:
+        with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+            ckpt.save(2, {"model": model, "optim": optim})
+            for stepped in (False, True):
+                other, other_optim = _net(5), None
+                other_optim = MyAdam(other.parameters(), lr=0.05)
+                if stepped:  # and holds no state for one parameter
+                    other[2].bias.requires_grad_(False)
+                    _train(other, other_optim, 1)
+                    other[2].bias.requires_grad_(True)
+                other_optim.register_step_pre_hook(lambda *a: fired.append("pre"))
+                other_optim.register_step_post_hook(lambda *a: fired.append("post"))
+                fired.clear()
+                ckpt.load({"model": other, "optim": other_optim})
+                assert fired == [], (stepped, fired)
+                assert _same(_moments(other_optim), _moments(optim))
+        _train(other, other_optim, 1)  # the hooks are back, in place (torch runs them per wrapper)
+        assert fired[:2] == ["global pre", "pre"] and fired[-2:] == ["post", "global post"], fired
+    finally:
+        for h in handles:
+            h.remove()

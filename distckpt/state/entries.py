@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import optimizer as _torch_optimizer
 
 from distckpt._shown import shown
 from distckpt.errors import StateMismatchError
@@ -335,6 +336,29 @@ def optimizer_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optim.param_groups for p in g["params"]]
 
 
+@contextmanager
+def _step_hooks_off(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """Set aside ``optim``'s step hooks and the global ones (torch keeps them in ordered dicts),
+    restored in their order after."""
+    held: list[tuple[dict, dict]] = []
+    for owner, attr in (
+        (optim, "_optimizer_step_pre_hooks"),
+        (optim, "_optimizer_step_post_hooks"),
+        (_torch_optimizer, "_global_optimizer_pre_hooks"),
+        (_torch_optimizer, "_global_optimizer_post_hooks"),
+    ):
+        hooks = getattr(owner, attr, None)
+        if isinstance(hooks, dict) and hooks:
+            held.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.clear()
+            hooks.update(items)
+
+
 def _zero_step(optim: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Give ``params`` (of ``optim``) state by a step with zero gradients and learning rate 0,
     as DCP makes the load target of an optimizer without state; the optimizer's other
@@ -352,14 +376,11 @@ def _zero_step(optim: torch.optim.Optimizer, params: list[torch.Tensor]) -> None
             p.grad = zero.to_sparse() if sparse else zero
         for g, lr in lrs:
             g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        step = type(optim).step
-        if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
-            # torch's hook wrapper (Optimizer._patch_step_function), skipped: the user's step
-            # hooks (an EMA update, a step counter) and an LR scheduler's step tracking must not
-            # see a step the load takes to make its target.
-            step.__wrapped__(optim)
-        else:
-            optim.step()
+        # The user's step hooks (an EMA update, a step counter) must not see a step the load
+        # takes to make its target: set aside while it runs (also where a subclass's step
+        # reaches a hooked super().step()); the class's step, not an LR scheduler's wrapper of it.
+        with _step_hooks_off(optim):
+            type(optim).step(optim)
     finally:
         for g, lr in lrs:
             g["lr"] = lr
