@@ -530,15 +530,17 @@ def test_the_repr_names_the_replica_and_its_retention(tmp_path):
         assert "replicate" not in repr(ckpt)
 
 
-def test_a_failed_upload_the_replica_drops_anyway_is_no_failure_once_superseded(tmp_path, monkeypatch):
+@pytest.mark.parametrize("root_keep", [2, None])
+def test_a_failed_upload_the_replica_drops_anyway_is_no_failure_once_superseded(tmp_path, monkeypatch, root_keep):
     """The store down for steps 1 and 2 only, then back: the replica (keep_last=2, as the root)
     ends with steps 3 and 4, all it keeps; but 1 and 2 stayed in ``replica.failed`` for good, and
     every ``replica.wait()`` raised for them (the advice: call it before exiting). Superseded,
-    they count as skipped. Found by a helper (2026-12-07)."""
+    they count as skipped. Found by a helper (2026-12-07); the root keeping every step
+    (``keep_last=None``: no retention) too, found by the review."""
     _failing_uploads(monkeypatch, 1, times=None)
     _failing_uploads(monkeypatch, 2, times=None)
     remote = tmp_path / "remote"
-    with distckpt.Checkpointer(tmp_path / "root", keep_last=2, replicate_to=str(remote)) as ckpt:
+    with distckpt.Checkpointer(tmp_path / "root", keep_last=root_keep, replicate_to=str(remote), replicate_keep_last=2) as ckpt:
         with pytest.warns(UserWarning, match="step 2 was committed locally"):
             for step in (1, 2):
                 ckpt.save(step, _state(0, step))

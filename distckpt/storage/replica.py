@@ -334,12 +334,7 @@ class Replicator:
             return False  # uploaded
         if self._dropped_anyway(step):
             if failures:
-                # Superseded: the replica's keep_last drops it anyway, so its failure is moot
-                # (wait() raised it for good, though the replica holds what it keeps).
-                self._forget_failure(step)
-                with self._lock:
-                    self._failures.pop(step, None)
-                self._record(self.skipped, step)
+                self._superseded_failure(step)
             return False
         if failures:
             # Retried in the background (nothing asked of the remote here: a store that hangs
@@ -402,6 +397,11 @@ class Replicator:
             return
         self._forget_failure(step)  # (a retry that succeeded: no longer failed)
         self._record(self.uploaded, step)
+        with self._lock:
+            older = sorted(s for s, _ in self.failed if s < step)
+        for s in older:  # (also where the root keeps every step: no retention asks holds())
+            if self._dropped_anyway(s):
+                self._superseded_failure(s)
         log.info(
             "replicated step %d to %s: %.1f MB in %.2fs",
             step,
@@ -413,6 +413,16 @@ class Replicator:
             self._apply_retention(step)
         except Exception as exc:  # noqa: BLE001
             _warn(f"distckpt: retention on {self.remote.display()} failed: {exc}")
+
+    def _superseded_failure(self, step: int) -> None:
+        """A failed ``step`` that the replica's ``keep_last`` drops anyway (newer steps are
+        committed): its failure is moot, so it counts as skipped (``wait()`` raised it for good,
+        though the replica holds what it keeps)."""
+        self._forget_failure(step)
+        with self._lock:
+            self._failures.pop(step, None)
+            if step not in self.skipped:
+                self.skipped.append(step)
 
     def _forget_failure(self, step: int) -> None:
         with self._lock:
