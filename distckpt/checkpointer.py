@@ -229,7 +229,8 @@ class Checkpointer:
             ValueError: another ``tier``, or ``"replica"`` without ``replicate_to``, or
                 ``"local"`` without ``local_dir``.
             FileNotFoundError: the root's (or replica's) bucket does not exist or is not
-                accessible, naming it (with ``tier="all"`` and a local tier: that tier's steps).
+                accessible, naming it (with ``tier="all"`` and a local tier holding steps: those
+                steps, as ``latest_step()``).
         """
         if tier not in ("root", "replica", "local", "all"):
             raise ValueError(f'steps(tier=...) takes "root", "replica", "local" or "all", got {tier!r}')
@@ -249,9 +250,11 @@ class Checkpointer:
                     # A misspelled bucket is no empty root: name it (as latest_step and load do).
                     storage.check_bucket()
                 found.update(listed)
-            except OSError:
+            except OSError as exc:
                 if tier != "all" or self.local is None:
                     raise
+                if not local and isinstance(exc, (FileNotFoundError, PermissionError)):
+                    raise  # (a misspelled bucket or refused credentials, nothing local: as latest_step)
                 # Unreachable (a stopped object store): a load reads the local tier's steps.
         return sorted(found)
 

@@ -205,12 +205,12 @@ def _misconfigured_body(rank: int, world: int, endpoint: str, cases: dict) -> di
             if rank == 0:
                 _set_moto_auth(endpoint, True)
             torch.distributed.barrier()
-        for op in ("save", "load", "latest_step", "latest_step with a local tier", "steps"):
+        for op in ("save", "load", "latest_step", "latest_step with a local tier", "steps", "steps all with a local tier"):
             tier = {"local_dir": f"{os.environ.get('DISTCKPT_TEST_TMP', '/tmp')}/tier-{uuid.uuid4().hex[:8]}"} if "tier" in op else {}
             ckpt = distckpt.Checkpointer(root, storage_options=opts, timeout=30, **tier)
             try:
-                if op == "steps":  # listed as an empty root before (2026-12-07)
-                    out[(name, op)] = ckpt.steps()
+                if op.startswith("steps"):  # listed as an empty root before (2026-12-07)
+                    out[(name, op)] = ckpt.steps(tier="all" if "tier" in op else "root")
                     ckpt.close()
                     continue
                 if op == "save":
