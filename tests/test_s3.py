@@ -589,7 +589,7 @@ def test_load_pretrained_from_nowhere_says_so(s3_server, s3_bucket, tmp_path, wh
             distckpt.load_pretrained(torch.nn.Linear(2, 2), path, storage_options=opts)
 
 
-@pytest.mark.parametrize("where", ["s3", "local", "relative"])
+@pytest.mark.parametrize("where", ["s3", "local", "relative", "memory root"])
 def test_load_pretrained_takes_a_safetensors_file(s3_server, s3_bucket, tmp_path, monkeypatch, where):
     """"Single file or sharded": the path of ``model.safetensors`` itself was a bare
     ``NotADirectoryError``. A file is read alone (an index beside it is not read); another file
@@ -608,6 +608,13 @@ def test_load_pretrained_takes_a_safetensors_file(s3_server, s3_bucket, tmp_path
         for name, body in (("model.safetensors", data), ("notes.txt", other), ("model.safetensors.index.json", index)):
             fs.pipe(f"{base}/{name}", body)
         path, bad = f"s3://{base}/model.safetensors", f"s3://{base}/notes.txt"
+    elif where == "memory root":  # a file at the store's root (was read as a local folder "memory:/")
+        import fsspec
+
+        fs, opts = fsspec.filesystem("memory"), None
+        fs.pipe_file("/model.safetensors", data)
+        fs.pipe_file("/notes.txt", other)
+        path, bad = "memory://model.safetensors", "memory://notes.txt"
     else:
         (tmp_path / "hf").mkdir()
         for name, body in (("model.safetensors", data), ("notes.txt", other), ("model.safetensors.index.json", index)):
@@ -622,3 +629,5 @@ def test_load_pretrained_takes_a_safetensors_file(s3_server, s3_bucket, tmp_path
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     with pytest.raises(NotADirectoryError, match=r"notes\.txt is a file, not a \.safetensors file or a folder of them"):
         distckpt.load_pretrained(torch.nn.Linear(3, 2), bad, storage_options=opts)
+    if where == "memory root":
+        fs.rm(["/model.safetensors", "/notes.txt"])

@@ -366,7 +366,15 @@ def test_config_takes_a_dict_and_names_anything_else(tmp_path):
     out = tmp_path / "hf"
     hf.save_pretrained(_model(0), str(out), config={"model_type": "llama", "hidden_size": 8})
     assert json.loads((out / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 8}
-    for bad, match in (("llama", "takes a transformers config .* got str"), ({"x": float("nan")}, "JSON values only")):
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"x": deep}
+    for bad, match in (
+        ("llama", "takes a transformers config .* got str"),
+        ({"x": float("nan")}, "JSON values only"),
+        ({0: "NEG", "x": "POS"}, "keys of one type"),  # (review: a bare "'<' not supported")
+        (deep, "nested too deeply"),  # (review: a bare RecursionError)
+    ):
         with pytest.raises(TypeError, match=match):
             hf.save_pretrained(_model(0), str(tmp_path / "other"), config=bad)
         assert not (tmp_path / "other").exists()
@@ -410,6 +418,7 @@ def test_only_staging_directories_of_dead_processes_of_this_host_are_removed(tmp
         f"other.tmp-{tag}-{dead.stdout.strip()}-0123abcd": True,  # another folder
         "pub.tmp-0123abcd": True,  # an older distckpt's (no owner in the name)
         f"pub.tmp-{tag}-{dead.stdout.strip()}-notmine!": True,
+        f"pub.tmp-{tag}-{'9' * 20}-0123abcd": True,  # no such pid (it crashed every publish: review)
     }
     for name in names:
         (tmp_path / name).mkdir()
@@ -428,15 +437,52 @@ def test_files_appearing_in_a_new_folder_during_the_publish_are_named_and_kept(t
     real = hf._write_shards
 
     def and_a_tokenizer(*args, **kwargs):
-        real(*args, **kwargs)
+        digests = real(*args, **kwargs)
         out.mkdir(exist_ok=True)
         (out / "tokenizer.json").write_text("the user's tokenizer")
+        return digests
 
     monkeypatch.setattr(hf, "_write_shards", and_a_tokenizer)
     with pytest.raises(FileExistsError, match=r"files appeared there while this publish was written \(tokenizer\.json\).*publish again"):
         hf.save_pretrained(_model(0), str(out), overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    # A folder alone is named too (the message listed nothing: review).
+    other = tmp_path / "hf2"
+
+    def and_a_folder(*args, **kwargs):
+        digests = real(*args, **kwargs)
+        (other / "tokenizer").mkdir(parents=True)
+        return digests
+
+    monkeypatch.setattr(hf, "_write_shards", and_a_folder)
+    with pytest.raises(FileExistsError, match=r"written \(tokenizer/\)"):
+        hf.save_pretrained(_model(0), str(other), overwrite=True)
+    assert [p.name for p in other.iterdir()] == ["tokenizer"]
     monkeypatch.undo()
     hf.save_pretrained(_model(0), str(out))  # the next one publishes beside it
     assert (out / "tokenizer.json").read_text() == "the user's tokenizer" and _loads_exactly(str(out), _model(0))
+
+
+def test_distckpts_publish_copied_or_touched_is_still_distckpts(folder):
+    """Review (2026-12-07): with version stamps alone, distckpt's own publish copied to another
+    folder (cp -a, rsync, a server-side copy; an S3 copy changes a multipart ETag), moved to
+    another filesystem or touched counted as the user's, and ``overwrite=True`` refused it. A
+    shard whose stamp changed is read and compared with the CRC-32C the record holds."""
+    folder.publish(_model(0), max_shard_size=SHARD)
+    src = folder.base
+    dst = f"{src}-copy"
+    folder.fs.invalidate_cache()
+    if folder.kind == "local":
+        os.makedirs(dst)
+    for name in sorted(folder.files()):
+        folder.fs.copy(f"{src}/{name}", f"{dst}/{name}")
+    if folder.kind == "local":
+        for name in os.listdir(src):
+            os.utime(f"{src}/{name}")  # touched, same bytes
+    folder.base, folder.url = dst, folder.url.replace(src, dst)
+    folder.publish(_model(1), max_shard_size=SHARD, overwrite=True)  # the copy: refused before
+    assert _loads_exactly(folder.url, _model(1), folder.opts)
+    folder.base, folder.url = src, folder.url.replace(dst, src)
+    folder.publish(_model(2), max_shard_size=SHARD, overwrite=True)  # touched: refused before
+    assert _loads_exactly(folder.url, _model(2), folder.opts)

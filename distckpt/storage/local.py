@@ -225,7 +225,7 @@ class LocalStorage(Storage, kind="local"):
             return
         for name in names:
             pid, _, tail = name[len(prefix) :].partition("-")
-            if not (pid.isdigit() and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail)):
+            if not (pid.isdigit() and len(pid) <= 9 and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail)):
                 continue
             path = os.path.join(parent, name)
             if int(pid) == os.getpid() or _alive(int(pid)) or os.path.islink(path) or not os.path.isdir(path):
@@ -307,9 +307,14 @@ class LocalStorage(Storage, kind="local"):
 
 
 def _host_tag() -> str:
-    """8 hex digits naming this host in staging directory names (a pid means something only
-    on its own host: a shared filesystem's other hosts' directories are never removed)."""
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """8 hex digits naming this host and PID namespace in staging directory names (a pid means
+    something only there: a shared filesystem's other hosts' directories, and those of
+    containers sharing the host's name but not its pids, are never removed)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # (no /proc: the hostname alone)
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}\0{namespace}".encode()).hexdigest()[:8]
 
 
 def _alive(pid: int) -> bool:
@@ -318,6 +323,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # (EPERM: it exists)
+    except (OSError, OverflowError, ValueError):  # (EPERM: it exists; a pid no kernel has)
         return True
     return True

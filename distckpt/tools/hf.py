@@ -52,6 +52,7 @@ from distckpt.options import location
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
 from distckpt.tools.hf_publish import (
+    DigestingFile,
     Layout,
     PlannedTensor,
     Publish,
@@ -133,6 +134,8 @@ def _index(storage: Storage, given: str) -> SafetensorsIndex:
         folder, name = os.path.split(storage.path)
     else:
         folder, _, name = given.rstrip("/").rpartition("/")
+        if folder.endswith(":/"):  # a file at the store's root: memory://model.safetensors
+            folder += "/"
     if not name.endswith(".safetensors"):
         raise NotADirectoryError(f"{storage.display()} is a file, not a .safetensors file or a folder of them")
     return SafetensorsIndex(Storage(folder, storage.storage_options), only=name)
@@ -151,8 +154,11 @@ def _config_json(config: object) -> bytes | None:
     if isinstance(config, dict):
         try:
             return (json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"save_pretrained(config=...): a dict config must hold JSON values only: {exc}") from None
+        except (TypeError, ValueError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise TypeError(
+                f"save_pretrained(config=...): a dict config must hold JSON values only, under keys of one type (str): {why}"
+            ) from None
     to_json = getattr(config, "to_json_string", None)
     if not callable(to_json):
         raise TypeError(
@@ -484,8 +490,8 @@ def save_pretrained(
     publish = on_coordinator(group, f"save_pretrained to {where}", lambda: Publish.begin(storage, layout, overwrite, patterns, out))
     target = publish.target(storage)
     try:
-        _write_shards(group, where, target, layout, owner, tensors)
-        on_coordinator(group, f"commit of {where}", lambda: publish.commit(storage, layout))
+        digests = _write_shards(group, where, target, layout, owner, tensors)
+        on_coordinator(group, f"commit of {where}", lambda: publish.commit(storage, layout, digests))
     except BaseException:
         if group.is_coordinator:
             publish.abandon(storage)
@@ -495,20 +501,22 @@ def save_pretrained(
 
 def _write_shards(
     group: Group, where: str, target: Storage, layout: Layout, owner: dict[int, int], tensors: dict[str, torch.Tensor]
-) -> None:
-    """(all ranks) Write each rank's shard files into ``target`` (durably: synced before closed)."""
+) -> dict[str, str]:
+    """(all ranks) Write each rank's shard files into ``target`` (durably: synced before closed).
+    Returns every shard's CRC-32C (name -> hex), on every rank."""
     # Every rank walks the same tensors in the same order, since gathering a DTensor is
     # collective. An I/O error on an owner must not leave the others inside a gather: it is
     # recorded, the rank stops writing but keeps gathering, and errors are exchanged at the end.
     error: BaseException | None = None
+    digests: dict[str, str] = {}
     for i, entries in enumerate(layout.files):
         mine = owner[i] == group.rank and error is None
         cm: AbstractContextManager[IO[bytes]] | None = None
-        f: IO[bytes] | None = None
+        f: DigestingFile | None = None
         if mine:
             try:
                 cm = target.open(layout.names[i], "wb")
-                f = cm.__enter__()
+                f = DigestingFile(cm.__enter__())
                 f.write(layout.headers[i])
             except Exception as exc:  # noqa: BLE001 - see above
                 error, mine = exc, False
@@ -526,9 +534,12 @@ def _write_shards(
         if cm is not None:
             try:
                 if mine:
-                    target.sync_file(f)  # a publish killed after its commit must not lose shard bytes
+                    target.sync_file(f.file)  # a publish killed after its commit must not lose shard bytes
+                    digests[layout.names[i]] = f.hexdigest()
                 cm.__exit__(None, None, None)
             except Exception as exc:  # noqa: BLE001 - see above
                 error = error or exc
     outcome = capture(error) if error is not None else None
-    raise_if_any(group.all_gather(outcome), f"save_pretrained to {where}")
+    gathered = group.all_gather((outcome, digests))
+    raise_if_any([o for o, _ in gathered], f"save_pretrained to {where}")
+    return {name: digest for _, d in gathered for name, digest in d.items()}

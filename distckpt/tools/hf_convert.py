@@ -25,6 +25,7 @@ from distckpt.integrity.stepfiles import StepFiles
 from distckpt.storage.base import Storage
 from distckpt.tools.convert import open_source, write_tensor
 from distckpt.tools.hf_publish import (
+    DigestingFile,
     Layout,
     PlannedTensor,
     Publish,
@@ -156,9 +157,11 @@ def export_hf(
     publish = Publish.begin(storage, layout, overwrite=overwrite, patterns=patterns, out=out)
     target = publish.target(storage)
     done = 0
+    digests: dict[str, str] = {}
     try:
         for i, entries in enumerate(layout.files):
-            with target.open(layout.names[i], "wb") as f:
+            with target.open(layout.names[i], "wb") as opened:
+                f = DigestingFile(opened)
                 f.write(layout.headers[i])
                 for t in entries:
                     write_tensor(f, source, by_name[t.key], t.dtype, t.nbytes)
@@ -169,8 +172,9 @@ def export_hf(
                     # Every data file read is checked whole before the last shard closes (an
                     # object store publishes a file when it closes).
                     source.finish()
-                target.sync_file(f)
-        publish.commit(storage, layout)
+                target.sync_file(opened)
+                digests[layout.names[i]] = f.hexdigest()
+        publish.commit(storage, layout, digests)
     except BaseException:
         publish.abandon(storage)  # nothing unverified or partial stays behind
         raise

@@ -26,12 +26,14 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from typing import IO
 from dataclasses import dataclass, field
 
 import torch
 
 from distckpt._version import __version__
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
+from distckpt.integrity.checksums import new_hasher
 from distckpt.state.shape import numel
 from distckpt.storage.base import Storage
 from distckpt.tools.outputs import check_output
@@ -197,13 +199,16 @@ def replace_patterns(replace: str | Iterable[str] | None) -> list[str]:
 class OwnedFile:
     """One file a publish wrote: its name in the folder, its size and, for the small JSON files
     (index, config), the sha256 of its content; for shards, once committed, the stamp of the
-    version written (:meth:`~distckpt.storage.base.Storage.file_stamp`): a shard the user
-    rewrote at the same size (the same model's weights) is theirs."""
+    version written (:meth:`~distckpt.storage.base.Storage.file_stamp`) and the CRC-32C of its
+    bytes: a shard the user rewrote at the same size (the same model's weights) is theirs. The
+    stamp spares reading it; a shard whose stamp changed (a copy of the folder, a move to
+    another filesystem, ``touch``) is still distckpt's if its bytes are."""
 
     name: str
     size: int
     sha256: str | None = None
     stamp: str | None = None
+    crc32c: str | None = None
 
 
 @dataclass
@@ -224,7 +229,7 @@ class PublishRecord:
 
     def to_bytes(self) -> bytes:
         files = [
-            {"name": f.name, "size": f.size, **({"sha256": f.sha256} if f.sha256 else {}), **({"stamp": f.stamp} if f.stamp else {})}
+            {"name": f.name, "size": f.size, **{k: v for k in ("sha256", "stamp", "crc32c") if (v := getattr(f, k))}}
             for f in self.files
         ]
         body = {"format": _RECORD_FORMAT, "version": 1, "complete": self.complete, "written_by": f"distckpt {__version__}", "files": files}
@@ -246,16 +251,20 @@ class PublishRecord:
             raise IntegrityError(f"{where}: 'files' must be a list and 'complete' a bool; {fix}")
         files = []
         for e in entries:
-            name, size, digest, stamp = (e.get("name"), e.get("size"), e.get("sha256"), e.get("stamp")) if isinstance(e, dict) else (None,) * 4
+            name, size, digest, stamp, crc = (
+                (e.get("name"), e.get("size"), e.get("sha256"), e.get("stamp"), e.get("crc32c")) if isinstance(e, dict) else (None,) * 5
+            )
             if not isinstance(name, str) or type(size) is not int or size < 0 or not (
                 digest is None or (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest))
-            ) or not (stamp is None or (isinstance(stamp, str) and 0 < len(stamp) <= 200)):
-                raise IntegrityError(f"{where}: entry {e!r:.100} is not a name, a size and an optional sha256 and stamp; {fix}")
+            ) or not (stamp is None or (isinstance(stamp, str) and 0 < len(stamp) <= 200)) or not (
+                crc is None or (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc))
+            ):
+                raise IntegrityError(f"{where}: entry {e!r:.100} is not a name, a size and an optional sha256, stamp and crc32c; {fix}")
             if not name or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
                 raise UnsafeCheckpointError(f"{where}: names {name!r:.100}, which is not a file inside the folder; {fix}")
             if not _writable_name(name):
                 raise IntegrityError(f"{where}: claims {name!r:.100}, which distckpt never writes; {fix}")
-            files.append(OwnedFile(name, size, digest, stamp))
+            files.append(OwnedFile(name, size, digest, stamp, crc))
         return cls(files, complete)
 
 
@@ -303,6 +312,7 @@ class Publish:
     stale: list[str]
     uncommit: bool
     committed: bool = False
+    digests: dict[str, str] = field(default_factory=dict)  # shard name -> CRC-32C (set by commit)
 
     @classmethod
     def begin(cls, storage: Storage, layout: Layout, overwrite: bool, patterns: list[str], out: str) -> Publish:
@@ -378,8 +388,10 @@ class Publish:
         if self.uncommit:
             storage.remove(INDEX_NAME)
 
-    def commit(self, storage: Storage, layout: Layout) -> None:
-        """(coordinator) Make the written shards the folder's checkpoint (see the class doc)."""
+    def commit(self, storage: Storage, layout: Layout, digests: Mapping[str, str] | None = None) -> None:
+        """(coordinator) Make the written shards the folder's checkpoint (see the class doc).
+        ``digests``: shard name -> CRC-32C of the bytes written (:class:`DigestingFile`)."""
+        self.digests = dict(digests or {})
         if self.fresh and not self.in_place:
             target = Storage(self.staged)
             for name, data in layout.small_files():
@@ -390,7 +402,8 @@ class Publish:
             except FileExistsError:
                 # Empty when the publish began; another process wrote there meanwhile (the
                 # message said "pass overwrite=True", given or not, which would not help).
-                appeared = sorted(storage.list_files()) if storage.root_exists() else []
+                files, folders = storage.list_entries() if storage.root_exists() else ({}, [])
+                appeared = sorted([*files, *(f"{d}/" for d in folders)])
                 raise FileExistsError(
                     f"{storage.display()}: files appeared there while this publish was written ({_shown(appeared)}); "
                     "nothing there was replaced and this publish was discarded: publish again"
@@ -419,7 +432,11 @@ class Publish:
         """The complete record of this publish, each shard stamped as it is in ``where``."""
         shards = set(self.shards)
         return PublishRecord(
-            [dataclasses.replace(f, stamp=where.file_stamp(f.name)) if f.name in shards else f for f in self.writes], complete=True
+            [
+                dataclasses.replace(f, stamp=where.file_stamp(f.name), crc32c=self.digests.get(f.name)) if f.name in shards else f
+                for f in self.writes
+            ],
+            complete=True,
         ).to_bytes()
 
     def abandon(self, storage: Storage) -> None:
@@ -456,13 +473,41 @@ def _still_owned(storage: Storage, record: PublishRecord | None, files: Mapping[
         if not cut_short and files[name] != entry.size:
             continue
         if entry.stamp is not None and storage.file_stamp(name) not in (None, entry.stamp):
-            continue  # written again since (the same size: the same model's weights)
+            # Another version (the same size: the same model's weights?), or the same bytes
+            # copied or moved: read to tell (only then).
+            if entry.crc32c is None or _crc32c_of(storage, name) != entry.crc32c:
+                continue
         if entry.sha256 is not None and (
             entry.size > _MAX_RECORD or hashlib.sha256(storage.read_bytes(name)).hexdigest() != entry.sha256
         ):
             continue
         owned[name] = entry
     return owned
+
+
+def _crc32c_of(storage: Storage, name: str) -> str:
+    """The CRC-32C of file ``name`` of ``storage``, read in pieces."""
+    hasher = new_hasher("crc32c")
+    with storage.open(name, "rb") as f:
+        while piece := f.read(16 << 20):
+            hasher.update(piece)
+    return hasher.hexdigest()
+
+
+class DigestingFile:
+    """A shard file being written whose bytes are checksummed (CRC-32C) on the way, for the
+    publish record (:attr:`OwnedFile.crc32c`). ``file``: the open file (synced through it)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self._hasher = new_hasher("crc32c")
+
+    def write(self, data: bytes | bytearray | memoryview) -> int | None:
+        self._hasher.update(data)
+        return self.file.write(data)
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
 
 
 def _shown(names: list[str]) -> str:
