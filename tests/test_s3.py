@@ -631,3 +631,45 @@ def test_load_pretrained_takes_a_safetensors_file(s3_server, s3_bucket, tmp_path
         distckpt.load_pretrained(torch.nn.Linear(3, 2), bad, storage_options=opts)
     if where == "memory root":
         fs.rm(["/model.safetensors", "/notes.txt"])
+
+
+def test_load_pretrained_reads_a_hugging_face_cache_snapshot(tmp_path):
+    """``snapshot_download``/``hf_hub_download`` return a snapshot folder of the hub cache whose
+    files are symbolic links into the repository's ``blobs``: every load of it was refused
+    (``UnsafeCheckpointError``: reads never follow links). Those links are followed, to a
+    regular file in ``blobs`` only; any other link is still refused. Found by a helper
+    (2026-12-07)."""
+    import json as _json
+
+    from safetensors.torch import save
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    shards = {"model-00001-of-00002.safetensors": ["0.weight", "0.bias"], "model-00002-of-00002.safetensors": ["1.weight", "1.bias"]}
+    files = {n: save({k: sd[k] for k in keys}) for n, keys in shards.items()}
+    files["model.safetensors.index.json"] = _json.dumps({"weight_map": {k: n for n, keys in shards.items() for k in keys}}).encode()
+    for i, (name, body) in enumerate(files.items()):
+        (repo / "blobs" / f"blob{i}").write_bytes(body)
+        os.symlink(f"../../blobs/blob{i}", snap / name)
+    for path in (snap, snap / "model-00001-of-00002.safetensors"):
+        fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        report = distckpt.load_pretrained(fresh, str(path), strict=path == snap)
+        got = fresh.state_dict()
+        assert all(torch.equal(got[k], sd[k]) for k in (sd if path == snap else ["0.weight", "0.bias"])), path
+        assert path == snap or sorted(report.missing) == ["1.bias", "1.weight"], report
+    # A link anywhere else is refused as before: out of the blobs, or in a folder that is no snapshot.
+    (tmp_path / "secret.safetensors").write_bytes(files["model-00001-of-00002.safetensors"])
+    (snap / "model-00001-of-00002.safetensors").unlink()
+    os.symlink(tmp_path / "secret.safetensors", snap / "model-00001-of-00002.safetensors")
+    with pytest.raises(distckpt.UnsafeCheckpointError):
+        distckpt.load_pretrained(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), str(snap))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    os.symlink(repo / "blobs" / "blob0", plain / "model.safetensors")
+    with pytest.raises(distckpt.UnsafeCheckpointError):
+        distckpt.load_pretrained(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), str(plain), strict=False)

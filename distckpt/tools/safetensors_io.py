@@ -20,8 +20,9 @@ import io
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
 
@@ -43,7 +44,7 @@ from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity.manifest import json_object
 from distckpt.integrity.stepfiles import _readinto
 from distckpt.state.shape import numel
-from distckpt.storage.base import Storage
+from distckpt.storage.base import NotARegularFile, Storage, open_regular_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -239,6 +240,27 @@ def _local_identity(f: IO[bytes]) -> tuple[int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
+def hf_cache_blob(storage: Storage, name: str) -> str | None:
+    """The blob file ``name`` of ``storage`` links to, where ``storage`` is (a folder in) a
+    snapshot of a Hugging Face hub cache (``<repo>/snapshots/<revision>/...``, whose files are
+    symbolic links into ``<repo>/blobs/``: what ``snapshot_download`` and ``hf_hub_download``
+    return); else None. Reads never follow other links (a link out of the folder is refused)."""
+    if not storage.is_local:
+        return None
+    path = os.path.join(storage.path, name)
+    if not os.path.islink(path):
+        return None
+    folder = os.path.abspath(storage.path)
+    while os.path.basename(os.path.dirname(folder)) != "snapshots":
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+    blobs = os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(folder)), "blobs"))
+    target = os.path.realpath(path)
+    return target if os.path.dirname(target) == blobs else None
+
+
 class SafetensorsIndex:
     """The tensors of a Hugging Face checkpoint directory (single file or sharded with an index).
 
@@ -266,7 +288,9 @@ class SafetensorsIndex:
             where = storage.display(INDEX_NAME)
             if files[INDEX_NAME] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
-            weight_map = json_object(storage.read_bytes(INDEX_NAME), where, IntegrityError).get("weight_map")
+            with self.open(INDEX_NAME) as f:
+                raw = f.read()
+            weight_map = json_object(raw, where, IntegrityError).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
@@ -304,7 +328,7 @@ class SafetensorsIndex:
             if name not in files:
                 raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which does not exist")
             where = storage.display(name)
-            with storage.open(name, "rb") as f:
+            with self.open(name) as f:
                 head = hashlib.sha256()
 
                 def read_header(n: int, f: IO[bytes] = f, head: hashlib._Hash = head) -> bytes:
@@ -324,6 +348,23 @@ class SafetensorsIndex:
             lost = sorted(set(weight_map) - set(self.spans))
             if lost:
                 raise IntegrityError(f"{storage.display(INDEX_NAME)}: tensors missing from their files: {lost[:10]}")
+
+    @contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """Open file ``name`` of the folder for reading: as the storage opens files (never
+        through a link), except the links of a Hugging Face cache snapshot into its blobs
+        (:func:`hf_cache_blob`), opened at their target (itself no link, a regular file)."""
+        blob = hf_cache_blob(self.storage, name)
+        if blob is None:
+            with self.storage.open(name, "rb") as f:
+                yield f
+            return
+        try:
+            fd, _ = open_regular_file(blob)
+        except NotARegularFile as exc:
+            raise UnsafeCheckpointError(str(exc)) from None
+        with os.fdopen(fd, "rb") as f:
+            yield f
 
     def metadata(self) -> Metadata:
         """DCP metadata: one chunk per tensor (each is stored whole)."""
@@ -418,7 +459,7 @@ class SafetensorsReader(StorageReader):
         """Serve ``items`` from file ``name``; returns the bytes read."""
         where = self.index.storage.display(name)
         nbytes = 0
-        with self.index.storage.open(name, "rb") as f:
+        with self.index.open(name) as f:
             self.index.files[name].check(f, where)
             for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].start):
                 span: TensorSpan = self.storage_data[item.storage_index]
