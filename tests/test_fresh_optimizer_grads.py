@@ -254,3 +254,16 @@ def test_no_step_hook_sees_the_target_step_of_a_subclass_calling_super_step(tmp_
     finally:
         for h in handles:
             h.remove()
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_named(tmp_path):
+    """Review (2026-12-07): an Adam checkpoint loaded into a fresh LBFGS failed with torch's bare
+    "step() missing 1 required positional argument: 'closure'"."""
+    model = _net(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, optim, 1)
+    with distckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        other = _net(5)
+        with pytest.raises(TypeError, match="cannot load optimizer state into LBFGS: its load target is made by a step"):
+            ckpt.load({"model": other, "optim": torch.optim.LBFGS(other.parameters())})

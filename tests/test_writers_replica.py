@@ -553,3 +553,34 @@ def test_a_failed_upload_the_replica_drops_anyway_is_no_failure_once_superseded(
         status = ckpt.replica.wait()  # raised for steps 1 and 2 before
         assert status.failed == () and {1, 2} <= set(status.skipped), status
     assert _remote_steps(remote) == [3, 4]
+
+
+def test_a_queued_retry_of_a_superseded_failure_is_not_a_failure_again(tmp_path, monkeypatch):
+    """Review (2026-12-07): step 2's upload failed; 3 and 4 were queued, then a retry of 2 behind
+    them. 4's success counted 2 as superseded (skipped), and then the retry failed and recorded
+    it as failed again, with its attempts back at 1: skipped and failed at once, and wait()
+    raised for it."""
+    from distckpt.storage import replica as rep
+
+    attempts: dict[int, int] = {}
+
+    def upload(self, step):
+        attempts[step] = attempts.get(step, 0) + 1
+        if step == 2:
+            raise OSError("store down")
+        return 1
+
+    monkeypatch.setattr(rep, "committed_steps", lambda storage: [1, 2, 3, 4])
+    monkeypatch.setattr(rep.Replicator, "_upload", upload)
+    monkeypatch.setattr(rep.Replicator, "_apply_retention", lambda self, step: None)
+    r = rep.Replicator(Storage(str(tmp_path / "root")), Storage(str(tmp_path / "remote")), keep_last=2, is_coordinator=lambda: True)
+    with pytest.warns(UserWarning, match="step 2 was committed locally"):
+        for step in (1, 2):
+            r.submit(step)
+        r.wait(raise_on_failure=False)
+    r.submit(3)
+    r.submit(4)
+    r.submit(2, retry=True)  # (holds() queues it behind them)
+    status = r.wait()  # raised for step 2 before
+    assert status.failed == () and 2 in status.skipped and attempts[2] == 1, (status, attempts)
+    r.close()

@@ -416,7 +416,13 @@ def target_state_dict(
         if not optim.state.get(p) and p.requires_grad and (fresh or (held is not None and fqns.get(id(p)) in held))
     ]  # fmt: skip
     if need:
-        _zero_step(optim, need)
+        try:
+            _zero_step(optim, need)
+        except TypeError as exc:  # (a step that needs a closure: LBFGS)
+            raise TypeError(
+                f"cannot load optimizer state into {type(optim).__name__}: its load target is made by a step with zero "
+                f"gradients, which failed: {exc}"
+            ) from exc
         made = {id(p) for p in need if optim.state.get(p)}
         if made:
             _TARGET_STATE.setdefault(optim, set()).update(made)

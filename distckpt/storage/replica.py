@@ -365,6 +365,10 @@ class Replicator:
         return len(newer) >= self.keep_last
 
     def _handle(self, step: int) -> None:
+        with self._lock:
+            moot = step in self.skipped  # (a queued retry of a failure superseded since)
+        if moot:
+            return
         if self._superseded(step):
             self._record(self.skipped, step)
             return
