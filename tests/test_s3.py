@@ -673,3 +673,46 @@ def test_load_pretrained_reads_a_hugging_face_cache_snapshot(tmp_path):
     os.symlink(repo / "blobs" / "blob0", plain / "model.safetensors")
     with pytest.raises(distckpt.UnsafeCheckpointError):
         distckpt.load_pretrained(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)), str(plain), strict=False)
+
+
+def test_a_tree_that_only_looks_like_a_hub_cache_reads_nothing_outside_it(tmp_path):
+    """Review (2026-12-07): the snapshot was told by folder names only and ``blobs`` resolved
+    with realpath, so a downloaded tree ``evil/snapshots/main`` whose ``blobs`` is a link to
+    another folder loaded that folder's files (any regular file) into the weights. ``blobs`` and
+    the folders above it are now opened without following links; a user's own link to a real
+    snapshot still loads, and so does ``convert HF_DIR --to dcp``."""
+    from safetensors.torch import save
+
+    from cli_runner import run_cli
+
+    secret = tmp_path / "victim"
+    secret.mkdir()
+    (secret / "model.safetensors").write_bytes(save({"weight": torch.full((2, 3), 1337.0), "bias": torch.full((2,), 1337.0)}))
+    evil = tmp_path / "evil" / "models--evil--m"
+    (evil / "snapshots" / "main").mkdir(parents=True)
+    os.symlink(secret, evil / "blobs")  # blobs: a link elsewhere
+    os.symlink("../../blobs/model.safetensors", evil / "snapshots" / "main" / "model.safetensors")
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="blobs"):
+        distckpt.load_pretrained(torch.nn.Linear(3, 2), str(evil / "snapshots" / "main"))
+    # An absolute link to the file elsewhere: not into <repo>/blobs, refused as any link.
+    (evil / "snapshots" / "main" / "model.safetensors").unlink()
+    os.symlink(secret / "model.safetensors", evil / "snapshots" / "main" / "model.safetensors")
+    with pytest.raises(distckpt.UnsafeCheckpointError):
+        distckpt.load_pretrained(torch.nn.Linear(3, 2), str(evil / "snapshots" / "main"))
+    # A real cache reached through the user's own link to its snapshot: loads.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "r1").mkdir(parents=True)
+    (repo / "blobs" / "b0").write_bytes(save({k: v.contiguous() for k, v in model.state_dict().items()}))
+    os.symlink("../../blobs/b0", repo / "snapshots" / "r1" / "model.safetensors")
+    os.symlink(repo / "snapshots" / "r1", tmp_path / "mine")
+    fresh = torch.nn.Linear(3, 2)
+    distckpt.load_pretrained(fresh, str(tmp_path / "mine"))
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    out = tmp_path / "imported"
+    assert run_cli("convert", str(repo / "snapshots" / "r1"), "--to", "dcp", str(out), "-q").returncode == 0
+    state = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}}
+    distckpt.Checkpointer(str(out)).load(state)
+    assert torch.equal(state["model"]["weight"], model.weight)

@@ -255,9 +255,10 @@ class NotARegularFile(OSError):
     directory."""
 
 
-def open_regular_file(path: str) -> tuple[int, os.stat_result]:
-    """A read-only descriptor of ``path`` and its ``fstat``, if it is a regular file whose own
-    name is no symbolic link. The caller closes the descriptor.
+def open_regular_file(path: str, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` (relative to directory descriptor ``dir_fd`` if
+    given) and its ``fstat``, if it is a regular file whose own name is no symbolic link. The
+    caller closes the descriptor.
 
     Raises:
         OSError: ``ELOOP`` for a symbolic link (``O_NOFOLLOW``); any other failure to open.
@@ -266,7 +267,7 @@ def open_regular_file(path: str) -> tuple[int, os.stat_result]:
     # O_NONBLOCK: a FIFO by that name would block the open (and the load, inspect, ls or peer
     # transfer) until a writer came; it is refused below. Regular files ignore the flag.
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, flags)
+    fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -13,7 +13,6 @@ Not collective: call from one process.
 from __future__ import annotations
 
 import mmap
-import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -74,7 +73,11 @@ def import_hf(
         try:
             for key, span in index.spans.items():
                 if span.file not in maps:
-                    with open(os.path.join(local, span.file), "rb") as f:
+                    # Opened as the index read it (never through a link, but a cache snapshot's
+                    # into its blobs) and checked to be the file whose header it read: a plain
+                    # open() followed a link swapped in since, and its bytes became weights.
+                    with index.open(span.file) as f:
+                        index.files[span.file].check(f, Storage(local).display(span.file))
                         maps[span.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 raw = torch.frombuffer(maps[span.file], dtype=torch.uint8)
                 block = raw[span.start : span.start + span.nbytes]

@@ -15,6 +15,7 @@ Not collective by itself: DCP's ``load`` drives it on every rank.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -240,25 +241,64 @@ def _local_identity(f: IO[bytes]) -> tuple[int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
-def hf_cache_blob(storage: Storage, name: str) -> str | None:
-    """The blob file ``name`` of ``storage`` links to, where ``storage`` is (a folder in) a
-    snapshot of a Hugging Face hub cache (``<repo>/snapshots/<revision>/...``, whose files are
-    symbolic links into ``<repo>/blobs/``: what ``snapshot_download`` and ``hf_hub_download``
-    return); else None. Reads never follow other links (a link out of the folder is refused)."""
+def hf_cache_blob(storage: Storage, name: str) -> tuple[str, str] | None:
+    """``(blobs, blob)``: the blob that file ``name`` of ``storage`` links to, where ``storage``
+    is (a folder in) a snapshot of a Hugging Face hub cache (``<repo>/snapshots/<revision>/...``,
+    whose files are symbolic links into ``<repo>/blobs/``: what ``snapshot_download`` and
+    ``hf_hub_download`` return); else None. ``<repo>`` is where the folder really lies (the path
+    the caller gave, resolved), and ``blobs`` is opened without following any link
+    (:func:`_open_blob`): a tree that only looks like a cache (a ``blobs`` that is a link
+    elsewhere) reads nothing outside it. Reads never follow other links."""
     if not storage.is_local:
         return None
     path = os.path.join(storage.path, name)
     if not os.path.islink(path):
         return None
-    folder = os.path.abspath(storage.path)
-    while os.path.basename(os.path.dirname(folder)) != "snapshots":
-        parent = os.path.dirname(folder)
-        if parent == folder:
+    folder = os.path.realpath(storage.path)
+    rev = folder
+    while os.path.basename(os.path.dirname(rev)) != "snapshots":
+        parent = os.path.dirname(rev)
+        if parent == rev:
             return None
-        folder = parent
-    blobs = os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(folder)), "blobs"))
-    target = os.path.realpath(path)
-    return target if os.path.dirname(target) == blobs else None
+        rev = parent
+    blobs = os.path.join(os.path.dirname(os.path.dirname(rev)), "blobs")
+    # The link's own text, taken lexically: it must name a file directly in <repo>/blobs.
+    resolved = os.path.normpath(os.path.join(folder, os.readlink(path)))
+    if os.path.dirname(resolved) != blobs:
+        return None
+    return blobs, os.path.basename(resolved)
+
+
+def _open_blob(blobs: str, blob: str) -> int:
+    """A descriptor of regular file ``blob`` in directory ``blobs`` (absolute, resolved), every
+    component of the path opened without following a link: one swapped in since (``blobs`` or a
+    folder above it made a link elsewhere) is refused, not followed.
+
+    Raises:
+        UnsafeCheckpointError: a link on the way, or ``blob`` is no regular file.
+    """
+    fd = os.open(os.sep, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in [p for p in blobs.split(os.sep) if p]:
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeCheckpointError(f"{blobs}: {part!r} is no directory (a symbolic link?); refusing to read {blob} through it") from None
+                raise
+            os.close(fd)
+            fd = child
+        try:
+            blob_fd, _ = open_regular_file(blob, dir_fd=fd)
+        except NotARegularFile:
+            raise UnsafeCheckpointError(f"{os.path.join(blobs, blob)} is not a regular file") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeCheckpointError(f"{os.path.join(blobs, blob)} is a symbolic link; refusing to read it") from None
+            raise
+        return blob_fd
+    finally:
+        os.close(fd)
 
 
 class SafetensorsIndex:
@@ -359,11 +399,7 @@ class SafetensorsIndex:
             with self.storage.open(name, "rb") as f:
                 yield f
             return
-        try:
-            fd, _ = open_regular_file(blob)
-        except NotARegularFile as exc:
-            raise UnsafeCheckpointError(str(exc)) from None
-        with os.fdopen(fd, "rb") as f:
+        with os.fdopen(_open_blob(*blob), "rb") as f:
             yield f
 
     def metadata(self) -> Metadata:
