@@ -692,11 +692,22 @@ def test_a_tree_that_only_looks_like_a_hub_cache_reads_nothing_outside_it(tmp_pa
     (evil / "snapshots" / "main").mkdir(parents=True)
     os.symlink(secret, evil / "blobs")  # blobs: a link elsewhere
     os.symlink("../../blobs/model.safetensors", evil / "snapshots" / "main" / "model.safetensors")
-    with pytest.raises(distckpt.UnsafeCheckpointError, match="blobs"):
+    with pytest.raises(distckpt.UnsafeCheckpointError, match="symbolic link"):
         distckpt.load_pretrained(torch.nn.Linear(3, 2), str(evil / "snapshots" / "main"))
     # An absolute link to the file elsewhere: not into <repo>/blobs, refused as any link.
     (evil / "snapshots" / "main" / "model.safetensors").unlink()
     os.symlink(secret / "model.safetensors", evil / "snapshots" / "main" / "model.safetensors")
+    with pytest.raises(distckpt.UnsafeCheckpointError):
+        distckpt.load_pretrained(torch.nn.Linear(3, 2), str(evil / "snapshots" / "main"))
+    # Link text and kernel disagreeing (blobs/sub/../x with sub a link elsewhere): the text named
+    # one file, the listing sized another (the index's 100 MB limit was bypassed: review).
+    (evil / "blobs").unlink()
+    (evil / "blobs").mkdir()
+    (evil / "blobs" / "model.safetensors").write_bytes(b"x" * 64)
+    os.symlink(secret, evil / "blobs" / "sub")
+    (tmp_path / "model.safetensors").write_bytes((secret / "model.safetensors").read_bytes())  # the kernel's target
+    (evil / "snapshots" / "main" / "model.safetensors").unlink()
+    os.symlink("../../blobs/sub/../model.safetensors", evil / "snapshots" / "main" / "model.safetensors")
     with pytest.raises(distckpt.UnsafeCheckpointError):
         distckpt.load_pretrained(torch.nn.Linear(3, 2), str(evil / "snapshots" / "main"))
     # A real cache reached through the user's own link to its snapshot: loads.

@@ -264,8 +264,8 @@ def hf_cache_blob(storage: Storage, name: str) -> tuple[str, str] | None:
     blobs = os.path.join(os.path.dirname(os.path.dirname(rev)), "blobs")
     # The link's own text, taken lexically: it must name a file directly in <repo>/blobs.
     resolved = os.path.normpath(os.path.join(folder, os.readlink(path)))
-    if os.path.dirname(resolved) != blobs:
-        return None
+    if os.path.dirname(resolved) != blobs or os.path.realpath(path) != resolved:
+        return None  # (also where the text and the kernel disagree: blobs/sub/../x, sub a link)
     return blobs, os.path.basename(resolved)
 
 
@@ -277,11 +277,13 @@ def _open_blob(blobs: str, blob: str) -> int:
     Raises:
         UnsafeCheckpointError: a link on the way, or ``blob`` is no regular file.
     """
-    fd = os.open(os.sep, os.O_RDONLY | os.O_DIRECTORY)
+    # O_PATH: a folder one may pass through but not list (mode 0711) is walked as open() does.
+    walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+    fd = os.open(os.sep, walk)
     try:
         for part in [p for p in blobs.split(os.sep) if p]:
             try:
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                child = os.open(part, walk | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise UnsafeCheckpointError(f"{blobs}: {part!r} is no directory (a symbolic link?); refusing to read {blob} through it") from None
@@ -329,7 +331,9 @@ class SafetensorsIndex:
             if files[INDEX_NAME] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
             with self.open(INDEX_NAME) as f:
-                raw = f.read()
+                raw = f.read(MAX_HEADER + 1)  # (the listed size may be another file's: bounded here too)
+            if len(raw) > MAX_HEADER:
+                raise IntegrityError(f"{where}: larger than the 100 MB limit for an index")
             weight_map = json_object(raw, where, IntegrityError).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
