@@ -213,9 +213,14 @@ def test_zero_resumes_where_rank_0_partition_had_no_gradient(tmp_path):
     all. Found by a helper (2026-12-07)."""
     from dist_harness import run_ranks
 
+    import json
+
     root = str(tmp_path / "root")
     saved = run_ranks(_zero_rank0_job, 2, tmp_path, root, timeout=150)
     assert not saved[0]["saved"] and saved[1]["saved"], "the layout no longer puts rank 0 on the unused layer"
+    # The manifest says so too (rank 0's "no state" alone was recorded; an older distckpt reads it).
+    manifest = json.loads((tmp_path / "root" / "step_000000001" / "manifest.json").read_text())
+    assert manifest["entries"]["optim"]["initialized"] is True, manifest["entries"]["optim"]
     for world, results in ((2, saved), (1, run_ranks(_zero_rank0_job, 1, tmp_path, root, timeout=150))):
         held = {k: v for r in saved for k, v in r["saved"].items()}
         loaded = {k: v for r in results for k, v in r["loaded"].items()}

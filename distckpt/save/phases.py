@@ -108,6 +108,8 @@ class SaveView:
         tier_usable: whether this node's local recovery tier can take the step
             (:meth:`~distckpt.storage.local_tier.LocalTier.usable_for`; ``True`` without a tier):
             the save keeps a local copy only where every rank's can.
+        initialized: the optimizer entries holding state on this rank (a ZeRO partition may
+            hold none where others do: the manifest says "initialized" if any rank's does).
 
     Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
@@ -123,6 +125,7 @@ class SaveView:
     blocking: bool = True  # must agree: a save is synchronous on every rank or on none
     writer_exit: int | None = None
     tier_usable: bool = True
+    initialized: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -250,6 +253,7 @@ def prepare(
         plain=structure.plain,
         replicas=structure.replicas_digest,
         cache=cache.token(structure.own) if cache is not None else None,
+        initialized=sorted(n for n, d in described.items() if d.get("initialized")),
     )
     prepared = Prepared(
         step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped), on_device=on_device
@@ -276,6 +280,9 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
     if len({tuple(sorted(v.digests)) for v in views}) > 1:
         detail = "; ".join(f"rank {r}: {sorted(v.digests)}" for r, v in enumerate(views))
         raise ValueError(f"ranks hold sharded (DTensor) state under different entries: {detail}")
+    for name, entry in prepared.described.items():
+        if "initialized" in entry:  # (the coordinator's alone said "no state" for a ZeRO rank 0)
+            entry["initialized"] = any(name in v.initialized for v in views)
     scopes: dict[str, str] = {}
     for name, declared in views[0].declared.items():
         kind = scope.classify(name, declared, [v.digests[name] for v in views])
