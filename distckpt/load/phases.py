@@ -120,9 +120,10 @@ def plan_load(
         if isinstance(e, OptimizerEntry):
             e.held = _saved_state_fqns(e.name, index, manifest, selection)
             if e.held and not saved.get("initialized", True):
-                # "initialized" is the coordinator's: a ZeRO partition of parameters that had no
-                # gradient yet holds no state on rank 0 while other ranks' do. The checkpoint's
-                # keys say (a target of groups only refused every saved moment as unexpected).
+                # "initialized" was the coordinator's before 2026-12-07: a ZeRO partition of
+                # parameters that had no gradient yet holds no state on rank 0 while other ranks'
+                # do. The checkpoint's keys say (a target of groups only refused every saved
+                # moment as unexpected).
                 saved = {**saved, "initialized": True}
         target = e.load_target(saved)
         if saved.get("scope") == scope.PER_RANK:
