@@ -22,7 +22,7 @@ import hashlib
 import warnings
 import zlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import IO, Protocol
 
 ALGORITHMS = ("crc32c", "crc32", "sha256")
 DEFAULT = "crc32c"
@@ -87,6 +87,15 @@ def _crc32c_function() -> Callable[[Buffer, int], int]:
             )
         _crc32c = crc32c.crc32c
     return _crc32c
+
+
+def digest_of_file(f: IO[bytes], algorithm: str, chunk: int = 16 << 20) -> str:
+    """The checksum with ``algorithm`` of what is left to read in open file ``f``, read in
+    pieces of ``chunk`` bytes."""
+    hasher = new_hasher(algorithm)
+    while piece := f.read(chunk):
+        hasher.update(piece)
+    return hasher.hexdigest()
 
 
 def new_hasher(algorithm: str) -> Hasher:

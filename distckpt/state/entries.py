@@ -583,13 +583,14 @@ class OptimizerEntry(Entry):
         self.made = made_by_target(self.optim, fqns)
         return target
 
-    def _drop_made(self, fqns: Set[str]) -> None:
-        """Remove the load target's state of parameters ``fqns`` (of :attr:`made`)."""
-        ids = {id(p) for p in optimizer_params(self.optim) if self.module.param_fqns().get(id(p)) in fqns}
-        drop_state(self.optim, ids)
+    def drop_named(self, optim: torch.optim.Optimizer, names: Set[str]) -> None:
+        """Remove the state of ``optim``'s parameters whose fqns are in ``names``."""
+        if names:
+            fqns = self.module.param_fqns()
+            drop_state(optim, {id(p) for p in optimizer_params(optim) if fqns.get(id(p)) in names})
 
     def left_alone(self) -> None:
-        self._drop_made(self.made)  # (the zero-gradient step's state of the load target)
+        self.drop_named(self.optim, self.made)  # (the zero-gradient step's state of the load target)
         _TARGET_STATE.pop(self.optim, None)
 
     def check(self, loaded: Any) -> None:
@@ -605,12 +606,7 @@ class OptimizerEntry(Entry):
             # the target's is the zero-gradient step's.
             set_optimizer_state_dict(self.module.module, self.optim, {**loaded, **self.stateless}, options=_FLAT_OPTIM)
             without = {state_fqn(k) for k in self.stateless}
-            without |= unread_params(loaded, self.read) & self.made
-            if without:
-                fqns = self.module.param_fqns()
-                for p in optimizer_params(self.optim):
-                    if fqns.get(id(p)) in without:
-                        self.optim.state.pop(p, None)
+            self.drop_named(self.optim, without | (unread_params(loaded, self.read) & self.made))
         else:
             self.optim.state.clear()
             load_flat_param_groups(self.optim, self.module.param_fqns(), loaded)

@@ -25,7 +25,6 @@ from distckpt.state.entries import (
     check_param_groups,
     flat_param_groups,
     _TARGET_STATE,
-    drop_state,
     load_flat_param_groups,
     made_by_target,
     target_state_dict,
@@ -97,8 +96,7 @@ class ZeroOptimizerEntry(OptimizerEntry):
 
     def left_alone(self) -> None:
         if self.made:  # (the zero-gradient step's state of the load target)
-            fqns = self.module.param_fqns()
-            drop_state(self.zero.optim, {id(p) for g in self.zero.optim.param_groups for p in g["params"] if fqns.get(id(p)) in self.made})
+            self.drop_named(self.zero.optim, self.made)
             self._sync_wrapper_to_local()
         _TARGET_STATE.pop(self.zero.optim, None)
 

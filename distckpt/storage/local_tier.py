@@ -47,7 +47,7 @@ from typing import Any
 from distckpt._dist import Group
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import one_line
-from distckpt.integrity.checksums import new_hasher
+from distckpt.integrity.checksums import digest_of_file
 from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, TIER_MARK, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
 from distckpt.storage.ownership import foreign_entries, is_step_file, shown_entries
@@ -830,11 +830,8 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
             return False
         if not check or record.checksum is None or manifest.checksum_algorithm is None:
             return True
-        hasher = new_hasher(manifest.checksum_algorithm)
         with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                hasher.update(chunk)
-        return hasher.hexdigest() == record.checksum
+            return digest_of_file(f, manifest.checksum_algorithm, _CHUNK) == record.checksum
     except OSError:
         return False
 

@@ -26,14 +26,14 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import IO
 from dataclasses import dataclass, field
+from typing import IO
 
 import torch
 
 from distckpt._version import __version__
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
-from distckpt.integrity.checksums import new_hasher
+from distckpt.integrity.checksums import digest_of_file, new_hasher
 from distckpt.state.shape import numel
 from distckpt.storage.base import Storage
 from distckpt.tools.outputs import check_output
@@ -312,7 +312,6 @@ class Publish:
     stale: list[str]
     uncommit: bool
     committed: bool = False
-    digests: dict[str, str] = field(default_factory=dict)  # shard name -> CRC-32C (set by commit)
 
     @classmethod
     def begin(cls, storage: Storage, layout: Layout, overwrite: bool, patterns: list[str], out: str) -> Publish:
@@ -391,12 +390,12 @@ class Publish:
     def commit(self, storage: Storage, layout: Layout, digests: Mapping[str, str] | None = None) -> None:
         """(coordinator) Make the written shards the folder's checkpoint (see the class doc).
         ``digests``: shard name -> CRC-32C of the bytes written (:class:`DigestingFile`)."""
-        self.digests = dict(digests or {})
+        digests = digests or {}
         if self.fresh and not self.in_place:
             target = Storage(self.staged)
             for name, data in layout.small_files():
                 target.write_bytes(data, name)
-            target.write_bytes(self._record(target), RECORD_NAME)  # (a rename keeps the stamps)
+            target.write_bytes(self._record(target, digests), RECORD_NAME)  # (a rename keeps the stamps)
             try:
                 storage.commit_directory(self.staged, overwrite=False)
             except FileExistsError:
@@ -422,18 +421,19 @@ class Publish:
             storage.write_bytes(data, name)
         self.committed = True  # the index is written: from here on nothing may be removed
         try:
-            storage.write_bytes(self._record(storage), RECORD_NAME)
+            storage.write_bytes(self._record(storage, digests), RECORD_NAME)
         except Exception as exc:  # noqa: BLE001 - the unfinished record still names these files
             warnings.warn(f"distckpt: {storage.display(RECORD_NAME)}: could not record the published files: {exc}", stacklevel=3)
         if not self.in_place:
             storage.abandon_directory(self.staged, [])  # the emptied temporary directory
 
-    def _record(self, where: Storage) -> bytes:
-        """The complete record of this publish, each shard stamped as it is in ``where``."""
+    def _record(self, where: Storage, digests: Mapping[str, str]) -> bytes:
+        """The complete record of this publish, each shard stamped as it is in ``where`` and
+        with its CRC-32C (``digests``)."""
         shards = set(self.shards)
         return PublishRecord(
             [
-                dataclasses.replace(f, stamp=where.file_stamp(f.name), crc32c=self.digests.get(f.name)) if f.name in shards else f
+                dataclasses.replace(f, stamp=where.file_stamp(f.name), crc32c=digests.get(f.name)) if f.name in shards else f
                 for f in self.writes
             ],
             complete=True,
@@ -487,11 +487,8 @@ def _still_owned(storage: Storage, record: PublishRecord | None, files: Mapping[
 
 def _crc32c_of(storage: Storage, name: str) -> str:
     """The CRC-32C of file ``name`` of ``storage``, read in pieces."""
-    hasher = new_hasher("crc32c")
     with storage.open(name, "rb") as f:
-        while piece := f.read(16 << 20):
-            hasher.update(piece)
-    return hasher.hexdigest()
+        return digest_of_file(f, "crc32c")
 
 
 class DigestingFile:
