@@ -10,6 +10,7 @@ are errors naming the files and keys (issue #28):
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -47,6 +48,54 @@ def test_a_folder_with_a_single_file_and_an_index_is_refused_naming_both(tmp_pat
     # An index naming the single file itself (what save_pretrained writes for one file) is one checkpoint.
     hf.load_pretrained(fresh, str(single))
     assert all(torch.equal(v, _model(1).state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+
+def _as_diffusers(folder) -> None:
+    """Rename a sharded publish as diffusers names its files (diffusion_pytorch_model-*, its index)."""
+    index = json.loads((folder / INDEX_NAME).read_text())
+    renamed = {}
+    for key, name in index["weight_map"].items():
+        renamed[key] = name.replace("model-", "diffusion_pytorch_model-")
+    for name in set(index["weight_map"].values()):
+        (folder / name).rename(folder / name.replace("model-", "diffusion_pytorch_model-"))
+    (folder / INDEX_NAME).unlink()
+    index["weight_map"] = renamed
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_another_librarys_index_is_read(tmp_path):
+    # diffusers shards a UNet as diffusion_pytorch_model-0000N-of-0000M.safetensors + its index:
+    # without the index, several files were refused as an unfinished publish.
+    folder = tmp_path / "unet"
+    hf.save_pretrained(_model(2), str(folder), max_shard_size=1000)
+    _as_diffusers(folder)
+    fresh = _model(5)
+    hf.load_pretrained(fresh, str(folder))
+    assert all(torch.equal(v, _model(2).state_dict()[k]) for k, v in fresh.state_dict().items())
+    # The single-file rule holds for it as for transformers' names: a stray single file beside
+    # the index is ambiguous, under either library's name.
+    for single in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
+        save_file(_state(_model(3)), str(folder / single))
+        with pytest.raises(distckpt.IntegrityError, match=rf"holds both {single}.*diffusion_pytorch_model\.safetensors\.index\.json"):
+            hf.load_pretrained(_model(5), str(folder))
+        (folder / single).unlink()
+    # Two indexes, neither transformers': which is the checkpoint is not guessed.
+    shutil.copy(folder / "diffusion_pytorch_model.safetensors.index.json", folder / "other.safetensors.index.json")
+    with pytest.raises(distckpt.IntegrityError, match=r"2 safetensors indexes.*diffusion_pytorch_model.*other"):
+        hf.load_pretrained(_model(5), str(folder))
+    # transformers' own index, where there is one, is the checkpoint (as transformers reads it).
+    hf.save_pretrained(_model(4), str(tmp_path / "tf"), max_shard_size=1000)
+    for f in (tmp_path / "tf").iterdir():
+        shutil.copy(f, folder / f.name)
+    hf.load_pretrained(fresh, str(folder))
+    assert all(torch.equal(v, _model(4).state_dict()[k]) for k, v in fresh.state_dict().items())
+    # A malformed one is named.
+    (folder / INDEX_NAME).unlink()
+    (folder / "other.safetensors.index.json").unlink()
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text('{"weight_map": {"0.weight": "../x.safetensors"}}')
+    with pytest.raises(distckpt.UnsafeCheckpointError, match=r"diffusion_pytorch_model\.safetensors\.index\.json names file"):
+        hf.load_pretrained(_model(5), str(folder))
 
 
 class Tied(nn.Module):

@@ -303,6 +303,28 @@ def _open_blob(blobs: str, blob: str) -> int:
         os.close(fd)
 
 
+def index_name(storage: Storage, files: Mapping[str, int]) -> str | None:
+    """The index of the safetensors checkpoint in a folder whose files are ``files``:
+    ``model.safetensors.index.json`` (transformers), else the one ``*.safetensors.index.json``
+    (diffusers' ``diffusion_pytorch_model.safetensors.index.json``, any library's); ``None``
+    where there is none.
+
+    Raises:
+        IntegrityError: several indexes and none of them transformers' (which one is the
+            checkpoint is not guessed).
+    """
+    if INDEX_NAME in files:
+        return INDEX_NAME
+    found = sorted(f for f in files if f.endswith(".safetensors.index.json") and f != ".safetensors.index.json")
+    if len(found) > 1:
+        shown = ", ".join(f"{n!r:.100}" for n in found[:5]) + (", ..." if len(found) > 5 else "")
+        raise IntegrityError(
+            f"{storage.display()}: holds {len(found)} safetensors indexes ({shown}): which one is the checkpoint is "
+            "not guessed; name its folder alone, or remove the others"
+        )
+    return found[0] if found else None
+
+
 class SafetensorsIndex:
     """The tensors of a Hugging Face checkpoint directory (single file or sharded with an index).
 
@@ -322,15 +344,17 @@ class SafetensorsIndex:
 
     def __init__(self, storage: Storage, only: str | None = None) -> None:
         self.storage = storage
+        self.index_name = INDEX_NAME  # the index read, where there is one
         files = storage.list_files()
         if only is not None:  # one file, named by the caller (an index beside it is not read)
             weight_map = None
             names = [only]
-        elif INDEX_NAME in files:
-            where = storage.display(INDEX_NAME)
-            if files[INDEX_NAME] > MAX_HEADER:
-                raise IntegrityError(f"{where}: {files[INDEX_NAME]} bytes, larger than the 100 MB limit for an index")
-            with self.open(INDEX_NAME) as f:
+        elif (index := index_name(storage, files)) is not None:
+            self.index_name = index
+            where = storage.display(index)
+            if files[index] > MAX_HEADER:
+                raise IntegrityError(f"{where}: {files[index]} bytes, larger than the 100 MB limit for an index")
+            with self.open(index) as f:
                 raw = f.read(MAX_HEADER + 1)  # (the listed size may be another file's: bounded here too)
             if len(raw) > MAX_HEADER:
                 raise IntegrityError(f"{where}: larger than the 100 MB limit for an index")
@@ -338,15 +362,17 @@ class SafetensorsIndex:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
-            if SINGLE_NAME in files and SINGLE_NAME not in names:
-                # Two checkpoints in one folder: transformers loads the single file (it looks for
-                # it first), an index reader the shards. Neither is chosen silently.
-                shown = ", ".join(f"{n!r:.100}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
-                raise IntegrityError(
-                    f"{storage.display()}: holds both {SINGLE_NAME} and {INDEX_NAME} (naming {shown}): transformers "
-                    f"would load {SINGLE_NAME}, the index names other files; remove the one that is not the "
-                    "checkpoint (or move it to another folder)"
-                )
+            for single in dict.fromkeys((index[: -len(".index.json")], SINGLE_NAME)):
+                if single in files and single not in names:
+                    # Two checkpoints in one folder: transformers (diffusers) loads the single
+                    # file (it looks for it first), an index reader the shards. Neither is
+                    # chosen silently.
+                    shown = ", ".join(f"{n!r:.100}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+                    raise IntegrityError(
+                        f"{storage.display()}: holds both {single} and {index} (naming {shown}): transformers "
+                        f"would load {single}, the index names other files; remove the one that is not the "
+                        "checkpoint (or move it to another folder)"
+                    )
         else:
             # Without an index only a single file is a checkpoint: shards without their index
             # are an unfinished publish (possibly new shards beside old ones), never guessed at.
@@ -366,11 +392,11 @@ class SafetensorsIndex:
         self.files: dict[str, _FileIdentity] = {}  # file name -> what it was when its header was parsed
         for name in names:
             if "/" in name or "\\" in name or name in (".", ".."):
-                raise UnsafeCheckpointError(f"{storage.display(INDEX_NAME)} names file {name!r:.100} outside the directory")
+                raise UnsafeCheckpointError(f"{storage.display(self.index_name)} names file {name!r:.100} outside the directory")
             if not name.endswith(".safetensors"):
-                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which is not a .safetensors file")
+                raise IntegrityError(f"{storage.display(self.index_name)} names {name!r:.100}, which is not a .safetensors file")
             if name not in files:
-                raise IntegrityError(f"{storage.display(INDEX_NAME)} names {name!r:.100}, which does not exist")
+                raise IntegrityError(f"{storage.display(self.index_name)} names {name!r:.100}, which does not exist")
             where = storage.display(name)
             with self.open(name) as f:
                 head = hashlib.sha256()
@@ -391,7 +417,7 @@ class SafetensorsIndex:
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(self.spans))
             if lost:
-                raise IntegrityError(f"{storage.display(INDEX_NAME)}: tensors missing from their files: {lost[:10]}")
+                raise IntegrityError(f"{storage.display(self.index_name)}: tensors missing from their files: {lost[:10]}")
 
     @contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
