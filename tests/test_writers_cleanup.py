@@ -653,3 +653,36 @@ def test_a_record_is_judged_by_its_writers_lease_where_longer(tmp_path):
     for garbled in ("600", True, float("nan"), -1):
         (tmp_path / "root" / step_dir(2) / ownership.OWNER_NAME).write_text(json.dumps({**forged, "lease_s": garbled}))
         assert ownership.is_stale(storage, step_dir(2), 5.0, now=time.time() + 7), garbled  # the cleaner's lease
+
+
+def test_a_local_listing_survives_odd_links_and_files_vanishing(tmp_path, monkeypatch):
+    """A link whose text ends in '/' to a file (stat fails with ENOTDIR) made every listing of
+    its folder a bare NotADirectoryError (a load_pretrained of that folder, a step holding it); a
+    file deleted between the folder's scan and its stat made the whole folder list as empty."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"xyz")
+    (folder / "b.bin").write_bytes(b"xy")
+    (folder / "odd").symlink_to("a.bin/")
+    local = Storage(str(folder))
+    assert local.list_files() == {"a.bin": 3, "b.bin": 2}
+    real = os.scandir
+
+    class Vanishing:
+        """scandir whose entry 'a.bin' is deleted after the scan, before its stat."""
+
+        def __init__(self, path):
+            self.entries = list(real(path))
+
+        def __iter__(self):
+            (folder / "a.bin").unlink(missing_ok=True)
+            return iter(self.entries)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(os, "scandir", Vanishing)
+    assert local.list_files() == {"b.bin": 2}

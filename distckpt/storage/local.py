@@ -85,10 +85,7 @@ class LocalStorage(Storage, kind="local"):
         return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
 
     def list_files(self, *parts: str) -> dict[str, int]:
-        try:
-            return {e.name: e.stat().st_size for e in os.scandir(self.join(*parts)) if e.is_file()}
-        except FileNotFoundError:
-            return {}
+        return self.list_entries(*parts)[0]
 
     def list_entries(self, *parts: str) -> tuple[dict[str, int], list[str]]:
         files: dict[str, int] = {}
