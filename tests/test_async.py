@@ -228,6 +228,45 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
     assert max(rss[10:]) <= base * 1.05, [r // 2**20 for r in rss]
 
 
+
+def _layout_change_body(rank: int, world: int, root: str, mode: str) -> list:
+    import gc
+    import weakref
+
+    weights = torch.randn(4 * 2**20 // 4)
+    ckpt = distckpt.Checkpointer(root, keep_last=1, sync_files=False, async_mode=mode)
+    seen, refs = [], []
+    gc.disable()  # what a writer process that makes few objects amounts to: cycles live on
+    try:
+        for step in range(5):
+            # A fixed model and a metrics history growing by one value per save: a new layout,
+            # so new staging buffers, at every save.
+            ckpt.save(step, {"w": weights, "history": torch.arange(step + 1.0)}, blocking=False)
+            ckpt.wait()
+            if mode == "process":
+                writer = ckpt._saver.writer.proc.pid
+                with open(f"/proc/{writer}/maps") as f:
+                    seen.append(sum("memfd:distckpt-stage" in line for line in f))
+            else:  # the training process's own buffers: how many staged histories live
+                refs.append(weakref.ref(ckpt._saver.stager._buffers["history"]))
+                seen.append(sum(ref() is not None for ref in refs))
+    finally:
+        gc.enable()
+    ckpt.close()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_staging_buffers_of_an_old_layout_are_freed_without_the_garbage_collector(tmp_path, mode):
+    """Every save left its planner in a reference cycle holding the save's state dict: an
+    async save's staged copy. With the state's layout changing at each save, the writer process
+    kept one staging arena mapped per layout (seen: 5 for 5 saves, shared memory growing by the
+    whole state each time) until its rarely-running collector freed them."""
+    seen = run_ranks(_layout_change_body, 1, tmp_path, str(tmp_path / "ck"), mode)[0]
+    where = "staging arenas mapped by the writer" if mode == "process" else "staged copies alive"
+    assert seen == [1] * 5, f"{where} after each save: {seen}"
+
+
 def test_in_flight_save_is_finished_at_interpreter_exit(tmp_path):
     root = tmp_path / "ck"
     script = textwrap.dedent(

@@ -35,6 +35,7 @@ on every rank, and the next async save starts a new writer.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -461,6 +462,10 @@ def _serve(conn: Connection) -> None:
                         arena = attach(fd, job.arena_nbytes)
                     finally:
                         os.close(fd)  # the mapping keeps the memory
+                    # The old arena (a layout that changed: the whole staged state) must be
+                    # unmapped now: where a reference cycle still held it, this process, which
+                    # makes few objects, would not collect it for many saves.
+                    gc.collect()
                 job.prepared.state_dict = decode(job.flat, job.mappings, arena, init["rank"])
                 written = _saving.write(job.opts, group, job.prepared, plans)
                 reply: tuple[str, object] = ("ok", (written, plans.stamp()))

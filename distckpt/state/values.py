@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -173,10 +174,22 @@ def record_item_digests(planner: SavePlanner) -> dict[str, str]:
     exactly once (replicated items have one writer, see :mod:`distckpt.save.plan`).
     """
     digests: dict[str, str] = {}
-    inner = planner.resolve_data
+    # The wrapper lives on the planner: it must not hold the planner (a bound method would),
+    # or the planner and the state dict it holds (an async save's staged copy: the whole
+    # state) would live in a reference cycle until the garbage collector ran, which a writer
+    # process creating few objects rarely does (one staging arena kept per layout change).
+    own = planner.__dict__.get("resolve_data")  # (an instance's own, e.g. an earlier wrapper)
+    method = type(planner).resolve_data
+    ref = weakref.ref(planner)
 
     def resolve_data(write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        data = inner(write_item)
+        if own is not None:
+            data = own(write_item)
+        else:
+            live = ref()
+            if live is None:
+                raise RuntimeError("distckpt: the save planner is gone")
+            data = method(live, write_item)
         if isinstance(data, io.BytesIO):  # BYTE_IO: exactly what DCP writes (no storage transforms)
             digests[write_item.index.fqn] = item_digest(data.getbuffer())  # one dict store: thread-safe
         return data
