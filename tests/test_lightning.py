@@ -728,6 +728,132 @@ def test_a_namedtuple_holding_tensors_is_refused_at_save(tmp_path: Path) -> None
     io.teardown()
 
 
+
+def test_mappings_come_back_of_their_saved_type(tmp_path: Path) -> None:
+    """A defaultdict (holding tensors, or plain values beside tensors) and a Counter beside
+    tensors came back as plain dicts, silently: code appending to a missing key failed after a
+    resume. They keep their type and factory now; other mappings and list subclasses there are
+    refused at save, naming the key, as they would come back as plain ones."""
+    from collections import Counter, OrderedDict, defaultdict
+
+    class Mine(dict):
+        pass
+
+    class Rows(list):
+        pass
+
+    user = {
+        "hist": defaultdict(list, {"a": [torch.ones(2)]}),
+        "none": defaultdict(None, {"t": torch.full((1,), 2.0)}),
+        "side": {"t": torch.ones(1), "counts": Counter(a=2), "seen": defaultdict(int, {"x": 3}), "od": OrderedDict(b=1)},
+    }
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    io.save_checkpoint({**_state(1), "user": user}, tmp_path / "a.ckpt")
+    io.teardown()
+    again = DistckptCheckpointIO(str(tmp_path / "root"))
+    got = again.load_checkpoint(tmp_path / "a.ckpt")["user"]
+    again.teardown()
+    assert type(got["hist"]) is defaultdict and got["hist"].default_factory is list and torch.equal(got["hist"]["a"][0], torch.ones(2))
+    got["hist"]["b"].append(1)  # what failed after a resume
+    assert type(got["none"]) is defaultdict and got["none"].default_factory is None
+    side = got["side"]
+    assert type(side["counts"]) is Counter and side["counts"] == Counter(a=2)
+    assert type(side["seen"]) is defaultdict and side["seen"].default_factory is int and side["seen"] == {"x": 3}
+    assert type(side["od"]) is OrderedDict
+    io = DistckptCheckpointIO(str(tmp_path / "root2"))
+    for bad, match in [
+        ({"m": Mine(t=torch.ones(1))}, r"'user\.m' is a .*Mine holding tensors"),
+        ({"t": torch.ones(1), "m": Mine(a=1)}, r"'user\.m' is a .*Mine inside a part of the checkpoint that holds tensors"),
+        ({"r": Rows([torch.ones(1)])}, r"'user\.r' is a .*Rows \(a list subclass\) holding tensors"),
+        ({"d": defaultdict(lambda: 0, {"t": torch.ones(1)})}, r"'user\.d' is a defaultdict whose default_factory .* is not a built-in"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            io.save_checkpoint({**_state(2), "user": bad}, tmp_path / "b.ckpt")
+    io.teardown()
+
+
+
+def _odd_json(rng) -> object:
+    return rng.choice([None, -1, 0, 2**70, 1.5, float("1e308"), "", "D", "t", "int", "lambda", "float32", [], [[]], {},
+                       ["D"], ["D", "list"], ["D", "os.system", []], ["C"], ["t", [2**40, 2**40], "torch.float32"],
+                       ["t", [-1], "torch.float32"], ["v", 1], [["s", "k", ["v"]]], ["s", 1, ["v"]], ["f", "x", ["v"]]])
+
+
+def _mutated(node: object, rng, depth: int = 0) -> object:
+    """``node`` (a JSON layout) with one random part replaced, inserted or deleted."""
+    if isinstance(node, list) and node and rng.random() < 0.8:
+        i = rng.randrange(len(node))
+        out = list(node)
+        roll = rng.random()
+        if roll < 0.5:
+            out[i] = _mutated(out[i], rng, depth + 1)
+        elif roll < 0.7:
+            del out[i]
+        elif roll < 0.85:
+            out.insert(i, _odd_json(rng))
+        else:
+            out[i] = _odd_json(rng)
+        return out
+    return _odd_json(rng)
+
+
+def test_a_mutated_layout_builds_or_is_refused_by_name() -> None:
+    """Seeded fuzz of the layout a Lightning load reads from the manifest (`extra['lightning']`):
+    every mutation builds a template or raises IntegrityError; never another exception, a
+    factory that is not a built-in type, or tensors beyond the budget."""
+    import random
+    from collections import Counter, OrderedDict, defaultdict
+
+    from distckpt.integrations import lightning_layout as layout
+
+    checkpoint = {
+        "state_dict": OrderedDict(w=torch.ones(2, 3), b=torch.zeros(3)),
+        "user": {"hist": defaultdict(list, {"a": [torch.ones(1)]}), "c": Counter(a=1), "t": (torch.ones(1), 2), 1: [torch.ones(1), {"x": 1.5}]},
+        "epoch": 3,
+    }
+    keys, _, made = layout.prepare(checkpoint, copy_values=False)
+    nodes = json.loads(made["nodes"])
+    rng = random.Random(1234)
+    built = refused = 0
+    for _ in range(600):
+        mutated = list(nodes)
+        if rng.random() < 0.9:  # one key's node (a whole layout of another length is refused at once)
+            i = rng.randrange(len(nodes))
+            mutated[i] = _mutated(nodes[i], rng)
+        else:
+            mutated = _mutated(nodes, rng)
+        text = json.dumps(mutated)
+        try:
+            out = layout.template(keys, text, 4096, "step_x")
+        except distckpt.IntegrityError as exc:
+            assert "step_x" in str(exc)
+            refused += 1
+            continue
+        built += 1
+        seen = [out]
+        while seen:
+            value = seen.pop()
+            if isinstance(value, defaultdict):
+                assert value.default_factory in (None, list, dict, set, tuple, int, float, complex, str, bytes, bool)
+            if isinstance(value, dict):
+                seen.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                seen.extend(value)
+        total = sum(t.numel() * t.element_size() for t in _tensors(out))
+        assert total <= 4096
+    assert built > 10 and refused > 100, (built, refused)  # (both paths are exercised)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
 def test_a_resume_leaves_pending_pointers_of_saves_in_flight_and_of_other_roots(tmp_path: Path) -> None:
     """The settling of leftovers above, reviewed: an evaluation loading while training saves
     (the same job) removed the training's pending pointer of the step it was writing, and

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +26,7 @@ from distckpt.errors import IntegrityError
 from distckpt.state.containers import (
     dcp_leaf,  # DCP's rule for which lists it enters (one rule, not a copy)
 )
+from distckpt.state.encoded import FACTORIES
 from distckpt.state.entries import contains
 
 __all__ = ["LAYOUT_KEY", "entry_name", "node_texts", "prepare", "rank_layouts", "read_layout", "template", "with_rank_nodes"]
@@ -38,7 +39,8 @@ _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 
 
 #: A layout node (JSON): ``["v"]`` a value, ``["t", shape, dtype]`` a tensor, ``["d" | "o", [[tag,
-#: key, node], ...]]`` a dict or OrderedDict, ``["l", [node, ...]]`` a list DCP enters, ``["T",
+#: key, node], ...]]`` a dict or OrderedDict, ``["D", factory name | None, [[tag, key, node], ...]]``
+#: a defaultdict, ``["C", [[tag, key, node], ...]]`` a Counter, ``["l", [node, ...]]`` a list DCP enters, ``["T",
 #: [node, ...]]`` a tuple holding tensors (distckpt stores it as a tree: a callback's ``(mean,
 #: var)`` pair of tensors; a tuple of plain values is one value).
 Node = list[object]
@@ -97,14 +99,31 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
             )
         return ["t", list(value.shape), str(value.dtype)], value
     if isinstance(value, Mapping):
-        ordered = isinstance(value, OrderedDict)
-        items, out = [], (OrderedDict() if ordered else {})
+        # DCP enters every mapping; the load rebuilds it from its node, of the saved type (a
+        # defaultdict keeps its factory: code appending to a missing key works after a resume
+        # as before; each came back a plain dict). Other mappings would come back as dicts.
+        kind = _MAPPING_NODES.get(type(value))
+        if kind is None:
+            raise TypeError(
+                f"checkpoint value {where!r} is a {type(value).__qualname__}{' holding tensors' if contains(value) else ''} "
+                "inside a part of the checkpoint that holds tensors: DistckptCheckpointIO rebuilds dict, OrderedDict, "
+                "defaultdict (of a built-in factory) and Counter mappings only, and it would come back as a dict; store "
+                "it as a dict"
+            )
+        head: list[object] = [kind, _factory(value, where)] if kind == "D" else [kind]  # type: ignore[arg-type]
+        out = _mapping(kind, head[1] if kind == "D" else None)
+        items = []
         for k, v in value.items():
             tag = _key_tag(k, where)
             node, out[k] = _walk(v, f"{where}.{k}", depth + 1, copy_values)
             items.append([tag, k, node])
-        return ["o" if ordered else "d", items], out
-    if isinstance(value, list) and (not dcp_leaf(value) or contains(value)):  # (a list of tuples holding tensors too)
+        return [*head, items], out
+    if isinstance(value, list) and type(value) is not list and contains(value):
+        raise TypeError(
+            f"checkpoint value {where!r} is a {type(value).__qualname__} (a list subclass) holding tensors: "
+            "DistckptCheckpointIO rebuilds plain lists only (it would come back as one); store it as a list"
+        )
+    if type(value) is list and (not dcp_leaf(value) or contains(value)):  # (a list of tuples holding tensors too)
         nodes, out_list = [], []
         for i, v in enumerate(value):
             node, c = _walk(v, f"{where}.{i}", depth + 1, copy_values)
@@ -122,6 +141,31 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
         pairs = [_walk(v, f"{where}.{i}", depth + 1, copy_values) for i, v in enumerate(value)]
         return ["T", [n for n, _ in pairs]], tuple(c for _, c in pairs)
     return ["v"], _copied(value, copy_values)
+
+
+#: The layout node kind of each mapping type a load rebuilds.
+_MAPPING_NODES: dict[type, str] = {dict: "d", OrderedDict: "o", defaultdict: "D", Counter: "C"}
+
+
+def _mapping(kind: str, factory: str | None) -> dict[Any, Any]:
+    """An empty mapping of node kind ``kind`` (``factory``: a ``"D"`` node's)."""
+    if kind == "D":
+        return defaultdict(None if factory is None else FACTORIES[factory])
+    return {"o": OrderedDict, "C": Counter}.get(kind, dict)()
+
+
+def _factory(value: defaultdict[Any, Any], where: str) -> str | None:
+    """The name of a defaultdict's built-in default factory (``None``: it has none)."""
+    factory = value.default_factory
+    if factory is None:
+        return None
+    name = next((n for n, c in FACTORIES.items() if c is factory), None)
+    if name is None:
+        raise TypeError(
+            f"checkpoint value {where!r} is a defaultdict whose default_factory {factory!r:.60} is not a "
+            f"built-in type ({', '.join(FACTORIES)}): a load rebuilds it without running code from the checkpoint"
+        )
+    return name
 
 
 def _copied(value: Any, copy_values: bool) -> Any:
@@ -253,9 +297,11 @@ def _build(node: object, left: list[int], depth: int) -> Any:
         if left[0] < 0:
             raise _BadLayout("its tensors hold more bytes than the step's files")
         return torch.empty(shape, dtype=dtype)
-    if kind in ("d", "o") and len(node) == 2 and isinstance(node[1], list):
-        out: dict[Any, Any] = OrderedDict() if kind == "o" else {}
-        for item in node[1]:
+    if (kind in ("d", "o", "C") and len(node) == 2 and isinstance(node[1], list)) or (
+        kind == "D" and len(node) == 3 and (node[1] is None or (type(node[1]) is str and node[1] in FACTORIES)) and isinstance(node[2], list)
+    ):
+        out = _mapping(kind, node[1] if kind == "D" else None)  # type: ignore[arg-type]
+        for item in node[-1]:
             if not isinstance(item, list) or len(item) != 3:
                 raise _BadLayout("a mapping item that is not [tag, key, node]")
             out[_key(item[0], item[1])] = _build(item[2], left, depth + 1)
@@ -268,6 +314,8 @@ def _build(node: object, left: list[int], depth: int) -> Any:
 
 
 def _key(tag: object, key: Any) -> Any:
+    if type(tag) is not str:
+        raise _BadLayout(f"a key tagged {tag!r:.40}")
     ok = {
         "s": type(key) is str,
         "i": type(key) is int,
