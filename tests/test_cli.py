@@ -395,6 +395,23 @@ def test_import_of_the_legacy_format_or_a_non_zip_says_which(tmp_path, capsys):
     assert_one_line_error(code, err, "legacy format")
 
 
+
+def test_importing_a_checkpoint_says_it_is_one(ckpt_root, tmp_path, capsys):
+    """`convert ROOT --to dcp OUT` of a distckpt or plain DCP checkpoint said "no
+    model.safetensors.index.json, model.safetensors or *.safetensors files"."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = ckpt_root
+    dcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"))
+    for src, kind in [(root, "distckpt"), (os.path.join(root, step_dir(10)), "distckpt"), (str(tmp_path / "plain"), "DCP")]:
+        code, _, err = run(["convert", src, "--to", "dcp", str(tmp_path / "o")], capsys)
+        assert_one_line_error(code, err, f"is a {kind} checkpoint already", "--to dcp imports")
+        assert not os.path.exists(tmp_path / "o")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(["convert", str(tmp_path / "empty"), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "no model.safetensors.index.json")
+
+
 # bad input ---------------------------------------------------------------------------------------
 def test_bad_inputs_one_line_errors(ckpt_root, tmp_path, capsys):
     root, _ = ckpt_root

@@ -339,6 +339,20 @@ def _not_on_this_node(found: StepFiles) -> list[str]:
     return sorted(n for n in found.files if n not in present and DATA_FILE.fullmatch(n))
 
 
+def _refuse_checkpoint_source(src: str, opts: dict[str, object]) -> None:
+    """``convert SRC --to dcp`` found no safetensors files: where SRC is a checkpoint already
+    (a root, a step or a DCP directory), say so rather than "no safetensors files"."""
+    try:
+        found = locate(src, opts)
+    except Exception:  # noqa: BLE001 - not a checkpoint either: the import's own error stands
+        return
+    raise ValueError(
+        f"{src} is a {'DCP' if found.manifest is None else 'distckpt'} checkpoint already: --to dcp imports a Hugging "
+        "Face safetensors directory or a torch.save file; to copy a checkpoint, copy its step folder (or export it "
+        "with --to torch/safetensors/hf)"
+    ) from None
+
+
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
     if args.model_only and args.all:
         raise _Usage("--model-only and --all exclude each other")
@@ -352,7 +366,11 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
             raise _Usage("--key, --dtype, --model-only, --all and --overwrite apply to exports, not to --to dcp")
         if _is_dir(args.src, opts):
             # A directory (or prefix): a Hugging Face checkpoint (safetensors, single or sharded).
-            summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
+            try:
+                summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
+            except FileNotFoundError:
+                _refuse_checkpoint_source(args.src, opts)
+                raise
         else:
             summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
     elif args.to == "hf":
