@@ -416,3 +416,24 @@ def _child(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1:])
+
+
+def test_an_arena_over_the_file_size_limit_is_named(tmp_path):
+    """Under `ulimit -f` (RLIMIT_FSIZE) smaller than the state, the first async save of process
+    mode failed with a bare `OSError: File too large` on every rank."""
+    script = tmp_path / "limit.py"
+    script.write_text(
+        "import errno, os, resource, signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "from distckpt.save.shared_arena import SharedArena\n"
+        "try:\n"
+        "    SharedArena(1 << 20)\n"
+        "except OSError as exc:\n"
+        "    assert exc.errno == errno.EFBIG, exc\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "staging arena of 1,048,576 bytes" in out.stdout and "ulimit -f" in out.stdout and 'async_mode="thread"' in out.stdout

@@ -161,7 +161,17 @@ def _anonymous_file(nbytes: int) -> int:
         # in between, its file is a leftover of a dead process: the next arena removes it.
         os.unlink(path)
     try:
-        os.ftruncate(fd, nbytes)
+        try:
+            os.ftruncate(fd, nbytes)
+        except OSError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            raise OSError(
+                exc.errno,
+                f"distckpt's staging arena of {nbytes:,} bytes (a shared-memory file) is larger than this process "
+                "may make a file (`ulimit -f`, RLIMIT_FSIZE): raise that limit, or save with async_mode=\"thread\" "
+                "(private host memory)",
+            ) from None
         if named and nbytes:
             _reserve(fd, nbytes)
     except BaseException:
