@@ -160,12 +160,9 @@ def _message(exc: BaseException) -> str:
     root cause (e.g. "No space left on device: PATH") when the text does not already say it."""
     text = _one_line(exc).split("\n(raised on rank", 1)[0].rstrip()
     cause, seen = exc, set()
-    def under(e: BaseException) -> BaseException | None:  # (not a context hidden by `raise ... from None`)
-        return e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-
-    while under(cause) is not None and id(cause) not in seen:
+    while (cause.__cause__ or cause.__context__) is not None and id(cause) not in seen:
         seen.add(id(cause))
-        cause = under(cause)  # type: ignore[assignment]
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
     if cause is not exc:
         why = _one_line(cause).splitlines()[0] if _one_line(cause) else type(cause).__name__
         if why not in text:
