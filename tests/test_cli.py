@@ -403,10 +403,16 @@ def test_importing_a_checkpoint_says_it_is_one(ckpt_root, tmp_path, capsys):
 
     root, _ = ckpt_root
     dcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"))
-    for src, kind in [(root, "distckpt"), (os.path.join(root, step_dir(10)), "distckpt"), (str(tmp_path / "plain"), "DCP")]:
+    for src in [root, os.path.join(root, step_dir(10)), str(tmp_path / "plain")]:
         code, _, err = run(["convert", src, "--to", "dcp", str(tmp_path / "o")], capsys)
-        assert_one_line_error(code, err, f"is a {kind} checkpoint already", "--to dcp imports")
+        assert_one_line_error(code, err, "is a checkpoint already", "--to dcp imports")
+        assert "caused by" not in err
         assert not os.path.exists(tmp_path / "o")
+    damaged = tmp_path / "damaged"  # a checkpoint whose manifest is not JSON is one all the same
+    (damaged / step_dir(3)).mkdir(parents=True)
+    (damaged / step_dir(3) / "manifest.json").write_text("{not json")
+    code, _, err = run(["convert", str(damaged / step_dir(3)), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "is a checkpoint already")
     (tmp_path / "empty").mkdir()
     code, _, err = run(["convert", str(tmp_path / "empty"), "--to", "dcp", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "no model.safetensors.index.json")

@@ -30,7 +30,7 @@ from typing import NoReturn, TextIO
 from fsspec.core import url_to_fs
 
 from distckpt._version import __version__
-from distckpt.errors import StepDeletedError, UnsafeCheckpointError
+from distckpt.errors import IntegrityError, StepDeletedError, UnsafeCheckpointError
 from distckpt.integrity.manifest import DATA_FILE, parse_step_dir, tier_copy
 from distckpt.integrity.shards import CheckpointSource
 from distckpt.integrity.stepfiles import StepFiles
@@ -339,18 +339,16 @@ def _not_on_this_node(found: StepFiles) -> list[str]:
     return sorted(n for n in found.files if n not in present and DATA_FILE.fullmatch(n))
 
 
-def _refuse_checkpoint_source(src: str, opts: dict[str, object]) -> None:
-    """``convert SRC --to dcp`` found no safetensors files: where SRC is a checkpoint already
-    (a root, a step or a DCP directory), say so rather than "no safetensors files"."""
+def _is_checkpoint(src: str, opts: dict[str, object]) -> bool:
+    """Whether ``src`` is a checkpoint (a root, a step or a DCP directory), even a damaged one:
+    ``convert SRC --to dcp`` that found no safetensors files then says so."""
     try:
-        found = locate(src, opts)
+        locate(src, opts)
+    except IntegrityError:  # (a damaged manifest: a checkpoint all the same)
+        return True
     except Exception:  # noqa: BLE001 - not a checkpoint either: the import's own error stands
-        return
-    raise ValueError(
-        f"{src} is a {'DCP' if found.manifest is None else 'distckpt'} checkpoint already: --to dcp imports a Hugging "
-        "Face safetensors directory or a torch.save file; to copy a checkpoint, copy its step folder (or export it "
-        "with --to torch/safetensors/hf)"
-    ) from None
+        return False
+    return True
 
 
 def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
@@ -369,8 +367,15 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
             try:
                 summary = import_hf(args.src, args.out, step=args.step or 0, storage_options=opts)
             except FileNotFoundError:
-                _refuse_checkpoint_source(args.src, opts)
-                raise
+                if not _is_checkpoint(args.src, opts):
+                    raise
+                summary = None
+            if summary is None:  # (raised here: the error is not "caused by" no safetensors files)
+                raise ValueError(
+                    f"{args.src} is a checkpoint already: --to dcp imports a Hugging Face safetensors directory or a "
+                    "torch.save file; to copy a checkpoint, copy its step folder (or export it with --to "
+                    "torch/safetensors/hf)"
+                )
         else:
             summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
     elif args.to == "hf":
