@@ -77,25 +77,43 @@ def test_another_librarys_index_is_read(tmp_path):
     # the index is ambiguous, under either library's name.
     for single in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
         save_file(_state(_model(3)), str(folder / single))
-        with pytest.raises(distckpt.IntegrityError, match=rf"holds both {single}.*diffusion_pytorch_model\.safetensors\.index\.json"):
+        with pytest.raises(distckpt.IntegrityError, match=rf"holds both {single} and diffusion_pytorch_model\.safetensors\.index\.json"):
             hf.load_pretrained(_model(5), str(folder))
         (folder / single).unlink()
-    # Two indexes, neither transformers': which is the checkpoint is not guessed.
-    shutil.copy(folder / "diffusion_pytorch_model.safetensors.index.json", folder / "other.safetensors.index.json")
-    with pytest.raises(distckpt.IntegrityError, match=r"2 safetensors indexes.*diffusion_pytorch_model.*other"):
-        hf.load_pretrained(_model(5), str(folder))
     # transformers' own index, where there is one, is the checkpoint (as transformers reads it).
     hf.save_pretrained(_model(4), str(tmp_path / "tf"), max_shard_size=1000)
     for f in (tmp_path / "tf").iterdir():
         shutil.copy(f, folder / f.name)
     hf.load_pretrained(fresh, str(folder))
     assert all(torch.equal(v, _model(4).state_dict()[k]) for k, v in fresh.state_dict().items())
-    # A malformed one is named.
+    # Its shards without it (a publish into this folder cut short after it removed its index)
+    # are another checkpoint beside diffusers' index: refused, not diffusers' weights loaded.
     (folder / INDEX_NAME).unlink()
-    (folder / "other.safetensors.index.json").unlink()
+    with pytest.raises(distckpt.IntegrityError, match=r"holds both model-00001-of-0000\d\.safetensors.*diffusion_pytorch_model"):
+        hf.load_pretrained(_model(5), str(folder))
+    for f in folder.glob("model-*.safetensors"):
+        f.unlink()
+    (folder / ".distckpt-publish.json").unlink(missing_ok=True)
+    hf.load_pretrained(fresh, str(folder))
+    assert all(torch.equal(v, _model(2).state_dict()[k]) for k, v in fresh.state_dict().items())
+    # A malformed one is named.
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text('{"weight_map": {"0.weight": "../x.safetensors"}}')
     with pytest.raises(distckpt.UnsafeCheckpointError, match=r"diffusion_pytorch_model\.safetensors\.index\.json names file"):
         hf.load_pretrained(_model(5), str(folder))
+
+
+
+def test_other_index_files_beside_a_single_file_are_not_its_index(tmp_path):
+    """An adapter's index, or a macOS '._' copy, beside model.safetensors: the single file is the
+    checkpoint (as transformers loads it), as before diffusers' index was read."""
+    folder = tmp_path / "m"
+    hf.save_pretrained(_model(6), str(folder))
+    (folder / "adapter_model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (folder / "._model.safetensors.index.json").write_bytes(b"\x00\x05\x16\x07 not json")
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    fresh = _model(5)
+    hf.load_pretrained(fresh, str(folder))
+    assert all(torch.equal(v, _model(6).state_dict()[k]) for k, v in fresh.state_dict().items())
 
 
 class Tied(nn.Module):

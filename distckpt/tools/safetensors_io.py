@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,6 +50,10 @@ from distckpt.storage.base import NotARegularFile, Storage, open_regular_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+DIFFUSERS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+#: The weights files transformers and diffusers write (and distckpt's publish): such a file
+#: beside an index that does not name it is another checkpoint (or an unfinished publish).
+_WEIGHTS_FILE = re.compile(r"(model|diffusion_pytorch_model)(-\d+-of-\d+)?\.safetensors")
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 MAX_DIMS = 64  # more than any real tensor has; bounds the size arithmetic on hostile headers
 
@@ -303,26 +308,12 @@ def _open_blob(blobs: str, blob: str) -> int:
         os.close(fd)
 
 
-def index_name(storage: Storage, files: Mapping[str, int]) -> str | None:
+def index_name(files: Mapping[str, int]) -> str | None:
     """The index of the safetensors checkpoint in a folder whose files are ``files``:
-    ``model.safetensors.index.json`` (transformers), else the one ``*.safetensors.index.json``
-    (diffusers' ``diffusion_pytorch_model.safetensors.index.json``, any library's); ``None``
-    where there is none.
-
-    Raises:
-        IntegrityError: several indexes and none of them transformers' (which one is the
-            checkpoint is not guessed).
-    """
-    if INDEX_NAME in files:
-        return INDEX_NAME
-    found = sorted(f for f in files if f.endswith(".safetensors.index.json") and f != ".safetensors.index.json")
-    if len(found) > 1:
-        shown = ", ".join(f"{n!r:.100}" for n in found[:5]) + (", ..." if len(found) > 5 else "")
-        raise IntegrityError(
-            f"{storage.display()}: holds {len(found)} safetensors indexes ({shown}): which one is the checkpoint is "
-            "not guessed; name its folder alone, or remove the others"
-        )
-    return found[0] if found else None
+    ``model.safetensors.index.json`` (transformers), else diffusers'
+    ``diffusion_pytorch_model.safetensors.index.json``; ``None`` where there is none. (Other
+    ``*.index.json`` files, an adapter's or an editor's copy, are not a model's index.)"""
+    return next((name for name in (INDEX_NAME, DIFFUSERS_INDEX_NAME) if name in files), None)
 
 
 class SafetensorsIndex:
@@ -349,7 +340,7 @@ class SafetensorsIndex:
         if only is not None:  # one file, named by the caller (an index beside it is not read)
             weight_map = None
             names = [only]
-        elif (index := index_name(storage, files)) is not None:
+        elif (index := index_name(files)) is not None:
             self.index_name = index
             where = storage.display(index)
             if files[index] > MAX_HEADER:
@@ -362,17 +353,23 @@ class SafetensorsIndex:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise IntegrityError(f"{where}: no 'weight_map' of tensor name -> file name")
             names = sorted(set(weight_map.values()))
-            for single in dict.fromkeys((index[: -len(".index.json")], SINGLE_NAME)):
-                if single in files and single not in names:
-                    # Two checkpoints in one folder: transformers (diffusers) loads the single
-                    # file (it looks for it first), an index reader the shards. Neither is
-                    # chosen silently.
-                    shown = ", ".join(f"{n!r:.100}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
-                    raise IntegrityError(
-                        f"{storage.display()}: holds both {single} and {index} (naming {shown}): transformers "
-                        f"would load {single}, the index names other files; remove the one that is not the "
-                        "checkpoint (or move it to another folder)"
-                    )
+            for name in names:
+                self._check_name(name, files)
+            others = sorted(f for f in files if f not in names and _WEIGHTS_FILE.fullmatch(f))
+            if index == INDEX_NAME:
+                others = [f for f in others if f == SINGLE_NAME]  # (stray shards: as before)
+            if others:
+                # Two checkpoints in one folder: transformers (diffusers) loads the single file
+                # (it looks for it first), an index reader the shards; diffusers' index beside
+                # transformers-named shards is a publish cut short after it removed its own
+                # index. Neither is chosen silently.
+                shown = ", ".join(f"{n!r:.100}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+                extra = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+                raise IntegrityError(
+                    f"{storage.display()}: holds both {extra} and {index} (naming {shown}): two checkpoints, or "
+                    "an unfinished publish (transformers would load a single model.safetensors first); remove the "
+                    "files that are not the checkpoint (or move them to another folder)"
+                )
         else:
             # Without an index only a single file is a checkpoint: shards without their index
             # are an unfinished publish (possibly new shards beside old ones), never guessed at.
@@ -391,12 +388,7 @@ class SafetensorsIndex:
         self.spans: dict[str, TensorSpan] = {}
         self.files: dict[str, _FileIdentity] = {}  # file name -> what it was when its header was parsed
         for name in names:
-            if "/" in name or "\\" in name or name in (".", ".."):
-                raise UnsafeCheckpointError(f"{storage.display(self.index_name)} names file {name!r:.100} outside the directory")
-            if not name.endswith(".safetensors"):
-                raise IntegrityError(f"{storage.display(self.index_name)} names {name!r:.100}, which is not a .safetensors file")
-            if name not in files:
-                raise IntegrityError(f"{storage.display(self.index_name)} names {name!r:.100}, which does not exist")
+            self._check_name(name, files)
             where = storage.display(name)
             with self.open(name) as f:
                 head = hashlib.sha256()
@@ -418,6 +410,16 @@ class SafetensorsIndex:
             lost = sorted(set(weight_map) - set(self.spans))
             if lost:
                 raise IntegrityError(f"{storage.display(self.index_name)}: tensors missing from their files: {lost[:10]}")
+
+    def _check_name(self, name: str, files: Mapping[str, int]) -> None:
+        """Refuse file ``name`` of the index (or the caller's) unless it is a ``.safetensors``
+        file directly in the folder."""
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise UnsafeCheckpointError(f"{self.storage.display(self.index_name)} names file {name!r:.100} outside the directory")
+        if not name.endswith(".safetensors"):
+            raise IntegrityError(f"{self.storage.display(self.index_name)} names {name!r:.100}, which is not a .safetensors file")
+        if name not in files:
+            raise IntegrityError(f"{self.storage.display(self.index_name)} names {name!r:.100}, which does not exist")
 
     @contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
