@@ -257,6 +257,10 @@ def write_torch_record(obj: object, stream: object, crc: bool) -> None:
 # the save planner must count it as sharding (distckpt.state.placements.replica_dims).
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401
 
+# The block of a DTensor that each rank holds by its placements (torch.chunk's split): what DCP
+# writes for its local tensor (distckpt.state.placements.check_block).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402,F401
+
 
 # DCP's load without the public wrapper's per-value ``isinstance(value, Stateful)`` (twice per
 # value). ``Stateful`` is a runtime-checkable Protocol: each check inspects the value's class

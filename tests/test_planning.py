@@ -597,3 +597,35 @@ def test_strict_load_exchanges_digests_not_key_lists(tmp_path):
     assert requested == set(plan.request)
     report = judge(1, index, [view, view], None, None, requested)
     assert report.unexpected == ["step"] and not report.missing
+
+
+def _uneven_from_local_job(rank: int, world: int, root: str) -> dict:
+    import distckpt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = [1, 3][rank]  # torch.chunk splits 4 rows as 2, 2
+    local = torch.full((rows, 2), float(rank))
+    odd = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((4, 2)), stride=(2, 1))
+    ckpt = distckpt.Checkpointer(root)
+    try:
+        ckpt.save(1, {"x": odd, "w": torch.ones(2)})
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    steps = ckpt.steps()
+    ckpt.close()
+    return {"error": error, "steps": steps}
+
+
+def test_a_dtensor_whose_blocks_are_not_torch_chunks_is_refused_at_save(tmp_path):
+    """A DTensor made by from_local(run_check=False) with shards of 1 and 3 rows (torch.chunk
+    gives 2 and 2) was committed; every load then failed with bare RuntimeError/IndexError
+    from DCP (found by a helper, 2026-12-07, /tmp/attack79). It is refused at save, on every
+    rank, naming the key and both shapes; nothing is committed."""
+    results = run_ranks(_uneven_from_local_job, 2, tmp_path, str(tmp_path / "ck"))
+    for rank, res in enumerate(results):
+        assert res["steps"] == [], res
+        assert res["error"] is not None and "'x'" in res["error"] and "torch.chunk" in res["error"], res["error"]
+    assert "(1, 2)" in results[0]["error"] or "(3, 2)" in results[0]["error"], results[0]["error"]

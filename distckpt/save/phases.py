@@ -60,7 +60,7 @@ from distckpt.integrity.manifest import MANIFEST_NAME, TIER_COPY, FileRecord, Ma
 from distckpt.storage.retention import Reaper, delete_old_steps
 from distckpt.save.staging import Stager, check_saveable, replicated_layout
 from distckpt.state.build import build_entries
-from distckpt.state.placements import writes_dtensor
+from distckpt.state.placements import check_block, writes_dtensor
 from distckpt.state.entries import contains
 from distckpt.storage.base import Storage
 
@@ -241,6 +241,9 @@ def prepare(
     unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
     digests, sizes = replicated_layout(unscoped)
     flat = flatten_state_dict(state_dict)[0]
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            check_block(value, key)
     structure = assign.describe(flat)
     on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(

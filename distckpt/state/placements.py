@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from distckpt._compat import StridedShard
+from distckpt._compat import StridedShard, compute_local_shape_and_global_offset
 
 
 class PlacementError(ValueError):
@@ -99,3 +99,26 @@ def writes_dtensor(value: DTensor, key: str) -> bool:
     if coord is None:
         return False
     return all(coord[dim] == 0 for dim in replica_dims(value, key))
+
+
+def check_block(value: DTensor, key: str) -> None:
+    """(each rank, pure) Refuse a DTensor whose local tensor is not the block its placements give
+    this rank (one made by ``DTensor.from_local(..., run_check=False)`` with shards split other
+    than ``torch.chunk`` splits): DCP would record the block its placements give and write the
+    local tensor under it, a committed step that no load can read.
+
+    Raises:
+        PlacementError: naming the key, both shapes and the rank's mesh coordinate.
+    """
+    coord = value.device_mesh.get_coordinate()
+    if coord is None:
+        return
+    shape, _ = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    local = value.to_local().shape
+    if tuple(shape) != tuple(local):
+        raise PlacementError(
+            f"cannot checkpoint DTensor {key!r}: this rank (mesh coordinate {tuple(coord)}) holds a block of shape "
+            f"{tuple(local)}, but its placements {tuple(value.placements)} over shape {tuple(value.shape)} give it "
+            f"{tuple(shape)} (torch.chunk's split, by which checkpoints record blocks); make it with "
+            "distribute_tensor, or with DTensor.from_local from shards split as torch.chunk splits"
+        )
