@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -101,29 +102,31 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
     if isinstance(value, Mapping):
         # DCP enters every mapping; the load rebuilds it from its node, of the saved type (a
         # defaultdict keeps its factory: code appending to a missing key works after a resume
-        # as before; each came back a plain dict). Other mappings would come back as dicts.
+        # as before; each came back a plain dict, silently). Other mappings come back as
+        # dicts, with a warning at the save.
         kind = _MAPPING_NODES.get(type(value))
-        if kind is None:
-            raise TypeError(
-                f"checkpoint value {where!r} is a {type(value).__qualname__}{' holding tensors' if contains(value) else ''} "
-                "inside a part of the checkpoint that holds tensors: DistckptCheckpointIO rebuilds dict, OrderedDict, "
-                "defaultdict (of a built-in factory) and Counter mappings only, and it would come back as a dict; store "
-                "it as a dict"
+        factory = _factory(value) if kind == "D" else None
+        if kind is None or factory == "":
+            # (Lightning's own AttributeDict in hyper-parameters or a callback's state: refusing
+            # it would stop training at its first checkpoint.)
+            what = (
+                f"a defaultdict whose default_factory {value.default_factory!r:.60} is not a built-in type"  # type: ignore[attr-defined]
+                if factory == ""
+                else f"a {type(value).__qualname__} (not a dict, OrderedDict, defaultdict or Counter)"
             )
-        head: list[object] = [kind, _factory(value, where)] if kind == "D" else [kind]  # type: ignore[arg-type]
-        out = _mapping(kind, head[1] if kind == "D" else None)
+            _warn_plain(where, what, "dict")
+            kind, factory = "d", None
+        head: list[object] = ["D", factory] if kind == "D" else [kind]
+        out = _mapping(kind, factory)
         items = []
         for k, v in value.items():
             tag = _key_tag(k, where)
             node, out[k] = _walk(v, f"{where}.{k}", depth + 1, copy_values)
             items.append([tag, k, node])
         return [*head, items], out
-    if isinstance(value, list) and type(value) is not list and contains(value):
-        raise TypeError(
-            f"checkpoint value {where!r} is a {type(value).__qualname__} (a list subclass) holding tensors: "
-            "DistckptCheckpointIO rebuilds plain lists only (it would come back as one); store it as a list"
-        )
-    if type(value) is list and (not dcp_leaf(value) or contains(value)):  # (a list of tuples holding tensors too)
+    if isinstance(value, list) and (not dcp_leaf(value) or contains(value)):  # (a list of tuples holding tensors too)
+        if type(value) is not list:
+            _warn_plain(where, f"a {type(value).__qualname__} (a list subclass)", "list")
         nodes, out_list = [], []
         for i, v in enumerate(value):
             node, c = _walk(v, f"{where}.{i}", depth + 1, copy_values)
@@ -154,18 +157,30 @@ def _mapping(kind: str, factory: str | None) -> dict[Any, Any]:
     return {"o": OrderedDict, "C": Counter}.get(kind, dict)()
 
 
-def _factory(value: defaultdict[Any, Any], where: str) -> str | None:
-    """The name of a defaultdict's built-in default factory (``None``: it has none)."""
+def _factory(value: defaultdict[Any, Any]) -> str | None:
+    """The name of a defaultdict's built-in default factory; ``None``: it has none; ``""``: it
+    is not a built-in type (a load does not run code from the checkpoint to rebuild it)."""
     factory = value.default_factory
     if factory is None:
         return None
-    name = next((n for n, c in FACTORIES.items() if c is factory), None)
-    if name is None:
-        raise TypeError(
-            f"checkpoint value {where!r} is a defaultdict whose default_factory {factory!r:.60} is not a "
-            f"built-in type ({', '.join(FACTORIES)}): a load rebuilds it without running code from the checkpoint"
-        )
-    return name
+    return next((n for n, c in FACTORIES.items() if c is factory), "")
+
+
+_WARNED_PLAIN: set[tuple[str, str]] = set()
+
+
+def _warn_plain(where: str, what: str, plain: str) -> None:
+    """Warn (once per key and type) that checkpoint value ``where``, ``what``, inside a part of
+    the checkpoint that holds tensors or containers DCP enters, is saved as a plain ``plain``
+    and comes back as one."""
+    if (where, what) in _WARNED_PLAIN:
+        return
+    _WARNED_PLAIN.add((where, what))
+    warnings.warn(
+        f"distckpt: checkpoint value {where!r} is {what}; DistckptCheckpointIO saves it as a plain {plain}, and a "
+        f"load gives back a {plain} (store it as one, or as a value of its own top-level key)",
+        stacklevel=4,
+    )
 
 
 def _copied(value: Any, copy_values: bool) -> Any:
@@ -310,7 +325,7 @@ def _build(node: object, left: list[int], depth: int) -> Any:
         return [_build(child, left, depth + 1) for child in node[1]]
     if kind == "T" and len(node) == 2 and isinstance(node[1], list):
         return tuple(_build(child, left, depth + 1) for child in node[1])
-    raise _BadLayout(f"unknown node {kind!r:.20}")
+    raise _BadLayout(f"unknown node {kind!r:.20}: damaged, or written by a newer distckpt")
 
 
 def _key(tag: object, key: Any) -> Any:
