@@ -459,3 +459,23 @@ def test_a_key_renamed_onto_a_skipped_keys_name_gets_the_renamed_tensor(tmp_path
     report = hf.load_pretrained(model, str(tmp_path), strict=False, key_map={"l.0": "l.0", "l.1": None, "l.2": "l.1"}.get)
     assert torch.equal(model.l[0], saved["l.0"]) and torch.equal(model.l[1], saved["l.2"])
     assert report.loaded == 2 and report.unexpected == ["l.1"] and not report.missing
+
+
+@pytest.mark.parametrize("index", ["transformers", "diffusers"])
+def test_a_sharded_folder_on_a_store_imports(tmp_path, index):
+    """`convert URL --to dcp` of a sharded folder on an object store (memory:// here) downloaded
+    the shards without their index, and the download was refused as an unfinished publish."""
+    local = tmp_path / "hf"
+    hf.save_pretrained(_model(9), str(local), max_shard_size=1000)
+    if index == "diffusers":
+        _as_diffusers(local)
+    import fsspec
+
+    url = f"memory://{tmp_path.name}-{index}/hf"
+    fs = fsspec.filesystem("memory")
+    for f in local.iterdir():
+        fs.pipe(f"{url}/{f.name}", f.read_bytes())
+    hf_convert.import_hf(url, str(tmp_path / "ck"))
+    fresh = _model(5)
+    distckpt.Checkpointer(str(tmp_path / "ck")).load({"model": fresh})
+    assert all(torch.equal(v, _model(9).state_dict()[k]) for k, v in fresh.state_dict().items())

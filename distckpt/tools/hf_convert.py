@@ -66,7 +66,9 @@ def import_hf(
         source = Storage(src, opts)
         index = SafetensorsIndex(source)
         # The files themselves (local), or a download of them; re-validated against those bytes.
-        local = source.local_dir(sorted({s.file for s in index.spans.values()}), tmp)
+        # (with the index: without it the shards are refused as an unfinished publish)
+        names = sorted({s.file for s in index.spans.values()}) + ([index.index_file] if index.index_file else [])
+        local = source.local_dir(names, tmp)
         index = SafetensorsIndex(Storage(local))
         maps: dict[str, mmap.mmap] = {}
         tensors: dict[str, torch.Tensor] = {}

@@ -335,13 +335,14 @@ class SafetensorsIndex:
 
     def __init__(self, storage: Storage, only: str | None = None) -> None:
         self.storage = storage
-        self.index_name = INDEX_NAME  # the index read, where there is one
+        self.index_name = INDEX_NAME  # the index read, where there is one (named in errors)
+        self.index_file: str | None = None  # the index read; None: none was
         files = storage.list_files()
         if only is not None:  # one file, named by the caller (an index beside it is not read)
             weight_map = None
             names = [only]
         elif (index := index_name(files)) is not None:
-            self.index_name = index
+            self.index_name = self.index_file = index
             where = storage.display(index)
             if files[index] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[index]} bytes, larger than the 100 MB limit for an index")
