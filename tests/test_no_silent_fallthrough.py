@@ -58,6 +58,37 @@ def test_valid_metadata_reads_back_equal(tmp_path):
         assert ckpt.manifest(1).extra == meta
 
 
+class _Tag(str):
+    """A str subclass defined in the test module: the async writer process cannot import it."""
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_str_subclasses_in_metadata_are_stored_as_str(tmp_path, blocking):
+    """A str subclass in metadata was sent to the async writer process as it was: the writer
+    died unpickling it, and the save failed with 'exited (code 1)' (found by a helper,
+    2026-12-07, /tmp/attack82). Keys too."""
+    with distckpt.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, _state(), metadata={"tag": _Tag("run-a"), _Tag("k"): [_Tag("x")]}, blocking=blocking)
+        ckpt.wait()
+        extra = ckpt.manifest(1).extra
+    assert extra == {"tag": "run-a", "k": ["x"]} and type(extra["tag"]) is str
+
+
+def test_a_key_that_is_not_unicode_fails_the_save_naming_it(tmp_path):
+    class Obj:
+        def state_dict(self):
+            return {"k\ud800": torch.ones(1)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with distckpt.Checkpointer(str(tmp_path)) as ckpt:
+        with pytest.raises(TypeError, match=r"'o\.k\\ud800'.*lone surrogate"):
+            ckpt.save(1, {"o": Obj()})
+        ckpt.save(2, _state())
+        assert ckpt.steps() == [2]
+
+
 def test_an_empty_root_and_local_storage_options_are_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for root in ("", "   ", None, 3):

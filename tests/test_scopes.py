@@ -137,3 +137,41 @@ def test_scope_rules():
     assert unwrap(DistributedSampler(range(8), num_replicas=2, rank=0))[1] == PER_RANK
     with pytest.raises(TypeError):
         distckpt.PerRank(distckpt.Global(1))
+
+
+def test_values_equal_as_dicts_but_of_other_types_or_orders_are_per_rank():
+    """A Counter on one rank and a dict on another (equal), or an OrderedDict in another order
+    (unequal), were digested alike: the entry was global and every rank loaded one rank's value
+    (found by a helper, 2026-12-07, /tmp/attack82). Plain dicts in another insertion order are
+    still one global value (equal, and loaded back the same). Ints of more than 4300 digits
+    made the digest fail with a bare ValueError."""
+    import collections
+
+    from distckpt.state.scope import digest
+
+    assert digest(collections.OrderedDict(a=1, b=2)) != digest(collections.OrderedDict(b=2, a=1))
+    assert digest([{"a": 1}]) != digest([collections.Counter(a=1)])
+    assert digest({"a": 1}) != digest(collections.defaultdict(int, a=1))
+    assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
+    assert digest(7**6000) != digest(7**6000 + 1) and digest({7**6000: 1}) == digest({7**6000: 1})
+
+
+def _mixed_body(rank: int, world: int, root: str) -> dict:
+    import collections
+
+    od = collections.OrderedDict([("a", 1), ("b", 2)] if rank == 0 else [("b", 2), ("a", 1)])
+    counts = {"a": 1} if rank == 0 else collections.Counter({"a": 1})
+    ckpt = distckpt.Checkpointer(root)
+    ckpt.save(1, {"od": od, "counts": counts})
+    state = {"od": None, "counts": None}
+    ckpt.load(state)
+    entries = ckpt.manifest(1).entries
+    ckpt.close()
+    return {"scopes": (entries["od"]["scope"], entries["counts"]["scope"]), "order": list(state["od"]), "type": type(state["counts"]).__name__}
+
+
+def test_a_value_whose_ranks_differ_in_order_or_type_loads_back_on_each(tmp_path):
+    results = run_ranks(_mixed_body, 2, tmp_path, str(tmp_path / "ck"))
+    assert [r["scopes"] for r in results] == [("per_rank", "per_rank")] * 2
+    assert [r["order"] for r in results] == [["a", "b"], ["b", "a"]]
+    assert [r["type"] for r in results] == ["dict", "Counter"]

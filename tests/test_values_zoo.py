@@ -27,6 +27,7 @@ import io
 import math
 import pathlib
 import random
+import struct
 import threading
 import uuid
 import zoneinfo
@@ -79,6 +80,16 @@ class Config:
     derived: int = dataclasses.field(default=0, init=False)
 
 
+@dataclasses.dataclass
+class Scaled:
+    """A dataclass whose __post_init__ sets an attribute that is no field (pickle keeps it)."""
+
+    lr: float
+
+    def __post_init__(self) -> None:
+        self.scaled = self.lr * 10
+
+
 class Point(NamedTuple):
     x: Any
     y: Any = 0
@@ -88,7 +99,7 @@ class Subclassed(torch.Tensor):
     """A tensor subclass: torch.save pickles its class, which weights_only refuses."""
 
 
-SAFE_TYPES = (Phase, Level, Perm, Frozen, Config, Point)
+SAFE_TYPES = (Phase, Level, Perm, Frozen, Config, Point, Scaled)
 _HAS_OPTION = "safe_types" in inspect.signature(distckpt.Checkpointer).parameters
 
 
@@ -327,14 +338,20 @@ def same(got: Any, want: Any, where: str = "") -> str | None:
         return next((d for i, (g, w) in enumerate(zip(got, want)) if (d := same(g, w, f"{where}[{i}]"))), None)
     if isinstance(want, (set, frozenset)):
         return None if sorted(map(repr, got)) == sorted(map(repr, want)) else f"{where}: {got!r} != {want!r}"
-    if isinstance(want, (float, complex, decimal.Decimal)):
+    if isinstance(want, float):  # the bits: NaN sign and payload, -0.0
+        return None if struct.pack("<d", got) == struct.pack("<d", want) else f"{where}: {got!r} != {want!r} (bits)"
+    if isinstance(want, (complex, decimal.Decimal)):
         return None if repr(got) == repr(want) else f"{where}: {got!r} != {want!r}"  # NaN, -0.0, Decimal exponents
     if isinstance(want, (datetime.datetime, datetime.time)):
         ok = got == want and got.fold == want.fold and repr(got.tzinfo) == repr(want.tzinfo)
         return None if ok else f"{where}: {got!r} != {want!r}"
     if dataclasses.is_dataclass(want):
-        fields = dataclasses.fields(want)
-        return next((d for f in fields if (d := same(getattr(got, f.name), getattr(want, f.name), f"{where}.{f.name}"))), None)
+        fields = {f.name for f in dataclasses.fields(want)}
+        extras = [sorted(set(getattr(x, "__dict__", {})) - fields) for x in (got, want)]  # (__post_init__'s)
+        if extras[0] != extras[1]:
+            return f"{where}: attributes beside the fields {extras[0]} != {extras[1]}"
+        names = [f.name for f in dataclasses.fields(want)] + extras[1]
+        return next((d for n in names if (d := same(getattr(got, n), getattr(want, n), f"{where}.{n}"))), None)
     return None if got == want else f"{where}: {got!r:.100} != {want!r:.100}"
 
 
@@ -396,6 +413,48 @@ def test_the_zoo_round_trips_exactly_sync_and_async(tmp_path, monkeypatch, mode,
             ckpt.load(loaded, step=seed + 1)
             assert compare(loaded, want) == [], (seed, mode, blocking)
             assert type(loaded["optim"].param_groups[0]["lr"]) is np.float64
+
+
+def _edge_values() -> dict:
+    """Values a save accepted and no load could read, or that came back changed (found by a
+    helper, 2026-12-07, /tmp/attack82)."""
+    signalling = np.frombuffer(b"\x01\x00\x80\x7f", dtype="<f4")[0]  # a float32 signalling NaN
+    negative_nan = struct.unpack("<d", b"\x00\x00\x00\x00\x00\x00\xf8\xff")[0]
+    return {
+        "empty_bytes": b"",  # pickled as a call of bytes(), which weights_only refuses
+        "in_list": [b"", 1, {"k": b""}],
+        "np_empty_str": np.str_(""),  # its dtype has no bytes; its tobytes() one NUL
+        "np_empty_bytes": np.bytes_(b""),
+        "np_bytes_nul": np.bytes_(b"ab\x00"),  # an array's item dropped the trailing NUL
+        "np_str_nul": np.str_("a\x00"),
+        "sNaN": signalling,  # quieted through a Python float
+        "cNaN": np.complex64(complex(float("nan"), 1)),
+        "neg_nan": negative_nan,
+        "post_init": Scaled(0.5),  # its 'scaled' attribute was lost
+        "huge": 7**6000,  # more digits than Python writes as text
+    }
+
+
+@pytest.mark.parametrize("mode, blocking", [("process", True), ("thread", False)])
+def test_edge_values_round_trip_exactly(tmp_path, monkeypatch, mode, blocking):
+    with checkpointer(tmp_path, monkeypatch=monkeypatch, async_mode=mode) as ckpt:
+        values = _edge_values()
+        top = {"top_bytes": b"", "top_nan": values["neg_nan"], "top_huge": 7**6000, "top_list": [values["neg_nan"], 1]}
+        state = {"bag": Bag(copy.deepcopy(values)), **copy.deepcopy(top)}
+        ckpt.save(1, state, blocking=blocking)
+        ckpt.wait()
+        loaded = {"bag": Bag(skeleton(values)), "top_bytes": None, "top_nan": 0.0, "top_huge": 0, "top_list": None}
+        ckpt.load(loaded, step=1)
+        assert same(loaded["bag"].state, values, "bag") is None
+        assert same({k: loaded[k] for k in top}, top, "top") is None
+        assert loaded["bag"].state["post_init"].scaled == 5.0
+
+
+def test_a_decimal_too_long_for_a_load_fails_the_save_naming_it(tmp_path, monkeypatch):
+    with checkpointer(tmp_path, monkeypatch=monkeypatch) as ckpt:
+        with pytest.raises(TypeError, match=r"'bag\.d'.*Decimal of 5,001 characters"):
+            ckpt.save(1, {"bag": Bag({"d": decimal.Decimal("1" * 5001)})})
+        assert ckpt.steps() == []
 
 
 def test_the_probe_np_float64_lr_loads_after_an_optimizer_step(tmp_path, monkeypatch):

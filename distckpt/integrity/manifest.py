@@ -259,8 +259,10 @@ def check_extra(extra: object) -> dict[str, Any]:
     def walk(value: object, path: str, depth: int) -> Any:
         if depth > _EXTRA_DEPTH:
             raise TypeError(f"save(metadata=...): {path} is nested deeper than {_EXTRA_DEPTH} levels")
-        if value is None or isinstance(value, (bool, str)):
+        if value is None or isinstance(value, bool):
             return value
+        if isinstance(value, str):
+            return str(value)  # a str subclass (a StrEnum, a tag class) as the plain str JSON keeps
         if isinstance(value, int):
             return int(value)  # an int subclass (IntEnum, NumPy-free bool-likes) as the plain int JSON keeps
         if isinstance(value, float):
@@ -275,7 +277,7 @@ def check_extra(extra: object) -> dict[str, Any]:
                         f"save(metadata=...): {path} has the key {k!r} ({type(k).__name__}); JSON keys are strings, "
                         "so it would read back as another key"
                     )
-                out[k] = walk(v, f"{path}[{k!r}]", depth + 1)
+                out[str(k)] = walk(v, f"{path}[{k!r}]", depth + 1)  # (a str subclass key as a str)
             return out
         if isinstance(value, list):
             return [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]

@@ -106,7 +106,13 @@ def describe(flat: Mapping[str, Any]) -> Structure:
             line = f"{key}|B"
             per_entry.setdefault(_entry(key), []).append(line)
             leaves.append((key, 1, False))
-        own.update(line.encode() + b"\n")
+        try:
+            own.update(line.encode() + b"\n")
+        except UnicodeEncodeError:
+            raise TypeError(
+                f"cannot save state key {key!r:.200}: it holds a lone surrogate (text that is not Unicode, as "
+                "os.fsdecode makes of undecodable file names); a checkpoint's keys are UTF-8 text"
+            ) from None
     replicas.sort()
     return Structure(
         own=own.hexdigest()[:32],

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import re
 import fractions
 import pathlib
 import uuid
@@ -27,7 +28,7 @@ import torch
 from distckpt._shown import shown
 from distckpt.errors import CheckpointError, IntegrityError, UnsafeCheckpointError
 from distckpt.state.containers import LOAD_DEPTH
-from distckpt.state.encoded import BIT_GENERATORS, FACTORIES, MARKER, NATIVE, PATHS, TopLevel, holds_objects, torch_dtype
+from distckpt.state.encoded import BIT_GENERATORS, FACTORIES, MARKER, MAX_DECIMAL_CHARS, MAX_INT_HEX, NATIVE, PATHS, TopLevel, holds_objects, torch_dtype
 from distckpt.state.safetypes import SafeTypes, SafeTypesLike, is_dataclass, is_enum, is_namedtuple
 from distckpt.state.shape import numel
 
@@ -245,12 +246,21 @@ def _dec_np_scalar(d: _Decoder, payload: Any, depth: int) -> np.generic:
         return dt.type(_typed(v, bool, "a bool scalar"))
     if dt.kind in "iu":
         return dt.type(_typed(v, int, "an integer scalar"))
-    if dt.kind == "f" and dt.itemsize <= 8:
+    if dt.kind == "f" and dt.itemsize <= 8 and type(v) is not bytes:  # (a NaN is stored as its bytes)
         return dt.type(_typed(v, float, "a float scalar"))
-    if dt.kind == "c" and dt.itemsize <= 16:
+    if dt.kind == "c" and dt.itemsize <= 16 and type(v) is not bytes:
         return dt.type(_typed(v, complex, "a complex scalar"))
+    if dt.itemsize == 0 and type(v) is bytes and len(v) <= 4 and not any(v):
+        return dt.type()  # np.str_("") / np.bytes_(b""): their tobytes() is a NUL
     if type(v) is not bytes or len(v) != dt.itemsize:
         raise _Malformed(f"numpy.scalar {text}: {type(v).__name__} of the wrong size")
+    if dt.kind == "S":
+        return dt.type(v)  # (an array's item would drop trailing NULs: b"ab\x00" came back b"ab")
+    if dt.kind == "U":
+        try:
+            return dt.type(v.decode("utf-32-be" if dt.str.startswith(">") else "utf-32-le", "surrogatepass"))
+        except UnicodeDecodeError:
+            raise _Malformed(f"numpy.scalar {text}: not UTF-32 text") from None
     return np.frombuffer(v, dtype=dt)[0]
 
 
@@ -376,6 +386,22 @@ def _dec_defaultdict(d: _Decoder, payload: Any, depth: int) -> collections.defau
     return collections.defaultdict(factory, d.walk(_typed(items, dict, "a defaultdict's items"), depth))
 
 
+def _dec_bytes(d: _Decoder, payload: Any, depth: int) -> bytes:
+    if payload != ():
+        raise _Malformed(f"bytes {shown(payload, 40)} (only an empty bytes is stored encoded)")
+    return b""
+
+
+_HEX_INT = re.compile(r"-?[0-9a-f]+")
+
+
+def _dec_int(d: _Decoder, payload: Any, depth: int) -> int:
+    text = _typed(payload, str, "an int's hex text")
+    if len(text) > MAX_INT_HEX + 1 or not _HEX_INT.fullmatch(text):
+        raise _Malformed(f"int {shown(payload, 40)}")
+    return int(text, 16)
+
+
 def _dec_slice(d: _Decoder, payload: Any, depth: int) -> slice:
     return slice(*d.items(d.fields(payload, 3, "slice"), depth, "a slice's fields"))
 
@@ -400,7 +426,7 @@ def _dec_tuple(d: _Decoder, payload: Any, depth: int) -> tuple[Any, ...]:
 
 
 def _dec_decimal(d: _Decoder, payload: Any, depth: int) -> decimal.Decimal:
-    if type(payload) is not str or len(payload) > 4096:
+    if type(payload) is not str or len(payload) > MAX_DECIMAL_CHARS:
         raise _Malformed(f"Decimal {shown(payload, 40)}")
     return decimal.Decimal(payload)
 
@@ -430,19 +456,29 @@ def _dec_enum(d: _Decoder, payload: Any, depth: int) -> Any:
 
 
 def _dec_dataclass(d: _Decoder, payload: Any, depth: int) -> Any:
-    name, fields = d.fields(payload, 2, "dataclass")
+    name, fields, *rest = d.fields(payload, 3 if type(payload) is tuple and len(payload) == 3 else 2, "dataclass")
+    extras = rest[0] if rest else ()  # attributes beyond the fields (__post_init__'s), where it had any
     cls = d.registered(name, is_dataclass, "a dataclass")
-    if type(fields) is not tuple or any(type(f) is not tuple or len(f) != 2 or type(f[0]) is not str for f in fields):
-        raise _Malformed(f"{name}: fields are not (name, value) pairs")
+    for pairs in (fields, extras):
+        if type(pairs) is not tuple or any(type(f) is not tuple or len(f) != 2 or type(f[0]) is not str for f in pairs):
+            raise _Malformed(f"{name}: fields are not (name, value) pairs")
     saved = dict(fields)
     expected = [f.name for f in dataclasses.fields(cls)]
     if sorted(saved) != sorted(expected) or len(saved) != len(fields):
         raise _Malformed(
             f"{name}: saved fields {sorted(saved)[:20]} are not the class's {sorted(expected)[:20]} (changed since the save?)"
         )
+    more = dict(extras)
+    if len(more) != len(extras) or set(more) & set(saved) or any(n.startswith("__") for n in more):
+        raise _Malformed(f"{name}: attributes {sorted(more)[:20]} beside its fields")
     obj = cls.__new__(cls)  # like pickle: no __init__/__post_init__, the saved fields exactly
     for field_name in expected:
         object.__setattr__(obj, field_name, d.walk(saved[field_name], depth))
+    if more:
+        if not hasattr(obj, "__dict__"):  # (a slots class: it never saves attributes beyond its fields)
+            raise _Malformed(f"{name}: attributes {sorted(more)[:20]} for a class without __dict__")
+        for attr, value in more.items():
+            obj.__dict__[attr] = d.walk(value, depth)
     return obj
 
 
@@ -469,6 +505,8 @@ _DECODERS: dict[str, _KindDecoder] = {
     "path": _dec_path,
     "deque": _dec_deque,
     "defaultdict": _dec_defaultdict,
+    "bytes": _dec_bytes,
+    "int": _dec_int,
     "slice": _dec_slice,
     "range": _dec_range,
     "set": _dec_set(set),

@@ -27,6 +27,8 @@ from the checkpoint; registered classes come from the loading process's allow-li
 
     kind                       payload                                   back as
     numpy.scalar               (dtype.str, int/float/bool/complex|bytes)  the NumPy scalar
+    bytes                      () (an empty bytes; others are stored as they are)
+    int                        hex text (an int of more than PICKLED_INT_BITS bits)
     numpy.ndarray              (dtype.str, shape, tensor)                 the array (own memory)
     numpy.random.Generator     (bit generator name, its state)            a Generator
     numpy.random.RandomState   its get_state(legacy=False) dict           a RandomState
@@ -40,7 +42,7 @@ from the checkpoint; registered classes come from the loading process's allow-li
     decimal / fraction / uuid  str / (numerator, denominator) / str
     tuple                      items (a tuple that starts with MARKER)
     enum                       (module:qualname, member name | Flag value)  registered classes only
-    dataclass                  (module:qualname, ((field, value), ...))   registered classes only
+    dataclass                  (module:qualname, ((field, value), ...)[, ((attribute, value), ...)])  registered classes only
     namedtuple                 (module:qualname, items)                   registered classes only
     value                      a top-level entry of ``state`` that is not plain (TopLevel)
 """
@@ -72,12 +74,33 @@ NATIVE: frozenset[type] = frozenset(
     {type(None), bool, int, float, complex, str, bytes, bytearray, torch.Size, torch.device, torch.dtype, torch.layout}
 )
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types torch.save pickles readably
+#: An empty ``bytes`` as stored: pickle (protocol 2, torch.save's) writes ``b""`` as a call of
+#: ``bytes()``, which ``weights_only`` refuses (other bytes are ``_codecs.encode`` of a str).
+EMPTY_BYTES = (MARKER, "bytes", ())
+
+
+#: Ints longer than this are stored encoded: pickle writes an int of more than 255 bytes with
+#: the LONG4 opcode, which ``weights_only`` does not read (LONG1 it does).
+PICKLED_INT_BITS = 2000
+
+
+def _passes(value: object) -> bool:
+    """Whether leaf ``value`` is stored as it is (a native value, other than ``b""`` and ints
+    too long for ``weights_only``)."""
+    t = type(value)
+    if t is int:
+        return value.bit_length() <= PICKLED_INT_BITS  # type: ignore[attr-defined]
+    return t in NATIVE and (t is not bytes or bool(value))
 #: The ``path`` kind's classes, by name.
 PATHS: dict[str, type[pathlib.PurePath]] = {
     c.__name__: c for c in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 }
 #: The ``defaultdict`` kind's default factories, by name.
 FACTORIES: dict[str, type] = {c.__name__: c for c in (int, float, complex, str, bytes, bool, list, dict, set, tuple)}
+#: The longest int stored (and read), in hex digits: 4 Mi bits, far beyond any counter or seed.
+MAX_INT_HEX = 1 << 20
+#: The longest Decimal text stored (and read).
+MAX_DECIMAL_CHARS = 4096
 #: NumPy's bit generators, by name (the only ones the NumPy kinds hold).
 BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
 
@@ -155,7 +178,7 @@ def _changed(pairs: Iterable[tuple[K, Any]], encode: Callable[[K, Any], Any], te
     without a call."""
     out: dict[K, Any] = {}
     for k, v in pairs:
-        if type(v) in NATIVE or (tensors_pass and isinstance(v, torch.Tensor)):  # most leaves: cheap to pass
+        if _passes(v) or (tensors_pass and isinstance(v, torch.Tensor)):  # most leaves: cheap to pass
             continue
         e = encode(k, v)
         if e is not v:
@@ -169,7 +192,7 @@ class _Encoder:
 
     # where DCP goes on flattening: the structure (keys) must stay as it is
     def traversed(self, value: Any, key: str, depth: int) -> Any:
-        if type(value) in NATIVE or isinstance(value, torch.Tensor):
+        if _passes(value) or isinstance(value, torch.Tensor):
             return value
         if depth > SAVE_DEPTH:
             _too_deep(key)
@@ -184,8 +207,15 @@ class _Encoder:
     # inside one stored item (torch.save'd, read back with weights_only)
     def pickled(self, value: Any, key: str, depth: int) -> Any:
         t = type(value)
-        if t in NATIVE:
+        if _passes(value):
             return value
+        if t is bytes:
+            return EMPTY_BYTES
+        if t is int:
+            text = f"{value:x}"  # (hex: decimal text is refused beyond 4300 digits)
+            if len(text) > MAX_INT_HEX + 1:
+                self._refuse(key, value, f" (an int of {value.bit_length():,} bits; at most {4 * MAX_INT_HEX:,} are stored)")
+            return (MARKER, "int", text)
         if depth > SAVE_DEPTH:
             _too_deep(key)
         if t is tuple:
@@ -220,8 +250,8 @@ class _Encoder:
         pairs = []
         changed = False
         for k, v in value.items():
-            ek = k if type(k) in NATIVE else self.pickled(k, f"{key}<key {k!r:.40}>", depth + 1)
-            ev = v if type(v) in NATIVE else self.pickled(v, f"{key}[{k!r:.40}]", depth + 1)
+            ek = k if _passes(k) else self.pickled(k, f"{key}<key {k!r:.40}>", depth + 1)
+            ev = v if _passes(v) else self.pickled(v, f"{key}[{k!r:.40}]", depth + 1)
             changed = changed or ek is not k or ev is not v
             pairs.append((ek, ev))
         if not changed:
@@ -273,7 +303,10 @@ class _Encoder:
         if t is range:
             return (MARKER, "range", (value.start, value.stop, value.step))
         if t is decimal.Decimal:
-            return (MARKER, "decimal", str(value))
+            text = str(value)
+            if len(text) > MAX_DECIMAL_CHARS:  # (a load refuses longer ones: bounded work on hostile records)
+                self._refuse(key, value, f" (a Decimal of {len(text):,} characters; at most {MAX_DECIMAL_CHARS} are stored: store it as a str)")
+            return (MARKER, "decimal", text)
         if t is fractions.Fraction:
             return (MARKER, "fraction", (value.numerator, value.denominator))
         if t is uuid.UUID:
@@ -288,10 +321,17 @@ class _Encoder:
             return (MARKER, "enum", (type_name(t), member))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             self._registered(t, key, "a dataclass")
-            fields = tuple(
-                (f.name, self.pickled(getattr(value, f.name), f"{key}.{f.name}", depth + 1)) for f in dataclasses.fields(value)
+            names = [f.name for f in dataclasses.fields(value)]
+            fields = tuple((n, self.pickled(getattr(value, n), f"{key}.{n}", depth + 1)) for n in names)
+            # Attributes beyond the fields (set by __post_init__, a cached_property): pickle keeps
+            # the whole __dict__, and a load that set the fields alone gave an object without them.
+            own = getattr(value, "__dict__", None)
+            extras = tuple(
+                (n, self.pickled(v, f"{key}.{n}", depth + 1)) for n, v in (own or {}).items() if n not in names and type(n) is str
             )
-            return (MARKER, "dataclass", (type_name(t), fields))
+            if any(n.startswith("__") for n, _ in extras):
+                self._refuse(key, value, " (an attribute beside its fields named like a dunder, '__...': a load sets none)")
+            return (MARKER, "dataclass", (type_name(t), fields, extras) if extras else (type_name(t), fields))
         if isinstance(value, tuple) and hasattr(t, "_fields"):
             self._registered(t, key, "a NamedTuple")
             return (MARKER, "namedtuple", (type_name(t), self._items(value, key, depth) or tuple(value)))
@@ -312,8 +352,11 @@ class _Encoder:
         dt = value.dtype
         if holds_objects(dt):
             self._refuse(key, value, f" (NumPy dtype {dt} holds Python objects or fields)")
-        if _exact_number(dt):
+        if _exact_number(dt) and not (dt.kind in "fc" and value != value):
             return (MARKER, "numpy.scalar", (dt.str, value.item()))  # exact as a Python number
+        # The bytes: a NaN's payload (a float32 signalling NaN, quieted by a Python float),
+        # longdouble, str_/bytes_ (an empty one's dtype has no bytes, its tobytes() a NUL: as
+        # the load expects; an empty bytes would be pickled as a call weights_only refuses).
         return (MARKER, "numpy.scalar", (dt.str, value.tobytes()))
 
     def _np_array(self, value: np.ndarray, key: str) -> tuple[Any, ...]:

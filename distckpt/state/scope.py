@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -115,20 +116,37 @@ def _feed(h: hashlib.blake2b, value: object) -> None:
         else:  # sparse, quantized ...: compare what they print as (never equal by accident)
             h.update(b"t" + repr(t).encode())
     elif isinstance(value, Mapping):
-        h.update(b"{" + struct.pack("<Q", len(value)))
-        for k in sorted(value, key=repr):
-            h.update(repr(k).encode() + b":")
+        # Its type too (a Counter on one rank, a dict on another: equal, yet each loads back as
+        # its own), and the order where equality sees it (OrderedDict): values that differ so
+        # are per rank, or one rank's would be loaded on every rank.
+        h.update(b"{" + _type(value) + struct.pack("<Q", len(value)))
+        keys = list(value) if isinstance(value, OrderedDict) else sorted(value, key=_text)
+        for k in keys:
+            h.update(_text(k).encode() + b":")
             _feed(h, value[k])
         h.update(b"}")
     elif isinstance(value, (list, tuple)):
-        h.update((b"[" if isinstance(value, list) else b"(") + struct.pack("<Q", len(value)))
+        h.update((b"[" if isinstance(value, list) else b"(") + _type(value) + struct.pack("<Q", len(value)))
         for v in value:
             _feed(h, v)
         h.update(b"]")
     elif isinstance(value, float):
-        h.update(b"f" + struct.pack("<d", value))
+        h.update(b"f" + _type(value) + struct.pack("<d", value))
     else:
-        h.update(type(value).__name__.encode() + b"=" + repr(value).encode())
+        h.update(_type(value) + b"=" + _text(value).encode())
+
+
+def _type(value: object) -> bytes:
+    t = type(value)
+    return f"{t.__module__}.{t.__qualname__}".encode()
+
+
+def _text(value: object) -> str:
+    """``repr(value)``, for ints in hex: the decimal text of an int of more than 4300 digits is
+    refused by Python (``sys.set_int_max_str_digits``), and the save failed with it."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{type(value).__name__}:{value:#x}"
+    return repr(value)
 
 
 def classify(name: str, declared: str | None, digests: Sequence[str]) -> str:
