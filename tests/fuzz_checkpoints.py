@@ -322,6 +322,13 @@ def _forgery(rng: random.Random, marker: str) -> tuple[str, Any, bool]:
         ("top-level value nested", [(MARKER, "value", 1)], False),
         ("wrong field types", (MARKER, "timedelta", ("1", 2, 3)), False),
         ("planted pickle in a payload", (MARKER, "deque", ([_Planted(marker)], None)), False),
+        ("int text of two signs", (MARKER, "int", "--5"), False),
+        ("int text too long", (MARKER, "int", "f" * ((1 << 20) + 2)), False),
+        ("int text not hex", (MARKER, "int", "12z"), False),
+        ("bytes with a payload", (MARKER, "bytes", (2**40,)), False),
+        ("dataclass attributes that are dunders", (MARKER, "dataclass", ("subprocess:Popen", (), (("__class__", 1),))), False),
+        ("unicode scalar of bad UTF-32", (MARKER, "numpy.scalar", ("<U1", b"\xff\xff\xff\xff")), False),
+        ("a valid long int", (MARKER, "int", "-" + "f" * 700), True),
         ("a valid value of another type", (MARKER, "numpy.scalar", ("<i2", 7)), True),
         ("a valid registered enum", (MARKER, "enum", (name, "DECAY")), True),
     ])  # fmt: skip

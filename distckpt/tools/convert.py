@@ -47,7 +47,7 @@ from distckpt.integrity.shards import CheckpointSource, TensorInfo
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.state import values
 from distckpt.state.decoding import decode_loaded
-from distckpt.state.encoded import TopLevel
+from distckpt.state.encoded import PICKLED_INT_BITS, TopLevel
 from distckpt.state.containers import SAVE_DEPTH
 from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
@@ -297,7 +297,7 @@ def _loadable(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` (in exact types, as :func:`_as_plain` gives it) is data a
     ``torch.load(weights_only=True)`` reads back."""
     if type(value) in _LOADABLE_SCALARS:
-        return True
+        return _odd_scalar(value) is None
     if depth > SAVE_DEPTH:  # (or a container holding itself)
         return False
     if type(value) in (list, tuple, set):
@@ -307,8 +307,20 @@ def _loadable(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _odd_scalar(value: Any) -> str | None:
+    """What ``weights_only`` cannot read of a plain scalar: an int pickled with LONG4 (more than
+    255 bytes), an empty ``bytes`` (pickled as a call of ``bytes()``); None for the others."""
+    if type(value) is int and value.bit_length() > PICKLED_INT_BITS:
+        return f"an int of {value.bit_length():,} bits"
+    if type(value) is bytes and not value:
+        return "an empty bytes"
+    return None
+
+
 def _type_name(value: Any) -> str:
     """The first type in ``value`` that is no plain data (a container's element's, if that)."""
+    if type(value) in _LOADABLE_SCALARS:
+        return _odd_scalar(value) or type(value).__name__
     if type(value) in (list, tuple, set):
         return next((_type_name(v) for v in value if not _loadable(v)), type(value).__name__)
     if type(value) is dict:
