@@ -416,6 +416,10 @@ def test_importing_a_checkpoint_says_it_is_one(ckpt_root, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, _, err = run(["convert", str(tmp_path / "empty"), "--to", "dcp", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "no model.safetensors.index.json")
+    (tmp_path / "other").mkdir()  # a folder with some other tool's manifest.json is no checkpoint
+    (tmp_path / "other" / "manifest.json").write_text('{"files": ["pytorch_model.bin"]}')
+    code, _, err = run(["convert", str(tmp_path / "other"), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "no model.safetensors.index.json")
 
 
 # bad input ---------------------------------------------------------------------------------------

@@ -67,11 +67,16 @@ def test_str_subclasses_in_metadata_are_stored_as_str(tmp_path, blocking):
     """A str subclass in metadata was sent to the async writer process as it was: the writer
     died unpickling it, and the save failed with 'exited (code 1)' (found by a helper,
     2026-12-07, /tmp/attack82). Keys too."""
+    import enum
+
+    class Kind(str, enum.Enum):  # its str() is "Kind.A", its text "alpha"
+        A = "alpha"
+
     with distckpt.Checkpointer(str(tmp_path)) as ckpt:
-        ckpt.save(1, _state(), metadata={"tag": _Tag("run-a"), _Tag("k"): [_Tag("x")]}, blocking=blocking)
+        ckpt.save(1, _state(), metadata={"tag": _Tag("run-a"), _Tag("k"): [_Tag("x")], "kind": Kind.A, Kind.A: 1}, blocking=blocking)
         ckpt.wait()
         extra = ckpt.manifest(1).extra
-    assert extra == {"tag": "run-a", "k": ["x"]} and type(extra["tag"]) is str
+    assert extra == {"tag": "run-a", "k": ["x"], "kind": "alpha", "alpha": 1} and type(extra["tag"]) is str
 
 
 def test_a_key_that_is_not_unicode_fails_the_save_naming_it(tmp_path):

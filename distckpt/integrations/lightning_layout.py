@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import sys
 import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
@@ -167,6 +169,7 @@ def _factory(value: defaultdict[Any, Any]) -> str | None:
 
 
 _WARNED_PLAIN: set[tuple[str, str]] = set()
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # distckpt/
 
 
 def _warn_plain(where: str, what: str, plain: str) -> None:
@@ -176,11 +179,16 @@ def _warn_plain(where: str, what: str, plain: str) -> None:
     if (where, what) in _WARNED_PLAIN:
         return
     _WARNED_PLAIN.add((where, what))
-    warnings.warn(
+    message = (
         f"distckpt: checkpoint value {where!r} is {what}; DistckptCheckpointIO saves it as a plain {plain}, and a "
-        f"load gives back a {plain} (store it as one, or as a value of its own top-level key)",
-        stacklevel=4,
+        f"load gives back a {plain} (store it as one, or as a value of its own top-level key)"
     )
+    # Attributed to the first caller outside distckpt, however deep the value (what Python
+    # 3.12's skip_file_prefixes does).
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _copied(value: Any, copy_values: bool) -> Any:

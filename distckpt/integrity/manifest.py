@@ -262,7 +262,7 @@ def check_extra(extra: object) -> dict[str, Any]:
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, str):
-            return str(value)  # a str subclass (a StrEnum, a tag class) as the plain str JSON keeps
+            return str.__str__(value)  # a str subclass (a (str, Enum), a tag class) as the plain str JSON keeps: its text, not its __str__
         if isinstance(value, int):
             return int(value)  # an int subclass (IntEnum, NumPy-free bool-likes) as the plain int JSON keeps
         if isinstance(value, float):
@@ -277,7 +277,7 @@ def check_extra(extra: object) -> dict[str, Any]:
                         f"save(metadata=...): {path} has the key {k!r} ({type(k).__name__}); JSON keys are strings, "
                         "so it would read back as another key"
                     )
-                out[str(k)] = walk(v, f"{path}[{k!r}]", depth + 1)  # (a str subclass key as a str)
+                out[str.__str__(k)] = walk(v, f"{path}[{k!r}]", depth + 1)  # (a str subclass key as a str)
             return out
         if isinstance(value, list):
             return [walk(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]

@@ -397,7 +397,7 @@ _HEX_INT = re.compile(r"-?[0-9a-f]+")
 
 def _dec_int(d: _Decoder, payload: Any, depth: int) -> int:
     text = _typed(payload, str, "an int's hex text")
-    if len(text) > MAX_INT_HEX + 1 or not _HEX_INT.fullmatch(text):
+    if len(text) - text.startswith("-") > MAX_INT_HEX or not _HEX_INT.fullmatch(text):
         raise _Malformed(f"int {shown(payload, 40)}")
     return int(text, 16)
 
@@ -407,7 +407,7 @@ def _dec_slice(d: _Decoder, payload: Any, depth: int) -> slice:
 
 
 def _dec_range(d: _Decoder, payload: Any, depth: int) -> range:
-    start, stop, step = (_typed(v, int, "a range field") for v in d.fields(payload, 3, "range"))
+    start, stop, step = (_typed(d.walk(v, depth), int, "a range field") for v in d.fields(payload, 3, "range"))
     return range(start, stop, step)
 
 
@@ -432,7 +432,7 @@ def _dec_decimal(d: _Decoder, payload: Any, depth: int) -> decimal.Decimal:
 
 
 def _dec_fraction(d: _Decoder, payload: Any, depth: int) -> fractions.Fraction:
-    num, den = (_typed(v, int, "a Fraction field") for v in d.fields(payload, 2, "fraction"))
+    num, den = (_typed(d.walk(v, depth), int, "a Fraction field") for v in d.fields(payload, 2, "fraction"))
     if den == 0:
         raise _Malformed("Fraction with denominator 0")
     return fractions.Fraction(num, den)

@@ -57,6 +57,7 @@ import enum
 import fractions
 import pathlib
 import uuid
+import warnings
 import zoneinfo
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
@@ -97,8 +98,12 @@ PATHS: dict[str, type[pathlib.PurePath]] = {
 }
 #: The ``defaultdict`` kind's default factories, by name.
 FACTORIES: dict[str, type] = {c.__name__: c for c in (int, float, complex, str, bytes, bool, list, dict, set, tuple)}
-#: The longest int stored (and read), in hex digits: 4 Mi bits, far beyond any counter or seed.
-MAX_INT_HEX = 1 << 20
+#: The longest int stored (and read), in hex digits: 16 Ki bits (~4900 decimal digits), beyond
+#: any counter or seed. Small, because a load hashes a decoded int again wherever a record uses
+#: it as a set member or dict key (memoized: once decoded, referenced many times).
+MAX_INT_HEX = 1 << 12
+#: Keys of a mapping DCP flattens beyond this many bits have more decimal digits than Python writes.
+_KEY_INT_BITS = 14_000
 #: The longest Decimal text stored (and read).
 MAX_DECIMAL_CHARS = 4096
 #: NumPy's bit generators, by name (the only ones the NumPy kinds hold).
@@ -189,6 +194,7 @@ def _changed(pairs: Iterable[tuple[K, Any]], encode: Callable[[K, Any], Any], te
 class _Encoder:
     def __init__(self, allow: SafeTypes) -> None:
         self.allow = allow
+        self._open: set[int] = set()  # the dataclasses being encoded (one holding itself is refused at once)
 
     # where DCP goes on flattening: the structure (keys) must stay as it is
     def traversed(self, value: Any, key: str, depth: int) -> Any:
@@ -197,6 +203,12 @@ class _Encoder:
         if depth > SAVE_DEPTH:
             _too_deep(key)
         if isinstance(value, Mapping):
+            for k in value:
+                if type(k) is int and k.bit_length() > _KEY_INT_BITS:  # (DCP writes each key as its digits)
+                    raise TypeError(
+                        f"cannot save state key {_clip(key)!r}.<an int of {k.bit_length():,} bits>: keys DCP flattens "
+                        "become their decimal text, which Python refuses beyond 4300 digits; use a shorter key"
+                    )
             new = _changed(value.items(), lambda k, v: self.traversed(v, f"{key}.{k}", depth + 1), tensors_pass=True)
             return {**value, **new} if new else value
         if isinstance(value, list) and not dcp_leaf(value):
@@ -213,7 +225,7 @@ class _Encoder:
             return EMPTY_BYTES
         if t is int:
             text = f"{value:x}"  # (hex: decimal text is refused beyond 4300 digits)
-            if len(text) > MAX_INT_HEX + 1:
+            if len(text) - text.startswith("-") > MAX_INT_HEX:
                 self._refuse(key, value, f" (an int of {value.bit_length():,} bits; at most {4 * MAX_INT_HEX:,} are stored)")
             return (MARKER, "int", text)
         if depth > SAVE_DEPTH:
@@ -301,14 +313,16 @@ class _Encoder:
             parts = (value.start, value.stop, value.step)
             return (MARKER, "slice", self._items(parts, key, depth) or parts)
         if t is range:
-            return (MARKER, "range", (value.start, value.stop, value.step))
+            parts = (value.start, value.stop, value.step)
+            return (MARKER, "range", self._items(parts, key, depth) or parts)  # (long ints encoded)
         if t is decimal.Decimal:
             text = str(value)
             if len(text) > MAX_DECIMAL_CHARS:  # (a load refuses longer ones: bounded work on hostile records)
                 self._refuse(key, value, f" (a Decimal of {len(text):,} characters; at most {MAX_DECIMAL_CHARS} are stored: store it as a str)")
             return (MARKER, "decimal", text)
         if t is fractions.Fraction:
-            return (MARKER, "fraction", (value.numerator, value.denominator))
+            parts = (value.numerator, value.denominator)
+            return (MARKER, "fraction", self._items(parts, key, depth) or parts)  # (long ints encoded)
         if t is uuid.UUID:
             return (MARKER, "uuid", str(value))
         if isinstance(value, enum.Enum):
@@ -321,21 +335,54 @@ class _Encoder:
             return (MARKER, "enum", (type_name(t), member))
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             self._registered(t, key, "a dataclass")
-            names = [f.name for f in dataclasses.fields(value)]
-            fields = tuple((n, self.pickled(getattr(value, n), f"{key}.{n}", depth + 1)) for n in names)
-            # Attributes beyond the fields (set by __post_init__, a cached_property): pickle keeps
-            # the whole __dict__, and a load that set the fields alone gave an object without them.
-            own = getattr(value, "__dict__", None)
-            extras = tuple(
-                (n, self.pickled(v, f"{key}.{n}", depth + 1)) for n, v in (own or {}).items() if n not in names and type(n) is str
-            )
-            if any(n.startswith("__") for n, _ in extras):
-                self._refuse(key, value, " (an attribute beside its fields named like a dunder, '__...': a load sets none)")
+            if id(value) in self._open:
+                self._refuse(key, value, " (it contains itself)")
+            self._open.add(id(value))
+            try:
+                names = [f.name for f in dataclasses.fields(value)]
+                fields = tuple((n, self.pickled(getattr(value, n), f"{key}.{n}", depth + 1)) for n in names)
+                extras = self._extras(value, names, key, depth)
+            finally:
+                self._open.discard(id(value))
             return (MARKER, "dataclass", (type_name(t), fields, extras) if extras else (type_name(t), fields))
         if isinstance(value, tuple) and hasattr(t, "_fields"):
             self._registered(t, key, "a NamedTuple")
             return (MARKER, "namedtuple", (type_name(t), self._items(value, key, depth) or tuple(value)))
         self._refuse(key, value)
+
+    def _extras(self, value: Any, names: list[str], key: str, depth: int) -> tuple[tuple[str, Any], ...]:
+        """A dataclass's attributes beyond its fields (set by ``__post_init__``, a
+        ``cached_property``), encoded: pickle keeps them (the instance's ``__dict__``, or what
+        its class's own ``__getstate__`` returns), and a load that set the fields alone gave an
+        object without them. Best effort: an attribute a load could not rebuild (a lock, a
+        logger, a reference back to the object) is left out, as all were before, with a warning."""
+        state = getattr(value, "__dict__", None)
+        getstate = getattr(type(value), "__getstate__", None)
+        if getstate is not None and getstate is not getattr(object, "__getstate__", None):
+            try:
+                state = value.__getstate__()
+            except Exception:  # noqa: BLE001 - the class's own: its fields are stored all the same
+                state = None
+        if not isinstance(state, dict):
+            return ()
+        out, left = [], []
+        for n, v in state.items():
+            if type(n) is not str or n in names:
+                continue
+            if n.startswith("__"):
+                left.append(n)
+                continue
+            try:
+                out.append((n, self.pickled(v, f"{key}.{n}", depth + 1)))
+            except (TypeError, RecursionError):
+                left.append(n)
+        if left:
+            warnings.warn(
+                f"distckpt: state value {_clip(key)!r} ({_shown(type(value))}): attributes beside its fields that a load "
+                f"could not rebuild are not stored: {', '.join(left[:10])} (a load gives an object without them)",
+                stacklevel=2,
+            )
+        return tuple(out)
 
     def _tz(self, tz: datetime.tzinfo | None, key: str, depth: int) -> tuple[Any, ...] | None:
         if tz is None:

@@ -12,7 +12,12 @@ Pure and local: every rank computes it from its own DTensors.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from distckpt._compat import StridedShard, compute_local_shape_and_global_offset
 
@@ -113,7 +118,7 @@ def check_block(value: DTensor, key: str) -> None:
     coord = value.device_mesh.get_coordinate()
     if coord is None:
         return
-    shape, _ = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    shape = _block_shape(tuple(value.shape), value.device_mesh, tuple(value.placements))
     local = value.to_local().shape
     if tuple(shape) != tuple(local):
         raise PlacementError(
@@ -122,3 +127,10 @@ def check_block(value: DTensor, key: str) -> None:
             f"{tuple(shape)} (torch.chunk's split, by which checkpoints record blocks); make it with "
             "distribute_tensor, or with DTensor.from_local from shards split as torch.chunk splits"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_shape(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:
+    """The block a rank of ``mesh`` holds of a DTensor (~40 us a call: once per parameter
+    layout, not per parameter and save)."""
+    return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)[0])

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,11 +116,11 @@ def _feed(h: hashlib.blake2b, value: object) -> None:
             h.update(b"t" + repr(t).encode())
     elif isinstance(value, Mapping):
         # Its type too (a Counter on one rank, a dict on another: equal, yet each loads back as
-        # its own), and the order where equality sees it (OrderedDict): values that differ so
-        # are per rank, or one rank's would be loaded on every rank.
+        # its own type): values that differ so are per rank, or one rank's type would be loaded
+        # on every rank. Not an OrderedDict's order: one built from a set differs between ranks
+        # (hash seeds), and would make the entry per rank, refused at another world size.
         h.update(b"{" + _type(value) + struct.pack("<Q", len(value)))
-        keys = list(value) if isinstance(value, OrderedDict) else sorted(value, key=_text)
-        for k in keys:
+        for k in sorted(value, key=_text):
             h.update(_text(k).encode() + b":")
             _feed(h, value[k])
         h.update(b"}")

@@ -76,10 +76,17 @@ def _check(value: Any, where: str, depth: int, exact: bool = False) -> None:
     if type(value) is dict or (not exact and isinstance(value, dict)):
         for k, v in value.items():
             if not (type(k) in _JSON_SCALARS or (not exact and isinstance(k, _JSON_SCALARS))):
-                raise TypeError(f"dict key {k!r} at {where or 'top'} is of type {type(k).__name__}")
-            _check(v, f"{where}[{k!r}]", depth + 1, exact)
+                raise TypeError(f"dict key {_shown_key(k)} at {where or 'top'} is of type {type(k).__name__}")
+            _check(v, f"{where}[{_shown_key(k)}]", depth + 1, exact)
         return
     raise TypeError(f"value at {where or 'top'} is of type {type(value).__name__}")
+
+
+def _shown_key(key: object) -> str:
+    """``repr(key)``, clipped; an int of more digits than Python writes as text by its size."""
+    if isinstance(key, int) and not isinstance(key, bool) and key.bit_length() > _JSON_INT_BITS:
+        return f"<an int of {key.bit_length():,} bits>"
+    return f"{key!r:.100}"
 
 
 def _tag(value: Any) -> Any:

@@ -344,8 +344,13 @@ def _is_checkpoint(src: str, opts: dict[str, object]) -> bool:
     ``convert SRC --to dcp`` that found no safetensors files then says so."""
     try:
         locate(src, opts)
-    except IntegrityError:  # (a damaged manifest: a checkpoint all the same)
-        return True
+    except IntegrityError:
+        # A damaged manifest of a step folder, or one beside DCP's .metadata: a checkpoint all
+        # the same. A manifest.json of something else (a dataset's) is no checkpoint.
+        try:
+            return parse_step_dir(src.rstrip("/").rpartition("/")[2]) is not None or ".metadata" in Storage(src, opts).list_files()
+        except Exception:  # noqa: BLE001 - unreadable: the import's own error stands
+            return False
     except Exception:  # noqa: BLE001 - not a checkpoint either: the import's own error stands
         return False
     return True

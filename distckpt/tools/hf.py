@@ -189,7 +189,7 @@ def load_pretrained(
         module: plain, DDP or FSDP2 model, already wrapped/sharded (FSDP2 parameters an eval
             forward left unsharded are resharded first, as :meth:`Checkpointer.load` does).
         path: directory with ``model.safetensors`` or shards + ``model.safetensors.index.json``
-            (or another library's ``*.safetensors.index.json``: diffusers'), or one
+            (or diffusers' ``diffusion_pytorch_model.safetensors.index.json``), or one
             ``.safetensors`` file (local path or fsspec URL).
         strict: raise :class:`StateMismatchError` (on every rank) if keys or shapes differ;
             with ``False`` load what matches and report the rest.

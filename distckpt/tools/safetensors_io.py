@@ -51,9 +51,11 @@ from distckpt.storage.base import NotARegularFile, Storage, open_regular_file
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DIFFUSERS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-#: The weights files transformers and diffusers write (and distckpt's publish): such a file
-#: beside an index that does not name it is another checkpoint (or an unfinished publish).
-_WEIGHTS_FILE = re.compile(r"(model|diffusion_pytorch_model)(-\d+-of-\d+)?\.safetensors")
+#: The weights files transformers writes (and distckpt's publish), and diffusers' single file:
+#: such a file beside diffusers' index that does not name it is another checkpoint (or a publish
+#: cut short); beside transformers' index only the single file is (stray shards of either
+#: library beside their own index are ignored, as transformers and diffusers ignore them).
+_WEIGHTS_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors|diffusion_pytorch_model\.safetensors")
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 MAX_DIMS = 64  # more than any real tensor has; bounds the size arithmetic on hostile headers
 
