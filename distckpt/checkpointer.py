@@ -21,7 +21,7 @@ from distckpt._dist import on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
 from distckpt.load import run as loading
 from distckpt.load.phases import LoadReport
@@ -35,6 +35,34 @@ from distckpt.storage.local_tier import LocalTier, superseded_by
 from distckpt.storage.replica import Replicator
 
 __all__ = ["Checkpointer", "SaveStats"]
+
+
+def _refuse_root_in_a_step(storage: Storage) -> None:
+    """(each rank, local roots) Refuse a root that is a committed step, or lies inside one (a
+    ``step_N`` folder given for a resume from that step, or a step copied as ``best``): its saves
+    would write new steps into that step's folder, and a load would find nothing there and start
+    from scratch.
+
+    Raises:
+        ValueError: naming the step and the root to pass instead.
+    """
+    if not storage.is_local:
+        return
+    for path in dict.fromkeys([os.path.abspath(storage.path), os.path.realpath(storage.path)]):
+        folder = path
+        while True:
+            if os.path.isfile(os.path.join(folder, MANIFEST_NAME)) and (
+                parse_step_dir(os.path.basename(folder)) is not None or os.path.isfile(os.path.join(folder, ".metadata"))
+            ):  # (a step under its name, or copied under another: "best")
+                inside = "is" if folder == path else "lies inside"
+                raise ValueError(
+                    f"checkpoint root {storage.display()} {inside} the committed step {folder}: its saves would write into "
+                    f"that step. Pass the checkpoint's root, {os.path.dirname(folder)} (load(state, step=N) loads step N)"
+                )
+            parent = os.path.dirname(folder)
+            if parent == folder:
+                break
+            folder = parent
 
 
 class Checkpointer:
@@ -166,6 +194,7 @@ class Checkpointer:
         )  # fmt: skip
         options = self.options
         self.storage = Storage(options.root, options.storage_options)
+        _refuse_root_in_a_step(self.storage)
         self._groups = GroupHolder(process_group, backend, options.timeout, agree=options.must_agree())
         self._lineage = Lineage(options.job)
         self.replica: Replicator | None = None

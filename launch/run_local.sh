@@ -11,7 +11,7 @@
 # signal after its workers are done).
 # PYTHON selects the interpreter (default: python3 on PATH, e.g. an activated venv).
 set -euo pipefail
-if [[ $# -lt 1 || ! $1 =~ ^[0-9]+$ ]]; then
+if [[ $# -lt 1 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
     echo "usage: $0 NPROC [train.py arguments...]" >&2
     exit 2
 fi

@@ -70,7 +70,9 @@ from model import GPT, GPTConfig, MarkovTokens  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    # allow_abbrev=False: "--weight 0.5" was taken for --weight-decay, and the resume's notice
+    # that the flag does not apply (it looks for the flag as written) said nothing.
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], allow_abbrev=False)
     p.add_argument("--parallel", choices=("ddp", "zero", "fsdp"), default="ddp")
     p.add_argument("--steps", type=int, required=True, help="train until this many optimizer steps in total")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
@@ -128,8 +130,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             bad.append(f"--log-file: {folder} is not a directory")
         elif not os.path.isdir(folder):
             bad.append(f"--log-file: directory {folder} does not exist")
-    if not args.lr >= 0:  # (NaN too)
-        bad.append(f"--lr must be >= 0, got {args.lr}")
+    if not 0 <= args.lr < math.inf:  # (NaN too; inf trained on NaN losses)
+        bad.append(f"--lr must be finite and >= 0, got {args.lr}")
+    if not 0 <= args.seed < 2**32:  # (torch's seeds are 64-bit: a larger one overflowed there)
+        bad.append(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.num_samples >= 1 and args.global_batch >= 1 and args.num_samples < args.global_batch:
+        bad.append(f"--num-samples ({args.num_samples}) must be at least --global-batch ({args.global_batch}): an epoch is whole global batches")
+    if not args.ckpt_dir.strip():
+        bad.append("--ckpt-dir must name a checkpoint root, got an empty string")
+    elif args.log_file and os.path.abspath(args.log_file) == os.path.abspath(args.ckpt_dir):
+        bad.append(f"--log-file {args.log_file} is the checkpoint root --ckpt-dir: name a file beside it")
     if not math.isfinite(args.step_delay):  # inf would sleep for ever after the first step
         bad.append(f"--step-delay must be finite, got {args.step_delay}")
     if args.n_heads >= 1 and args.d_model % args.n_heads:
@@ -243,12 +253,17 @@ _preempted: list[str] = []
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    if signum == signal.SIGINT and _preempted:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop now (a step or save that hangs)
     _preempted.append(signal.Signals(signum).name)
 
 
 def install_preemption_handlers() -> None:
-    """SIGTERM (torchrun forwards it) and SIGUSR1 (SLURM's warning) only set a flag."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    """SIGTERM (torchrun forwards it), SIGINT (Ctrl-C, forwarded by torchrun and the launch
+    scripts), SIGHUP (a closed terminal) and SIGUSR1 (SLURM's warning) only set a flag: the rank
+    finishes its step, saves and exits 0. Ctrl-C killed every rank with KeyboardInterrupt,
+    unsaved, though the launch scripts say each saves."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, _on_signal)
 
 
@@ -272,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed * 1_000_003 + 1 + rank)  # per-rank dropout stream (restored on resume)
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}
 
-    ckpt = distckpt.Checkpointer(args.ckpt_dir, keep_last=args.keep_last, local_dir=args.local_dir, local_keep=args.local_keep)
+    try:
+        ckpt = distckpt.Checkpointer(args.ckpt_dir, keep_last=args.keep_last, local_dir=args.local_dir, local_keep=args.local_keep)
+    except ValueError as exc:  # (a root inside a committed step, a --local-dir inside the root ...)
+        raise SystemExit(f"train.py: {exc}") from None
     n_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
     try:
         t = time.perf_counter()
@@ -292,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.latest_step()
         step = 0
         say(f"no checkpoint in {args.ckpt_dir}: starting from scratch")
+    except (ValueError, KeyError) as exc:  # another --global-batch, --seed, model size ... than the checkpoint's
+        why = distckpt.errors.one_line(exc).split(" (tensors read before the failure")[0]
+        raise SystemExit(f"train.py: cannot resume from {args.ckpt_dir}: {why}\n(start a new run with another --ckpt-dir, or resume with the flags it was saved with)") from None
     say(
         f"{args.parallel} on {world} x {device.type}, ~{n_params / 1e6:.2f}M params, global batch "
         f"{args.global_batch}, steps {step} -> {args.steps}, loss floor ~{data.entropy():.3f}"

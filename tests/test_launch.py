@@ -364,6 +364,11 @@ def test_the_device_is_one_gpu_per_rank_or_the_cpu():
     (["--step-delay", "inf"], "--step-delay must be finite, got inf"),  # slept for ever after step 1
     (["--log-file", "/nonexistent-dir/log.jsonl"], "--log-file: directory /nonexistent-dir does not exist"),  # crashed after the load
     (["--log-file", "/nonexistent-dir/"], "--log-file: /nonexistent-dir/ names a directory, not a file"),
+    # Found by a helper (2026-12-07, /tmp/attack81): each was a traceback on every rank, or NaN losses.
+    (["--lr", "inf"], "--lr must be finite and >= 0, got inf"),
+    (["--seed", str(10**20)], "--seed must be in [0, 2**32)"),
+    (["--num-samples", "10", "--global-batch", "12"], "--num-samples (10) must be at least --global-batch (12)"),
+    (["--weight", "0.5"], "unrecognized arguments: --weight"),  # (an abbreviation of --weight-decay was taken)
 ])  # fmt: skip
 def test_bad_values_are_usage_errors_naming_the_flag(flags, named, capsys):
     # --log-every 0 passed the checks and killed every rank after its first step (a modulo by
@@ -396,3 +401,39 @@ def test_the_launch_scripts_give_each_rank_one_thread_unless_told(tmp_path, scri
     assert subprocess.run(args, env=env, capture_output=True, text=True, timeout=30).stdout.strip() == "OMP=1"
     env["OMP_NUM_THREADS"] = "4"
     assert subprocess.run(args, env=env, capture_output=True, text=True, timeout=30).stdout.strip() == "OMP=4"
+
+
+def test_ctrl_c_saves_the_step_and_a_resume_with_other_flags_is_one_line(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C, forwarded by torchrun) killed every rank with KeyboardInterrupt, unsaved,
+    though run_local.sh says each saves; a resume with another --global-batch was a traceback
+    on every rank; --ckpt-dir naming a committed step started from scratch and wrote its steps
+    into that step (found by a helper, 2026-12-07, /tmp/attack81)."""
+    log, out = tmp_path / "log.jsonl", tmp_path / "out.txt"
+    ckpt = tmp_path / "ckpt"
+    args = ["--steps", "1000", "--step-delay", "0.2", "--save-every", "100", "--ckpt-dir", str(ckpt), "--log-file", str(log)]
+    proc = _torchrun(["--standalone", "--nproc-per-node=1"], args, out)
+    try:
+        wait_for_steps(log, 3, [proc], out)
+        proc.send_signal(signal.SIGINT)
+        text = _finish(proc, out, expect_rc=None)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    last = max(losses(log))
+    assert "preempted by SIGINT" in text and "exiting 0" in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert committed_steps(ckpt) == [last]
+    other = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(TRAIN), *TINY,
+         "--global-batch", "12", "--steps", str(last + 1), "--ckpt-dir", str(ckpt)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    # (torchrun's agent prints its own traceback for a failed worker: none from train.py's ranks)
+    assert other.returncode != 0 and "cannot resume from" in other.stderr and 'train.py", line' not in other.stderr, other.stderr[-3000:]
+    inside = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(TRAIN), *TINY,
+         "--steps", str(last + 1), "--ckpt-dir", str(ckpt / f"step_{last:09d}")],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert inside.returncode != 0 and "committed step" in inside.stderr and 'train.py", line' not in inside.stderr, inside.stderr[-3000:]
+    assert committed_steps(ckpt) == [last] and not list((ckpt / f"step_{last:09d}").glob("step_*"))
+

@@ -211,3 +211,22 @@ def test_named_jobs_and_steps_saved_before_jobs_were_recorded(tmp_path):
         with pytest.raises(ValueError, match="job must be None or a string of at most 200 characters, not blank"):
             distckpt.Checkpointer(str(tmp_path), job=bad)
     distckpt.Checkpointer(str(tmp_path), job="../x/é").close()  # never a path: any visible name
+
+
+def test_a_root_inside_a_committed_step_is_refused(tmp_path):
+    """launch/train.py --ckpt-dir run/step_000000008 (a resume from that step, one would think)
+    started from scratch and wrote its steps into the committed step (found by a helper,
+    2026-12-07, /tmp/attack81)."""
+    import shutil
+
+    with distckpt.Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save(8, _state())
+    step = tmp_path / "run" / "step_000000008"
+    shutil.copytree(step, tmp_path / "best")
+    for root in (step, step / "sub", tmp_path / "best", tmp_path / "best" / "x" / "y"):
+        with pytest.raises(ValueError, match=r"committed step .*Pass the checkpoint's root"):
+            distckpt.Checkpointer(str(root))
+    assert sorted(p.name for p in step.iterdir()) == sorted(p.name for p in (tmp_path / "best").iterdir())
+    with distckpt.Checkpointer(str(tmp_path / "run")) as ckpt:  # the root itself, and a new one, as before
+        assert ckpt.latest_step() == 8
+    distckpt.Checkpointer(str(tmp_path / "new" / "deeper")).close()
