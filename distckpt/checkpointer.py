@@ -8,6 +8,7 @@ and process-level concerns to :mod:`distckpt._process`. Read those for *how*.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -21,7 +22,7 @@ from distckpt._dist import on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
-from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, parse_step_dir, read_manifest, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
 from distckpt.load import run as loading
 from distckpt.load.phases import LoadReport
@@ -37,32 +38,49 @@ from distckpt.storage.replica import Replicator
 __all__ = ["Checkpointer", "SaveStats"]
 
 
-def _refuse_root_in_a_step(storage: Storage) -> None:
-    """(each rank, local roots) Refuse a root that is a committed step, or lies inside one (a
-    ``step_N`` folder given for a resume from that step, or a step copied as ``best``): its saves
-    would write new steps into that step's folder, and a load would find nothing there and start
-    from scratch.
+def _refuse_root_in_a_step(storage: Storage, name: str = "checkpoint root") -> None:
+    """(each rank, local paths) Refuse a root (``name``: or ``replicate_to``, ``local_dir``) that
+    is a committed step, or lies inside one (a ``step_N`` folder given for a resume from that
+    step, or a step copied as ``best``): its saves would write new steps into that step's
+    folder (and a load would find nothing there and start from scratch), and the retention of
+    that step's root would delete them with it. A folder is a step where its ``manifest.json``
+    is a distckpt manifest; the path is judged where it really lies (links resolved).
 
     Raises:
         ValueError: naming the step and the root to pass instead.
     """
     if not storage.is_local:
         return
-    for path in dict.fromkeys([os.path.abspath(storage.path), os.path.realpath(storage.path)]):
-        folder = path
-        while True:
-            if os.path.isfile(os.path.join(folder, MANIFEST_NAME)) and (
-                parse_step_dir(os.path.basename(folder)) is not None or os.path.isfile(os.path.join(folder, ".metadata"))
-            ):  # (a step under its name, or copied under another: "best")
-                inside = "is" if folder == path else "lies inside"
-                raise ValueError(
-                    f"checkpoint root {storage.display()} {inside} the committed step {folder}: its saves would write into "
-                    f"that step. Pass the checkpoint's root, {os.path.dirname(folder)} (load(state, step=N) loads step N)"
-                )
-            parent = os.path.dirname(folder)
-            if parent == folder:
-                break
-            folder = parent
+    path = os.path.realpath(storage.path)
+    folder = path
+    while True:
+        if _holds_a_manifest(folder):
+            inside = "is" if folder == path else "lies inside"
+            raise ValueError(
+                f"{name} {storage.display()} {inside} the committed step {folder}: its saves would write into that "
+                f"step. Pass the checkpoint's root, {os.path.dirname(folder)} (load(state, step=N) loads step N)"
+            )
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
+def _holds_a_manifest(folder: str) -> bool:
+    """Whether ``folder`` holds a distckpt manifest (not any ``manifest.json``: a dataset's, a
+    web app's)."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > _MANIFEST_MAX:
+            return False
+        with open(path, "rb") as f:
+            raw = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and all(k in raw for k in ("step", "files", "entries", "distckpt_version"))
+
+
+_MANIFEST_MAX = 1 << 28  # (a manifest of a million files is ~100 MB)
 
 
 class Checkpointer:
@@ -199,9 +217,11 @@ class Checkpointer:
         self._lineage = Lineage(options.job)
         self.replica: Replicator | None = None
         if replicate_to is not None:
+            remote = Storage(replicate_to, dict(replicate_storage_options or options.storage_options))
+            _refuse_root_in_a_step(remote, "replicate_to")
             self.replica = Replicator(
                 self.storage,
-                Storage(replicate_to, dict(replicate_storage_options or options.storage_options)),
+                remote,
                 options.replicate_keep_last,  # type: ignore[arg-type]  # resolved from "same"
                 # Upload from distckpt's coordinator (the group exists by the first submit).
                 is_coordinator=lambda: self._groups.is_coordinator,
@@ -210,6 +230,7 @@ class Checkpointer:
             )
         self.local: LocalTier | None = None
         if options.local_dir is not None:
+            _refuse_root_in_a_step(Storage(str(options.local_dir)), "local_dir")
             self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.url)
         self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False

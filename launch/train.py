@@ -253,8 +253,11 @@ _preempted: list[str] = []
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if signum == signal.SIGINT and _preempted:
-        raise KeyboardInterrupt  # a second Ctrl-C: stop now (a step or save that hangs)
+    # A second Ctrl-C stops now (a step or a save that hangs). Under torchrun the terminal's
+    # second Ctrl-C reaches only the agent, which then sends the ranks SIGTERM: after a SIGINT,
+    # that is one too.
+    if _preempted and (signum == signal.SIGINT or (signum == signal.SIGTERM and "SIGINT" in _preempted)):
+        raise KeyboardInterrupt
     _preempted.append(signal.Signals(signum).name)
 
 
@@ -278,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def say(msg: str) -> None:
         if rank == 0:
-            print(f"[train] {msg}", flush=True)
+            try:
+                print(f"[train] {msg}", flush=True)
+            except OSError:  # a terminal hung up (SIGHUP): the save that follows must still run
+                pass
 
     data = MarkovTokens(args.num_samples, args.seq_len, args.vocab, seed=args.seed)
     model, optim = build(args, world, device)
@@ -310,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.latest_step()
         step = 0
         say(f"no checkpoint in {args.ckpt_dir}: starting from scratch")
-    except (ValueError, KeyError) as exc:  # another --global-batch, --seed, model size ... than the checkpoint's
+    except (ValueError, KeyError) as exc:
+        # Another --global-batch, --seed, --num-samples (the sampler refuses its state) or model
+        # size (shapes differ) than the checkpoint's: one line. Anything else stays a traceback.
+        if not isinstance(exc, distckpt.StateMismatchError) and "sampler state has" not in str(exc):
+            raise
         why = distckpt.errors.one_line(exc).split(" (tensors read before the failure")[0]
         raise SystemExit(f"train.py: cannot resume from {args.ckpt_dir}: {why}\n(start a new run with another --ckpt-dir, or resume with the flags it was saved with)") from None
     say(

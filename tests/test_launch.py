@@ -437,3 +437,28 @@ def test_ctrl_c_saves_the_step_and_a_resume_with_other_flags_is_one_line(tmp_pat
     assert inside.returncode != 0 and "committed step" in inside.stderr and 'train.py", line' not in inside.stderr, inside.stderr[-3000:]
     assert committed_steps(ckpt) == [last] and not list((ckpt / f"step_{last:09d}").glob("step_*"))
 
+
+
+def test_a_second_interrupt_stops_at_once() -> None:
+    """Under torchrun the terminal's second Ctrl-C reaches only the agent, which sends the ranks
+    SIGTERM: after a SIGINT that stops at once (it was one more flag: ranks in a long step were
+    SIGKILLed unsaved after the agent's shutdown timeout). A SIGTERM after a SIGTERM (the
+    agent's own shutdown after a forwarded one) still lets the rank save."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    try:
+        train._preempted.clear()
+        train._on_signal(signal.SIGINT, None)
+        with pytest.raises(KeyboardInterrupt):
+            train._on_signal(signal.SIGTERM, None)
+        train._preempted.clear()
+        train._on_signal(signal.SIGTERM, None)
+        train._on_signal(signal.SIGTERM, None)
+        assert train._preempted == ["SIGTERM", "SIGTERM"]
+        with pytest.raises(KeyboardInterrupt):
+            train._on_signal(signal.SIGINT, None)
+    finally:
+        train._preempted.clear()

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "distckpt._version": 3,
     "distckpt._ints": 3,
     "distckpt._shown": 3,
+    "distckpt._caller": 3,
 }
 
 

@@ -230,3 +230,21 @@ def test_a_root_inside_a_committed_step_is_refused(tmp_path):
     with distckpt.Checkpointer(str(tmp_path / "run")) as ckpt:  # the root itself, and a new one, as before
         assert ckpt.latest_step() == 8
     distckpt.Checkpointer(str(tmp_path / "new" / "deeper")).close()
+    # A link to the step names where it really lies; replicate_to and local_dir are judged alike.
+    (tmp_path / "link").symlink_to(step)
+    with pytest.raises(ValueError, match=rf"Pass the checkpoint's root, {tmp_path / 'run'} "):
+        distckpt.Checkpointer(str(tmp_path / "link"))
+    with pytest.raises(ValueError, match=r"replicate_to .* lies inside the committed step"):
+        distckpt.Checkpointer(str(tmp_path / "other"), replicate_to=str(step / "replica"))
+    with pytest.raises(ValueError, match=r"local_dir .* lies inside the committed step"):
+        distckpt.Checkpointer(str(tmp_path / "other"), local_dir=str(step / "tier"))
+    # Folders holding someone else's manifest.json (a plain DCP checkpoint with a dataset's
+    # manifest, a sweep folder named like a step) are no step: roots below them are fine.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(1)}, checkpoint_id=str(tmp_path / "exp1"))
+    (tmp_path / "exp1" / "manifest.json").write_text('{"files": ["a.bin"]}')
+    (tmp_path / "sweep" / "step_000000005").mkdir(parents=True)
+    (tmp_path / "sweep" / "step_000000005" / "manifest.json").write_text("{}")
+    for root in (tmp_path / "exp1" / "distckpt", tmp_path / "sweep" / "step_000000005" / "run"):
+        distckpt.Checkpointer(str(root)).close()

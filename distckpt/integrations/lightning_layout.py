@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import sys
 import warnings
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from distckpt._caller import outside
 from distckpt.errors import IntegrityError
 from distckpt.state.containers import (
     dcp_leaf,  # DCP's rule for which lists it enters (one rule, not a copy)
@@ -169,7 +168,6 @@ def _factory(value: defaultdict[Any, Any]) -> str | None:
 
 
 _WARNED_PLAIN: set[tuple[str, str]] = set()
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # distckpt/
 
 
 def _warn_plain(where: str, what: str, plain: str) -> None:
@@ -183,12 +181,7 @@ def _warn_plain(where: str, what: str, plain: str) -> None:
         f"distckpt: checkpoint value {where!r} is {what}; DistckptCheckpointIO saves it as a plain {plain}, and a "
         f"load gives back a {plain} (store it as one, or as a value of its own top-level key)"
     )
-    # Attributed to the first caller outside distckpt, however deep the value (what Python
-    # 3.12's skip_file_prefixes does).
-    level, frame = 2, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
+    warnings.warn(message, stacklevel=outside())  # (the caller of distckpt, however deep the value)
 
 
 def _copied(value: Any, copy_values: bool) -> Any:

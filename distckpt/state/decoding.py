@@ -472,6 +472,13 @@ def _dec_dataclass(d: _Decoder, payload: Any, depth: int) -> Any:
     if len(more) != len(extras) or set(more) & set(saved) or any(n.startswith("__") for n in more):
         raise _Malformed(f"{name}: attributes {sorted(more)[:20]} beside its fields")
     obj = cls.__new__(cls)  # like pickle: no __init__/__post_init__, the saved fields exactly
+    setstate = getattr(cls, "__setstate__", None)
+    if setstate is not None and not getattr(setstate, "__qualname__", "").endswith("_dataclass_setstate"):
+        # The registered class's own (as pickle and torch's weights_only call it): it makes
+        # what its __getstate__ left out (a lock), from the fields and attributes stored.
+        state = {n: d.walk(saved[n], depth) for n in expected} | {a: d.walk(v, depth) for a, v in more.items()}
+        obj.__setstate__(state)
+        return obj
     for field_name in expected:
         object.__setattr__(obj, field_name, d.walk(saved[field_name], depth))
     if more:

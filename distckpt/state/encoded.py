@@ -65,6 +65,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 import torch
 
+from distckpt._caller import outside
 from distckpt.state.containers import SAVE_DEPTH, dcp_leaf
 from distckpt.state.safetypes import REGISTRABLE, SUPPORTED, SafeTypes, SafeTypesLike, type_name
 
@@ -189,6 +190,9 @@ def _changed(pairs: Iterable[tuple[K, Any]], encode: Callable[[K, Any], Any], te
         if e is not v:
             out[k] = e
     return out
+
+
+_WARNED_EXTRAS: set[tuple[type, str]] = set()
 
 
 class _Encoder:
@@ -376,11 +380,14 @@ class _Encoder:
                 out.append((n, self.pickled(v, f"{key}.{n}", depth + 1)))
             except (TypeError, RecursionError):
                 left.append(n)
-        if left:
+        new = [n for n in left if (type(value), n) not in _WARNED_EXTRAS]
+        if new:  # (once per class and attribute: a list of 3000 such objects warns once)
+            _WARNED_EXTRAS.update((type(value), n) for n in new)
             warnings.warn(
                 f"distckpt: state value {_clip(key)!r} ({_shown(type(value))}): attributes beside its fields that a load "
-                f"could not rebuild are not stored: {', '.join(left[:10])} (a load gives an object without them)",
-                stacklevel=2,
+                f"could not rebuild are not stored: {', '.join(new[:10])} (a load gives an object without them, or "
+                "its class's __setstate__ makes them)",
+                stacklevel=outside(),
             )
         return tuple(out)
 
