@@ -93,6 +93,8 @@ def _passes(value: object) -> bool:
     if t is int:
         return value.bit_length() <= PICKLED_INT_BITS  # type: ignore[attr-defined]
     return t in NATIVE and (t is not bytes or bool(value))
+
+
 #: The ``path`` kind's classes, by name.
 PATHS: dict[str, type[pathlib.PurePath]] = {
     c.__name__: c for c in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
