@@ -455,17 +455,24 @@ def test_the_tier_never_deletes_a_step_folder_holding_what_it_did_not_write(tmp_
     """A tier step folder holding something the tier does not write (here another job's root,
     put inside it) was removed whole by the tier's retention, that root's committed steps with
     it. It is kept, warned once, as the root's retention keeps such steps. Found by a helper."""
+    import shutil
+
     root, tier = tmp_path / "root", tmp_path / "tier"
     with distckpt.Checkpointer(root, local_dir=tier, local_keep=1) as a:
         a.save(5, {"model": _model(5.0), "step": 5})
         other = tier / STEP(5) / "runB"
-        with distckpt.Checkpointer(other, job="B") as b:
+        # (A Checkpointer refuses a root inside a committed step now: the root is made beside
+        # and moved in, as a user's mv would.)
+        with pytest.raises(ValueError, match="lies inside the committed step"):
+            distckpt.Checkpointer(other, job="B")
+        with distckpt.Checkpointer(tmp_path / "runB", job="B") as b:
             b.save(1, {"model": _model(1.0), "step": 1})
+        shutil.move(tmp_path / "runB", other)
         (tier / STEP(5) / "notes.txt").write_text("mine")
         with pytest.warns(UserWarning, match=r"holds files the tier does not write \('notes.txt', 'runB/'\)"):
             a.save(6, {"model": _model(6.0), "step": 6})
         a.save(7, {"model": _model(7.0), "step": 7})  # the step before goes as always
-    assert distckpt.Checkpointer(other).steps() == [1] and (tier / STEP(5) / "notes.txt").read_text() == "mine"
+    assert (other / STEP(1) / "manifest.json").is_file() and (tier / STEP(5) / "notes.txt").read_text() == "mine"
     assert not (tier / STEP(6)).exists() and (tier / STEP(7) / "manifest.json").is_file()
 
 

@@ -116,8 +116,8 @@ def check_block(value: DTensor, key: str) -> None:
         PlacementError: naming the key, both shapes and the rank's mesh coordinate.
     """
     coord = value.device_mesh.get_coordinate()
-    if coord is None:
-        return
+    if coord is None or value.numel() == 0:
+        return  # (no elements: nothing to write under any block; FSDP2 holds (0, 0) of a (4, 0))
     shape = _block_shape(tuple(value.shape), value.device_mesh, tuple(value.placements))
     local = value.to_local().shape
     if tuple(shape) != tuple(local):
