@@ -28,7 +28,7 @@ from distckpt.errors import IntegrityError
 from distckpt.state.containers import (
     dcp_leaf,  # DCP's rule for which lists it enters (one rule, not a copy)
 )
-from distckpt.state.encoded import FACTORIES
+from distckpt.state.encoded import FACTORIES, factory_name
 from distckpt.state.entries import contains
 
 __all__ = ["LAYOUT_KEY", "entry_name", "node_texts", "prepare", "rank_layouts", "read_layout", "template", "with_rank_nodes"]
@@ -106,7 +106,7 @@ def _walk(value: Any, where: str, depth: int, copy_values: bool) -> tuple[Node, 
         # as before; each came back a plain dict, silently). Other mappings come back as
         # dicts, with a warning at the save.
         kind = _MAPPING_NODES.get(type(value))
-        factory = _factory(value) if kind == "D" else None
+        factory = factory_name(value) if kind == "D" else None
         if kind is None or factory == "":
             # (Lightning's own AttributeDict in hyper-parameters or a callback's state: refusing
             # it would stop training at its first checkpoint.)
@@ -156,15 +156,6 @@ def _mapping(kind: str, factory: str | None) -> dict[Any, Any]:
     if kind == "D":
         return defaultdict(None if factory is None else FACTORIES[factory])
     return {"o": OrderedDict, "C": Counter}.get(kind, dict)()
-
-
-def _factory(value: defaultdict[Any, Any]) -> str | None:
-    """The name of a defaultdict's built-in default factory; ``None``: it has none; ``""``: it
-    is not a built-in type (a load does not run code from the checkpoint to rebuild it)."""
-    factory = value.default_factory
-    if factory is None:
-        return None
-    return next((n for n, c in FACTORIES.items() if c is factory), "")
 
 
 _WARNED_PLAIN: set[tuple[str, str]] = set()

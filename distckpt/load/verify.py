@@ -33,14 +33,13 @@ The verdict equals :func:`distckpt.state.statecheck.diverged` over gathered part
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from distckpt._caller import outside
 from distckpt._compat import flatten_state_dict
 from distckpt._dist import Group, all_ranks
 from distckpt.errors import CheckpointError
@@ -395,28 +394,19 @@ def check_loaded(
                 f"load(verify_state=True): {what}; the loaded state is not the saved one (load with "
                 "verify_state=None to load it with a warning)"
             )
-        warnings.warn(f"distckpt: {what}", stacklevel=_outside())
+        warnings.warn(f"distckpt: {what}", stacklevel=outside())
     # What is left holds NaNs, whose bits no cast keeps (planned lossy casts were named).
     nans = [k for k in unproven if k not in lossy and k not in planned]
     if nans:
         warnings.warn(
             f"distckpt: the state check of step {manifest.step} at {where} could not verify {len(nans)} tensor(s) "
             f"holding NaN, loaded into another dtype (a cast keeps no NaN's bits): {_listed(nans)}",
-            stacklevel=_outside(),
+            stacklevel=outside(),
         )
 
 
 def _listed(items: Sequence[str], most: int = 10) -> str:
     return ", ".join(items[:most]) + (f", ... (+{len(items) - most} more)" if len(items) > most else "")
-
-
-def _outside() -> int:
-    """The ``stacklevel`` of the first caller outside distckpt (a load's path has a varying depth)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def lossy_casts(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtype]) -> dict[str, str]:
@@ -440,7 +430,7 @@ def warn_lossy(request: Mapping[str, Any], saved_dtypes: Mapping[str, torch.dtyp
         warnings.warn(
             f"distckpt: loading step {step} at {where} casts {len(lossy)} tensor(s) into a dtype that cannot hold "
             f"their saved values exactly: {_listed(lossy)}",
-            stacklevel=_outside(),
+            stacklevel=outside(),
         )
 
 

@@ -68,6 +68,7 @@ import torch
 from distckpt._caller import outside
 from distckpt.state.containers import SAVE_DEPTH, dcp_leaf
 from distckpt.state.safetypes import REGISTRABLE, SUPPORTED, SafeTypes, SafeTypesLike, type_name
+from distckpt.state.values import TEXT_INT_BITS
 
 MARKER = "__distckpt_value__"
 
@@ -101,12 +102,19 @@ PATHS: dict[str, type[pathlib.PurePath]] = {
 }
 #: The ``defaultdict`` kind's default factories, by name.
 FACTORIES: dict[str, type] = {c.__name__: c for c in (int, float, complex, str, bytes, bool, list, dict, set, tuple)}
+
+
+def factory_name(value: collections.defaultdict[Any, Any]) -> str | None:
+    """The name of a defaultdict's default factory in :data:`FACTORIES`; ``None``: it has none;
+    ``""``: it is not one of them (a load does not run code from the checkpoint to rebuild it)."""
+    factory = value.default_factory
+    return None if factory is None else next((n for n, c in FACTORIES.items() if c is factory), "")
+
+
 #: The longest int stored (and read), in hex digits: 16 Ki bits (~4900 decimal digits), beyond
 #: any counter or seed. Small, because a load hashes a decoded int again wherever a record uses
 #: it as a set member or dict key (memoized: once decoded, referenced many times).
 MAX_INT_HEX = 1 << 12
-#: Keys of a mapping DCP flattens beyond this many bits have more decimal digits than Python writes.
-_KEY_INT_BITS = 14_000
 #: The longest Decimal text stored (and read).
 MAX_DECIMAL_CHARS = 4096
 #: NumPy's bit generators, by name (the only ones the NumPy kinds hold).
@@ -210,7 +218,7 @@ class _Encoder:
             _too_deep(key)
         if isinstance(value, Mapping):
             for k in value:
-                if type(k) is int and k.bit_length() > _KEY_INT_BITS:  # (DCP writes each key as its digits)
+                if type(k) is int and k.bit_length() > TEXT_INT_BITS:  # (DCP writes each key as its digits)
                     raise TypeError(
                         f"cannot save state key {_clip(key)!r}.<an int of {k.bit_length():,} bits>: keys DCP flattens "
                         "become their decimal text, which Python refuses beyond 4300 digits; use a shorter key"
@@ -310,10 +318,9 @@ class _Encoder:
         if t is collections.deque:
             return (MARKER, "deque", (list(self._items(value, key, depth) or value), value.maxlen))
         if t is collections.defaultdict:
-            factory = value.default_factory
-            name = None if factory is None else next((n for n, c in FACTORIES.items() if c is factory), "")
+            name = factory_name(value)
             if name == "":
-                self._refuse(key, value, f" (its default_factory {factory!r:.60} is not a built-in type)")
+                self._refuse(key, value, f" (its default_factory {value.default_factory!r:.60} is not a built-in type)")
             return (MARKER, "defaultdict", (name, self._dict(dict(value), key, depth)))
         if t is slice:
             parts = (value.start, value.stop, value.step)

@@ -33,9 +33,10 @@ _TUPLE = "__distckpt_tuple__"
 _DICT = "__distckpt_dict__"
 _FLOAT = "__distckpt_float__"
 _JSON_SCALARS = (type(None), bool, int, float, str)
-#: Ints beyond this many bits have more than 4300 decimal digits, which Python refuses to write
-#: (sys.set_int_max_str_digits): stored in the encoded (pickled) form instead, as NaNs are.
-_JSON_INT_BITS = 14_000
+#: Ints beyond this many bits may have more than 4300 decimal digits, which Python refuses to
+#: write (sys.set_int_max_str_digits): a plain value stores them in the encoded (pickled) form
+#: instead, as NaNs; DCP cannot write them as keys.
+TEXT_INT_BITS = 14_000
 
 
 # Plain top-level values ------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def _fits(value: object, exact: bool) -> bool:
 
 def _check(value: Any, where: str, depth: int, exact: bool = False) -> None:
     if type(value) in _JSON_SCALARS or (not exact and isinstance(value, _JSON_SCALARS)):
-        if exact and type(value) is int and value.bit_length() > _JSON_INT_BITS:
+        if exact and type(value) is int and value.bit_length() > TEXT_INT_BITS:
             raise TypeError(f"int at {where or 'top'} has more digits than Python writes as text")
         if exact and type(value) is float and value != value:
             raise TypeError(f"NaN at {where or 'top'}: JSON text would not keep its sign and payload bits")
@@ -84,7 +85,7 @@ def _check(value: Any, where: str, depth: int, exact: bool = False) -> None:
 
 def _shown_key(key: object) -> str:
     """``repr(key)``, clipped; an int of more digits than Python writes as text by its size."""
-    if isinstance(key, int) and not isinstance(key, bool) and key.bit_length() > _JSON_INT_BITS:
+    if isinstance(key, int) and not isinstance(key, bool) and key.bit_length() > TEXT_INT_BITS:
         return f"<an int of {key.bit_length():,} bits>"
     return f"{key!r:.100}"
 

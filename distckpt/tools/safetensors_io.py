@@ -337,14 +337,13 @@ class SafetensorsIndex:
 
     def __init__(self, storage: Storage, only: str | None = None) -> None:
         self.storage = storage
-        self.index_name = INDEX_NAME  # the index read, where there is one (named in errors)
         self.index_file: str | None = None  # the index read; None: none was
         files = storage.list_files()
         if only is not None:  # one file, named by the caller (an index beside it is not read)
             weight_map = None
             names = [only]
         elif (index := index_name(files)) is not None:
-            self.index_name = self.index_file = index
+            self.index_file = index
             where = storage.display(index)
             if files[index] > MAX_HEADER:
                 raise IntegrityError(f"{where}: {files[index]} bytes, larger than the 100 MB limit for an index")
@@ -413,6 +412,11 @@ class SafetensorsIndex:
             lost = sorted(set(weight_map) - set(self.spans))
             if lost:
                 raise IntegrityError(f"{storage.display(self.index_name)}: tensors missing from their files: {lost[:10]}")
+
+    @property
+    def index_name(self) -> str:
+        """The index named in errors: the one read, else transformers' (a caller's file)."""
+        return self.index_file or INDEX_NAME
 
     def _check_name(self, name: str, files: Mapping[str, int]) -> None:
         """Refuse file ``name`` of the index (or the caller's) unless it is a ``.safetensors``
