@@ -426,7 +426,10 @@ class Storage:
         """Write ``data`` so that readers see either nothing or all of it.
 
         Raises:
-            FileExistsError: ``exclusive`` and the file exists.
+            FileExistsError: ``exclusive`` and the file exists, holding other bytes than
+                ``data`` (the same bytes are this call's own write, whose answer was lost: an
+                object store's client retried the conditional put; every caller writes bytes
+                unique to it: an owner record, a manifest).
         """
         raise NotImplementedError
 

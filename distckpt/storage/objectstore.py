@@ -124,12 +124,22 @@ class FsspecStorage(Storage, kind="url"):
         try:
             with self._at(*parts):
                 self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            raise
-        except Exception:
-            if self.exists(*parts):  # the store refused because it exists (HTTP 412)
+        except Exception as exc:
+            if not isinstance(exc, FileExistsError) and not self.exists(*parts):
+                raise
+            # HTTP 412: it exists. Perhaps by this very put: it landed, its answer was lost (a
+            # dropped connection) and the client's retry found the object. Every exclusive
+            # write carries bytes unique to its writer (an owner record, a manifest), so the
+            # same bytes there are ours: taken for another writer's, a committed step was
+            # reported lost (no retention, no replica) and the claim blocked its own step.
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])  # (a cached "absent" answers otherwise)
+            try:
+                with self._at(*parts):
+                    ours = bytes(self.fs.cat_file(path)) == data
+            except Exception:  # noqa: BLE001 - unreadable: the store said it exists
+                ours = False
+            if not ours:
                 raise FileExistsError(f"{self.display(*parts)} exists") from None
-            raise
 
     def create_exclusive(self, dirname: str, name: str, data: bytes) -> None:
         # No directories to create atomically: the conditional put of the file is the claim.
