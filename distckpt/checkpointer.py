@@ -231,7 +231,7 @@ class Checkpointer:
         self.local: LocalTier | None = None
         if options.local_dir is not None:
             _refuse_root_in_a_step(Storage(str(options.local_dir)), "local_dir")
-            self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.url)
+            self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.identity())
         self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False
         self._pid = os.getpid()
@@ -629,10 +629,12 @@ class Checkpointer:
         First attempt: the nodes' copies judged by their sizes (the load checks every byte it
         reads anyway). A damaged copy then fails that load with an ``IntegrityError`` on every
         rank; the second attempt checks every copy's checksum first and takes the intact one
-        (a damaged copy is replaced by a peer's). Then the root."""
+        (a damaged copy is replaced by a peer's). Where that fails too and the root is
+        unreachable, the tier's older steps, newest first (the step that failed passed by).
+        Then the root."""
         local = self.local
         assert local is not None
-        _, restore_rng, _, only, exclude = args
+        strict, restore_rng, _, only, exclude = args
 
         planned: dict[int, tuple[Manifest, loading.Planned]] = {}
 
@@ -649,47 +651,65 @@ class Checkpointer:
 
         # With verify=False the load checks nothing: the tier's copies are checked up front.
         checks = (False, True) if self.options.verify else (True,)
-        for attempt, check in enumerate(checks):
+        attempt = 0
+        failed: dict[int, str] = {}  # steps that could not be loaded from the tier, and why
+        while True:
+            check = checks[min(attempt, len(checks) - 1)]
             planned.clear()
             recovery = local.recover(
                 group, step, self._root_steps, check, needs, agree=loading.arguments(step, args[0], args[2], only, exclude),
-                root_manifest=self._root_manifest, job=self._lineage.job if self._lineage.fixed else None,
+                root_manifest=self._root_manifest, job=self._lineage.job if self._lineage.fixed else None, failed=failed,
             )
             chosen, sources = recovery.step, recovery.sources
-            if chosen is None:
+            if chosen is None and not recovery.failed:
+                return None  # (recover said why, where the tier should have served)
+            problem = recovery.failed
+            if chosen is not None:
+                # Every rank read and verified the step's .metadata to plan its files: the load
+                # reuses it and the plan instead of reading and planning again (on every rank alike,
+                # or on none: recover agreed on whether every rank's needs() succeeded). Only with a
+                # checksum was the metadata checked against the agreed manifest.
+                made = planned.get(chosen) if recovery.planned else None
+                ready = (made[0], made[1].metadata) if made is not None and made[0].checksum_algorithm else None
+                try:
+                    loaded = loading.load(
+                        group, self.options, [local.storage], state, chosen, *args, preread=ready,
+                        planned=made[1] if ready is not None else None,
+                        streams=recovery.streams if ready is not None else (),
+                        # Named alike on every rank: a caller's mistake (a typo in only=) is then the
+                        # same error everywhere, raised as such, not taken for damaged copies.
+                        where=f"{self.storage.display(step_dir(chosen))} (the local tier's copy)",
+                    )
+                except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
+                    problem = one_line(exc)
+                else:
+                    if recovery.older:  # never silently: latest_step() named the newer step
+                        warnings.warn(
+                            f"distckpt: recovered step {chosen} from the local tier, an older one: {recovery.older}, and "
+                            "the root cannot be listed",
+                            stacklevel=3,
+                        )
+                    loaded.report.tier = "local"
+                    loaded.report.sources = sources
+                    return loaded
+            tried = recovery.tried
+            if attempt < len(checks) - 1:
+                then = "checking every local copy and retrying"
+                attempt += 1
+            elif recovery.later and tried is not None and tried not in failed and (chosen is None or strict):
+                # The root cannot serve (unreachable): the tier's newest step that can serve is
+                # loaded, not none (a file whose only copy is damaged fails its step alone). Not
+                # after a strict=False load read part of the newer step: an older step need not
+                # hold every key it wrote, and those would be reported as left as they were.
+                then = "trying the tier's older steps"
+                failed[tried] = f"loading it failed ({problem})"
+            else:
+                then = "loading from the root"
+            # On every rank (the failure is the same on all): one turned into an error by the
+            # caller's filters then ends the load on every rank alike, not on the coordinator alone.
+            warnings.warn(f"distckpt: loading step {tried} from the local tier failed ({problem}); {then}", stacklevel=3)
+            if then == "loading from the root":
                 return None
-            # Every rank read and verified the step's .metadata to plan its files: the load
-            # reuses it and the plan instead of reading and planning again (on every rank alike,
-            # or on none: recover agreed on whether every rank's needs() succeeded). Only with a
-            # checksum was the metadata checked against the agreed manifest.
-            made = planned.get(chosen) if recovery.planned else None
-            ready = (made[0], made[1].metadata) if made is not None and made[0].checksum_algorithm else None
-            try:
-                loaded = loading.load(
-                    group, self.options, [local.storage], state, chosen, *args, preread=ready,
-                    planned=made[1] if ready is not None else None,
-                    streams=recovery.streams if ready is not None else (),
-                    # Named alike on every rank: a caller's mistake (a typo in only=) is then the
-                    # same error everywhere, raised as such, not taken for damaged copies.
-                    where=f"{self.storage.display(step_dir(chosen))} (the local tier's copy)",
-                )
-            except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
-                last = attempt == len(checks) - 1
-                then = "loading from the root" if last else "checking every local copy and retrying"
-                # On every rank (the error is the same on all): one turned into an error by the
-                # caller's filters then ends the load on every rank alike, not on the coordinator alone.
-                warnings.warn(f"distckpt: loading step {chosen} from the local tier failed ({one_line(exc)}); {then}", stacklevel=3)
-                continue
-            if recovery.older:  # never silently: latest_step() named the newer step
-                warnings.warn(
-                    f"distckpt: recovered step {chosen} from the local tier, an older one: {recovery.older}, and the root "
-                    "cannot be listed",
-                    stacklevel=3,
-                )
-            loaded.report.tier = "local"
-            loaded.report.sources = sources
-            return loaded
-        return None
 
 
 def _there(storage: Storage) -> bool:

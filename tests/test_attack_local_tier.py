@@ -254,6 +254,52 @@ def test_root_mark_missing_or_different_reads_the_root(tmp_path):
     assert _load(root, tier)[2] == "root"
 
 
+def test_unloadable_newest_tier_step_with_the_root_unreachable_loads_the_older_one(tmp_path):
+    """The README: with the root unreachable, the tier's newest step that can serve is loaded.
+    Step 2's copy passes the tier's checks (every file intact) but its load fails (a value not
+    the one its manifest records): both attempts fail, and the load went to the unreachable root
+    (FileNotFoundError) although step 1 was whole in the tier."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    _save_steps(root, tier, [1, 2])
+    root.rename(tmp_path / "away")
+    manifest = tier / STEP(2) / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["value_digests"]["step"] = "0" * 64
+    manifest.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match=r"recovered step 1 from the local tier, an older one: .*step\(s\) 2 "):
+        assert _load(root, tier) == (1, 1.0, "local")
+    with pytest.raises(FileNotFoundError):  # step=2 asked for: no other step is taken instead
+        _load(root, tier, step=2)
+
+
+def test_a_root_named_another_way_keeps_its_tier(tmp_path):
+    """The tier's mark is the root's identity (links resolved, as manifests record it): a restart
+    naming the root through a link (or ``//``) took the tier's steps for another root's. It read
+    the root instead, its retention never removed them (more than ``local_keep`` steps on a
+    tmpfs, forever), and with the root unreachable, a restart under the first name resumed the
+    first life's step 2 although step 5 of the same root was there, silently."""
+    real, link, tier = tmp_path / "real", tmp_path / "link", tmp_path / "tier"
+    _save_steps(real, tier, [1, 2])
+    link.symlink_to(real)
+    assert _load(link, tier)[2] == "local"
+    _save_steps(link, tier, [4, 5])
+    assert sorted(p.name for p in tier.iterdir()) == [STEP(4), STEP(5)]
+    real.rename(tmp_path / "away")
+    for name in (str(real), "/" + str(real), str(link)):
+        assert _load(name, tier) == (5, 5.0, "local"), name
+
+
+def test_a_mark_written_as_the_root_was_spelt_is_still_this_roots(tmp_path):
+    """Tiers written before the mark was the root's identity carry the root as it was named: a
+    link to the root counts as this root."""
+    real, link, tier = tmp_path / "real", tmp_path / "link", tmp_path / "tier"
+    link.symlink_to(real, target_is_directory=True)
+    real.mkdir()
+    _save_steps(real, tier, [1])
+    (tier / STEP(1) / local_tier.ROOT_MARK).write_text(str(link))  # the old form
+    assert _load(real, tier) == (1, 1.0, "local")
+
+
 def test_pathlike_relative_and_trailing_slash_local_dir_are_one_tier(tmp_path, monkeypatch):
     """(passes) Path, relative str and trailing slash name the same tier."""
     monkeypatch.chdir(tmp_path)

@@ -185,6 +185,22 @@ def test_decide_is_pure_and_prefers_intact_copies():
     assert local_tier.decide(nodes, reports, root_steps=[6, 7], want=None).step is None
 
 
+def test_decide_names_every_candidates_reason_and_passes_failed_steps_by():
+    """With the root unreachable, a step an earlier attempt could not load is passed by for the
+    next older one, and where no step serves, the reason names each (the newest's alone hid why
+    the older ones could not serve)."""
+    nodes = local_tier.Nodes((0, 0))
+    files = ["__0_0.distcp", ".metadata", "manifest.json"]
+    reports = [{s: local_tier.Holding("a", files, files) for s in (1, 2)}, {}]
+    d = local_tier.decide(nodes, reports, root_steps=None, want=None)
+    assert (d.step, d.later) == (2, True)
+    d = local_tier.decide(nodes, reports, root_steps=None, want=None, failed={2: "loading it failed (bad)"})
+    assert d.step == 1 and not d.later and "loading it failed (bad)" in d.reason
+    reports = [{2: local_tier.Holding("a", files, files[1:]), 1: local_tier.Holding("a", files, files[:2])}, {}]
+    d = local_tier.decide(nodes, reports, root_steps=None, want=None)
+    assert d.step is None and "step 2: 1 file(s)" in d.reason and "step 1: 1 file(s)" in d.reason, d.reason
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="local_dir"):
         distckpt.Checkpointer("/tmp/x", local_dir="s3://bucket/tier")

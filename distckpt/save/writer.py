@@ -371,7 +371,7 @@ class CheckpointWriter(FileSystemWriter):
             sync=storage.sync_file if sync_files else None,
             local_dir=local_dir,
             beside=has_spare_cores(thread_count, local_ranks),
-            local_root=storage.url,
+            local_root=storage.identity(),  # the tier's mark (LocalTier.root)
         )
         self.path = path
 

@@ -87,7 +87,7 @@ class LocalCopy:
         self._errors = errors
         self._f: Any = None
         try:
-            if root is not None and _mark_of(directory) != root:
+            if root is not None and not same_root(_mark_of(directory), root):
                 # The save's open_step found the directory another root's (or a folder of
                 # that name appeared since): its files are never replaced.
                 self._errors.append(f"{directory} does not carry this root's mark ({root}): no local copy written")
@@ -209,6 +209,11 @@ class Recovery:
     # Why a step older than the tier's newest is recovered (the root unreachable), else "": said
     # once the load succeeded (a failed attempt is retried, then the root).
     older: str = ""
+    # Completing ``tried`` in the tiers failed (step is None): why, said by the caller, which may
+    # retry (every rank alike: the failure is gathered).
+    failed: str = ""
+    tried: int | None = None
+    later: bool = False  # older candidates remain (Decision.later): a failed load may turn to them
 
 
 @dataclass
@@ -218,6 +223,7 @@ class Decision:
     step: int | None
     reason: str
     transfers: list[tuple[str, int, int]] = field(default_factory=list)  # (file, from rank, to rank)
+    later: bool = False  # candidates older than ``step`` remain (see :func:`decide`)
 
 
 def decide(
@@ -229,6 +235,7 @@ def decide(
     lagging: bool = False,
     replica_manifests: Mapping[int, tuple[str, str | None, str | None, float]] | None = None,
     job: str | None = None,
+    failed: Mapping[int, str] | None = None,
 ) -> Decision:
     """(every rank alike) Which step to recover, and who sends which file to which node.
 
@@ -245,7 +252,9 @@ def decide(
     and it supersedes the tier's copy (:func:`superseded_by`). Every file of it must be intact
     on some node. ``job``: a named
     job's (``job=``) resume without ``want`` takes only its own steps and ones that recorded no
-    job, as from the root."""
+    job, as from the root. ``failed``: steps whose recovery or load failed in an earlier attempt
+    (step -> why), passed by as unservable. ``Decision.later``: older candidates remain (the
+    root unreachable), which an attempt may turn to where loading the chosen step fails."""
     steps = sorted({s for rep in reports for s in rep}, reverse=True)
     if want is None and job is not None:
         steps = [s for s in steps if next(rep[s].job for rep in reports if s in rep) in (job, None)]
@@ -267,27 +276,28 @@ def decide(
         candidates = steps
         why = "no committed step in the local tier of any node"
     skipped: list[tuple[int, str]] = []  # newer candidates that cannot be served, and why
-    for i, step in enumerate(candidates):
-        if i:
-            skipped.append((candidates[i - 1], why))
+    for n, step in enumerate(candidates):
+        if failed and step in failed:  # its load failed (e.g. the only copy of a file damaged)
+            skipped.append((step, failed[step]))
+            continue
         held = [(r, rep[step]) for r, rep in enumerate(reports) if step in rep]
         shas = {h.manifest_sha for _, h in held}
         if len(shas) != 1:
-            why = f"the nodes hold different manifests of step {step}"
+            skipped.append((step, f"the nodes hold different manifests of step {step}"))
             continue
         if root_manifests is not None and step in root_manifests and root_manifests[step] not in shas:
-            why = (
+            skipped.append((step, (
                 f"the local tier's step {step} is not the root's: the root's manifest of it differs (saved again at the "
                 "root since the tier kept it, or damaged there)"
-            )
+            )))  # fmt: skip
             continue
         if replica_manifests is not None and step in replica_manifests:
             sha, root, saved_by, created = replica_manifests[step]
             if sha not in shas and superseded_by(held[0][1], root, saved_by, created):
-                why = (
+                skipped.append((step, (
                     f"the local tier's step {step} is older than the replica's commit of it: the step was saved again at "
                     "the root since the tier kept it (a rollback)"
-                )
+                )))  # fmt: skip
                 continue
         needed = held[0][1].files
         holders: dict[str, list[int]] = {f: [] for f in needed}
@@ -297,7 +307,7 @@ def decide(
                     holders[f].append(r)
         lost = [f for f, hs in holders.items() if not hs]
         if lost:
-            why = f"step {step}: {len(lost)} file(s) intact on no node (e.g. {lost[0]})"
+            skipped.append((step, f"step {step}: {len(lost)} file(s) intact on no node (e.g. {lost[0]})"))
             continue
         transfers: list[tuple[str, int, int]] = []
         for node in range(nodes.count):
@@ -313,7 +323,11 @@ def decide(
         older = ""  # (why an older step than the tier's newest is taken, where one is)
         if skipped:
             older = f"the tier's newer step(s) {', '.join(str(s) for s, _ in skipped)} cannot be served ({'; '.join(w for _, w in skipped)})"
-        return Decision(step, older, transfers)
+        return Decision(step, older, transfers, later=n + 1 < len(candidates))
+    if len(skipped) == 1:
+        why = skipped[0][1]
+    elif skipped:  # every candidate's reason (the newest's alone hid why the older ones failed too)
+        why = "; ".join(w if w.startswith(f"step {s}") else f"step {s}: {w}" for s, w in skipped)
     return Decision(None, why)
 
 
@@ -326,7 +340,8 @@ class LocalTier:
         local_dir: this node's directory (may differ per node; every rank of a node passes the same).
         keep: committed steps each node keeps.
         peers: 1: each rank's files are also kept by its peer on the next node; 0: no peer copies.
-        root: the URL of the checkpointer's root, recorded with each step (:data:`ROOT_MARK`).
+        root: the checkpointer's root as manifests record it (``Storage.identity()``: a local
+            root with links resolved), recorded with each step (:data:`ROOT_MARK`).
     """
 
     def __init__(self, local_dir: str, keep: int, peers: int, root: str) -> None:
@@ -358,7 +373,7 @@ class LocalTier:
         path = self.step_path(step)
         if not os.path.lexists(path):
             return None
-        return _mark_of(path) == self.root
+        return same_root(_mark_of(path), self.root)
 
     def usable_for(self, step: int) -> bool:
         """(each rank, no collectives: call it inside the save's exchange) Whether this node's
@@ -570,6 +585,7 @@ class LocalTier:
         agree: Mapping[str, object] | None = None,
         root_manifest: Callable[[int], tuple[bytes, bool] | None] | None = None,
         job: str | None = None,
+        failed: Mapping[int, str] | None = None,
     ) -> Recovery:
         """(all ranks) Make this node's tier hold the step to load, if the tiers can serve it.
 
@@ -588,7 +604,9 @@ class LocalTier:
         replica's (``None``: neither holds it), compared with the tier's copy (see
         :func:`decide`; a replica's only where it records this root, :attr:`Manifest.root`:
         a shared replica holds other roots' steps of the same numbers). ``job``: a named
-        job's (see :func:`decide`).
+        job's (see :func:`decide`). ``failed``: steps an earlier attempt could not load, and why
+        (see :func:`decide`); a failure to complete the chosen step is returned
+        (:attr:`Recovery.failed`), not warned of: the caller says what it does next.
 
         Collectives: as few as the case allows, since each costs milliseconds on a busy node. When
         every node holds the step (a restart of the worker processes), two: the inventory and
@@ -630,7 +648,7 @@ class LocalTier:
         reports = [r for r, _, _, _ in gathered]
         decision = decide(
             nodes, reports, gathered[0][1][0], want, gathered[0][3][0], lagging=gathered[0][1][1],
-            replica_manifests=gathered[0][3][1], job=job,
+            replica_manifests=gathered[0][3][1], job=job, failed=failed,
         )
         if decision.step is None:
             if any(reports) and want is None:  # a step the tier should have served
@@ -652,7 +670,7 @@ class LocalTier:
             planned = _plan(needs, manifest, group.rank) is not None if needs is not None else False
             log.info("distckpt: recovering step %d from the local tier (every node holds it)", step)
             sources = {f: "local" for f in list(manifest.files) + [MANIFEST_NAME]}
-            return Recovery(step, sources, all(group.all_gather(planned)), older=decision.reason)
+            return Recovery(step, sources, all(group.all_gather(planned)), older=decision.reason, tried=step, later=decision.later)
         return self._complete(group, nodes, decision, reports, manifest, manifest_json, check, needs)
 
     def _complete(
@@ -727,8 +745,7 @@ class LocalTier:
         everyone = group.all_gather(failures)
         if any(everyone):
             first_problem = next(p for ps in everyone for p in ps)
-            _warn_root(f"completing step {step} in the local tier failed ({first_problem})")
-            return Recovery(None, {})
+            return Recovery(None, {}, failed=f"completing it in the local tier failed ({first_problem})", tried=step, later=decision.later)
         # Streamed files went to a rank, not into this node's tier: .metadata alone came by move.
         came = {f: f"rank {src}" for f, src, dst in moves if nodes.of[dst] == here and (not streams or f == METADATA)}
         came.update({f: f"rank {src}" for f, src, dst in streams if dst == group.rank})
@@ -739,7 +756,7 @@ class LocalTier:
         have = set(os.listdir(self.step_path(step)))
         sources = {f: came.get(f, "local") for f in list(manifest.files) + [MANIFEST_NAME] if f in came or f in have}
         log.info("distckpt: recovering step %d from the local tier (%d file(s) from peers)", step, len(decision.transfers))
-        return Recovery(step, sources, planned, tuple(streams), older=decision.reason)
+        return Recovery(step, sources, planned, tuple(streams), older=decision.reason, tried=step, later=decision.later)
 
     def _inventory(self, nodes: Nodes, rank: int, check: bool) -> tuple[dict[int, Holding], dict[int, bytes]]:
         """(each rank) The committed steps of this root in this node's tier, each with the files
@@ -860,6 +877,18 @@ def _mark_of(path: str) -> str | None:
             return f.read().decode(errors="replace")
     except OSError:
         return None
+
+
+def same_root(mark: str | None, root: str) -> bool:
+    """(pure) Whether a tier directory's mark names ``root`` (its ``Storage.identity()``). Marks
+    are written as that identity, so one folder named through a link or ``//`` is one root; a
+    mark written before (the root as it was spelt: a local path) counts where it resolves to
+    ``root`` (a relative one against this process's working directory)."""
+    if mark is None:
+        return False
+    if mark == root:
+        return True
+    return "://" not in mark and "://" not in root and os.path.realpath(mark) == root
 
 
 def _remove_tree(path: str) -> None:
