@@ -247,3 +247,24 @@ def test_a_tier_copy_newer_than_the_replicas_commit_of_the_step_is_served(tmp_pa
     with distckpt.Checkpointer(root, **kw) as ckpt:
         assert _load(ckpt, step=3) == (3, "new3", "local")
         assert ckpt.manifest(3).created_unix == made[tier]
+
+
+def test_a_tier_folder_without_a_manifest_is_named_as_such_by_the_cli(tmp_path):
+    """After a streamed recovery, a replaced node's tier holds the step's folder with only its
+    mark and .metadata. ``ls`` called it ``plain dcp`` (a label that means "inspect/convert read
+    it") and ``inspect``/``convert`` then failed naming a manifest that is not there."""
+    from cli_runner import run_cli
+
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    with distckpt.Checkpointer(root, local_dir=tier) as ckpt:
+        ckpt.save(1, {"w": torch.arange(8.0), "step": 1})
+    folder = tier / STEP(1)
+    for f in folder.iterdir():
+        if f.name not in (".distckpt-root", ".metadata"):
+            f.unlink()
+    listed = run_cli("ls", str(tier), "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout)["steps"][0]["status"] == "incomplete tier copy", listed.stdout
+    for args in (("inspect", str(folder)), ("verify", str(folder)), ("convert", str(folder), "--to", "torch", str(tmp_path / "o.pt"))):
+        got = run_cli(*args)
+        assert got.returncode == 1 and "local tier's copy without manifest.json" in got.stderr, (args, got.stderr)
+    assert not (tmp_path / "o.pt").exists()

@@ -26,6 +26,7 @@ from distckpt.integrations.lightning_pointers import POINTER_MAX_BYTES, pointer_
 from distckpt.errors import CheckpointError, StepDeletedError
 from distckpt.integrity.manifest import (
     MANIFEST_NAME,
+    TIER_MARK,
     committed_steps,
     load_manifest,
     parse_step_dir,
@@ -139,6 +140,12 @@ def _committed(storage: Storage, step: int, listed: bool = False) -> StepFiles:
         if listed:
             raise StepDeletedError(deleted_while(storage, name, step, "opened"))
         if storage.exists(name):
+            if storage.exists(name, TIER_MARK):  # (no plain DCP checkpoint: what a recovery left)
+                raise CheckpointNotFound(
+                    f"{storage.display(name)} is a local tier's copy without {MANIFEST_NAME}: not committed on this node "
+                    "(a recovery streamed its files to the ranks, or a save's copy was cut short); its files are on "
+                    "other nodes' tiers and at the root"
+                )
             if unowned_dcp_checkpoint(storage, name):  # a plain dcp.save under a step's name
                 return StepFiles(storage, name)
             raise CheckpointNotFound(f"checkpoint {storage.display(name)} is incomplete (no {MANIFEST_NAME}); it was never committed")
@@ -195,7 +202,12 @@ def _step_row(storage: Storage, name: str, step: int) -> dict[str, Any]:
         files = storage.list_files(name)
         # A DCP checkpoint no distckpt save left (no owner record): a plain dcp.save under a
         # step's name, which cleanup keeps and inspect/convert read (unverified); not "incomplete".
-        status = "plain dcp" if unowned_dcp_checkpoint(storage, name, files) else "incomplete"
+        # A tier's folder without a manifest (a recovery streamed the step's files into the
+        # ranks' loads and kept only .metadata here): not a plain DCP checkpoint.
+        if TIER_MARK in files:
+            status = "incomplete tier copy"
+        else:
+            status = "plain dcp" if unowned_dcp_checkpoint(storage, name, files) else "incomplete"
         row.update(status=status, bytes=sum(files.values()), world_size=None, created_unix=None)
     return row
 
