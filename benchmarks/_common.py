@@ -10,10 +10,12 @@ import json
 import math
 import os
 import shutil
+import signal
 import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -140,8 +142,25 @@ def resolve_outputs(args: argparse.Namespace, name: str, *, png: bool = False) -
             print(f"[{name}] --quick without --json: results go to {args.json}", flush=True)
         else:
             args.json = str(RESULTS / f"{name}.json")
+    if args.json:
+        _refuse_clobbering_json(args.json, png)
     if png and args.png is None:
         args.png = str(Path(args.json).with_suffix(".png")) if args.json else ""
+
+
+def _refuse_clobbering_json(text: str, png: bool) -> None:
+    """A ``--json`` path whose table (``.md``) or plot (``.png``) would be itself, or that names a
+    folder: refused before the run (after it, the table overwrote the results, or the write
+    failed with a traceback once the whole run had been spent)."""
+    path = Path(text)
+    why = None
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        why = "is a folder; name a file (e.g. DIR/results.json)"
+    elif path.suffix == ".md" or (png and path.suffix == ".png"):
+        why = f"would be overwritten by the {path.suffix} written beside it; name a .json file"
+    if why is not None:
+        print(f"error: --json {text!r} {why}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,7 +345,16 @@ def run_folder(base: str | None, prefix: str) -> tuple[Path, bool]:
     deletes only this folder (:func:`remove_scratch`), never what ``base`` held before."""
     parent = Path(base) if base else REPO / "benchmarks" / ".scratch"
     parent.mkdir(parents=True, exist_ok=True)
+    _exit_on_sigterm()
     return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=parent)), base is None
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, ``kill``, a scheduler's cancel) as ``SystemExit``, so that the
+    script's ``finally`` removes its run folder: killed outright, a run left gigabytes in
+    ``--dir``. Only where SIGTERM has its default action (a handler of the caller's stays)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def remove_scratch(scratch: Path, own_parent: bool) -> None:

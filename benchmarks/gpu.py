@@ -465,6 +465,19 @@ TARGETS = [
 ]  # fmt: skip
 
 
+def targets(rows: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Each target of :data:`TARGETS` whose rows were measured: its ratio, as the target reads
+    ("<= N x" targets: a over b, at most N; ">= N x" ones: b over a, at least N, a speed-up or
+    a fraction of a floor's speed), and whether it is met (a NaN, no sample, is not)."""
+    out: dict[str, dict[str, Any]] = {}
+    for a, b, text, ok in TARGETS:
+        if a not in rows or (b is not None and b not in rows):
+            continue  # a part not run (--parts)
+        ratio = rows[a] if b is None else rows[a] / rows[b] if "<=" in text else rows[b] / rows[a]
+        out[text] = {"ratio": ratio, "met": ratio == ratio and bool(ok(rows))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
@@ -558,13 +571,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for kind, p in phases.items():
             lines.append(f"| {kind} | {p.get('blocking_s', float('nan')):.4f} | " + " | ".join(f"{p.get(k, float('nan')):.4f}" for k in _SHOWN) + " |")
     lines += ["", "| target | ratio | met |", "|---|---|---|"]
-    for a, b, text, ok in TARGETS:
-        if a not in rows or (b is not None and b not in rows):
-            continue  # a part not run (--parts)
-        ratio = rows[a] if b is None else rows[b] / rows[a]
-        met = ratio == ratio and bool(ok(rows))  # a NaN (no sample) is not met
-        out["targets"][text] = {"ratio": ratio, "met": met}
-        lines.append(f"| {text} | {ratio:.2f} | {'yes' if met else 'no'} |")
+    out["targets"] = targets(rows)
+    lines += [f"| {text} | {t['ratio']:.2f} | {'yes' if t['met'] else 'no'} |" for text, t in out["targets"].items()]
     _common.publish(out, "\n".join(lines), args.json)
     return out
 

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         methods[m] = {
             "time_s": median([r["time_s"] for r in per_rank[0]["records"] if r["method"] == m]),
             "read_mib_per_rank": [round(b / MiB, 1) for b in reads],
-            "max_read_vs_share": max((b - SLACK) / pr["share"] for b, pr in zip(reads, per_rank)),
+            # (0 at least: at small sizes a rank reads less than the slack, which is no ratio)
+            "max_read_vs_share": max(max(0.0, b - SLACK) / pr["share"] for b, pr in zip(reads, per_rank)),
         }
     value = methods["distckpt_load"]["max_read_vs_share"]
     targets = [{

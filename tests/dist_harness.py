@@ -143,8 +143,17 @@ def run_ranks(
     import time
 
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        # Interrupted (Ctrl-C, a benchmark's SIGTERM): the ranks go too. Left running, they
+        # wrote on into a run folder being removed, and the interpreter's exit waited for them.
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        raise
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():

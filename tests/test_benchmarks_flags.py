@@ -189,3 +189,61 @@ st.main(["--size-gib", "0.005", "--repeats", "2", "--world-sizes", "1", "--no-s3
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LEFT []" in proc.stdout, proc.stdout[-2000:]
     assert (tmp_path / "st.png").is_file()  # (the plot beside its JSON)
+
+
+def test_a_json_path_its_table_or_plot_would_overwrite_is_refused(tmp_path: Path) -> None:
+    # --json res.md: the table overwrote the results; res.png: the plot did; a folder: a
+    # traceback once the whole run was spent. Refused before the run, exit 2.
+    c = _common()
+    for text, png in ((str(tmp_path / "r.md"), False), (str(tmp_path / "r.png"), True), (str(tmp_path), False), (str(tmp_path / "new") + "/", False)):
+        with pytest.raises(SystemExit) as exc:
+            c.resolve_outputs(argparse.Namespace(quick=False, json=text, png=None), "x", png=png)
+        assert exc.value.code == 2, text
+    args = argparse.Namespace(quick=False, json=str(tmp_path / "r.png"), png=None)
+    c.resolve_outputs(args, "x")  # (no plot: a .png name is the user's choice)
+    proc = _bench("verify_cost.py", "--quick", "--json", str(tmp_path))
+    assert proc.returncode == 2 and "error: --json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_gpu_targets_read_as_they_are_written() -> None:
+    # The "<=" targets recorded the inverse ratio (steady/first, d2h/steady): 0.015 for a steady
+    # save 66x the floor, under "<= 1.2x".
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = {"distckpt_async_blocked_first_s": 0.2, "distckpt_async_blocked_steady_s": 0.1, "d2h_floor_s": 0.05,
+            "distckpt_sync_s": 2.0, "dcp_sync_s": 4.0}  # fmt: skip
+    got = gpu.targets(rows)
+    assert got["first async save <= 1.5x a steady one"] == {"ratio": 2.0, "met": False}
+    assert got["steady blocked <= 1.2x the D2H floor"] == {"ratio": 2.0, "met": False}
+    assert got[">= 1.5x faster than plain DCP"] == {"ratio": 2.0, "met": True}
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_removes_the_run_folder(tmp_path: Path) -> None:
+    # timeout, kill or a scheduler's cancel (SIGTERM) skipped the cleanup: the run folder stayed
+    # in --dir (8.5 GB of a default save_throughput run), and the script waited for its ranks,
+    # which saved on. Stopped once its ranks are saving.
+    import signal
+    import time
+
+    work = tmp_path / "dir"
+    work.mkdir()
+    (work / "mine.txt").write_text("the user's")
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "save_throughput.py"), "--size-gib", "0.25", "--world-sizes", "1", "--repeats", "50",
+         "--no-s3", "--no-train", "--small-mib", "", "--dir", str(work), "--json", str(tmp_path / "o.json")],
+        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while not any((p / "ws1").exists() for p in work.iterdir()):  # its ranks are saving
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no run folder"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and sorted(p.name for p in work.iterdir()) == ["mine.txt"]
