@@ -180,3 +180,37 @@ def test_a_users_value_that_looks_encoded_is_exported_and_verified_as_a_load_giv
     out = torch.load(tmp_path / "o.pt", weights_only=True)
     assert not summary["skipped"] and out["tag"] == v and out["cfg"] == state["cfg"] and out["odd"] == bad
     assert main(["verify", str(tmp_path / "root"), "--state", "-q"]) == 0
+
+
+def test_a_cast_beyond_the_target_range_is_named_and_step_counters_keep_their_dtype(tmp_path: Path) -> None:
+    """``convert --dtype fp16`` wrote a weight of 1e6 as inf, exit 0 and only "wrote ..."; a full
+    ``--to torch --dtype bf16`` made an optimizer's step 70001 into 70144."""
+    import json
+
+    from cli_runner import run_cli
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    for s in o.state.values():
+        s["step"].fill_(70001.0)
+    with torch.no_grad():
+        m.weight[0, 0] = 1e6
+    with Checkpointer(tmp_path / "ck") as c:
+        c.save(1, {"model": m, "optim": o})
+    for to, out in (("hf", tmp_path / "hf"), ("safetensors", tmp_path / "w.safetensors"), ("torch", tmp_path / "w.pt")):
+        got = run_cli("convert", str(tmp_path / "ck"), "--to", to, str(out), "--dtype", "fp16", "--json")
+        assert got.returncode == 0 and "beyond the range of torch.float16" in got.stderr and "model.weight" in got.stderr, got
+        assert json.loads(got.stdout)["beyond_range"] == ["model.weight"], got.stdout
+    assert torch.isinf(load_file(str(tmp_path / "hf" / "model.safetensors"))["weight"][0, 0])  # (as asked, but said)
+    quiet = run_cli("convert", str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "b.safetensors"), "--dtype", "bf16")
+    assert quiet.returncode == 0 and "beyond the range" not in quiet.stderr, quiet.stderr
+    full = run_cli("convert", str(tmp_path / "ck"), "--to", "torch", str(tmp_path / "full.pt"), "--dtype", "bf16")
+    assert full.returncode == 0, full.stderr
+    loaded = torch.load(tmp_path / "full.pt", weights_only=True)
+    steps = [v for k, v in loaded["optim"].items() if k.endswith(".step")]
+    assert steps and all(v.dtype == torch.float32 and v.item() == 70001.0 for v in steps), steps
+    assert loaded["model"]["weight"].dtype == torch.bfloat16

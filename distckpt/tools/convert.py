@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from distckpt.state.containers import SAVE_DEPTH
 from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
 from distckpt.tools.outputs import check_output, open_output
-from distckpt.tools.safetensors_io import NAMES, check_tensor_name, header_bytes
+from distckpt.tools.safetensors_io import NAMES, beyond_range, check_tensor_name, header_bytes
 from distckpt.tools.selection import INTERNAL, cast_dtype, select_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the CLI's --dtype names
@@ -64,18 +65,40 @@ def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return cast_dtype(info.key, info.dtype, dtype)
 
 
-def write_tensor(f: IO[bytes], source: CheckpointSource, key: str, dtype: torch.dtype, nbytes: int) -> None:
+def write_tensor(
+    f: IO[bytes], source: CheckpointSource, key: str, dtype: torch.dtype, nbytes: int, beyond: list[str] | None = None
+) -> None:
     """Stream tensor ``key`` of ``source`` (cast to ``dtype``) into ``f`` as row-major bytes.
+    ``beyond``: gets ``key`` where some of its values lie beyond ``dtype``'s range (decided on
+    the values before the cast, as :func:`~distckpt.tools.safetensors_io.beyond_range` says).
 
     Raises:
         RuntimeError: the bytes written are not the ``nbytes`` the output's header announced.
     """
+    stored = source.tensors[key].dtype
     written = 0
-    for block in source.iter_bytes(key, dtype):
+    for block in source.iter_bytes(key):
+        if dtype != stored and len(block):
+            values = torch.frombuffer(bytearray(block) if block.readonly else block, dtype=stored)
+            if beyond is not None and key not in beyond[-1:] and beyond_range(values, dtype):
+                beyond.append(key)
+            block = memoryview(values.to(dtype).view(torch.uint8).numpy())
         f.write(block)
         written += len(block)
     if written != nbytes:
         raise RuntimeError(f"tensor {key}: wrote {written} bytes, expected {nbytes}")
+
+
+def warn_beyond_range(what: str, keys: list[str], dtype: torch.dtype | None) -> None:
+    """One warning naming the tensors an export's cast to ``dtype`` changed beyond its range
+    (float32 1e6 into float16: ``inf``, exit 0 and "wrote ..." otherwise)."""
+    if keys and dtype is not None:
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        warnings.warn(
+            f"distckpt: {what}: {len(keys)} tensor(s) hold values beyond the range of {dtype}, changed by the cast "
+            f"(into inf; a float8 type saturates to its largest value or gives NaN): {shown}",
+            stacklevel=3,
+        )
 
 
 def open_source(found: StepFiles, out: str, storage_options: Mapping[str, object] | None) -> CheckpointSource:
@@ -120,16 +143,21 @@ def export_safetensors(
     )
     total = sum(source.tensors[k].nbytes(dtypes[k]) for _, k in plan)
     done = 0
+    beyond: list[str] = []
     with open_output(out, storage_options, overwrite=overwrite) as f:
         f.write(head)
         for _, k in plan:
             n = source.tensors[k].nbytes(dtypes[k])
-            write_tensor(f, source, k, dtypes[k], n)
+            write_tensor(f, source, k, dtypes[k], n, beyond)
             done += n
             if progress:
                 progress(done, total)
         source.finish()  # every file read checked whole before the output appears
-    return {"output": out, "format": "safetensors", "tensors": len(plan), "bytes": total, "unverified": found.unverified}
+    warn_beyond_range(f"export of {found.display()} to {out}", beyond, dtype)
+    return {
+        "output": out, "format": "safetensors", "tensors": len(plan), "bytes": total, "unverified": found.unverified,
+        "beyond_range": beyond,
+    }  # fmt: skip
 
 
 # torch.save format ---------------------------------------------------------------------------------
@@ -205,7 +233,9 @@ def export_torch(
 
     def stub(k: str) -> _Stub:
         info = source.tensors[k]
-        s = _Stub(len(stubs), k, _out_dtype(info, dtype), info.shape)
+        # An optimizer's step counter (a 0-d "...step") keeps its dtype: bf16 made 70001 70144.
+        counter = not info.shape and k.rpartition(".")[2] == "step"
+        s = _Stub(len(stubs), k, info.dtype if counter else _out_dtype(info, dtype), info.shape)
         stubs.append(s)
         return s
 
@@ -242,11 +272,12 @@ def export_torch(
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
     crc = torch.serialization.get_crc32_options()
     alignment = storage_alignment()
+    beyond: list[str] = []
     with open_output(out, storage_options, overwrite=overwrite) as f:
         sink = _Sink(f, out)
         writer = PyTorchFileWriter(sink, crc, alignment)
         try:
-            _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink)
+            _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink, beyond)
             sink.raise_error()
             source.finish()  # every file read checked whole before the output appears
         except BaseException:
@@ -256,7 +287,11 @@ def export_torch(
             sink.disarm()
             del writer
             raise
-    return {"output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped, "unverified": found.unverified}
+    warn_beyond_range(f"export of {found.display()} to {out}", beyond, dtype)
+    return {
+        "output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped,
+        "unverified": found.unverified, "beyond_range": beyond,
+    }  # fmt: skip
 
 
 def _exported_value(raw: Any, key: str, encoded: bool = False, stored_as_json: bool = False) -> tuple[Any, str | None]:
@@ -400,8 +435,10 @@ def _write_torch_records(
     total: int,
     progress: Progress | None,
     sink: _Sink,
+    beyond: list[str],
 ) -> int:
-    """The records of a ``torch.save`` zip, one storage per tensor; returns the bytes written."""
+    """The records of a ``torch.save`` zip, one storage per tensor; returns the bytes written.
+    ``beyond``: gets the keys whose cast changed values beyond the target dtype's range."""
     done = 0
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
@@ -411,7 +448,11 @@ def _write_torch_records(
     # Records in the order the tensors lie in the checkpoint's files (each file read once, front
     # to back); the pickled object refers to them by index, so its order is the checkpoint's.
     for s in sorted(stubs, key=lambda s: source.position(s.key)):
-        t = source.read_tensor(s.key, s.dtype)
+        t = source.read_tensor(s.key)
+        if t.dtype != s.dtype:
+            if beyond_range(t, s.dtype):
+                beyond.append(s.key)
+            t = t.to(s.dtype)
         n = t.untyped_storage().nbytes()
         writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
         del t

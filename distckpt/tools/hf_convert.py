@@ -22,7 +22,7 @@ import torch
 from distckpt.checkpointer import Checkpointer
 from distckpt.integrity.stepfiles import StepFiles
 from distckpt.storage.base import Storage
-from distckpt.tools.convert import open_source, write_tensor
+from distckpt.tools.convert import open_source, warn_beyond_range, write_tensor
 from distckpt.tools.hf_publish import (
     DigestingFile,
     Layout,
@@ -163,13 +163,14 @@ def export_hf(
     target = publish.target(storage)
     done = 0
     digests: dict[str, str] = {}
+    beyond: list[str] = []
     try:
         for i, entries in enumerate(layout.files):
             with target.open(layout.names[i], "wb") as opened:
                 f = DigestingFile(opened)
                 f.write(layout.headers[i])
                 for t in entries:
-                    write_tensor(f, source, by_name[t.key], t.dtype, t.nbytes)
+                    write_tensor(f, source, by_name[t.key], t.dtype, t.nbytes, beyond)
                     done += t.nbytes
                     if progress:
                         progress(done, layout.total)
@@ -183,4 +184,8 @@ def export_hf(
     except BaseException:
         publish.abandon(storage)  # nothing unverified or partial stays behind
         raise
-    return {"output": storage.display(), "format": "hf", "files": layout.names, "tensors": len(planned), "bytes": layout.total}
+    warn_beyond_range(f"export of {found.display()} to {storage.display()}", beyond, dtype)
+    return {
+        "output": storage.display(), "format": "hf", "files": layout.names, "tensors": len(planned), "bytes": layout.total,
+        "beyond_range": beyond,
+    }  # fmt: skip
