@@ -386,6 +386,11 @@ def test_convert_of_a_lightning_step_takes_its_state_dict_as_the_model(tmp_path:
     assert out.returncode == 0, out.stderr
     got = torch.load(tmp_path / "model.pt", weights_only=True)
     assert sorted(got) == sorted(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
+    assert "DistckptCheckpointIO" not in out.stderr
+    # The full export is not Lightning's dict (Trainer.fit(ckpt_path=...) failed on it with a
+    # bare AttributeError): said, with the ways that work.
+    out = run_cli("convert", str(step), "--to", "torch", str(tmp_path / "full.pt"))
+    assert out.returncode == 0 and "is a step of Lightning's DistckptCheckpointIO" in out.stderr and "--model-only" in out.stderr, out
     # A step of another tool whose metadata merely holds a "lightning" key: still ambiguous.
     with distckpt.Checkpointer(tmp_path / "plain") as plain:
         plain.save(1, {"state_dict": dict(weights), "ema": dict(weights)}, metadata={"lightning": "2.4.0"})

@@ -54,7 +54,7 @@ from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
 from distckpt.tools.outputs import check_output, open_output
 from distckpt.tools.safetensors_io import NAMES, beyond_range, check_tensor_name, header_bytes
-from distckpt.tools.selection import INTERNAL, cast_dtype, select_tensors
+from distckpt.tools.selection import INTERNAL, cast_dtype, lightning_step, select_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the CLI's --dtype names
 
@@ -243,6 +243,14 @@ def export_torch(
     if model_only or key is not None:
         obj = {name: stub(k) for name, k in select_tensors(found, source, model_only=model_only, key=key)}
     else:
+        if lightning_step(found):
+            warnings.warn(
+                f"distckpt: {found.display()} is a step of Lightning's DistckptCheckpointIO: the full export holds its "
+                "entries by their checkpoint keys ('optimizer_states' as one dict of keys such as '0.state.0.step'), not "
+                "Lightning's checkpoint dict, so Trainer.fit(ckpt_path=...) cannot resume from it; resume through the "
+                "plugin, or export the weights with --model-only",
+                stacklevel=2,
+            )
         obj = {}
         entries = found.manifest.entries if found.manifest is not None else {}
         all_keys = [k for k in source.metadata.state_dict_metadata if k.partition(".")[0] not in INTERNAL]

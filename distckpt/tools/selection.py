@@ -33,14 +33,14 @@ def _model_names(found: StepFiles, source: CheckpointSource) -> list[str]:
         return modules
     # Imported checkpoints hold the model as a dict of tensors ("tree" entry).
     trees = sorted(n for n, e in entries.items() if e.get("kind") == "tree")
-    if "state_dict" in trees and _lightning_step(found):
+    if "state_dict" in trees and lightning_step(found):
         # A step of the Lightning plugin: its trees are Lightning's checkpoint dict (the
         # optimizer states, callbacks ... beside it); the model is its "state_dict".
         return ["state_dict"]
     return trees
 
 
-def _lightning_step(found: StepFiles) -> bool:
+def lightning_step(found: StepFiles) -> bool:
     """Whether ``found`` was saved by Lightning's ``DistckptCheckpointIO``: its manifest holds
     that plugin's layout (not merely a ``"lightning"`` key a user's metadata may hold) whose
     top-level keys include ``state_dict``."""
