@@ -81,7 +81,8 @@ def test_ls_json_and_table(ckpt_root, capsys):
     steps = {r["step"]: r for r in json.loads(out)["steps"]}
     assert sorted(steps) == [10, 20, 30]
     assert steps[20]["committed"] and steps[20]["world_size"] == 1 and steps[20]["bytes"] > 0
-    assert steps[20]["created_unix"] > 0
+    assert steps[20]["created_unix"] > 0 and isinstance(steps[20]["job"], str) and steps[20]["job"]  # whose step
+    assert steps[30]["job"] is None
     assert not steps[30]["committed"] and steps[30]["status"] == "incomplete" and steps[30]["bytes"] == 100
     code, out, _ = run(["ls", root], capsys)
     assert code == 0

@@ -197,6 +197,7 @@ def _step_row(storage: Storage, name: str, step: int) -> dict[str, Any]:
             bytes=manifest.total_bytes,
             world_size=manifest.world_size,
             created_unix=manifest.created_unix,
+            job=manifest.job,  # (two jobs sharing a root, job=: whose step)
         )
     else:
         files = storage.list_files(name)
@@ -208,7 +209,7 @@ def _step_row(storage: Storage, name: str, step: int) -> dict[str, Any]:
             status = "incomplete tier copy"
         else:
             status = "plain dcp" if unowned_dcp_checkpoint(storage, name, files) else "incomplete"
-        row.update(status=status, bytes=sum(files.values()), world_size=None, created_unix=None)
+        row.update(status=status, bytes=sum(files.values()), world_size=None, created_unix=None, job=None)
     return row
 
 
