@@ -32,7 +32,7 @@ from distckpt.storage import ownership
 from distckpt.state.entries import targets_undone_on_failure
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
-from distckpt.storage.local_tier import LocalTier, superseded_by
+from distckpt.storage.local_tier import LocalTier, root_mark, superseded_by
 from distckpt.storage.replica import Replicator
 
 __all__ = ["Checkpointer", "SaveStats"]
@@ -231,7 +231,7 @@ class Checkpointer:
         self.local: LocalTier | None = None
         if options.local_dir is not None:
             _refuse_root_in_a_step(Storage(str(options.local_dir)), "local_dir")
-            self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, self.storage.identity())
+            self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, root_mark(self.storage))
         self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False
         self._pid = os.getpid()

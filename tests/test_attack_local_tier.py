@@ -300,6 +300,32 @@ def test_a_mark_written_as_the_root_was_spelt_is_still_this_roots(tmp_path):
     assert _load(real, tier) == (1, 1.0, "local")
 
 
+def test_a_root_linked_on_its_own_filesystem_keeps_its_tier_while_that_is_down(tmp_path):
+    """``mnt/ckpt -> runs/7``, the link on the filesystem that goes down: while down, the link
+    cannot be resolved, so a mark holding only the resolved root matched none of the tier's
+    steps when the tier must serve (FileNotFoundError). The mark holds the root as spelt too."""
+    mnt, tier = tmp_path / "mnt", tmp_path / "tier"
+    (mnt / "runs" / "7").mkdir(parents=True)
+    (mnt / "ckpt").symlink_to("runs/7")
+    _save_steps(mnt / "ckpt", tier, [1, 2])
+    mnt.rename(tmp_path / "down")
+    mnt.mkdir()  # an empty mount point
+    assert _load(mnt / "ckpt", tier) == (2, 2.0, "local")
+
+
+def test_a_garbage_mark_in_the_tier_is_no_roots(tmp_path):
+    """A mark holding a NUL byte (zero-filled after a crash): the old-mark check resolved it as a
+    path and raised a bare ValueError from every save (after its commit: the retry then got
+    StepExistsError), on the node's first rank only."""
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    (tier / STEP(5)).mkdir(parents=True)
+    (tier / STEP(5) / local_tier.ROOT_MARK).write_bytes(b"\x00" * 16)
+    _save_steps(root, tier, [1, 2])
+    root.rename(tmp_path / "away")
+    assert _load(root, tier) == (2, 2.0, "local")
+    assert (tier / STEP(5)).exists()  # (not this root's: never touched)
+
+
 def test_pathlike_relative_and_trailing_slash_local_dir_are_one_tier(tmp_path, monkeypatch):
     """(passes) Path, relative str and trailing slash name the same tier."""
     monkeypatch.chdir(tmp_path)
@@ -534,7 +560,7 @@ def test_a_step_folder_of_another_root_appearing_after_the_check_is_never_writte
     original = local_tier.LocalTier.open_step
 
     def open_step(self, group, step):
-        if self.root == a.storage.url and step == 5:
+        if self.root == local_tier.root_mark(a.storage) and step == 5:
             b.save(5, {"model": _model(500.0), "step": 5})
         return original(self, group, step)
 

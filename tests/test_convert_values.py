@@ -214,3 +214,8 @@ def test_a_cast_beyond_the_target_range_is_named_and_step_counters_keep_their_dt
     steps = [v for k, v in loaded["optim"].items() if k.endswith(".step")]
     assert steps and all(v.dtype == torch.float32 and v.item() == 70001.0 for v in steps), steps
     assert loaded["model"]["weight"].dtype == torch.bfloat16
+    # (every export: --key optim to safetensors made it 70144 too, silently)
+    keyed = run_cli("convert", str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "o.safetensors"), "--key", "optim", "--dtype", "bf16")
+    assert keyed.returncode == 0, keyed.stderr
+    counters = {k: v for k, v in load_file(str(tmp_path / "o.safetensors")).items() if k.endswith(".step")}
+    assert counters and all(v.dtype == torch.float32 and v.item() == 70001.0 for v in counters.values()), counters

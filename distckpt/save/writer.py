@@ -35,7 +35,7 @@ from distckpt.integrity.checksums import Buffer, new_hasher
 from distckpt.save.d2h import PARTS as D2H_PARTS
 from distckpt.save.records import write_items
 from distckpt.storage.base import Storage, WritableFile, named_os_error
-from distckpt.storage.local_tier import LocalCopy, rename_copy
+from distckpt.storage.local_tier import LocalCopy, rename_copy, root_mark
 
 
 _BUFFER = 1 << 20
@@ -371,7 +371,7 @@ class CheckpointWriter(FileSystemWriter):
             sync=storage.sync_file if sync_files else None,
             local_dir=local_dir,
             beside=has_spare_cores(thread_count, local_ranks),
-            local_root=storage.identity(),  # the tier's mark (LocalTier.root)
+            local_root=root_mark(storage),  # the tier's mark (LocalTier.root)
         )
         self.path = path
 

@@ -90,7 +90,7 @@ class LocalCopy:
             if root is not None and not same_root(_mark_of(directory), root):
                 # The save's open_step found the directory another root's (or a folder of
                 # that name appeared since): its files are never replaced.
-                self._errors.append(f"{directory} does not carry this root's mark ({root}): no local copy written")
+                self._errors.append(f"{directory} does not carry this root's mark ({_shown(root)}): no local copy written")
                 return
             os.makedirs(directory, exist_ok=True)
             self._f = os.fdopen(create_fresh(self.path + PART), "wb")  # closed by finish/abandon
@@ -340,8 +340,8 @@ class LocalTier:
         local_dir: this node's directory (may differ per node; every rank of a node passes the same).
         keep: committed steps each node keeps.
         peers: 1: each rank's files are also kept by its peer on the next node; 0: no peer copies.
-        root: the checkpointer's root as manifests record it (``Storage.identity()``: a local
-            root with links resolved), recorded with each step (:data:`ROOT_MARK`).
+        root: the checkpointer's root's mark (:func:`root_mark`), recorded with each step
+            (:data:`ROOT_MARK`).
     """
 
     def __init__(self, local_dir: str, keep: int, peers: int, root: str) -> None:
@@ -486,7 +486,7 @@ class LocalTier:
         ``step`` is another root's, or not a directory."""
         warnings.warn(
             f"distckpt: step {step} keeps no local-tier copy: {self.step_path(step)} exists and is not this root's "
-            f"({self.root}); the local tier never touches what it did not write",
+            f"({_shown(self.root)}); the local tier never touches what it did not write",
             stacklevel=4,
         )
 
@@ -879,16 +879,38 @@ def _mark_of(path: str) -> str | None:
         return None
 
 
+def _shown(mark: str) -> str:
+    """A mark's root as messages name it (its identity, the first line)."""
+    return mark.split("\n", 1)[0]
+
+
+def root_mark(storage: Storage) -> str:
+    """The text of the tier's mark for root ``storage``: its identity (links resolved, as
+    manifests record it: one folder named through a link or ``//`` is one root) and the root as
+    spelt, one per line. Both, since a link to the root stored on the root's own filesystem
+    cannot be resolved while that filesystem is down, which is when the tier must serve."""
+    return f"{storage.identity()}\n{storage.url}"
+
+
 def same_root(mark: str | None, root: str) -> bool:
-    """(pure) Whether a tier directory's mark names ``root`` (its ``Storage.identity()``). Marks
-    are written as that identity, so one folder named through a link or ``//`` is one root; a
-    mark written before (the root as it was spelt: a local path) counts where it resolves to
-    ``root`` (a relative one against this process's working directory)."""
+    """(pure, but for old marks) Whether a tier directory's mark names ``root`` (this root's
+    :func:`root_mark`): either of its names is either of the mark's. A mark of one line was
+    written before marks held both (the root as spelt, a local path): it counts where it
+    resolves to this root's identity. Garbage (a NUL byte, a zero-filled mark after a crash)
+    is no root's."""
     if mark is None:
         return False
-    if mark == root:
+    names = set(root.split("\n"))
+    lines = mark.split("\n")
+    if names.intersection(lines):
         return True
-    return "://" not in mark and "://" not in root and os.path.realpath(mark) == root
+    old = lines[0]
+    if len(lines) != 1 or not os.path.isabs(old) or "\0" in old or len(old) > 4096:
+        return False
+    try:
+        return os.path.realpath(old) in names
+    except (OSError, ValueError):
+        return False
 
 
 def _remove_tree(path: str) -> None:

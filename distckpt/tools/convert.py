@@ -62,7 +62,7 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
-    return cast_dtype(info.key, info.dtype, dtype)
+    return cast_dtype(info.key, info.dtype, dtype, info.shape)
 
 
 def write_tensor(
@@ -233,9 +233,7 @@ def export_torch(
 
     def stub(k: str) -> _Stub:
         info = source.tensors[k]
-        # An optimizer's step counter (a 0-d "...step") keeps its dtype: bf16 made 70001 70144.
-        counter = not info.shape and k.rpartition(".")[2] == "step"
-        s = _Stub(len(stubs), k, info.dtype if counter else _out_dtype(info, dtype), info.shape)
+        s = _Stub(len(stubs), k, _out_dtype(info, dtype), info.shape)
         stubs.append(s)
         return s
 

@@ -93,7 +93,7 @@ def plan_tensor(
         TypeError: a cast that would truncate values, or a dtype safetensors cannot store.
     """
     check_tensor_name(name, where)
-    odt = cast_dtype(key, stored, dtype)
+    odt = cast_dtype(key, stored, dtype, shape)
     if odt not in NAMES:
         raise TypeError(f"tensor {key!r} has dtype {odt}, which safetensors cannot store")
     dims = tuple(int(d) for d in shape)

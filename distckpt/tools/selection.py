@@ -10,6 +10,7 @@ Not collective.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -95,10 +96,11 @@ def _select(found: StepFiles, source: CheckpointSource, *, model_only: bool, key
     return picked
 
 
-def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype tensor ``key`` (stored as ``stored``) is written in when exports cast to
-    ``dtype``: floating-point tensors take ``dtype``, others (and packed ones such as
-    ``float4_e2m1fn_x2``, which have no cast) keep theirs.
+def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None, shape: Sequence[int] | None = None) -> torch.dtype:
+    """The dtype tensor ``key`` (stored as ``stored``, of ``shape`` where known) is written in
+    when exports cast to ``dtype``: floating-point tensors take ``dtype``, others (and packed
+    ones such as ``float4_e2m1fn_x2``, which have no cast) keep theirs, as does an optimizer's
+    step counter (a 0-d tensor named ``...step``: bf16 rounds 70001 to 70144).
 
     Raises:
         TypeError: ``dtype`` is not a torch dtype, or a floating-point tensor would be cast to a
@@ -106,6 +108,8 @@ def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None) -> torc
             the key and both dtypes.
     """
     if dtype is None:
+        return stored
+    if shape is not None and not len(shape) and key.rpartition(".")[2] == "step":
         return stored
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
