@@ -251,7 +251,11 @@ def prepare(
         blocking=blocking,
         names=sorted(described),
         digests={e.name: scope.digest(state_dict[e.name]) for e in scoped},
-        declared={e.name: e.declared for e in scoped},
+        # Undeclared entries holding a data loader's state are per rank by kind, as the loader
+        # itself is (rank 0's view decides, on every rank alike).
+        declared={
+            e.name: e.declared or (scope.PER_RANK if scope.holds_per_rank_state(state_dict[e.name]) else None) for e in scoped
+        },
         layout=digests,
         plain=structure.plain,
         replicas=structure.replicas_digest,

@@ -98,6 +98,41 @@ def unwrap(obj: Any) -> tuple[Any, str | None, Declared | None]:
     return obj, None, None
 
 
+#: Key sets of a per-rank kind's state (torchdata's ``StatefulDataLoader``, without workers and
+#: with): a state holding one is per rank, whatever object holds it.
+_PER_RANK_STATES = (
+    frozenset({"_num_yielded", "_sampler_iter_state"}),
+    frozenset({"_snapshot", "_steps_since_snapshot"}),
+)
+_LOOK_DEPTH = 8
+_LOOK_NODES = 4096
+
+
+def holds_per_rank_state(value: object) -> bool:
+    """Whether a state value (what an entry's ``state_dict()`` returned) holds a per-rank kind's
+    state, nested in a user's object (``{"epoch": 3, "loader": loader.state_dict()}``): a loader
+    over a ``DistributedSampler`` keeps counts only, equal on every rank, so its state looked
+    global, was stored once, and a resume at another world size gave every rank that one
+    position (samples skipped, silently). Bounded: the first levels and nodes only."""
+    seen = 0
+    todo: list[tuple[object, int]] = [(value, 0)]
+    while todo and seen < _LOOK_NODES:
+        node, depth = todo.pop()
+        seen += 1
+        if isinstance(node, Mapping):
+            keys = {k for k in node if isinstance(k, str)}
+            if any(sig <= keys for sig in _PER_RANK_STATES):
+                return True
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth < _LOOK_DEPTH:
+            todo.extend((c, depth + 1) for c in children if isinstance(c, (Mapping, list, tuple)))
+    return False
+
+
 def digest(value: object) -> str:
     """A digest of a state value (nested containers, tensors, plain values) that is equal on two
     ranks exactly when their values are equal (tensors compared by dtype, shape and bytes)."""
