@@ -313,6 +313,26 @@ def test_a_root_linked_on_its_own_filesystem_keeps_its_tier_while_that_is_down(t
     assert _load(mnt / "ckpt", tier) == (2, 2.0, "local")
 
 
+def test_a_link_re_pointed_to_another_run_never_takes_the_first_runs_tier(tmp_path):
+    """``ckpt -> runs/7`` saves, then ``ckpt -> runs/8`` (a new run): one spelling, two roots.
+    A mark matching on either name made the new run resume runs/7's step 5 (its fresh load,
+    silently) and retire runs/7's steps from the tier. The identity decides; the spelling only
+    where the root is not there to resolve (a fresh root named so is then taken as unreachable,
+    as before)."""
+    ckpt, tier = tmp_path / "ckpt", tmp_path / "tier"
+    (tmp_path / "runs" / "7").mkdir(parents=True)
+    ckpt.symlink_to("runs/7")
+    _save_steps(ckpt, tier, [1, 2, 3], local_keep=5)
+    ckpt.unlink()
+    ckpt.symlink_to("runs/8")  # (runs/8 made by the save)
+    with pytest.raises(FileNotFoundError):
+        _load(ckpt, tier)
+    _save_steps(ckpt, tier, [4], local_keep=1)
+    assert sorted(p.name for p in tier.iterdir()) == [STEP(1), STEP(2), STEP(3), STEP(4)]  # runs/7's kept
+    (tmp_path / "runs" / "8").rename(tmp_path / "away8")
+    assert _load(ckpt, tier) == (4, 4.0, "local")  # its own newest, not runs/7's
+
+
 def test_a_garbage_mark_in_the_tier_is_no_roots(tmp_path):
     """A mark holding a NUL byte (zero-filled after a crash): the old-mark check resolved it as a
     path and raised a bare ValueError from every save (after its commit: the retry then got

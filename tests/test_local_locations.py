@@ -194,3 +194,15 @@ def test_a_pointer_in_a_temporary_folder_of_a_cached_root_is_refused(tmp_path):
         check_pointer_path(f"file://{root}/.distckpt-new-x/y.ckpt", f"simplecache::file://{root}")
     with pytest.raises(ValueError, match="is the root"):
         check_pointer_path(str(root), f"simplecache::file://{root}")
+
+
+def test_a_root_that_is_a_link_to_a_folder_not_made_yet_is_made(tmp_path, monkeypatch):
+    """``ckpt -> runs/8`` for a new run, runs/8 not made yet: mkdir of the link's name failed
+    with EEXIST, which the claim took for another writer's step (every save refused: "being
+    written by another writer"). The link's folder is made, as a root's is."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").symlink_to("runs/8")
+    with distckpt.Checkpointer("ckpt") as ckpt:
+        ckpt.save(4, {"w": torch.ones(2)})
+        assert ckpt.steps() == [4]
+    assert (tmp_path / "runs" / "8" / "step_000000004" / "manifest.json").is_file()

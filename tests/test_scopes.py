@@ -220,6 +220,9 @@ def test_a_loader_wrapped_in_a_users_object_is_per_rank(tmp_path):
     from distckpt.state.scope import holds_per_rank_state
 
     assert not holds_per_rank_state({"epoch": 1, "pos": [1, 2]})
+    loader_state = {"_num_yielded": 3, "_sampler_iter_state": None}
+    # Breadth first: a long history beside it spent the budget before (depth first, from the end).
+    assert holds_per_rank_state({"loader": loader_state, "history": [{"loss": float(i)} for i in range(5000)]})
     root = str(tmp_path / "root")
     saved = run_ranks(_wrapped_loader_body, 2, tmp_path, root, timeout=150)
     assert saved[0][1] == "per_rank" and saved[0][0] == [[0, 2], [4, 6], [8, 10]], saved

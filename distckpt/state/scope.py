@@ -29,7 +29,9 @@ skips it and lists it in ``Checkpointer.last_load_report.skipped``.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -113,23 +115,25 @@ def holds_per_rank_state(value: object) -> bool:
     state, nested in a user's object (``{"epoch": 3, "loader": loader.state_dict()}``): a loader
     over a ``DistributedSampler`` keeps counts only, equal on every rank, so its state looked
     global, was stored once, and a resume at another world size gave every rank that one
-    position (samples skipped, silently). Bounded: the first levels and nodes only."""
-    seen = 0
-    todo: list[tuple[object, int]] = [(value, 0)]
-    while todo and seen < _LOOK_NODES:
-        node, depth = todo.pop()
-        seen += 1
+    position (samples skipped, silently). Bounded: breadth first (a long history beside the
+    loader's state must not hide it), at most :data:`_LOOK_NODES` containers looked at."""
+    budget = _LOOK_NODES
+    todo: collections.deque[tuple[object, int]] = collections.deque([(value, 0)])
+    while todo and budget > 0:
+        node, depth = todo.popleft()
+        budget -= 1
         if isinstance(node, Mapping):
-            keys = {k for k in node if isinstance(k, str)}
-            if any(sig <= keys for sig in _PER_RANK_STATES):
+            if any(all(k in node for k in sig) for sig in _PER_RANK_STATES):
                 return True
-            children = node.values()
+            children: Any = node.values()
         elif isinstance(node, (list, tuple)):
             children = node
         else:
             continue
         if depth < _LOOK_DEPTH:
-            todo.extend((c, depth + 1) for c in children if isinstance(c, (Mapping, list, tuple)))
+            for child in itertools.islice(children, budget):
+                if isinstance(child, (Mapping, list, tuple)):
+                    todo.append((child, depth + 1))
     return False
 
 

@@ -113,6 +113,7 @@ class LocalStorage(Storage, kind="local"):
     def write_bytes(self, data: bytes, *parts: str, exclusive: bool = False) -> None:
         path = self.join(*parts)
         if not exclusive:  # a commit never re-creates a step directory cleanup moved away
+            self._make_root()
             os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -137,7 +138,7 @@ class LocalStorage(Storage, kind="local"):
         # Built under a temporary name and renamed into place, so the directory never exists
         # without its file (a writer killed in between leaves only a temporary directory).
         # rename() refuses a non-empty target: the first writer wins.
-        os.makedirs(self.path, exist_ok=True)
+        self._make_root()
         tmp = new_dir_name()
         os.mkdir(self.join(tmp))
         try:
@@ -159,7 +160,16 @@ class LocalStorage(Storage, kind="local"):
             shutil.rmtree(self.join(*parts))
 
     def makedirs(self, *parts: str) -> None:
+        self._make_root()
         os.makedirs(self.join(*parts), exist_ok=True)
+
+    def _make_root(self) -> None:
+        """Create the root if missing; a root that is a symbolic link to a folder not made yet
+        (``ckpt -> runs/8`` for a new run) makes that folder. ``mkdir`` of the link's own name
+        fails with EEXIST, which the claim took for another writer's step: every save was
+        refused as "being written by another writer"."""
+        target = os.path.realpath(self.path) if os.path.islink(self.path) else self.path
+        os.makedirs(target, exist_ok=True)
 
     def rewrite_bytes(self, data: bytes, *parts: str) -> None:
         path = self.join(*parts)

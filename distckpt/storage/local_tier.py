@@ -34,6 +34,7 @@ committed at the root; a warning names what was skipped (a full tmpfs, for insta
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -880,37 +881,61 @@ def _mark_of(path: str) -> str | None:
 
 
 def _shown(mark: str) -> str:
-    """A mark's root as messages name it (its identity, the first line)."""
-    return mark.split("\n", 1)[0]
+    """A mark's root as messages name it (its identity)."""
+    names = _mark_names(mark)
+    return names[0] if names is not None else mark
 
 
 def root_mark(storage: Storage) -> str:
-    """The text of the tier's mark for root ``storage``: its identity (links resolved, as
-    manifests record it: one folder named through a link or ``//`` is one root) and the root as
-    spelt, one per line. Both, since a link to the root stored on the root's own filesystem
-    cannot be resolved while that filesystem is down, which is when the tier must serve."""
-    return f"{storage.identity()}\n{storage.url}"
+    """The text of the tier's mark for root ``storage``: a JSON list of its identity (links
+    resolved, as manifests record it: one folder named through a link or ``//`` is one root) and
+    the root as spelt. The identity decides; the spelt name only where this root's identity
+    cannot be told (see :func:`same_root`)."""
+    return json.dumps([storage.identity(), storage.url])
+
+
+def _mark_names(mark: str) -> tuple[str, str] | None:
+    """``(identity, spelt)`` of a mark of :func:`root_mark`'s form, else ``None``."""
+    try:
+        names = json.loads(mark)
+    except ValueError:
+        return None
+    if isinstance(names, list) and len(names) == 2 and all(isinstance(n, str) for n in names):
+        return names[0], names[1]
+    return None
 
 
 def same_root(mark: str | None, root: str) -> bool:
-    """(pure, but for old marks) Whether a tier directory's mark names ``root`` (this root's
-    :func:`root_mark`): either of its names is either of the mark's. A mark of one line was
-    written before marks held both (the root as spelt, a local path): it counts where it
-    resolves to this root's identity. Garbage (a NUL byte, a zero-filled mark after a crash)
-    is no root's."""
-    if mark is None:
+    """Whether a tier directory's ``mark`` names this root (``root``: its :func:`root_mark`).
+
+    By identity. The root as spelt decides only where this root's identity cannot be told: a
+    local root that is not there (a link to it stored on its own filesystem, which is down: the
+    tier must serve then). Not otherwise: a link re-pointed between runs (``ckpt -> runs/7``,
+    then ``runs/8``) names another root by the same spelling, whose steps must never be loaded
+    or retired. A mark of one line was written before marks held both (the root's identity, or
+    earlier the root as spelt): it counts by the same rules, or where it resolves to this root's
+    identity. Garbage (a NUL byte, a zero-filled mark after a crash) is no root's."""
+    ours = _mark_names(root)
+    if mark is None or ours is None:
         return False
-    names = set(root.split("\n"))
-    lines = mark.split("\n")
-    if names.intersection(lines):
+    identity, spelt = ours
+    theirs = _mark_names(mark)
+    if theirs is not None:
+        return theirs[0] == identity or (theirs[1] == spelt and _cannot_resolve(spelt))
+    if mark == identity or (mark == spelt and _cannot_resolve(spelt)):
         return True
-    old = lines[0]
-    if len(lines) != 1 or not os.path.isabs(old) or "\0" in old or len(old) > 4096:
+    if not os.path.isabs(mark) or "\0" in mark or len(mark) > 4096:
         return False
     try:
-        return os.path.realpath(old) in names
+        return os.path.realpath(mark) == identity
     except (OSError, ValueError):
         return False
+
+
+def _cannot_resolve(spelt: str) -> bool:
+    """Whether local root ``spelt`` is not there to resolve (no entry by that name, not even a
+    dangling link): its identity is then its name, which cannot tell it from another root."""
+    return "://" not in spelt and not os.path.lexists(spelt)
 
 
 def _remove_tree(path: str) -> None:

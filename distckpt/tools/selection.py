@@ -109,10 +109,10 @@ def cast_dtype(key: str, stored: torch.dtype, dtype: torch.dtype | None, shape: 
     """
     if dtype is None:
         return stored
-    if shape is not None and not len(shape) and key.rpartition(".")[2] == "step":
-        return stored
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if shape is not None and not len(shape) and key.rpartition(".")[2] == "step":
+        return stored
     if not stored.is_floating_point or not _casts(stored, torch.float32):
         return stored  # (a packed dtype, float4_e2m1fn_x2: two values a byte, no cast defined)
     if not dtype.is_floating_point or not _casts(stored, dtype):
