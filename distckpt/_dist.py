@@ -40,11 +40,21 @@ class Group:
 
     @property
     def live(self) -> bool:
-        """Whether ``torch.distributed`` is up for it now (its rank and size remembered)."""
+        """Whether ``torch.distributed`` is up for it now (its rank and size remembered): also
+        ``False`` once the caller's own group (``process_group=``) was destroyed while the
+        default one stays up (``get_rank`` of it then raised a bare ``ValueError``, "not
+        registered", from the middle of a save: after its commit, the step went unreported
+        and never to the replica)."""
         if self.released or not (dist.is_available() and dist.is_initialized()):
             return False
+        try:
+            seen = (dist.get_rank(self.pg), dist.get_world_size(self.pg))
+        except (ValueError, RuntimeError):  # a group of the caller's, destroyed
+            if self.pg is None:
+                raise
+            return False
         if self._seen is None:
-            self._seen = (dist.get_rank(self.pg), dist.get_world_size(self.pg))
+            self._seen = seen
         return True
 
     @property

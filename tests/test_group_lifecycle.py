@@ -126,3 +126,46 @@ def test_a_users_group_takes_no_timeout_or_backend_and_is_named_once_destroyed(t
     out = run_ranks(_user_group_body, 2, tmp_path, str(tmp_path), timeout=150)
     for got in out:
         assert got == {"{'timeout': 10}": "refused", "{'backend': 'nccl'}": "refused", "after_reinit": "refused", "new": 1}, out
+
+
+def _destroyed_under_async_body(rank: int, world: int, base: str, mode: str) -> dict:
+    import time
+
+    pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
+    ckpt = distckpt.Checkpointer(f"{base}/root", process_group=pg, async_mode=mode, replicate_to=f"{base}/replica")
+    state = {"big": torch.randn(1_000_000), "pr": distckpt.PerRank(torch.full((2,), float(rank)))}
+    ckpt.save(1, state)
+    ckpt.save(2, state, blocking=False)
+    if mode == "thread":  # destroyed once step 2 is committed (observed), before wait()/close()
+        deadline = time.monotonic() + 60
+        while 2 not in distckpt.Checkpointer(f"{base}/root").steps():
+            assert time.monotonic() < deadline, "step 2 never committed"
+            time.sleep(0.01)
+    dist.destroy_process_group(pg)
+    try:
+        ckpt.close()
+        outcome = "ok"
+    except distckpt.CheckpointError as exc:
+        outcome = f"CheckpointError: {exc}"[:200]
+    dist.barrier()
+    steps = distckpt.Checkpointer(f"{base}/root").steps()
+    replica = distckpt.Checkpointer(f"{base}/replica").steps()
+    return outcome, steps, replica
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_users_group_destroyed_under_an_async_save(tmp_path, mode):
+    """The caller's ``process_group`` destroyed while an async save on it is in flight (the
+    default group up): ``get_rank`` of it raised a bare ``ValueError`` ("not registered") from
+    wait()/close(), after the commit too, and the committed step never went to the replica.
+    Committed: no error, and uploaded. Not committed: a CheckpointError saying so, every rank."""
+    res = run_ranks(_destroyed_under_async_body, 2, tmp_path, str(tmp_path), mode, timeout=150)
+    assert res[0][0].split(":")[0] == res[1][0].split(":")[0], res
+    outcome, steps, replica = res[0]
+    if mode == "thread":
+        assert outcome == "ok" and steps == [1, 2] and replica == [1, 2], res
+    elif outcome == "ok":
+        assert steps == [1, 2] and replica == [1, 2], res
+    else:
+        assert "is gone" in outcome and steps == [1], res
