@@ -109,9 +109,15 @@ class GroupHolder:
                 try:
                     pg = dist.new_group(backend=self.backend, timeout=self.timeout)
                 except Exception as exc:  # e.g. "Wait timeout": a peer died or never called us
+                    where = f"creating distckpt's process group (rank {dist.get_rank()} of {dist.get_world_size()})"
+                    if not _a_peers_doing(exc):  # (a backend this build lacks: MPI, NCCL on a CPU build)
+                        raise CheckpointError(
+                            f"{where} with backend {self.backend!r} failed on this rank ({type(exc).__name__}: {exc}); "
+                            "pass a backend this build of torch has (backend='gloo')"
+                        ) from exc
                     raise CheckpointError(
-                        f"creating distckpt's process group (rank {dist.get_rank()} of {dist.get_world_size()}) failed: "
-                        f"a peer rank died or did not call save/load within {self.timeout} ({type(exc).__name__}: {exc})"
+                        f"{where} failed: a peer rank died or did not call save/load within {self.timeout} "
+                        f"({type(exc).__name__}: {exc})"
                     ) from exc
                 self.group = Group(pg)
             if self.group.enabled:
@@ -372,3 +378,13 @@ try:  # (called before concurrent.futures' own: see above)
     threading._register_atexit(_close_before_pools_stop)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # (no such hook, or distckpt first imported at shutdown)
     pass
+
+
+def _a_peers_doing(exc: BaseException) -> bool:
+    """Whether a failure to create a process group may be a peer's doing (a timeout, a closed
+    connection, the store), not this rank's own (a backend this build of torch lacks)."""
+    peers = tuple(t for t in (getattr(dist, "DistStoreError", None), getattr(dist, "DistNetworkError", None)) if t)
+    if peers and isinstance(exc, peers):
+        return True
+    text = str(exc).lower()
+    return any(w in text for w in ("timeout", "timed out", "connection", "closed", "reset by peer", "store"))

@@ -48,8 +48,10 @@ def flag(value: object, name: str, what: str = "True or False") -> bool:
 def _known_backend(name: str) -> bool:
     """Whether torch knows backend ``name`` (``gloo``, or per device: ``cpu:gloo,cuda:nccl``);
     backends registered by extensions (``Backend.register_backend``) are in its list too."""
-    parts = [p.split(":", 1)[-1] for p in name.split(",")] if ":" in name else [name]
-    return all(p.strip().lower() in _backends() for p in parts)
+    # As torch parses it: lower-cased, not stripped (" gloo" passed here and failed the first
+    # save on every rank, blaming a dead peer).
+    parts = [p.split(":", 1)[-1] for p in name.lower().split(",")] if ":" in name else [name.lower()]
+    return all(p in _backends() for p in parts)
 
 
 def _backends() -> list[str]:
@@ -64,14 +66,20 @@ def seconds(value: object) -> float | None:
     return float(value)
 
 
+MIN_TIMEOUT_S = 0.001
+
+
 def _timeout(value: object) -> timedelta:
     """``timeout`` as a positive timedelta of at most :data:`MAX_TIMEOUT` (seconds given as a
     number): 0 or a negative one failed every collective with a message about dead peers, and
     gloo hangs or overflows on ones of some hundred years."""
     given = value.total_seconds() if isinstance(value, timedelta) else seconds(value)
-    if given is None or not 0 < given <= MAX_TIMEOUT.total_seconds():
+    # At least a millisecond: gloo counts in them, and a shorter one became 0 ms (every
+    # collective then timed out at once, blaming peers).
+    if given is None or not MIN_TIMEOUT_S <= given <= MAX_TIMEOUT.total_seconds():
         raise ValueError(
-            f"timeout must be a positive timedelta or number of seconds, at most {MAX_TIMEOUT.days} days, got {value!r}"
+            f"timeout must be a positive timedelta or number of seconds, at least 1 ms and at most {MAX_TIMEOUT.days} "
+            f"days, got {value!r}"
         )
     return value if isinstance(value, timedelta) else timedelta(seconds=given)
 

@@ -169,3 +169,25 @@ def test_a_users_group_destroyed_under_an_async_save(tmp_path, mode):
         assert steps == [1, 2] and replica == [1, 2], res
     else:
         assert "is gone" in outcome and steps == [1], res
+
+
+def _missing_backend_body(rank: int, world: int, base: str) -> str:
+    ckpt = distckpt.Checkpointer(f"{base}/root", backend="mpi", timeout=30)
+    try:
+        ckpt.save(1, {"w": torch.ones(3)})
+    except distckpt.CheckpointError as exc:
+        return str(exc)
+    finally:
+        ckpt.close()
+    return "saved"
+
+
+@pytest.mark.timeout(150)
+def test_a_backend_this_build_lacks_is_named_not_blamed_on_peers(tmp_path):
+    """backend='mpi' on a build without MPI (or NCCL on a CPU build) failed the first save with
+    "a peer rank died or did not call save/load within 0:10:00"."""
+    if dist.is_mpi_available():
+        pytest.skip("this build of torch has MPI")
+    res = run_ranks(_missing_backend_body, 2, tmp_path, str(tmp_path), timeout=120)
+    for text in res:
+        assert "with backend 'mpi' failed on this rank" in text and "peer" not in text, res
