@@ -381,10 +381,8 @@ except (AttributeError, RuntimeError):  # (no such hook, or distckpt first impor
 
 
 def _a_peers_doing(exc: BaseException) -> bool:
-    """Whether a failure to create a process group may be a peer's doing (a timeout, a closed
-    connection, the store), not this rank's own (a backend this build of torch lacks)."""
-    peers = tuple(t for t in (getattr(dist, "DistStoreError", None), getattr(dist, "DistNetworkError", None)) if t)
-    if peers and isinstance(exc, peers):
-        return True
+    """Whether a failure to create a process group may be a peer's doing (a timeout, a broken
+    connection, an unreachable host, the store): all but the failures known to be this rank's
+    own (a backend this build of torch lacks, or one it does not know)."""
     text = str(exc).lower()
-    return any(w in text for w in ("timeout", "timed out", "connection", "closed", "reset by peer", "store"))
+    return not any(w in text for w in ("built in", "unknown backend", "invalid backend", "is not available"))

@@ -331,6 +331,13 @@ def test_a_link_re_pointed_to_another_run_never_takes_the_first_runs_tier(tmp_pa
     assert sorted(p.name for p in tier.iterdir()) == [STEP(1), STEP(2), STEP(3), STEP(4)]  # runs/7's kept
     (tmp_path / "runs" / "8").rename(tmp_path / "away8")
     assert _load(ckpt, tier) == (4, 4.0, "local")  # its own newest, not runs/7's
+    # The link removed, not re-pointed: a fresh root by that name, runs/7 still there, is
+    # another root (its load resumed runs/7's newest step from the tier, silently).
+    (tmp_path / "away8").rename(tmp_path / "runs" / "8")
+    shutil.rmtree(tier / STEP(4))
+    ckpt.unlink()
+    with pytest.raises(FileNotFoundError):
+        _load(ckpt, tier)
 
 
 def test_a_garbage_mark_in_the_tier_is_no_roots(tmp_path):

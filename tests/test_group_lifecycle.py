@@ -191,3 +191,14 @@ def test_a_backend_this_build_lacks_is_named_not_blamed_on_peers(tmp_path):
     res = run_ranks(_missing_backend_body, 2, tmp_path, str(tmp_path), timeout=120)
     for text in res:
         assert "with backend 'mpi' failed on this rank" in text and "peer" not in text, res
+
+
+def test_a_peers_failure_is_never_blamed_on_this_ranks_backend():
+    """Gloo reports a dead peer in a plain RuntimeError, in words of its own ("No route to host",
+    "Broken pipe"): only the failures known to be this rank's own name the backend."""
+    from distckpt._process import _a_peers_doing
+
+    for text in ("[pair.cc:144] connect [10.1.2.3]:41234: No route to host", "writev [10.1.2.3]:41234: Broken pipe",
+                 "Network is unreachable", "Connection closed by peer", "Wait timeout"):  # fmt: skip
+        assert _a_peers_doing(RuntimeError(text)), text
+    assert not _a_peers_doing(RuntimeError("Distributed package doesn't have NCCL built in"))

@@ -206,3 +206,7 @@ def test_a_root_that_is_a_link_to_a_folder_not_made_yet_is_made(tmp_path, monkey
         ckpt.save(4, {"w": torch.ones(2)})
         assert ckpt.steps() == [4]
     assert (tmp_path / "runs" / "8" / "step_000000004" / "manifest.json").is_file()
+    (tmp_path / "deep").symlink_to("runs/9")  # a root beneath a dangling link: a bare FileNotFoundError
+    with distckpt.Checkpointer("deep/sub") as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+    assert (tmp_path / "runs" / "9" / "sub" / "step_000000001" / "manifest.json").is_file()

@@ -164,12 +164,11 @@ class LocalStorage(Storage, kind="local"):
         os.makedirs(self.join(*parts), exist_ok=True)
 
     def _make_root(self) -> None:
-        """Create the root if missing; a root that is a symbolic link to a folder not made yet
-        (``ckpt -> runs/8`` for a new run) makes that folder. ``mkdir`` of the link's own name
+        """Create the root if missing; a root that is, or lies under, a symbolic link to a folder
+        not made yet (``ckpt -> runs/8`` for a new run) makes that folder. ``mkdir`` of the link's own name
         fails with EEXIST, which the claim took for another writer's step: every save was
         refused as "being written by another writer"."""
-        target = os.path.realpath(self.path) if os.path.islink(self.path) else self.path
-        os.makedirs(target, exist_ok=True)
+        os.makedirs(os.path.realpath(self.path), exist_ok=True)  # (also under a dangling link: ckpt/sub)
 
     def rewrite_bytes(self, data: bytes, *parts: str) -> None:
         path = self.join(*parts)

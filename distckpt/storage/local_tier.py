@@ -909,8 +909,8 @@ def same_root(mark: str | None, root: str) -> bool:
     """Whether a tier directory's ``mark`` names this root (``root``: its :func:`root_mark`).
 
     By identity. The root as spelt decides only where this root's identity cannot be told: a
-    local root that is not there (a link to it stored on its own filesystem, which is down: the
-    tier must serve then). Not otherwise: a link re-pointed between runs (``ckpt -> runs/7``,
+    local root that is not there, nor the folder the mark resolved it to (a link to it stored on
+    its own filesystem, which is down: the tier must serve then). Not otherwise: a link re-pointed between runs (``ckpt -> runs/7``,
     then ``runs/8``) names another root by the same spelling, whose steps must never be loaded
     or retired. A mark of one line was written before marks held both (the root's identity, or
     earlier the root as spelt): it counts by the same rules, or where it resolves to this root's
@@ -921,7 +921,10 @@ def same_root(mark: str | None, root: str) -> bool:
     identity, spelt = ours
     theirs = _mark_names(mark)
     if theirs is not None:
-        return theirs[0] == identity or (theirs[1] == spelt and _cannot_resolve(spelt))
+        # The name decides only where both this root and the mark's own location are not there
+        # (one filesystem down). A fresh root by a name whose earlier folder is still there
+        # (the link removed, not re-pointed) is another root.
+        return theirs[0] == identity or (theirs[1] == spelt and _cannot_resolve(spelt) and _cannot_resolve(theirs[0]))
     if mark == identity or (mark == spelt and _cannot_resolve(spelt)):
         return True
     if not os.path.isabs(mark) or "\0" in mark or len(mark) > 4096:
