@@ -338,3 +338,66 @@ def test_state_diverged_error_is_a_full_state_mismatch_error():
     err = StateDivergedError(["k"], "here")  # usable wherever a StateMismatchError is handled
     assert isinstance(err, distckpt.StateMismatchError)
     assert err.per_rank == {} and err.missing == [] and "state does not match" in err.describe()
+
+
+class _Counted(torch.nn.Module):
+    """A module with a non-tensor extra state (a counter each rank keeps for itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def get_extra_state(self) -> dict:
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def _value_drift_body(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = _Counted()
+    model = DDP(inner)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {}
+    for name, change in (("extra", lambda: setattr(inner, "seen", 10 + rank)), ("lr", lambda: optim.param_groups[0].update(lr=0.1 * (rank + 1)))):
+        inner.seen, optim.param_groups[0]["lr"] = 0, 0.1
+        change()
+        for policy in ("error", "warn", "ignore"):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    with distckpt.Checkpointer(f"{root}/{name}-{policy}", on_replica_drift=policy) as ckpt:
+                        ckpt.save(1, {"model": model, "optim": optim})
+                    outcome = "saved"
+                except ReplicaDriftError as exc:
+                    outcome = str(exc)
+            out[name, policy] = (outcome, [str(w.message) for w in seen if "not tensors differ" in str(w.message)])
+    inner.seen, optim.param_groups[0]["lr"] = 0, 0.1
+    with distckpt.Checkpointer(f"{root}/alike", on_replica_drift="error") as ckpt:  # (no false alarm)
+        ckpt.save(1, {"model": model, "optim": optim})
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_non_tensor_values_that_differ_between_ranks_are_drift(tmp_path):
+    """A DDP module's non-tensor extra state, or an optimizer's learning rate, that differs
+    between ranks was written once (one rank's copy), silently, with on_replica_drift="error"
+    too: every rank then resumed with that rank's values. As tensor drift: refused, warned or
+    ignored by on_replica_drift, on every rank alike, naming the entry and the ranks."""
+    res = run_ranks(_value_drift_body, 2, tmp_path, str(tmp_path), timeout=180)
+    for out in res:
+        for name, entry in (("extra", "model"), ("lr", "optim")):
+            refused, _ = out[name, "error"]
+            assert "values that are not tensors differ between ranks" in refused and f"{entry} (ranks [0] vs [1])" in refused, out
+            saved, warned = out[name, "warn"]
+            assert saved == "saved" and len(warned) == 1 and entry in warned[0], out
+            assert out[name, "ignore"] == ("saved", []), out

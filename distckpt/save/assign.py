@@ -48,7 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from distckpt.state.placements import replication
-from distckpt.state.scope import GLOBAL
+from distckpt.state.scope import GLOBAL, digest
 
 #: Version of the structure digests and cache keys (bump when what they cover changes).
 _VERSION = "plan1"
@@ -69,6 +69,8 @@ class Structure:
             non-tensor values).
         replicas: DTensors with replicated mesh dimensions: ``(key, replication factor)``, sorted.
         replicas_digest: digest of ``replicas`` (ranks must agree to compare those replicas).
+        values: entry -> digest of its non-tensor leaves' keys and values (ranks holding an
+            entry replicated must agree on them: DCP writes one copy; see :func:`value_drift`).
     """
 
     own: str
@@ -76,6 +78,7 @@ class Structure:
     leaves: list[tuple[str, int, bool]]
     replicas: list[tuple[str, int]]
     replicas_digest: str
+    values: dict[str, str] = field(default_factory=dict)
 
 
 def _entry(key: str) -> str:
@@ -88,6 +91,7 @@ def describe(flat: Mapping[str, Any]) -> Structure:
     per_entry: dict[str, list[str]] = {}
     leaves: list[tuple[str, int, bool]] = []
     replicas: list[tuple[str, int]] = []
+    values: dict[str, list[tuple[str, Any]]] = {}
     for key, value in flat.items():
         if isinstance(value, DTensor):
             factor, coord = replication(value, key)
@@ -106,6 +110,7 @@ def describe(flat: Mapping[str, Any]) -> Structure:
             line = f"{key}|B"
             per_entry.setdefault(_entry(key), []).append(line)
             leaves.append((key, 1, False))
+            values.setdefault(_entry(key), []).append((key, value))
         try:
             own.update(line.encode() + b"\n")
         except UnicodeEncodeError:
@@ -120,7 +125,26 @@ def describe(flat: Mapping[str, Any]) -> Structure:
         leaves=leaves,
         replicas=replicas,
         replicas_digest=hashlib.sha256(repr(replicas).encode()).hexdigest()[:32],
+        values={n: digest(pairs) for n, pairs in values.items()},
     )
+
+
+def value_drift(views: Sequence[Any], unscoped: Iterable[str]) -> dict[str, list[list[int]]]:
+    """(pure, every rank alike) Module/optimizer entries that every rank holds alike (the same
+    plain leaves) but whose non-tensor values differ (a module's extra state, an optimizer's
+    hyper-parameters): DCP writes one copy, so every rank would load one rank's values. Entry ->
+    the groups of ranks holding equal values."""
+    out: dict[str, list[list[int]]] = {}
+    for name in sorted(unscoped):
+        plain = views[0].plain.get(name)
+        if plain is None or any(v.plain.get(name) != plain for v in views[1:]):
+            continue  # (held alike by no two ranks: a ZeRO partition's keys are each rank's)
+        groups: dict[str | None, list[int]] = {}
+        for r, v in enumerate(views):
+            groups.setdefault(v.values.get(name), []).append(r)
+        if len(groups) > 1:
+            out[name] = sorted(groups.values())
+    return out
 
 
 def balanced_writers(

@@ -110,6 +110,8 @@ class SaveView:
             the save keeps a local copy only where every rank's can.
         initialized: the optimizer entries holding state on this rank (a ZeRO partition may
             hold none where others do: the manifest says "initialized" if any rank's does).
+        values: per entry, a digest of its non-tensor leaves' values (module/optimizer entries
+            held alike must agree on them, :func:`~distckpt.save.assign.value_drift`).
 
     Every field is O(entries), so the exchange is O(world x entries), never O(world x keys).
     """
@@ -126,6 +128,7 @@ class SaveView:
     writer_exit: int | None = None
     tier_usable: bool = True
     initialized: list[str] = field(default_factory=list)
+    values: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,6 +264,7 @@ def prepare(
         replicas=structure.replicas_digest,
         cache=cache.token(structure.own) if cache is not None else None,
         initialized=sorted(n for n, d in described.items() if d.get("initialized")),
+        values=structure.values,
     )
     prepared = Prepared(
         step, state_dict, described, sizes, extra, structure=structure, unscoped=sorted(unscoped), on_device=on_device
@@ -269,7 +273,7 @@ def prepare(
 
 
 # 2. agree ----------------------------------------------------------------------------------------
-def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
+def agree(prepared: Prepared, views: list[SaveView], rank: int, on_drift: str = "ignore") -> None:
     """(each rank, pure) Check the gathered views agree, settle every scoped entry's scope and
     decide who writes each replicated item and whether the cached plans hold
     (:func:`distckpt.save.assign.decide`, into ``prepared.plan``).
@@ -297,6 +301,17 @@ def agree(prepared: Prepared, views: list[SaveView], rank: int) -> None:
         scopes[name] = kind
         if kind == scope.PER_RANK:
             prepared.state_dict[name] = {scope.rank_key(rank): prepared.state_dict[name]}
+    drifted = assign.value_drift(views, prepared.unscoped) if on_drift != "ignore" and len(views) > 1 else {}
+    if drifted:
+        # Before anything is written, on every rank alike (a warning turned into an error too).
+        message = (
+            f"save of step {prepared.step}: values that are not tensors differ between ranks (a module's extra "
+            "state, an optimizer's hyper-parameters ...; DCP writes one copy, which every rank would load): "
+            f"{statecheck.describe_drift(drifted)}"
+        )
+        if on_drift == "error":
+            raise statecheck.ReplicaDriftError(message)
+        warnings.warn(f"distckpt: {message}", stacklevel=4)
     if prepared.structure is not None:
         prepared.plan = assign.decide(views, prepared.structure, prepared.unscoped, scopes, prepared.sizes, rank)
         prepared.structure = None  # decided; not needed by write (keeps the job small)

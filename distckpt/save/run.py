@@ -308,7 +308,7 @@ class SaveDriver:
             assert self.writer is not None
             plans = self.writer.plans
             prepared, views = exchange(group, f"save of step {step}", prepare)
-        phases.agree(prepared, views, group.rank)
+        phases.agree(prepared, views, group.rank, self.opts.on_replica_drift)
         tier = None
         if local is not None:
             # Every node's tier must be able to take the step (nothing of another root's in the
