@@ -163,3 +163,32 @@ def test_a_dynamically_quantized_model_loads_into_a_fresh_one(tmp_path):
         assert not torch.equal(fresh(x), saved(x))
         ckpt.load({"model": fresh})
     assert torch.equal(fresh(x), saved(x))
+
+
+class _Extra(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.extra = {0: "seed-0", 7: 1.5, "cache": {}, "n": 3}
+        self.got = None
+
+    def get_extra_state(self) -> dict:
+        return self.extra
+
+    def set_extra_state(self, state: dict) -> None:
+        self.got = state
+
+
+def test_a_modules_extra_state_keeps_its_keys_and_empty_containers(tmp_path):
+    """``get_extra_state()`` returning ``{0: seed, "cache": {}}`` was handed back to
+    ``set_extra_state`` as ``{"0": seed}`` (int keys as text, the empty dict gone), silently;
+    an object's own state_dict() kept them (found by a helper, 2026-12-07)."""
+    import distckpt
+
+    saved = torch.nn.Sequential(_Extra())
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": saved})
+        fresh = torch.nn.Sequential(_Extra())
+        fresh[0].extra = {0: "", 7: 0.0, "cache": {}, "n": 0}
+        ckpt.load({"model": fresh})
+    assert fresh[0].got == {0: "seed-0", 7: 1.5, "cache": {}, "n": 3}

@@ -268,6 +268,7 @@ class ModuleEntry(Entry):
         super().__init__(name)
         self.module = module
         self._raw_of: dict[str, str] | None = None  # FQN -> the module's key, from save_state
+        self._extras: dict[str, Any] = {}  # extra states of the load target (load_target -> apply)
 
     def describe(self) -> dict[str, Any]:
         out = {"kind": self.kind, "parallel": parallel_kind(self.module)}
@@ -281,10 +282,23 @@ class ModuleEntry(Entry):
         sd, self._raw_of = module_keys.state_dict(self.module)
         return sd
 
+    def load_target(self, saved: Mapping[str, Any]) -> Any:
+        target = self.save_state()
+        # The modules' extra states as they keep them (get_extra_state), to give them back in
+        # their own containers and keys: DCP's unflattening makes plain dicts with str keys.
+        self._extras = {k: v for k, v in target.items() if k.rpartition(".")[2] == "_extra_state"}
+        return target
+
     def apply(self, loaded: Any, state: MutableMapping[str, Any]) -> None:
         # DCP already copied into the live tensors; this also covers wrappers whose state_dict
         # tensors are not the parameters themselves, and runs the modules' load hooks.
         # Strictness was checked against metadata.
+        extras, self._extras = self._extras, {}
+        if extras and isinstance(loaded, MutableMapping):
+            # ({0: seed, "cache": {}} came back to set_extra_state as {"0": seed}, silently)
+            for key, like in extras.items():
+                if key in loaded:
+                    loaded[key] = containers.restore_containers(loaded[key], like)
         module_keys.load(self.module, loaded, self._raw_of)
 
     def settle(self) -> None:
