@@ -267,3 +267,37 @@ def test_an_optimizer_whose_step_needs_a_closure_is_named(tmp_path):
         other = _net(5)
         with pytest.raises(TypeError, match="cannot load optimizer state into LBFGS: its load target is made by a step"):
             ckpt.load({"model": other, "optim": torch.optim.LBFGS(other.parameters())})
+
+
+def _zero_one_cycle(seed: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = DDP(nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 4)))
+    optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.0)
+    return {"model": model, "optim": optim, "sched": torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=0.05, total_steps=20)}
+
+
+def _zero_one_cycle_body(rank: int, world: int, root: str) -> bool:
+    state = _zero_one_cycle(0)
+    for _ in range(3):
+        state["optim"].zero_grad()
+        state["model"](torch.randn(4, 6)).square().mean().backward()
+        state["optim"].step()
+        state["sched"].step()
+    buffers = {i: s["momentum_buffer"].clone() for i, s in enumerate(state["optim"].optim.state.values())}
+    with distckpt.Checkpointer(root) as ckpt:
+        ckpt.save(3, state)
+        fresh = _zero_one_cycle(1)
+        ckpt.load(fresh)
+    got = {i: s["momentum_buffer"] for i, s in enumerate(fresh["optim"].optim.state.values())}
+    return bool(buffers) and buffers.keys() == got.keys() and all(torch.equal(buffers[i], got[i]) for i in buffers)
+
+
+@pytest.mark.timeout(150)
+def test_zero_with_a_scheduler_that_sets_momentum_loads_its_momentum(tmp_path):
+    """ZeroRedundancyOptimizer(SGD, momentum=0) with OneCycleLR (which sets momentum on the
+    wrapper's groups): the load target was made with the local optimizer's momentum 0, so the
+    saved momentum buffers were "unexpected keys", at the same world size and layout."""
+    assert run_ranks(_zero_one_cycle_body, 2, tmp_path, str(tmp_path / "root"), timeout=120) == [True, True]

@@ -83,6 +83,10 @@ class ZeroOptimizerEntry(OptimizerEntry):
         return get_optimizer_state_dict(self.module.module, local, options=_FLAT_OPTIM)
 
     def load_target(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        # The wrapper's hyper-parameters first, as ZeRO's step would copy them: a fresh LR
+        # scheduler sets them on the wrapper only (OneCycleLR's momentum), and the local
+        # optimizer's zero-gradient step made no momentum buffers for a save that holds them.
+        self._sync_wrapper_to_local()
         fqns = self.module.param_fqns()
         # Hyper-parameters of *all* parameters (small values) so that every rank restores the
         # wrapper's groups identically, also for groups with no parameter on this rank.
