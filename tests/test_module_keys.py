@@ -165,7 +165,7 @@ def test_a_dynamically_quantized_model_loads_into_a_fresh_one(tmp_path):
     assert torch.equal(fresh(x), saved(x))
 
 
-class _Extra(torch.nn.Module):
+class _ExtraKeys(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(2, 2)
@@ -185,10 +185,10 @@ def test_a_modules_extra_state_keeps_its_keys_and_empty_containers(tmp_path):
     an object's own state_dict() kept them (found by a helper, 2026-12-07)."""
     import distckpt
 
-    saved = torch.nn.Sequential(_Extra())
+    saved = torch.nn.Sequential(_ExtraKeys())
     with distckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, {"model": saved})
-        fresh = torch.nn.Sequential(_Extra())
+        fresh = torch.nn.Sequential(_ExtraKeys())
         fresh[0].extra = {0: "", 7: 0.0, "cache": {}, "n": 0}
         ckpt.load({"model": fresh})
     assert fresh[0].got == {0: "seed-0", 7: 1.5, "cache": {}, "n": 3}

@@ -401,3 +401,13 @@ def test_non_tensor_values_that_differ_between_ranks_are_drift(tmp_path):
             saved, warned = out[name, "warn"]
             assert saved == "saved" and len(warned) == 1 and entry in warned[0], out
             assert out[name, "ignore"] == ("saved", []), out
+
+
+def test_values_are_digested_only_for_the_drift_check():
+    """Only module/optimizer entries' values, and only where a policy checks them: every value
+    of every entry was digested at every save (2 s a save for a sampler's 2M-int list)."""
+    from distckpt.save import assign
+
+    flat = {"model._extra_state": {"seen": 1}, "sampler.perm": list(range(10)), "model.w": torch.ones(2)}
+    assert set(assign.describe(flat, values_of={"model"}).values) == {"model"}
+    assert assign.describe(flat).values == {}

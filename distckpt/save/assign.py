@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +85,9 @@ def _entry(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def describe(flat: Mapping[str, Any]) -> Structure:
-    """(each rank, no collectives) The :class:`Structure` of a flattened state dict."""
+def describe(flat: Mapping[str, Any], values_of: Set[str] = frozenset()) -> Structure:
+    """(each rank, no collectives) The :class:`Structure` of a flattened state dict;
+    :attr:`Structure.values` of the entries in ``values_of`` only (the drift check's)."""
     own = hashlib.sha256(_VERSION.encode())
     per_entry: dict[str, list[str]] = {}
     leaves: list[tuple[str, int, bool]] = []
@@ -110,7 +111,8 @@ def describe(flat: Mapping[str, Any]) -> Structure:
             line = f"{key}|B"
             per_entry.setdefault(_entry(key), []).append(line)
             leaves.append((key, 1, False))
-            values.setdefault(_entry(key), []).append((key, value))
+            if values_of and _entry(key) in values_of:
+                values.setdefault(_entry(key), []).append((key, value))
         try:
             own.update(line.encode() + b"\n")
         except UnicodeEncodeError:

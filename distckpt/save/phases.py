@@ -247,7 +247,11 @@ def prepare(
     for key, value in flat.items():
         if isinstance(value, DTensor):
             check_block(value, key)
-    structure = assign.describe(flat)
+    # Values digested only where the drift check reads them (module/optimizer entries, a
+    # policy that checks, not a prepare_staging peek): a 2M-int list of a sampler's state cost
+    # every save 2 s here.
+    checks_values = opts.on_replica_drift != "ignore" and not peek
+    structure = assign.describe(flat, values_of=frozenset(unscoped) if checks_values else frozenset())
     on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(
         step=step,
