@@ -74,8 +74,9 @@ class Group:
         if self.gone:
             raise CheckpointError(
                 "the process group distckpt was using is gone (torch.distributed.destroy_process_group() ran, or the "
-                "checkpointer was closed, while a save or load was still running): it did not complete, and a save "
-                "is not committed; wait() for or close() the checkpointer before destroy_process_group()"
+                "checkpointer was closed, while a save or load was still running): it did not complete on this rank "
+                "(a save's step is committed only where its coordinator got that far: steps() says); wait() for or "
+                "close() the checkpointer before destroy_process_group()"
             )
         return False
 
@@ -245,7 +246,8 @@ def _peer_failures(op: str) -> Iterator[None]:
             raise
         raise CheckpointError(
             f"distckpt {op} across ranks failed: its process group is gone (torch.distributed.destroy_process_group() "
-            f"ran while a save or load was still running); nothing of it is committed: {one_line(exc)}"
+            f"ran while a save or load was still running); it did not complete on this rank (a save's step is committed "
+            f"only where its coordinator got that far: steps() says): {one_line(exc)}"
         ) from exc
     except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError and timeouts subclass it
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

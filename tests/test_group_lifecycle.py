@@ -146,7 +146,7 @@ def _destroyed_under_async_body(rank: int, world: int, base: str, mode: str) -> 
         ckpt.close()
         outcome = "ok"
     except distckpt.CheckpointError as exc:
-        outcome = f"CheckpointError: {exc}"[:200]
+        outcome = f"CheckpointError: {exc}"[:800]
     dist.barrier()
     steps = distckpt.Checkpointer(f"{base}/root").steps()
     replica = distckpt.Checkpointer(f"{base}/replica").steps()
@@ -159,16 +159,19 @@ def test_a_users_group_destroyed_under_an_async_save(tmp_path, mode):
     """The caller's ``process_group`` destroyed while an async save on it is in flight (the
     default group up): ``get_rank`` of it raised a bare ``ValueError`` ("not registered") from
     wait()/close(), after the commit too, and the committed step never went to the replica.
-    Committed: no error, and uploaded. Not committed: a CheckpointError saying so, every rank."""
+    Committed by the coordinator: no error there, and uploaded (even where the group went before
+    the other ranks heard it). Not committed: a CheckpointError on every rank."""
     res = run_ranks(_destroyed_under_async_body, 2, tmp_path, str(tmp_path), mode, timeout=150)
-    assert res[0][0].split(":")[0] == res[1][0].split(":")[0], res
-    outcome, steps, replica = res[0]
+    steps, replica = res[0][1], res[0][2]
     if mode == "thread":
-        assert outcome == "ok" and steps == [1, 2] and replica == [1, 2], res
-    elif outcome == "ok":
-        assert steps == [1, 2] and replica == [1, 2], res
+        assert steps == [1, 2], res  # (destroyed once step 2 was committed)
+    if steps == [1, 2]:
+        # The coordinator committed it: recorded and uploaded there, whether or not the group
+        # carried the outcome to rank 1 first (which then says it cannot tell, never "not committed").
+        assert res[0][0] == "ok" and replica == [1, 2], res
+        assert res[1][0] == "ok" or "did not complete on this rank" in res[1][0], res
     else:
-        assert "is gone" in outcome and steps == [1], res
+        assert steps == [1] and all("is gone" in o and "did not complete on this rank" in o for o, _, _ in res), res
 
 
 def _missing_backend_body(rank: int, world: int, base: str) -> str:

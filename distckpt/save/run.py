@@ -451,8 +451,11 @@ class SaveDriver:
             stats.phases.update(written.phases)
             t0 = time.perf_counter()
 
+            committed_here: list[int] = []  # (coordinator) the manifest's bytes, once written
+
             def commit() -> tuple[int, bytes | None]:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
+                committed_here.append(manifest.total_bytes)
                 self._release_lease(committed=True)
                 replica, step = self.replica, prepared.step
                 self._committed_here = step
@@ -468,7 +471,20 @@ class SaveDriver:
                 )  # fmt: skip
                 return manifest.total_bytes, manifest.to_json() if tier is not None else None
 
-            stats.bytes_written, manifest_json = on_coordinator(group, f"commit of step {prepared.step}", commit)
+            try:
+                stats.bytes_written, manifest_json = on_coordinator(group, f"commit of step {prepared.step}", commit)
+            except CheckpointError:
+                if not committed_here or not group.gone:
+                    raise
+                # The coordinator committed (every rank had written), and the process group went
+                # away before the outcome reached the other ranks: committed here, said so (the
+                # other ranks raise, not knowing); recorded, and handed to the replica.
+                warnings.warn(
+                    f"distckpt: step {prepared.step} is committed, but the process group went away before the other "
+                    "ranks heard it (their wait() raises)",
+                    stacklevel=2,
+                )
+                stats.bytes_written, manifest_json = committed_here[0], None
             stats.phases["commit"] = time.perf_counter() - t0
             if tier is not None and manifest_json is not None:
                 t1 = time.perf_counter()
