@@ -286,7 +286,7 @@ def _save_sharded(rank, world_size, root):
 
     model = wrap(make_model(0), "fsdp", world_size)
     mesh = init_device_mesh("cpu", (world_size,))
-    cols = distribute_tensor(torch.arange(35, dtype=torch.float32).reshape(5, 7), mesh, [Shard(1)])
+    cols = distribute_tensor(torch.arange(35, dtype=torch.float32).reshape(5, 7) * 3000, mesh, [Shard(1)])
     Checkpointer(root).save(1, {"model": model, "extra": {"cols": cols}})
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # collective: every rank
     return full if rank == 0 else None
@@ -317,7 +317,13 @@ def test_export_sharded_checkpoint(tmp_path):
     export_torch(found, str(tmp_path / "m.pt"), model_only=True)
     assert _same(torch.load(str(tmp_path / "m.pt"), weights_only=True), full)
     export_safetensors(found, str(tmp_path / "c.st"), key="extra")
-    assert torch.equal(load_file(str(tmp_path / "c.st"))["cols"], torch.arange(35, dtype=torch.float32).reshape(5, 7))
+    assert torch.equal(load_file(str(tmp_path / "c.st"))["cols"], torch.arange(35, dtype=torch.float32).reshape(5, 7) * 3000)
+    # A cast beyond float16's range (3000 * 34) is named for column shards too, which are
+    # assembled instead of streamed; the streamed FSDP row blocks are within it.
+    for export, out in ((export_safetensors, "h.st"), (export_torch, "h.pt")):
+        with pytest.warns(UserWarning, match=r"beyond the range of torch.float16, .*: extra.cols$"):
+            got = export(found, str(tmp_path / out), model_only=False, dtype=torch.float16)
+        assert got["beyond_range"] == ["extra.cols"], (export, got)
 
 
 # import ------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from distckpt.integrity import deep_stack
 from distckpt.integrity.stepfiles import StepFiles, VerifiedFile
 from distckpt.integrity.torchfile import RecordStream, raw_layout
 from distckpt.state import fingerprint, values
+from distckpt.state.casts import beyond_range
 from distckpt.state.shape import numel
 
 __all__ = ["BLOCK", "CheckpointSource", "ShardSource", "TensorInfo", "load_record"]
@@ -155,6 +156,9 @@ class CheckpointSource:
         self._todo: dict[str, set[MetadataIndex]] | None = None
         self.tensors: dict[str, TensorInfo] = {}
         self.values: list[str] = []
+        # Tensors whose reads cast some values beyond the asked dtype's range (float32 1e6 into
+        # float16: inf), in the order found: an export names them instead of writing inf quietly.
+        self.beyond_range: list[str] = []
         for key, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 self.tensors[key] = TensorInfo(key, md.properties.dtype, tuple(int(d) for d in md.size))
@@ -323,7 +327,7 @@ class CheckpointSource:
                 if out_dtype == info.dtype:
                     yield view
                 else:
-                    cast = torch.frombuffer(view, dtype=info.dtype).to(out_dtype)
+                    cast = self._cast(key, torch.frombuffer(view, dtype=info.dtype), out_dtype)
                     yield memoryview(cast.view(torch.uint8).numpy())
             if done != total:
                 raise IntegrityError(f"{f.where} ends inside tensor {key}")
@@ -439,13 +443,22 @@ class CheckpointSource:
                 view = out
                 for dim, (o, n) in enumerate(zip(offsets, shard.shape)):
                     view = view.narrow(dim, o, n)
-                view.copy_(shard)
+                view.copy_(self._cast(key, shard, dtype))
                 del shard
             tally.check(self.found.display())
             self._done(key)
             return out
         except NotImplementedError:
             return self._read_with_dcp(key, dtype)
+
+    def _cast(self, key: str, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``stored`` (values of ``key``) cast to ``dtype``; ``key`` goes into :attr:`beyond_range`
+        where the cast loses some of them to ``dtype``'s range (judged before the cast)."""
+        if stored.dtype == dtype:
+            return stored
+        if key not in self.beyond_range and beyond_range(stored, dtype):
+            self.beyond_range.append(key)
+        return stored.to(dtype)
 
     def iter_bytes(self, key: str, dtype: torch.dtype | None = None) -> Iterator[memoryview]:
         """Tensor ``key`` (cast to ``dtype``) as row-major bytes, in blocks.
@@ -496,5 +509,5 @@ class CheckpointSource:
         tally.shard(out, (0,) * out.dim())
         tally.check(self.found.display())
         self._done(key)
-        return out.to(dtype)
+        return self._cast(key, out, dtype)
 

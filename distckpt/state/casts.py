@@ -1,10 +1,12 @@
 """Which dtype casts keep every value: a load into a tensor of another dtype (a bf16 checkpoint
 into an fp32 model) is proven by casting the loaded values back to the saved dtype and comparing
-fingerprints, which holds only where the cast lost nothing."""
+fingerprints, which holds only where the cast lost nothing; and which values an export's cast
+into a narrower type pushes beyond that type's range (:func:`beyond_range`)."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -54,3 +56,28 @@ def cast_back(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if values.is_complex() and not dtype.is_complex:
         values = values.real
     return values.to(dtype)
+
+
+def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting floating-point ``values`` into the narrower-ranged ``dtype`` loses some
+    to its range: they round beyond its largest finite value (into ``inf``; a float8 type
+    without infinities saturates to its largest value, or gives NaN), or are infinities it
+    cannot hold. Decided on the values before the cast: a saturated ``float8_e4m3fn`` value
+    cannot be told from a true 448 afterwards."""
+    if not (values.dtype.is_floating_point and dtype.is_floating_point) or not values.numel():
+        return False
+    info = torch.finfo(dtype)
+    holds_inf = bool(torch.isinf(torch.tensor(math.inf).to(dtype).float()))
+    wider = torch.finfo(values.dtype).max <= info.max
+    if wider and holds_inf:
+        return False
+    wide = values.float() if values.element_size() == 1 else values  # float8 has no abs kernel
+    if wider:  # only infinities are lost (float8_e5m2 into float8_e5m2fnuz: NaN)
+        return bool(torch.isinf(wide).any())
+    # Round to nearest: from half a unit in the last place above the largest value on, a value
+    # rounds beyond it.
+    limit = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+    big = wide.abs() >= limit
+    if holds_inf:
+        big &= torch.isfinite(wide)
+    return bool(big.any())

@@ -53,7 +53,7 @@ from distckpt.state.containers import SAVE_DEPTH
 from distckpt.state.shape import contiguous_strides, numel
 from distckpt.storage.base import named_os_error
 from distckpt.tools.outputs import check_output, open_output
-from distckpt.tools.safetensors_io import NAMES, beyond_range, check_tensor_name, header_bytes
+from distckpt.tools.safetensors_io import NAMES, check_tensor_name, header_bytes
 from distckpt.tools.selection import INTERNAL, cast_dtype, lightning_step, select_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the CLI's --dtype names
@@ -69,22 +69,18 @@ def write_tensor(
     f: IO[bytes], source: CheckpointSource, key: str, dtype: torch.dtype, nbytes: int, beyond: list[str] | None = None
 ) -> None:
     """Stream tensor ``key`` of ``source`` (cast to ``dtype``) into ``f`` as row-major bytes.
-    ``beyond``: gets ``key`` where some of its values lie beyond ``dtype``'s range (decided on
-    the values before the cast, as :func:`~distckpt.tools.safetensors_io.beyond_range` says).
+    ``beyond``: gets ``key`` where some of its values lie beyond ``dtype``'s range (the source
+    judges them before the cast: :attr:`~distckpt.integrity.shards.CheckpointSource.beyond_range`).
 
     Raises:
         RuntimeError: the bytes written are not the ``nbytes`` the output's header announced.
     """
-    stored = source.tensors[key].dtype
     written = 0
-    for block in source.iter_bytes(key):
-        if dtype != stored and len(block):
-            values = torch.frombuffer(bytearray(block) if block.readonly else block, dtype=stored)
-            if beyond is not None and key not in beyond[-1:] and beyond_range(values, dtype):
-                beyond.append(key)
-            block = memoryview(values.to(dtype).view(torch.uint8).numpy())
+    for block in source.iter_bytes(key, dtype):
         f.write(block)
         written += len(block)
+    if beyond is not None and key in source.beyond_range and key not in beyond:
+        beyond.append(key)
     if written != nbytes:
         raise RuntimeError(f"tensor {key}: wrote {written} bytes, expected {nbytes}")
 
@@ -454,11 +450,9 @@ def _write_torch_records(
     # Records in the order the tensors lie in the checkpoint's files (each file read once, front
     # to back); the pickled object refers to them by index, so its order is the checkpoint's.
     for s in sorted(stubs, key=lambda s: source.position(s.key)):
-        t = source.read_tensor(s.key)
-        if t.dtype != s.dtype:
-            if beyond_range(t, s.dtype):
-                beyond.append(s.key)
-            t = t.to(s.dtype)
+        t = source.read_tensor(s.key, s.dtype)
+        if s.key in source.beyond_range and s.key not in beyond:
+            beyond.append(s.key)
         n = t.untyped_storage().nbytes()
         writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
         del t

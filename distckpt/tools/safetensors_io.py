@@ -19,7 +19,6 @@ import errno
 import hashlib
 import io
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ from distckpt._compat import byte_viewable
 from distckpt.errors import IntegrityError, UnsafeCheckpointError
 from distckpt.integrity.manifest import json_object
 from distckpt.integrity.stepfiles import _readinto
+from distckpt.state.casts import beyond_range  # re-exported: it was defined here first
 from distckpt.state.shape import numel
 from distckpt.storage.base import NotARegularFile, Storage, open_regular_file
 
@@ -547,31 +547,6 @@ class SafetensorsReader(StorageReader):
                 planner.commit_tensor(item, target)
                 nbytes += numel(item.lengths) * _itemsize(span.dtype)
         return nbytes
-
-
-def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether casting floating-point ``values`` into the narrower-ranged ``dtype`` loses some
-    to its range: they round beyond its largest finite value (into ``inf``; a float8 type
-    without infinities saturates to its largest value, or gives NaN), or are infinities it
-    cannot hold. Decided on the values before the cast: a saturated ``float8_e4m3fn`` value
-    cannot be told from a true 448 afterwards."""
-    if not (values.dtype.is_floating_point and dtype.is_floating_point) or not values.numel():
-        return False
-    info = torch.finfo(dtype)
-    holds_inf = bool(torch.isinf(torch.tensor(math.inf).to(dtype).float()))
-    wider = torch.finfo(values.dtype).max <= info.max
-    if wider and holds_inf:
-        return False
-    wide = values.float() if values.element_size() == 1 else values  # float8 has no abs kernel
-    if wider:  # only infinities are lost (float8_e5m2 into float8_e5m2fnuz: NaN)
-        return bool(torch.isinf(wide).any())
-    # Round to nearest: from half a unit in the last place above the largest value on, a value
-    # rounds beyond it.
-    limit = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
-    big = wide.abs() >= limit
-    if holds_inf:
-        big &= torch.isfinite(wide)
-    return bool(big.any())
 
 
 def _read_block(
