@@ -481,7 +481,7 @@ class SaveDriver:
                 # other ranks raise, not knowing); recorded, and handed to the replica.
                 warnings.warn(
                     f"distckpt: step {prepared.step} is committed, but the process group went away before the other "
-                    "ranks heard it (their wait() raises)",
+                    "ranks heard it (there the save raises; an asynchronous one from wait())",
                     stacklevel=2,
                 )
                 stats.bytes_written, manifest_json = committed_here[0], None
