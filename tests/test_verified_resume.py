@@ -411,3 +411,96 @@ def test_values_are_digested_only_for_the_drift_check():
     flat = {"model._extra_state": {"seen": 1}, "sampler.perm": list(range(10)), "model.w": torch.ones(2)}
     assert set(assign.describe(flat, values_of={"model"}).values) == {"model"}
     assert assign.describe(flat).values == {}
+
+
+def _rng_save(rank: int, world_size: int, root: str) -> list[float]:
+    torch.manual_seed(100 + rank)
+    distckpt.Checkpointer(root, checksum=None).save(1, {"w": torch.ones(4)})
+    return torch.rand(3).tolist()
+
+
+def _rng_load(rank: int, world_size: int, root: str, verify_state: bool | None) -> object:
+    torch.manual_seed(7)
+    try:
+        distckpt.Checkpointer(root, checksum=None).load({"w": torch.zeros(4)}, verify_state=verify_state)
+    except StateDivergedError as exc:
+        return str(exc)
+    return torch.rand(3).tolist()
+
+
+def test_restored_rng_states_are_judged_at_the_same_world_size(tmp_path):
+    """A checkpoint saved with checksum=None has its fingerprints as the only proof of its bytes;
+    the RNG states (fingerprinted at save) were never judged, so a damaged one, or two ranks'
+    states swapped, seeded the generators silently, also with verify_state=True."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from distckpt.integrity.manifest import step_dir
+    from distckpt.integrity.torchfile import raw_layout
+
+    root = str(tmp_path / "ck")
+    after_save = run_ranks(_rng_save, 2, tmp_path, root)
+    assert run_ranks(_rng_load, 2, tmp_path, root, True) == after_save  # restored exactly: no false alarm
+    d = tmp_path / "ck" / step_dir(1)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    where = {r: md.storage_data[MetadataIndex(f"_rng.rank_{r}.torch", torch.Size([0]))] for r in (0, 1)}
+    paths = {r: d / where[r].relative_path for r in (0, 1)}
+    assert paths[0] != paths[1]
+    # Swap the two ranks' RNG states in place (same sizes: every other byte stays where it was).
+    data = {r: bytearray(paths[r].read_bytes()) for r in (0, 1)}
+    spans = {}
+    for r in (0, 1):
+        info = where[r]
+        layout = raw_layout(io.BytesIO(bytes(data[r][info.offset : info.offset + info.length])))
+        spans[r] = (info.offset + layout.data_offset, info.offset + layout.data_offset + layout.nbytes)
+    a, b = (bytes(data[r][slice(*spans[r])]) for r in (0, 1))
+    assert len(a) == len(b) and a != b
+    data[0][slice(*spans[0])], data[1][slice(*spans[1])] = b, a
+    for r in (0, 1):
+        paths[r].write_bytes(bytes(data[r]))
+    for verify_state in (True, None):  # None: due, checksum=None leaves nothing else to prove the bytes
+        got = run_ranks(_rng_load, 2, tmp_path, root, verify_state)
+        assert all(isinstance(g, str) and "_rng.rank_0.torch" in g and "_rng.rank_1.torch" in g for g in got), got
+
+
+class _DrawsInStateDict:
+    """An object whose state_dict() draws from torch's generator (a nonce, a sampler that
+    reshuffles when asked): the state check calls it after the load restored the generators."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        return {"nonce": int(torch.randint(0, 1 << 30, ()).item()) * 0}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def test_the_state_check_leaves_the_restored_generators_as_loaded(tmp_path):
+    """The state check re-extracts every entry's state after the load restored the RNG: an
+    object whose state_dict() draws from torch's generator moved a checked resume to another
+    random stream than an unchecked one (and, the restored states being judged, was taken for
+    damage). A torchdata loader (its state_dict() starts an iterator, which takes a seed) too."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def state() -> dict:
+        return {
+            "w": torch.ones(2),
+            "loader": StatefulDataLoader(list(range(20)), batch_size=2, shuffle=True),
+            "nonce": _DrawsInStateDict(),
+        }
+
+    torch.manual_seed(3)
+    saved = state()
+    next(iter(saved["loader"]))
+    distckpt.Checkpointer(tmp_path).save(1, saved)
+    expected = torch.rand(4)
+    for verify_state in (False, True):
+        torch.manual_seed(11)
+        loaded = state()
+        distckpt.Checkpointer(tmp_path).load(loaded, verify_state=verify_state)
+        assert loaded["nonce"].calls == (2 if verify_state else 1)  # (its load target, then the check)
+        assert torch.equal(torch.rand(4), expected), verify_state

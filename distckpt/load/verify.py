@@ -299,7 +299,7 @@ def require_fingerprints(manifest: Manifest, index: Mapping[str, Any], requested
     """(every rank, pure: the same error everywhere) For ``verify_state=True``: every requested
     tensor must have a recorded fingerprint, else the load is refused before anything is read.
     Plain values are not fingerprinted (``kind: value`` entries are checked by digest); RNG
-    states are reseeded at another world size and never judged.
+    states need none (judged where recorded: at the same world size, where they are restored).
 
     Raises:
         CheckpointError: naming the step and the tensors without a fingerprint.
@@ -354,6 +354,23 @@ def check_loaded(
         # Re-extracted through the same functions a save uses, so a wrong mapping between what
         # DCP read and what the objects hold shows up too.
         out: dict[str, Any] = {}
+        # The generators as the load left them, put back after the entries' state_dict()s ran:
+        # some draw from them (a torchdata loader's starts an iterator, which takes a seed), so a
+        # checked resume continued another random stream than an unchecked one.
+        generators = rng.capture()
+        try:
+            out.update(entries_now())
+        finally:
+            rng.restore(generators)
+        if restored:
+            # As the generators hold them now (restored from what was read): a damaged or
+            # misplaced state (a checkpoint saved with checksum=None has no other proof) seeded
+            # them silently otherwise.
+            out[rng.NAMESPACE] = {plan.rng_key: generators}
+        return flatten_state_dict(out)[0]
+
+    def entries_now() -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for e in plan.entries:
             if e.name in plan.per_rank or e.name not in read:
                 # Skipped, or nothing of it read (left alone): nothing to judge, and its state
@@ -364,10 +381,12 @@ def check_loaded(
             if manifest.entries.get(e.name, {}).get("scope") == scope.PER_RANK:
                 value = {scope.rank_key(group.rank): value}
             out[e.name] = value
-        return flatten_state_dict(out)[0]
+        return out
 
-    # RNG states are reseeded, not restored, at another world size.
-    judged = [k for k in requested if not k.startswith(rng.NAMESPACE + ".")]
+    # RNG states are restored at the same world size (each rank its own, in ``requested`` as
+    # every rank's requests are), but reseeded at another: then they are not judged.
+    restored = plan.rng_key is not None and manifest.world_size == group.world_size
+    judged = [k for k in requested if restored or not k.startswith(rng.NAMESPACE + ".")]
     unproven: list[str] = []
     lossy: list[str] = []
     bad = diverged_keys(
