@@ -1,6 +1,8 @@
 """Load destinations no load can fill are refused by name, on every rank, before anything is read."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -132,3 +134,48 @@ def test_views_of_one_storage_in_two_dtypes_are_not_taken_for_tied_weights(tmp_p
 
     hf.save_pretrained(M(), str(tmp_path / "hf"))
     assert sorted(load_file(str(tmp_path / "hf" / "model.safetensors"))) == ["a", "b"]
+
+
+def test_destinations_that_share_memory_are_checked(tmp_path):
+    """A flat buffer and a view of it in the state, loaded from a checkpoint whose values for them
+    disagree: the key read last kept the shared elements, silently, at the same world size with
+    the default verify_state (ties of the very same tensor were refused; partial overlaps not)."""
+    import pytest
+
+    import distckpt
+    from distckpt.load.phases import sharing_memory
+    from distckpt.state.statecheck import StateDivergedError
+
+    g = torch.Generator().manual_seed(5)
+    distckpt.Checkpointer(tmp_path / "apart").save(1, {"base": torch.randn(4, 3, generator=g), "v": torch.randn(2, 3, generator=g)})
+    flat = torch.zeros(4, 3)
+    with pytest.raises(StateDivergedError, match=r"read last kept the shared values.*: (v|base)$"):
+        distckpt.Checkpointer(tmp_path / "apart").load({"base": flat, "v": flat[1:3]})
+    # Saved from the same sharing: the values agree, so the load is exact and quiet.
+    buf = torch.randn(4, 3, generator=g)
+    distckpt.Checkpointer(tmp_path / "shared").save(1, {"base": buf, "v": buf[1:3]})
+    flat = torch.zeros(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distckpt.Checkpointer(tmp_path / "shared").load({"base": flat, "v": flat[1:3]})
+    assert torch.equal(flat, buf)
+    # Without fingerprints nothing proves them: said.
+    distckpt.Checkpointer(tmp_path / "bare", fingerprint=False).save(1, {"base": torch.ones(4, 3), "v": torch.ones(2, 3)})
+    flat = torch.zeros(4, 3)
+    with pytest.warns(UserWarning, match=r"memory another loaded tensor shares, and have no recorded fingerprint.*base, v"):
+        distckpt.Checkpointer(tmp_path / "bare").load({"base": flat, "v": flat[1:3]})
+    # What is told apart: interleaved columns share no element; the very same tensor is a tie;
+    # numpy views of one array are other storages over the same bytes.
+    import numpy as np
+
+    m = torch.zeros(4, 6)
+    arr = np.zeros(10, dtype=np.float32)
+    assert sharing_memory({"a": m[:, :3], "b": m[:, 3:], "c": m, "d": m}) == ["a", "b", "c", "d"]
+    assert sharing_memory({"a": m[:, :3], "b": m[:, 3:], "c": m[:, ::2], "d": m[:, 1::2], "x": m[0], "y": m[0]}) == [
+        "a", "b", "c", "d", "x", "y"
+    ] and sharing_memory({"a": m[:, :3], "b": m[:, 3:]}) == sharing_memory({"c": m[:, ::2], "d": m[:, 1::2]}) == []
+    assert sharing_memory({"t": m.t()[0], "u": m[1]}) == ["t", "u"] and sharing_memory({"t": m.t()[0], "u": m[1, 1:]}) == []
+    assert sharing_memory({"x": m[0], "y": m[0], "z": m[0].view(torch.int32)}) == ["x", "y", "z"]
+    assert sharing_memory({"x": m[0], "y": m[0]}) == []  # one tensor under two keys: a tie
+    assert sharing_memory({"p": torch.from_numpy(arr[:6]), "q": torch.from_numpy(arr[5:])}) == ["p", "q"]
+    assert sharing_memory({"p": torch.from_numpy(arr[:5]), "q": torch.from_numpy(arr[5:])}) == []

@@ -239,6 +239,59 @@ def refuse_overlapping(request: Mapping[str, Any], where: str) -> None:
             )
 
 
+def sharing_memory(request: Mapping[str, Any]) -> list[str]:
+    """(each rank, pure) The keys of ``request`` whose destination shares memory with another
+    key's without being the very same tensor (a flat buffer and a view into it; ties are
+    :func:`~distckpt.state.entries.tied_duplicates`'): both are read, the one read last keeps
+    the shared elements, so a checkpoint whose values for them disagree loads one of them wrong
+    silently. Judged by address (``from_numpy`` views of one array are other storages over the
+    same bytes); strided views that interleave without sharing an element are told apart where
+    small enough to enumerate."""
+    spans: dict[tuple[str, int | None], list[tuple[int, int, str, torch.Tensor]]] = {}
+    for key, value in request.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.layout != torch.strided or not local.numel() or local.device.type == "meta":
+            continue
+        start = local.data_ptr()
+        reach = sum((n - 1) * st for n, st in zip(local.shape, local.stride()) if n > 1)
+        spans.setdefault((local.device.type, local.device.index), []).append(
+            (start, start + (reach + 1) * local.element_size(), key, local)
+        )
+    out: set[str] = set()
+    for found in spans.values():
+        found.sort(key=lambda s: (s[0], s[1]))
+        open_: list[tuple[int, int, str, torch.Tensor]] = []
+        for span in found:
+            open_ = [o for o in open_ if o[1] > span[0]]
+            for other in open_:
+                if _share_elements(other[3], span[3]):
+                    out.update((other[2], span[2]))
+            open_.append(span)
+    return sorted(out)
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether tensors ``a`` and ``b``, whose address ranges overlap, share a byte and are not
+    the very same tensor (its keys read the same bytes into the same place)."""
+    if (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride()):
+        return False
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 22:
+        return True  # (not enumerated: taken to share)
+    size = a.element_size()
+    if (a.data_ptr() - b.data_ptr()) % size:
+        return True  # elements out of step with each other overlap wherever the ranges do
+
+    def elements(t: torch.Tensor) -> torch.Tensor:
+        at = torch.tensor([(t.data_ptr() - min(a.data_ptr(), b.data_ptr())) // size], dtype=torch.int64)
+        for stride, n in zip(t.stride(), t.shape):
+            at = (at[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+        return at
+
+    return bool(torch.isin(elements(a), elements(b)).any())
+
+
 def _overlaps(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory. torch answers "yes" for a stride of 0 and
     "no" for dense layouts; otherwise ("too hard": a column slice, an ``as_strided`` window)

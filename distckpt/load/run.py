@@ -39,6 +39,7 @@ from distckpt.load.phases import (
     plan_load,
     refuse_meta,
     refuse_overlapping,
+    sharing_memory,
     read,
     requested_keys,
 )
@@ -271,18 +272,21 @@ def load(
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
         refuse_meta(plan.request, where)
         refuse_overlapping(plan.request, where)
+        shares = sharing_memory(plan.request)
         if explicit:
             verify.refuse_unprovable(plan.request, saved_dtypes, manifest.step, where)
         else:
             verify.warn_lossy(plan.request, saved_dtypes, manifest.step, where)
-        return plan, (view, arguments(step, strict, verify_state, only, exclude))
+        return plan, (view, arguments(step, strict, verify_state, only, exclude), shares)
 
     plan, shared = exchange(group, f"load of {where}", plan_here)
     selection = selected[0]
     # In the exchange that exists anyway (no collective of its own): ranks passing different
     # arguments fail alike before anything is read.
-    refuse_different_arguments("load()", [a for _, a in shared])
-    views = [v for v, _ in shared]
+    refuse_different_arguments("load()", [a for _, a, _ in shared])
+    views = [v for v, _, _ in shared]
+    # Keys some rank reads into memory another of its keys shares (the same list on every rank).
+    sharing = sorted({k for _, _, keys in shared for k in keys})
     # Digests first; the requested keys themselves only where ranks request different sets.
     requested_set = requested_keys(group, index, plan, views)
     report = judge(manifest.step, index, views, None if strict else plan.names, selection, requested_set)
@@ -330,6 +334,11 @@ def load(
         )
         if verify.due(explicit, manifest, group.world_size, plan.entries, where):
             verify.check_loaded(group, manifest, plan, requested, where, options.thread_count, saved_dtypes, explicit)
+        elif sharing and explicit is None:
+            # Destinations sharing memory keep whichever key was read last: checked, so values
+            # of the checkpoint that disagree there are an error, never a silent wrong load
+            # (verify_state=False opts out of this too).
+            verify.check_shared(group, manifest, plan, [k for k in requested if k in set(sharing)], where, options.thread_count, saved_dtypes)
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "

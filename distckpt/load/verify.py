@@ -424,6 +424,38 @@ def check_loaded(
         )
 
 
+def check_shared(
+    group: Group,
+    manifest: Manifest,
+    plan: LoadPlan,
+    keys: Sequence[str],
+    where: str,
+    threads: int,
+    saved_dtypes: Mapping[str, torch.dtype] | None = None,
+) -> None:
+    """(all ranks; ``keys`` the same on every rank) :func:`check_loaded` of just ``keys``, the
+    tensors some rank loaded into memory that another of its keys shares (a flat buffer and a
+    view of it, :func:`~distckpt.load.phases.sharing_memory`), where no full check was due: the
+    key read last kept the shared elements, so where the checkpoint's values disagree there one
+    of them holds other values than were saved. One warning names those without a recorded
+    fingerprint (nothing proves them).
+
+    Raises:
+        StateDivergedError: on every rank, naming the keys that came back with other values.
+    """
+    unproven = [k for k in keys if k not in manifest.fingerprints]
+    if unproven:
+        warnings.warn(
+            f"distckpt: loading step {manifest.step} at {where}: {len(unproven)} tensor(s) were loaded into memory "
+            f"another loaded tensor shares, and have no recorded fingerprint to prove them (the one read last kept "
+            f"the shared values): {_listed(unproven)}",
+            stacklevel=outside(),
+        )
+    if len(unproven) < len(keys):
+        why = f"{where} (loaded into memory another loaded tensor shares: the one read last kept the shared values)"
+        check_loaded(group, manifest, plan, keys, why, threads, saved_dtypes)
+
+
 def _listed(items: Sequence[str], most: int = 10) -> str:
     return ", ".join(items[:most]) + (f", ... (+{len(items) - most} more)" if len(items) > most else "")
 
