@@ -561,6 +561,8 @@ class Checkpointer:
         self.last_load_report = None
         with gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
+            for storage in self._tiers():
+                storage.refuse_unshared(group.world_size, "load")
             loaded = None
             if self.local is not None:
                 loaded = self._load_local(group, state, step, strict, restore_rng, verify_state, only, exclude)

@@ -181,3 +181,32 @@ def test_export_hf_of_a_damaged_checkpoint_publishes_nothing(tmp_path, where):
         else:
             fs = fsspec.filesystem("memory")
             assert not fs.exists(out) or fs.ls(out) == [], fs.ls(out)
+
+
+def _memory_at_two(rank: int, world_size: int, base: str, local: str) -> list[str]:
+    got = []
+    model = nn.Linear(4, 4)
+    for what, call in (
+        ("save", lambda: distckpt.Checkpointer(f"memory://{base}/ck").save(1, {"m": model})),
+        ("load", lambda: distckpt.Checkpointer(f"memory://{base}/ck").load({"m": model})),
+        ("replica", lambda: distckpt.Checkpointer(local, replicate_to=f"memory://{base}/r").save(1, {"m": model})),
+        ("save_pretrained", lambda: distckpt.save_pretrained(model, f"memory://{base}/hf")),
+    ):
+        try:
+            call()
+            got.append(f"{what}: done")
+        except ValueError as exc:
+            got.append(f"{what}: {exc}")
+    return got
+
+
+def test_memory_locations_are_refused_for_several_ranks(tmp_path):
+    """memory:// lives in one process: at 2 ranks a save, a publish or a replica there reported
+    success on every rank while the coordinator committed a manifest or index naming files only
+    the other process held (README lists memory:// for one process)."""
+    from dist_harness import run_ranks
+
+    got = run_ranks(_memory_at_two, 2, tmp_path, f"mem-{tmp_path.name}", str(tmp_path / "root"))
+    for rank in got:
+        assert len(rank) == 4 and all("lives in this process's memory (memory://)" in g and "1 rank(s)" in g for g in rank), got
+    assert [g.split(":")[0] for g in got[0]] == ["save", "load", "replica", "save_pretrained"]

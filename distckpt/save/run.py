@@ -248,6 +248,8 @@ class SaveDriver:
         """(all ranks) The group of a save; where it was made anew since the last save (the job's
         process group destroyed, or made again), the writer and the plans of the old one go."""
         group = self.groups.get(save=True)
+        for storage in (self.storage, *([self.replica.remote] if self.replica is not None else [])):
+            storage.refuse_unshared(group.world_size, "save")
         if self._generation != self.groups.generation:
             if self._generation is not None:
                 self.stop_writer()  # (its writers formed a group with the old job's)

@@ -335,6 +335,22 @@ class Storage:
 
         return not isinstance(self.fs, MemoryFileSystem)
 
+    def refuse_unshared(self, world_size: int, what: str) -> None:
+        """(each rank; every rank decides alike) Refuse a location only this process sees
+        (``memory://``) for work of several ranks: each would write and read a copy of its own,
+        and the coordinator commit an index or manifest naming files it never sees, on every
+        rank "done".
+
+        Raises:
+            ValueError: naming ``what``, the location and the world size.
+        """
+        if world_size > 1 and not self.shared_between_processes:
+            raise ValueError(
+                f"{what}: {self.display()} lives in this process's memory (memory://), which the other "
+                f"{world_size - 1} rank(s) do not see: each would write and read a copy of its own; use a location "
+                "every rank reaches (a shared filesystem, an object store)"
+            )
+
     def __init_subclass__(cls, kind: str | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if kind is not None:

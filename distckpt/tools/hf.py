@@ -438,6 +438,7 @@ def save_pretrained(
     patterns = replace_patterns(replace)
 
     def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]], bytes | None], tuple[str, dict[str, object]]]:
+        storage.refuse_unshared(group.world_size, "save_pretrained")
         config_json = _config_json(config)
         sd = get_model_state_dict(module)
         if strip_prefix:
