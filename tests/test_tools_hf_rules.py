@@ -479,3 +479,29 @@ def test_a_sharded_folder_on_a_store_imports(tmp_path, index):
     fresh = _model(5)
     distckpt.Checkpointer(str(tmp_path / "ck")).load({"model": fresh})
     assert all(torch.equal(v, _model(9).state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_load_pretrained_refuses_destinations_it_cannot_fill(tmp_path):
+    """As Checkpointer.load does: a model built on the meta device (to_empty() forgotten)
+    returned 'loaded' with every weight still on meta; an expand()ed buffer failed half-way with
+    torch's error naming no key; an overlapping as_strided window loaded silently wrong."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"lin.weight": torch.ones(4, 4), "lin.bias": torch.ones(4), "buf": torch.arange(12.0).reshape(3, 4)}, str(src / "model.safetensors"))
+
+    class M(nn.Module):
+        def __init__(self, buf: torch.Tensor) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("buf", buf)
+
+    with torch.device("meta"):
+        meta = M(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"into tensors on the meta device: 'buf', 'lin.weight'.*to_empty"):
+        distckpt.load_pretrained(meta, str(src))
+    for buf in (torch.zeros(1, 4).expand(3, 4), torch.zeros(16).as_strided((3, 4), (2, 1))):
+        m = M(buf)
+        before = m.lin.weight.detach().clone()
+        with pytest.raises(ValueError, match=r"cannot load 'buf' of .* into a tensor whose elements share memory"):
+            distckpt.load_pretrained(m, str(src))
+        assert torch.equal(m.lin.weight, before)  # refused before anything was read

@@ -47,7 +47,7 @@ from distckpt._compat import as_byte_viewable
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
-from distckpt.load.phases import Mismatches, read
+from distckpt.load.phases import Mismatches, read, refuse_meta, refuse_overlapping
 from distckpt.options import location
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
@@ -288,6 +288,10 @@ def load_pretrained(
             # Of the checkpoint's keys, not the model's: pipeline stages hold other parts of it.
             "key mapping (digest)": _digest(sorted(mapped.items(), key=lambda kv: kv[0])),
         }
+        # As Checkpointer.load: a model built on the meta device and not given memory returned
+        # "loaded" holding no values; an expand()ed buffer failed half-way naming no key.
+        refuse_meta(request, where)
+        refuse_overlapping(request, where)
         view = (sorted(missing), sorted(unexpected), mismatched, tied, both, agree)
         return (request, rename, index, tied), view
 
