@@ -210,3 +210,35 @@ def test_memory_locations_are_refused_for_several_ranks(tmp_path):
     for rank in got:
         assert len(rank) == 4 and all("lives in this process's memory (memory://)" in g and "1 rank(s)" in g for g in rank), got
     assert [g.split(":")[0] for g in got[0]] == ["save", "load", "replica", "save_pretrained"]
+
+
+@pytest.mark.parametrize("config", [{"eps": 2e-5}, None])
+def test_a_publish_cut_short_never_shows_new_weights_beside_the_old_config(tmp_path, monkeypatch, config):
+    """A lone model.safetensors needs no index: from its rename into the folder it is what
+    transformers and load_pretrained read, and the config this publish replaced (or removes) was
+    changed only after it. Cut short there, the folder held the new weights and the old config,
+    looking whole."""
+    import json
+
+    out = tmp_path / "hf"
+    distckpt.save_pretrained(_mixed_sizes(1), str(out), config={"eps": 1e-5})
+    real = hf_publish.os.replace
+
+    def cut_short(a, b):
+        real(a, b)
+        if str(b).endswith(".safetensors"):
+            raise KeyboardInterrupt  # (the process dies right after the new weights are in)
+
+    monkeypatch.setattr(hf_publish.os, "replace", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        distckpt.save_pretrained(_mixed_sizes(2), str(out), config=config, overwrite=True)
+    monkeypatch.setattr(hf_publish.os, "replace", real)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and "model.safetensors.index.json" not in names, names
+    assert "config.json" not in names, json.loads((out / "config.json").read_text())  # not the old one
+    m = _mixed_sizes(0)
+    distckpt.load_pretrained(m, str(out))
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), _mixed_sizes(2).state_dict().values()))
+    # The next publish finishes the folder.
+    distckpt.save_pretrained(_mixed_sizes(3), str(out), config={"eps": 3e-5}, overwrite=True)
+    assert json.loads((out / "config.json").read_text()) == {"eps": 3e-5}

@@ -312,6 +312,7 @@ class Publish:
     stale: list[str]
     uncommit: bool
     committed: bool = False
+    unsettle: list[str] = field(default_factory=list)  # files to remove before new weights appear
 
     @classmethod
     def begin(cls, storage: Storage, layout: Layout, overwrite: bool, patterns: list[str], out: str) -> Publish:
@@ -354,6 +355,15 @@ class Publish:
             )
         _, entries = storage.last_change()
         staged = storage.stage_directory()  # local: a new temporary sibling; object stores: the folder itself
+        stale = sorted((set(owned) | set(allowed)) - write_names)
+        # A config this publish replaces or removes goes before any new weights appear: a lone
+        # model.safetensors needs no index, so the new weights were readable beside the old
+        # config from their rename (or upload) on, and a publish cut short there left a folder
+        # that looked whole to transformers and load_pretrained.
+        unsettle = [
+            n for n in (CONFIG_NAME,)
+            if n in files and (n in stale or (n in write_names and storage.read_bytes(n) != layout.config))
+        ]  # fmt: skip
         plan = cls(
             staged=staged,
             in_place=staged == storage.url,
@@ -361,8 +371,9 @@ class Publish:
             writes=writes,
             shards=list(layout.names),
             previous=list(owned.values()),
-            stale=sorted((set(owned) | set(allowed)) - write_names),
+            stale=stale,
             uncommit=INDEX_NAME in files,
+            unsettle=unsettle,
         )
         if not plan.in_place and not plan.fresh and os.stat(staged).st_dev != os.stat(storage.path).st_dev:
             storage.abandon_directory(staged, [])
@@ -382,10 +393,13 @@ class Publish:
 
     def _claim(self, storage: Storage) -> None:
         """Name every file of the previous and this publish in the record before one is written
-        in place, then remove the old index: no reader sees it over a mix of old and new shards."""
+        in place, then remove the old index (no reader sees it over a mix of old and new shards)
+        and a config this publish changes (none sees it beside the new weights)."""
         storage.write_bytes(PublishRecord(self.previous + self.writes, complete=False).to_bytes(), RECORD_NAME)
         if self.uncommit:
             storage.remove(INDEX_NAME)
+        for name in self.unsettle:
+            storage.remove(name)
 
     def commit(self, storage: Storage, layout: Layout, digests: Mapping[str, str] | None = None) -> None:
         """(coordinator) Make the written shards the folder's checkpoint (see the class doc).
