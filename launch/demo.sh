@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh" test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$ROOT/.venv/bin/python" "$ROOT/launch/demo.py" "$@"
+exec "$PY" "$ROOT/launch/demo.py" "$@"  # (env.sh: the venv, DISTCKPT_VENV or .venv)

@@ -7,4 +7,4 @@ source "$ROOT/launch/env.sh" test
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # loadgroup keeps tests that share an expensive module fixture on one worker.
-exec "$ROOT/.venv/bin/python" -m pytest -n auto --dist loadgroup -q "$@"
+exec "$PY" -m pytest -n auto --dist loadgroup -q "$@"

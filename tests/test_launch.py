@@ -403,6 +403,23 @@ def test_the_launch_scripts_give_each_rank_one_thread_unless_told(tmp_path, scri
     assert subprocess.run(args, env=env, capture_output=True, text=True, timeout=30).stdout.strip() == "OMP=4"
 
 
+@pytest.mark.parametrize("script", ["launch/demo.sh", "tests/run.sh"])
+def test_the_readme_commands_run_the_python_of_the_venv_env_sh_made(tmp_path, script):
+    """env.sh makes (or reuses) the venv at DISTCKPT_VENV, but demo.sh and run.sh ran
+    .venv/bin/python beside the checkout: "No such file or directory" after a setup that worked.
+    A stand-in venv here: its python says what it was asked (the stamp spares the install)."""
+    venv = tmp_path / "venv with space"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text('#!/bin/sh\ncase "$1" in -c) exit 0;; esac\necho "ran: $*"\n')
+    fake.chmod(0o755)
+    (venv / ".distckpt-installed-test").touch()
+    os.utime(venv / ".distckpt-installed-test", (time.time() + 3600, time.time() + 3600))  # newer than pyproject
+    env = {**os.environ, "DISTCKPT_VENV": str(venv)}
+    done = subprocess.run(["bash", str(REPO / script), "--x"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.startswith("ran: ") and done.stdout.rstrip().endswith("--x"), done
+
+
 def test_ctrl_c_saves_the_step_and_a_resume_with_other_flags_is_one_line(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C, forwarded by torchrun) killed every rank with KeyboardInterrupt, unsaved,
     though run_local.sh says each saves; a resume with another --global-batch was a traceback
