@@ -191,6 +191,7 @@ def _memory_at_two(rank: int, world_size: int, base: str, local: str) -> list[st
         ("load", lambda: distckpt.Checkpointer(f"memory://{base}/ck").load({"m": model})),
         ("replica", lambda: distckpt.Checkpointer(local, replicate_to=f"memory://{base}/r").save(1, {"m": model})),
         ("save_pretrained", lambda: distckpt.save_pretrained(model, f"memory://{base}/hf")),
+        ("chain", lambda: distckpt.Checkpointer(f"simplecache::memory://{base}/c").save(1, {"m": model})),
     ):
         try:
             call()
@@ -208,8 +209,8 @@ def test_memory_locations_are_refused_for_several_ranks(tmp_path):
 
     got = run_ranks(_memory_at_two, 2, tmp_path, f"mem-{tmp_path.name}", str(tmp_path / "root"))
     for rank in got:
-        assert len(rank) == 4 and all("lives in this process's memory (memory://)" in g and "1 rank(s)" in g for g in rank), got
-    assert [g.split(":")[0] for g in got[0]] == ["save", "load", "replica", "save_pretrained"]
+        assert len(rank) == 5 and all("lives in this process's memory (memory://)" in g and "1 rank(s)" in g for g in rank), got
+    assert [g.split(":")[0] for g in got[0]] == ["save", "load", "replica", "save_pretrained", "chain"]
 
 
 @pytest.mark.parametrize("config", [{"eps": 2e-5}, None])

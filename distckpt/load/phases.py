@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -274,14 +275,36 @@ def sharing_memory(request: Mapping[str, Any]) -> list[str]:
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether tensors ``a`` and ``b``, whose address ranges overlap, share a byte and are not
-    the very same tensor (its keys read the same bytes into the same place)."""
+    the very same tensor (one tensor under two keys: a tie, see ``tied_duplicates``). Decided
+    from shapes and strides (a dense tensor holds every byte of its range; a strided one's
+    elements are found by :func:`_first_at_least`), without enumerating elements, except for
+    layouts those cannot judge (then up to 4M elements; above, taken to share)."""
     if (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride()):
         return False
-    if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 22:
+    dense_a, dense_b = _dense(a), _dense(b)
+    if dense_a and dense_b:
+        return True  # every byte of both ranges is an element's, and the ranges overlap
+    if dense_a or dense_b:
+        dense, other = (a, b) if dense_a else (b, a)
+        lo, hi = dense.data_ptr(), dense.data_ptr() + dense.numel() * dense.element_size()
+        size = other.element_size()
+        # The first element of ``other`` ending past ``lo``: it shares if it starts before ``hi``.
+        first = _first_at_least(-((other.data_ptr() - lo + size - 1) // size), other)
+        if first is not _UNKNOWN:
+            return first is not None and other.data_ptr() + first * size < hi
+    elif a.element_size() == b.element_size() and not (a.data_ptr() - b.data_ptr()) % a.element_size():
+        d = (b.data_ptr() - a.data_ptr()) // a.element_size()
+        # Every element offset of either is a multiple of the strides' gcd from its first: the
+        # even and odd columns of one matrix never meet, whatever their size.
+        if d % math.gcd(*(st for t in (a, b) for st, n in zip(t.stride(), t.shape) if n > 1)):
+            return False
+        if a.stride() == b.stride():
+            shared = _same_strides_meet(a, b, d)
+            if shared is not _UNKNOWN:
+                return bool(shared)
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 22 or (a.data_ptr() - b.data_ptr()) % a.element_size():
         return True  # (not enumerated: taken to share)
     size = a.element_size()
-    if (a.data_ptr() - b.data_ptr()) % size:
-        return True  # elements out of step with each other overlap wherever the ranges do
 
     def elements(t: torch.Tensor) -> torch.Tensor:
         at = torch.tensor([(t.data_ptr() - min(a.data_ptr(), b.data_ptr())) // size], dtype=torch.int64)
@@ -290,6 +313,77 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         return at
 
     return bool(torch.isin(elements(a), elements(b)).any())
+
+
+_UNKNOWN = object()  # a layout the stride arithmetic below cannot judge
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its address range without gaps or overlaps (any order)."""
+    expect = 1
+    for stride, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _nested(dims: list[tuple[int, int]]) -> bool:
+    """Whether each stride of ``dims`` ((stride, size), largest stride first) steps past all
+    that the smaller ones reach: each address then has one index, found digit by digit."""
+    reach = 0
+    for stride, n in reversed(dims):
+        if stride <= reach:
+            return False
+        reach += (n - 1) * stride
+    return True
+
+
+def _first_at_least(target: int, t: torch.Tensor) -> object:
+    """The smallest element offset of ``t`` (in elements from its first, ``sum(i * stride)``)
+    that is at least ``target``; ``None`` if none is; :data:`_UNKNOWN` for layouts whose
+    strides are not nested (:func:`_nested`)."""
+    dims = sorted(((st, n) for st, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
+    if any(st <= 0 for st, _ in dims) or not _nested(dims):
+        return _UNKNOWN
+
+    def first(target: int, k: int) -> int | None:
+        if k == len(dims):
+            return 0 if target <= 0 else None
+        stride, n = dims[k]
+        i = min(max(0, target // stride), n - 1)
+        rest = first(target - i * stride, k + 1)
+        if rest is not None:
+            return i * stride + rest
+        return (i + 1) * stride if i + 1 < n else None  # the next digit, the rest at their least
+
+    return first(target, 0)
+
+
+def _same_strides_meet(a: torch.Tensor, b: torch.Tensor, d: int) -> object:
+    """Whether ``a`` and ``b`` (the same strides and element size; ``b`` starts ``d`` elements
+    after ``a``) share an element: ``sum(c_k * stride_k) == d`` for some ``c_k`` between
+    ``-(b's size_k - 1)`` and ``a's size_k - 1``. :data:`_UNKNOWN` where the strides do not
+    make that ``c`` unique (then it is not searched)."""
+    dims = sorted(
+        ((st, na, nb) for st, na, nb in zip(a.stride(), a.shape, b.shape) if na > 1 or nb > 1), reverse=True
+    )
+    if any(st <= 0 for st, _, _ in dims):
+        return _UNKNOWN
+    reach = 0  # the width of what the smaller strides span, over both tensors' index ranges
+    for st, na, nb in reversed(dims):
+        if st <= reach:
+            return _UNKNOWN
+        reach += (na + nb - 2) * st
+    r = d
+    for k, (st, na, nb) in enumerate(dims):
+        lo = -sum((m - 1) * s for s, _, m in dims[k + 1 :])
+        hi = sum((m - 1) * s for s, m, _ in dims[k + 1 :])
+        c = -((hi - r) // st)  # the least c with r - c * st <= hi (one at most fits: see above)
+        if not -(nb - 1) <= c <= na - 1 or r - c * st < lo:
+            return False
+        r -= c * st
+    return r == 0
 
 
 def _overlaps(t: torch.Tensor) -> bool:

@@ -272,7 +272,7 @@ def load(
         plan, view = (planned.plan, planned.view) if planned is not None else plan_load(group, manifest, index, state, restore_rng, selected[0])
         refuse_meta(plan.request, where)
         refuse_overlapping(plan.request, where)
-        shares = sharing_memory(plan.request)
+        shares = sharing_memory(plan.request) if explicit is not False else []
         if explicit:
             verify.refuse_unprovable(plan.request, saved_dtypes, manifest.step, where)
         else:

@@ -447,8 +447,8 @@ def check_shared(
     if unproven:
         warnings.warn(
             f"distckpt: loading step {manifest.step} at {where}: {len(unproven)} tensor(s) were loaded into memory "
-            f"another loaded tensor shares, and have no recorded fingerprint to prove them (the one read last kept "
-            f"the shared values): {_listed(unproven)}",
+            f"another loaded tensor shares (or may: a layout too large to tell), and have no recorded fingerprint to "
+            f"prove them (the one read last kept the shared values): {_listed(unproven)}",
             stacklevel=outside(),
         )
     if len(unproven) < len(keys):

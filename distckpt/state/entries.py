@@ -921,11 +921,13 @@ def tied_duplicates(tensors: Mapping[str, object]) -> dict[str, str]:
         # pointer to tell tensors apart by (every empty one's is 0), but its storage object is
         # one per tensor, shared by the keys of a tied one: skipping empties made a rank with an
         # empty shard miss the tie the others saw (false "missing key" / "ranks disagree").
-        where = storage.data_ptr() if local.numel() else ("empty", storage._cdata)
-        # The dtype and the offset in bytes: views of one storage as float32 and float64 at
-        # the same element offset and shape are other bytes (taken for one tensor, a strict
-        # load skipped the second key as filled by its "tie", and an export left it out).
-        sid = (where, local.dtype, local.storage_offset() * local.element_size(), tuple(local.shape), tuple(local.stride()))
+        # The address of its first element (not its storage's and an offset: two storages over
+        # the same bytes, numpy arrays' from_numpy() views, are one tensor too) and the dtype:
+        # views of one storage as float32 and float64 at the same element offset and shape are
+        # other bytes (taken for one tensor, a strict load skipped the second key as filled by
+        # its "tie", and an export left it out).
+        where = local.data_ptr() if local.numel() else ("empty", storage._cdata, local.storage_offset())
+        sid = (where, local.dtype, tuple(local.shape), tuple(local.stride()))
         if sid in first:
             out[key] = first[sid]
         else:

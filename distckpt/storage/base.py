@@ -333,7 +333,13 @@ class Storage:
         lives inside one process, so async saves there cannot be written by a writer process)."""
         from fsspec.implementations.memory import MemoryFileSystem
 
-        return not isinstance(self.fs, MemoryFileSystem)
+        fs, seen = self.fs, set()
+        while fs is not None and id(fs) not in seen:  # through chains: simplecache::memory://
+            if isinstance(fs, MemoryFileSystem):
+                return False
+            seen.add(id(fs))
+            fs = getattr(fs, "fs", None)
+        return True
 
     def refuse_unshared(self, world_size: int, what: str) -> None:
         """(each rank; every rank decides alike) Refuse a location only this process sees
