@@ -205,3 +205,66 @@ def test_a_peers_failure_is_never_blamed_on_this_ranks_backend():
                  "Network is unreachable", "Connection closed by peer", "Wait timeout"):  # fmt: skip
         assert _a_peers_doing(RuntimeError(text)), text
     assert not _a_peers_doing(RuntimeError("Distributed package doesn't have NCCL built in"))
+
+
+def _interrupted_staging(rank: int, world_size: int, root: str, mode: str, user_pg: bool) -> object:
+    from distckpt.save import phases
+
+    pg = dist.new_group(backend="gloo") if user_pg else None
+    ckpt = distckpt.Checkpointer(root, async_mode=mode, process_group=pg)
+    state = {"w": torch.arange(1000.0) + rank, "step": 1}
+    ckpt.save(1, state)
+    if rank == 1:
+        real = phases.stage
+
+        def interrupted(*args, **kwargs):
+            phases.stage = real
+            raise KeyboardInterrupt  # (Ctrl-C while this rank copies; rank 0 waits in the next collective)
+
+        phases.stage = interrupted
+    seen = []
+    state["step"] = 2
+    try:
+        ckpt.save(2, state, blocking=False)
+        ckpt.wait()
+    except KeyboardInterrupt:
+        seen.append("interrupted")
+    except distckpt.CheckpointError as exc:
+        seen.append(f"error: {exc}"[:300])
+    # The next saves: in step again on every rank (they paired their collectives with the
+    # interrupted save's leftovers: another call's data, bare internal errors, or a hang).
+    state["step"], state["w"] = 3, state["w"] + 1
+    for attempt in range(2):
+        try:
+            ckpt.save(3, state, blocking=False)
+            ckpt.wait()
+            break
+        except distckpt.CheckpointError as exc:
+            seen.append(f"retry: {exc}"[:300])
+            if user_pg:
+                break
+    steps = ckpt.steps()
+    ckpt.close()
+    return seen, steps
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_save_interrupted_between_collectives_leaves_the_next_save_in_step(tmp_path, mode):
+    """Ctrl-C landing in the blocked part of an async save stops the ranks between different
+    collectives; the next save on the same Checkpointer paired its own with the leftovers. Now
+    the interrupted rank's group is spoiled: destroyed (its peers' pending collective fails at
+    once, with an error) and made anew by the next save, which then commits on every rank."""
+    got = run_ranks(_interrupted_staging, 2, tmp_path, str(tmp_path / "ck"), mode, False, pg_timeout=60)
+    (seen0, steps0), (seen1, steps1) = got
+    assert seen1[0] == "interrupted" and steps0 == steps1 == [1, 3], got
+    assert seen0 and seen0[0].startswith("error:") and "interrupted" in seen0[0], got  # (its save of step 2)
+    st = {"w": torch.zeros(1000), "step": 0}
+    distckpt.Checkpointer(str(tmp_path / "ck")).load(st, restore_rng=False, only="step")
+    assert st["step"] == 3
+
+
+def test_a_users_group_interrupted_between_collectives_is_named(tmp_path):
+    """A process_group of the caller's cannot be made anew: every later call says why."""
+    got = run_ranks(_interrupted_staging, 2, tmp_path, str(tmp_path / "ck"), "thread", True, pg_timeout=60)
+    assert any("was interrupted or failed between its collectives" in s for s in got[1][0]), got
+    assert got[0][1] == got[1][1] == [1], got
