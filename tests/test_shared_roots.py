@@ -76,3 +76,31 @@ def test_a_named_job_resumes_its_own_newest_step(tmp_path):
             fresh.load(_state(0.0))
     with distckpt.Checkpointer(root) as anyone:  # no job name: the newest, whoever saved it
         assert anyone.latest_step() == 300
+
+
+def test_another_writers_unreadable_manifest_neither_stops_a_named_job_nor_its_retention(tmp_path):
+    """A step of another job on a shared root whose manifest cannot be parsed (a commit cut
+    short, or a planted manifest.json): latest_step() and load() of job "a" raised its
+    IntegrityError, and every save's retention failed on it (the root grew without bound)."""
+    import os
+    import warnings
+
+    root = str(tmp_path / "root")
+    w = torch.arange(10.0)
+    with distckpt.Checkpointer(root, job="a", keep_last=2) as ck:
+        ck.save(1, {"w": w, "step": 1})
+        ck.save(2, {"w": w + 1, "step": 2})
+    with distckpt.Checkpointer(root, job="b") as ck:
+        ck.save(3, {"w": w + 100, "step": 3})
+    manifest = tmp_path / "root" / "step_000000003" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    with pytest.warns(UserWarning, match=r"step_000000003/manifest.json cannot be read .*job 'a' neither resumes nor retires"):
+        ck = distckpt.Checkpointer(root, job="a", keep_last=2)
+        assert ck.latest_step() == 2
+    st = {"w": torch.zeros(10), "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (said once per step and process)
+        assert ck.load(st) == 2 and st["step"] == 2 and torch.equal(st["w"], w + 1)
+        ck.save(4, {"w": w + 4, "step": 4})
+        ck.close()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000002", "step_000000003", "step_000000004"]

@@ -22,8 +22,11 @@ state (they all load the same step).
 from __future__ import annotations
 
 import uuid
+import warnings
 
-from distckpt.integrity.manifest import read_manifest
+from distckpt._caller import outside
+from distckpt.errors import CheckpointError, one_line
+from distckpt.integrity.manifest import MANIFEST_NAME, read_manifest, step_dir
 from distckpt.storage.base import Storage
 
 
@@ -43,6 +46,7 @@ def check_job(job: str | None) -> None:
 
 
 _UNREADABLE = object()  # (Lineage._job_of: no manifest to read the job from)
+_WARNED: set[tuple[str, int]] = set()  # (root, step) whose unreadable manifest was named
 
 
 class Lineage:
@@ -106,9 +110,23 @@ class Lineage:
         if key not in self._jobs:
             try:
                 self._jobs[key] = read_manifest(storage, step).job
-            except (OSError, ValueError):
+            except (OSError, ValueError, CheckpointError) as exc:
+                # (IntegrityError: another writer's commit cut short, or a planted manifest.json
+                # on a shared root, which failed every named job's resume and every retention.)
+                self._unreadable(storage, step, exc)
                 return _UNREADABLE
         return self._jobs[key]
+
+    def _unreadable(self, storage: Storage, step: int, exc: BaseException) -> None:
+        """One warning per step and process: what cannot be attributed is left alone."""
+        key = (storage.display(), step)
+        if self.fixed and key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(
+                f"distckpt: {storage.display(step_dir(step), MANIFEST_NAME)} cannot be read ("
+                f"{one_line(exc)[:300]}): job {self.job!r} neither resumes nor retires that step (it cannot tell whose it is)",
+                stacklevel=outside(),
+            )
 
     def forget(self, storage: Storage, step: int) -> None:
         """Drop what is remembered of ``step`` (deleted, so its number may be saved again)."""
