@@ -18,18 +18,19 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 RECOMPUTE = "model._init_weights(module)"
 
 
-def _config():
+def _config(tied: bool = False):
     return transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=tied,
     )
 
 
-def _recipe(rank: int, world: int, hf_dir: str, recompute: bool) -> float:
+def _recipe(rank: int, world: int, hf_dir: str, recompute: bool, tied: bool = False) -> float:
     import distckpt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    config = _config()
+    config = _config(tied)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     mesh = init_device_mesh("cpu", (world,))
@@ -37,6 +38,7 @@ def _recipe(rank: int, world: int, hf_dir: str, recompute: bool) -> float:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
+    model.tie_weights()  # as the README says
     if recompute:  # as the README says
         for module in model.modules():
             if module._non_persistent_buffers_set:
@@ -55,3 +57,28 @@ def test_the_readme_recipe_loads_the_weights_and_recomputes_non_persistent_buffe
     hf_dir = str(tmp_path / "hf")
     transformers.AutoModelForCausalLM.from_config(_config()).save_pretrained(hf_dir)
     assert run_ranks(_recipe, 2, tmp_path, hf_dir, True, timeout=150) == [0.0, 0.0]
+
+
+def test_the_readme_recipe_keeps_tied_embeddings_tied(tmp_path):
+    """to_empty() unties a model's tied embeddings (lm_head.weight then is a tensor of its own,
+    in no checkpoint of a tied model) where FSDP2 does not manage them (the recipe without
+    fully_shard, one process): load_pretrained refused lm_head.weight as missing. The recipe ties
+    them again; under FSDP2 that changes nothing."""
+    import distckpt
+
+    assert "model.tie_weights()" in README.read_text(), "the README's recipe no longer ties the weights again"
+    torch.manual_seed(0)
+    hf_dir = str(tmp_path / "hf")
+    transformers.AutoModelForCausalLM.from_config(_config(True)).save_pretrained(hf_dir)
+    assert run_ranks(_recipe, 2, tmp_path, hf_dir, True, True, timeout=150) == [0.0, 0.0]
+    for tie in (False, True):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(_config(True))
+        model.to_empty(device="cpu")
+        if not tie:
+            with pytest.raises(distckpt.StateMismatchError, match="lm_head.weight"):
+                distckpt.load_pretrained(model, hf_dir)
+            continue
+        model.tie_weights()
+        assert not distckpt.load_pretrained(model, hf_dir).missing
+        assert model.lm_head.weight is model.model.embed_tokens.weight
