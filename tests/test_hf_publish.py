@@ -243,3 +243,23 @@ def test_a_publish_cut_short_never_shows_new_weights_beside_the_old_config(tmp_p
     # The next publish finishes the folder.
     distckpt.save_pretrained(_mixed_sizes(3), str(out), config={"eps": 3e-5}, overwrite=True)
     assert json.loads((out / "config.json").read_text()) == {"eps": 3e-5}
+
+
+def test_a_failed_publish_in_place_keeps_your_config_it_was_allowed_to_replace(tmp_path, monkeypatch):
+    """Where shards are written in place (object stores, memory://), a config.json of yours that
+    replace= allows was removed before the shards were written: a publish failing there left
+    the folder without it and with nothing in its place (README: "your files kept")."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    out = f"memory://{tmp_path.name}-cfg/pub"
+    mine = b'{"model_type": "mine"}'
+    fs.pipe(out + "/config.json", mine)
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_publish.DigestingFile, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        hf.save_pretrained(nn.Linear(6, 4), out, config={"model_type": "new"}, replace=["config.json"])
+    assert fs.cat(out + "/config.json") == mine

@@ -104,3 +104,5 @@ def test_another_writers_unreadable_manifest_neither_stops_a_named_job_nor_its_r
         ck.save(4, {"w": w + 4, "step": 4})
         ck.close()
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000002", "step_000000003", "step_000000004"]
+    with pytest.warns(UserWarning, match=r"job 'c' neither resumes .*if it is this job's own, its commit is damaged"):
+        assert distckpt.Checkpointer(root, job="c").latest_step() is None  # (each job is told)

@@ -278,7 +278,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     the very same tensor (one tensor under two keys: a tie, see ``tied_duplicates``). Decided
     from shapes and strides (a dense tensor holds every byte of its range; a strided one's
     elements are found by :func:`_first_at_least`), without enumerating elements, except for
-    layouts those cannot judge (then up to 4M elements; above, taken to share)."""
+    layouts those cannot judge (then up to 1M elements; above, taken to share)."""
     if (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride()):
         return False
     dense_a, dense_b = _dense(a), _dense(b)
@@ -302,8 +302,8 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
             shared = _same_strides_meet(a, b, d)
             if shared is not _UNKNOWN:
                 return bool(shared)
-    if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 22 or (a.data_ptr() - b.data_ptr()) % a.element_size():
-        return True  # (not enumerated: taken to share)
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 20 or (a.data_ptr() - b.data_ptr()) % a.element_size():
+        return True  # (not enumerated: taken to share; then checked, or named as "may share")
     size = a.element_size()
 
     def elements(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def check_job(job: str | None) -> None:
 
 
 _UNREADABLE = object()  # (Lineage._job_of: no manifest to read the job from)
-_WARNED: set[tuple[str, int]] = set()  # (root, step) whose unreadable manifest was named
+_WARNED: set[tuple[str, int, str]] = set()  # (root, step, job) whose unreadable manifest was named
 
 
 class Lineage:
@@ -119,12 +119,14 @@ class Lineage:
 
     def _unreadable(self, storage: Storage, step: int, exc: BaseException) -> None:
         """One warning per step and process: what cannot be attributed is left alone."""
-        key = (storage.display(), step)
+        key = (storage.display(), step, self.job)
         if self.fixed and key not in _WARNED:
             _WARNED.add(key)
             warnings.warn(
                 f"distckpt: {storage.display(step_dir(step), MANIFEST_NAME)} cannot be read ("
-                f"{one_line(exc)[:300]}): job {self.job!r} neither resumes nor retires that step (it cannot tell whose it is)",
+                f"{one_line(exc)[:300]}): job {self.job!r} neither resumes nor retires that step (it cannot tell whose "
+                "it is); if it is this job's own, its commit is damaged: a resume takes the job's newest readable step, "
+                "and saving that step number again is refused until the folder is repaired or removed",
                 stacklevel=outside(),
             )
 

@@ -360,9 +360,13 @@ class Publish:
         # model.safetensors needs no index, so the new weights were readable beside the old
         # config from their rename (or upload) on, and a publish cut short there left a folder
         # that looked whole to transformers and load_pretrained.
+        # One of yours that replace= allows goes then only where that is the commit (local: the
+        # shards are renamed in right after); where shards are written in place first (object
+        # stores), a publish failing there removed it with nothing in its place.
         unsettle = [
             n for n in (CONFIG_NAME,)
             if n in files and (n in stale or (n in write_names and storage.read_bytes(n) != layout.config))
+            and (n in owned or staged != storage.url)
         ]  # fmt: skip
         plan = cls(
             staged=staged,
