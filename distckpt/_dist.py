@@ -36,9 +36,6 @@ class Group:
 
     pg: dist.ProcessGroup | None = None
     released: bool = False
-    # Its ranks' collectives may no longer pair up: a save or load was interrupted between two
-    # of them (Ctrl-C), or one failed. A new save or load gets a new group (GroupHolder.get).
-    out_of_step: bool = False
     _seen: tuple[int, int] | None = field(default=None, repr=False)  # (rank, size) while it was up
 
     @property
@@ -115,7 +112,7 @@ class Group:
         a save or a load makes several of these exchanges."""
         if not self.enabled:
             return [obj]
-        with _peer_failures("all_gather", self):
+        with _peer_failures("all_gather"):
             return cast("list[T]", _all_gather_objects(obj, self.pg, self.world_size))
 
     def broadcast(self, obj: T) -> T:
@@ -123,7 +120,7 @@ class Group:
         slot of :func:`_slot` bytes, else two)."""
         if not self.enabled:
             return obj
-        with _peer_failures("broadcast", self):
+        with _peer_failures("broadcast"):
             return cast(T, _broadcast_object(obj if self.is_coordinator else None, self.pg, self.world_size, self.coordinator_global_rank))
 
     def gather(self, obj: T) -> list[T] | None:
@@ -135,7 +132,7 @@ class Group:
         if not self.enabled:
             return [obj]
         out: list[T | None] | None = [None] * self.world_size if self.is_coordinator else None
-        with _peer_failures("gather", self):
+        with _peer_failures("gather"):
             dist.gather_object(obj, out, dst=self.coordinator_global_rank, group=self.pg)
         return cast("list[T] | None", out)
 
@@ -145,7 +142,7 @@ class Group:
             assert objs is not None
             return objs[0]
         box: list[T | None] = [None]
-        with _peer_failures("scatter", self):
+        with _peer_failures("scatter"):
             dist.scatter_object_list(
                 box, objs if self.is_coordinator else None, src=self.coordinator_global_rank, group=self.pg
             )
@@ -161,7 +158,7 @@ class Group:
         work = tensor
         if dist.get_backend(self.pg) == "nccl":
             work = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-        with _peer_failures("all_reduce", self):
+        with _peer_failures("all_reduce"):
             dist.all_reduce(work, op=reduce_op, group=self.pg)
         return work.cpu()
 
@@ -238,15 +235,11 @@ def _broadcast_object(obj: object, pg: dist.ProcessGroup | None, world: int, src
 
 
 @contextmanager
-def _peer_failures(op: str, group: Group | None = None) -> Iterator[None]:
-    """A collective that fails (a peer died, timed out, or the group broke) as a CheckpointError.
-    ``group`` is then out of step, also where the collective was interrupted (Ctrl-C): its peers
-    may be inside this collective, another one, or none."""
+def _peer_failures(op: str) -> Iterator[None]:
+    """A collective that fails (a peer died, timed out, or the group broke) as a CheckpointError."""
     try:
         yield
     except ValueError as exc:
-        if group is not None:
-            group.out_of_step = True
         # The group destroyed between the check and the call (destroy_process_group() beside a
         # running save): torch's "Group ... is not registered" / "... not initialized".
         if "not registered" not in str(exc) and "not initialized" not in str(exc):
@@ -257,16 +250,10 @@ def _peer_failures(op: str, group: Group | None = None) -> Iterator[None]:
             f"only where its coordinator got that far: steps() says): {one_line(exc)}"
         ) from exc
     except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError and timeouts subclass it
-        if group is not None:
-            group.out_of_step = True
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"distckpt {op} across ranks failed; a peer rank probably died, timed out or was interrupted: {first}"
+            f"distckpt {op} across ranks failed; a peer rank probably died or timed out: {first}"
         ) from exc
-    except BaseException:
-        if group is not None:
-            group.out_of_step = True
-        raise
 
 
 @dataclass

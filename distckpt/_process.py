@@ -9,7 +9,6 @@ every rank of the job must do together).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import concurrent.futures.thread
 import gc
 import logging
@@ -80,8 +79,6 @@ class GroupHolder:
         if self._disagreement is not None:
             raise self._disagreement
         up = dist.is_available() and dist.is_initialized()
-        if self.group is not None and self.group.out_of_step and self.group.live:
-            self._out_of_step()
         if self.group is not None:
             group = self.group
             if group.gone or (up and (self._lone or (group.pg is not None and not group_is_registered(group.pg)))):
@@ -132,44 +129,6 @@ class GroupHolder:
                 if self._disagreement is not None:
                     raise self._disagreement
         return self.group
-
-    def spoil(self) -> None:
-        """(this rank) A save or load was interrupted (Ctrl-C, a signal handler's exception)
-        between collectives: the group's ranks may be inside different ones (or this rank in
-        none), so the next save or load must not use it (see :meth:`get`)."""
-        if self.group is not None:
-            self.group.out_of_step = True
-
-    @contextlib.contextmanager
-    def spoiled_if_interrupted(self) -> Iterator[None]:
-        """Around a call's collectives: :meth:`spoil` where an interrupt (an exception that is
-        not an ``Exception``: Ctrl-C, ``SystemExit`` from a signal handler) ends them. Exceptions
-        are exchanged at distckpt's collectives and leave every rank in step."""
-        try:
-            yield
-        except Exception:
-            raise
-        except BaseException:
-            self.spoil()
-            raise
-
-    def _out_of_step(self) -> None:
-        """The group is out of step (:meth:`spoil`, or a collective failed): distckpt's own
-        group is destroyed, which ends its peers' pending collectives with an error at once
-        (instead of pairing them with this rank's next ones, or a wait until the timeout), and
-        made anew by :meth:`get`; a group the caller passed cannot be, so every later call fails.
-
-        Raises:
-            CheckpointError: the caller's group.
-        """
-        if self.user_pg is not None:
-            raise CheckpointError(
-                "a save or load on the process_group given to this Checkpointer was interrupted or failed between its "
-                "collectives, so its ranks' collectives on that group no longer pair up (a later one would exchange "
-                "another call's data, or wait forever): make a new process group and a new Checkpointer on it"
-            )
-        self._job_world = max(self._job_world, self.group.world_size if self.group is not None else 1)
-        self.release()
 
     @property
     def is_coordinator(self) -> bool:

@@ -559,7 +559,7 @@ class Checkpointer:
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         # A load that fails leaves no report: the previous load's would describe another step.
         self.last_load_report = None
-        with gc_paused(), targets_undone_on_failure(), self._groups.spoiled_if_interrupted():
+        with gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
             for storage in self._tiers():
                 storage.refuse_unshared(group.world_size, "load")

@@ -45,7 +45,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -182,24 +181,6 @@ def _tensor_from(data: bytes) -> torch.Tensor:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _connect(host: str, port: int, timeout: timedelta) -> torch.distributed.TCPStore:
-    """A client of the coordinator's store, connected in tries of at most 2 s up to ``timeout``:
-    torch's own retries run in C++, where a Ctrl-C is handled only when they end (a coordinator
-    interrupted after it made the store left its peers here for the whole timeout, deaf to
-    their own Ctrl-C)."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(0.05, min(2.0, left))))
-        except (RuntimeError, OSError):  # DistNetworkError, DistStoreError: retried until the deadline
-            if time.monotonic() >= deadline:
-                raise
-            continue
-        store.set_timeout(timeout)
-        return store
-
-
 def _recv(conn: Connection) -> Any:
     """The next message :func:`_send` sent: the writer's settings (a dict) first, then
     ``(kind, payload)`` tuples, whose payload depends on the kind (checked by the reader)."""
@@ -314,7 +295,7 @@ class WriterProcess:
         conn = Connection(parent.detach())
         peers = None
         if group.world_size > 1:
-            peers = store if store is not None else _connect(host, port, timeout)
+            peers = store if store is not None else torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
         _send(
             conn,
             {

@@ -14,13 +14,12 @@ joins it and raises its error on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import warnings
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -155,33 +154,15 @@ class SaveDriver:
         """(all ranks) Phases 1-7 of one save (async: the caller returns after staging)."""
         t0 = time.perf_counter()
         self.wait()  # the previous async save (outside the GC pause: it may take long)
-        with gc_paused(), self._interruptible():
+        with gc_paused():
             self._save(t0, step, state, blocking, metadata)
-
-    @contextlib.contextmanager
-    def _interruptible(self) -> Iterator[None]:
-        """The blocked part of a save: interrupted there (Ctrl-C, a signal handler's exception),
-        the ranks stop between different collectives, and the next save paired its own with the
-        leftovers (another call's data, bare internal errors, or a hang until the timeout). The
-        group is spoiled instead (a new one for the next save, its writers restarted); failures
-        that are exceptions are exchanged and leave every rank in step."""
-        try:
-            yield
-        except Exception:
-            raise
-        except BaseException:
-            # (An async save that published its job had done its blocked part on every rank:
-            # its collectives go on in the background, in step, started by wait() if need be.)
-            if self.inflight is None:
-                self.groups.spoil()
-            raise
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Plan as a save of ``state`` would, and reserve its staging buffers in the
         background (:meth:`~distckpt.save.staging.Stager.reserve`); waits for an in-flight save
         first. The failure of an earlier reservation is raised here, on every rank."""
         self.wait()
-        with gc_paused(), self._interruptible():
+        with gc_paused():
             group = self._current_group()
             prepared, views = exchange(
                 group,
