@@ -106,3 +106,23 @@ def test_another_writers_unreadable_manifest_neither_stops_a_named_job_nor_its_r
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000002", "step_000000003", "step_000000004"]
     with pytest.warns(UserWarning, match=r"job 'c' neither resumes .*if it is this job's own, its commit is damaged"):
         assert distckpt.Checkpointer(root, job="c").latest_step() is None  # (each job is told)
+
+
+def test_a_step_of_a_newer_distckpt_is_not_passed_by_as_unreadable(tmp_path):
+    """A manifest of a newer format is intact, not damaged: a named job took it for another
+    writer's cut-short commit and resumed an older step, where an unnamed one said to upgrade."""
+    import json
+
+    root = str(tmp_path / "root")
+    with distckpt.Checkpointer(root, job="a") as ck:
+        ck.save(1, {"w": torch.ones(2)})
+        ck.save(2, {"w": torch.ones(2)})
+    manifest = tmp_path / "root" / "step_000000002" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    raw["format_version"] = 99
+    manifest.write_text(json.dumps(raw))
+    for job in ("a", None):
+        with pytest.raises(distckpt.IntegrityError, match="newer than this distckpt understands.*upgrade distckpt"):
+            distckpt.Checkpointer(root, job=job).load({"w": torch.zeros(2)})
+    with pytest.raises(distckpt.IntegrityError, match="newer than this distckpt understands.*upgrade distckpt"):
+        distckpt.Checkpointer(root, job="a").latest_step()

@@ -93,6 +93,15 @@ class FileRecord:
     checksum: str | None = None
 
 
+class _NewerFormat(ValueError):
+    """(Manifest.from_json) A manifest of a format newer than this distckpt's."""
+
+
+class NewerFormatError(IntegrityError):
+    """A manifest written by a newer distckpt (its ``format_version`` beyond this one's): intact,
+    but not readable here; upgrade distckpt. (An ``IntegrityError``, as before it had a class.)"""
+
+
 @dataclass
 class Manifest:
     """What a committed step holds and how it was written.
@@ -154,7 +163,7 @@ class Manifest:
         _check_fields(raw, where)
         version = raw.get("format_version", 1)
         if version > FORMAT_VERSION:
-            raise ValueError(
+            raise _NewerFormat(
                 f"{where}: format_version {version} is newer than this distckpt understands "
                 f"({FORMAT_VERSION}); upgrade distckpt"
             )
@@ -321,6 +330,8 @@ def load_manifest(storage: Storage, dirname: str) -> Manifest:
         raise FileNotFoundError(f"{path} does not exist") from None
     try:
         manifest = Manifest.from_json(data, path)
+    except _NewerFormat as exc:
+        raise NewerFormatError(str(exc)) from None
     except ValueError as exc:
         raise IntegrityError(str(exc)) from None
     named = parse_step_dir(dirname.rstrip("/").rsplit("/", 1)[-1]) if dirname else None

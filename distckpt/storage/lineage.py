@@ -26,7 +26,7 @@ import warnings
 
 from distckpt._caller import outside
 from distckpt.errors import CheckpointError, one_line
-from distckpt.integrity.manifest import MANIFEST_NAME, read_manifest, step_dir
+from distckpt.integrity.manifest import MANIFEST_NAME, NewerFormatError, read_manifest, step_dir
 from distckpt.storage.base import Storage
 
 
@@ -110,6 +110,8 @@ class Lineage:
         if key not in self._jobs:
             try:
                 self._jobs[key] = read_manifest(storage, step).job
+            except NewerFormatError:
+                raise  # intact, written by a newer distckpt: upgrade (never passed by as damaged)
             except (OSError, ValueError, CheckpointError) as exc:
                 # (IntegrityError: another writer's commit cut short, or a planted manifest.json
                 # on a shared root, which failed every named job's resume and every retention.)
