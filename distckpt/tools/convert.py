@@ -139,16 +139,16 @@ def export_safetensors(
     )
     total = sum(source.tensors[k].nbytes(dtypes[k]) for _, k in plan)
     done = 0
-    beyond: list[str] = []
     with open_output(out, storage_options, overwrite=overwrite) as f:
         f.write(head)
         for _, k in plan:
             n = source.tensors[k].nbytes(dtypes[k])
-            write_tensor(f, source, k, dtypes[k], n, beyond)
+            write_tensor(f, source, k, dtypes[k], n)
             done += n
             if progress:
                 progress(done, total)
         source.finish()  # every file read checked whole before the output appears
+    beyond = list(source.beyond_range)  # (every cast read is a tensor written)
     warn_beyond_range(f"export of {found.display()} to {out}", beyond, dtype)
     return {
         "output": out, "format": "safetensors", "tensors": len(plan), "bytes": total, "unverified": found.unverified,
@@ -274,12 +274,11 @@ def export_torch(
     total = sum(source.tensors[s.key].nbytes(s.dtype) for s in stubs)
     crc = torch.serialization.get_crc32_options()
     alignment = storage_alignment()
-    beyond: list[str] = []
     with open_output(out, storage_options, overwrite=overwrite) as f:
         sink = _Sink(f, out)
         writer = PyTorchFileWriter(sink, crc, alignment)
         try:
-            _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink, beyond)
+            _write_torch_records(writer, buf.getvalue(), stubs, source, alignment, total, progress, sink)
             sink.raise_error()
             source.finish()  # every file read checked whole before the output appears
         except BaseException:
@@ -289,6 +288,7 @@ def export_torch(
             sink.disarm()
             del writer
             raise
+    beyond = list(source.beyond_range)  # (every cast read is a tensor written)
     warn_beyond_range(f"export of {found.display()} to {out}", beyond, dtype)
     return {
         "output": out, "format": "torch", "tensors": len(stubs), "bytes": total, "skipped": skipped,
@@ -437,10 +437,10 @@ def _write_torch_records(
     total: int,
     progress: Progress | None,
     sink: _Sink,
-    beyond: list[str],
 ) -> int:
     """The records of a ``torch.save`` zip, one storage per tensor; returns the bytes written.
-    ``beyond``: gets the keys whose cast changed values beyond the target dtype's range."""
+    Tensors are read cast to their record's dtype (``source.beyond_range`` names those the cast
+    changed beyond its range)."""
     done = 0
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
@@ -451,8 +451,6 @@ def _write_torch_records(
     # to back); the pickled object refers to them by index, so its order is the checkpoint's.
     for s in sorted(stubs, key=lambda s: source.position(s.key)):
         t = source.read_tensor(s.key, s.dtype)
-        if s.key in source.beyond_range and s.key not in beyond:
-            beyond.append(s.key)
         n = t.untyped_storage().nbytes()
         writer.write_record(f"data/{s.index}", t.untyped_storage(), n)
         del t

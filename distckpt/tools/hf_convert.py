@@ -163,14 +163,13 @@ def export_hf(
     target = publish.target(storage)
     done = 0
     digests: dict[str, str] = {}
-    beyond: list[str] = []
     try:
         for i, entries in enumerate(layout.files):
             with target.open(layout.names[i], "wb") as opened:
                 f = DigestingFile(opened)
                 f.write(layout.headers[i])
                 for t in entries:
-                    write_tensor(f, source, by_name[t.key], t.dtype, t.nbytes, beyond)
+                    write_tensor(f, source, by_name[t.key], t.dtype, t.nbytes)
                     done += t.nbytes
                     if progress:
                         progress(done, layout.total)
@@ -184,6 +183,7 @@ def export_hf(
     except BaseException:
         publish.abandon(storage)  # nothing unverified or partial stays behind
         raise
+    beyond = list(source.beyond_range)  # (every cast read is a tensor written)
     warn_beyond_range(f"export of {found.display()} to {storage.display()}", beyond, dtype)
     return {
         "output": storage.display(), "format": "hf", "files": layout.names, "tensors": len(planned), "bytes": layout.total,
