@@ -304,15 +304,8 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
                 return bool(shared)
     if a.element_size() != b.element_size() or a.numel() + b.numel() > 1 << 20 or (a.data_ptr() - b.data_ptr()) % a.element_size():
         return True  # (not enumerated: taken to share; then checked, or named as "may share")
-    size = a.element_size()
-
-    def elements(t: torch.Tensor) -> torch.Tensor:
-        at = torch.tensor([(t.data_ptr() - min(a.data_ptr(), b.data_ptr())) // size], dtype=torch.int64)
-        for stride, n in zip(t.stride(), t.shape):
-            at = (at[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
-        return at
-
-    return bool(torch.isin(elements(a), elements(b)).any())
+    size, base = a.element_size(), min(a.data_ptr(), b.data_ptr())
+    return bool(torch.isin(_offsets(a, (a.data_ptr() - base) // size), _offsets(b, (b.data_ptr() - base) // size)).any())
 
 
 _UNKNOWN = object()  # a layout the stride arithmetic below cannot judge
@@ -326,6 +319,19 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expect *= n
     return True
+
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``t``'s (stride, size) of the dimensions longer than 1, largest stride first."""
+    return sorted(((st, n) for st, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
+
+
+def _offsets(t: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Every element's offset (in elements) of ``t``, its first at ``first``: enumerated."""
+    at = torch.tensor([first], dtype=torch.int64)
+    for stride, n in zip(t.stride(), t.shape):
+        at = (at[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+    return at
 
 
 def _nested(dims: list[tuple[int, int]]) -> bool:
@@ -343,7 +349,7 @@ def _first_at_least(target: int, t: torch.Tensor) -> object:
     """The smallest element offset of ``t`` (in elements from its first, ``sum(i * stride)``)
     that is at least ``target``; ``None`` if none is; :data:`_UNKNOWN` for layouts whose
     strides are not nested (:func:`_nested`)."""
-    dims = sorted(((st, n) for st, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
+    dims = _dims(t)
     if any(st <= 0 for st, _ in dims) or not _nested(dims):
         return _UNKNOWN
 
@@ -394,19 +400,11 @@ def _overlaps(t: torch.Tensor) -> bool:
     verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard
     if verdict != 2:
         return verdict == 1
-    reach = 0
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride <= reach:
-            break
-        reach += (size - 1) * stride
-    else:
+    if _nested(_dims(t)):
         return False
     if t.numel() > 1 << 22:
         return True
-    offsets = torch.zeros(1, dtype=torch.int64)
-    for stride, size in zip(t.stride(), t.shape):
-        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
-    return int(offsets.unique().numel()) != t.numel()
+    return int(_offsets(t).unique().numel()) != t.numel()
 
 
 def _keys_digest(keys: Iterable[str]) -> str:
