@@ -35,7 +35,7 @@ from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_c
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, OptimizerEntry, state_fqn, tied_duplicates
+from distckpt.state.entries import Entry, OptimizerEntry, same_tensor, state_fqn, tied_duplicates
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -275,11 +275,11 @@ def sharing_memory(request: Mapping[str, Any]) -> list[str]:
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether tensors ``a`` and ``b``, whose address ranges overlap, share a byte and are not
-    the very same tensor (one tensor under two keys: a tie, see ``tied_duplicates``). Decided
+    the very same tensor (one tensor under two keys: a tie, :func:`~distckpt.state.entries.same_tensor`). Decided
     from shapes and strides (a dense tensor holds every byte of its range; a strided one's
     elements are found by :func:`_first_at_least`), without enumerating elements, except for
     layouts those cannot judge (then up to 1M elements; above, taken to share)."""
-    if (a.data_ptr(), a.dtype, a.shape, a.stride()) == (b.data_ptr(), b.dtype, b.shape, b.stride()):
+    if same_tensor(a) == same_tensor(b):
         return False
     dense_a, dense_b = _dense(a), _dense(b)
     if dense_a and dense_b:

@@ -903,6 +903,21 @@ def contains(value: object, kind: type = torch.Tensor) -> bool:
     return False
 
 
+def same_tensor(local: torch.Tensor) -> tuple:
+    """What makes two (local) tensors the very same one, under two keys a tie: equal for
+    exactly those. The address of the first element (not the storage's and an offset: two
+    storages over the same bytes, numpy arrays' from_numpy() views, are one tensor too), the
+    dtype (views of one storage as float32 and float64 at the same element offset and shape are
+    other bytes: taken for one tensor, a strict load skipped the second key as filled by its
+    "tie", and an export left it out), the shape and the strides."""
+    # An empty shard (FSDP2 leaves the last ranks of a short dimension none) has no data
+    # pointer to tell tensors apart by (every empty one's is 0), but its storage object is one
+    # per tensor, shared by the keys of a tied one: skipping empties made a rank with an empty
+    # shard miss the tie the others saw (false "missing key" / "ranks disagree").
+    where = local.data_ptr() if local.numel() else ("empty", local.untyped_storage()._cdata, local.storage_offset())
+    return (where, local.dtype, tuple(local.shape), tuple(local.stride()))
+
+
 def tied_duplicates(tensors: Mapping[str, object]) -> dict[str, str]:
     """Key -> the earlier key whose value is the very same tensor (tied weights, e.g. a language
     model's ``lm_head.weight`` and its input embeddings); DTensors compared by local shard."""
@@ -916,18 +931,7 @@ def tied_duplicates(tensors: Mapping[str, object]) -> dict[str, str]:
         local = value.to_local() if isinstance(value, DTensor) else value
         if local.device.type == "meta":
             continue
-        storage = local.untyped_storage()
-        # An empty shard (FSDP2 leaves the last ranks of a short dimension none) has no data
-        # pointer to tell tensors apart by (every empty one's is 0), but its storage object is
-        # one per tensor, shared by the keys of a tied one: skipping empties made a rank with an
-        # empty shard miss the tie the others saw (false "missing key" / "ranks disagree").
-        # The address of its first element (not its storage's and an offset: two storages over
-        # the same bytes, numpy arrays' from_numpy() views, are one tensor too) and the dtype:
-        # views of one storage as float32 and float64 at the same element offset and shape are
-        # other bytes (taken for one tensor, a strict load skipped the second key as filled by
-        # its "tie", and an export left it out).
-        where = local.data_ptr() if local.numel() else ("empty", storage._cdata, local.storage_offset())
-        sid = (where, local.dtype, tuple(local.shape), tuple(local.stride()))
+        sid = same_tensor(local)
         if sid in first:
             out[key] = first[sid]
         else:
