@@ -569,3 +569,53 @@ def test_progress_bar_on_a_terminal_and_not_with_quiet(ckpt_root, tmp_path):
     shown = run_in_pty()
     assert "[" in shown and "100%" in shown, shown
     assert "100%" not in run_in_pty("--quiet")
+
+
+def _edited_copy(ckpt_root, tmp_path, edit) -> str:
+    """A copy of step 20 whose manifest.json ``edit`` changed (a hand or another tool's edit)."""
+    import shutil
+
+    root, _ = ckpt_root
+    dst = str(tmp_path / "edited" / step_dir(20))
+    shutil.copytree(os.path.join(root, step_dir(20)), dst)
+    path = os.path.join(dst, "manifest.json")
+    with open(path) as f:
+        raw = json.load(f)
+    edit(raw)
+    with open(path, "w") as f:
+        json.dump(raw, f)  # (Python writes NaN as the bare constant its json reads back)
+    return dst
+
+
+def test_inspect_json_stays_standard_json_with_a_nan_in_the_manifest(ckpt_root, tmp_path, capsys):
+    # Python's json reads NaN; jq and JavaScript refuse it, and `inspect --json` printed it bare.
+    step = _edited_copy(ckpt_root, tmp_path, lambda raw: raw["extra"].update(loss=float("nan"), best=float("inf")))
+    code, out, _ = run(["inspect", step, "--json"], capsys)
+    assert code == 0
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    info = json.loads(out, parse_constant=refuse)
+    assert info["manifest"]["extra"] == {"run": "t", "loss": "nan", "best": "inf"}
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda raw: raw["entries"]["model"].update(parallel=5), "entries['model'].parallel must be a string"),
+        (lambda raw: raw["entries"]["model"].update(kind=["model"]), "entries['model'].kind must be a string"),
+        (lambda raw: raw.update(extra={"d": json.loads("[" * 900 + "]" * 900)}), "field 'extra' must be nested at most 32 levels"),
+    ],
+    ids=["parallel-int", "kind-list", "extra-900-deep"],
+)
+def test_malformed_manifest_fields_are_named_by_every_command(ckpt_root, tmp_path, capsys, edit, named):
+    # `inspect` failed with "can only concatenate str (not "int") to str" or a RecursionError
+    # naming neither the file nor the field, while `verify` said OK.
+    step = _edited_copy(ckpt_root, tmp_path, edit)
+    for command in (["inspect", step], ["inspect", step, "--json"], ["verify", step]):
+        code, out, err = run(command, capsys)
+        assert code == 1, (command, out, err)
+        assert named in err and "manifest.json" in err, (command, err)
+    with pytest.raises(Exception, match="malformed manifest"):
+        Checkpointer(os.path.dirname(step)).load({"epoch": 0})

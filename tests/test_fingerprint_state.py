@@ -134,3 +134,27 @@ def test_checkpoints_that_recorded_version_1_still_check(tmp_path):
     with distckpt.Checkpointer(str(root)) as ckpt:
         with pytest.raises(ValueError, match="fingerprint version 7"):
             ckpt.load({"w": torch.zeros(6, 5)}, verify_state=True)
+
+
+def test_verify_state_names_a_stored_tensor_without_a_fingerprint(tmp_path):
+    # A tensor in .metadata whose fingerprint the manifest lacks (removed by an edit, its data
+    # changed and the checksums redone) passed `verify --state` as "OK ... fingerprints of N
+    # tensors", silently; a value without its digest was already named.
+    from cli_runner import run_cli
+
+    root = tmp_path / "ck"
+    with distckpt.Checkpointer(str(root)) as ckpt:
+        ckpt.save(3, {"w": torch.ones(4, 4), "v": torch.zeros(3)})
+    path = root / "step_000000003" / "manifest.json"
+    raw = json.loads(path.read_text())
+    del raw["fingerprints"]["w"]
+    path.write_text(json.dumps(raw))
+    done = run_cli("verify", str(root), "--state")
+    assert done.returncode == 1, done
+    assert "UNVERIFIED" in done.stderr and "no fingerprint in the manifest" in done.stderr and "'w'" in done.stderr
+    assert "'v'" not in done.stderr
+    done = run_cli("verify", str(root), "--state", "--json")
+    assert done.returncode == 1 and not json.loads(done.stdout)["verified"]
+    done = run_cli("verify", str(root), "--state", "--allow-unverified")
+    assert done.returncode == 0 and "WARNING" in done.stderr and "'w'" in done.stderr, done
+    assert "only sizes were checked" not in done.stderr  # (the checksums were checked)

@@ -214,6 +214,14 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
         raise bad("format_version", "a positive int")
     if not isinstance(raw["entries"], dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in raw["entries"].items()):
         raise bad("entries", "an object of objects")
+    for name, described in raw["entries"].items():
+        for field_name in ("kind", "parallel"):
+            value = described.get(field_name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"malformed manifest {where}: entries[{name!r}].{field_name} must be a string, "
+                    f"got {type(value).__name__} {value!r:.60}"
+                )
     files = raw["files"]
     if not isinstance(files, dict):
         raise bad("files", "an object")
@@ -233,6 +241,10 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
         raise bad("created_unix", "a number of seconds")
     if not isinstance(raw.get("extra", {}), dict):
         raise bad("extra", "an object")
+    if _depth(raw.get("extra", {})) > _EXTRA_DEPTH + 1:
+        # A save refuses deeper metadata (check_extra): only a crafted manifest gets here, and
+        # every tool that walks or prints it would run out of recursion on it.
+        raise bad("extra", f"nested at most {_EXTRA_DEPTH} levels deep")
     prints = raw.get("fingerprints", {})
     if not isinstance(prints, dict) or not all(isinstance(v, str) for v in prints.values()):
         raise bad("fingerprints", "an object of strings")
@@ -248,6 +260,23 @@ def _check_fields(raw: dict[str, Any], where: str) -> None:
 
 
 _EXTRA_DEPTH = 32
+
+
+def _depth(value: object) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and objects (a scalar: 0), without
+    recursion (a crafted document can nest ~1000 levels)."""
+    deepest = 0
+    todo: list[tuple[object, int]] = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo.extend((v, depth + 1) for v in item)
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+    return deepest
 
 
 def check_extra(extra: object) -> dict[str, Any]:

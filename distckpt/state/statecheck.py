@@ -148,14 +148,19 @@ def from_files(source: ShardSource, version: int = fingerprint.VERSION) -> dict[
     return prints
 
 
-def compare_files(source: ShardSource, saved: Mapping[str, str], version: int = fingerprint.VERSION) -> tuple[list[str], int]:
-    """``(keys whose stored values differ from their recorded fingerprint, keys checked)``, from
-    the stored shards ``source`` reads (see :func:`from_files`); ``version``: the manifest's
-    ``fingerprint_version``."""
+def compare_files(
+    source: ShardSource, saved: Mapping[str, str], version: int = fingerprint.VERSION
+) -> tuple[list[str], int, list[str]]:
+    """``(keys whose stored values differ from their recorded fingerprint, keys checked, stored
+    tensors without a recorded fingerprint)``, from the stored shards ``source`` reads (see
+    :func:`from_files`); ``version``: the manifest's ``fingerprint_version``. The third list is
+    what the fingerprints do not prove (replicas that drifted at save get none; otherwise the
+    manifest or ``.metadata`` was altered): a caller says so instead of passing them silently."""
     recomputed = from_files(source, version)
     checked = [k for k in saved if k in recomputed]
     bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
-    return bad, len(checked)
+    lacking = sorted(k for k in source.tensors if k not in saved)
+    return bad, len(checked), lacking
 
 
 _LOW32 = (1 << 32) - 1

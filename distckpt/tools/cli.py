@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 import warnings
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 from fsspec.core import url_to_fs
 
@@ -191,12 +192,25 @@ def _cmd_ls(args: argparse.Namespace, opts: dict[str, object]) -> int:
     return 0
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats as strings: a manifest edited by hand or by another tool
+    can hold ``NaN`` (Python's json reads it), which strict JSON readers (``jq``) refuse, so
+    ``--json`` output keeps to standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _cmd_inspect(args: argparse.Namespace, opts: dict[str, object]) -> int:
     found = locate(args.ckpt, opts, args.step)
     with found.kept("inspected"):
         info = describe(found)
     if args.json:
-        json.dump(info, sys.stdout, indent=1, default=str)
+        json.dump(_finite(info), sys.stdout, indent=1, default=str, allow_nan=False)
         print()
         return 0
     out = sys.stdout
@@ -260,14 +274,21 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
             except Exception as exc:  # noqa: BLE001 - reported as a problem
                 problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
         checked_state = checked_values = None
+        unproven: list[str] = []  # what --state could not check: unverified, not "OK"
         if args.state and not problems:
             # Recompute every tensor's fingerprint from the files, as the saving ranks did.
             if not found.manifest.fingerprints:
                 problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
             else:
                 source = CheckpointSource(found, CheckpointReader)
-                bad, checked_state = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
+                bad, checked_state, lacking = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
                 problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
+                if lacking:  # nothing proves these: never a silent pass (exit 1 unless --allow-unverified)
+                    shown = ", ".join(repr(k) for k in lacking[:20]) + (f", ... (+{len(lacking) - 20} more)" if len(lacking) > 20 else "")
+                    unproven.append(
+                        f"--state: {len(lacking)} stored tensor(s) have no fingerprint in the manifest (replicas that "
+                        f"drifted at save, or the manifest or .metadata was altered): {shown}"
+                    )
                 # Values carry no fingerprint: each is read as a load reads it, its stored bytes checked
                 # against the manifest's value_digests (manifests written before those: unverified).
                 checked_values = len(source.values) if found.manifest.value_digests is not None else 0
@@ -294,7 +315,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
             raise StepDeletedError(why)
     files = found.manifest.files
     # Checksums that are not there verify nothing: say so instead of "OK".
-    unverified = found.unverified
+    unverified = found.unverified + unproven
     if unverified and not args.allow_unverified:
         problems += [f"{found.display()}: UNVERIFIED: {u}" for u in unverified]
     if args.json:
@@ -308,9 +329,10 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
     elif problems:
         for line in problems:
             print(f"FAILED {line}", file=sys.stderr)
-        print(f"{PROG}: error: {found.display()}: {len(problems)} of {len(files)} files failed verification", file=sys.stderr)
+        print(f"{PROG}: error: {found.display()}: failed verification: {len(problems)} problem(s) ({len(files)} files checked)", file=sys.stderr)
     elif unverified:
-        print(f"WARNING {found.display()}: unverified ({'; '.join(unverified)}); only sizes were checked", file=sys.stderr)
+        only = "; only sizes were checked" if found.unverified else ""
+        print(f"WARNING {found.display()}: unverified ({'; '.join(unverified)}){only}", file=sys.stderr)
     elif not args.quiet:
         how = f"sizes and {found.manifest.checksum_algorithm} checksums"
         if checked_state is not None:
