@@ -1226,3 +1226,36 @@ def test_a_key_one_rank_changed_and_another_dropped_is_refused_on_every_rank(tmp
     pointer's broadcast: a hang until the process group's timeout."""
     got = run_ranks(_key_dropped_on_one_rank_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), timeout=120, pg_timeout=60)
     assert got[0] == got[1] and "extra" in got[0], got
+
+
+def test_a_later_save_at_one_step_with_other_extra_state_is_refused(tmp_path: Path) -> None:
+    """A module's get_extra_state() (a calibration scale set after fit) changed between two saves
+    at one global step, no tensor touched: the second pointer loaded the first save's value,
+    silently, within a fit and after teardown alike (an attack finding). Refused now, naming
+    where; the same values again are still one more pointer."""
+    w, count = torch.arange(3.0), torch.tensor(1.0)  # (the very tensors again, as Lightning's dicts hold them)
+
+    def lightning_dict(scale: float, momentum: float = 0.9) -> dict:
+        return {
+            "global_step": 1,
+            "state_dict": {"w": w, "calib._extra_state": {"scale": scale}},
+            "optimizer_states": [{"state": {0: {"step": count, "beta": momentum}},
+                                  "param_groups": [{"lr": 0.1, "params": [0]}]}],
+        }  # fmt: skip
+
+    io = DistckptCheckpointIO(str(tmp_path / "root"))
+    io.save_checkpoint(lightning_dict(1.0), tmp_path / "a.ckpt")
+    io.save_checkpoint(lightning_dict(1.0), tmp_path / "b.ckpt")  # the same values: one more pointer
+    with pytest.raises(distckpt.StepExistsError, match=r"not tensors changed since on rank\(s\) \[0\].*state_dict\.calib\._extra_state"):
+        io.save_checkpoint(lightning_dict(42.0), tmp_path / "c.ckpt")
+    with pytest.raises(distckpt.StepExistsError, match=r"optimizer_states\.0\.state\.0"):
+        io.save_checkpoint(lightning_dict(1.0, momentum=0.5), tmp_path / "c.ckpt")
+    io.teardown()  # after fit: trainer.save_checkpoint of the very tensors saved, their values changed
+    with pytest.raises(distckpt.StepExistsError, match="get_extra_state"):
+        io.save_checkpoint(lightning_dict(42.0), tmp_path / "c.ckpt")
+    io.save_checkpoint(lightning_dict(1.0), tmp_path / "d.ckpt")  # unchanged: still taken after teardown
+    io.teardown()
+    assert not (tmp_path / "c.ckpt").exists() and _pointer(tmp_path / "d.ckpt")["step"] == 1
+    back = DistckptCheckpointIO(str(tmp_path / "root"))
+    assert back.load_checkpoint(tmp_path / "d.ckpt")["state_dict"]["calib._extra_state"] == {"scale": 1.0}
+    back.teardown()

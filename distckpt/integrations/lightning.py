@@ -212,6 +212,10 @@ class DistckptCheckpointIO(CheckpointIO):
         # The last step saved here -> the model's and optimizers' tensors as saved: (their
         # storage, held weakly, and version counter) by key; see _same_as_saved.
         self._saved_tensors: dict[int, dict[str, tuple[weakref.ref, int] | None]] = {}
+        # The same step -> this rank's digests of the model's and optimizers' values that are not
+        # tensors (a module's get_extra_state(); lightning_overlay.model_values), ``None`` where
+        # they could not be made: a later save at the step must hold them alike, as its tensors.
+        self._saved_values: dict[int, dict[str, str] | None] = {}
         # The last step saved or loaded here -> its values beyond the model's and optimizers' state
         # (this rank's digests, lightning_overlay.digest): what a later save at it is compared with.
         self._snapshot: tuple[int, dict[str, str]] | None = None
@@ -302,7 +306,7 @@ class DistckptCheckpointIO(CheckpointIO):
         epoch = checkpoint.get("epoch")
         record: PointerRecord = {"step": step, "keys": keys, "epoch": epoch if type(epoch) is int else None}
         known = self._steps.get(step)
-        if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state):
+        if known is None and step in self._earlier and self._same_as_saved(ckpt, step, state, checkpoint):
             known = self._steps[step] = self._earlier[step]
         if known is not None:
             missing = sorted({k for k in every_rank_keys if k not in known})  # (every rank's keys: raised on every rank)
@@ -312,7 +316,7 @@ class DistckptCheckpointIO(CheckpointIO):
                     f"save at the same step cannot be stored as another distckpt step: let the callback that "
                     f"saves the full state come first, or save them at different steps"
                 )
-            self._refuse_changed_tensors(step, state, path)
+            self._refuse_changed_tensors(step, state, path, checkpoint)
             overlay = self._overlay(step, checkpoint, path)
             if overlay:
                 record["overlay"] = overlay
@@ -340,8 +344,8 @@ class DistckptCheckpointIO(CheckpointIO):
             named = self._pointers_to(step)
             if step in self._earlier:
                 why = (
-                    " (this plugin saved or loaded it before its last teardown, but the model's and optimizers' tensors "
-                    "are not the ones it saved: another run reusing the plugin, or a model moved to another device or "
+                    " (this plugin saved or loaded it before its last teardown, but the model's and optimizers' state "
+                    "is not the one it saved (other tensors, or other values such as a module's get_extra_state()): another run reusing the plugin, or a model moved to another device or "
                     "changed since)"
                 )
             elif named:
@@ -358,6 +362,7 @@ class DistckptCheckpointIO(CheckpointIO):
         # Only the last save's tensors can still be unchanged (kept for one step: a long run
         # would otherwise hold an entry per tensor per step).
         self._saved_tensors = {step: {k: _identity(t) for k, t in _compared(state).items()}}
+        self._saved_values = {step: self._model_values(checkpoint)}
         if self.async_save:
             self._inflight = step
             self._pending.append(("point", os.fspath(path), record))
@@ -512,7 +517,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 "Trainer(strategy=DistckptDDPStrategy(...), plugins=[DistckptCheckpointIO(...)])"
             )
 
-    def _same_as_saved(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any]) -> bool:
+    def _same_as_saved(self, ckpt: Checkpointer, step: int, state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> bool:
         """(every rank) Whether the model's and the optimizers' tensors in ``state`` are the very
         tensors this plugin last saved, as ``step`` (the same storages, still alive), unchanged
         since (the same version counters: an optimizer step or an in-place re-initialisation moves
@@ -523,12 +528,16 @@ class DistckptCheckpointIO(CheckpointIO):
         scores, loops, a scheduler stepped at the epoch's end, as between callbacks saving at one
         step within a fit). Equal values alone are not enough: another run of a sweep can reach
         the same weights with another schedule. A step only loaded here is never the same. With
-        ``fingerprint=False`` the values are not compared (writes through ``.data`` go unseen)."""
+        ``fingerprint=False`` the values are not compared (writes through ``.data`` go unseen).
+        The state's values that are not tensors (a module's ``get_extra_state()``) must be equal
+        to the saved ones too."""
 
         def here() -> bool:
             saved = self._saved_tensors.get(step)
             tensors = _compared(state)
             if not saved or not tensors or not tensors.keys() <= saved.keys():
+                return False
+            if self._changed_values(step, checkpoint):
                 return False
             if not all(_unchanged(saved[key], t) for key, t in tensors.items()):
                 return False
@@ -541,7 +550,9 @@ class DistckptCheckpointIO(CheckpointIO):
 
         return all(exchange(Group(), f"comparing the state with step {step}", lambda: (None, here()))[1])
 
-    def _refuse_changed_tensors(self, step: int, state: Mapping[str, Any], path: str | os.PathLike) -> None:
+    def _refuse_changed_tensors(
+        self, step: int, state: Mapping[str, Any], path: str | os.PathLike, checkpoint: Mapping[str, Any]
+    ) -> None:
         """(every rank) A second save at ``step``, which this plugin saved: refused where the model's
         or the optimizers' tensors are not the ones it saved, unchanged (their storages and version
         counters, as :meth:`_same_as_saved`; a callback that changed the weights between two saves
@@ -551,15 +562,30 @@ class DistckptCheckpointIO(CheckpointIO):
         compared by value with the step's fingerprints (a save in flight is waited for first).
         A step only loaded here is not judged (its tensors were copied into the model). Writes
         through ``.data`` move no version counter; with ``fingerprint=False`` other tensors, or
-        tensors changed in place, are refused, their values unproven."""
+        tensors changed in place, are refused, their values unproven. The state's values that are
+        not tensors (a module's ``get_extra_state()``, a calibration scale set after ``fit``) are
+        compared with the saved ones' digests: one that changed is refused alike (the pointer
+        would load the step's)."""
         saved = self._saved_tensors.get(step)
         if saved is None:
             return
 
-        def changed() -> list[str]:
-            return [key for key, t in _compared(state).items() if not _unchanged(saved.get(key), t)]
+        def changed() -> tuple[list[str], list[str]]:
+            tensors = [key for key, t in _compared(state).items() if not _unchanged(saved.get(key), t)]
+            return tensors, self._changed_values(step, checkpoint)
 
-        _, found = exchange(Group(), f"comparing the state with step {step}", lambda: (None, changed()))
+        _, both = exchange(Group(), f"comparing the state with step {step}", lambda: (None, changed()))
+        values = sorted({k for _, keys in both for k in keys})
+        if values:
+            ranks = [r for r, (_, keys) in enumerate(both) if keys]
+            named = self._pointers_to(step)
+            raise StepExistsError(
+                f"global step {step} was saved before in this run{f' ({named[0]})' if named else ''}, and values of the "
+                f"model's or optimizers' state that are not tensors changed since on rank(s) {ranks} (e.g. {values[:3]}: "
+                f"a module's get_extra_state()): distckpt keeps one step per global step and never overwrites it, so "
+                f"{os.fspath(path)} would load the earlier values. Save once the change is made, or at another global step"
+            )
+        found = [tensors for tensors, _ in both]
         if not any(found):
             return
         # Other tensors, or changed in place since: judged by their values against the step's
@@ -591,6 +617,29 @@ class DistckptCheckpointIO(CheckpointIO):
                 f"(one ModelCheckpoint at the epoch's end, or every_n_train_steps that avoids the epoch's last step), "
                 f"or make the change before the first save"
             )
+
+    def _model_values(self, checkpoint: Mapping[str, Any]) -> dict[str, str] | None:
+        """(each rank) :func:`~distckpt.integrations.lightning_overlay.model_values` of
+        ``checkpoint``; ``None`` where they cannot be made (the save itself succeeded)."""
+        try:
+            return overlays.model_values(checkpoint, self.checkpointer.options.safe_types)
+        except Exception:  # noqa: BLE001 - not compared then, as before
+            return None
+
+    def _changed_values(self, step: int, checkpoint: Mapping[str, Any]) -> list[str]:
+        """(each rank) Where the model's and optimizers' values that are not tensors differ from
+        those saved as ``step`` here (added, removed or changed, in the parts of the state
+        ``checkpoint`` holds); ``[]`` where the step's were not
+        recorded (a step only loaded here, or values that could not be digested)."""
+        saved = self._saved_values.get(step)
+        if saved is None:
+            return []
+        now = self._model_values(checkpoint)
+        if now is None:
+            return []
+        # A save holding a part of the state only (weights only: no optimizers) is judged on it.
+        held = {k for k in overlays.MODEL_KEYS if k in checkpoint}
+        return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k.split(".", 1)[0] in held)
 
     def _prepare(
         self, checkpoint: Mapping[str, Any], path: str | os.PathLike
@@ -720,6 +769,7 @@ class DistckptCheckpointIO(CheckpointIO):
             # they were to make room for it, and could delete the last good checkpoint.
             self._steps.pop(step, None)
             self._saved_tensors.pop(step, None)
+            self._saved_values.pop(step, None)
             if isinstance(exc, Exception):  # (an interrupt leaves the pending pointers: they resolve)
                 self._unplace([path for kind, path, _ in pending if kind == "point"], step)
             raise
@@ -806,6 +856,7 @@ class DistckptCheckpointIO(CheckpointIO):
             self._steps.pop(step, None)
             self._earlier.pop(step, None)
             self._saved_tensors.pop(step, None)
+            self._saved_values.pop(step, None)
             if self._snapshot is not None and self._snapshot[0] == step:
                 self._snapshot = None
 

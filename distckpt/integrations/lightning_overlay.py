@@ -40,7 +40,7 @@ from distckpt.state.decoding import decode_loaded
 from distckpt.state.encoded import TopLevel, encode_for_save
 from distckpt.state.safetypes import SafeTypesLike
 
-__all__ = ["MAX_OVERLAY_CHARS", "MODEL_KEYS", "OPTIMIZERS", "Overlay", "apply", "as_text", "check", "decode", "digest", "encoded", "record", "snapshot"]
+__all__ = ["MAX_OVERLAY_CHARS", "MODEL_KEYS", "OPTIMIZERS", "Overlay", "apply", "as_text", "check", "decode", "digest", "encoded", "model_values", "record", "snapshot"]
 
 #: Lightning's top-level keys of the model's and optimizers' state: a later save at one step must
 #: hold the same tensors. The model's are never in an overlay; of the optimizers' state only the
@@ -137,6 +137,59 @@ def snapshot(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) ->
             continue
         out[k] = encoded(v, k, safe_types)
     return out
+
+
+def model_values(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None) -> dict[str, str]:
+    """(each rank) Digests of the values of the model's and optimizers' state that are not
+    tensors, by where they are (``state_dict.<key>``: a module's ``get_extra_state()``;
+    ``optimizer_states.<i>.state.<param>``, ``optimizer_states.<i>.<key>``), their tensors
+    replaced by a mark (the tensors are compared by themselves). ``param_groups`` are left out:
+    an overlay keeps them. What a later save at one step must hold alike, as its tensors: the
+    step keeps the first save's, and a pointer to it would load them.
+
+    Raises:
+        TypeError: a value distckpt cannot store safely (the save refuses it too).
+    """
+    out: dict[str, str] = {}
+
+    def add(where: str, value: Any) -> None:
+        out[where] = digest(encoded(_tensors_marked(value, 0), where, safe_types))
+
+    model = checkpoint.get("state_dict")
+    if isinstance(model, Mapping):
+        for k, v in model.items():
+            if not isinstance(v, torch.Tensor):
+                add(f"state_dict.{k}", v)
+    states = checkpoint.get(OPTIMIZERS)
+    if isinstance(states, list):
+        for i, s in enumerate(states):
+            if not isinstance(s, Mapping):
+                continue
+            for k, v in s.items():
+                if k == "param_groups" or isinstance(v, torch.Tensor):
+                    continue
+                if k == "state" and isinstance(v, Mapping):
+                    for param, per in v.items():
+                        add(f"{OPTIMIZERS}.{i}.state.{param}", per)
+                else:
+                    add(f"{OPTIMIZERS}.{i}.{k}", v)
+    return out
+
+
+_TENSOR_MARK = "<a tensor: compared by itself>"
+
+
+def _tensors_marked(x: Any, depth: int) -> Any:
+    """``x`` with every tensor in its plain containers replaced by :data:`_TENSOR_MARK`."""
+    if isinstance(x, torch.Tensor):
+        return _TENSOR_MARK
+    if depth > 1000:
+        return x
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k, _tensors_marked(v, depth + 1)) for k, v in x.items())
+    if type(x) in (list, tuple):
+        return type(x)(_tensors_marked(v, depth + 1) for v in x)
+    return x
 
 
 def _param_groups(states: object) -> list[Any] | None:
