@@ -629,3 +629,35 @@ def test_a_dtensor_whose_blocks_are_not_torch_chunks_is_refused_at_save(tmp_path
         assert res["steps"] == [], res
         assert res["error"] is not None and "'x'" in res["error"] and "torch.chunk" in res["error"], res["error"]
     assert "(1, 2)" in results[0]["error"] or "(3, 2)" in results[0]["error"], results[0]["error"]
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_changed_nesting_or_requires_grad_under_the_same_flat_keys_replans(tmp_path, blocking):
+    # {"a": {"b": t}} then {"a.b": t}, a list then a dict of "0", "1": the same flat keys, shapes
+    # and dtypes, so the second save reused the first's plan and wrote its planner_data into
+    # .metadata; torch's dcp_to_torch_save then rebuilt the first save's nesting (an attack
+    # finding). The metadata must be what a fresh Checkpointer writes for the same state.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    w = torch.ones(2)  # (frozen in the first two saves, trained in the third)
+    states = [
+        {"x": {"a": {"b": torch.arange(4.0)}}, "l": [torch.ones(2), torch.zeros(2)], "w": w},
+        {"x": {"a.b": torch.arange(4.0) + 10}, "l": {"0": torch.ones(2) + 10, "1": torch.zeros(2) + 10}, "w": w},
+        {"x": {"a.b": torch.arange(4.0) + 20}, "l": {"0": torch.ones(2), "1": torch.zeros(2)}, "w": torch.ones(2, requires_grad=True)},
+    ]
+    with distckpt.Checkpointer(tmp_path / "ck", save_rng=False, async_mode="thread") as ckpt:
+        for step, state in enumerate(states, 1):
+            ckpt.save(step, state, blocking=blocking)
+            ckpt.wait()
+            assert not ckpt.last_save.plan.cached, step
+            with distckpt.Checkpointer(tmp_path / f"fresh{step}", save_rng=False, async_mode="thread") as fresh:
+                fresh.save(step, state, blocking=blocking)  # (async saves record the staged copies' requires_grad)
+            m, f = _meta(tmp_path / "ck", step), _meta(tmp_path / f"fresh{step}", step)
+            assert m.planner_data == f.planner_data and m.state_dict_metadata == f.state_dict_metadata, step
+        ckpt.save(4, states[-1], blocking=blocking)  # unchanged: the plan is reused
+        ckpt.wait()
+        assert ckpt.last_save.plan.cached
+    out = tmp_path / "two.pt"
+    dcp_to_torch_save(tmp_path / "ck" / step_dir(2), out)
+    back = torch.load(out, weights_only=True)
+    assert torch.equal(back["x"]["a.b"], torch.arange(4.0) + 10) and torch.equal(back["l"]["1"], torch.zeros(2) + 10)

@@ -51,7 +51,7 @@ from distckpt.state.placements import replication
 from distckpt.state.scope import GLOBAL, digest
 
 #: Version of the structure digests and cache keys (bump when what they cover changes).
-_VERSION = "plan1"
+_VERSION = "plan2"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -85,9 +85,15 @@ def _entry(key: str) -> str:
     return key.split(".", 1)[0]
 
 
-def describe(flat: Mapping[str, Any], values_of: Set[str] = frozenset()) -> Structure:
+def describe(
+    flat: Mapping[str, Any], values_of: Set[str] = frozenset(), mappings: Mapping[str, Any] | None = None
+) -> Structure:
     """(each rank, no collectives) The :class:`Structure` of a flattened state dict;
-    :attr:`Structure.values` of the entries in ``values_of`` only (the drift check's)."""
+    :attr:`Structure.values` of the entries in ``values_of`` only (the drift check's).
+    ``mappings``: the flattening's paths (``flatten_state_dict``'s second result), which the
+    plan's ``planner_data`` (in ``.metadata``) records: a state whose nesting changed under the
+    same flat keys (``{"a": {"b": t}}`` then ``{"a.b": t}``, a list then a dict) has another
+    plan, as does a tensor whose ``requires_grad`` changed (its ``TensorProperties``)."""
     own = hashlib.sha256(_VERSION.encode())
     per_entry: dict[str, list[str]] = {}
     leaves: list[tuple[str, int, bool]] = []
@@ -101,20 +107,24 @@ def describe(flat: Mapping[str, Any], values_of: Set[str] = frozenset()) -> Stru
                 f"{key}|D|{tuple(value.shape)}|{value.dtype}|{tuple(value.device_mesh.shape)}|"
                 f"{tuple(repr(p) for p in value.placements)}|{coord}|{tuple(local.shape)}"
             )
+            planned = f"|{value.requires_grad}"
             if factor > 1:
                 replicas.append((key, factor))
         elif isinstance(value, torch.Tensor):
             line = f"{key}|T|{tuple(value.shape)}|{value.dtype}"
+            planned = f"|{value.requires_grad}"
             per_entry.setdefault(_entry(key), []).append(line)
             leaves.append((key, value.numel() * value.element_size(), True))
         else:
             line = f"{key}|B"
+            planned = ""
             per_entry.setdefault(_entry(key), []).append(line)
             leaves.append((key, 1, False))
             if values_of and _entry(key) in values_of:
                 values.setdefault(_entry(key), []).append((key, value))
         try:
-            own.update(line.encode() + b"\n")
+            path = "" if mappings is None else f"|{mappings.get(key)!r}"
+            own.update((line + planned + path).encode() + b"\n")
         except UnicodeEncodeError:
             raise TypeError(
                 f"cannot save state key {key!r:.200}: it holds a lone surrogate (text that is not Unicode, as "

@@ -243,7 +243,7 @@ def prepare(
     # which are replicated (each tensor then gets one writer; async saves stage only their share).
     unscoped = {e.name: state_dict[e.name] for e in entries if not e.scoped}
     digests, sizes = replicated_layout(unscoped)
-    flat = flatten_state_dict(state_dict)[0]
+    flat, mappings = flatten_state_dict(state_dict)
     for key, value in flat.items():
         if isinstance(value, DTensor):
             check_block(value, key)
@@ -251,7 +251,7 @@ def prepare(
     # policy that checks, not a prepare_staging peek): a 2M-int list of a sampler's state cost
     # every save 2 s here.
     checks_values = opts.on_replica_drift != "ignore" and not peek
-    structure = assign.describe(flat, values_of=frozenset(unscoped) if checks_values else frozenset())
+    structure = assign.describe(flat, values_of=frozenset(unscoped) if checks_values else frozenset(), mappings=mappings)
     on_device = frozenset(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
     view = SaveView(
         step=step,
