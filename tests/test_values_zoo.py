@@ -871,3 +871,67 @@ def test_a_dataclass_comes_back_as_pickle_gives_it_and_what_cannot_is_warned_onc
     g = loaded["bag"].state["g"]
     assert type(g) is Guarded and g.n == 3 and type(g._lock) is type(threading.Lock())
     assert [x.n for x in loaded["bag"].state["many"]] == list(range(50)) and not hasattr(loaded["bag"].state["many"][0], "_lock")
+
+
+class _Anonymous:
+    """An object with the default text: ``<...object at 0x...>``, another in every process."""
+
+
+@pytest.mark.parametrize(
+    "key, why",
+    [
+        (frozenset({"alpha", "beta", "gamma"}), "hash seed"),
+        (_Anonymous(), "memory address"),
+        (("task", _Anonymous()), "memory address"),
+    ],
+    ids=["frozenset", "object", "tuple-holding-an-object"],
+)
+def test_a_key_whose_text_differs_between_processes_fails_the_save(tmp_path, monkeypatch, key, why):
+    # DCP writes a flattened dict's keys as their text, and a load matches it with the live
+    # object's keys' text: these saved, and no later process could load them (StateMismatchError
+    # naming one key under two spellings, or with strict=False the fresh value kept; an attack finding).
+    with checkpointer(tmp_path, monkeypatch=monkeypatch) as ckpt:
+        with pytest.raises(TypeError, match=rf"'bag\.counts'.*{why}"):
+            ckpt.save(1, {"bag": Bag({"counts": {key: 7, "other": 1}})})
+        assert ckpt.steps() == []
+        # Keys whose text is the same in every process still save and load.
+        steady = {frozenset({"one"}): 1, ("a", 2, None, 1.5, Phase.WARMUP): 2, 3: 3, Frozen(1.0, "x"): 4}
+        ckpt.save(2, {"bag": Bag({"counts": dict(steady)})})
+        back = Bag({"counts": {k: 0 for k in steady}})
+        ckpt.load({"bag": back})
+        assert back.state["counts"] == steady
+
+
+def _script_class(module: str) -> type:
+    """``Phase`` of a training script, as a process launched one way or another names it."""
+    cls = enum.Enum("Phase", {"WARMUP": 1, "DECAY": 2})
+    cls.__module__ = module
+    return cls
+
+
+@pytest.mark.parametrize("saved_in, loaded_in", [("__mp_main__", "__main__"), ("__main__", "__mp_main__"), ("__main__", "train")])
+def test_a_script_class_loads_whichever_way_the_script_was_launched(tmp_path, saved_in, loaded_in):
+    # Saved by ranks torch.multiprocessing spawned (the class is __mp_main__:Phase), loaded by
+    # `python train.py` or torchrun (__main__:Phase), or by an eval script importing train: the
+    # load was refused with "register the class: safe_types=[Phase]", which the user had done.
+    saving, loading = _script_class(saved_in), _script_class(loaded_in)
+    with distckpt.Checkpointer(tmp_path, safe_types=[saving]) as ckpt:
+        ckpt.save(1, {"phase": saving.DECAY})
+    state = {"phase": loading.WARMUP}
+    with distckpt.Checkpointer(tmp_path, safe_types=[loading]) as ckpt:
+        ckpt.load(state)
+    assert state["phase"] is loading.DECAY
+    # Two registered classes of that name: not guessed between, both named.
+    other = _script_class("elsewhere")
+    with distckpt.Checkpointer(tmp_path, safe_types=[loading, other]) as ckpt:
+        with pytest.raises(distckpt.UnsafeCheckpointError, match=rf"{saved_in}:Phase, which is not registered; the classes of that name registered here are"):
+            ckpt.load({"phase": loading.WARMUP})
+
+
+def test_a_class_registered_from_another_module_is_named_in_the_refusal(tmp_path):
+    saving, loading = _script_class("pkg_a.phases"), _script_class("pkg_b.phases")
+    with distckpt.Checkpointer(tmp_path, safe_types=[saving]) as ckpt:
+        ckpt.save(1, {"phase": saving.DECAY})
+    with distckpt.Checkpointer(tmp_path, safe_types=[loading]) as ckpt:
+        with pytest.raises(distckpt.UnsafeCheckpointError, match=r"pkg_a\.phases:Phase.*registered here are pkg_b\.phases:Phase.*Register the class of module pkg_a\.phases"):
+            ckpt.load({"phase": loading.WARMUP})

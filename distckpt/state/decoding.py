@@ -186,9 +186,18 @@ class _Decoder:
     def registered(self, name: Any, base: Callable[[type], bool], what: str) -> type:
         if type(name) is not str:
             raise _Malformed(f"{what}: class name {shown(name, 60)} is not a string")
-        cls = self.allow.by_name.get(name)
+        cls = self.allow.find(name)
         if cls is None:
             short = name.rpartition(":")[2] or name
+            others = self.allow.named(short)
+            if others:  # registered under another module (moved, or a script's class imported elsewhere)
+                listed = ", ".join(f"{t.__module__}:{t.__qualname__}" for t in others)[:300]
+                raise UnsafeCheckpointError(
+                    f"refusing to load checkpoint value {self.key!r}: it holds {what} of class {name[:200]}, which is not "
+                    f"registered; the classes of that name registered here are {listed}, of another module (a load "
+                    f"rebuilds classes only from an allow-list, by module and name). Register the class of module "
+                    f"{name.partition(':')[0][:100]} (import it from there), or save with the class where it is now"
+                )
             raise UnsafeCheckpointError(
                 f"refusing to load checkpoint value {self.key!r}: it holds {what} of class {name[:200]}, which is not "
                 f"registered (a load rebuilds classes only from an allow-list, never by a name the checkpoint gives).\n"

@@ -185,6 +185,23 @@ def _sorted_items(items: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(sorted(items, key=lambda v: (type(v).__qualname__, repr(v))))
 
 
+def _unsteady_text(k: Any, depth: int) -> str | None:
+    """Why ``str(k)`` (the text DCP writes a flattened dict key as, which a load matches with the
+    live object's key) can differ between processes for the same key, else ``None``: a
+    frozenset's order follows the process's hash seed; an object's default text holds its
+    memory address."""
+    if depth > 20 or isinstance(k, (str, int, float, type(None), enum.Enum)):
+        return None
+    if isinstance(k, frozenset) and len(k) > 1:
+        return "lists its members in an order that depends on the process's hash seed"
+    if isinstance(k, (tuple, frozenset)):
+        return next((why for v in k if (why := _unsteady_text(v, depth + 1)) is not None), None)
+    t = type(k)
+    if t.__str__ is object.__str__ and t.__repr__ is object.__repr__:
+        return "holds the object's memory address"
+    return None
+
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -222,6 +239,13 @@ class _Encoder:
                     raise TypeError(
                         f"cannot save state key {_clip(key)!r}.<an int of {k.bit_length():,} bits>: keys DCP flattens "
                         "become their decimal text, which Python refuses beyond 4300 digits; use a shorter key"
+                    )
+                why = _unsteady_text(k, 0)
+                if why is not None:
+                    raise TypeError(
+                        f"cannot save state key {_clip(key)!r}.<{type(k).__name__} {_clip(repr(k))}>: keys DCP flattens "
+                        f"become their text, and this key's text {why}, so no later process could load it (its "
+                        "object's key would read otherwise); use str or int keys"
                     )
             new = _changed(value.items(), lambda k, v: self.traversed(v, f"{key}.{k}", depth + 1), tensors_pass=True)
             return {**value, **new} if new else value

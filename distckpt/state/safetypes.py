@@ -26,6 +26,11 @@ SUPPORTED = (
 DEFAULT_SAFE_TYPES: tuple[type, ...] = ()
 
 
+#: How a launched script's module is named: by ``python train.py``/torchrun, and by the
+#: processes ``torch.multiprocessing``'s spawn (or forkserver) starts.
+SCRIPT_MODULES = frozenset({"__main__", "__mp_main__"})
+
+
 def type_name(cls: type) -> str:
     """How the encoded form names a registered class: ``module:qualname``."""
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -80,6 +85,26 @@ class SafeTypes:
             if by_name.setdefault(name, t) is not t:
                 raise ValueError(f"safe_types: two different classes are named {name}; a checkpoint could not tell them apart")
         return cls(by_name)
+
+    def find(self, name: str) -> type | None:
+        """The registered class a checkpoint's ``module:qualname`` names, else ``None``. Where none
+        has that exact name, the one registered class of that qualname is taken when either side's
+        module is a launched script's (``__main__`` under ``python train.py`` or torchrun,
+        ``__mp_main__`` under ``torch.multiprocessing`` spawn): the same class of the training
+        script is named by how it was launched, and ``train:Phase`` where another script imports
+        it. The class is the caller's own registered one either way; nothing is imported."""
+        cls = self.by_name.get(name)
+        if cls is not None:
+            return cls
+        module, _, qualname = name.partition(":")
+        same = self.named(qualname)
+        if len(same) == 1 and (module in SCRIPT_MODULES or same[0].__module__ in SCRIPT_MODULES):
+            return same[0]
+        return None
+
+    def named(self, qualname: str) -> list[type]:
+        """The registered classes whose qualified name is ``qualname`` (in any module)."""
+        return [t for n, t in self.by_name.items() if n.partition(":")[2] == qualname]
 
     def allows(self, cls: type) -> bool:
         """Whether ``cls`` itself (not another class of the same name) is registered."""
