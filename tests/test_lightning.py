@@ -1259,3 +1259,52 @@ def test_a_later_save_at_one_step_with_other_extra_state_is_refused(tmp_path: Pa
     back = DistckptCheckpointIO(str(tmp_path / "root"))
     assert back.load_checkpoint(tmp_path / "d.ckpt")["state_dict"]["calib._extra_state"] == {"scale": 1.0}
     back.teardown()
+
+
+def test_a_pointer_saved_elsewhere_keeps_its_step_in_a_later_process(tmp_path: Path) -> None:
+    """trainer.save_checkpoint("keep/x.ckpt") outside the callbacks' folder: a later process
+    (a fresh plugin) resuming and rotating its checkpoints deleted the step it names (it searched
+    only the folders it had seen itself; an attack finding). The root records every folder a
+    pointer to it was written in, and each process searches them all."""
+    root, ck, keep = tmp_path / "root", tmp_path / "ck", tmp_path / "keep"
+    w = torch.arange(3.0)
+    first = DistckptCheckpointIO(str(root))
+    first.save_checkpoint({"global_step": 1, "state_dict": {"w": w}}, ck / "a.ckpt")
+    first.save_checkpoint({"global_step": 1, "state_dict": {"w": w}}, keep / "manual.ckpt")
+    first.teardown()
+    later = DistckptCheckpointIO(str(root))  # another process: it knows neither folder yet
+    assert later.load_checkpoint(ck / "a.ckpt")["global_step"] == 1
+    later.save_checkpoint({"global_step": 2, "state_dict": {"w": w + 1}}, ck / "b.ckpt")
+    later.remove_checkpoint(ck / "a.ckpt")  # ModelCheckpoint's rotation
+    assert later.checkpointer.steps() == [1, 2]
+    assert torch.equal(later.load_checkpoint(keep / "manual.ckpt")["state_dict"]["w"], w)
+    later.teardown()
+    last = DistckptCheckpointIO(str(root))
+    last.load_checkpoint(ck / "b.ckpt")
+    last.remove_checkpoint(keep / "manual.ckpt")  # the last pointer to step 1 goes: so does the step
+    assert last.checkpointer.steps() == [2]
+    last.teardown()
+    # The record is the root's own folder: no step, and `distckpt ls` lists the steps alone.
+    from cli_runner import run_cli
+
+    listed = run_cli("ls", str(root), "--json")
+    assert listed.returncode == 0 and [r["step"] for r in json.loads(listed.stdout)["steps"]] == [2]
+
+
+def test_a_planted_or_damaged_pointer_folder_record_is_passed_over(tmp_path: Path) -> None:
+    from distckpt.integrations.lightning_pointers import REGISTRY_DIR, registered_dirs
+
+    root, ck = tmp_path / "root", tmp_path / "ck"
+    io = DistckptCheckpointIO(str(root))
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, ck / "a.ckpt")
+    record = root / REGISTRY_DIR
+    good = sorted(record.iterdir())
+    assert len(good) == 1
+    (record / ("0" * 32 + ".json")).write_text('{"format": "distckpt-pointer-dir", "dir": "nosuchproto://x"}')
+    (record / ("1" * 32 + ".json")).write_text("[" * 5000)
+    (record / ("2" * 32 + ".json")).write_text('{"format": "distckpt-pointer-dir", "dir": "/etc"}')  # name is not its digest
+    assert registered_dirs(io.checkpointer.storage) == {str(ck)}
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, ck / "b.ckpt")
+    io.remove_checkpoint(ck / "a.ckpt")
+    assert io.checkpointer.steps() == [2]
+    io.teardown()

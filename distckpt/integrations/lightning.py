@@ -120,6 +120,8 @@ from distckpt.integrations.lightning_pointers import (
     pointer_files_in,
     pointers_in,
     read_pointer,
+    register_dir,
+    registered_dirs,
     remove_file,
     resolve,
     try_pointer,
@@ -222,6 +224,7 @@ class DistckptCheckpointIO(CheckpointIO):
         self._inflight: int | None = None  # step of the async save being written
         self._pending: list[_Action] = []
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
+        self._registered: set[str] = set()  # directories this process recorded in the root (register_dir)
         self._kept: set[int] = set()  # orphaned steps kept for files the user added (retried)
         self._thread: int | None = None
 
@@ -815,6 +818,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 data = pointer_bytes(self.root, job, record, pending=(job, record), alone=True, writer=writer)
             else:
                 data = pointer_bytes(self.root, previous.get("job"), as_record(previous), pending=(job, record), writer=writer)
+            self._register(where)
             write_pointer(where, data)
 
         on_coordinator(Group(), f"writing Lightning checkpoint pointer {os.fspath(path)}", write)
@@ -875,6 +879,7 @@ class DistckptCheckpointIO(CheckpointIO):
                 job = ckpt.manifest(record["step"]).job  # committed: read back what it recorded
                 if self._options.get("job") is None:
                     self._job = job
+                self._register(path)
                 write_pointer(path, pointer_bytes(self.root, job, record))
                 if old is not None and (old["step"], old.get("job")) != (record["step"], job):
                     orphans.add((old["step"], old.get("job")))
@@ -899,9 +904,31 @@ class DistckptCheckpointIO(CheckpointIO):
         cannot be read (a missing directory holds no pointers)."""
         return pointers_in(self._pointer_dirs())
 
+    def _register(self, path: str) -> None:
+        """(rank 0) Record the directory of the pointer about to be written at ``path`` in the root
+        (:func:`~distckpt.integrations.lightning_pointers.register_dir`), once per process: every
+        later process then finds the pointer before deleting a step. A failure is warned about
+        (the pointer is written all the same; only that search misses it)."""
+        where = dir_of(path)
+        if where in self._registered:
+            return
+        try:
+            register_dir(self.checkpointer.storage, where)
+        except OSError as exc:
+            warnings.warn(
+                f"distckpt: could not record {where} in {self.root} as a folder of Lightning checkpoints ({exc}); "
+                "a later process deletes a step that only pointers there name",
+                stacklevel=3,
+            )
+            return
+        self._registered.add(where)
+
     def _pointer_dirs(self) -> set[str]:
-        """The directories known to hold this plugin's pointers (see :meth:`_visible_pointers`)."""
-        dirs = set(self._dirs)
+        """The directories known to hold this plugin's pointers (see :meth:`_visible_pointers`):
+        those of the paths this process saw, the trainer's checkpoint callbacks', and every one a
+        pointer to the root was written in (recorded in the root). Raises ``OSError`` where that
+        record cannot be read."""
+        dirs = set(self._dirs) | registered_dirs(self.checkpointer.storage)
         strategy = self._strategy() if self._strategy is not None else None
         try:
             trainer = strategy.lightning_module.trainer if strategy is not None else None

@@ -19,9 +19,11 @@ Imports no Lightning. Not collective: global rank 0 reads, writes and removes po
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
+import re
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -35,13 +37,13 @@ from distckpt.checkpointer import Checkpointer
 from distckpt.integrations.lightning_overlay import MAX_OVERLAY_CHARS, Overlay
 from distckpt.integrations.lightning_overlay import check as check_overlay
 from distckpt.integrity.manifest import parse_step_dir, step_dir
-from distckpt.storage.base import NEW_DIR_PREFIX, local_path, local_target
+from distckpt.storage.base import NEW_DIR_PREFIX, Storage, local_path, local_target
 from distckpt.storage.ownership import TOMBSTONE_PREFIX
 from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
 
 __all__ = ["POINTER_FORMAT", "POINTER_MAX_BYTES", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
-           "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
+           "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "register_dir", "registered_dirs", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
 POINTER_FORMAT = "distckpt-lightning-pointer"
@@ -407,6 +409,64 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
         pending = pending_of(record)
         if pending is not None:
             yield {**record, "step": pending["step"], "job": pending["job"]}  # type: ignore[typeddict-item]
+
+
+#: The folder of a root that names every directory a pointer to the root was written in
+#: (:func:`register_dir`): a pointer saved by hand (``trainer.save_checkpoint("keep/x.ckpt")``)
+#: or by a callback a later run dropped is found there by every later process, which keeps
+#: its step (it searched only its own directories and callbacks' before, and deleted it).
+REGISTRY_DIR = ".distckpt-pointer-dirs"
+_REGISTRY_FORMAT = "distckpt-pointer-dir"
+_REGISTRY_ENTRY = re.compile(r"[0-9a-f]{32}\.json")
+_REGISTRY_MAX_BYTES = 64 * 1024
+
+
+def _registry_name(url: str) -> str:
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".json"
+
+
+def register_dir(storage: Storage, url: str) -> None:
+    """(rank 0) Record in the root that directory ``url`` (as :func:`dir_of` names it) holds a
+    pointer to it; a directory recorded before is left as it is.
+
+    Raises:
+        OSError: the root could not be written.
+    """
+    name = _registry_name(url)
+    if storage.exists(REGISTRY_DIR, name):
+        return
+    storage.write_bytes(json.dumps({"format": _REGISTRY_FORMAT, "dir": url}).encode(), REGISTRY_DIR, name)
+
+
+def registered_dirs(storage: Storage) -> set[str]:
+    """(rank 0) The directories the root records (:func:`register_dir`). An entry that is not one
+    (malformed, or a URL this process cannot open) is passed over: it names no directory to
+    search. Raises ``OSError`` where the record cannot be listed or read (a missing one holds none).
+    """
+    try:
+        files = storage.list_files(REGISTRY_DIR)
+    except FileNotFoundError:
+        return set()
+    out: set[str] = set()
+    for name, size in files.items():
+        if not _REGISTRY_ENTRY.fullmatch(name) or size > _REGISTRY_MAX_BYTES:
+            continue
+        try:
+            raw = json.loads(storage.read_bytes(REGISTRY_DIR, name))
+        except FileNotFoundError:
+            continue
+        except (ValueError, RecursionError):
+            continue
+        url = raw.get("dir") if isinstance(raw, dict) and raw.get("format") == _REGISTRY_FORMAT else None
+        if not isinstance(url, str) or name != _registry_name(url):
+            continue
+        try:
+            if dir_url(url) != url:
+                continue
+        except Exception:  # noqa: BLE001 - a protocol this process has no filesystem for: nothing to search
+            continue
+        out.add(url)
+    return out
 
 
 def delete_unreferenced(
