@@ -848,3 +848,60 @@ def test_a_plan_made_for_other_metadata_is_not_reused(tmp_path, monkeypatch):
         load_run.load(Group(), CheckpointerOptions(str(tmp_path / "root")), [storage], fresh, 1, True, True, None, None, None, preread=(manifest, used), planned=planned)
         assert len(plans) == (0 if same else 1), same
         assert torch.equal(fresh["model"].weight, model.weight) and torch.equal(fresh["model"].bias, model.bias)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_copy_failing_again_as_it_is_dropped_is_recorded_not_raised(tmp_path):
+    """A full tmpfs fails a buffered write, and again the close that drops the copy (it flushes
+    the rest): that second ENOSPC escaped into the root's writer and failed the save, leaving
+    the .part file behind (found by a helper on a real 1 MB tmpfs). /dev/full is a real file
+    that is always full."""
+    errors: list[str] = []
+    copy = local_tier.LocalCopy(str(tmp_path / "step_000000001"), "__0_0.distcp", errors)
+    part = tmp_path / "step_000000001" / ("__0_0.distcp" + local_tier.PART)
+    assert part.exists()
+    copy._f.close()
+    copy._f = open("/dev/full", "wb", buffering=1 << 16)  # noqa: SIM115 - closed by the copy
+    copy.write(b"x" * 5000)  # buffered: no error yet
+    copy.write(b"y" * 70000)  # flushes: ENOSPC, the copy dropped (its close fails again)
+    copy.write(b"z")  # dropped: nothing more happens
+    copy.finish()
+    assert len(errors) == 1 and "No space left" in errors[0], errors
+    assert not part.exists() and not (tmp_path / "step_000000001" / "__0_0.distcp").exists()
+
+
+def _small_tmpfs(path) -> bool:
+    """Mount a 256 KiB tmpfs at ``path`` (root in a container that allows it), else False."""
+    import subprocess
+
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_full_real_tmpfs_never_fails_a_save(tmp_path):
+    """README: a tier that cannot be written never fails a save. On a real small tmpfs (not a
+    patched write) the step commits at the root, a warning names the copy, no .part is left."""
+    import subprocess
+
+    import torch
+
+    tier = tmp_path / "tier"
+    if not _small_tmpfs(tier):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        state = {f"t{i}": torch.full((300,), float(i)) for i in range(600)}  # ~720 KB in small records
+        for blocking in (True, False):
+            root = tmp_path / f"root{blocking}"
+            with distckpt.Checkpointer(root, local_dir=tier, local_keep=1, local_peers=0, async_mode="thread") as ckpt:
+                with pytest.warns(UserWarning, match="local-tier copy is incomplete"):
+                    ckpt.save(1, state, blocking=blocking)
+                    ckpt.wait()
+                assert ckpt.steps() == [1]
+                back = {k: torch.zeros(300) for k in state}
+                ckpt.load(back)
+                assert all(torch.equal(back[k], state[k]) for k in state)
+            assert not [p for p in tier.rglob("*") if p.name.endswith(local_tier.PART)]
+            subprocess.run(["rm", "-rf", str(tier / "step_000000001")], check=True)
+    finally:
+        subprocess.run(["umount", str(tier)], capture_output=True)

@@ -120,12 +120,18 @@ class LocalCopy:
 
     def abandon(self) -> None:
         f, self._f = self._f, None
-        if f is not None:
-            f.close()
         try:
-            os.unlink(self.path + PART)
+            if f is not None:
+                # Closing flushes what the buffer still holds: on a full tmpfs that fails again
+                # (ENOSPC), and must not reach the root's writer, whose save it would fail.
+                f.close()
         except OSError:
             pass
+        finally:
+            try:
+                os.unlink(self.path + PART)
+            except OSError:
+                pass
 
 
 def rename_copy(directory: str, old: str, new: str) -> None:
