@@ -227,6 +227,7 @@ class Checkpointer:
                 is_coordinator=lambda: self._groups.is_coordinator,
                 owned=self._lineage.owns,
                 forget=self._lineage.forget,
+                unsubmitted=lambda: self._saver.in_flight_step,
             )
         self.local: LocalTier | None = None
         if options.local_dir is not None:

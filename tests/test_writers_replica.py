@@ -584,3 +584,22 @@ def test_a_queued_retry_of_a_superseded_failure_is_not_a_failure_again(tmp_path,
     status = r.wait()  # raised for step 2 before
     assert status.failed == () and 2 in status.skipped and attempts[2] == 1, (status, attempts)
     r.close()
+
+
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_replica_wait_for_a_step_whose_async_save_is_not_joined_says_so(tmp_path, async_mode):
+    """replica.wait(step=N) right after save(N, blocking=False) returned at once with an empty
+    status (step N neither uploaded, pending nor failed): its upload is submitted only when the
+    save is joined. A user deleting local files next had N nowhere else (an attack finding)."""
+    with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "replica"), async_mode=async_mode) as ckpt:
+        ckpt.save(1, {"w": torch.ones(64)}, blocking=False)
+        with pytest.raises(RuntimeError, match=r"replica.wait\(step=1\): the asynchronous save of step 1 is still in flight.*ckpt.wait\(\)"):
+            ckpt.replica.wait(step=1, timeout=30)
+        with pytest.warns(UserWarning, match="step 1 is still in flight"):
+            ckpt.replica.wait(timeout=30)
+        ckpt.wait()
+        assert ckpt.replica.wait(step=1, timeout=60).uploaded == (1,)
+        ckpt.save(2, {"w": torch.ones(64)}, blocking=False)
+        assert ckpt.replica.wait(step=1, timeout=60).uploaded == (1,)  # an earlier step: no complaint
+        ckpt.wait()
+        assert ckpt.replica.wait(timeout=60).uploaded == (1, 2) and ckpt.steps(tier="replica") == [1, 2]

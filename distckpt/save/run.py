@@ -186,6 +186,13 @@ class SaveDriver:
         job = self.inflight
         return job is not None and job.running
 
+    @property
+    def in_flight_step(self) -> int | None:
+        """(any rank, never blocks) The step of the async save begun and not yet joined (by
+        :meth:`wait` or the next save), written or not; ``None`` if none."""
+        job = self.inflight
+        return job.step if job is not None else None
+
     def wait(self) -> SaveStats | None:
         """(all ranks) Join the in-flight save; its stats, or ``None`` if none was in flight.
         Raises its error, identically on every rank."""

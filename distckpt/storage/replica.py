@@ -160,6 +160,7 @@ class Replicator:
         lease_s: float = ownership.DEFAULT_LEASE_S,
         owned: Callable[[Storage, int], bool] | None = None,
         forget: Callable[[Storage, int], None] | None = None,
+        unsubmitted: Callable[[], int | None] | None = None,
     ) -> None:
         check_keep_last(keep_last)
         if max_concurrency < 1:
@@ -173,6 +174,9 @@ class Replicator:
         # Which remote steps are this job's (distckpt.storage.lineage): retention leaves the rest.
         self._owned = owned
         self._forget = forget  # (drops what ``owned`` remembers of a step: see delete_old_steps)
+        # The step of an asynchronous save begun and not yet joined (its upload is submitted
+        # when ckpt.wait() or the next save joins it): what wait() cannot cover, and says so.
+        self._unsubmitted = unsubmitted
         self.max_concurrency = max_concurrency
         self._is_coordinator = is_coordinator or _default_is_coordinator
         self._coordinator: bool | None = None
@@ -247,6 +251,21 @@ class Replicator:
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
             raise ValueError(f"step must be None or an int, got {step!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        late = self._unsubmitted() if self._unsubmitted is not None else None
+        if late is not None and step is not None and step >= late:
+            # Waiting would return at once, saying nothing of that step (or, were it waited
+            # for, never end: only the joining call on every rank submits its upload).
+            raise RuntimeError(
+                f"replica.wait(step={step}): the asynchronous save of step {late} is still in flight (not joined), so "
+                f"its upload is not submitted yet: call ckpt.wait() on every rank first (it commits the save and "
+                f"submits the upload), then replica.wait()"
+            )
+        if late is not None:
+            warnings.warn(
+                f"distckpt: replica.wait(): the asynchronous save of step {late} is still in flight (not joined): its "
+                "upload is not among those waited for; call ckpt.wait() on every rank first to include it",
+                stacklevel=2,
+            )
 
         def waited(s: int) -> bool:
             return step is None or s <= step
