@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import hashlib
 import json
 import os
 import shutil
@@ -1303,8 +1304,25 @@ def test_a_planted_or_damaged_pointer_folder_record_is_passed_over(tmp_path: Pat
     (record / ("0" * 32 + ".json")).write_text('{"format": "distckpt-pointer-dir", "dir": "nosuchproto://x"}')
     (record / ("1" * 32 + ".json")).write_text("[" * 5000)
     (record / ("2" * 32 + ".json")).write_text('{"format": "distckpt-pointer-dir", "dir": "/etc"}')  # name is not its digest
+
+    def plant(url: str) -> None:  # a record anyone can write: its name is its URL's digest
+        name = hashlib.sha256(url.encode()).hexdigest()[:32] + ".json"
+        (record / name).write_text(json.dumps({"format": "distckpt-pointer-dir", "dir": url}))
+
+    plant("http://127.0.0.1:9/x")  # another store than the root's: never contacted
     assert registered_dirs(io.checkpointer.storage) == {str(ck)}
     io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, ck / "b.ckpt")
     io.remove_checkpoint(ck / "a.ckpt")
     assert io.checkpointer.steps() == [2]
+    # A recorded folder that cannot be read (another user's, even for root: /proc/1/map_files)
+    # stopped every later removal of every job on the root; it is warned about and passed over.
+    unreadable = "/proc/1/map_files"
+    try:
+        os.listdir(unreadable)
+    except PermissionError:
+        plant(unreadable)
+        io.save_checkpoint({"global_step": 3, "state_dict": {"w": torch.ones(2)}}, ck / "c.ckpt")
+        with pytest.warns(UserWarning, match=r"could not read /proc/1/map_files.*delete .*\.distckpt-pointer-dirs/"):
+            io.remove_checkpoint(ck / "b.ckpt")
+        assert io.checkpointer.steps() == [3]
     io.teardown()

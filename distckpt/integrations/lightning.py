@@ -68,7 +68,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 try:  # the optional dependency of this module (the [lightning] extra): imported here, at the top
@@ -92,6 +92,7 @@ from distckpt.errors import (
     IntegrityError,
     StateMismatchError,
     StepExistsError,
+    one_line,
 )
 from distckpt.integrations import lightning_overlay as overlays
 from distckpt.integrations.lightning_layout import (
@@ -118,13 +119,14 @@ from distckpt.integrations.lightning_pointers import (
     pointer_bytes,
     pending_of,
     pointer_files_in,
-    pointers_in,
     read_pointer,
+    record_path,
     register_dir,
     registered_dirs,
     remove_file,
     resolve,
     try_pointer,
+    with_pending,
     write_pointer,
 )
 from distckpt.integrity.manifest import step_dir
@@ -472,7 +474,7 @@ class DistckptCheckpointIO(CheckpointIO):
             if job is None:
                 return
             try:
-                found = list(pointer_files_in(self._pointer_dirs()))
+                found = list(self._pointer_files())
             except OSError as exc:
                 warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=4)
                 return
@@ -785,7 +787,7 @@ class DistckptCheckpointIO(CheckpointIO):
         job = self.checkpointer._lineage.job
         try:
             found = []
-            for path, pointer in pointer_files_in(self._pointer_dirs()):
+            for path, pointer in self._pointer_files():
                 try:
                     target = resolve(pointer, self._committed_job)
                 except (FileNotFoundError, ValueError, CheckpointError):
@@ -902,7 +904,7 @@ class DistckptCheckpointIO(CheckpointIO):
         """(rank 0) Every pointer in the directories known (seen paths' directories and the
         trainer's ModelCheckpoint directories). Raises ``OSError`` if a directory or a file in it
         cannot be read (a missing directory holds no pointers)."""
-        return pointers_in(self._pointer_dirs())
+        return with_pending(pointer for _, pointer in self._pointer_files())
 
     def _register(self, path: str) -> None:
         """(rank 0) Record the directory of the pointer about to be written at ``path`` in the root
@@ -923,12 +925,34 @@ class DistckptCheckpointIO(CheckpointIO):
             return
         self._registered.add(where)
 
+    def _pointer_files(self) -> Iterator[tuple[str, Pointer]]:
+        """(rank 0) ``(path, pointer)`` of every pointer in the directories this process knows
+        (:meth:`_pointer_dirs`; ``OSError`` where one cannot be read) and in every other one a
+        pointer to the root was written in (recorded in the root, see
+        :func:`~distckpt.integrations.lightning_pointers.register_dir`). A recorded directory
+        that cannot be read (another user's, a bucket this job may not list) is warned about,
+        naming its record, and passed over, as before the record: a record must not stop this
+        job's retention for good."""
+        own = self._pointer_dirs()
+        yield from pointer_files_in(own)
+        storage = self.checkpointer.storage
+        for d in sorted(registered_dirs(storage) - own):
+            try:
+                found = list(pointer_files_in([d]))
+            except Exception as exc:  # noqa: BLE001 - any filesystem's error: warned, passed over
+                warnings.warn(
+                    f"distckpt: could not read {d}, a folder of Lightning checkpoints that {self.root} records "
+                    f"({one_line(exc)}); its checkpoints do not keep their steps from this process's removals "
+                    f"(delete {record_path(storage, d)} if that folder is gone for good)",
+                    stacklevel=3,
+                )
+                continue
+            yield from found
+
     def _pointer_dirs(self) -> set[str]:
-        """The directories known to hold this plugin's pointers (see :meth:`_visible_pointers`):
-        those of the paths this process saw, the trainer's checkpoint callbacks', and every one a
-        pointer to the root was written in (recorded in the root). Raises ``OSError`` where that
-        record cannot be read."""
-        dirs = set(self._dirs) | registered_dirs(self.checkpointer.storage)
+        """The directories this process knows to hold this plugin's pointers: those of the paths
+        it saw and the trainer's checkpoint callbacks' (see :meth:`_pointer_files`)."""
+        dirs = set(self._dirs)
         strategy = self._strategy() if self._strategy is not None else None
         try:
             trainer = strategy.lightning_module.trainer if strategy is not None else None

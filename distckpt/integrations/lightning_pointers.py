@@ -43,7 +43,7 @@ from distckpt.storage.retention import retire_step
 from distckpt.tools.outputs import check_output
 
 __all__ = ["POINTER_FORMAT", "POINTER_MAX_BYTES", "Pointer", "PointerRecord", "check_pointer_path", "delete_unreferenced", "dir_of", "dir_url", "exists", "parse_pointer",
-           "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "register_dir", "registered_dirs", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
+           "pointer_bytes", "pointer_hint", "pointers_in", "read_pointer", "record_path", "register_dir", "registered_dirs", "with_pending", "remove_file", "try_pointer", "write_pointer"]  # fmt: skip
 
 #: The ``format`` field of a pointer file.
 POINTER_FORMAT = "distckpt-lightning-pointer"
@@ -404,7 +404,12 @@ def pointers_in(dirs: Iterable[str]) -> Iterator[Pointer]:
     Raises:
         OSError: a directory, or a file in it, cannot be read (a missing directory holds none).
     """
-    for _, record in pointer_files_in(dirs):
+    yield from with_pending(record for _, record in pointer_files_in(dirs))
+
+
+def with_pending(records: Iterable[Pointer]) -> Iterator[Pointer]:
+    """Every pointer of ``records``, and a pending one also as a pointer to its pending step."""
+    for record in records:
         yield record
         pending = pending_of(record)
         if pending is not None:
@@ -438,10 +443,21 @@ def register_dir(storage: Storage, url: str) -> None:
     storage.write_bytes(json.dumps({"format": _REGISTRY_FORMAT, "dir": url}).encode(), REGISTRY_DIR, name)
 
 
+def record_path(storage: Storage, url: str) -> str:
+    """Where the root records directory ``url`` (for messages: the file to remove)."""
+    return storage.display(REGISTRY_DIR, _registry_name(url))
+
+
+def _protocols(fs: AbstractFileSystem) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
 def registered_dirs(storage: Storage) -> set[str]:
     """(rank 0) The directories the root records (:func:`register_dir`). An entry that is not one
-    (malformed, or a URL this process cannot open) is passed over: it names no directory to
-    search. Raises ``OSError`` where the record cannot be listed or read (a missing one holds none).
+    (malformed, a URL this process cannot open) is passed over: it names no directory to search,
+    as is one of another store than the root's (a local folder always counts): a record planted
+    there must not send every removal to a host of the planter's choosing. Raises ``OSError``
+    where the record cannot be listed or read (a missing one holds none).
     """
     try:
         files = storage.list_files(REGISTRY_DIR)
@@ -462,6 +478,8 @@ def registered_dirs(storage: Storage) -> set[str]:
             continue
         try:
             if dir_url(url) != url:
+                continue
+            if local_path(url) is None and not _protocols(_fs(url)[0]) & _protocols(storage.fs):
                 continue
         except Exception:  # noqa: BLE001 - a protocol this process has no filesystem for: nothing to search
             continue
