@@ -928,6 +928,28 @@ def test_a_script_class_loads_whichever_way_the_script_was_launched(tmp_path, sa
             ckpt.load({"phase": loading.WARMUP})
 
 
+def test_a_library_class_of_the_same_name_is_not_the_scripts(tmp_path, monkeypatch):
+    # Registered: the script's own Phase (__main__:Phase). Saved: a library's Phase of the same
+    # name (libphase:Phase): not the script's, refused (a review finding: it loaded silently).
+    # Saved by a script importing this one (train:Phase, this script running as train.py): taken.
+    import sys
+
+    library, script = _script_class("libphase"), _script_class("__main__")
+    with distckpt.Checkpointer(tmp_path / "lib", safe_types=[library]) as ckpt:
+        ckpt.save(1, {"phase": library.DECAY})
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "/jobs/train.py", raising=False)
+    with distckpt.Checkpointer(tmp_path / "lib", safe_types=[script]) as ckpt:
+        with pytest.raises(distckpt.UnsafeCheckpointError, match="libphase:Phase, which is not registered"):
+            ckpt.load({"phase": script.WARMUP})
+    imported = _script_class("train")
+    with distckpt.Checkpointer(tmp_path / "train", safe_types=[imported]) as ckpt:
+        ckpt.save(1, {"phase": imported.DECAY})
+    with distckpt.Checkpointer(tmp_path / "train", safe_types=[script]) as ckpt:
+        state = {"phase": script.WARMUP}
+        ckpt.load(state)
+        assert state["phase"] is script.DECAY
+
+
 def test_a_class_registered_from_another_module_is_named_in_the_refusal(tmp_path):
     saving, loading = _script_class("pkg_a.phases"), _script_class("pkg_b.phases")
     with distckpt.Checkpointer(tmp_path, safe_types=[saving]) as ckpt:

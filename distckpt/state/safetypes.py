@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Union
 
@@ -29,6 +31,20 @@ DEFAULT_SAFE_TYPES: tuple[type, ...] = ()
 #: How a launched script's module is named: by ``python train.py``/torchrun, and by the
 #: processes ``torch.multiprocessing``'s spawn (or forkserver) starts.
 SCRIPT_MODULES = frozenset({"__main__", "__mp_main__"})
+
+
+def script_names() -> set[str]:
+    """The names another script imports the running script by: its module name under
+    ``python -m pkg.train`` (``pkg.train``) and its file's stem (``train`` for ``train.py``)."""
+    main = sys.modules.get("__main__")
+    names: set[str] = set()
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and isinstance(getattr(spec, "name", None), str):
+        names.add(spec.name)
+    path = getattr(main, "__file__", None)
+    if isinstance(path, str):
+        names.add(os.path.splitext(os.path.basename(path))[0])
+    return names - SCRIPT_MODULES
 
 
 def type_name(cls: type) -> str:
@@ -98,7 +114,12 @@ class SafeTypes:
             return cls
         module, _, qualname = name.partition(":")
         same = self.named(qualname)
-        if len(same) == 1 and (module in SCRIPT_MODULES or same[0].__module__ in SCRIPT_MODULES):
+        if len(same) != 1:
+            return None  # none, or several: never guessed between
+        if module in SCRIPT_MODULES or (same[0].__module__ in SCRIPT_MODULES and module in script_names()):
+            # Saved by a launched script (any registered class of that name is its class here),
+            # or by a script importing this one, which is running as the script now. A class of
+            # any other module (a library's Enum of the same name) is not this script's.
             return same[0]
         return None
 
