@@ -56,6 +56,7 @@ import decimal
 import enum
 import fractions
 import pathlib
+import re
 import uuid
 import warnings
 import zoneinfo
@@ -192,14 +193,42 @@ def _unsteady_text(k: Any, depth: int) -> str | None:
     memory address."""
     if depth > 20 or isinstance(k, (str, int, float, type(None), enum.Enum)):
         return None
-    if isinstance(k, frozenset) and len(k) > 1:
+    if isinstance(k, frozenset) and len(k) > 1 and not all(_steady_hash(v, depth + 1) for v in k):
         return "lists its members in an order that depends on the process's hash seed"
     if isinstance(k, (tuple, frozenset)):
         return next((why for v in k if (why := _unsteady_text(v, depth + 1)) is not None), None)
+    if dataclasses.is_dataclass(k):
+        fields = (getattr(k, f.name, None) for f in dataclasses.fields(k))
+        why = next((why for v in fields if (why := _unsteady_text(v, depth + 1)) is not None), None)
+        if why is not None:
+            return why
     t = type(k)
     if t.__str__ is object.__str__ and t.__repr__ is object.__repr__:
         return "holds the object's memory address"
+    try:
+        text = str(k)
+    except Exception:  # noqa: BLE001 - DCP's own str(key) raises it, naming the key
+        return None
+    if _ADDRESS.search(text):  # a function's, a method's, an object's default text inside
+        return "holds a memory address"
     return None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]{4,}")
+
+
+def _steady_hash(v: Any, depth: int) -> bool:
+    """Whether ``hash(v)`` is the same in every process (no hash seed): numbers and None, and
+    tuples and frozensets of them; a set of such members lists them alike everywhere."""
+    if depth > 20:
+        return False
+    if isinstance(v, float) and v != v:
+        return False  # (a NaN hashes by its object's identity)
+    if v is None or isinstance(v, (bool, int, float, complex)) and not isinstance(v, enum.Enum):
+        return True
+    if isinstance(v, (tuple, frozenset)):
+        return all(_steady_hash(x, depth + 1) for x in v)
+    return False
 
 
 K = TypeVar("K", bound=Hashable)
