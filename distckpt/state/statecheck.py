@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -129,18 +130,21 @@ def diverged(
     return sorted(out)
 
 
-def from_files(source: ShardSource, version: int = fingerprint.VERSION) -> dict[str, str]:
+def from_files(source: ShardSource, version: int = fingerprint.VERSION, unsupported: set[str] | None = None) -> dict[str, str]:
     """(one process, not collective) Fingerprints recomputed from a checkpoint's files.
 
     ``source`` reads the stored shards (:class:`distckpt.integrity.shards.CheckpointSource`); every
     stored shard of every tensor is read once (one shard in memory at a time) and its part added,
     exactly as the ranks that saved it did, with the construction ``version`` (the manifest's).
-    What ``distckpt verify --state`` compares with the manifest.
+    What ``distckpt verify --state`` compares with the manifest. ``unsupported``: gets the keys
+    of tensors no fingerprint is made of (quantized; a save records none for them either).
     """
     parts: list[fingerprint.Part] = []
     for key, info in source.tensors.items():
         for offsets, shard in source.iter_shards(key):
             if not fingerprint.supported(shard):
+                if unsupported is not None:
+                    unsupported.add(key)
                 break
             total = fingerprint.partial_sum(shard, info.shape, offsets, version)
             parts.append((key, tuple(offsets), tuple(shard.shape), tuple(info.shape), str(info.dtype), total))
@@ -148,19 +152,26 @@ def from_files(source: ShardSource, version: int = fingerprint.VERSION) -> dict[
     return prints
 
 
-def compare_files(
-    source: ShardSource, saved: Mapping[str, str], version: int = fingerprint.VERSION
-) -> tuple[list[str], int, list[str]]:
-    """``(keys whose stored values differ from their recorded fingerprint, keys checked, stored
-    tensors without a recorded fingerprint)``, from the stored shards ``source`` reads (see
-    :func:`from_files`); ``version``: the manifest's ``fingerprint_version``. The third list is
-    what the fingerprints do not prove (replicas that drifted at save get none; otherwise the
-    manifest or ``.metadata`` was altered): a caller says so instead of passing them silently."""
-    recomputed = from_files(source, version)
+class FileCheck(NamedTuple):
+    """What :func:`compare_files` found."""
+
+    bad: list[str]  # keys whose stored values differ from their recorded fingerprint
+    checked: int  # keys compared
+    lacking: list[str]  # stored tensors that could have one, without a recorded fingerprint
+    unsupported: list[str]  # stored tensors no fingerprint is made of (quantized): checksums only
+
+
+def compare_files(source: ShardSource, saved: Mapping[str, str], version: int = fingerprint.VERSION) -> FileCheck:
+    """The stored shards ``source`` reads (see :func:`from_files`) against the fingerprints the
+    manifest records (``version``: its ``fingerprint_version``). ``lacking`` is what the
+    fingerprints do not prove (replicas that drifted at save get none; otherwise the manifest
+    or ``.metadata`` was altered): a caller says so instead of passing them silently."""
+    unsupported: set[str] = set()
+    recomputed = from_files(source, version, unsupported)
     checked = [k for k in saved if k in recomputed]
     bad = sorted(k for k in saved if recomputed.get(k) != saved[k])
-    lacking = sorted(k for k in source.tensors if k not in saved)
-    return bad, len(checked), lacking
+    lacking = sorted(k for k in source.tensors if k not in saved and k not in unsupported)
+    return FileCheck(bad, len(checked), lacking, sorted(k for k in unsupported if k not in saved))
 
 
 _LOW32 = (1 << 32) - 1

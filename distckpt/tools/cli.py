@@ -274,6 +274,7 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
             except Exception as exc:  # noqa: BLE001 - reported as a problem
                 problems.append(f"{found.display('.metadata')}: unreadable ({_message(exc)})")
         checked_state = checked_values = None
+        unfingerprinted: list[str] = []
         unproven: list[str] = []  # what --state could not check: unverified, not "OK"
         if args.state and not problems:
             # Recompute every tensor's fingerprint from the files, as the saving ranks did.
@@ -281,7 +282,9 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
                 problems.append(f"{found.display()}: --state: the manifest records no fingerprints (saved with fingerprint=False or an older distckpt)")
             else:
                 source = CheckpointSource(found, CheckpointReader)
-                bad, checked_state, lacking = compare_files(source, found.manifest.fingerprints, found.manifest.fingerprint_version)
+                bad, checked_state, lacking, unfingerprinted = compare_files(
+                    source, found.manifest.fingerprints, found.manifest.fingerprint_version
+                )
                 problems += [f"{found.display()}: tensor {k!r}: stored values do not match the fingerprint recorded at save" for k in bad]
                 if lacking:  # nothing proves these: never a silent pass (exit 1 unless --allow-unverified)
                     shown = ", ".join(repr(k) for k in lacking[:20]) + (f", ... (+{len(lacking) - 20} more)" if len(lacking) > 20 else "")
@@ -337,6 +340,8 @@ def _cmd_verify(args: argparse.Namespace, opts: dict[str, object]) -> int:
         how = f"sizes and {found.manifest.checksum_algorithm} checksums"
         if checked_state is not None:
             how += f"; fingerprints of {checked_state} tensors"
+            if unfingerprinted:  # (quantized: no save records a fingerprint of them)
+                how += f" ({len(unfingerprinted)} not fingerprintable (quantized), checksums only: {', '.join(map(repr, unfingerprinted[:5]))})"
         if checked_values:
             how += f", digests of {checked_values} non-tensor items"
         if not_here:
