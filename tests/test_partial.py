@@ -251,9 +251,11 @@ def test_a_stepped_optimizer_keeps_its_own_whole_state_for_a_parameter_whose_sha
     assert float(stepped.state[new[0].weight]["step"]) == 5.0  # the layer whose shape fits: the checkpoint's
 
 
-def test_a_fresh_optimizer_keeps_what_is_read_where_a_pattern_or_the_checkpoint_leaves_a_key_out(tmp_path):
-    # Only a parameter whose shape changed loses its state: one moment left out by exclude= (or
-    # missing from the checkpoint: amsgrad switched on since the save) keeps the rest as read.
+def test_a_fresh_optimizer_keeps_what_is_read_where_the_checkpoint_leaves_a_key_out(tmp_path):
+    # Only a parameter whose shape changed loses its state: a moment missing from the checkpoint
+    # (amsgrad switched on since the save) keeps the rest as read. One that exclude= leaves out
+    # of a fresh optimizer's state is refused: it would keep a value made up for the load (Adam
+    # with step 3, its exp_avg and exp_avg_sq 0 blew its next update up; an attack finding).
     def made(amsgrad=False):
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 3)
@@ -266,12 +268,25 @@ def test_a_fresh_optimizer_keeps_what_is_read_where_a_pattern_or_the_checkpoint_
         ckpt.save(3, {"model": model, "optim": optim})
     saved = [optim.state[p] for p in model.parameters()]
     for strict in (True, False):
-        fresh, fresh_optim = made()
-        with distckpt.Checkpointer(tmp_path) as ckpt:
-            ckpt.load({"model": fresh, "optim": fresh_optim}, strict=strict, exclude="optim.state.*.exp_avg_sq")
-            assert ckpt.last_load_report.clean
-        for p, want in zip(fresh.parameters(), saved):
-            assert torch.equal(fresh_optim.state[p]["exp_avg"], want["exp_avg"]) and float(fresh_optim.state[p]["step"]) == 3.0
+        for pattern in ("optim.state.*.exp_avg_sq", "optim.state.*.step"):
+            fresh, fresh_optim = made()
+            before = fresh.weight.detach().clone()
+            with distckpt.Checkpointer(tmp_path) as ckpt:
+                with pytest.raises(ValueError, match=r"selects part of the optimizer state of 2 parameter\(s\) of 'optim'.*weight: " + pattern.rsplit(".", 1)[1]):
+                    ckpt.load({"model": fresh, "optim": fresh_optim}, strict=strict, exclude=pattern)
+            assert not fresh_optim.state and torch.equal(fresh.weight, before)  # refused before anything was read
+    # A parameter's state left out whole is fine (it has none after the load), as is a part of
+    # the state of an optimizer that has stepped (its own values stay for the keys left out).
+    fresh, fresh_optim = made()
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim}, exclude="optim.state.bias.*")
+    assert fresh.bias not in fresh_optim.state and float(fresh_optim.state[fresh.weight]["step"]) == 3.0
+    fresh, fresh_optim = made()
+    _adam_step(fresh, fresh_optim)
+    own = fresh_optim.state[fresh.weight]["exp_avg_sq"].clone()
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.load({"model": fresh, "optim": fresh_optim}, exclude="optim.state.*.exp_avg_sq")
+    assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg_sq"], own) and float(fresh_optim.state[fresh.weight]["step"]) == 3.0
     fresh, fresh_optim = made(amsgrad=True)
     with distckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.load({"model": fresh, "optim": fresh_optim}, strict=False)
@@ -318,3 +333,41 @@ def test_a_failed_load_leaves_a_fresh_optimizer_fresh(tmp_path):
     with distckpt.Checkpointer(tmp_path) as ckpt:
         ckpt.load({"model": fresh, "optim": optim}, strict=False)
     assert len(optim.state) == 2 and all(float(s["step"]) == 1.0 for s in optim.state.values())
+
+
+def test_a_scheduler_of_an_optimizer_whose_groups_changed_is_refused(tmp_path):
+    """The optimizer loads its groups' hyper-parameters by parameter name, but an LR scheduler's
+    per-group lists (base_lrs, _last_lr, lr_lambdas) follow the groups by position: groups built
+    in another order resumed each group with the other's learning rate from the next step(), a
+    split group was never scheduled again, silently (an attack finding)."""
+
+    def made(order):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+        groups = {"body": {"params": list(model[0].parameters()), "lr": 1e-4},
+                  "head": {"params": list(model[1].parameters()), "lr": 1e-2},
+                  "body.weight": {"params": [model[0].weight], "lr": 1e-4},
+                  "body.bias": {"params": [model[0].bias], "lr": 1e-4}}  # fmt: skip
+        optim = torch.optim.AdamW([groups[g] for g in order])
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5 ** s)
+        return model, optim, sched
+
+    model, optim, sched = made(["body", "head"])
+    for _ in range(2):
+        _adam_step(model, optim)
+        sched.step()
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim, "sched": sched})
+        for order in (["head", "body"], ["body.weight", "body.bias", "head"]):  # reordered; split (same values)
+            m, o, s = made(order)
+            with pytest.raises(distckpt.StateMismatchError, match=r"sched: checkpoint a scheduler of 'optim' saved with 2 param group\(s\) led by \['0.weight', '1.weight'\]"):
+                ckpt.load({"model": m, "optim": o, "sched": s})
+            assert not o.state  # refused before anything was read
+        m, o, s = made(["head", "body"])  # without the scheduler: the optimizer loads by name
+        ckpt.load({"model": m, "optim": o, "sched": s}, exclude="sched")
+        assert o.param_groups[0]["lr"] == optim.param_groups[1]["lr"] and o.param_groups[1]["lr"] == optim.param_groups[0]["lr"]
+        m, o, s = made(["body", "head"])  # the saved groups: as before
+        ckpt.load({"model": m, "optim": o, "sched": s})
+        s.step()
+        sched.step()
+        assert [g["lr"] for g in o.param_groups] == [g["lr"] for g in optim.param_groups]

@@ -35,7 +35,7 @@ from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_c
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, OptimizerEntry, same_tensor, state_fqn, tied_duplicates
+from distckpt.state.entries import Entry, OptimizerEntry, StatefulEntry, group_firsts, same_tensor, state_fqn, tied_duplicates
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -86,6 +86,75 @@ def _saved_state_fqns(name: str, index: KeyShapes, manifest: Manifest, selection
     ``name`` (``<name>.state.<fqn>.<key>``), among the keys the load selects."""
     prefix = name + ".state."
     return {state_fqn(k[len(name) + 1 :]) for k in (*index, *manifest.fingerprints) if k.startswith(prefix) and selection.key(k)}
+
+
+def _refuse_partial_made_state(entries: Iterable[Entry], index: KeyShapes, request: Mapping[str, Any], step: int) -> None:
+    """(each rank, at planning) Refuse ``only``/``exclude`` that select some but not all of the
+    checkpoint's state of a parameter the optimizer holds none of its own for: its load target
+    was made by a step with zero gradients, so the keys left out would keep values nobody saved
+    (a step count of 1, zero second moments: Adam's next update blown up), silently.
+
+    Raises:
+        ValueError: naming the entry, parameters and keys left out (the same on every rank).
+    """
+    for e in entries:
+        if not isinstance(e, OptimizerEntry) or not e.made:
+            continue
+        prefix = e.name + ".state."
+        stored: dict[str, list[str]] = {}
+        for key in index:
+            if key.startswith(prefix):
+                stored.setdefault(state_fqn(key[len(e.name) + 1 :]), []).append(key)
+        partial = {
+            fqn: sorted(k for k in keys if k not in request)
+            for fqn, keys in stored.items()
+            if fqn in e.made and any(k in request for k in keys) and not all(k in request for k in keys)
+        }
+        if partial:
+            shown = "; ".join(f"{fqn}: {', '.join(k.rsplit('.', 1)[1] for k in left)}" for fqn, left in sorted(partial.items())[:5])
+            more = f" (+{len(partial) - 5} more)" if len(partial) > 5 else ""
+            raise ValueError(
+                f"load(only=..., exclude=...) of step {step} selects part of the optimizer state of {len(partial)} "
+                f"parameter(s) of {e.name!r} that the optimizer holds no state of its own for; left out: {shown}{more}. "
+                "Those keys would keep values made up for the load (a step count of 1, zero moments), not saved "
+                f"ones: select each parameter's state whole (e.g. exclude='{e.name}.state.<parameter>.*'), or load "
+                "into an optimizer that has stepped"
+            )
+
+
+def _refuse_regrouped(every: Iterable[Entry], selected: Iterable[Entry], manifest: Manifest) -> None:
+    """(each rank, at planning) Refuse loading an LR scheduler (any selected stateful entry whose
+    object's ``optimizer`` is an optimizer of ``state``) where that optimizer's parameter groups
+    are not the ones saved (reordered, split, merged or added: the first parameter of each group,
+    in order, as the manifest records it). The optimizer itself loads its hyper-parameters by
+    parameter name, but a scheduler's per-group lists (``base_lrs``, ``_last_lr``,
+    ``lr_lambdas``) follow the groups by position: each group would be scheduled with another's
+    learning rate from the next ``step()``, silently.
+
+    Raises:
+        StateMismatchError: naming the scheduler and both orders (in ``.kinds``).
+    """
+    optimizers = {id(e.optim): e for e in every if isinstance(e, OptimizerEntry)}
+    for s in selected:
+        if not isinstance(s, StatefulEntry) or s.name not in manifest.entries:
+            continue
+        e = optimizers.get(id(getattr(s.obj, "optimizer", None)))
+        saved = manifest.entries.get(e.name, {}).get("groups") if e is not None else None
+        if e is None or not isinstance(saved, list):
+            continue  # (manifests written before the groups were recorded: not judged)
+        now = group_firsts(e.optim, e.module.param_fqns())
+        if now != saved:
+            held = f"a scheduler of {e.name!r} saved with {len(saved)} param group(s) led by {_names(saved)}"
+            given = (
+                f"{len(now)} group(s) led by {_names(now)} now (reordered, split, merged or added since the save): its "
+                "per-group lists follow the groups by position, so each group would be scheduled with another's learning "
+                f"rate. Build the optimizer's groups as saved, or load without it (exclude='{s.name}') and make it anew"
+            )
+            raise StateMismatchError([], [], {}, f"step {manifest.step}", kinds={s.name: (held, given)})
+
+
+def _names(firsts: list[Any]) -> str:
+    return "[" + ", ".join(repr(f) for f in firsts[:6]) + (", ..." if len(firsts) > 6 else "") + "]"
 
 
 def plan_load(
@@ -197,6 +266,8 @@ def plan_load(
             for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in changed]:
                 del request[key]
                 e.read.discard(key[len(prefix) :])
+    _refuse_partial_made_state(entries, index, request, manifest.step)
+    _refuse_regrouped(build_entries(state), entries, manifest)
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 

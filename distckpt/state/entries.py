@@ -452,6 +452,12 @@ def target_state_dict(
             p.grad = g
 
 
+def group_firsts(optim: torch.optim.Optimizer, fqns: Mapping[int, str]) -> list[str | None]:
+    """The fqn of each parameter group's first parameter, in the optimizer's order (``None``
+    for an empty group or one led by a parameter of no module in the state)."""
+    return [fqns.get(id(g["params"][0])) if g["params"] else None for g in optim.param_groups]
+
+
 def flat_param_groups(optim: torch.optim.Optimizer, fqns: Mapping[int, str]) -> dict[str, Any]:
     """``param_groups.<fqn>.<hyper-parameter>`` for every parameter, as DCP's flat format has it."""
     out: dict[str, Any] = {}
@@ -574,6 +580,9 @@ class OptimizerEntry(Entry):
             "module": self.module.name,
             "class": type(self.optim).__name__,
             "initialized": bool(self.optim.state),
+            # Each group's first parameter, in order: an LR scheduler's per-group lists follow
+            # the groups by position (a load judges its scheduler against them).
+            "groups": group_firsts(self.optim, self.module.param_fqns()),
         }
 
     def save_state(self) -> dict[str, Any]:
