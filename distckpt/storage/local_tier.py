@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import contextlib
 import os
 import shutil
 import socket
@@ -361,6 +362,7 @@ class LocalTier:
         self.nodes: Nodes | None = None
         self._nodes_for: Group | None = None
         self._warned_one_node = False
+        self._open_problems: dict[int, str] = {}  # step -> why this node could not open its folder
 
     def nodes_of(self, group: Group) -> Nodes:
         """(all ranks, collective the first time for each group) The nodes of the group's ranks
@@ -407,9 +409,18 @@ class LocalTier:
                     if owned and not self._kept_for_foreign(step):
                         _remove_tree(self.step_path(step))
                     os.makedirs(self.step_path(step), exist_ok=True)
-                    _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+                    try:
+                        _write_atomic(self.step_path(step), ROOT_MARK, self.root.encode())
+                    except OSError:
+                        # A full tmpfs: the unmarked folder, no step of this root's, would stay
+                        # for good (retention leaves folders without this root's mark).
+                        with contextlib.suppress(OSError):
+                            os.rmdir(self.step_path(step))
+                        raise
             except OSError as exc:  # the tee records its own failures; this is only a note
-                problem = one_line(exc)
+                problem = f"{self.step_path(step)}: {one_line(exc)}"
+        if problem is not None:
+            self._open_problems[step] = problem  # (said first by the commit's warning: the cause)
         group.all_gather(problem)
 
     def after_commit(self, group: Group, step: int, manifest_json: bytes, local_errors: list[str]) -> None:
@@ -418,7 +429,8 @@ class LocalTier:
         Never raises for a failure of the tier: one warning on every rank (the root holds the
         step)."""
         nodes = self.nodes_of(group)
-        problems = list(local_errors)
+        opened = self._open_problems.pop(step, None)
+        problems = ([opened] if opened is not None else []) + list(local_errors)
         manifest = Manifest.from_json(manifest_json)
         # 1. manifest and .metadata to every node (the coordinator's copy of .metadata).
         meta: bytes | None = None
@@ -863,9 +875,15 @@ def _intact(path: str, manifest: Manifest, name: str, check: bool) -> bool:
 def _write_atomic(directory: str, name: str, data: bytes | memoryview) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, name + PART)
-    with os.fdopen(create_fresh(tmp), "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(directory, name))
+    try:
+        with os.fdopen(create_fresh(tmp), "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        # (a full tmpfs: the temporary file must not stay, where nothing retires it)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _tier_file(name: str) -> bool:
