@@ -930,23 +930,21 @@ class DistckptCheckpointIO(CheckpointIO):
         (:meth:`_pointer_dirs`; ``OSError`` where one cannot be read) and in every other one a
         pointer to the root was written in (recorded in the root, see
         :func:`~distckpt.integrations.lightning_pointers.register_dir`). A recorded directory
-        that cannot be read (another user's, a bucket this job may not list) is warned about,
-        naming its record, and passed over, as before the record: a record must not stop this
-        job's retention for good."""
+        that cannot be read (a permission, a store's hiccup) raises ``OSError`` naming it and its
+        record, as one of this process's own: its pointers may name any step, so nothing is
+        deleted meanwhile (a removal keeps its steps and retries them at the next one). Only a
+        missing directory holds none."""
         own = self._pointer_dirs()
         yield from pointer_files_in(own)
         storage = self.checkpointer.storage
         for d in sorted(registered_dirs(storage) - own):
             try:
                 found = list(pointer_files_in([d]))
-            except Exception as exc:  # noqa: BLE001 - any filesystem's error: warned, passed over
-                warnings.warn(
-                    f"distckpt: could not read {d}, a folder of Lightning checkpoints that {self.root} records "
-                    f"({one_line(exc)}); its checkpoints do not keep their steps from this process's removals "
-                    f"(delete {record_path(storage, d)} if that folder is gone for good)",
-                    stacklevel=3,
-                )
-                continue
+            except Exception as exc:  # noqa: BLE001 - any filesystem's error (a store's own types too)
+                raise OSError(
+                    f"could not read {d}, a folder of Lightning checkpoints that {self.root} records ({one_line(exc)}); "
+                    f"delete {record_path(storage, d)} if that folder is gone for good"
+                ) from exc
             yield from found
 
     def _pointer_dirs(self) -> set[str]:

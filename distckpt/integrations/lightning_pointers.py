@@ -392,6 +392,8 @@ def pointer_files_in(dirs: Iterable[str]) -> Iterator[tuple[str, Pointer]]:
         for item in listing:
             if item.get("type") != "file" or not 0 < (item.get("size") or 0) <= _POINTER_MAX_BYTES:
                 continue
+            # (A file gone since the listing raises too: a pointer written meanwhile may not
+            # have been listed, so the caller keeps every step this once.)
             record = parse_pointer(_read_small(fs, item["name"]))
             if record is not None:
                 yield _named(fs, item["name"]), record
@@ -513,7 +515,13 @@ def delete_unreferenced(
             if candidates.get(record["step"]) == record.get("job"):
                 del candidates[record["step"]]
     except OSError as exc:  # a pointer we could not read may refer to any of them: keep all
-        warnings.warn(f"distckpt: not deleting steps {sorted(candidates)}: could not read every pointer ({exc})", stacklevel=3)
+        warnings.warn(
+            f"distckpt: not deleting steps {sorted(candidates)} now: could not read every pointer ({exc}); retried at "
+            "this process's next checkpoint removal",
+            stacklevel=3,
+        )
+        if kept is not None:
+            kept.update(candidates)  # (retried, as a step holding the user's files is)
         return []
     deleted = []
     storage = ckpt.storage
