@@ -208,13 +208,16 @@ class SaveDriver:
             # A signal handler's save joined and reported it while this call was waiting, and
             # may have started the next save (in flight now): nothing of either is this call's.
             return job.stats if job.error is None else None
-        self.inflight = None
         if job.error is not None:
+            self.inflight = None
             # The error is the same on every rank, so every rank restarts its writer process
             # at the next async save (a writer whose peers failed may be left in a broken group).
             self.stop_writer()
             raise job.error
-        self._done(job.stats)
+        try:
+            self._done(job.stats)  # (its upload submitted before it stops counting as in flight)
+        finally:
+            self.inflight = None
         return job.stats
 
     def close(self) -> None:

@@ -260,7 +260,7 @@ class Replicator:
                 f"its upload is not submitted yet: call ckpt.wait() on every rank first (it commits the save and "
                 f"submits the upload), then replica.wait()"
             )
-        if late is not None:
+        if late is not None and step is None:
             warnings.warn(
                 f"distckpt: replica.wait(): the asynchronous save of step {late} is still in flight (not joined): its "
                 "upload is not among those waited for; call ckpt.wait() on every rank first to include it",
