@@ -101,7 +101,9 @@ class StateMismatchError(KeyError):
             parts.append(f"per-rank state ({len(shown)}): {_clip(shown)}; {then}")
         if self.kinds:
             shown = [f"{k}: checkpoint {a} vs state {b}" for k, (a, b) in sorted(self.kinds.items())]
-            parts.append(f"entries of another kind ({len(shown)}): {_clip(shown)}; put an object of the saved structure there")
+            # (a state side ending in a full stop carries its own advice)
+            advice = "" if all(b.endswith(".") for _, b in self.kinds.values()) else "; put an object of the saved structure there"
+            parts.append(f"entries of another kind ({len(shown)}): {_clip(shown)}{advice}")
         return " ".join(parts)
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -932,3 +932,42 @@ def test_a_tier_its_own_step_filled_leaves_no_litter_and_says_why(tmp_path):
         assert {n.split("/")[0] for n in left} <= {"step_000000000", "step_000000001"}, left
     finally:
         subprocess.run(["umount", str(tier)], capture_output=True)
+
+
+def test_a_save_again_after_one_that_failed_at_the_root_warns_of_nothing_stale(tmp_path):
+    """A save whose tier folder could not be opened (full) and which then failed at the root
+    (full too) left its problem behind: saved again once there was room, the whole copy was
+    reported incomplete, naming the old ENOSPC (a review finding). Real 64 KiB tmpfs mounts."""
+    import subprocess
+
+    import torch
+
+    tier, root = tmp_path / "tier", tmp_path / "root"
+    if not _small_tmpfs(tier, "64k"):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        assert _small_tmpfs(root, "64k")
+
+        def fill(where):
+            with open(where / "filler", "wb", buffering=0) as f:
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"x" * 4096)
+
+        fill(tier)
+        fill(root)
+        os.truncate(root / "filler", os.path.getsize(root / "filler") - 12288)  # room for a lease, not the data
+        state = {"model": torch.nn.Linear(64, 64)}
+        ckpt = distckpt.Checkpointer(root, local_dir=tier, local_peers=0)
+        with pytest.raises(distckpt.CheckpointError, match="No space left"):
+            ckpt.save(1, state)
+        os.unlink(tier / "filler")
+        os.unlink(root / "filler")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the copy is whole now: nothing to say
+            ckpt.save(1, state)
+        assert ckpt.steps(tier="local") == [1]
+        ckpt.close()
+    finally:
+        subprocess.run(["umount", str(tier)], capture_output=True)
+        subprocess.run(["umount", str(root)], capture_output=True)

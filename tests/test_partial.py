@@ -371,3 +371,65 @@ def test_a_scheduler_of_an_optimizer_whose_groups_changed_is_refused(tmp_path):
         s.step()
         sched.step()
         assert [g["lr"] for g in o.param_groups] == [g["lr"] for g in optim.param_groups]
+
+
+def _zero_then(rank: int, world: int, root: str, phase: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": list(model[0].parameters()), "lr": 1e-4}, {"params": list(model[1].parameters()), "lr": 1e-2}]
+    if phase == "save":
+        optim = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW, lr=1e-4)
+        optim.add_param_group(groups[1])
+    elif phase == "swapped":
+        optim = ZeroRedundancyOptimizer(groups[1]["params"], torch.optim.AdamW, lr=1e-2)
+        optim.add_param_group(groups[0])
+    else:  # a plain optimizer of the saved groups, at another world size
+        optim = torch.optim.AdamW(groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 0.5**s)
+    with distckpt.Checkpointer(root) as ckpt:
+        if phase == "save":
+            _adam_step(model, optim)
+            sched.step()
+            dist.barrier()
+            ckpt.save(1, {"model": model, "optim": optim, "sched": sched})
+            return "saved"
+        try:
+            ckpt.load({"model": model, "optim": optim, "sched": sched})
+        except distckpt.StateMismatchError as exc:
+            return str(exc).split("(raised on")[0]
+        sched.step()
+        return str([g["lr"] for g in optim.param_groups])
+
+
+def test_a_zero_optimizers_groups_are_judged_as_the_user_built_them(tmp_path):
+    # ZeRO's local optimizer holds this rank's partition, largest parameter first: recorded as
+    # the groups, a ZeRO checkpoint with a scheduler was refused loading into DDP or a plain
+    # optimizer, and a regrouped ZeRO optimizer was never judged (review findings).
+    from dist_harness import run_ranks
+
+    root = str(tmp_path / "ck")
+    assert run_ranks(_zero_then, 2, tmp_path, root, "save") == ["saved", "saved"]
+    assert run_ranks(_zero_then, 1, tmp_path, root, "plain") == [str([0.5e-4 * 0.5, 0.5e-2 * 0.5])]
+    swapped = run_ranks(_zero_then, 2, tmp_path, root, "swapped")
+    assert swapped[0] == swapped[1] and "led by ['1.weight', '0.weight'] now" in swapped[0] and "put an object" not in swapped[0], swapped
+
+
+def test_a_key_the_optimizer_does_not_have_is_no_partial_selection(tmp_path):
+    # amsgrad on at the save, off now: max_exp_avg_sq is unexpected (strict), or reported or
+    # excluded (strict=False), never a "part of the state left out" (review finding).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optim = torch.optim.Adam(model.parameters(), amsgrad=True)
+    _adam_step(model, optim)
+    with distckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        fresh = torch.nn.Linear(8, 3)
+        with pytest.raises(distckpt.StateMismatchError, match="unexpected keys.*max_exp_avg_sq"):
+            ckpt.load({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())})
+        for kw in ({}, {"exclude": "optim.state.*.max_exp_avg_sq"}):
+            o = torch.optim.Adam(fresh.parameters())
+            ckpt.load({"model": fresh, "optim": o}, strict=False, **kw)
+            assert float(o.state[fresh.weight]["step"]) == 1.0

@@ -606,3 +606,47 @@ def test_replica_wait_for_a_step_whose_async_save_is_not_joined_says_so(tmp_path
             assert ckpt.replica.wait(step=1, timeout=60).uploaded == (1,)
         ckpt.wait()
         assert ckpt.replica.wait(timeout=60).uploaded == (1, 2) and ckpt.steps(tier="replica") == [1, 2]
+
+
+def test_a_signal_handlers_async_save_during_the_report_of_the_last_is_kept_in_flight(tmp_path, monkeypatch):
+    """A handler's save(2, blocking=False) run while wait() reported step 1 (its _done): wait()
+    then forgot step 2's save, and step 3 staged into its buffers: step 2 committed holding step
+    3's values (a review finding)."""
+    import os
+    import signal
+
+    from distckpt.save import run as save_run
+
+    state = {"w": torch.ones(1000)}
+    ckpt = distckpt.Checkpointer(tmp_path, async_mode="thread")
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        fired.append(signum)
+        state["w"].fill_(2.0)
+        ckpt.save(2, state, blocking=False)
+
+    report = save_run.SaveDriver._done
+
+    def done(self, stats):  # the signal lands while step 1 is being reported
+        report(self, stats)
+        if not fired:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        monkeypatch.setattr(save_run.SaveDriver, "_done", done)
+        ckpt.save(1, state, blocking=False)
+        ckpt.wait()
+        assert fired and ckpt._saver.in_flight_step == 2
+        state["w"].fill_(3.0)
+        ckpt.save(3, state, blocking=False)
+        ckpt.wait()
+        ckpt.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    for step in (1, 2, 3):
+        back = {"w": torch.zeros(1000)}
+        with distckpt.Checkpointer(tmp_path) as again:
+            again.load(back, step=step)
+        assert float(back["w"][0]) == step

@@ -505,6 +505,8 @@ def delete_unreferenced(
         try:
             owner = ckpt.manifest(step).job
         except (OSError, ValueError):
+            if kept is not None:
+                kept.add(step)  # unreadable now (a store's hiccup): judged again at the next removal
             continue  # unreadable: not attributable, so not ours to delete
         if owner is not None and owner == job:
             candidates[step] = owner

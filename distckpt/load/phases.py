@@ -88,7 +88,9 @@ def _saved_state_fqns(name: str, index: KeyShapes, manifest: Manifest, selection
     return {state_fqn(k[len(name) + 1 :]) for k in (*index, *manifest.fingerprints) if k.startswith(prefix) and selection.key(k)}
 
 
-def _refuse_partial_made_state(entries: Iterable[Entry], index: KeyShapes, request: Mapping[str, Any], step: int) -> None:
+def _refuse_partial_made_state(
+    entries: Iterable[Entry], index: KeyShapes, target: Mapping[str, Any], request: Mapping[str, Any], selection: Selection, step: int
+) -> None:
     """(each rank, at planning) Refuse ``only``/``exclude`` that select some but not all of the
     checkpoint's state of a parameter the optimizer holds none of its own for: its load target
     was made by a step with zero gradients, so the keys left out would keep values nobody saved
@@ -103,12 +105,14 @@ def _refuse_partial_made_state(entries: Iterable[Entry], index: KeyShapes, reque
         prefix = e.name + ".state."
         stored: dict[str, list[str]] = {}
         for key in index:
-            if key.startswith(prefix):
+            # Keys the load target holds (made up for the load) and the checkpoint too: a key
+            # the optimizer does not have (amsgrad off since the save) is no made-up value.
+            if key.startswith(prefix) and key in target:
                 stored.setdefault(state_fqn(key[len(e.name) + 1 :]), []).append(key)
         partial = {
-            fqn: sorted(k for k in keys if k not in request)
+            fqn: sorted(k for k in keys if not selection.key(k))
             for fqn, keys in stored.items()
-            if fqn in e.made and any(k in request for k in keys) and not all(k in request for k in keys)
+            if fqn in e.made and any(k in request for k in keys) and not all(selection.key(k) for k in keys)
         }
         if partial:
             shown = "; ".join(f"{fqn}: {', '.join(k.rsplit('.', 1)[1] for k in left)}" for fqn, left in sorted(partial.items())[:5])
@@ -134,7 +138,7 @@ def _refuse_regrouped(every: Iterable[Entry], selected: Iterable[Entry], manifes
     Raises:
         StateMismatchError: naming the scheduler and both orders (in ``.kinds``).
     """
-    optimizers = {id(e.optim): e for e in every if isinstance(e, OptimizerEntry)}
+    optimizers = {id(e.facing): e for e in every if isinstance(e, OptimizerEntry)}
     for s in selected:
         if not isinstance(s, StatefulEntry) or s.name not in manifest.entries:
             continue
@@ -142,13 +146,13 @@ def _refuse_regrouped(every: Iterable[Entry], selected: Iterable[Entry], manifes
         saved = manifest.entries.get(e.name, {}).get("groups") if e is not None else None
         if e is None or not isinstance(saved, list):
             continue  # (manifests written before the groups were recorded: not judged)
-        now = group_firsts(e.optim, e.module.param_fqns())
-        if now != saved:
+        now = group_firsts(e.facing, e.module.param_fqns())
+        if now != saved and not (len(now) == len(saved) == 1):  # (one group: nothing to misalign)
             held = f"a scheduler of {e.name!r} saved with {len(saved)} param group(s) led by {_names(saved)}"
             given = (
                 f"{len(now)} group(s) led by {_names(now)} now (reordered, split, merged or added since the save): its "
                 "per-group lists follow the groups by position, so each group would be scheduled with another's learning "
-                f"rate. Build the optimizer's groups as saved, or load without it (exclude='{s.name}') and make it anew"
+                f"rate. Build the optimizer's groups as saved, or load without it (exclude='{s.name}') and make it anew."
             )
             raise StateMismatchError([], [], {}, f"step {manifest.step}", kinds={s.name: (held, given)})
 
@@ -266,7 +270,7 @@ def plan_load(
             for key in [k for k in request if k.startswith(prefix + "state.") and state_fqn(k[len(prefix) :]) in changed]:
                 del request[key]
                 e.read.discard(key[len(prefix) :])
-    _refuse_partial_made_state(entries, index, request, manifest.step)
+    _refuse_partial_made_state(entries, index, flat, request, selection, manifest.step)
     _refuse_regrouped(build_entries(state), entries, manifest)
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))

@@ -93,6 +93,7 @@ class _InFlight:
         # a join ended by KeyboardInterrupt marks the thread stopped while it still runs
         # (is_alive() False, later joins return at once), so nothing else would be waited for.
         self.done = threading.Event()
+        self.reported = False  # recorded and handed to the replica (SaveDriver._done): once
 
     def wait(self) -> None:
         """Until the thread has finished (interruptible: a KeyboardInterrupt leaves it in flight)."""
@@ -214,10 +215,15 @@ class SaveDriver:
             # at the next async save (a writer whose peers failed may be left in a broken group).
             self.stop_writer()
             raise job.error
+        if job.reported:
+            # A signal handler's wait (or save) while this call reports the job: reported once.
+            return job.stats
+        job.reported = True
         try:
             self._done(job.stats)  # (its upload submitted before it stops counting as in flight)
         finally:
-            self.inflight = None
+            if self.inflight is job:  # (a handler's save during _done is in flight now: kept)
+                self.inflight = None
         return job.stats
 
     def close(self) -> None:

@@ -574,6 +574,11 @@ class OptimizerEntry(Entry):
         }
         return list(self.stateless)
 
+    @property
+    def facing(self) -> torch.optim.Optimizer:
+        """The optimizer the user holds (an LR scheduler's ``optimizer``): :attr:`optim` here."""
+        return self.optim
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -582,7 +587,7 @@ class OptimizerEntry(Entry):
             "initialized": bool(self.optim.state),
             # Each group's first parameter, in order: an LR scheduler's per-group lists follow
             # the groups by position (a load judges its scheduler against them).
-            "groups": group_firsts(self.optim, self.module.param_fqns()),
+            "groups": group_firsts(self.facing, self.module.param_fqns()),
         }
 
     def save_state(self) -> dict[str, Any]:

@@ -57,6 +57,12 @@ class ZeroOptimizerEntry(OptimizerEntry):
         super().__init__(name, zero.optim, module)
         self.zero = zero
 
+    @property
+    def facing(self) -> ZeroRedundancyOptimizer:
+        """The ``ZeroRedundancyOptimizer`` itself (its groups hold every parameter, in the user's
+        order; the local optimizer's, this rank's partition, largest first)."""
+        return self.zero
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "parallel": "zero"}
 

@@ -419,6 +419,7 @@ class LocalTier:
                         raise
             except OSError as exc:  # the tee records its own failures; this is only a note
                 problem = f"{self.step_path(step)}: {one_line(exc)}"
+        self._open_problems.pop(step, None)  # (an earlier save of this number that failed at the root)
         if problem is not None:
             self._open_problems[step] = problem  # (said first by the commit's warning: the cause)
         group.all_gather(problem)
