@@ -1331,3 +1331,23 @@ def test_a_planted_or_damaged_pointer_folder_record_is_passed_over(tmp_path: Pat
         io.remove_checkpoint(ck / "c.ckpt")
         assert io.checkpointer.steps() == [4]  # step 2 retried, with step 3
     io.teardown()
+
+
+def test_a_removal_meeting_a_damaged_manifest_keeps_the_step_and_retries_it(tmp_path: Path) -> None:
+    # An unreadable manifest (IntegrityError, a CheckpointError) escaped the removal, which had
+    # already removed the pointer: a checkpoint removal failed on every rank and the steps it
+    # orphaned were never retried (a review finding).
+    from distckpt.integrations.lightning_pointers import delete_unreferenced
+
+    ckpt = distckpt.Checkpointer(str(tmp_path / "root"), job="J")
+    ckpt.save(1, {"w": torch.ones(3)})
+    ckpt.save(2, {"w": torch.ones(3)})
+    manifest = tmp_path / "root" / "step_000000001" / "manifest.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(b"{garbage")
+    kept: set[int] = set()
+    assert delete_unreferenced(ckpt, {1}, "J", lambda: [], kept) == [] and kept == {1}
+    manifest.write_bytes(good)
+    again: set[int] = set()
+    assert delete_unreferenced(ckpt, kept, "J", lambda: [], again) == [1] and ckpt.steps() == [2] and not again
+    ckpt.close()

@@ -626,16 +626,16 @@ def test_a_signal_handlers_async_save_during_the_report_of_the_last_is_kept_in_f
         state["w"].fill_(2.0)
         ckpt.save(2, state, blocking=False)
 
-    report = save_run.SaveDriver._done
+    report = save_run.SaveDriver._report
 
-    def done(self, stats):  # the signal lands while step 1 is being reported
-        report(self, stats)
+    def done(self, *args):  # the signal lands while step 1 is being reported
+        report(self, *args)
         if not fired:
             os.kill(os.getpid(), signal.SIGUSR1)
 
     previous = signal.signal(signal.SIGUSR1, handler)
     try:
-        monkeypatch.setattr(save_run.SaveDriver, "_done", done)
+        monkeypatch.setattr(save_run.SaveDriver, "_report", done)
         ckpt.save(1, state, blocking=False)
         ckpt.wait()
         assert fired and ckpt._saver.in_flight_step == 2
@@ -650,3 +650,60 @@ def test_a_signal_handlers_async_save_during_the_report_of_the_last_is_kept_in_f
         with distckpt.Checkpointer(tmp_path) as again:
             again.load(back, step=step)
         assert float(back["w"][0]) == step
+
+
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_a_report_cut_short_is_finished_by_the_next_wait(tmp_path, monkeypatch, async_mode):
+    """Ctrl-C inside the report of an async save (its upload's submit), or a signal handler's
+    wait() + close() + exit landing at the start of it: the step, committed at the root, never
+    reached the replica (the handler's call skipped a report in progress; the interrupted one
+    was not retried). The rest of a report is finished by the next wait() (review findings)."""
+    import os
+    import signal
+
+    from distckpt.save import run as save_run
+    from distckpt.storage import replica as replica_module
+
+    state = {"w": torch.ones(256)}
+    ckpt = distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "replica"), async_mode=async_mode)
+    submit = replica_module.Replicator.submit
+    hit: list[int] = []
+
+    def interrupted(self, step, **kw):
+        if not hit:
+            hit.append(step)
+            raise KeyboardInterrupt
+        return submit(self, step, **kw)
+
+    monkeypatch.setattr(replica_module.Replicator, "submit", interrupted)
+    ckpt.save(1, state, blocking=False)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.wait()
+    assert ckpt._saver.in_flight_step == 1  # its report is not done: the next wait finishes it
+    assert ckpt.wait().step == 1 and ckpt.replica.wait(timeout=60).uploaded == (1,)
+    monkeypatch.setattr(replica_module.Replicator, "submit", submit)
+
+    report = save_run.SaveDriver._report
+    fired: list[int] = []
+
+    def handler(signum, frame):  # a SIGTERM handler: wait, close, exit
+        ckpt.wait()
+        ckpt.close()
+        raise SystemExit(0)
+
+    def landing(self, *args):
+        if not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        report(self, *args)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        monkeypatch.setattr(save_run.SaveDriver, "_report", landing)
+        ckpt.save(2, state, blocking=False)
+        with pytest.raises(SystemExit):
+            ckpt.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "replica")) as again:
+        assert again.steps(tier="replica") == [1, 2]

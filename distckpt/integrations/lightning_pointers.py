@@ -34,6 +34,7 @@ import fsspec.implementations.local
 from fsspec import AbstractFileSystem
 
 from distckpt.checkpointer import Checkpointer
+from distckpt.errors import CheckpointError
 from distckpt.integrations.lightning_overlay import MAX_OVERLAY_CHARS, Overlay
 from distckpt.integrations.lightning_overlay import check as check_overlay
 from distckpt.integrity.manifest import parse_step_dir, step_dir
@@ -499,12 +500,18 @@ def delete_unreferenced(
     """
     if not steps:
         return []
-    committed = set(ckpt.steps())
+    try:
+        committed = set(ckpt.steps())
+    except (OSError, ValueError, CheckpointError) as exc:  # a store's hiccup: judged at the next removal
+        warnings.warn(f"distckpt: not deleting steps {sorted(steps)} now: could not list {ckpt.storage.display()} ({exc})", stacklevel=3)
+        if kept is not None:
+            kept.update(steps)
+        return []
     candidates = {}
     for step in sorted(steps & committed):
         try:
             owner = ckpt.manifest(step).job
-        except (OSError, ValueError):
+        except (OSError, ValueError, CheckpointError):  # (a damaged manifest: IntegrityError)
             if kept is not None:
                 kept.add(step)  # unreadable now (a store's hiccup): judged again at the next removal
             continue  # unreadable: not attributable, so not ours to delete

@@ -93,7 +93,11 @@ class _InFlight:
         # a join ended by KeyboardInterrupt marks the thread stopped while it still runs
         # (is_alive() False, later joins return at once), so nothing else would be waited for.
         self.done = threading.Event()
-        self.reported = False  # recorded and handed to the replica (SaveDriver._done): once
+        self.seq = 0  # the order of its save() call among this driver's (SaveDriver._report)
+        # What of its report is done (SaveDriver._report): a call interrupted half-way (Ctrl-C,
+        # a signal handler's own wait) leaves the rest to the next wait(), which finishes it.
+        self.recorded = False
+        self.submitted = False
 
     def wait(self) -> None:
         """Until the thread has finished (interruptible: a KeyboardInterrupt leaves it in flight)."""
@@ -147,6 +151,8 @@ class SaveDriver:
         # Deletes retired steps' files in the background (coordinator; see storage.retention).
         self.reaper = Reaper()
         self.last_save: SaveStats | None = None
+        self._calls = 0  # save() calls so far (their order: see _report)
+        self._recorded_seq = 0  # the call whose stats last_save holds
         self._committed_here: int | None = None  # (coordinator) the step this driver committed last
         self._generation: int | None = None  # (GroupHolder.generation of the group saves use)
 
@@ -215,15 +221,12 @@ class SaveDriver:
             # at the next async save (a writer whose peers failed may be left in a broken group).
             self.stop_writer()
             raise job.error
-        if job.reported:
-            # A signal handler's wait (or save) while this call reports the job: reported once.
-            return job.stats
-        job.reported = True
-        try:
-            self._done(job.stats)  # (its upload submitted before it stops counting as in flight)
-        finally:
-            if self.inflight is job:  # (a handler's save during _done is in flight now: kept)
-                self.inflight = None
+        # Reported before it stops counting as in flight (its upload submitted: replica.wait), and
+        # part by part: an interrupt inside leaves the rest to the next wait(); a signal handler's
+        # wait() meanwhile finishes what is missing.
+        self._report(job.stats, job.seq, job)
+        if self.inflight is job:  # (a handler's save meanwhile is in flight now: kept)
+            self.inflight = None
         return job.stats
 
     def close(self) -> None:
@@ -292,6 +295,8 @@ class SaveDriver:
         # The plans of whoever writes this save: this process, or the writer process.
         plans = self.writer.plans if in_process and self.writer is not None else self.plan_cache
         stats = SaveStats(step, 0.0)
+        self._calls += 1
+        seq = self._calls
         t1 = time.perf_counter()
         local = self.local
         if local is not None:
@@ -346,7 +351,7 @@ class SaveDriver:
             self._claim(group, opts, step, stats, tier)
             self._write_and_commit(group, opts, prepared, stats, tier=tier)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
-            self._done(stats)
+            self._report(stats, seq)
             return
 
         # 4. staging. Each rank stages only its share of replicated tensors (see save.staging).
@@ -361,6 +366,7 @@ class SaveDriver:
         stats.blocking_s = time.perf_counter() - t0
         stats.staged_bytes = stager.nbytes
         job = _InFlight(step, stats)
+        job.seq = seq
 
         def run() -> None:
             try:
@@ -521,18 +527,28 @@ class SaveDriver:
         if lease is not None:
             lease.release(committed)
 
-    def _done(self, stats: SaveStats) -> None:
-        """A save committed: record it, log it (rank 0) and hand it to the replica."""
-        self.last_save = stats
-        group = self.groups.group
-        if group is not None and group.rank == 0:
-            tp = stats.throughput_gbps
-            log.info(
-                "saved step %d: blocked %.3fs, committed after %.3fs%s",
-                stats.step,
-                stats.blocking_s,
-                stats.total_s or 0.0,
-                f", {tp:.2f} GB/s" if tp else "",
-            )
-        if self.replica is not None:
+    def _report(self, stats: SaveStats, seq: int, job: _InFlight | None = None) -> None:
+        """A save committed: record it, log it (rank 0) and hand it to the replica. With ``job``
+        (an async save), each part once, marked after it is done: called again (the next
+        wait() after an interrupt here, or a signal handler's wait() meanwhile), the missing
+        parts run (a part done twice is harmless: the replica queues a step once). ``seq``:
+        the order of the save() call: ``last_save`` is never replaced by an earlier call's."""
+        if job is None or not job.recorded:
+            if seq >= self._recorded_seq:
+                self.last_save, self._recorded_seq = stats, seq
+            group = self.groups.group
+            if group is not None and group.rank == 0:
+                tp = stats.throughput_gbps
+                log.info(
+                    "saved step %d: blocked %.3fs, committed after %.3fs%s",
+                    stats.step,
+                    stats.blocking_s,
+                    stats.total_s or 0.0,
+                    f", {tp:.2f} GB/s" if tp else "",
+                )
+            if job is not None:
+                job.recorded = True
+        if self.replica is not None and (job is None or not job.submitted):
             self.replica.submit(stats.step)
+            if job is not None:
+                job.submitted = True

@@ -397,6 +397,7 @@ class LocalTier:
         holding this root's mark; the rest wait for it."""
         nodes = self.nodes_of(group)
         problem = None
+        self._open_problems.pop(step, None)  # (an earlier save of this number that failed at the root)
         if nodes.local_rank(group.rank) == 0:
             try:
                 owned = self._owned(step)
@@ -419,9 +420,9 @@ class LocalTier:
                         raise
             except OSError as exc:  # the tee records its own failures; this is only a note
                 problem = f"{self.step_path(step)}: {one_line(exc)}"
-        self._open_problems.pop(step, None)  # (an earlier save of this number that failed at the root)
-        if problem is not None:
-            self._open_problems[step] = problem  # (said first by the commit's warning: the cause)
+                # The cause the commit's warning names first (a full tmpfs: the tee then only
+                # finds the folder unmarked). Another root's folder is said by the tee itself.
+                self._open_problems[step] = problem
         group.all_gather(problem)
 
     def after_commit(self, group: Group, step: int, manifest_json: bytes, local_errors: list[str]) -> None:

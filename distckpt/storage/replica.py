@@ -210,6 +210,8 @@ class Replicator:
         if not self._coordinator:
             return
         with self._lock:
+            if step in self._pending and not retry:
+                return  # queued or uploading already (a report finished twice): one upload
             if not retry:
                 self._failures.pop(step, None)
             self._pending.append(step)
