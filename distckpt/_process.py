@@ -161,6 +161,42 @@ class GroupHolder:
 _PID_MAX = 2**31 - 1
 
 
+#: Signals a program's own handlers may catch (Ctrl-C, a scheduler's SIGTERM, SIGUSR1 ...).
+_HELD = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """(main thread) Hold the program's Python signal handlers while the block runs: a signal
+    arriving meanwhile is raised again right after it (its handler runs, a Ctrl-C raises). For
+    a few steps that must not be cut in the middle nor re-entered by a handler (a handler's own
+    wait() while a non-reentrant lock is held, a step queued half). Python runs handlers in the
+    main thread whichever thread the signal reached, so the handlers themselves are swapped for
+    one that notes the signal (blocking the signal in this thread would not do). Signals left to
+    their default action run no Python code and are left alone. Elsewhere (another thread) a
+    plain block."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    for name in _HELD:
+        number = getattr(signal, name, None)
+        handler = signal.getsignal(number) if number is not None else None
+        if callable(handler):
+            previous[number] = handler
+            signal.signal(number, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in caught:
+            signal.raise_signal(number)
+
+
 def parse_pid(text: str) -> int | None:
     """The process id a file or directory name spells (``"1234"``), or ``None`` if ``text`` is not
     one: only ASCII digits (``str.isdigit`` also takes ``"²"``, which ``int`` refuses) of a value

@@ -707,3 +707,58 @@ def test_a_report_cut_short_is_finished_by_the_next_wait(tmp_path, monkeypatch, 
         signal.signal(signal.SIGUSR1, previous)
     with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "replica")) as again:
         assert again.steps(tier="replica") == [1, 2]
+
+
+_HANDLER_IN_SUBMIT = r"""
+import os, signal, sys, threading, torch, distckpt
+
+class Lock:  # the replica's lock, delivering a signal to this process once it is held
+    armed = False
+    def __init__(self): self.inner = threading.Lock()
+    def acquire(self, *a, **k): return self.inner.acquire(*a, **k)
+    def release(self): self.inner.release()
+    def locked(self): return self.inner.locked()
+    def __enter__(self):
+        self.inner.acquire()
+        if Lock.armed and threading.current_thread() is threading.main_thread():
+            Lock.armed = False
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return self
+    def __exit__(self, *a): self.inner.release()
+
+root, mode = sys.argv[1], sys.argv[2]
+ckpt = distckpt.Checkpointer(root + "/root", replicate_to=root + "/replica", async_mode=mode)
+ckpt.replica._lock = Lock()
+ckpt.replica._done = threading.Condition(ckpt.replica._lock)
+
+def handler(signum, frame):  # a SIGTERM handler: wait, close, exit
+    ckpt.wait()
+    ckpt.close()
+    raise SystemExit(0)
+
+signal.signal(signal.SIGUSR1, handler)
+ckpt.save(1, {"w": torch.ones(256)}, blocking=False)
+Lock.armed = True
+try:
+    ckpt.wait()
+except SystemExit:
+    pass
+print("replica", distckpt.Checkpointer(root + "/root", replicate_to=root + "/replica").steps(tier="replica"))
+"""
+
+
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_a_handler_waiting_while_the_upload_is_being_queued_neither_deadlocks_nor_loses_it(tmp_path, async_mode):
+    """A SIGTERM handler's wait() + close() + exit landing while wait() held the replica's lock
+    (queueing the upload) took that non-reentrant lock again: the job hung for good (a review
+    finding). Handlers are held over the queueing; the signal is raised again right after."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_HANDLER_IN_SUBMIT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), async_mode], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)},
+    )  # fmt: skip
+    assert done.returncode == 0 and "replica [1]" in done.stdout, (done.stdout, done.stderr[-2000:])

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._dist import Group, all_ranks, exchange, on_coordinator
-from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority, same_arguments
+from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority, same_arguments, signals_held
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.manifest import check_extra, step_dir
 from distckpt.options import CheckpointerOptions
@@ -531,8 +531,10 @@ class SaveDriver:
         """A save committed: record it, log it (rank 0) and hand it to the replica. With ``job``
         (an async save), each part once, marked after it is done: called again (the next
         wait() after an interrupt here, or a signal handler's wait() meanwhile), the missing
-        parts run (a part done twice is harmless: the replica queues a step once). ``seq``:
-        the order of the save() call: ``last_save`` is never replaced by an earlier call's."""
+        parts run. The submit and its mark are one step with the program's signal handlers held
+        (see :func:`~distckpt._process.signals_held`): a handler's wait() inside the replica's
+        lock deadlocked, and one cut between its parts queued the step twice or never. ``seq``: the
+        order of the save() call: ``last_save`` is never replaced by an earlier call's."""
         if job is None or not job.recorded:
             if seq >= self._recorded_seq:
                 self.last_save, self._recorded_seq = stats, seq
@@ -549,6 +551,7 @@ class SaveDriver:
             if job is not None:
                 job.recorded = True
         if self.replica is not None and (job is None or not job.submitted):
-            self.replica.submit(stats.step)
-            if job is not None:
-                job.submitted = True
+            with signals_held():
+                self.replica.submit(stats.step)
+                if job is not None:
+                    job.submitted = True

@@ -209,17 +209,18 @@ class Replicator:
             self._coordinator = bool(self._is_coordinator())
         if not self._coordinator:
             return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="distckpt-replicate", daemon=True)
+            self._thread.start()
         with self._lock:
-            if step in self._pending and not retry:
-                return  # queued or uploading already (a report finished twice): one upload
+            # Queued and listed as pending together (the thread takes the lock before it drops a
+            # step from _pending): a failure between the two left a step pending that was never
+            # queued (wait() never returned) or queued twice.
+            self._queue.put_nowait(step)  # (unbounded: never blocks)
             if not retry:
                 self._failures.pop(step, None)
             self._pending.append(step)
             self._submitted.append(step)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="distckpt-replicate", daemon=True)
-            self._thread.start()
-        self._queue.put(step)
 
     def status(self) -> ReplicaStatus:
         """(any rank, not collective, never blocks) Where the submitted uploads stand."""
