@@ -28,7 +28,7 @@ import hashlib
 import io
 import pickle
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -67,20 +67,21 @@ def encoded(value: Any, key: str, safe_types: SafeTypesLike = None) -> Any:
     form = encode_for_save({key: TopLevel(value)}, safe_types)[key]
     # On the CPU, as loads give tensors back (Lightning moves them): the same value on another
     # device is the same record.
-    return _tensors_owned(form, 0)
+    return _tensors_mapped(form, _own, 0)
 
 
-def _tensors_owned(x: Any, depth: int) -> Any:
-    """``x`` with every tensor in its plain containers :func:`_own`-ed (other containers, such as
-    ``torch.Size``, left as they are: pytree's ``tree_map`` made that one a tuple)."""
+def _tensors_mapped(x: Any, fn: Callable[[torch.Tensor], Any], depth: int) -> Any:
+    """``x`` with every tensor in its plain containers replaced by ``fn(tensor)`` (other
+    containers, such as ``torch.Size``, left as they are: pytree's ``tree_map`` made that one a
+    tuple)."""
     if isinstance(x, torch.Tensor):
-        return _own(x)
+        return fn(x)
     if depth > 1000:
         return x
     if type(x) in (dict, OrderedDict):
-        return type(x)((k, _tensors_owned(v, depth + 1)) for k, v in x.items())
+        return type(x)((k, _tensors_mapped(v, fn, depth + 1)) for k, v in x.items())
     if type(x) in (list, tuple):
-        return type(x)(_tensors_owned(v, depth + 1) for v in x)
+        return type(x)(_tensors_mapped(v, fn, depth + 1) for v in x)
     return x
 
 
@@ -153,7 +154,7 @@ def model_values(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None
     out: dict[str, str] = {}
 
     def add(where: str, value: Any) -> None:
-        out[where] = digest(encoded(_tensors_marked(value, 0), where, safe_types))
+        out[where] = digest(encoded(_tensors_mapped(value, lambda t: _TENSOR_MARK, 0), where, safe_types))
 
     model = checkpoint.get("state_dict")
     if isinstance(model, Mapping):
@@ -177,19 +178,6 @@ def model_values(checkpoint: Mapping[str, Any], safe_types: SafeTypesLike = None
 
 
 _TENSOR_MARK = "<a tensor: compared by itself>"
-
-
-def _tensors_marked(x: Any, depth: int) -> Any:
-    """``x`` with every tensor in its plain containers replaced by :data:`_TENSOR_MARK`."""
-    if isinstance(x, torch.Tensor):
-        return _TENSOR_MARK
-    if depth > 1000:
-        return x
-    if type(x) in (dict, OrderedDict):
-        return type(x)((k, _tensors_marked(v, depth + 1)) for k, v in x.items())
-    if type(x) in (list, tuple):
-        return type(x)(_tensors_marked(v, depth + 1) for v in x)
-    return x
 
 
 def _param_groups(states: object) -> list[Any] | None:
