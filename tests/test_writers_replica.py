@@ -762,3 +762,27 @@ def test_a_handler_waiting_while_the_upload_is_being_queued_neither_deadlocks_no
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)},
     )  # fmt: skip
     assert done.returncode == 0 and "replica [1]" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def test_an_error_in_the_report_does_not_keep_the_save_in_flight(tmp_path, monkeypatch):
+    # An error (not an interrupt) in an async save's report is raised once; the save is not kept
+    # in flight, where every later wait() and save() would meet it again.
+    from distckpt.storage import replica as replica_module
+
+    submit = replica_module.Replicator.submit
+    failed: list[int] = []
+
+    def broken(self, step, **kw):
+        if not failed:
+            failed.append(step)
+            raise RuntimeError("a broken replica")
+        return submit(self, step, **kw)
+
+    monkeypatch.setattr(replica_module.Replicator, "submit", broken)
+    with distckpt.Checkpointer(tmp_path / "root", replicate_to=str(tmp_path / "replica"), async_mode="thread") as ckpt:
+        ckpt.save(1, {"w": torch.ones(8)}, blocking=False)
+        with pytest.raises(RuntimeError, match="a broken replica"):
+            ckpt.wait()
+        assert ckpt._saver.in_flight_step is None and ckpt.wait() is None
+        ckpt.save(2, {"w": torch.ones(8)})
+        assert ckpt.replica.wait(timeout=60).uploaded == (2,) and ckpt.steps() == [1, 2]

@@ -224,7 +224,14 @@ class SaveDriver:
         # Reported before it stops counting as in flight (its upload submitted: replica.wait), and
         # part by part: an interrupt inside leaves the rest to the next wait(); a signal handler's
         # wait() meanwhile finishes what is missing.
-        self._report(job.stats, job.seq, job)
+        try:
+            self._report(job.stats, job.seq, job)
+        except Exception:
+            # An error (not an interrupt) would fail every later call the same way: the save is
+            # committed, its report given up (as before the report was resumable).
+            if self.inflight is job:
+                self.inflight = None
+            raise
         if self.inflight is job:  # (a handler's save meanwhile is in flight now: kept)
             self.inflight = None
         return job.stats
