@@ -472,9 +472,7 @@ def registered_dirs(storage: Storage) -> set[str]:
             continue
         try:
             raw = json.loads(storage.read_bytes(REGISTRY_DIR, name))
-        except FileNotFoundError:
-            continue
-        except (ValueError, RecursionError):
+        except (FileNotFoundError, ValueError, RecursionError):  # gone since the listing, or no JSON
             continue
         url = raw.get("dir") if isinstance(raw, dict) and raw.get("format") == _REGISTRY_FORMAT else None
         if not isinstance(url, str) or name != _registry_name(url):

@@ -171,7 +171,8 @@ def plan_load(
 ) -> tuple[LoadPlan, LoadView]:
     """(each rank, no collectives) What this rank asks DCP for, and what does not match."""
     selection = selection or Selection()
-    entries = [e for e in build_entries(state) if selection.entry(e.name)]
+    every = build_entries(state)  # (all of them: a scheduler's optimizer may be excluded)
+    entries = [e for e in every if selection.entry(e.name)]
     if not selection.entry(rng.NAMESPACE):
         restore_rng = False
     targets: dict[str, Any] = {}
@@ -271,7 +272,7 @@ def plan_load(
                 del request[key]
                 e.read.discard(key[len(prefix) :])
     _refuse_partial_made_state(entries, index, flat, request, selection, manifest.step)
-    _refuse_regrouped(build_entries(state), entries, manifest)
+    _refuse_regrouped(every, entries, manifest)
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
     return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
 
