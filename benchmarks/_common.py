@@ -6,6 +6,7 @@ Not part of the library. Every rank body is a module-level function so it can be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -109,9 +110,16 @@ def choice_list(choices: tuple[str, ...], *, allow_empty: bool = False) -> Calla
 
 def existing_dir(text: str) -> str:
     """A directory that exists: the scripts work in a folder of their own made inside it and
-    remove only that, so a mistyped path is refused rather than created."""
-    if not Path(text).is_dir():
+    remove only that, so a mistyped path is refused rather than created. A folder inside a
+    checkpoint step (one holding ``manifest.json`` or ``.metadata``, itself or above) is refused
+    too: the raw-I/O rows wrote there before distckpt's own save refused the root."""
+    path = Path(text)
+    if not path.is_dir():
         raise argparse.ArgumentTypeError(f"not an existing directory: {text!r}")
+    for folder in (path.resolve(), *path.resolve().parents):
+        for mark in ("manifest.json", ".metadata"):
+            if (folder / mark).is_file():
+                raise argparse.ArgumentTypeError(f"{text!r} lies inside the checkpoint step {str(folder)!r} (it holds {mark}): pass a folder outside it")
     return text
 
 
@@ -345,11 +353,11 @@ def run_folder(base: str | None, prefix: str) -> tuple[Path, bool]:
     deletes only this folder (:func:`remove_scratch`), never what ``base`` held before."""
     parent = Path(base) if base else REPO / "benchmarks" / ".scratch"
     parent.mkdir(parents=True, exist_ok=True)
-    _exit_on_sigterm()
+    exit_on_sigterm()
     return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=parent)), base is None
 
 
-def _exit_on_sigterm() -> None:
+def exit_on_sigterm() -> None:
     """SIGTERM (``timeout``, ``kill``, a scheduler's cancel) as ``SystemExit``, so that the
     script's ``finally`` removes its run folder: killed outright, a run left gigabytes in
     ``--dir``. Only where SIGTERM has its default action (a handler of the caller's stays)."""
@@ -383,6 +391,22 @@ def publish(result: dict[str, Any], table: str, json_path: str | None) -> dict[s
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
-        path.with_suffix(".md").write_text(table + "\n")
+        # Each file whole or not at all (a kill or a full disk mid-write left a truncated
+        # committed result); the table first, so a .json is never newer than its table.
+        _write_whole(path.with_suffix(".md"), table + "\n")
+        _write_whole(path, json.dumps(result, indent=1))
     return result
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the results from others sharing the checkout
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_json_arg, existing_dir, machine_info, positive_float, publish, resolve_outputs, resolve_quick  # noqa: E402
+from _common import add_json_arg, existing_dir, exit_on_sigterm, machine_info, positive_float, publish, resolve_outputs, resolve_quick  # noqa: E402
 
 TARGET_MB = 600
 #: What the converter may hold above ``import torch`` + DCP (600 MB less the CPU build's ~280 MB).
@@ -72,7 +72,12 @@ def run_child(cmd: list[str]) -> dict[str, float]:
     """Run ``cmd``; its wall time and peak RSS (MB, from the kernel's accounting of that child)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # SIGTERM or Ctrl-C: the child must not write on into a folder being removed
+        proc.kill()
+        proc.wait()
+        raise
     wall = time.perf_counter() - t0
     err = proc.stderr.read().decode() if proc.stderr else ""
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -99,6 +104,7 @@ def main() -> int:
 
     resolve_outputs(args, "convert_memory")
     py = sys.executable
+    exit_on_sigterm()  # a killed run left its whole checkpoint (2 GiB by default) in --dir
     work = tempfile.mkdtemp(prefix="distckpt-convert-bench-", dir=args.dir)
     try:
         root = os.path.join(work, "ckpt")

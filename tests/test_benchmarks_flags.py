@@ -247,3 +247,62 @@ def test_sigterm_removes_the_run_folder(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert proc.returncode != 0 and sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_removes_convert_memorys_checkpoint(tmp_path: Path) -> None:
+    # convert_memory.py kept SIGTERM's default action: its finally never ran, and a killed run
+    # left its whole checkpoint (2 GiB by default) in --dir. Stopped once the checkpoint is being
+    # written or converted.
+    import signal
+    import time
+
+    work = tmp_path / "dir"
+    work.mkdir()
+    (work / "mine.txt").write_text("the user's")
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "convert_memory.py"), "--gib", "0.25", "--dir", str(work), "--json", str(tmp_path / "o.json")],
+        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while not any((p / "ckpt").exists() for p in work.iterdir() if p.is_dir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no checkpoint"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.parametrize("mark", ["manifest.json", ".metadata"])
+def test_a_dir_inside_a_checkpoint_step_is_refused(tmp_path: Path, mark: str) -> None:
+    # The raw-I/O rows wrote their files into the committed step before distckpt's save refused.
+    existing_dir = _common().existing_dir
+    step = tmp_path / "root" / "step_000000003"
+    (step / "sub").mkdir(parents=True)
+    (step / mark).write_text("{}")
+    for inside in (step, step / "sub"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"inside the checkpoint step .*{mark}"):
+            existing_dir(str(inside))
+    assert existing_dir(str(tmp_path / "root")) == str(tmp_path / "root")
+    proc = _bench("save_throughput.py", "--quick", "--dir", str(step / "sub"))
+    assert proc.returncode == 2 and "--dir" in proc.stderr and "inside the checkpoint step" in proc.stderr
+    assert sorted(p.name for p in (step / "sub").iterdir()) == []
+
+
+def test_results_are_replaced_whole(tmp_path: Path) -> None:
+    # publish() truncated and rewrote the committed results in place: a kill or a full disk
+    # mid-write left a truncated .json. A link to the old file keeps the old bytes only if the
+    # new file is renamed into place.
+    publish = _common().publish
+    out = tmp_path / "r.json"
+    publish({"v": 1}, "| old |", str(out))
+    os.link(out, tmp_path / "old.json")
+    os.link(out.with_suffix(".md"), tmp_path / "old.md")
+    publish({"v": 2}, "| new |", str(out))
+    assert json.loads(out.read_text()) == {"v": 2} and out.with_suffix(".md").read_text() == "| new |\n"
+    assert json.loads((tmp_path / "old.json").read_text()) == {"v": 1} and (tmp_path / "old.md").read_text() == "| old |\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json", "old.md", "r.json", "r.md"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o644)
