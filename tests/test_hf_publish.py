@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 
 import pytest
 import torch
@@ -263,3 +264,83 @@ def test_a_failed_publish_in_place_keeps_your_config_it_was_allowed_to_replace(t
     with pytest.raises(OSError, match="No space left"):
         hf.save_pretrained(nn.Linear(6, 4), out, config={"model_type": "new"}, replace=["config.json"])
     assert fs.cat(out + "/config.json") == mine
+
+
+def _drifted_publish(rank: int, world_size: int, out: str, policy: str) -> dict:
+    import warnings
+
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():  # what unsynced buffers (FSDP2) or DDP(broadcast_buffers=False) leave
+        model[0].bias.fill_(float(rank))
+        model[1].running_mean.fill_(float(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            distckpt.save_pretrained(model, f"{out}/{policy}", max_shard_size="100B", on_replica_drift=policy)
+        except distckpt.ReplicaDriftError as exc:
+            return {"error": str(exc), "written": sorted(os.listdir(out)) if os.path.isdir(out) else []}
+    files = sorted(f for f in os.listdir(f"{out}/{policy}") if f.endswith(".safetensors"))
+    values = {k: v.tolist() for f in files for k, v in load_file(f"{out}/{policy}/{f}").items()}
+    return {"warnings": [str(w.message) for w in caught if "drifted" in str(w.message)], "values": values}
+
+
+@pytest.mark.timeout(200)
+def test_drifted_replicas_are_named_at_publish(tmp_path):
+    """Copies of a plain parameter or buffer that differ between ranks were published without a
+    word, each file holding its writer rank's copy (ranks mixed across one checkpoint), where
+    Checkpointer.save names them."""
+    import os
+
+    from dist_harness import run_ranks
+
+    out = str(tmp_path / "hf")
+    for policy in ("warn", "ignore", "error"):
+        got = run_ranks(_drifted_publish, 3, tmp_path, out, policy)
+        if policy == "warn":
+            for rank in got:
+                assert len(rank["warnings"]) == 1, rank
+                message = rank["warnings"][0]
+                assert "0.bias (ranks [0] vs [1] vs [2])" in message and "1.running_mean (ranks [0] vs [1] vs [2])" in message, message
+                assert "0.weight" not in message and "each file holds its writer rank's copy" in message
+        elif policy == "ignore":
+            assert all(rank["warnings"] == [] for rank in got), got
+        else:
+            for rank in got:
+                assert "0.bias (ranks [0] vs [1] vs [2])" in rank["error"], rank
+            assert not os.path.exists(f"{out}/error"), "refused before anything is written"
+
+
+def test_on_replica_drift_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="on_replica_drift must be one of"):
+        distckpt.save_pretrained(nn.Linear(2, 2), str(tmp_path / "hf"), on_replica_drift="warm")
+
+
+def test_a_cast_beyond_the_dtypes_range_is_named_at_publish(tmp_path):
+    """save_pretrained(dtype=torch.float16) of a weight of 1e6 wrote inf without a word, where
+    the export (convert --to hf --dtype fp16) and load_pretrained name it."""
+    from safetensors.torch import load_file
+
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(1e6)
+        model.bias.fill_(1.0)
+    with pytest.warns(UserWarning, match=r"save_pretrained to .*: 1 tensor\(s\) hold values beyond the range of torch.float16.*: weight$"):
+        summary = distckpt.save_pretrained(model, str(tmp_path / "hf"), dtype=torch.float16)
+    assert summary["beyond_range"] == ["weight"]
+    assert torch.isinf(load_file(str(tmp_path / "hf" / "model.safetensors"))["weight"]).all()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cast within range warns nothing
+        assert distckpt.save_pretrained(model, str(tmp_path / "hf32"), dtype=torch.float32)["beyond_range"] == []
+
+
+def test_a_model_on_the_meta_device_is_refused_by_key(tmp_path):
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"cannot publish tensors on the meta device .*'weight', 'bias'.*to_empty"):
+        distckpt.save_pretrained(model, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()

@@ -374,13 +374,15 @@ def _publish_differ_job(rank: int, world: int, out: str, case: str) -> str:
     kwargs: dict = {"max_shard_size": "20B" if rank == 0 else "5GB"} if case == "max_shard_size" else {}
     if case == "dtype":
         kwargs["dtype"] = torch.bfloat16 if rank == 0 else None
+    if case == "on_replica_drift":
+        kwargs["on_replica_drift"] = "error" if rank == 0 else "warn"
     try:
         return repr(hf.save_pretrained(model, out, **kwargs)["files"])
     except ValueError as exc:
         return str(exc)
 
 
-@pytest.mark.parametrize("case", ["max_shard_size", "dtype"])
+@pytest.mark.parametrize("case", ["max_shard_size", "dtype", "on_replica_drift"])
 def test_publishing_ranks_that_differ_fail_alike_and_publish_nothing(tmp_path, case):
     """Ranks passing different max_shard_size (a per-node config) each wrote the shards of their
     own layout: the folder was committed with an index naming shards no rank wrote, and no error

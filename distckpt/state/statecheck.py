@@ -99,15 +99,22 @@ def record(
     drifted = {**found, **(drifted or {})}
     for key in drifted:
         prints.pop(key, None)
+    report_drift(f"save of step {step}", "DCP writes only one copy", drifted, on_drift)
+    return prints
+
+
+def report_drift(what: str, written: str, drifted: Mapping[str, list[list[int]]], on_drift: str, stacklevel: int = 4) -> None:
+    """(each rank that judged the copies) Warn about, or raise for, ``drifted`` (key -> groups of
+    ranks holding equal copies) per ``on_drift``; ``written``: which copy is kept.
+
+    Raises:
+        ReplicaDriftError: ``on_drift="error"`` and ``drifted`` is not empty.
+    """
     if drifted and on_drift != "ignore":
-        message = (
-            f"save of step {step}: copies of the same tensor differ between ranks (replicas drifted; "
-            f"DCP writes only one copy): {describe_drift(drifted)}"
-        )
+        message = f"{what}: copies of the same tensor differ between ranks (replicas drifted; {written}): {describe_drift(drifted)}"
         if on_drift == "error":
             raise ReplicaDriftError(message)
-        warnings.warn(f"distckpt: {message}", stacklevel=3)
-    return prints
+        warnings.warn(f"distckpt: {message}", stacklevel=stacklevel)
 
 
 def diverged(

@@ -49,8 +49,11 @@ from distckpt._process import refuse_different_arguments
 from distckpt.errors import StateMismatchError
 from distckpt.load.phases import Mismatches, read, refuse_meta, refuse_overlapping
 from distckpt.options import location
+from distckpt.state import statecheck
+from distckpt.state.casts import beyond_range
 from distckpt.state.entries import ModuleEntry, tied_duplicates
 from distckpt.storage.base import Storage
+from distckpt.tools.convert import warn_beyond_range
 from distckpt.tools.hf_publish import (
     DigestingFile,
     Layout,
@@ -399,6 +402,7 @@ def save_pretrained(
     overwrite: bool = False,
     replace: str | Iterable[str] = (),
     process_group: dist.ProcessGroup | None = None,
+    on_replica_drift: str = "warn",
 ) -> dict[str, Any]:
     """(all ranks, collective) Write ``module``'s weights as a Hugging Face checkpoint directory.
 
@@ -424,15 +428,25 @@ def save_pretrained(
             when ``config`` is given. Such files not named here are a ``FileExistsError``
             naming them. Naming any other file changes nothing: it is kept.
         process_group: the ranks that publish together (default: all).
+        on_replica_drift: copies of a replicated tensor (a plain parameter or buffer every rank
+            holds: DDP, or a buffer FSDP2 leaves unsharded such as BatchNorm's running stats)
+            that differ between ranks are named in a warning (``"warn"``), refused before
+            anything is written (``"error"``: :class:`~distckpt.ReplicaDriftError`), or not
+            compared (``"ignore"``). Only the rank writing a tensor's file publishes its copy.
 
     Tied weights are written once (under the first key), as Hugging Face's own ``save_pretrained``
-    does. Returns a summary (files, tensors, bytes) on every rank.
+    does. Returns a summary (files, tensors, bytes; ``beyond_range``: the tensors whose values
+    the cast to ``dtype`` changed beyond its range, also named in one warning) on every rank.
 
     Raises:
         FileExistsError: see ``overwrite`` and ``replace``.
         TypeError: ``dtype`` is not a floating-point dtype (it would truncate a weight, named).
-        ValueError: a tensor named ``__metadata__`` (reserved by safetensors), or a bad ``replace``.
+        ValueError: a tensor named ``__metadata__`` (reserved by safetensors), a bad ``replace``
+            or ``on_replica_drift``, or tensors on the meta device (named).
+        ReplicaDriftError: see ``on_replica_drift``.
     """
+    if on_replica_drift not in statecheck.DRIFT_POLICIES:
+        raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {on_replica_drift!r}")
     group = _group(process_group)
     opts = dict(storage_options or {})
     out = location(out, "out", opts)  # (a Path too: the publish checks it as text)
@@ -464,6 +478,10 @@ def save_pretrained(
             tensors[name] = value
         if not planned:
             raise ValueError("the model has no tensors to publish")
+        meta = [k for k, v in tensors.items() if v.device.type == "meta"]
+        if meta:  # (it failed in the writes with torch's "Cannot copy out of meta tensor", naming no key)
+            shown = ", ".join(repr(k) for k in meta[:5]) + (f" (+{len(meta) - 5} more)" if len(meta) > 5 else "")
+            raise ValueError(f"cannot publish tensors on the meta device (no values): {shown}; materialize them first (model.to_empty(device=...), then load or initialise)")
         files = plan_files(planned, limit)
         digest = repr([(t.key, t.shape, str(t.dtype)) for t in planned])
         # What every rank must share besides the model: each rank writes the files its own
@@ -477,13 +495,24 @@ def save_pretrained(
             "overwrite": bool(overwrite),
             "replace": sorted(patterns),
             "config (digest)": None if config_json is None else _digest(config_json),
+            "on_replica_drift": on_replica_drift,  # (refused on some ranks only, the others waited)
         }
-        return (tensors, files, config_json), (digest, agree)
+        # Copies of the plain tensors every rank holds, compared: only the owner of each file
+        # publishes its copy, so drifted replicas were published unnamed, several ranks' values
+        # mixed across files. (DTensors' replicated dimensions are not compared here.)
+        plain = {k: v for k, v in tensors.items() if not isinstance(v, DTensor)}
+        copies = statecheck.copy_digests(plain) if group.world_size > 1 and on_replica_drift != "ignore" else {}
+        return (tensors, files, config_json), (digest, agree, copies)
 
     (tensors, files, config_json), views = exchange(group, f"save_pretrained to {where}", prepare)
-    refuse_different_arguments(f"save_pretrained({where!r})", [agree for _, agree in views])
-    if len({digest for digest, _ in views}) > 1:
+    refuse_different_arguments(f"save_pretrained({where!r})", [agree for _, agree, _ in views])
+    if len({digest for digest, _, _ in views}) > 1:
         raise ValueError("ranks disagree on the model's keys, shapes or dtypes; every rank must publish the same model")
+    by_rank = [copies for _, _, copies in views]
+    differ = sorted(k for k in by_rank[0] if len({c.get(k) for c in by_rank}) > 1)
+    statecheck.report_drift(
+        f"save_pretrained to {where}", "each file holds its writer rank's copy", statecheck.name_drift(by_rank, differ), on_replica_drift, 3
+    )
     layout = Layout(files, config_json)
     # Largest files first, each to the least-loaded rank: the same assignment on every rank.
     load = [0] * group.world_size
@@ -496,25 +525,28 @@ def save_pretrained(
     publish = on_coordinator(group, f"save_pretrained to {where}", lambda: Publish.begin(storage, layout, overwrite, patterns, out))
     target = publish.target(storage)
     try:
-        digests = _write_shards(group, where, target, layout, owner, tensors)
+        digests, beyond = _write_shards(group, where, target, layout, owner, tensors)
         on_coordinator(group, f"commit of {where}", lambda: publish.commit(storage, layout, digests))
     except BaseException:
         if group.is_coordinator:
             publish.abandon(storage)
         raise
-    return {"output": where, "files": layout.names, "tensors": sum(len(e) for e in files), "bytes": layout.total}
+    warn_beyond_range(f"save_pretrained to {where}", beyond, dtype)
+    return {"output": where, "files": layout.names, "tensors": sum(len(e) for e in files), "bytes": layout.total, "beyond_range": beyond}
 
 
 def _write_shards(
     group: Group, where: str, target: Storage, layout: Layout, owner: dict[int, int], tensors: dict[str, torch.Tensor]
 ) -> dict[str, str]:
     """(all ranks) Write each rank's shard files into ``target`` (durably: synced before closed).
-    Returns every shard's CRC-32C (name -> hex), on every rank."""
+    Returns every shard's CRC-32C (name -> hex) and the keys whose cast changed values beyond
+    the written dtype's range (:func:`~distckpt.state.casts.beyond_range`), on every rank."""
     # Every rank walks the same tensors in the same order, since gathering a DTensor is
     # collective. An I/O error on an owner must not leave the others inside a gather: it is
     # recorded, the rank stops writing but keeps gathering, and errors are exchanged at the end.
     error: BaseException | None = None
     digests: dict[str, str] = {}
+    beyond: list[str] = []
     for i, entries in enumerate(layout.files):
         mine = owner[i] == group.rank and error is None
         cm: AbstractContextManager[IO[bytes]] | None = None
@@ -531,6 +563,8 @@ def _write_shards(
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if mine:
                 try:
+                    if full.dtype != t.dtype and beyond_range(full.detach(), t.dtype):
+                        beyond.append(t.key)
                     data = as_byte_viewable(full.detach().to(device="cpu", dtype=t.dtype))
                     if data.numel():
                         f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
@@ -546,6 +580,6 @@ def _write_shards(
             except Exception as exc:  # noqa: BLE001 - see above
                 error = error or exc
     outcome = capture(error) if error is not None else None
-    gathered = group.all_gather((outcome, digests))
-    raise_if_any([o for o, _ in gathered], f"save_pretrained to {where}")
-    return {name: digest for _, d in gathered for name, digest in d.items()}
+    gathered = group.all_gather((outcome, digests, beyond))
+    raise_if_any([o for o, _, _ in gathered], f"save_pretrained to {where}")
+    return {name: digest for _, d, _ in gathered for name, digest in d.items()}, sorted(k for _, _, b in gathered for k in b)
