@@ -20,6 +20,7 @@ from distckpt.state.data import GlobalBatchSampler
 from distckpt.errors import (
     CheckpointError,
     IntegrityError,
+    LoadInterrupted,
     StagingMismatchError,
     StateMismatchError,
     StepDeletedError,
@@ -40,6 +41,7 @@ __all__ = [
     "Global",
     "GlobalBatchSampler",
     "IntegrityError",
+    "LoadInterrupted",
     "LoadReport",
     "Manifest",
     "PerRank",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distckpt._ints import plain_int
 from distckpt._dist import on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
-from distckpt.errors import CheckpointError, one_line
+from distckpt.errors import CheckpointError, LoadInterrupted, interrupts_raised, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
@@ -560,7 +560,7 @@ class Checkpointer:
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         # A load that fails leaves no report: the previous load's would describe another step.
         self.last_load_report = None
-        with gc_paused(), targets_undone_on_failure():
+        with interrupts_raised(), gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
             for storage in self._tiers():
                 storage.refuse_unshared(group.world_size, "load")
@@ -683,6 +683,8 @@ class Checkpointer:
                         # same error everywhere, raised as such, not taken for damaged copies.
                         where=f"{self.storage.display(step_dir(chosen))} (the local tier's copy)",
                     )
+                except LoadInterrupted:  # Ctrl-C on some rank: no load from the root after it
+                    raise
                 except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                     problem = one_line(exc)
                 else:

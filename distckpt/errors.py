@@ -7,7 +7,8 @@ subclass the builtin that fits the caller's mistake, so ``except ValueError`` an
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 
 class CheckpointError(RuntimeError):
@@ -118,6 +119,35 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds something that could run code when read, or a path escaping it."""
 
 
+class LoadInterrupted(CheckpointError):
+    """A load's read was interrupted on some rank (Ctrl-C, a signal handler's ``sys.exit``).
+
+    Every rank takes the same way out of the load with it (its layers run collectives on the way
+    out); the interrupted rank then raises the interrupt itself from the public call
+    (:func:`interrupts_raised`), its peers this error naming the rank.
+
+    Attributes:
+        interrupt: the ``KeyboardInterrupt`` or ``SystemExit`` on the interrupted rank, else ``None``.
+    """
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None, interrupt: BaseException | None = None) -> None:
+        super().__init__(message, failures)
+        self.interrupt = interrupt
+
+
+@contextlib.contextmanager
+def interrupts_raised() -> Iterator[None]:
+    """Around a public load: a :class:`LoadInterrupted` leaves the rank that was interrupted as
+    its interrupt (``except KeyboardInterrupt``, and a handler's exit status, work as without
+    distckpt), and its peers as itself."""
+    try:
+        yield
+    except LoadInterrupted as exc:
+        if exc.interrupt is not None:
+            raise exc.interrupt from None
+        raise
+
+
 class StagingMismatchError(CheckpointError):
     """An async save's writer serialized values other than those the state held at the ``save``
     call (``verify_staging``): the staged copy was wrong, or changed before it was written. The
@@ -155,6 +185,16 @@ def cause_of(exc: BaseException) -> tuple[type[CheckpointError] | None, str]:
         exc = _unwrap(next(iter(exc.failures.values())))  # DCP without collectives: this rank's own
     kind = type(exc) if isinstance(exc, CheckpointError) and type(exc).__module__ == __name__ else None
     return kind, one_line(exc)
+
+
+def interrupt_in(exc: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt`` or ``SystemExit`` (a signal handler's ``sys.exit``) that
+    ``exc`` is, or that DCP wrapped as its one-rank ``CheckpointException``; else ``None``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and len(exc.failures) == 1:
+        exc = _unwrap(next(iter(exc.failures.values())))
+    return exc if isinstance(exc, (KeyboardInterrupt, SystemExit)) else None
 
 
 def from_causes(causes: Mapping[int, tuple[type[CheckpointError] | None, str]], what: str, note: str = "") -> CheckpointError:

@@ -74,10 +74,11 @@ def test_a_load_gathers_no_plans_and_sends_the_same_bytes_for_4_or_64_tensors(tm
                 # collectives runs, nor a gather or scatter of distckpt's.
                 assert not set(seen) & {name for name, _ in _TORCH}, seen
                 assert "Group.gather" not in seen and "Group.scatter" not in seen, seen
-            # Views (digests) and the read's outcome, and with the state check its error
-            # agreement (its sums travel in all-reduces of O(keys), not gathers of every
-            # rank's parts): O(1) per rank, whatever the number of tensors.
-            assert len(small["Group.all_gather"]) == len(large["Group.all_gather"]) == 2 + checked, small
+            # Views (digests), the read's outcome, the apply's (after every rank has read: see
+            # test_a_read_failing_on_one_rank_applies_the_state_on_none), and with the state
+            # check its error agreement (its sums travel in all-reduces of O(keys), not gathers
+            # of every rank's parts): O(1) per rank, whatever the number of tensors.
+            assert len(small["Group.all_gather"]) == len(large["Group.all_gather"]) == 3 + checked, small
             assert large["Group.all_gather"] == small["Group.all_gather"], (rank, checked, small, large)
 
 
@@ -121,3 +122,147 @@ def test_a_read_or_apply_failure_on_one_rank_is_the_same_error_on_every_rank(tmp
     kinds = {r.split("|", 1)[0] for r in apply}
     # One rank's caller mistake keeps its builtin type on every rank (as all_ranks does).
     assert kinds == {"ValueError"} and all("refused their state" in r for r in apply), apply
+
+
+def _interrupted_read(rank: int, world_size: int, root: str, how: str) -> dict:
+    """Rank 1 is interrupted (Ctrl-C, or a SIGTERM handler's sys.exit) at its second file read;
+    then every rank loads again in the same processes."""
+    import os
+    import signal
+    import sys
+
+    import torch
+
+    from distckpt.load import reader as R
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    distckpt.Checkpointer(root, thread_count=1).save(7, {"model": model, "step": 7})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(100 + rank)
+    fresh = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    state = {"model": fresh, "step": 0}
+    ck = distckpt.Checkpointer(root, thread_count=1)
+    if how == "exit":
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    real = R.CheckpointReader._read_file
+    reads = [0]
+
+    def read_file(self, *args, **kwargs):
+        reads[0] += 1
+        if rank == 1 and reads[0] == 2:
+            os.kill(os.getpid(), signal.SIGINT if how == "ctrl-c" else signal.SIGTERM)
+        return real(self, *args, **kwargs)
+
+    R.CheckpointReader._read_file = read_file
+    out: dict = {}
+    try:
+        ck.load(state)
+        out["first"] = "loaded"
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        out["first"] = f"{type(exc).__name__}: {exc}"
+    R.CheckpointReader._read_file = real
+    ck.load(state)
+    out["equal"] = all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items()) and state["step"] == 7
+    ck.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("how", ["ctrl-c", "exit"])
+def test_an_interrupt_during_the_read_is_raised_as_itself(tmp_path, how):
+    """A Ctrl-C (or a SIGTERM handler's sys.exit) that landed while a load read was caught and
+    raised as a CheckpointError on every rank, the interrupted one too: `except KeyboardInterrupt`
+    never saw it, and `except Exception` around the load kept a preempted job running. Found by
+    a helper (2026-12-07)."""
+    got = run_ranks(_interrupted_read, 2, tmp_path, str(tmp_path / "ck"), how)
+    expect = "KeyboardInterrupt" if how == "ctrl-c" else "SystemExit: 143"
+    assert got[1]["first"].startswith(expect), got
+    assert got[0]["first"].startswith("LoadInterrupted: reading ") and "rank 1: " + ("KeyboardInterrupt" if how == "ctrl-c" else "SystemExit") in got[0]["first"], got
+    assert all(r["equal"] for r in got), got
+
+
+def _one_rank_fails_its_read(rank: int, world_size: int, root: str) -> dict:
+    import torch
+
+    from distckpt.load import reader as R
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optim.step()
+    distckpt.Checkpointer(root).save(7, {"model": model, "optim": optim, "step": 7})
+    torch.manual_seed(100 + rank)
+    fresh = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    fresh_optim = torch.optim.AdamW(fresh.parameters())
+    state = {"model": fresh, "optim": fresh_optim, "step": 0}
+    real = R.CheckpointReader._open
+    opened = [0]
+
+    def open_(self, name):
+        opened[0] += 1
+        if rank == 1 and opened[0] == 2:
+            raise OSError(5, "Input/output error (injected)", name)
+        return real(self, name)
+
+    R.CheckpointReader._open = open_
+    ck = distckpt.Checkpointer(root)
+    try:
+        ck.load(state)
+        first = "loaded"
+    except distckpt.CheckpointError as exc:
+        first = str(exc)
+    R.CheckpointReader._open = real
+    after = {"step": state["step"], "optim_state": len(fresh_optim.state)}
+    ck.load(state)
+    ck.close()
+    return {"first": first, "after_failure": after, "after_retry": {"step": state["step"], "optim_state": len(fresh_optim.state)}}
+
+
+@pytest.mark.timeout(200)
+def test_a_read_failing_on_one_rank_applies_the_state_on_none(tmp_path):
+    """The ranks whose own read succeeded applied the whole loaded state (step, optimizer state,
+    data position) before learning that a peer's read failed: after the error rank 0 and 2 were at
+    step 7, rank 1 at step 0, so a job starting fresh on a failed load ran ranks at different
+    steps. Found by a helper (2026-12-07)."""
+    got = run_ranks(_one_rank_fails_its_read, 3, tmp_path, str(tmp_path / "ck"))
+    for r in got:
+        assert "rank 1: " in r["first"] and "Input/output error (injected)" in r["first"], got
+        assert r["after_failure"] == {"step": 0, "optim_state": 0}, got
+        assert r["after_retry"]["step"] == 7 and r["after_retry"]["optim_state"] > 0, got
+
+
+def _dies_while_reading(rank: int, world_size: int, root: str) -> str:
+    import os
+
+    import torch
+
+    from distckpt.load import reader as R
+
+    model = nn.Linear(16, 16)
+    distckpt.Checkpointer(root).save(1, {"model": model})
+    real = R.CheckpointReader._read_file
+
+    def read_file(self, *args, **kwargs):
+        if rank == 1:
+            os._exit(3)
+        return real(self, *args, **kwargs)
+
+    R.CheckpointReader._read_file = read_file
+    try:
+        distckpt.Checkpointer(root).load({"model": nn.Linear(16, 16)})
+    except distckpt.CheckpointError as exc:
+        return str(exc)
+    del torch
+    return "loaded"
+
+
+@pytest.mark.timeout(200)
+def test_a_peer_dying_while_reading_says_the_state_may_be_partly_loaded(tmp_path):
+    """A peer that died mid-read left the survivors' tensors loaded (read in place) with an error
+    that only said a peer died, not that the state now mixes old and loaded values."""
+    from distckpt.load.phases import PARTLY_LOADED
+
+    got = run_ranks(_dies_while_reading, 2, tmp_path, str(tmp_path / "ck"), expect_dead=frozenset({1}), pg_timeout=20)
+    assert "a peer rank probably died" in got[0] and got[0].endswith(PARTLY_LOADED), got

@@ -971,3 +971,47 @@ def test_a_save_again_after_one_that_failed_at_the_root_warns_of_nothing_stale(t
     finally:
         subprocess.run(["umount", str(tier)], capture_output=True)
         subprocess.run(["umount", str(root)], capture_output=True)
+
+
+def _interrupted_tier_load_body(rank: int, world: int, root: str, nodes: str) -> dict:
+    import signal
+
+    from distckpt.load import reader as R
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
+    model = make_model(seed=0)
+    with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
+        ckpt.save(1, {"model": model, "step": 1})
+    real = R.CheckpointReader._read_file
+    read: list[str] = []
+
+    def read_file(self, f, *args, **kwargs):
+        read.append(str(f.where))
+        if rank == 1 and len(read) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, f, *args, **kwargs)
+
+    R.CheckpointReader._read_file = read_file
+    state = {"model": make_model(seed=1), "step": 0}
+    try:
+        with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
+            ckpt.load(state)
+        got = "loaded"
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got = f"{type(exc).__name__}: {exc}"
+    finally:
+        R.CheckpointReader._read_file = real
+    return {"got": got, "read": read, "step": state["step"]}
+
+
+def test_a_load_from_the_tier_interrupted_does_not_go_on_to_the_root(tmp_path):
+    """A Ctrl-C while a rank read the local tier's copy was taken for a damaged copy: every rank
+    warned and loaded the whole step from the root, and the interrupted rank's KeyboardInterrupt
+    was lost (a preempted job went on). Found by a helper (2026-12-07)."""
+    root = str(tmp_path / "root")
+    got = run_ranks(_interrupted_tier_load_body, 2, tmp_path, root, str(tmp_path / "nodes"))
+    assert got[1]["got"].startswith("KeyboardInterrupt"), got
+    assert got[0]["got"].startswith("LoadInterrupted: reading ") and "interrupted on rank(s) [1]" in got[0]["got"], got
+    for r in got:
+        assert r["read"] and not any(root + "/" in w or w.startswith(root) for w in r["read"]), r["read"]
+        assert r["step"] == 0, "no entry took its state"

@@ -662,7 +662,10 @@ def kept(
     try:
         yield
     except catch as exc:
-        why = ask(lambda: changed_since(storage, dirname, manifest, doing)) if manifest is not None else None
+        try:
+            why = ask(lambda: changed_since(storage, dirname, manifest, doing)) if manifest is not None else None
+        except Exception:  # noqa: BLE001 - the ranks could not ask (a peer died): the failure stands, as said
+            why = None
         if why:
             raise error(why) from exc
         raise

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
 from distckpt._dist import Group, capture, raise_if_any
-from distckpt.errors import IntegrityError, StateMismatchError, cause_of, from_causes
+from distckpt.errors import CheckpointError, IntegrityError, LoadInterrupted, StateMismatchError, cause_of, from_causes, interrupt_in
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
@@ -528,18 +528,21 @@ def read(
     planner: LoadPlanner,
     then: Callable[[], None] | None = None,
 ) -> None:
-    """(all ranks, one collective) Read this rank's ``request`` through DCP, then run ``then``.
+    """(all ranks; one collective, two with ``then``) Read this rank's ``request`` through DCP,
+    then, once every rank has read, run ``then``.
 
     ``dcp.load`` on a process group gathers every rank's load plan (one read item per tensor
     shard it reads) on the coordinator and scatters it back, although DCP's default global load
     plan changes nothing, then all-gathers the outcome: three collectives, the coordinator
     receiving O(world x items). Loading needs no coordination, so each rank plans and reads on
-    its own (``no_dist``) and one all-gather of O(1) per rank agrees on the outcome of the read
-    and of ``then``: a failure on any rank still fails every rank alike, read failures named
+    its own (``no_dist``) and an all-gather of O(1) per rank agrees on the outcome of the read,
+    another on that of ``then``: a failure on any rank still fails every rank alike, read failures named
     ``reading WHERE`` (of their common distckpt type, e.g. :class:`~distckpt.errors.IntegrityError`),
-    failures of ``then`` ``load of WHERE``.
+    failures of ``then`` ``load of WHERE``. An interrupt (``KeyboardInterrupt``, ``SystemExit``)
+    during the read is a :class:`~distckpt.errors.LoadInterrupted` on every rank (the interrupt
+    itself once it leaves the public call: :func:`~distckpt.errors.interrupts_raised`).
     """
-    read_failure = then_failure = None
+    read_failure = interrupt = None
     try:
         with warnings.catch_warnings():
             # no_dist is chosen, not a fallback: DCP's warning that it "assumes" it would mislead.
@@ -547,6 +550,10 @@ def read(
             load_flat(request, reader, planner)  # dcp.load, without its per-value Stateful checks
     except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         read_failure = cause_of(exc)
+        # Ctrl-C or a signal handler's sys.exit: its peers learn of it below, and this rank
+        # raises it as itself from the public call (it came out as a CheckpointError, which
+        # `except Exception` caught: a preempted job ran on).
+        interrupt = interrupt_in(exc)
     finish_streams = getattr(reader, "finish_streams", None)
     if finish_streams is not None:
         # A load that failed before its reads still sends and receives what its peers stream
@@ -554,19 +561,35 @@ def read(
         try:
             finish_streams()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
-            read_failure = read_failure or exc
-    if read_failure is None and then is not None:
+            read_failure = read_failure or cause_of(exc)
+    try:
+        outcomes = group.all_gather((read_failure, interrupt is not None))
+    except CheckpointError as exc:  # a peer died while reading: this rank's tensors may be loaded
+        if interrupt is not None:
+            raise interrupt from None
+        raise CheckpointError(f"{exc._message}{PARTLY_LOADED}", exc.failures) from exc
+    reads = {r: failed for r, (failed, _) in enumerate(outcomes) if failed is not None}
+    stopped = [r for r, (_, interrupted) in enumerate(outcomes) if interrupted]
+    if stopped:
+        # The same error on every rank, so that the layers above take the same (collective)
+        # way out; the interrupted rank raises its interrupt from the public call.
+        raise LoadInterrupted(
+            f"reading {where} was interrupted on rank(s) {stopped}{PARTLY_LOADED}", {r: line for r, (_, line) in reads.items()}, interrupt
+        )
+    if reads:
+        # Tensors are read in place (no second copy of the state): those read before the
+        # failure hold their new values, which nothing else would tell the user. ``then`` runs
+        # only once every rank has read: run where a rank's own read succeeded, it left those
+        # ranks holding the whole loaded state (step, optimizer, data position) and the failed
+        # ones their old values.
+        raise from_causes(reads, f"reading {where}", PARTLY_LOADED)
+    if then is not None:
+        then_failure = None
         try:
             then()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
             then_failure = capture(exc)
-    outcomes = group.all_gather((read_failure, then_failure))
-    reads = {r: failed for r, (failed, _) in enumerate(outcomes) if failed is not None}
-    if reads:
-        # Tensors are read in place (no second copy of the state): those read before the
-        # failure hold their new values, which nothing else would tell the user.
-        raise from_causes(reads, f"reading {where}", PARTLY_LOADED)
-    raise_if_any([failed for _, failed in outcomes], f"load of {where}")
+        raise_if_any(group.all_gather(then_failure), f"load of {where}")
 
 
 def entries_read(names: Iterable[str], requested: Iterable[str]) -> set[str]:

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from distckpt._compat import as_byte_viewable
 from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
 from distckpt._process import refuse_different_arguments
-from distckpt.errors import StateMismatchError
+from distckpt.errors import StateMismatchError, interrupts_raised
 from distckpt.load.phases import Mismatches, read, refuse_meta, refuse_overlapping
 from distckpt.options import location
 from distckpt.state import statecheck
@@ -174,6 +174,7 @@ def _config_json(config: object) -> bytes | None:
     return text.encode()
 
 
+@interrupts_raised()  # Ctrl-C while reading: the interrupt on its rank, LoadInterrupted on its peers
 def load_pretrained(
     module: nn.Module,
     path: str,
