@@ -10,7 +10,8 @@
    resharding model and optimizer, and continues with the same global batch and data order.
 3. Prints the loss curve of both phases (ASCII) and each save's blocking time and throughput.
 
-Uses only what is installed (torch, distckpt) and a temporary directory (``--workdir`` keeps it).
+Uses only what is installed (torch, distckpt) and a temporary directory (``--workdir`` keeps it,
+and a run that fails keeps it for the transcripts its error names).
 """
 
 from __future__ import annotations
@@ -100,9 +101,24 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny model (a few seconds)")
     p.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temp dir)")
     a = p.parse_args()
-    stop_at = a.stop_at or a.steps // 2
+    stop_at = a.steps // 2 if a.stop_at is None else a.stop_at
+    # (A --stop-at at or past --steps, or a --workdir of an earlier demo, ended a run that had
+    # done nothing wrong with "the preempted run did not save and exit cleanly".)
+    if not 0 < stop_at < a.steps:
+        p.error(f"--stop-at must be in (0, --steps={a.steps}), got {stop_at}: phase 1 is preempted there")
+    if a.global_batch < 6 or a.global_batch % 6:
+        p.error(f"--global-batch must be a positive multiple of 6 (split over 2, then 3 ranks), got {a.global_batch}")
+    if a.workdir and any((Path(a.workdir) / name).exists() for name in ("ckpt", "loss.jsonl")):
+        p.error(f"--workdir {a.workdir} holds an earlier demo's ckpt/ or loss.jsonl: pass a new folder (or remove them)")
 
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="distckpt-demo-"))
+    code = _run(a, work, stop_at)  # (a failed run exits naming its transcript there: kept)
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return code
+
+
+def _run(a: argparse.Namespace, work: Path, stop_at: int) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ckpt, log = work / "ckpt", work / "loss.jsonl"
     args = [
@@ -130,8 +146,6 @@ def main() -> int:
             print(f"  {step:>6} {ranks:>5} {mode:>5} {float(blocked):>10.3f} {float(total):>8.3f} {float(mb):>7.1f} {mbps or '-':>8}")
     print(f"\nkept checkpoints: {sorted(d.name for d in ckpt.iterdir() if d.name.startswith('step_'))}")
     print(f"first loss {points[0][1]:.4f} -> last {points[-1][1]:.4f} in {time.perf_counter() - t0:.1f}s")
-    if not a.workdir:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -140,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad.append("--ckpt-dir must name a checkpoint root, got an empty string")
     elif args.log_file and os.path.abspath(args.log_file) == os.path.abspath(args.ckpt_dir):
         bad.append(f"--log-file {args.log_file} is the checkpoint root --ckpt-dir: name a file beside it")
+    else:
+        bad += _local_path_problems(args)
     if not math.isfinite(args.step_delay):  # inf would sleep for ever after the first step
         bad.append(f"--step-delay must be finite, got {args.step_delay}")
     if args.n_heads >= 1 and args.d_model % args.n_heads:
@@ -147,6 +149,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error("; ".join(bad))
     return args
+
+
+def _local_path_problems(args: argparse.Namespace) -> list[str]:
+    """A local ``--ckpt-dir`` that is (or lies under) a file, and a ``--log-file`` inside a
+    checkpoint step or the local tier: the first failed as a bare NotADirectoryError on every
+    rank; the second appended its lines to whatever it named there (a step's manifest.json,
+    which no command could read again)."""
+    bad = []
+    if "://" not in args.ckpt_dir:
+        existing = os.path.abspath(args.ckpt_dir)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            bad.append(f"--ckpt-dir {args.ckpt_dir}: {existing} is a file, not a folder (a checkpoint root is a folder)")
+    if args.log_file:
+        log = os.path.realpath(args.log_file)
+        folder = os.path.dirname(log)
+        places = [("--local-dir", args.local_dir, True)] if args.local_dir else []
+        if "://" not in args.ckpt_dir:
+            places.append(("--ckpt-dir", args.ckpt_dir, False))
+        for flag, place, anywhere in places:
+            root = os.path.realpath(place)
+            inside = folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
+            # In the root itself only a file a step could not be taken for (train.log, not step_5).
+            if inside and (anywhere or folder != root or os.path.basename(log).startswith("step_")):
+                bad.append(f"--log-file {args.log_file} lies inside {flag} {place} (a checkpoint's files): name a file outside it")
+    return bad
+
+
+def root_problem(ckpt_dir: str) -> str | None:
+    """(each rank) Why a local checkpoint root cannot be written (made where missing), else
+    ``None``; URLs are left to the store (a misspelled bucket is named by ``latest_step``)."""
+    if "://" in ckpt_dir:
+        return None
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({exc.filename or ckpt_dir})"
+    if not os.access(ckpt_dir, os.W_OK | os.X_OK):
+        return "no permission to write in it (or a read-only file system)"
+    return None
+
+
+#: Flags that change what the model computes or the schedule with the same weights: recorded in
+#: every save's manifest (``train``), compared at a resume (other flags' changes are refused by
+#: the load: shapes, the sampler's state).
+RECORDED = ("n_heads", "dropout", "warmup", "decay_steps")
+
+
+def resume_changes(args: argparse.Namespace, saved: object) -> tuple[list[str], list[str]]:
+    """(refused, said): ``--n-heads`` changed since the save (the same weights split into other
+    heads: a silently different model), and the schedule or dropout flags changed (applied, but
+    the losses no longer repeat the saved run's); nothing for a checkpoint that records none."""
+    if not isinstance(saved, dict):
+        return [], []
+    refused, said = [], []
+    for name in RECORDED:
+        if name in saved and saved[name] != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            line = f"{flag} {getattr(args, name)!r} (the checkpoint's run had {saved[name]!r})"
+            (refused if name == "n_heads" else said).append(line)
+    return refused, said
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         why = distckpt.errors.one_line(exc).split(" (tensors read before the failure")[0]
         raise SystemExit(f"train.py: cannot resume from {args.ckpt_dir}: {why}\n(start a new run with another --ckpt-dir, or resume with the flags it was saved with)") from None
+    unwritable = root_problem(args.ckpt_dir)
+    # Agreed: a root no rank can write failed only at the first save, --save-every steps of
+    # training later, as a bare FileNotFoundError (a missing mount, a read-only tree).
+    seen = torch.tensor([0.0 if unwritable is None else 1.0], device=device)
+    dist.all_reduce(seen)
+    if seen.item():
+        raise SystemExit(f"train.py: --ckpt-dir {args.ckpt_dir} cannot be written" + (f": {unwritable}" if unwritable else " on some rank"))
     say(
         f"{args.parallel} on {world} x {device.type}, ~{n_params / 1e6:.2f}M params, global batch "
         f"{args.global_batch}, steps {step} -> {args.steps}, loss floor ~{data.entropy():.3f}"
@@ -341,11 +412,23 @@ def main(argv: list[str] | None = None) -> int:
         done = ckpt.wait()  # commit the previous async save (if any) and report it
         if done is not None:
             log_save(done, "async")
-        ckpt.save(step, state, blocking=blocking)
+        ckpt.save(step, state, blocking=blocking, metadata={"train": {name: getattr(args, name) for name in RECORDED}})
         if blocking:
             log_save(ckpt.last_save, "sync")  # type: ignore[arg-type]
 
     if step > 0:
+        try:  # (every rank reads the same manifest: all refuse alike)
+            saved = ckpt.manifest(step).extra.get("train")
+        except (OSError, ValueError):
+            saved = None
+        refused, said = resume_changes(args, saved)
+        if refused:
+            raise SystemExit(
+                f"train.py: cannot resume from {args.ckpt_dir}: {'; '.join(refused)}: the same weights would compute "
+                "another model\n(start a new run with another --ckpt-dir, or resume with the flags it was saved with)"
+            )
+        for line in said:
+            say(f"{line} applied from step {step}: the losses no longer repeat that run's")
         # The optimizer's and schedule's state come from the checkpoint: flags for them given
         # other values now do not apply (said, not silently dropped).
         named = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)}

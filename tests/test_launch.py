@@ -479,3 +479,71 @@ def test_a_second_interrupt_stops_at_once() -> None:
             train._on_signal(signal.SIGINT, None)
     finally:
         train._preempted.clear()
+
+
+def _train_module():
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    return train
+
+
+def test_checkpoint_paths_that_cannot_work_are_usage_errors(tmp_path, capsys):
+    """Found by a helper (2026-12-07, /tmp/attack114): --ckpt-dir naming a file (or a path under
+    one) was a bare NotADirectoryError on every rank; --log-file naming a step's manifest.json
+    appended JSON lines to it (the step could no longer be read by any command)."""
+    parse_args = _train_module().parse_args
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    root = tmp_path / "ckpt"
+    (root / "step_000000002").mkdir(parents=True)
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    cases = [
+        (["--ckpt-dir", str(afile)], f"{afile} is a file, not a folder"),
+        (["--ckpt-dir", str(afile / "sub")], f"{afile} is a file, not a folder"),
+        (["--ckpt-dir", str(root), "--log-file", str(root / "step_000000002" / "manifest.json")], "lies inside --ckpt-dir"),
+        (["--ckpt-dir", str(root), "--log-file", str(root / "step_000000009")], "lies inside --ckpt-dir"),
+        (["--ckpt-dir", str(root), "--local-dir", str(tier), "--log-file", str(tier / "log.jsonl")], "lies inside --local-dir"),
+    ]
+    for flags, named in cases:
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--steps", "4", *flags])
+        assert exit_.value.code == 2 and named in capsys.readouterr().err, flags
+    # A log beside the steps, in the root itself, is fine (README's example keeps one there).
+    assert parse_args(["--steps", "4", "--ckpt-dir", str(root), "--log-file", str(root / "train.jsonl")]).log_file
+
+
+def test_resume_changes_and_root_problems():
+    train = _train_module()
+    args = train.parse_args(["--steps", "4", "--ckpt-dir", "x", "--n-heads", "2", "--warmup", "3"])
+    saved = {"n_heads": 4, "dropout": 0.1, "warmup": 20, "decay_steps": 2000}
+    refused, said = train.resume_changes(args, saved)
+    assert refused == ["--n-heads 2 (the checkpoint's run had 4)"] and said == ["--warmup 3 (the checkpoint's run had 20)"]
+    assert train.resume_changes(args, None) == ([], [])  # a checkpoint of an earlier train.py records none
+    assert "No such file or directory" in train.root_problem("/proc/nope/run")
+    assert train.root_problem("s3://bucket/run") is None
+
+
+def test_a_root_that_cannot_be_written_and_changed_heads_stop_before_training(tmp_path: Path) -> None:
+    """An unwritable --ckpt-dir trained --save-every steps and then every rank died with a bare
+    FileNotFoundError at the first save; a resume with another --n-heads (same weight shapes)
+    trained on silently, its losses no longer the run's."""
+    def train(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(TRAIN), *TINY, *flags],
+            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+
+    bad = train("--steps", "3", "--ckpt-dir", "/proc/nope/run")
+    assert bad.returncode != 0 and "--ckpt-dir /proc/nope/run cannot be written" in bad.stderr, bad.stderr[-3000:]
+    assert "step 1" not in bad.stdout and 'train.py", line' not in bad.stderr, bad.stdout[-2000:]
+    ckpt = tmp_path / "ckpt"
+    done = train("--steps", "2", "--ckpt-dir", str(ckpt), "--save-every", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    heads = train("--steps", "3", "--ckpt-dir", str(ckpt), "--n-heads", "1")
+    assert heads.returncode != 0 and "cannot resume from" in heads.stderr and "--n-heads 1 (the checkpoint's run had 2)" in heads.stderr, heads.stderr[-3000:]
+    warm = train("--steps", "3", "--ckpt-dir", str(ckpt), "--warmup", "7")
+    assert warm.returncode == 0 and "--warmup 7 (the checkpoint's run had" in warm.stdout and "applied from step 2" in warm.stdout, warm.stdout[-3000:]
