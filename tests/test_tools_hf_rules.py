@@ -507,3 +507,18 @@ def test_load_pretrained_refuses_destinations_it_cannot_fill(tmp_path):
         with pytest.raises(ValueError, match=r"cannot load 'buf' of .* into a tensor whose elements share memory"):
             distckpt.load_pretrained(m, str(src))
         assert torch.equal(m.lin.weight, before)  # refused before anything was read
+
+
+def test_a_key_map_that_is_no_function_or_returns_no_key_is_named(tmp_path):
+    """A dict (transformers' from_pretrained takes key_mapping as one) failed as "'dict' object
+    is not callable", a key_map returning a list as "unhashable type: 'list'", naming neither
+    key_map nor the key. Found by a helper (2026-12-07, /tmp/attack115)."""
+    from safetensors.torch import save_file
+
+    model = nn.Linear(2, 2)
+    save_file({k: v.detach().clone() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(TypeError, match=r"key_map must be a function .* got dict; for a dict of exact keys pass key_map=mapping.get"):
+        hf.load_pretrained(model, str(tmp_path), key_map={"weight": "weight"})
+    with pytest.raises(TypeError, match=r"key_map\('(weight|bias)'\) returned list; it must return the model key \(str\) or None"):
+        hf.load_pretrained(model, str(tmp_path), key_map=lambda k: [k])
+    assert not hf.load_pretrained(model, str(tmp_path), key_map={"weight": "weight", "bias": "bias"}.get).missing

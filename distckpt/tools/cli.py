@@ -408,6 +408,13 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
                     "torch.save file; to copy a checkpoint, copy its step folder (or export it with --to "
                     "torch/safetensors/hf)"
                 )
+        elif args.src.rstrip("/").endswith(".safetensors"):
+            # (it reached the torch.save import, which called it "a damaged copy")
+            folder = args.src.rstrip("/").rpartition("/")[0] or "."
+            raise ValueError(
+                f"{args.src} is a safetensors file: --to dcp imports the Hugging Face folder holding it "
+                f"(distckpt convert {folder} --to dcp {args.out})"
+            )
         else:
             summary = importer.import_torch_save(args.src, args.out, step=args.step, storage_options=opts)
     elif args.to == "hf":

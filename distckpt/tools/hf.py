@@ -114,7 +114,10 @@ def _digest(value: object) -> str:
 
 def _map_key(name: str, strip_prefix: str | None, add_prefix: str | None, key_map: Callable[[str], str | None] | None) -> str | None:
     if key_map is not None:
-        return key_map(name)
+        mapped = key_map(name)
+        if mapped is not None and not isinstance(mapped, str):  # (a list was "unhashable type: 'list'")
+            raise TypeError(f"load_pretrained: key_map({name!r}) returned {type(mapped).__name__}; it must return the model key (str) or None to skip it")
+        return mapped
     if strip_prefix:
         if not name.startswith(strip_prefix):
             return None
@@ -222,6 +225,13 @@ def load_pretrained(
             and an index naming other files (:class:`~distckpt.tools.safetensors_io.SafetensorsIndex`).
     """
     group = _group(process_group)
+    if key_map is not None and not callable(key_map):
+        # (a dict, as transformers' key_mapping takes regex patterns, failed as "'dict' object
+        # is not callable", naming no argument)
+        raise TypeError(
+            f"load_pretrained: key_map must be a function (checkpoint key -> model key, or None to skip it), got "
+            f"{type(key_map).__name__}; for a dict of exact keys pass key_map=mapping.get"
+        )
     if key_map is not None and (strip_prefix or add_prefix):
         raise ValueError("load_pretrained: key_map replaces strip_prefix and add_prefix (they would be ignored); fold them into key_map")
     given = location(path, "path", storage_options)

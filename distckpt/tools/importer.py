@@ -10,6 +10,7 @@ Not collective: call from one process.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import tempfile
@@ -17,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from fsspec.core import url_to_fs
 
@@ -26,6 +28,7 @@ from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity import deep_stack
 from distckpt.integrity.manifest import step_dir
 from distckpt.state import values
+from distckpt.state.encoded import encode_for_save
 from distckpt.storage.base import Storage, local_path
 from distckpt.tools.outputs import check_output
 
@@ -101,12 +104,13 @@ def import_torch_save(
             tensors[clean] = value
         state: dict[str, Any] = {"model": tensors}
         for k, v in rest.items():
-            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and values.is_plain(v):
+            v = _count_of(v)
+            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and _storable(v):
                 state[k] = v
             else:
                 skipped.append(str(k))
         if step is None:  # the first of these that is a count (a flag "step": True is none)
-            counts = [rest.get(k) for k in ("step", "global_step", "epoch")]
+            counts = [_count_of(rest.get(k)) for k in ("step", "global_step", "epoch")]
             step = next((int(c) for c in counts if isinstance(c, int) and not isinstance(c, bool) and c >= 0), 0)
         ckpt = Checkpointer(out_root, storage_options=opts, save_rng=False)
         try:
@@ -155,6 +159,66 @@ def _is_tar(f: Any) -> bool:
         f.seek(0)
 
 
+def _count_of(value: object) -> object:
+    """A 0-d integer tensor (a step counter kept as ``torch.tensor(7)``) as its int: it was
+    skipped, and the step taken from ``epoch``; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (value.is_floating_point() or value.is_complex()):
+        if value.dtype != torch.bool and not value.is_quantized:
+            return int(value.item())
+    return value
+
+
+def _storable(value: object) -> bool:
+    """A top-level value the import keeps: a plain value, or a NumPy scalar or array a save
+    stores (see README "Non-tensor values")."""
+    if values.is_plain(value):
+        return True
+    if isinstance(value, (np.ndarray, np.generic)):
+        try:
+            encode_for_save({"v": value})
+        except (TypeError, ValueError):
+            return False
+        return True
+    return False
+
+
+#: What NumPy scalars and arrays need to be unpickled (numpy 1.x and 2.x names): read with
+#: ``weights_only=True`` only with these allowed (an array's bytes are checked against its shape
+#: by NumPy; an object array's items are unpickled under the same restrictions).
+_NUMPY_GLOBALS = {
+    "numpy.ndarray": ("numpy", "ndarray"),
+    "numpy.dtype": ("numpy", "dtype"),
+    "numpy.core.multiarray._reconstruct": ("numpy.core.multiarray", "_reconstruct"),
+    "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
+    "numpy.core.multiarray.scalar": ("numpy.core.multiarray", "scalar"),
+    "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
+}
+
+
+def _allowed_numpy(path: str, where: str) -> list[Any]:
+    """The NumPy globals the file's pickles need (allowed for its load), or ``ValueError``
+    naming the globals it needs that ``weights_only=True`` does not read (torch's own message
+    was cut to a line that said "two options" and showed none, in terminal colour codes)."""
+    needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    other = [g for g in needed if g not in _NUMPY_GLOBALS and not g.startswith("numpy.dtypes.")]
+    if other:
+        raise ValueError(
+            f"cannot import {where}: it holds objects that are read only by running code they name "
+            f"({', '.join(sorted(other)[:5])}{' ...' if len(other) > 5 else ''}); distckpt reads tensors, plain values "
+            "and NumPy values: re-save the file without the others if you trust it"
+        )
+    allowed: list[Any] = []
+    for name in needed:
+        module, _, attr = name.rpartition(".") if name not in _NUMPY_GLOBALS else (*_NUMPY_GLOBALS[name][:1], "", _NUMPY_GLOBALS[name][1])
+        try:
+            allowed.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue  # (the other NumPy major's name: torch then names it)
+    if allowed:  # a dtype's class is named only while its pickle is read (numpy.dtypes.Float64DType)
+        allowed += [getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None)) if n.endswith("DType") and n != "ObjectDType"]
+    return allowed
+
+
 def _torch_load(path: str, where: str) -> object:
     """``torch.load(weights_only=True, mmap=True)`` of a file that may come from anywhere: its
     pickles first checked for work bombs (hash or copy amplification), then unpickled on a
@@ -180,4 +244,10 @@ def _torch_load(path: str, where: str) -> object:
         bound = deep_stack.refuse_record_work_bombs(f, None, where)
         if bound is None:
             bound = deep_stack.record_nesting_bound(f)
-    return deep_stack.call_with_stack(bound, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    allowed = _allowed_numpy(path, where)
+
+    def load() -> object:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+    return deep_stack.call_with_stack(bound, load)
