@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import platform
@@ -117,7 +118,10 @@ def existing_dir(text: str) -> str:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"not an existing directory: {text!r}")
     for folder in (path.resolve(), *path.resolve().parents):
-        for mark in ("manifest.json", ".metadata"):
+        # DCP's .metadata in any folder; manifest.json (a common name: web apps, extensions)
+        # only in a step folder's name.
+        marks = (".metadata", "manifest.json") if re.fullmatch(r"step_\d+", folder.name) else (".metadata",)
+        for mark in marks:
             if (folder / mark).is_file():
                 raise argparse.ArgumentTypeError(f"{text!r} lies inside the checkpoint step {str(folder)!r} (it holds {mark}): pass a folder outside it")
     return text
@@ -404,7 +408,9 @@ def _write_whole(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the results from others sharing the checkout
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() makes it (mkstemp's 0600 kept others sharing the checkout out)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

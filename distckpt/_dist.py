@@ -8,6 +8,7 @@ so no rank waits forever on a peer that gave up.
 from __future__ import annotations
 
 import pickle
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distckpt._compat import object_collective_device
-from distckpt.errors import CheckpointError, one_line
+from distckpt.errors import CheckpointError, LoadInterrupted, one_line
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -301,6 +302,45 @@ def raise_if_any(
     ) from (first.exc if first.exc is not None else None)
 
 
+#: Interrupts a rank may take inside a load (Ctrl-C, a signal handler's ``sys.exit``).
+INTERRUPTS = (KeyboardInterrupt, SystemExit)
+_loading = threading.local()
+
+
+@contextmanager
+def interrupts_raised() -> Iterator[None]:
+    """(each rank, around a public load) Inside it, an interrupt that lands in the work of
+    :func:`exchange`, :func:`on_coordinator` or a load's read is exchanged like an error, and is
+    a :class:`~distckpt.errors.LoadInterrupted` on every rank (:func:`raise_interrupted`), so
+    that all ranks take the same way out (escaping bare on its rank, it left its peers in a
+    collective it never joined: a hang, or an emergency save's collectives paired with theirs).
+    The load then leaves the interrupted rank as its interrupt (``except KeyboardInterrupt`` and
+    a handler's exit status work as without distckpt), its peers as ``LoadInterrupted``."""
+    depth = getattr(_loading, "depth", 0)
+    _loading.depth = depth + 1
+    try:
+        yield
+    except LoadInterrupted as exc:
+        if exc.interrupt is not None:
+            raise exc.interrupt from None
+        raise
+    finally:
+        _loading.depth = depth
+
+
+def gathers_interrupts() -> bool:
+    """Whether this thread is inside :func:`interrupts_raised`."""
+    return getattr(_loading, "depth", 0) > 0
+
+
+def raise_interrupted(outcomes: Sequence[object], what: str, interrupt: BaseException | None) -> None:
+    """(all ranks, after exchanging outcomes) :class:`~distckpt.errors.LoadInterrupted` on every
+    rank if a rank's outcome is an interrupt (``interrupt``: this rank's own, or ``None``)."""
+    stopped = {r: o for r, o in enumerate(outcomes) if isinstance(o, _Failure) and o.type_name in {t.__name__ for t in INTERRUPTS}}
+    if stopped or interrupt is not None:
+        raise LoadInterrupted(f"{what} was interrupted on rank(s) {sorted(stopped)}", {r: o.message for r, o in stopped.items()}, interrupt)
+
+
 def all_ranks(group: Group, what: str, fn: Callable[[], T]) -> T:
     """(all ranks) Run ``fn`` on every rank; if it fails anywhere, fail everywhere alike.
 
@@ -316,12 +356,23 @@ def exchange(group: Group, what: str, fn: Callable[[], tuple[T, S]]) -> tuple[T,
     Returns this rank's result and every rank's ``shared`` part, in rank order, gathered in the
     same single collective that exchanges the outcomes.
     """
+    interrupt: BaseException | None = None
     try:
         result, shared = fn()
         outcome: _Failure | None = None
     except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
         result, shared, outcome = None, None, capture(exc)
-    gathered = group.all_gather((outcome, shared))
+    except INTERRUPTS as exc:
+        if not gathers_interrupts():
+            raise
+        result, shared, outcome, interrupt = None, None, capture(exc), exc
+    try:
+        gathered = group.all_gather((outcome, shared))
+    except CheckpointError:
+        if interrupt is not None:
+            raise interrupt from None
+        raise
+    raise_interrupted([o for o, _ in gathered], what, interrupt)
     raise_if_any([o for o, _ in gathered], what)
     return result, [s for _, s in gathered]  # type: ignore[return-value]
 
@@ -329,12 +380,23 @@ def exchange(group: Group, what: str, fn: Callable[[], tuple[T, S]]) -> tuple[T,
 def on_coordinator(group: Group, what: str, fn: Callable[[], T]) -> T:
     """(all ranks) Run ``fn`` on the coordinator only and hand its result or error to every rank."""
     payload: tuple[str, object] | None = None
+    interrupt: BaseException | None = None
     if group.is_coordinator:
         try:
             payload = ("ok", fn())
         except Exception as exc:  # noqa: BLE001
             payload = ("err", capture(exc))
-    payload = group.broadcast(payload)
+        except INTERRUPTS as exc:  # (see interrupts_raised)
+            if not gathers_interrupts():
+                raise
+            payload, interrupt = ("err", capture(exc)), exc
+    try:
+        payload = group.broadcast(payload)
+    except CheckpointError:
+        if interrupt is not None:
+            raise interrupt from None
+        raise
     if payload[0] == "err":
+        raise_interrupted([payload[1]], what, interrupt)
         raise_if_any([payload[1]], what)
     return cast(T, payload[1])

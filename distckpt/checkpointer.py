@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 
 from distckpt._ints import plain_int
-from distckpt._dist import on_coordinator
+from distckpt._dist import interrupts_raised, on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
-from distckpt.errors import CheckpointError, LoadInterrupted, interrupts_raised, one_line
+from distckpt.errors import CheckpointError, LoadInterrupted, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata

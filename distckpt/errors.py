@@ -7,8 +7,7 @@ subclass the builtin that fits the caller's mistake, so ``except ValueError`` an
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 class CheckpointError(RuntimeError):
@@ -124,7 +123,7 @@ class LoadInterrupted(CheckpointError):
 
     Every rank takes the same way out of the load with it (its layers run collectives on the way
     out); the interrupted rank then raises the interrupt itself from the public call
-    (:func:`interrupts_raised`), its peers this error naming the rank.
+    (:func:`distckpt._dist.interrupts_raised`), its peers this error naming the rank.
 
     Attributes:
         interrupt: the ``KeyboardInterrupt`` or ``SystemExit`` on the interrupted rank, else ``None``.
@@ -133,19 +132,6 @@ class LoadInterrupted(CheckpointError):
     def __init__(self, message: str, failures: Mapping[int, str] | None = None, interrupt: BaseException | None = None) -> None:
         super().__init__(message, failures)
         self.interrupt = interrupt
-
-
-@contextlib.contextmanager
-def interrupts_raised() -> Iterator[None]:
-    """Around a public load: a :class:`LoadInterrupted` leaves the rank that was interrupted as
-    its interrupt (``except KeyboardInterrupt``, and a handler's exit status, work as without
-    distckpt), and its peers as itself."""
-    try:
-        yield
-    except LoadInterrupted as exc:
-        if exc.interrupt is not None:
-            raise exc.interrupt from None
-        raise
 
 
 class StagingMismatchError(CheckpointError):

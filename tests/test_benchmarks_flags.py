@@ -287,6 +287,10 @@ def test_a_dir_inside_a_checkpoint_step_is_refused(tmp_path: Path, mark: str) ->
         with pytest.raises(argparse.ArgumentTypeError, match=f"inside the checkpoint step .*{mark}"):
             existing_dir(str(inside))
     assert existing_dir(str(tmp_path / "root")) == str(tmp_path / "root")
+    # A manifest.json elsewhere is someone's web app, not a step (found by a reviewer).
+    (tmp_path / "app" / "out").mkdir(parents=True)
+    (tmp_path / "app" / "manifest.json").write_text('{"name": "my web app"}')
+    assert existing_dir(str(tmp_path / "app" / "out")) == str(tmp_path / "app" / "out")
     proc = _bench("save_throughput.py", "--quick", "--dir", str(step / "sub"))
     assert proc.returncode == 2 and "--dir" in proc.stderr and "inside the checkpoint step" in proc.stderr
     assert sorted(p.name for p in (step / "sub").iterdir()) == []
@@ -305,4 +309,6 @@ def test_results_are_replaced_whole(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == {"v": 2} and out.with_suffix(".md").read_text() == "| new |\n"
     assert json.loads((tmp_path / "old.json").read_text()) == {"v": 1} and (tmp_path / "old.md").read_text() == "| old |\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json", "old.md", "r.json", "r.md"]
-    assert oct(out.stat().st_mode & 0o777) == oct(0o644)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~umask)

@@ -266,3 +266,58 @@ def test_a_peer_dying_while_reading_says_the_state_may_be_partly_loaded(tmp_path
 
     got = run_ranks(_dies_while_reading, 2, tmp_path, str(tmp_path / "ck"), expect_dead=frozenset({1}), pg_timeout=20)
     assert "a peer rank probably died" in got[0] and got[0].endswith(PARTLY_LOADED), got
+
+
+def _interrupted_then_saved(rank: int, world_size: int, root: str, where: str) -> list:
+    """Rank 1 is interrupted (Ctrl-C) at ``where`` of a load; every rank then saves (the usual
+    emergency save of a preempted job)."""
+    import os
+    import signal
+
+    import torch
+
+    import distckpt.load.run as RUN
+    from distckpt.load import reader as R
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    ck = distckpt.Checkpointer(root, thread_count=1)
+    ck.save(7, {"model": model, "step": 7})
+    ck.save(8, {"model": model, "step": 8})
+    state = {"model": nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]), "step": 0}
+    owner, name = (R.CheckpointReader, "_read_file") if where == "read, step deleted" else (RUN, {"plan": "plan_load", "apply": "apply_load"}[where])
+    real = getattr(owner, name)
+    calls = [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1:
+            if where == "read, step deleted":  # the retention of another job, at that moment
+                os.remove(os.path.join(root, "step_000000008", "manifest.json"))
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, interrupted)
+    try:
+        ck.load(state)
+        got = ["loaded", state["step"]]
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        setattr(owner, name, real)
+    ck.save(99, state)
+    ck.close()
+    return got + ["saved"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where", ["plan", "apply", "read, step deleted"])
+def test_an_interrupt_anywhere_in_a_load_leaves_every_rank_alike(tmp_path, where):
+    """Found by a reviewer (2026-12-07, /tmp/attack118): a Ctrl-C in the planning or the apply
+    escaped bare on its rank while its peers waited in the collective that followed, so an
+    emergency save paired its collectives with theirs (bare TypeErrors, a hang); one during a
+    read whose step another job's retention deleted was taken for the deletion, and the load
+    went on to the newest step, the interrupt lost."""
+    got = run_ranks(_interrupted_then_saved, 2, tmp_path, str(tmp_path / "ck"), where, pg_timeout=30)
+    assert got[1][0].startswith("KeyboardInterrupt") and got[1][-1] == "saved", got
+    assert got[0][0].startswith("LoadInterrupted: ") and "interrupted on rank(s) [1]" in got[0][0] and got[0][-1] == "saved", got

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
-from distckpt._dist import Group, capture, raise_if_any
+from distckpt._dist import INTERRUPTS, Group, capture, gathers_interrupts, raise_if_any, raise_interrupted
 from distckpt.errors import CheckpointError, IntegrityError, LoadInterrupted, StateMismatchError, cause_of, from_causes, interrupt_in
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
@@ -540,7 +540,7 @@ def read(
     ``reading WHERE`` (of their common distckpt type, e.g. :class:`~distckpt.errors.IntegrityError`),
     failures of ``then`` ``load of WHERE``. An interrupt (``KeyboardInterrupt``, ``SystemExit``)
     during the read is a :class:`~distckpt.errors.LoadInterrupted` on every rank (the interrupt
-    itself once it leaves the public call: :func:`~distckpt.errors.interrupts_raised`).
+    itself once it leaves the public call: :func:`~distckpt._dist.interrupts_raised`).
     """
     read_failure = interrupt = None
     try:
@@ -584,12 +584,23 @@ def read(
         # ones their old values.
         raise from_causes(reads, f"reading {where}", PARTLY_LOADED)
     if then is not None:
-        then_failure = None
+        then_failure = stop = None
         try:
             then()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
             then_failure = capture(exc)
-        raise_if_any(group.all_gather(then_failure), f"load of {where}")
+        except INTERRUPTS as exc:  # (see interrupts_raised)
+            if not gathers_interrupts():
+                raise
+            then_failure, stop = capture(exc), exc
+        try:
+            applied = group.all_gather(then_failure)
+        except CheckpointError:
+            if stop is not None:
+                raise stop from None
+            raise
+        raise_interrupted(applied, f"load of {where}", stop)
+        raise_if_any(applied, f"load of {where}")
 
 
 def entries_read(names: Iterable[str], requested: Iterable[str]) -> set[str]:

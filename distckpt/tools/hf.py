@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from distckpt._compat import as_byte_viewable
-from distckpt._dist import Group, capture, exchange, on_coordinator, raise_if_any
+from distckpt._dist import Group, capture, exchange, interrupts_raised, on_coordinator, raise_if_any
 from distckpt._process import refuse_different_arguments
-from distckpt.errors import StateMismatchError, interrupts_raised
+from distckpt.errors import StateMismatchError
 from distckpt.load.phases import Mismatches, read, refuse_meta, refuse_overlapping
 from distckpt.options import location
 from distckpt.state import statecheck
