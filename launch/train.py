@@ -421,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             saved = ckpt.manifest(step).extra.get("train")
         except (OSError, ValueError):
             saved = None
+        if not isinstance(saved, dict):  # (saved by an earlier train.py: taken as given, and recorded from now on)
+            say(f"step {step} records no {', '.join('--' + n.replace('_', '-') for n in RECORDED)}: not checked against this run's")
         refused, said = resume_changes(args, saved)
         if refused:
             raise SystemExit(

@@ -10,7 +10,6 @@ Not collective: call from one process.
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import tempfile
@@ -18,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from fsspec.core import url_to_fs
 
@@ -28,7 +26,6 @@ from distckpt.errors import UnsafeCheckpointError
 from distckpt.integrity import deep_stack
 from distckpt.integrity.manifest import step_dir
 from distckpt.state import values
-from distckpt.state.encoded import encode_for_save
 from distckpt.storage.base import Storage, local_path
 from distckpt.tools.outputs import check_output
 
@@ -105,7 +102,7 @@ def import_torch_save(
         state: dict[str, Any] = {"model": tensors}
         for k, v in rest.items():
             v = _count_of(v)
-            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and _storable(v):
+            if isinstance(k, str) and k and "." not in k and not k.startswith("_") and k != "model" and values.is_plain(v):
                 state[k] = v
             else:
                 skipped.append(str(k))
@@ -168,55 +165,26 @@ def _count_of(value: object) -> object:
     return value
 
 
-def _storable(value: object) -> bool:
-    """A top-level value the import keeps: a plain value, or a NumPy scalar or array a save
-    stores (see README "Non-tensor values")."""
-    if values.is_plain(value):
-        return True
-    if isinstance(value, (np.ndarray, np.generic)):
-        try:
-            encode_for_save({"v": value})
-        except (TypeError, ValueError):
-            return False
-        return True
-    return False
-
-
-#: What NumPy scalars and arrays need to be unpickled (numpy 1.x and 2.x names): read with
-#: ``weights_only=True`` only with these allowed (an array's bytes are checked against its shape
-#: by NumPy; an object array's items are unpickled under the same restrictions).
-_NUMPY_GLOBALS = {
-    "numpy.ndarray": ("numpy", "ndarray"),
-    "numpy.dtype": ("numpy", "dtype"),
-    "numpy.core.multiarray._reconstruct": ("numpy.core.multiarray", "_reconstruct"),
-    "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
-    "numpy.core.multiarray.scalar": ("numpy.core.multiarray", "scalar"),
-    "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
-}
-
-
-def _allowed_numpy(path: str, where: str) -> list[Any]:
-    """The NumPy globals the file's pickles need (allowed for its load), or ``ValueError``
-    naming the globals it needs that ``weights_only=True`` does not read (torch's own message
-    was cut to a line that said "two options" and showed none, in terminal colour codes)."""
-    needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    other = [g for g in needed if g not in _NUMPY_GLOBALS and not g.startswith("numpy.dtypes.")]
-    if other:
+def _refuse_unreadable(path: str, where: str) -> None:
+    """Refuse, naming them, a file whose pickles need globals ``weights_only=True`` does not
+    read (torch's own message was cut to a line that said "two options" and showed none, in
+    terminal colour codes). NumPy values are among them, on purpose: NumPy trusts whatever
+    array or dtype state a pickle gives it (a forged structured dtype writes out of bounds,
+    an array's shape allocates without bound), so a file from anywhere is not read with them."""
+    needed = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    if not needed:
+        return
+    shown = ", ".join(needed[:5]) + (" ..." if len(needed) > 5 else "")
+    if all(g.startswith("numpy.") for g in needed):
         raise ValueError(
-            f"cannot import {where}: it holds objects that are read only by running code they name "
-            f"({', '.join(sorted(other)[:5])}{' ...' if len(other) > 5 else ''}); distckpt reads tensors, plain values "
-            "and NumPy values: re-save the file without the others if you trust it"
+            f"cannot import {where}: it holds NumPy values ({shown}), which distckpt does not unpickle from a file "
+            "(NumPy trusts any array or dtype state a pickle gives it); if you trust the file, re-save it with "
+            "them as Python values or tensors (v.tolist(), torch.from_numpy(v)), then import that"
         )
-    allowed: list[Any] = []
-    for name in needed:
-        module, _, attr = name.rpartition(".") if name not in _NUMPY_GLOBALS else (*_NUMPY_GLOBALS[name][:1], "", _NUMPY_GLOBALS[name][1])
-        try:
-            allowed.append(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError):
-            continue  # (the other NumPy major's name: torch then names it)
-    if allowed:  # a dtype's class is named only while its pickle is read (numpy.dtypes.Float64DType)
-        allowed += [getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None)) if n.endswith("DType") and n != "ObjectDType"]
-    return allowed
+    raise ValueError(
+        f"cannot import {where}: it holds objects that are read only by running code they name ({shown}); "
+        "distckpt reads tensors and plain values: if you trust the file, re-save it without the others"
+    )
 
 
 def _torch_load(path: str, where: str) -> object:
@@ -244,10 +212,5 @@ def _torch_load(path: str, where: str) -> object:
         bound = deep_stack.refuse_record_work_bombs(f, None, where)
         if bound is None:
             bound = deep_stack.record_nesting_bound(f)
-    allowed = _allowed_numpy(path, where)
-
-    def load() -> object:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-    return deep_stack.call_with_stack(bound, load)
+    _refuse_unreadable(path, where)
+    return deep_stack.call_with_stack(bound, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=True))
