@@ -547,3 +547,10 @@ def test_a_root_that_cannot_be_written_and_changed_heads_stop_before_training(tm
     assert heads.returncode != 0 and "cannot resume from" in heads.stderr and "--n-heads 1 (the checkpoint's run had 2)" in heads.stderr, heads.stderr[-3000:]
     warm = train("--steps", "3", "--ckpt-dir", str(ckpt), "--warmup", "7")
     assert warm.returncode == 0 and "--warmup 7 (the checkpoint's run had" in warm.stdout and "applied from step 2" in warm.stdout, warm.stdout[-3000:]
+    # A step saved by an earlier train.py records none: said, not taken as checked.
+    manifest = ckpt / "step_000000003" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    del doc["extra"]["train"]
+    manifest.write_text(json.dumps(doc))
+    old = train("--steps", "4", "--ckpt-dir", str(ckpt))
+    assert old.returncode == 0 and "step 3 records no --n-heads, --dropout, --warmup, --decay-steps" in old.stdout, (old.stdout + old.stderr)[-3000:]
