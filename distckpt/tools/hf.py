@@ -513,17 +513,24 @@ def save_pretrained(
         # mixed across files. (DTensors' replicated dimensions are not compared here.)
         plain = {k: v for k, v in tensors.items() if not isinstance(v, DTensor)}
         copies = statecheck.copy_digests(plain) if group.world_size > 1 and on_replica_drift != "ignore" else {}
-        return (tensors, files, config_json), (digest, agree, copies)
+        return (tensors, files, config_json, copies), (digest, agree)
 
-    (tensors, files, config_json), views = exchange(group, f"save_pretrained to {where}", prepare)
-    refuse_different_arguments(f"save_pretrained({where!r})", [agree for _, agree, _ in views])
-    if len({digest for digest, _, _ in views}) > 1:
+    (tensors, files, config_json, copies), views = exchange(group, f"save_pretrained to {where}", prepare)
+    refuse_different_arguments(f"save_pretrained({where!r})", [agree for _, agree in views])
+    if len({digest for digest, _ in views}) > 1:
         raise ValueError("ranks disagree on the model's keys, shapes or dtypes; every rank must publish the same model")
-    by_rank = [copies for _, _, copies in views]
-    differ = sorted(k for k in by_rank[0] if len({c.get(k) for c in by_rank}) > 1)
-    statecheck.report_drift(
-        f"save_pretrained to {where}", "each file holds its writer rank's copy", statecheck.name_drift(by_rank, differ), on_replica_drift, 3
-    )
+    if group.world_size > 1 and on_replica_drift != "ignore":
+        # As a save compares replicas: slot sums in one all-reduce of O(keys) (the coordinator's
+        # copy as the reference), then only the keys that differ gathered, to name the ranks.
+        checked = sorted(k for k, v in tensors.items() if not isinstance(v, DTensor))
+        mine = statecheck.replica_vector(copies, checked, [], set(checked) if group.is_coordinator else set())
+        differ = statecheck.replica_mismatches(group.all_reduce(mine, "sum"), checked, [], group.world_size)
+        if differ:  # (the same list on every rank)
+            by_rank = group.all_gather({k: copies[k] for k in differ if k in copies})
+            statecheck.report_drift(
+                f"save_pretrained to {where}", "each file holds its writer rank's copy", statecheck.name_drift(by_rank, differ),
+                on_replica_drift, 3,
+            )  # fmt: skip
     layout = Layout(files, config_json)
     # Largest files first, each to the least-loaded rank: the same assignment on every rank.
     load = [0] * group.world_size
