@@ -20,7 +20,7 @@ from distckpt.state.data import GlobalBatchSampler
 from distckpt.errors import (
     CheckpointError,
     IntegrityError,
-    LoadInterrupted,
+    Interrupted,
     StagingMismatchError,
     StateMismatchError,
     StepDeletedError,
@@ -41,7 +41,7 @@ __all__ = [
     "Global",
     "GlobalBatchSampler",
     "IntegrityError",
-    "LoadInterrupted",
+    "Interrupted",
     "LoadReport",
     "Manifest",
     "PerRank",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distckpt._compat import object_collective_device
-from distckpt.errors import CheckpointError, LoadInterrupted, one_line
+from distckpt.errors import CheckpointError, Interrupted, one_line
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -311,21 +311,28 @@ _loading = threading.local()
 def interrupts_raised() -> Iterator[None]:
     """(each rank, around a public load) Inside it, an interrupt that lands in the work of
     :func:`exchange`, :func:`on_coordinator` or a load's read is exchanged like an error, and is
-    a :class:`~distckpt.errors.LoadInterrupted` on every rank (:func:`raise_interrupted`), so
+    a :class:`~distckpt.errors.Interrupted` on every rank (:func:`raise_interrupted`), so
     that all ranks take the same way out (escaping bare on its rank, it left its peers in a
     collective it never joined: a hang, or an emergency save's collectives paired with theirs).
     The load then leaves the interrupted rank as its interrupt (``except KeyboardInterrupt`` and
-    a handler's exit status work as without distckpt), its peers as ``LoadInterrupted``."""
+    a handler's exit status work as without distckpt), its peers as ``Interrupted``."""
     depth = getattr(_loading, "depth", 0)
     _loading.depth = depth + 1
     try:
         yield
-    except LoadInterrupted as exc:
+    except Interrupted as exc:
         if exc.interrupt is not None:
+            exc.interrupt.distckpt_left_alike = True  # type: ignore[attr-defined]  # (see left_alike)
             raise exc.interrupt from None
         raise
     finally:
         _loading.depth = depth
+
+
+def left_alike(exc: BaseException) -> bool:
+    """Whether interrupt ``exc`` left a collective call on every rank alike (raised by
+    :func:`interrupts_raised` after exchanging it), not on its rank alone."""
+    return bool(getattr(exc, "distckpt_left_alike", False))
 
 
 def gathers_interrupts() -> bool:
@@ -334,11 +341,11 @@ def gathers_interrupts() -> bool:
 
 
 def raise_interrupted(outcomes: Sequence[object], what: str, interrupt: BaseException | None) -> None:
-    """(all ranks, after exchanging outcomes) :class:`~distckpt.errors.LoadInterrupted` on every
+    """(all ranks, after exchanging outcomes) :class:`~distckpt.errors.Interrupted` on every
     rank if a rank's outcome is an interrupt (``interrupt``: this rank's own, or ``None``)."""
     stopped = {r: o for r, o in enumerate(outcomes) if isinstance(o, _Failure) and o.type_name in {t.__name__ for t in INTERRUPTS}}
     if stopped or interrupt is not None:
-        raise LoadInterrupted(f"{what} was interrupted on rank(s) {sorted(stopped)}", {r: o.message for r, o in stopped.items()}, interrupt)
+        raise Interrupted(f"{what} was interrupted on rank(s) {sorted(stopped)}", {r: o.message for r, o in stopped.items()}, interrupt)
 
 
 def all_ranks(group: Group, what: str, fn: Callable[[], T]) -> T:

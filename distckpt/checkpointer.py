@@ -8,19 +8,20 @@ and process-level concerns to :mod:`distckpt._process`. Read those for *how*.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from distckpt._ints import plain_int
-from distckpt._dist import interrupts_raised, on_coordinator
+from distckpt._dist import INTERRUPTS, interrupts_raised, left_alike, on_coordinator
 from distckpt._process import GroupHolder, close_at_exit, closed, gc_paused
-from distckpt.errors import CheckpointError, LoadInterrupted, one_line
+from distckpt.errors import CheckpointError, Interrupted, one_line
 from distckpt.integrity.checksums import DEFAULT as DEFAULT_CHECKSUM
 from distckpt.integrity.manifest import MANIFEST_NAME, Manifest, committed_steps, read_manifest, step_dir
 from distckpt.integrity.stepfiles import read_metadata
@@ -235,6 +236,7 @@ class Checkpointer:
             self.local = LocalTier(str(options.local_dir), options.local_keep, options.local_peers, root_mark(self.storage))
         self._saver = SaveDriver(options, self.storage, self._groups, self._lineage, self.replica, self.local)
         self._closed = False
+        self._out_of_step: str | None = None  # (see _steps_kept)
         self._pid = os.getpid()
         self.last_load_report: LoadReport | None = None
         close_at_exit(self)
@@ -265,6 +267,30 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError(f"{call}() on a closed Checkpointer")
         self._forked(call)
+        self._refuse_out_of_step(call)
+
+    def _refuse_out_of_step(self, call: str) -> None:
+        if self._out_of_step is not None:
+            # (its next collective paired with a peer's leftover one: a gloo abort that killed
+            # the peer, a peer taking this rank's arguments for its data and returning "saved")
+            raise CheckpointError(
+                f"{call}() refused: an interrupt (Ctrl-C, a signal handler's exception) stopped this Checkpointer's "
+                f"{self._out_of_step} on this rank in its blocked part, where its peers may still wait in a collective; "
+                "close() it and make a new Checkpointer, on every rank"
+            )
+
+    @contextlib.contextmanager
+    def _steps_kept(self, call: str) -> Iterator[None]:
+        """Around a collective call: an interrupt that leaves it on this rank alone (not one
+        every rank left alike, :func:`~distckpt._dist.interrupts_raised`) marks this
+        checkpointer out of step with its peers, so that its next call fails here (:meth:`_open`)
+        instead of pairing its collectives with the ones they wait in."""
+        try:
+            yield
+        except INTERRUPTS as exc:
+            if not left_alike(exc):
+                self._out_of_step = call
+            raise
 
     # -- listing (not collective) ---------------------------------------------------------------
     def steps(self, tier: str = "root") -> list[int]:
@@ -422,7 +448,9 @@ class Checkpointer:
             CheckpointError: writing failed on some rank (same error on every rank).
         """
         self._open("save")
-        self._saver.save(plain_int(step), state, blocking, metadata)  # type: ignore[arg-type]
+        self.wait()  # the in-flight async save: an interrupted wait() keeps it running, in step
+        with self._steps_kept(f"save of step {step}"):
+            self._saver.save(plain_int(step), state, blocking, metadata)  # type: ignore[arg-type]
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Reserve, in the background, the host memory async saves of ``state`` will
@@ -441,7 +469,9 @@ class Checkpointer:
             The same errors a save of ``state`` would raise while preparing (on every rank).
         """
         self._open("prepare_staging")
-        self._saver.prepare_staging(state)
+        self.wait()  # (as in save)
+        with self._steps_kept("prepare_staging"):
+            self._saver.prepare_staging(state)
 
     @property
     def in_flight(self) -> bool:
@@ -461,6 +491,7 @@ class Checkpointer:
         error, identically on every rank.
         """
         self._forked("wait")
+        self._refuse_out_of_step("wait")
         return self._saver.wait()
 
     def close(self) -> None:
@@ -478,7 +509,8 @@ class Checkpointer:
             closed(self)
             return
         try:
-            self._saver.wait()
+            if self._out_of_step is None:  # (out of step: its collectives would pair with the peers' leftovers)
+                self._saver.wait()
         except Exception:
             self._release()
             raise
@@ -560,7 +592,7 @@ class Checkpointer:
         self.wait()  # the in-flight async save (outside the GC pause: it may take long)
         # A load that fails leaves no report: the previous load's would describe another step.
         self.last_load_report = None
-        with interrupts_raised(), gc_paused(), targets_undone_on_failure():
+        with self._steps_kept("load"), interrupts_raised(), gc_paused(), targets_undone_on_failure():
             group = self._groups.get()
             for storage in self._tiers():
                 storage.refuse_unshared(group.world_size, "load")
@@ -683,7 +715,7 @@ class Checkpointer:
                         # same error everywhere, raised as such, not taken for damaged copies.
                         where=f"{self.storage.display(step_dir(chosen))} (the local tier's copy)",
                     )
-                except LoadInterrupted:  # Ctrl-C on some rank: no load from the root after it
+                except Interrupted:  # Ctrl-C on some rank: no load from the root after it
                     raise
                 except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                     problem = one_line(exc)

@@ -118,10 +118,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds something that could run code when read, or a path escaping it."""
 
 
-class LoadInterrupted(CheckpointError):
-    """A load's read was interrupted on some rank (Ctrl-C, a signal handler's ``sys.exit``).
+class Interrupted(CheckpointError):
+    """A collective call (``load``, ``load_pretrained``, ``save_pretrained``) was interrupted on
+    some rank (Ctrl-C, a signal handler's ``sys.exit``).
 
-    Every rank takes the same way out of the load with it (its layers run collectives on the way
+    Every rank takes the same way out of the call with it (its layers run collectives on the way
     out); the interrupted rank then raises the interrupt itself from the public call
     (:func:`distckpt._dist.interrupts_raised`), its peers this error naming the rank.
 

@@ -178,7 +178,7 @@ def test_an_interrupt_during_the_read_is_raised_as_itself(tmp_path, how):
     got = run_ranks(_interrupted_read, 2, tmp_path, str(tmp_path / "ck"), how)
     expect = "KeyboardInterrupt" if how == "ctrl-c" else "SystemExit: 143"
     assert got[1]["first"].startswith(expect), got
-    assert got[0]["first"].startswith("LoadInterrupted: reading ") and "rank 1: " + ("KeyboardInterrupt" if how == "ctrl-c" else "SystemExit") in got[0]["first"], got
+    assert got[0]["first"].startswith("Interrupted: reading ") and "rank 1: " + ("KeyboardInterrupt" if how == "ctrl-c" else "SystemExit") in got[0]["first"], got
     assert all(r["equal"] for r in got), got
 
 
@@ -320,4 +320,106 @@ def test_an_interrupt_anywhere_in_a_load_leaves_every_rank_alike(tmp_path, where
     went on to the newest step, the interrupt lost."""
     got = run_ranks(_interrupted_then_saved, 2, tmp_path, str(tmp_path / "ck"), where, pg_timeout=30)
     assert got[1][0].startswith("KeyboardInterrupt") and got[1][-1] == "saved", got
-    assert got[0][0].startswith("LoadInterrupted: ") and "interrupted on rank(s) [1]" in got[0][0] and got[0][-1] == "saved", got
+    assert got[0][0].startswith("Interrupted: ") and "interrupted on rank(s) [1]" in got[0][0] and got[0][-1] == "saved", got
+
+
+def _save_interrupted(rank: int, world_size: int, root: str, point: str) -> list:
+    """Rank 1 is interrupted at ``point`` of a sync save; every rank then tries the emergency
+    save on the same checkpointer, and after an error closes it and saves with a new one."""
+    import importlib
+    import os
+    import signal
+
+    module, attr = point.split(":")
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    real = getattr(owner, name)
+    calls = [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    state = {"model": nn.Linear(8, 8), "step": 1}
+    ck = distckpt.Checkpointer(root, timeout=60)
+    ck.save(1, state)
+    setattr(owner, name, interrupted)
+    got = []
+    try:
+        ck.save(5, state)
+        got.append("saved")
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got.append(type(exc).__name__)
+        setattr(owner, name, real)
+        try:
+            ck.save(5, state)  # the usual emergency save, on the same checkpointer
+            got.append("emergency saved")
+        except distckpt.CheckpointError as again:
+            got.append("refused" if "close() it and make a new Checkpointer" in str(again) else f"other: {again}")
+        ck.close()
+        ck = distckpt.Checkpointer(root, timeout=60)
+        if 5 not in ck.steps():
+            ck.save(5, state)
+        got.append("new checkpointer saved")
+    finally:
+        setattr(owner, name, real)
+    ck.close()
+    return got
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("point", ["distckpt.save.protocol:SaveRun.finish", "distckpt.storage.local:LocalStorage.sync_file"])
+def test_a_checkpointer_an_interrupt_left_out_of_step_refuses_its_next_call(tmp_path, point):
+    """Found by a helper (2026-12-07, /tmp/attack120): after a Ctrl-C left a save on one rank
+    between its collectives, that rank's emergency save on the same checkpointer paired its
+    collectives with the ones its peers still waited in: gloo aborted the peer's process
+    (SIGABRT), or the peer took the rank's arguments for its data and returned normally. Its
+    next call now fails on that rank before any collective (README: close it and make a new one)."""
+    got = run_ranks(_save_interrupted, 2, tmp_path, str(tmp_path / "ck"), point, pg_timeout=60)
+    assert got[1][:2] == ["KeyboardInterrupt", "refused"] and got[1][-1] == "new checkpointer saved", got
+    assert got[0][0] in ("CheckpointError", "saved") and got[0][-1] in ("new checkpointer saved", "saved"), got
+
+
+def _publish_interrupted(rank: int, world_size: int, out: str) -> list:
+    import os
+    import signal
+
+    from distckpt.tools import hf
+
+    real = hf.DigestingFile.write
+    calls = [0]
+
+    def write(self, data):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, data)
+
+    torch_model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    hf.DigestingFile.write = write
+    got = []
+    try:
+        distckpt.save_pretrained(torch_model, out, max_shard_size="400B")
+        got.append("published")
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        hf.DigestingFile.write = real
+    distckpt.save_pretrained(torch_model, out, max_shard_size="400B")  # the retry
+    got.append("published")
+    return got
+
+
+@pytest.mark.timeout(200)
+def test_an_interrupted_publish_leaves_every_rank_alike(tmp_path):
+    """A Ctrl-C in an owner's shard writes escaped on its rank while the others waited in the
+    outcome exchange: the retry's collectives paired with theirs (bare ValueErrors on both),
+    on the job's own process group, where there is no checkpointer to close."""
+    got = run_ranks(_publish_interrupted, 2, tmp_path, str(tmp_path / "hf"), pg_timeout=60)
+    assert got[1][0].startswith("KeyboardInterrupt") and got[1][-1] == "published", got
+    assert got[0][0].startswith("Interrupted: save_pretrained to ") and "interrupted on rank(s) [1]" in got[0][0], got
+    assert got[0][-1] == "published", got

@@ -1011,7 +1011,7 @@ def test_a_load_from_the_tier_interrupted_does_not_go_on_to_the_root(tmp_path):
     root = str(tmp_path / "root")
     got = run_ranks(_interrupted_tier_load_body, 2, tmp_path, root, str(tmp_path / "nodes"))
     assert got[1]["got"].startswith("KeyboardInterrupt"), got
-    assert got[0]["got"].startswith("LoadInterrupted: reading ") and "interrupted on rank(s) [1]" in got[0]["got"], got
+    assert got[0]["got"].startswith("Interrupted: reading ") and "interrupted on rank(s) [1]" in got[0]["got"], got
     for r in got:
         assert r["read"] and not any(root + "/" in w or w.startswith(root) for w in r["read"]), r["read"]
         assert r["step"] == 0, "no entry took its state"

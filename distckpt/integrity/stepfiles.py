@@ -37,7 +37,7 @@ from typing import IO
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from distckpt.errors import IntegrityError, LoadInterrupted, StepDeletedError, UnsafeCheckpointError
+from distckpt.errors import IntegrityError, Interrupted, StepDeletedError, UnsafeCheckpointError
 from distckpt.integrity.checksums import CHUNK, Hasher, new_hasher
 from distckpt.integrity.manifest import MANIFEST_NAME, FileRecord, Manifest, load_manifest, step_dir
 from distckpt.integrity.metadata_check import validate_metadata
@@ -662,7 +662,7 @@ def kept(
     try:
         yield
     except catch as exc:
-        if isinstance(exc, LoadInterrupted):  # every rank leaves alike, asking nothing on the way
+        if isinstance(exc, Interrupted):  # every rank leaves alike, asking nothing on the way
             raise
         try:
             why = ask(lambda: changed_since(storage, dirname, manifest, doing)) if manifest is not None else None

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
 from distckpt._dist import INTERRUPTS, Group, capture, gathers_interrupts, raise_if_any, raise_interrupted
-from distckpt.errors import CheckpointError, IntegrityError, LoadInterrupted, StateMismatchError, cause_of, from_causes, interrupt_in
+from distckpt.errors import CheckpointError, IntegrityError, Interrupted, StateMismatchError, cause_of, from_causes, interrupt_in
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
@@ -539,7 +539,7 @@ def read(
     another on that of ``then``: a failure on any rank still fails every rank alike, read failures named
     ``reading WHERE`` (of their common distckpt type, e.g. :class:`~distckpt.errors.IntegrityError`),
     failures of ``then`` ``load of WHERE``. An interrupt (``KeyboardInterrupt``, ``SystemExit``)
-    during the read is a :class:`~distckpt.errors.LoadInterrupted` on every rank (the interrupt
+    during the read is a :class:`~distckpt.errors.Interrupted` on every rank (the interrupt
     itself once it leaves the public call: :func:`~distckpt._dist.interrupts_raised`).
     """
     read_failure = interrupt = None
@@ -573,7 +573,7 @@ def read(
     if stopped:
         # The same error on every rank, so that the layers above take the same (collective)
         # way out; the interrupted rank raises its interrupt from the public call.
-        raise LoadInterrupted(
+        raise Interrupted(
             f"reading {where} was interrupted on rank(s) {stopped}{PARTLY_LOADED}", {r: line for r, (_, line) in reads.items()}, interrupt
         )
     if reads:

@@ -44,9 +44,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from distckpt._compat import as_byte_viewable
-from distckpt._dist import Group, capture, exchange, interrupts_raised, on_coordinator, raise_if_any
+from distckpt._dist import (
+    INTERRUPTS,
+    Group,
+    capture,
+    exchange,
+    gathers_interrupts,
+    interrupts_raised,
+    on_coordinator,
+    raise_if_any,
+    raise_interrupted,
+)
 from distckpt._process import refuse_different_arguments
-from distckpt.errors import StateMismatchError
+from distckpt.errors import CheckpointError, StateMismatchError
 from distckpt.load.phases import Mismatches, read, refuse_meta, refuse_overlapping
 from distckpt.options import location
 from distckpt.state import statecheck
@@ -177,7 +187,7 @@ def _config_json(config: object) -> bytes | None:
     return text.encode()
 
 
-@interrupts_raised()  # Ctrl-C while reading: the interrupt on its rank, LoadInterrupted on its peers
+@interrupts_raised()  # Ctrl-C while reading: the interrupt on its rank, Interrupted on its peers
 def load_pretrained(
     module: nn.Module,
     path: str,
@@ -401,6 +411,7 @@ def _read_tied_pairs(
     return {b: aside[b] for _, b in pairs}, reader.bytes_read, reader.beyond_range
 
 
+@interrupts_raised()  # (see _write_shards)
 def save_pretrained(
     module: nn.Module,
     out: str,
@@ -562,7 +573,11 @@ def _write_shards(
     # Every rank walks the same tensors in the same order, since gathering a DTensor is
     # collective. An I/O error on an owner must not leave the others inside a gather: it is
     # recorded, the rank stops writing but keeps gathering, and errors are exchanged at the end.
+    # An interrupt (Ctrl-C) in an owner's writes is recorded the same way (inside
+    # interrupts_raised): every rank then leaves with Interrupted.
     error: BaseException | None = None
+    interrupt: BaseException | None = None
+    recorded = (Exception, *INTERRUPTS) if gathers_interrupts() else (Exception,)
     digests: dict[str, str] = {}
     beyond: list[str] = []
     for i, entries in enumerate(layout.files):
@@ -574,8 +589,9 @@ def _write_shards(
                 cm = target.open(layout.names[i], "wb")
                 f = DigestingFile(cm.__enter__())
                 f.write(layout.headers[i])
-            except Exception as exc:  # noqa: BLE001 - see above
+            except recorded as exc:  # noqa: BLE001 - see above
                 error, mine = exc, False
+                interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
         for t in entries:
             value = tensors[t.key]
             full = value.full_tensor() if isinstance(value, DTensor) else value
@@ -586,8 +602,9 @@ def _write_shards(
                     data = as_byte_viewable(full.detach().to(device="cpu", dtype=t.dtype))
                     if data.numel():
                         f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-                except Exception as exc:  # noqa: BLE001 - see above
+                except recorded as exc:  # noqa: BLE001 - see above
                     error, mine = exc, False
+                    interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
             del full
         if cm is not None:
             try:
@@ -595,9 +612,16 @@ def _write_shards(
                     target.sync_file(f.file)  # a publish killed after its commit must not lose shard bytes
                     digests[layout.names[i]] = f.hexdigest()
                 cm.__exit__(None, None, None)
-            except Exception as exc:  # noqa: BLE001 - see above
+            except recorded as exc:  # noqa: BLE001 - see above
                 error = error or exc
+                interrupt = interrupt or (exc if isinstance(exc, INTERRUPTS) else None)
     outcome = capture(error) if error is not None else None
-    gathered = group.all_gather((outcome, digests, beyond))
+    try:
+        gathered = group.all_gather((outcome, digests, beyond))
+    except CheckpointError:
+        if interrupt is not None:
+            raise interrupt from None
+        raise
+    raise_interrupted([o for o, _, _ in gathered], f"save_pretrained to {where}", interrupt)
     raise_if_any([o for o, _, _ in gathered], f"save_pretrained to {where}")
     return {name: digest for _, d, _ in gathered for name, digest in d.items()}, sorted(k for _, _, b in gathered for k in b)
