@@ -277,18 +277,26 @@ class Checkpointer:
                 f"{call}() refused: an interrupt (Ctrl-C, a signal handler's exception) stopped this Checkpointer's "
                 f"{self._out_of_step} on this rank in its blocked part, where its peers may still wait in a collective; "
                 "close() it and make a new Checkpointer, on every rank"
+                + (
+                    " (the process_group you gave it is out of step too: destroy it and make a new one with "
+                    "torch.distributed.new_group on every rank, then the Checkpointer)"
+                    if self._groups.user_pg is not None
+                    else ""
+                )
             )
 
     @contextlib.contextmanager
-    def _steps_kept(self, call: str) -> Iterator[None]:
+    def _steps_kept(self, call: str, midway: Callable[[], bool] = lambda: True) -> Iterator[None]:
         """Around a collective call: an interrupt that leaves it on this rank alone (not one
-        every rank left alike, :func:`~distckpt._dist.interrupts_raised`) marks this
-        checkpointer out of step with its peers, so that its next call fails here (:meth:`_open`)
-        instead of pairing its collectives with the ones they wait in."""
+        every rank left alike, :func:`~distckpt._dist.interrupts_raised`) while ``midway()``
+        (a save: inside its blocked collectives, not after its commit or in its wait for the
+        previous save) marks this checkpointer out of step with its peers, so that its next call
+        fails here (:meth:`_open`) instead of pairing its collectives with the ones they wait in."""
         try:
             yield
         except INTERRUPTS as exc:
-            if not left_alike(exc):
+            group = self._groups.group
+            if not left_alike(exc) and midway() and group is not None and group.world_size > 1:  # (alone: no peers)
                 self._out_of_step = call
             raise
 
@@ -448,8 +456,7 @@ class Checkpointer:
             CheckpointError: writing failed on some rank (same error on every rank).
         """
         self._open("save")
-        self.wait()  # the in-flight async save: an interrupted wait() keeps it running, in step
-        with self._steps_kept(f"save of step {step}"):
+        with self._steps_kept(f"save of step {step}", lambda: self._saver.in_collectives):
             self._saver.save(plain_int(step), state, blocking, metadata)  # type: ignore[arg-type]
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
@@ -469,8 +476,7 @@ class Checkpointer:
             The same errors a save of ``state`` would raise while preparing (on every rank).
         """
         self._open("prepare_staging")
-        self.wait()  # (as in save)
-        with self._steps_kept("prepare_staging"):
+        with self._steps_kept("prepare_staging", lambda: self._saver.in_collectives):
             self._saver.prepare_staging(state)
 
     @property
@@ -509,8 +515,14 @@ class Checkpointer:
             closed(self)
             return
         try:
-            if self._out_of_step is None:  # (out of step: its collectives would pair with the peers' leftovers)
+            if self._out_of_step is None:
                 self._saver.wait()
+            elif self._saver.in_flight_step is not None:  # (not expected: the flag clears before one starts)
+                warnings.warn(
+                    f"distckpt: close() after an interrupt left this checkpointer out of step: the save of step "
+                    f"{self._saver.in_flight_step} in flight is abandoned (not committed)",
+                    stacklevel=2,
+                )
         except Exception:
             self._release()
             raise

@@ -423,3 +423,57 @@ def test_an_interrupted_publish_leaves_every_rank_alike(tmp_path):
     assert got[1][0].startswith("KeyboardInterrupt") and got[1][-1] == "published", got
     assert got[0][0].startswith("Interrupted: save_pretrained to ") and "interrupted on rank(s) [1]" in got[0][0], got
     assert got[0][-1] == "published", got
+
+
+def _interrupted_outside_the_collectives(rank: int, world_size: int, root: str, point: str) -> list:
+    """Rank 1 is interrupted where the ranks stay in step: in a save's wait for the previous
+    async save, or after a blocking save's commit; it saves again on the same checkpointer."""
+    import os
+    import signal
+
+    from distckpt.save.run import SaveDriver
+
+    name = {"wait": "wait", "report": "_report"}[point]
+    real = getattr(SaveDriver, name)
+    armed = [False]
+
+    def interrupted(self, *args, **kwargs):
+        if rank == 1 and armed[0]:
+            armed[0] = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args, **kwargs)
+
+    setattr(SaveDriver, name, interrupted)
+    state = {"model": nn.Linear(8, 8), "step": 1}
+    ck = distckpt.Checkpointer(root, timeout=60, async_mode="thread")
+    blocking = point == "report"
+    ck.save(1, state, blocking=blocking)
+    armed[0] = True
+    got = []
+    try:
+        ck.save(2, state, blocking=blocking)
+        got.append("saved")
+    except KeyboardInterrupt:
+        got.append("KeyboardInterrupt")
+        if point == "wait":
+            ck.save(2, state, blocking=blocking)  # the emergency save: the ranks were in step
+            got.append("saved again")
+    setattr(SaveDriver, name, real)
+    ck.save(3, state, blocking=blocking)
+    ck.close()
+    return got + [distckpt.Checkpointer(root).steps()]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("point", ["wait", "report"])
+def test_an_interrupt_that_leaves_the_ranks_in_step_keeps_the_checkpointer_usable(tmp_path, point):
+    """Found by a reviewer (2026-12-07, /tmp/attack121): the out-of-step mark took an interrupt in
+    a save's wait for the previous async save (which keeps that save running, in step) or after
+    a blocking save's commit for one left in the middle of its collectives: the next call was
+    refused, and close() then dropped a save in flight without a word."""
+    got = run_ranks(_interrupted_outside_the_collectives, 2, tmp_path, str(tmp_path / "ck"), point, pg_timeout=60)
+    if point == "wait":
+        assert got[1][:2] == ["KeyboardInterrupt", "saved again"] and got[0][0] == "saved", got
+    else:
+        assert got[1][0] == "KeyboardInterrupt" and got[0][0] == "saved", got
+    assert got[0][-1] == got[1][-1] == [1, 2, 3], got

@@ -147,6 +147,10 @@ class SaveDriver:
         # The plans of the last successful save: repeated saves of one structure skip planning.
         self.plan_cache = PlanCache()
         self.inflight: _InFlight | None = None
+        #: Whether this rank is inside a save's blocked collectives (from its prepare to its
+        #: commit, or to the start of its background part): an interrupt escaping then leaves
+        #: the ranks out of step (see Checkpointer._steps_kept).
+        self.in_collectives = False
         self.lease: ownership.Lease | None = None
         # Deletes retired steps' files in the background (coordinator; see storage.retention).
         self.reaper = Reaper()
@@ -162,7 +166,12 @@ class SaveDriver:
         t0 = time.perf_counter()
         self.wait()  # the previous async save (outside the GC pause: it may take long)
         with gc_paused():
-            self._save(t0, step, state, blocking, metadata)
+            try:
+                self.in_collectives = True
+                self._save(t0, step, state, blocking, metadata)
+            except Exception:  # (an error every rank raised alike: in step)
+                self.in_collectives = False
+                raise
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Plan as a save of ``state`` would, and reserve its staging buffers in the
@@ -170,22 +179,32 @@ class SaveDriver:
         first. The failure of an earlier reservation is raised here, on every rank."""
         self.wait()
         with gc_paused():
-            group = self._current_group()
-            prepared, views = exchange(
-                group,
-                "prepare_staging",
-                lambda: phases.prepare(self.opts, 0, state, {}, group.rank, False, None, safe_types=self.options.safe_types, peek=True),
-            )
-            phases.agree(prepared, views, group.rank)
-            skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
-            in_process = self._writes_in_process(group)
-            if in_process:
-                # Started now, its interpreter's start-up (seconds: Python, torch) runs beside
-                # training instead of delaying the first async save's commit.
-                self._start_writer(group)
-            stager = self._stager(in_process)
-            # A previous reservation's failure surfaces here (or the state's): on every rank alike.
-            all_ranks(group, "prepare_staging", lambda: stager.reserve(prepared.state_dict, skip))
+            self.in_collectives = True
+            try:
+                self._prepare_staging(state)
+            except Exception:
+                self.in_collectives = False
+                raise
+            self.in_collectives = False
+
+    def _prepare_staging(self, state: Mapping[str, Any]) -> None:
+        """(all ranks) :meth:`prepare_staging` after the in-flight save is joined."""
+        group = self._current_group()
+        prepared, views = exchange(
+            group,
+            "prepare_staging",
+            lambda: phases.prepare(self.opts, 0, state, {}, group.rank, False, None, safe_types=self.options.safe_types, peek=True),
+        )
+        phases.agree(prepared, views, group.rank)
+        skip = replicated_shares([v.layout for v in views], prepared.sizes, group.rank)
+        in_process = self._writes_in_process(group)
+        if in_process:
+            # Started now, its interpreter's start-up (seconds: Python, torch) runs beside
+            # training instead of delaying the first async save's commit.
+            self._start_writer(group)
+        stager = self._stager(in_process)
+        # A previous reservation's failure surfaces here (or the state's): on every rank alike.
+        all_ranks(group, "prepare_staging", lambda: stager.reserve(prepared.state_dict, skip))
 
     @property
     def in_flight(self) -> bool:
@@ -357,6 +376,7 @@ class SaveDriver:
         if blocking:
             self._claim(group, opts, step, stats, tier)
             self._write_and_commit(group, opts, prepared, stats, tier=tier)
+            self.in_collectives = False  # (an interrupt from here on leaves every rank in step)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
             self._report(stats, seq)
             return
@@ -369,6 +389,7 @@ class SaveDriver:
         # The write phase runs beside training: no more threads than this host's share of cores.
         opts = replace(opts, thread_count=background_threads(self.options.thread_count, self.groups.local_ranks))
         write = self._write_in_process(group, opts, prepared, stager) if in_process else None
+        self.in_collectives = False  # (the rest of the blocked part is this rank's alone)
         stats.phases["stage"] = time.perf_counter() - t3
         stats.blocking_s = time.perf_counter() - t0
         stats.staged_bytes = stager.nbytes
