@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -221,11 +222,9 @@ def test_gpu_targets_read_as_they_are_written() -> None:
     assert got[">= 1.5x faster than plain DCP"] == {"ratio": 2.0, "met": True}
 
 
-@pytest.mark.timeout(200)
-def test_sigterm_removes_the_run_folder(tmp_path: Path) -> None:
-    # timeout, kill or a scheduler's cancel (SIGTERM) skipped the cleanup: the run folder stayed
-    # in --dir (8.5 GB of a default save_throughput run), and the script waited for its ranks,
-    # which saved on. Stopped once its ranks are saving.
+def _sigterm_leaves_only_mine(tmp_path: Path, argv: list[str], started: Callable[[Path], bool], what: str) -> None:
+    """Run a benchmark with ``--dir`` holding a file of the user's, SIGTERM it once ``started``
+    (its work under way: by observed progress), and check only the user's file is left."""
     import signal
     import time
 
@@ -233,20 +232,29 @@ def test_sigterm_removes_the_run_folder(tmp_path: Path) -> None:
     work.mkdir()
     (work / "mine.txt").write_text("the user's")
     proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "save_throughput.py"), "--size-gib", "0.25", "--world-sizes", "1", "--repeats", "50",
-         "--no-s3", "--no-train", "--small-mib", "", "--dir", str(work), "--json", str(tmp_path / "o.json")],
+        [sys.executable, *argv, "--dir", str(work), "--json", str(tmp_path / "o.json")],
         cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 150
-        while not any((p / "ws1").exists() for p in work.iterdir()):  # its ranks are saving
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no run folder"
+        while not started(work):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else what
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode != 0 and sorted(p.name for p in work.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_removes_the_run_folder(tmp_path: Path) -> None:
+    # timeout, kill or a scheduler's cancel (SIGTERM) skipped the cleanup: the run folder stayed
+    # in --dir (8.5 GB of a default save_throughput run), and the script waited for its ranks,
+    # which saved on. Stopped once its ranks are saving.
+    argv = [str(BENCH / "save_throughput.py"), "--size-gib", "0.25", "--world-sizes", "1", "--repeats", "50",
+            "--no-s3", "--no-train", "--small-mib", ""]  # fmt: skip
+    _sigterm_leaves_only_mine(tmp_path, argv, lambda work: any((p / "ws1").exists() for p in work.iterdir()), "no run folder")
 
 
 @pytest.mark.timeout(200)
@@ -254,26 +262,10 @@ def test_sigterm_removes_convert_memorys_checkpoint(tmp_path: Path) -> None:
     # convert_memory.py kept SIGTERM's default action: its finally never ran, and a killed run
     # left its whole checkpoint (2 GiB by default) in --dir. Stopped once the checkpoint is being
     # written or converted.
-    import signal
-    import time
-
-    work = tmp_path / "dir"
-    work.mkdir()
-    (work / "mine.txt").write_text("the user's")
-    proc = subprocess.Popen(
-        [sys.executable, str(BENCH / "convert_memory.py"), "--gib", "0.25", "--dir", str(work), "--json", str(tmp_path / "o.json")],
-        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    _sigterm_leaves_only_mine(
+        tmp_path, [str(BENCH / "convert_memory.py"), "--gib", "0.25"],
+        lambda work: any((p / "ckpt").exists() for p in work.iterdir() if p.is_dir()), "no checkpoint",
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 150
-        while not any((p / "ckpt").exists() for p in work.iterdir() if p.is_dir()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no checkpoint"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode != 0 and sorted(p.name for p in work.iterdir()) == ["mine.txt"]
 
 
 @pytest.mark.parametrize("mark", ["manifest.json", ".metadata"])

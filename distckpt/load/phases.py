@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
 from distckpt._compat import flatten_state_dict, load_flat, unflatten_state_dict
-from distckpt._dist import INTERRUPTS, Group, capture, gathers_interrupts, raise_if_any, raise_interrupted
+from distckpt._dist import Group, all_ranks
 from distckpt.errors import CheckpointError, IntegrityError, Interrupted, StateMismatchError, cause_of, from_causes, interrupt_in
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
@@ -584,23 +584,7 @@ def read(
         # ones their old values.
         raise from_causes(reads, f"reading {where}", PARTLY_LOADED)
     if then is not None:
-        then_failure = stop = None
-        try:
-            then()
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the peers
-            then_failure = capture(exc)
-        except INTERRUPTS as exc:  # (see interrupts_raised)
-            if not gathers_interrupts():
-                raise
-            then_failure, stop = capture(exc), exc
-        try:
-            applied = group.all_gather(then_failure)
-        except CheckpointError:
-            if stop is not None:
-                raise stop from None
-            raise
-        raise_interrupted(applied, f"load of {where}", stop)
-        raise_if_any(applied, f"load of {where}")
+        all_ranks(group, f"load of {where}", then)  # (an interrupt in it: see interrupts_raised)
 
 
 def entries_read(names: Iterable[str], requested: Iterable[str]) -> set[str]:
