@@ -477,3 +477,80 @@ def test_an_interrupt_that_leaves_the_ranks_in_step_keeps_the_checkpointer_usabl
     else:
         assert got[1][0] == "KeyboardInterrupt" and got[0][0] == "saved", got
     assert got[0][-1] == got[1][-1] == [1, 2, 3], got
+
+
+def _interrupted_at_the_edges(rank: int, world_size: int, root: str, point: str, who: int, blocking: bool, tier: str | None) -> list:
+    """Rank ``who`` is interrupted when ``point`` is first called during save(2); then every
+    rank saves again on the same checkpointer, or (refused) closes it and saves with a new one."""
+    import importlib
+    import os
+    import signal
+
+    if tier is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
+    module, attr = point.split(":")
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    real = getattr(owner, name)
+    armed = [False]
+
+    def interrupted(*args, **kwargs):
+        if rank == who and armed[0]:
+            armed[0] = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, interrupted)
+    kwargs = {"timeout": 60, "async_mode": "thread", "keep_last": 1}
+    if tier is not None:
+        kwargs["local_dir"] = f"{tier}/node{rank}"
+    state = {"model": nn.Linear(8, 8), "step": 1}
+    ck = distckpt.Checkpointer(root, **kwargs)
+    ck.save(1, state, blocking=blocking)
+    ck.wait()
+    armed[0] = True
+    got = []
+    try:
+        ck.save(2, state, blocking=blocking)
+        ck.wait()
+        got.append("saved")
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got.append(type(exc).__name__)
+    setattr(owner, name, real)
+    try:
+        ck.save(3, state, blocking=blocking)
+        ck.wait()
+        got.append("saved on the same checkpointer")
+    except distckpt.CheckpointError as exc:
+        got.append("refused" if "close() it and make a new Checkpointer" in str(exc) else "peer failed")
+        ck.close()
+        ck = distckpt.Checkpointer(root, **kwargs)
+        if 3 not in ck.steps():
+            ck.save(3, state)
+        got.append("saved on a new checkpointer")
+    ck.close()
+    return got
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("point,who,blocking,tier,marked", [
+    # After the last collective: the ranks are in step, the checkpointer stays usable.
+    ("distckpt.storage.local_tier:LocalTier.retain", 1, True, "tier", False),
+    ("distckpt.save.phases:apply_retention", 0, True, None, False),
+    # An async save's job not yet published: its peers' background collectives are not met.
+    ("distckpt.save.run:_InFlight", 1, False, None, True),
+])  # fmt: skip
+def test_the_out_of_step_mark_follows_the_last_collective(tmp_path, point, who, blocking, tier, marked):
+    """Found by a reviewer (2026-12-07, /tmp/attack122): the mark missed an interrupt after an
+    async save's staging but before its background job existed (the rank's retry then paired
+    with its peers' background collectives, and step 2 was lost), and took one in the retention
+    of the local tier or of the root (after the commit: the ranks in step) for one in the middle."""
+    got = run_ranks(_interrupted_at_the_edges, 2, tmp_path, str(tmp_path / "ck"), point, who, blocking,
+                    str(tmp_path / "tier") if tier else None, pg_timeout=60)  # fmt: skip
+    assert got[who][0] == "KeyboardInterrupt", got
+    if marked:
+        assert got[who][1:] == ["refused", "saved on a new checkpointer"], got
+    else:
+        assert got[who][1:] == ["saved on the same checkpointer"] and got[1 - who] == ["saved", "saved on the same checkpointer"], got

@@ -375,7 +375,7 @@ class SaveDriver:
         stats.phases["prepare"] = time.perf_counter() - t1
         if blocking:
             self._claim(group, opts, step, stats, tier)
-            self._write_and_commit(group, opts, prepared, stats, tier=tier)
+            self._write_and_commit(group, opts, prepared, stats, tier=tier, settled=self._collectives_done)
             self.in_collectives = False  # (an interrupt from here on leaves every rank in step)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
             self._report(stats, seq)
@@ -389,7 +389,6 @@ class SaveDriver:
         # The write phase runs beside training: no more threads than this host's share of cores.
         opts = replace(opts, thread_count=background_threads(self.options.thread_count, self.groups.local_ranks))
         write = self._write_in_process(group, opts, prepared, stager) if in_process else None
-        self.in_collectives = False  # (the rest of the blocked part is this rank's alone)
         stats.phases["stage"] = time.perf_counter() - t3
         stats.blocking_s = time.perf_counter() - t0
         stats.staged_bytes = stager.nbytes
@@ -409,6 +408,9 @@ class SaveDriver:
 
         job.thread = threading.Thread(target=run, name=f"distckpt-save-{step}", daemon=True)
         self.inflight = job
+        # Published: a wait() starts the thread if an interrupt lands before this start does, so
+        # the background collectives its peers run are met (until here, they were not).
+        self.in_collectives = False
         job.thread.start()
 
     def _start_writer(self, group: Group) -> None:
@@ -496,11 +498,14 @@ class SaveDriver:
         stats: SaveStats,
         write: Callable[[], phases.Written] | None = None,
         tier: LocalTier | None = None,
+        settled: Callable[[], None] = lambda: None,
     ) -> None:
         """(all ranks) Phases 5-7: write, commit, retention, recorded in ``stats``.
 
         ``write`` replaces phase 5 (the writer process's). Errors are raised on every rank; on
-        any, the lease is released (the coordinator then removes the step directory it created)."""
+        any, the lease is released (the coordinator then removes the step directory it created).
+        ``settled`` runs once the last collective is done (a blocking save's: see
+        ``in_collectives``); the root's retention comes after it."""
         try:
             written = write() if write is not None else phases.write(opts, group, prepared, self.plan_cache)
             stats.plan = written.plan
@@ -513,18 +518,11 @@ class SaveDriver:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 committed_here.append(manifest.total_bytes)
                 self._release_lease(committed=True)
-                replica, step = self.replica, prepared.step
+                step = prepared.step
                 self._committed_here = step
                 # This number is this job's now, whatever was remembered of it (another job's
                 # step of that number, deleted since).
                 self.lineage.forget(opts.storage, step)
-                phases.apply_retention(
-                    opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
-                    # Never the step just committed (a resume from an older step saves below the
-                    # newest); nor a step the replica keeps whose upload is still to come.
-                    keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
-                    forget=lambda s: self.lineage.forget(opts.storage, s),
-                )  # fmt: skip
                 return manifest.total_bytes, manifest.to_json() if tier is not None else None
 
             try:
@@ -545,10 +543,25 @@ class SaveDriver:
             if tier is not None and manifest_json is not None:
                 t1 = time.perf_counter()
                 # Committed at the root: the local tier's failures are warnings (never raised).
-                tier.after_commit(group, prepared.step, manifest_json, written.local_errors)
+                tier.after_commit(group, prepared.step, manifest_json, written.local_errors, settled)
                 stats.phases["local_tier"] = time.perf_counter() - t1
+            settled()
+            if committed_here:
+                # (coordinator) After the collectives: it may take long (rmtree of old steps), and
+                # an interrupt in it leaves the ranks in step. Never fails the save.
+                replica, step = self.replica, prepared.step
+                phases.apply_retention(
+                    opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
+                    # Never the step just committed (a resume from an older step saves below the
+                    # newest); nor a step the replica keeps whose upload is still to come.
+                    keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
+                    forget=lambda s: self.lineage.forget(opts.storage, s),
+                )  # fmt: skip
         finally:
             self._release_lease(committed=False)  # no-op after a commit
+
+    def _collectives_done(self) -> None:
+        self.in_collectives = False
 
     def _release_lease(self, committed: bool) -> None:
         lease, self.lease = self.lease, None

@@ -425,11 +425,14 @@ class LocalTier:
                 self._open_problems[step] = problem
         group.all_gather(problem)
 
-    def after_commit(self, group: Group, step: int, manifest_json: bytes, local_errors: list[str]) -> None:
+    def after_commit(
+        self, group: Group, step: int, manifest_json: bytes, local_errors: list[str], settled: Callable[[], None] = lambda: None
+    ) -> None:
         """(all ranks) Complete the committed ``step`` in every node's tier: the coordinator's
         manifest and ``.metadata`` to every node, each rank's files to its peer, then retention.
         Never raises for a failure of the tier: one warning on every rank (the root holds the
-        step)."""
+        step). ``settled`` runs right after its last collective (retention and warnings are this
+        rank's alone)."""
         nodes = self.nodes_of(group)
         opened = self._open_problems.pop(step, None)
         problems = ([opened] if opened is not None else []) + list(local_errors)
@@ -481,6 +484,7 @@ class LocalTier:
         leader = nodes.local_rank(group.rank) == 0 and ours[group.rank]
         whole_here = self._whole_steps(step, nodes, nodes.of[group.rank]) if leader else None
         wholes = [w for w in group.all_gather(whole_here) if w is not None]
+        settled()
         whole = set.intersection(*map(set, wholes)) if len(wholes) == nodes.count else set()
         if leader:
             self.retain(step, whole)
