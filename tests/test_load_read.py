@@ -519,6 +519,7 @@ def _interrupted_at_the_edges(rank: int, world_size: int, root: str, point: str,
     except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
         got.append(type(exc).__name__)
     setattr(owner, name, real)
+    reported = ck.last_save.step if ck.last_save is not None else None  # (recorded: handed to a replica)
     try:
         ck.save(3, state, blocking=blocking)
         ck.wait()
@@ -530,8 +531,9 @@ def _interrupted_at_the_edges(rank: int, world_size: int, root: str, point: str,
         if 3 not in ck.steps():
             ck.save(3, state)
         got.append("saved on a new checkpointer")
+    steps = ck.steps()
     ck.close()
-    return got
+    return got, reported, steps
 
 
 @pytest.mark.timeout(200)
@@ -547,9 +549,16 @@ def test_the_out_of_step_mark_follows_the_last_collective(tmp_path, point, who, 
     async save's staging but before its background job existed (the rank's retry then paired
     with its peers' background collectives, and step 2 was lost), and took one in the retention
     of the local tier or of the root (after the commit: the ranks in step) for one in the middle."""
-    got = run_ranks(_interrupted_at_the_edges, 2, tmp_path, str(tmp_path / "ck"), point, who, blocking,
-                    str(tmp_path / "tier") if tier else None, pg_timeout=60)  # fmt: skip
+    results = run_ranks(_interrupted_at_the_edges, 2, tmp_path, str(tmp_path / "ck"), point, who, blocking,
+                        str(tmp_path / "tier") if tier else None, pg_timeout=60)  # fmt: skip
+    got = [r[0] for r in results]
     assert got[who][0] == "KeyboardInterrupt", got
+    # keep_last=1: every rank's save returned with the older step retired (a reviewer found
+    # retention moved after the outcome's broadcast: rank 1 saw [1, 2])
+    if not marked:  # (a new checkpointer is a new job: it retires none of the first one's steps)
+        assert all(r[2] == [3] for r in results), results
+        # the committed step was recorded (reported, handed to a replica) before the interrupt was raised
+        assert [r[1] for r in results] == [2, 2], results
     if marked:
         assert got[who][1:] == ["refused", "saved on a new checkpointer"], got
     else:

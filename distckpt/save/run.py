@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distckpt._dist import Group, all_ranks, exchange, on_coordinator
+from distckpt._dist import INTERRUPTS, Group, all_ranks, exchange, on_coordinator
 from distckpt._process import GroupHolder, background_threads, gc_paused, lower_priority, same_arguments, signals_held
 from distckpt.errors import CheckpointError, one_line
 from distckpt.integrity.manifest import check_extra, step_dir
@@ -151,6 +151,8 @@ class SaveDriver:
         #: commit, or to the start of its background part): an interrupt escaping then leaves
         #: the ranks out of step (see Checkpointer._steps_kept).
         self.in_collectives = False
+        #: An interrupt in the coordinator's retention, raised once the blocking save is reported.
+        self._deferred_interrupt: BaseException | None = None
         self.lease: ownership.Lease | None = None
         # Deletes retired steps' files in the background (coordinator; see storage.retention).
         self.reaper = Reaper()
@@ -171,6 +173,7 @@ class SaveDriver:
                 self._save(t0, step, state, blocking, metadata)
             except Exception:  # (an error every rank raised alike: in step)
                 self.in_collectives = False
+                self._deferred_interrupt = None  # (the error is raised instead)
                 raise
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
@@ -375,10 +378,19 @@ class SaveDriver:
         stats.phases["prepare"] = time.perf_counter() - t1
         if blocking:
             self._claim(group, opts, step, stats, tier)
-            self._write_and_commit(group, opts, prepared, stats, tier=tier, settled=self._collectives_done)
+            try:
+                self._write_and_commit(group, opts, prepared, stats, tier=tier, settled=self._collectives_done)
+            except INTERRUPTS as exc:
+                if self.in_collectives:  # midway: raised now (the checkpointer is out of step)
+                    raise
+                # After the last collective (the local tier's retention): committed; raised once reported.
+                self._deferred_interrupt = self._deferred_interrupt or exc
             self.in_collectives = False  # (an interrupt from here on leaves every rank in step)
             stats.blocking_s = stats.total_s = time.perf_counter() - t0
             self._report(stats, seq)
+            deferred, self._deferred_interrupt = self._deferred_interrupt, None
+            if deferred is not None:
+                raise deferred
             return
 
         # 4. staging. Each rank stages only its share of replicated tensors (see save.staging).
@@ -518,11 +530,25 @@ class SaveDriver:
                 manifest = phases.commit(opts, group.world_size, prepared, written, self.lease, self.lineage.job)
                 committed_here.append(manifest.total_bytes)
                 self._release_lease(committed=True)
-                step = prepared.step
+                replica, step = self.replica, prepared.step
                 self._committed_here = step
                 # This number is this job's now, whatever was remembered of it (another job's
                 # step of that number, deleted since).
                 self.lineage.forget(opts.storage, step)
+                try:
+                    # Before the outcome goes out: every rank's save returns with retired steps gone.
+                    phases.apply_retention(
+                        opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
+                        # Never the step just committed (a resume from an older step saves below the
+                        # newest); nor a step the replica keeps whose upload is still to come.
+                        keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
+                        forget=lambda s: self.lineage.forget(opts.storage, s),
+                    )  # fmt: skip
+                except INTERRUPTS as exc:
+                    # (a Ctrl-C in a long rmtree) Raised once the save is settled and reported:
+                    # raised here, it left the peers waiting for the outcome, and the committed
+                    # step unrecorded and never handed to the replica.
+                    self._deferred_interrupt = exc
                 return manifest.total_bytes, manifest.to_json() if tier is not None else None
 
             try:
@@ -546,17 +572,6 @@ class SaveDriver:
                 tier.after_commit(group, prepared.step, manifest_json, written.local_errors, settled)
                 stats.phases["local_tier"] = time.perf_counter() - t1
             settled()
-            if committed_here:
-                # (coordinator) After the collectives: it may take long (rmtree of old steps), and
-                # an interrupt in it leaves the ranks in step. Never fails the save.
-                replica, step = self.replica, prepared.step
-                phases.apply_retention(
-                    opts, self.reaper, lambda s: self.lineage.owns(opts.storage, s),
-                    # Never the step just committed (a resume from an older step saves below the
-                    # newest); nor a step the replica keeps whose upload is still to come.
-                    keep=lambda s: s == step or (replica is not None and replica.holds(s, step)),
-                    forget=lambda s: self.lineage.forget(opts.storage, s),
-                )  # fmt: skip
         finally:
             self._release_lease(committed=False)  # no-op after a commit
 
