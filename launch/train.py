@@ -417,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             log_save(ckpt.last_save, "sync")  # type: ignore[arg-type]
 
     if step > 0:
-        try:  # (every rank reads the same manifest: all refuse alike)
+        try:  # (every rank reads the step it loaded: all refuse alike)
             saved = ckpt.manifest(step).extra.get("train")
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - unreadable here (damaged, gone since): said as unrecorded
             saved = None
         if not isinstance(saved, dict):  # (saved by an earlier train.py: taken as given, and recorded from now on)
             say(f"step {step} records no {', '.join('--' + n.replace('_', '-') for n in RECORDED)}: not checked against this run's")

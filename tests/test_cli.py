@@ -665,3 +665,8 @@ def test_a_safetensors_file_given_to_the_import_names_its_folder(tmp_path, capsy
     save_file({"w": torch.ones(2)}, str(folder / "model.safetensors"))
     code, _, err = run(["convert", str(folder / "model.safetensors"), "--to", "dcp", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, f"is a safetensors file: --to dcp imports the Hugging Face folder holding it (distckpt convert {folder} --to dcp")
+
+
+def test_a_missing_safetensors_file_is_named_missing(tmp_path, capsys):
+    code, _, err = run(["convert", str(tmp_path / "typo.safetensors"), "--to", "dcp", str(tmp_path / "o")], capsys)
+    assert code == 1 and "is a safetensors file" not in err and "typo.safetensors" in err, err

@@ -327,8 +327,9 @@ def test_a_cast_beyond_the_dtypes_range_is_named_at_publish(tmp_path):
     with torch.no_grad():
         model.weight.fill_(1e6)
         model.bias.fill_(1.0)
-    with pytest.warns(UserWarning, match=r"save_pretrained to .*: 1 tensor\(s\) hold values beyond the range of torch.float16.*: weight$"):
+    with pytest.warns(UserWarning, match=r"save_pretrained to .*: 1 tensor\(s\) hold values beyond the range of torch.float16.*: weight$") as seen:
         summary = distckpt.save_pretrained(model, str(tmp_path / "hf"), dtype=torch.float16)
+    assert seen[0].filename == __file__, seen[0].filename  # (the caller's line, not contextlib's)
     assert summary["beyond_range"] == ["weight"]
     assert torch.isinf(load_file(str(tmp_path / "hf" / "model.safetensors"))["weight"]).all()
     import warnings
@@ -344,3 +345,21 @@ def test_a_model_on_the_meta_device_is_refused_by_key(tmp_path):
     with pytest.raises(ValueError, match=r"cannot publish tensors on the meta device .*'weight', 'bias'.*to_empty"):
         distckpt.save_pretrained(model, str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+def _bad_policy_on_one_rank(rank: int, world_size: int, out: str) -> str:
+    try:
+        distckpt.save_pretrained(nn.Linear(2, 2), out, on_replica_drift="warm" if rank == 0 else "warn")
+    except ValueError as exc:
+        return str(exc)
+    return "published"
+
+
+@pytest.mark.timeout(200)
+def test_a_bad_on_replica_drift_on_one_rank_fails_every_rank(tmp_path):
+    """Checked before the exchange, a bad value on one rank raised there while the others waited
+    in the exchange until the group's timeout. Found by a reviewer (2026-12-07)."""
+    from dist_harness import run_ranks
+
+    got = run_ranks(_bad_policy_on_one_rank, 2, tmp_path, str(tmp_path / "hf"), pg_timeout=60)
+    assert all("on_replica_drift must be one of" in g for g in got), got

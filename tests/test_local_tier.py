@@ -1015,3 +1015,45 @@ def test_a_load_from_the_tier_interrupted_does_not_go_on_to_the_root(tmp_path):
     for r in got:
         assert r["read"] and not any(root + "/" in w or w.startswith(root) for w in r["read"]), r["read"]
         assert r["step"] == 0, "no entry took its state"
+
+
+def _interrupted_tier_planning_body(rank: int, world: int, root: str, nodes: str) -> dict:
+    import signal
+
+    import distckpt.checkpointer as C
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
+    model = make_model(seed=0)
+    with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
+        ckpt.save(1, {"model": model, "step": 1})
+    real = C.read_metadata
+    calls = [0]
+
+    def read_metadata(*args, **kwargs):
+        calls[0] += 1
+        if rank == 0 and calls[0] == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    C.read_metadata = read_metadata
+    state = {"model": make_model(seed=1), "step": 0}
+    try:
+        with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
+            ckpt.load(state)
+        got = "loaded"
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got = f"{type(exc).__name__}: {exc}"
+    finally:
+        C.read_metadata = real
+    return {"got": got, "step": state["step"], "calls": calls[0]}
+
+
+def test_an_interrupt_in_the_tiers_planning_stops_the_load(tmp_path):
+    """A Ctrl-C while the coordinator read the tier step's .metadata to plan the recovery came
+    back as Interrupted on every rank, which the planning took for "this rank cannot tell what
+    it reads": the load went on reading every file, the interrupt lost. Found by a reviewer
+    (2026-12-07)."""
+    got = run_ranks(_interrupted_tier_planning_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "nodes"))
+    assert got[0]["calls"] >= 1, got
+    assert got[0]["got"].startswith("KeyboardInterrupt") and got[1]["got"].startswith("Interrupted: "), got
+    assert got[0]["step"] == got[1]["step"] == 0, got

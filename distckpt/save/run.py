@@ -170,6 +170,7 @@ class SaveDriver:
         with gc_paused():
             try:
                 self.in_collectives = True
+                self._deferred_interrupt = None  # (one an earlier save left, interrupted again, is not this one's)
                 self._save(t0, step, state, blocking, metadata)
             except Exception:  # (an error every rank raised alike: in step)
                 self.in_collectives = False
@@ -517,7 +518,8 @@ class SaveDriver:
         ``write`` replaces phase 5 (the writer process's). Errors are raised on every rank; on
         any, the lease is released (the coordinator then removes the step directory it created).
         ``settled`` runs once the last collective is done (a blocking save's: see
-        ``in_collectives``); the root's retention comes after it."""
+        ``in_collectives``); the root's retention runs before, inside the commit (an interrupt in
+        it deferred: ``_deferred_interrupt``)."""
         try:
             written = write() if write is not None else phases.write(opts, group, prepared, self.plan_cache)
             stats.plan = written.plan

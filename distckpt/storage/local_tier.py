@@ -48,7 +48,7 @@ from typing import Any
 
 from distckpt._dist import Group
 from distckpt._process import refuse_different_arguments
-from distckpt.errors import one_line
+from distckpt.errors import Interrupted, one_line
 from distckpt.integrity.checksums import digest_of_file
 from distckpt.integrity.manifest import DATA_FILE, MANIFEST_NAME, TIER_MARK, Manifest, parse_step_dir, step_dir
 from distckpt.storage.base import Storage
@@ -842,6 +842,8 @@ def _plan(needs: Callable[[Manifest], set[str]], manifest: Manifest, rank: int) 
     """``needs(manifest)``, or ``None`` (logged) where this rank cannot tell what it reads."""
     try:
         return set(needs(manifest))
+    except Interrupted:  # Ctrl-C on some rank (every rank has it): the load stops, not "every file"
+        raise
     except Exception as exc:  # noqa: BLE001 - this rank then takes every file
         log.info("distckpt: rank %d could not plan its load (%s): every file", rank, one_line(exc))
         return None

@@ -68,6 +68,15 @@ def _is_dir(location: str, storage_options: dict) -> bool:
     return fs.isdir(path)
 
 
+def _is_file(location: str, storage_options: dict) -> bool:
+    """Whether ``location`` is a file (an object), taken as :func:`_is_dir` takes it."""
+    local = local_path(location)
+    if local is not None:
+        return os.path.isfile(local)
+    fs, path = url_to_fs(location, **storage_options)
+    return fs.isfile(path)
+
+
 # -------------------------------------------------------------------------------------------------
 # output helpers
 
@@ -408,7 +417,7 @@ def _cmd_convert(args: argparse.Namespace, opts: dict[str, object]) -> int:
                     "torch.save file; to copy a checkpoint, copy its step folder (or export it with --to "
                     "torch/safetensors/hf)"
                 )
-        elif args.src.rstrip("/").endswith(".safetensors"):
+        elif args.src.rstrip("/").endswith(".safetensors") and _is_file(args.src, opts):
             # (it reached the torch.save import, which called it "a damaged copy")
             folder = args.src.rstrip("/").rpartition("/")[0] or "."
             raise ValueError(

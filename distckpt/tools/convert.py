@@ -85,7 +85,7 @@ def write_tensor(
         raise RuntimeError(f"tensor {key}: wrote {written} bytes, expected {nbytes}")
 
 
-def warn_beyond_range(what: str, keys: list[str], dtype: torch.dtype | None) -> None:
+def warn_beyond_range(what: str, keys: list[str], dtype: torch.dtype | None, stacklevel: int = 3) -> None:
     """One warning naming the tensors an export's cast to ``dtype`` changed beyond its range
     (float32 1e6 into float16: ``inf``, exit 0 and "wrote ..." otherwise)."""
     if keys and dtype is not None:
@@ -93,7 +93,7 @@ def warn_beyond_range(what: str, keys: list[str], dtype: torch.dtype | None) -> 
         warnings.warn(
             f"distckpt: {what}: {len(keys)} tensor(s) hold values beyond the range of {dtype}, changed by the cast "
             f"(into inf; a float8 type saturates to its largest value or gives NaN): {shown}",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 

@@ -360,7 +360,7 @@ def _warn_overflow(
     warnings.warn(
         f"distckpt: load_pretrained of {where}: {len(hit)} tensor(s) hold values beyond the range of the model's dtype, "
         f"changed by the cast into it (into inf; a float8 type saturates to its largest value or gives NaN): {shown}",
-        stacklevel=3,
+        stacklevel=4,  # (the user's call: load_pretrained's decorator adds a frame)
     )
 
 
@@ -467,8 +467,6 @@ def save_pretrained(
             or ``on_replica_drift``, or tensors on the meta device (named).
         ReplicaDriftError: see ``on_replica_drift``.
     """
-    if on_replica_drift not in statecheck.DRIFT_POLICIES:
-        raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {on_replica_drift!r}")
     group = _group(process_group)
     opts = dict(storage_options or {})
     out = location(out, "out", opts)  # (a Path too: the publish checks it as text)
@@ -478,6 +476,8 @@ def save_pretrained(
     patterns = replace_patterns(replace)
 
     def prepare() -> tuple[tuple[dict[str, torch.Tensor], list[list[PlannedTensor]], bytes | None], tuple[str, dict[str, object]]]:
+        if on_replica_drift not in statecheck.DRIFT_POLICIES:  # (in the exchange: on one rank, the others waited)
+            raise ValueError(f"on_replica_drift must be one of {statecheck.DRIFT_POLICIES}, got {on_replica_drift!r}")
         storage.refuse_unshared(group.world_size, "save_pretrained")
         config_json = _config_json(config)
         sd = get_model_state_dict(module)
@@ -540,7 +540,7 @@ def save_pretrained(
             by_rank = group.all_gather({k: copies[k] for k in differ if k in copies})
             statecheck.report_drift(
                 f"save_pretrained to {where}", "each file holds its writer rank's copy", statecheck.name_drift(by_rank, differ),
-                on_replica_drift, 3,
+                on_replica_drift, 4,  # (the user's call: the decorator adds a frame)
             )  # fmt: skip
     layout = Layout(files, config_json)
     # Largest files first, each to the least-loaded rank: the same assignment on every rank.
@@ -560,7 +560,7 @@ def save_pretrained(
         if group.is_coordinator:
             publish.abandon(storage)
         raise
-    warn_beyond_range(f"save_pretrained to {where}", beyond, dtype)
+    warn_beyond_range(f"save_pretrained to {where}", beyond, dtype, stacklevel=4)
     return {"output": where, "files": layout.names, "tensors": sum(len(e) for e in files), "bytes": layout.total, "beyond_range": beyond}
 
 
