@@ -973,25 +973,33 @@ def test_a_save_again_after_one_that_failed_at_the_root_warns_of_nothing_stale(t
         subprocess.run(["umount", str(root)], capture_output=True)
 
 
-def _interrupted_tier_load_body(rank: int, world: int, root: str, nodes: str) -> dict:
+def _interrupted_tier_load_body(rank: int, world: int, root: str, nodes: str, where: str = "read") -> dict:
+    """Two nodes of one rank save step 1; a new checkpointer loads it from the local tier, one
+    rank interrupted (Ctrl-C) at ``where``: rank 1 at its first file read, or rank 0 (the
+    coordinator) at its read of the step's .metadata to plan the recovery."""
     import signal
 
+    import distckpt.checkpointer as C
     from distckpt.load import reader as R
 
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
     model = make_model(seed=0)
     with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
         ckpt.save(1, {"model": model, "step": 1})
-    real = R.CheckpointReader._read_file
+    owner, name, who = (R.CheckpointReader, "_read_file", 1) if where == "read" else (C, "read_metadata", 0)
+    real = getattr(owner, name)
     read: list[str] = []
+    calls = [0]
 
-    def read_file(self, f, *args, **kwargs):
-        read.append(str(f.where))
-        if rank == 1 and len(read) == 1:
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if where == "read":
+            read.append(str(args[1].where))
+        if rank == who and calls[0] == 1:
             os.kill(os.getpid(), signal.SIGINT)
-        return real(self, f, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    R.CheckpointReader._read_file = read_file
+    setattr(owner, name, interrupted)
     state = {"model": make_model(seed=1), "step": 0}
     try:
         with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
@@ -1000,8 +1008,8 @@ def _interrupted_tier_load_body(rank: int, world: int, root: str, nodes: str) ->
     except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
         got = f"{type(exc).__name__}: {exc}"
     finally:
-        R.CheckpointReader._read_file = real
-    return {"got": got, "read": read, "step": state["step"]}
+        setattr(owner, name, real)
+    return {"got": got, "read": read, "step": state["step"], "calls": calls[0]}
 
 
 def test_a_load_from_the_tier_interrupted_does_not_go_on_to_the_root(tmp_path):
@@ -1017,43 +1025,12 @@ def test_a_load_from_the_tier_interrupted_does_not_go_on_to_the_root(tmp_path):
         assert r["step"] == 0, "no entry took its state"
 
 
-def _interrupted_tier_planning_body(rank: int, world: int, root: str, nodes: str) -> dict:
-    import signal
-
-    import distckpt.checkpointer as C
-
-    os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
-    model = make_model(seed=0)
-    with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
-        ckpt.save(1, {"model": model, "step": 1})
-    real = C.read_metadata
-    calls = [0]
-
-    def read_metadata(*args, **kwargs):
-        calls[0] += 1
-        if rank == 0 and calls[0] == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(*args, **kwargs)
-
-    C.read_metadata = read_metadata
-    state = {"model": make_model(seed=1), "step": 0}
-    try:
-        with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
-            ckpt.load(state)
-        got = "loaded"
-    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
-        got = f"{type(exc).__name__}: {exc}"
-    finally:
-        C.read_metadata = real
-    return {"got": got, "step": state["step"], "calls": calls[0]}
-
-
 def test_an_interrupt_in_the_tiers_planning_stops_the_load(tmp_path):
     """A Ctrl-C while the coordinator read the tier step's .metadata to plan the recovery came
     back as Interrupted on every rank, which the planning took for "this rank cannot tell what
     it reads": the load went on reading every file, the interrupt lost. Found by a reviewer
     (2026-12-07)."""
-    got = run_ranks(_interrupted_tier_planning_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "nodes"))
+    got = run_ranks(_interrupted_tier_load_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "nodes"), "planning")
     assert got[0]["calls"] >= 1, got
     assert got[0]["got"].startswith("KeyboardInterrupt") and got[1]["got"].startswith("Interrupted: "), got
     assert got[0]["step"] == got[1]["step"] == 0, got
