@@ -135,6 +135,7 @@ def _interrupted_read(rank: int, world_size: int, root: str, how: str) -> dict:
 
     from distckpt.load import reader as R
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
     distckpt.Checkpointer(root, thread_count=1).save(7, {"model": model, "step": 7})
@@ -279,6 +280,7 @@ def _interrupted_then_saved(rank: int, world_size: int, root: str, where: str) -
     import distckpt.load.run as RUN
     from distckpt.load import reader as R
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
     ck = distckpt.Checkpointer(root, thread_count=1)
@@ -330,6 +332,7 @@ def _save_interrupted(rank: int, world_size: int, root: str, point: str) -> list
     import os
     import signal
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     module, attr = point.split(":")
     owner = importlib.import_module(module)
     *path, name = attr.split(".")
@@ -390,6 +393,7 @@ def _publish_interrupted(rank: int, world_size: int, out: str) -> list:
 
     from distckpt.tools import hf
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     real = hf.DigestingFile.write
     calls = [0]
 
@@ -433,6 +437,7 @@ def _interrupted_outside_the_collectives(rank: int, world_size: int, root: str, 
 
     from distckpt.save.run import SaveDriver
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     name = {"wait": "wait", "report": "_report"}[point]
     real = getattr(SaveDriver, name)
     armed = [False]
@@ -486,6 +491,7 @@ def _interrupted_at_the_edges(rank: int, world_size: int, root: str, point: str,
     import os
     import signal
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     if tier is not None:
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
     module, attr = point.split(":")

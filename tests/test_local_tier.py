@@ -982,6 +982,7 @@ def _interrupted_tier_load_body(rank: int, world: int, root: str, nodes: str, wh
     import distckpt.checkpointer as C
     from distckpt.load import reader as R
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # two nodes of one rank
     model = make_model(seed=0)
     with distckpt.Checkpointer(root, local_dir=f"{nodes}/node{rank}") as ckpt:
