@@ -14,12 +14,13 @@ joins it and raises its error on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -167,29 +168,36 @@ class SaveDriver:
         """(all ranks) Phases 1-7 of one save (async: the caller returns after staging)."""
         t0 = time.perf_counter()
         self.wait()  # the previous async save (outside the GC pause: it may take long)
-        with gc_paused():
+        self._deferred_interrupt = None  # (one an earlier save left, interrupted again, is not this one's)
+        with gc_paused(), self._collectives():
             try:
-                self.in_collectives = True
-                self._deferred_interrupt = None  # (one an earlier save left, interrupted again, is not this one's)
                 self._save(t0, step, state, blocking, metadata)
-            except Exception:  # (an error every rank raised alike: in step)
-                self.in_collectives = False
+            except Exception:
                 self._deferred_interrupt = None  # (the error is raised instead)
                 raise
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """Mark this rank inside a call's collectives (``in_collectives``) for its duration. The
+        call may clear the mark earlier (a save: at its last collective, or when its background
+        job is published). An ``Exception`` is one every rank raised alike, so it clears the mark;
+        an interrupt (``BaseException``) keeps it set: this rank may have left its peers in a
+        collective (see Checkpointer._steps_kept)."""
+        self.in_collectives = True
+        try:
+            yield
+        except Exception:
+            self.in_collectives = False
+            raise
+        self.in_collectives = False
 
     def prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) Plan as a save of ``state`` would, and reserve its staging buffers in the
         background (:meth:`~distckpt.save.staging.Stager.reserve`); waits for an in-flight save
         first. The failure of an earlier reservation is raised here, on every rank."""
         self.wait()
-        with gc_paused():
-            self.in_collectives = True
-            try:
-                self._prepare_staging(state)
-            except Exception:
-                self.in_collectives = False
-                raise
-            self.in_collectives = False
+        with gc_paused(), self._collectives():
+            self._prepare_staging(state)
 
     def _prepare_staging(self, state: Mapping[str, Any]) -> None:
         """(all ranks) :meth:`prepare_staging` after the in-flight save is joined."""
