@@ -650,6 +650,43 @@ def test_a_stop_between_the_commit_and_the_pointer_resumes_the_committed_step(tm
     resumed.teardown()
 
 
+def _load_interrupted_body(rank: int, world: int, root: str, ck: str) -> list:
+    """Rank 0 (the coordinator) is interrupted (Ctrl-C) while it locates the step of a pointer;
+    every rank then loads again."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
+    io = DistckptCheckpointIO(root)
+    strategy = DistckptDDPStrategy(process_group_backend="gloo")  # (what calls the plugin on every rank)
+    io.attach(strategy)
+    io.save_checkpoint(_state(1), os.path.join(ck, "last.ckpt"))
+    real = io._locate
+
+    def interrupted(where: str) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(where)
+
+    io._locate = interrupted  # type: ignore[method-assign]
+    try:
+        got = [io.load_checkpoint(os.path.join(ck, "last.ckpt"))["global_step"]]
+    except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
+        got = [f"{type(exc).__name__}: {exc}"]
+    io._locate = real  # type: ignore[method-assign]
+    got.append(io.load_checkpoint(os.path.join(ck, "last.ckpt"))["global_step"])
+    io.teardown()
+    return got
+
+
+@pytest.mark.timeout(200)
+def test_an_interrupted_load_leaves_every_rank_alike(tmp_path: Path) -> None:
+    """A Ctrl-C on the coordinator while it located a pointer's step escaped bare there while
+    its peers waited for the answer (a hang until the process group's timeout): it is the
+    interrupt on its rank, ``Interrupted`` on the others, and the next load works on both."""
+    got = run_ranks(_load_interrupted_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), pg_timeout=30)
+    assert got[0][0].startswith("KeyboardInterrupt") and got[0][1] == 1, got
+    assert got[1][0].startswith("Interrupted: ") and "interrupted on rank(s) [0]" in got[1][0] and got[1][1] == 1, got
+
+
 def test_tuples_holding_tensors_round_trip(tmp_path: Path) -> None:
     """A callback's ``(mean, var)`` pair, a list of ``(tensor, name)`` tuples, a top-level tuple:
     the layout recorded them as plain values while distckpt stored them as trees, so the save

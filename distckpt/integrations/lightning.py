@@ -84,7 +84,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 import torch
 
 from distckpt._compat import flatten_state_dict
-from distckpt._dist import Group, exchange, on_coordinator
+from distckpt._dist import Group, exchange, interrupts_raised, on_coordinator
 from distckpt._process import process_exists
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import (
@@ -388,6 +388,7 @@ class DistckptCheckpointIO(CheckpointIO):
             return
         self._run_on_rank0([("remove", os.fspath(path), None)])
 
+    @interrupts_raised()  # Ctrl-C on one rank: the interrupt on its rank, Interrupted on its peers
     def load_checkpoint(
         self, path: str | os.PathLike, map_location: object = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
@@ -402,6 +403,8 @@ class DistckptCheckpointIO(CheckpointIO):
                 or names a step of another job than the one in this root.
             IntegrityError: a damaged file (named), or a damaged manifest layout.
             StateMismatchError: per-rank state loaded at another world size (see its note).
+            Interrupted: on the other ranks, where one rank was interrupted (Ctrl-C, a signal
+                handler's exit), which gets its own interrupt.
         """
         self._enter("load_checkpoint")
         self._remember(path)
