@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,37 @@ def test_retention_follows_model_checkpoint(tmp_path: Path) -> None:
     got = _trainer(io, 4).predict(model, _loader(), ckpt_path=str(ck / "step=4.ckpt"))
     assert torch.equal(torch.cat(got), _reference_prediction(io, ck / "step=4.ckpt"))
     io.teardown()
+
+
+class _Scored(_Model):
+    """Logs a score that is a new best at every third step only: a resumed run's first last.ckpt
+    is then a real save (ModelCheckpoint links it only once this run saved a top-k file)."""
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        loss = super().training_step(batch, i)
+        self.log("score", float(self.global_step) if self.global_step % 3 == 2 else 0.0)
+        return loss
+
+
+def test_a_pointer_lightning_replaces_by_a_link_orphans_its_step(tmp_path: Path) -> None:
+    """Found by an attack helper (2026-12-07, /tmp/attack126): with save_last="link", the first
+    last.ckpt of a resumed run is a real save, which ModelCheckpoint then replaces by a link to its
+    newest top-k file with os.remove, never calling remove_checkpoint: the step it named stayed in
+    the root for good, one more whole checkpoint at every resume."""
+    root, ck = tmp_path / "root", tmp_path / "ck"
+
+    def fit(epochs: int, ckpt_path: str | None) -> list[int]:
+        io = DistckptCheckpointIO(str(root))
+        cb = ModelCheckpoint(dirpath=ck, monitor="score", mode="max", save_top_k=1, every_n_train_steps=1, save_last="link")
+        L.seed_everything(0, verbose=False)
+        _trainer(io, epochs, [cb]).fit(_Scored(), _loader(), ckpt_path=ckpt_path)
+        io.teardown()
+        return distckpt.Checkpointer(str(root)).steps()
+
+    for epochs, resume in [(3, None), (6, "last"), (9, "last")]:
+        steps = fit(epochs, resume)
+        named = {_pointer(p)["step"] for p in ck.iterdir()}  # (last.ckpt read through its link)
+        assert (ck / "last.ckpt").is_symlink() and len(named) == 1 and steps == sorted(named), (epochs, steps, named)
 
 
 def test_a_step_holding_a_users_file_is_kept_then_retired_once_it_is_moved_out(tmp_path: Path) -> None:
@@ -685,6 +717,37 @@ def test_an_interrupted_load_leaves_every_rank_alike(tmp_path: Path) -> None:
     got = run_ranks(_load_interrupted_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), pg_timeout=30)
     assert got[0][0].startswith("KeyboardInterrupt") and got[0][1] == 1, got
     assert got[1][0].startswith("Interrupted: ") and "interrupted on rank(s) [0]" in got[1][0] and got[1][1] == 1, got
+
+
+def test_a_removal_keeps_a_step_until_its_upload_to_the_replica_ended(tmp_path: Path, monkeypatch) -> None:
+    """Found by an attack helper (2026-12-07, /tmp/attack126): ModelCheckpoint removing a
+    checkpoint whose upload was queued or running deleted its step from the root under the
+    upload, which then failed (the replica, which keeps every step, lost it; the warning said the
+    root kept it for a retry; wait() raised a ReplicationError for it). The step is held until
+    its upload ended, then deleted (at a later removal, or at teardown)."""
+    from distckpt.storage.replica import Replicator
+
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    io = DistckptCheckpointIO(str(root), replicate_to=str(remote))
+    started, release = threading.Event(), threading.Event()
+    real = Replicator._upload
+
+    def held(self: Replicator, step: int) -> int:
+        if step == 1:
+            started.set()
+            assert release.wait(60)
+        return real(self, step)
+
+    monkeypatch.setattr(Replicator, "_upload", held)
+    io.save_checkpoint(_state(1), tmp_path / "a.ckpt")
+    assert started.wait(60)  # step 1 is uploading
+    io.save_checkpoint(_state(2), tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # (ModelCheckpoint's top-k dropping it)
+    assert io.checkpointer.steps() == [1, 2]  # held for its upload
+    release.set()
+    io.teardown()
+    assert distckpt.Checkpointer(str(remote)).steps() == [1, 2]
+    assert distckpt.Checkpointer(str(root)).steps() == [2]  # deleted once uploaded
 
 
 def test_tuples_holding_tensors_round_trip(tmp_path: Path) -> None:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -131,6 +132,7 @@ from distckpt.integrations.lightning_pointers import (
 )
 from distckpt.integrity.manifest import step_dir
 from distckpt.state import fingerprint
+from distckpt.storage.base import local_path
 from distckpt.storage import ownership
 
 __all__ = ["POINTER_FORMAT", "DistckptCheckpointIO", "DistckptDDPStrategy"]
@@ -228,6 +230,9 @@ class DistckptCheckpointIO(CheckpointIO):
         self._dirs: set[str] = set()  # directories of every path seen: where pointers are looked for
         self._registered: set[str] = set()  # directories this process recorded in the root (register_dir)
         self._kept: set[int] = set()  # orphaned steps kept for files the user added (retried)
+        # (rank 0) Final pointers written here at local paths -> (step, job, mtime_ns): one removed
+        # or replaced behind the plugin's back orphans its step too (see _replaced_elsewhere).
+        self._written: dict[str, tuple[int, str | None, int]] = {}
         self._thread: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -264,7 +269,7 @@ class DistckptCheckpointIO(CheckpointIO):
             if self._ckpt is not None:
                 self._settle()
         finally:
-            ckpt, self._ckpt = self._ckpt, None
+            ckpt = self._ckpt
             self._thread = None
             # A save at a step seen before skips the save (one more pointer to it); that holds
             # within one fit. After teardown the plugin may serve another run (a sweep or a
@@ -273,8 +278,29 @@ class DistckptCheckpointIO(CheckpointIO):
             # tensors it saved, unchanged (trainer.save_checkpoint after fit), see _same_as_saved.
             self._earlier.update(self._steps)
             self._steps.clear()
-            if ckpt is not None:
-                ckpt.close()
+            try:
+                if ckpt is not None:
+                    ckpt.close()
+                    self._retire_at_teardown(ckpt)
+            finally:
+                self._ckpt = None
+
+    def _retire_at_teardown(self, ckpt: Checkpointer) -> None:
+        """(rank 0 where it has any; not collective) After ``close()``, whose wait let the uploads
+        end: the steps this process's removals held (for their upload to the replica, or for the
+        user's files in them) and those of pointers replaced behind its back since its last removal
+        (:meth:`_replaced_elsewhere`: ModelCheckpoint(save_last="link") links last.ckpt after the
+        run's last save) are deleted where no pointer names them. Without it the root kept them for
+        good: no removal of a later process looks at them. Those still held (an upload that failed:
+        the next run uploads it; the user's files) stay."""
+        if self._job is None:
+            return
+        mine = {step for step, of in self._replaced_elsewhere() if of == self._job} | self._kept
+        if not mine:
+            return
+        kept: set[int] = set()
+        delete_unreferenced(ckpt, mine, self._job, self._visible_pointers, kept)
+        self._kept = kept
 
     close = teardown
 
@@ -886,13 +912,16 @@ class DistckptCheckpointIO(CheckpointIO):
                     self._job = job
                 self._register(path)
                 write_pointer(path, pointer_bytes(self.root, job, record))
+                self._wrote(path, record["step"], job)
                 if old is not None and (old["step"], old.get("job")) != (record["step"], job):
                     orphans.add((old["step"], old.get("job")))
             elif old is not None:
                 remove_file(path)
+                self._written.pop(path, None)
                 orphans.add((old["step"], old.get("job")))
             elif exists(path):
                 warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
+        orphans |= self._replaced_elsewhere()
         if self._job is None:
             return job, []
         # With the steps kept before (files the user added to them): retried, until deleted
@@ -902,6 +931,46 @@ class DistckptCheckpointIO(CheckpointIO):
         deleted = delete_unreferenced(ckpt, mine, self._job, self._visible_pointers, kept)
         self._kept = kept
         return job, deleted
+
+    def _wrote(self, path: str, step: int, job: str | None) -> None:
+        """(rank 0) Remember the final pointer just written at ``path`` (local paths only: see
+        :meth:`_replaced_elsewhere`)."""
+        local = local_path(path)
+        if local is None:
+            return
+        try:
+            self._written[path] = (step, job, os.lstat(local).st_mtime_ns)
+        except OSError:
+            self._written.pop(path, None)
+
+    def _replaced_elsewhere(self) -> set[tuple[int, str | None]]:
+        """(rank 0) ``(step, job)`` of the final pointers this process wrote at local paths that
+        something other than this plugin removed or replaced since: ModelCheckpoint(save_last=
+        "link") removes last.ckpt with ``os.remove`` and links it to the newest top-k file, never
+        calling remove_checkpoint, so the step the file named stayed in the root for good. One
+        ``lstat`` per such pointer; a file changed since is read. The caller deletes these steps
+        only where no pointer names them (:func:`delete_unreferenced`)."""
+        out: set[tuple[int, str | None]] = set()
+        for path, (step, job, stamp) in list(self._written.items()):
+            try:
+                st = os.lstat(local_path(path) or path)
+            except FileNotFoundError:
+                st = None
+            except OSError:
+                continue  # (unreadable now: judged at the next removal)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                if st.st_mtime_ns == stamp:
+                    continue
+                try:
+                    now = try_pointer(path)  # (rewritten: by this plugin's pending pointer, say)
+                except (OSError, ValueError):
+                    now = None
+                if now is not None and (now["step"], now.get("job")) == (step, job):
+                    self._written[path] = (step, job, st.st_mtime_ns)
+                    continue
+            del self._written[path]
+            out.add((step, job))
+        return out
 
     def _visible_pointers(self) -> Iterable[Pointer]:
         """(rank 0) Every pointer in the directories known (seen paths' directories and the

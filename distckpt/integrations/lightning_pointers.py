@@ -494,7 +494,9 @@ def delete_unreferenced(
     """(rank 0) Delete those of ``steps`` that are committed in ``ckpt``'s root, of job ``job``,
     and referred to by none of ``pointers()``; returns them. Errors are warned about, never
     raised (as distckpt's retention: a committed save must not fail over a deletion). Such a
-    step holding files distckpt does not write is kept (warned once) and added to ``kept``.
+    step holding files distckpt does not write is kept (warned once) and added to ``kept``, as
+    is a step the replica still needs (its upload queued or running:
+    :meth:`~distckpt.storage.replica.Replicator.holds`).
     """
     if not steps:
         return []
@@ -532,8 +534,15 @@ def delete_unreferenced(
         return []
     deleted = []
     storage = ckpt.storage
+    newest = max(committed)
     for step in candidates:
         name = step_dir(step)
+        if ckpt.replica is not None and ckpt.replica.holds(step, newest):
+            # Its upload is queued or running (or failed, to be retried): deleted under it, the
+            # replica (which keeps every step unless replicate_keep_last says otherwise) lost it.
+            if kept is not None:
+                kept.add(step)  # (retried at the next removal, and at teardown once uploads ended)
+            continue
         try:
             # distckpt's retention (a step holding files the user added is kept, warned)
             if retire_step(
