@@ -510,6 +510,24 @@ def test_what_a_load_could_not_read_fails_the_save_naming_key_and_type(tmp_path,
     assert ckpt.steps() == []
 
 
+@pytest.mark.parametrize("where", ["top", "in_a_dict", "global"])
+def test_a_tensorless_value_holding_itself_fails_the_save_naming_it(tmp_path, monkeypatch, where):
+    """Found by an attack helper (2026-12-07, /tmp/attack124): a list holding itself, with no
+    tensor in it, as an entry or inside a plain dict (not a stateful object) died of a bare
+    RecursionError in the walk that classifies entries, before the documented TypeError."""
+    cycle: list = []
+    cycle.append(cycle)
+    value = {"top": cycle, "in_a_dict": {"a": cycle}, "global": distckpt.Global(cycle)}[where]
+    ckpt = checkpointer(tmp_path, monkeypatch=monkeypatch)
+    with pytest.raises(TypeError, match="contains itself") as info:
+        ckpt.save(1, {"v": value, "t": torch.ones(1)})
+    assert "state value 'v[" in str(info.value).replace('"', "'") and ckpt.steps() == []
+    ckpt.save(2, {"v": [1], "t": torch.ones(1)})
+    state = {"v": value, "t": torch.ones(1)}
+    ckpt.load(state)  # (a load builds its entries alike: no RecursionError; the value is replaced)
+    assert (state["v"].obj if where == "global" else state["v"]) == [1]
+
+
 @pytest.mark.parametrize("blocking", [True, False])
 @pytest.mark.parametrize(
     "value, key",

@@ -906,14 +906,19 @@ class ValueEntry(Entry):
             self.value = value
 
 
-def contains(value: object, kind: type = torch.Tensor) -> bool:
-    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere."""
+def contains(value: object, kind: type = torch.Tensor, depth: int = 0) -> bool:
+    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere.
+    Nesting beyond :data:`~distckpt.state.containers.LOAD_DEPTH` (or a container holding itself)
+    counts as not holding one: the save's encoding then refuses it naming the key, where this
+    walk died of a bare ``RecursionError``."""
     if isinstance(value, kind):
         return True
+    if depth > containers.LOAD_DEPTH:
+        return False
     if isinstance(value, Mapping):
-        return any(contains(v, kind) for v in value.values())
+        return any(contains(v, kind, depth + 1) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(contains(v, kind) for v in value)
+        return any(contains(v, kind, depth + 1) for v in value)
     return False
 
 
