@@ -56,6 +56,8 @@ class StateMismatchError(KeyError):
             (see :mod:`distckpt.state.scope`) cannot be resharded to another world size.
         kinds: entry -> (what the checkpoint holds, what the state holds) where they cannot load
             into each other under one key (a tuple holding tensors saved, a plain value given).
+        unread_on: those of ``unexpected`` that other ranks' state asked for -> the ranks whose
+            state did not (an entry every rank must hold whole).
     """
 
     def __init__(
@@ -66,17 +68,19 @@ class StateMismatchError(KeyError):
         where: str = "",
         per_rank: Mapping[str, tuple[int, int]] | None = None,
         kinds: Mapping[str, tuple[str, str]] | None = None,
+        unread_on: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = dict(mismatched)
         self.per_rank = dict(per_rank or {})
         self.kinds = dict(kinds or {})
+        self.unread_on = {k: list(v) for k, v in (unread_on or {}).items()}
         self.where = where
         super().__init__(self.describe(where))
 
     def __reduce__(self) -> tuple:
-        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank, self.kinds))
+        return (self.__class__, (self.missing, self.unexpected, self.mismatched, self.where, self.per_rank, self.kinds, self.unread_on))
 
     def describe(self, where: str = "", skipped: bool = False) -> str:
         """The message; ``skipped``: for a ``strict=False`` load's warning, which skipped the
@@ -86,6 +90,12 @@ class StateMismatchError(KeyError):
             parts.append(f"missing keys ({len(self.missing)}): {_clip(self.missing)}")
         if self.unexpected:
             parts.append(f"unexpected keys ({len(self.unexpected)}): {_clip(self.unexpected)}")
+        if self.unread_on:
+            shown = [f"{k} (rank(s) {ranks})" for k, ranks in sorted(self.unread_on.items())]
+            parts.append(
+                f"of which other ranks' state asks for, not these ranks' ({len(shown)}): {_clip(shown)}; "
+                "the state must hold them on every rank"
+            )
         if self.mismatched:
             shown = [
                 f"{k}: checkpoint {list(a)} vs state {list(b)}"

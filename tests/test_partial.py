@@ -433,3 +433,57 @@ def test_a_key_the_optimizer_does_not_have_is_no_partial_selection(tmp_path):
             o = torch.optim.Adam(fresh.parameters())
             ckpt.load({"model": fresh, "optim": o}, strict=False, **kw)
             assert float(o.state[fresh.weight]["step"]) == 1.0
+
+
+def _one_rank_lacks(rank: int, world: int, root: str, case: str) -> list:
+    """Every rank saves the same state; at the load rank 1's state lacks ``case``'s part."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    full = {
+        "model": nn.Linear(4, 4), "cfg": {"lr": 0.1, "name": "run"}, "step": 7, "pr": distckpt.PerRank({"b": rank}),
+        "ema": {"w": torch.ones(2), "v": torch.full((2,), 2.0)},
+    }  # fmt: skip
+    ck = distckpt.Checkpointer(root, thread_count=1)
+    ck.save(7, full)
+    state = {
+        "model": nn.Linear(4, 4), "cfg": {"lr": 0.0, "name": ""}, "step": 0, "pr": distckpt.PerRank({"b": -1}),
+        "ema": {"w": torch.zeros(2), "v": torch.zeros(2)},
+    }  # fmt: skip
+    if rank == 1:
+        if case == "entry":
+            del state["cfg"]
+        elif case == "value":
+            del state["step"]
+        else:  # a key of a container every rank holds whole
+            del state["ema"]["v"]
+    got = []
+    for strict in (True, False):
+        try:
+            ck.load(state, strict=strict)
+            got.append(("loaded", sorted(ck.last_load_report.unexpected), ck.last_load_report.unread_on))
+        except distckpt.StateMismatchError as exc:
+            got.append(("refused", exc.unexpected, exc.unread_on, str(exc)))
+    ck.close()
+    return got
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["entry", "value", "key"])
+def test_a_strict_load_refuses_a_state_one_rank_lacks_a_part_of(tmp_path, case):
+    """Found by an attack helper (2026-12-07, /tmp/attack124): keys unexpected only where no
+    rank asked for them, so a state lacking an entry, a value or a container's key on one rank
+    only loaded partly, silently, at strict=True (report clean on every rank), where lacking it on
+    every rank was refused. Refused on every rank, naming the key and the rank; strict=False
+    reports it."""
+    from dist_harness import run_ranks
+
+    got = run_ranks(_one_rank_lacks, 2, tmp_path, str(tmp_path / "ck"), case)
+    key = {"entry": ["cfg"], "value": ["step"], "key": ["ema.v"]}[case]
+    for rank in (0, 1):
+        (kind, unexpected, unread_on, message), lenient = got[rank]
+        assert kind == "refused" and unexpected == key and unread_on == {k: [1] for k in key}, got
+        assert "(rank(s) [1])" in message, message
+        # strict=False loads the entries each rank's state names (leaving one out is a choice),
+        # and reports a key of one left out.
+        assert lenient == (("loaded", key, {k: [1] for k in key}) if case == "key" else ("loaded", [], {})), got

@@ -35,7 +35,18 @@ from distckpt.errors import CheckpointError, IntegrityError, Interrupted, StateM
 from distckpt.integrity.manifest import Manifest
 from distckpt.state import rng, scope, values
 from distckpt.state.build import build_entries
-from distckpt.state.entries import Entry, OptimizerEntry, StatefulEntry, group_firsts, same_tensor, state_fqn, tied_duplicates
+from distckpt.state.entries import (
+    Entry,
+    OptimizerEntry,
+    StatefulEntry,
+    TensorEntry,
+    TreeEntry,
+    ValueEntry,
+    group_firsts,
+    same_tensor,
+    state_fqn,
+    tied_duplicates,
+)
 
 #: key -> (shape in the checkpoint, shape in the state)
 Mismatches = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
@@ -46,7 +57,9 @@ KeyShapes = Mapping[str, tuple[int, ...] | None]
 FlatMapping = dict[str, tuple[str | int, ...]]
 #: What one rank shares of its load plan (:func:`plan_load`): missing keys, mismatched keys, a
 #: digest and the count of the keys it requests, per-rank entries that cannot be resharded.
-LoadView = tuple[list[str], Mismatches, str, dict[str, tuple[int, int]], int]
+#: (missing, mismatched, request digest, per-rank entries, request size, keys and entry names left
+#: unread here: :func:`_unread_here`)
+LoadView = tuple[list[str], Mismatches, str, dict[str, tuple[int, int]], int, list[str], list[str]]
 
 
 @dataclass
@@ -65,6 +78,8 @@ class LoadReport:
         sources: with ``tier == "local"``, per file of the step this rank's load used, where it
             came from: ``"local"`` (kept on this node) or ``"rank N"`` (sent by rank N at
             recovery: into this node's tier, or streamed into this rank's load).
+        unread_on: those of ``unexpected`` that other ranks read -> the ranks whose state did
+            not ask for them (an entry every rank holds whole, or does not name at all).
     """
 
     step: int
@@ -75,6 +90,7 @@ class LoadReport:
     per_rank: dict[str, tuple[int, int]] = field(default_factory=dict)
     tier: str = "root"
     sources: dict[str, str] = field(default_factory=dict)
+    unread_on: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -274,7 +290,39 @@ def plan_load(
     _refuse_partial_made_state(entries, index, flat, request, selection, manifest.step)
     _refuse_regrouped(every, entries, manifest)
     plan = LoadPlan(entries, flat, mappings, request, rng_key, {e.name for e in entries}, per_rank)
-    return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request))
+    unread = _unread_here(manifest, index, every, entries, request, mismatched, selection)
+    return plan, (missing, mismatched, _keys_digest(request), per_rank, len(request), *unread)
+
+
+def _unread_here(
+    manifest: Manifest,
+    index: KeyShapes,
+    every: list[Entry],
+    entries: list[Entry],
+    request: Mapping[str, Any],
+    mismatched: Mismatches,
+    selection: Selection,
+) -> tuple[list[str], list[str]]:
+    """(each rank, pure) What this rank leaves unread that its peers may read: ``(keys, names)``.
+    ``keys``: of entries every rank holds whole (plain values, containers, tensors saved alike
+    for every rank) that this rank does not ask for; ``names``: entries of the checkpoint this
+    rank's state does not name. The union of the ranks' requests (:func:`requested_keys`) took
+    them for read, so a strict load with one rank's state lacking them loaded it partly, silently.
+    Modules, optimizers and stateful objects are left out: their keys are split between ranks by
+    design (ZeRO partitions, pipeline stages)."""
+    keys = []
+    for e in entries:
+        saved = manifest.entries.get(e.name, {})
+        if not isinstance(e, (TensorEntry, TreeEntry, ValueEntry)) or saved.get("scope") == scope.PER_RANK:
+            continue
+        prefix = e.name + "."
+        keys += [
+            k for k in index
+            if (k == e.name or k.startswith(prefix)) and k not in request and k not in mismatched and selection.key(k)
+        ]  # fmt: skip
+    named = {e.name for e in every}
+    names = sorted(n for n in manifest.entries if n != rng.NAMESPACE and n not in named and selection.entry(n))
+    return sorted(keys), names
 
 
 def refuse_meta(request: Mapping[str, Any], where: str) -> None:
@@ -746,7 +794,16 @@ def judge(
         and k.split(".", 1)[0] not in per_rank
         and (names is None or k.split(".", 1)[0] in names)
     )
+    # Read by some ranks only, where every rank holds the entry whole (or, strict, names it):
+    # another rank's request hid them above.
+    unread_on: dict[str, list[int]] = {}
+    for r, v in enumerate(views):
+        held = [k for k in index for name in v[6] if k == name or k.startswith(name + ".")] if names is None else []
+        for k in (*v[5], *held):
+            if selection.key(k) and k not in mismatched and not k.startswith(rng.NAMESPACE + "."):
+                unread_on.setdefault(k, []).append(r)
+    unexpected = sorted({*unexpected, *unread_on})
     skipped = {
         name: f"per-rank state saved at world size {saved}, loading at {now}" for name, (saved, now) in sorted(per_rank.items())
     }
-    return LoadReport(step, missing, unexpected, mismatched, skipped, per_rank)
+    return LoadReport(step, missing, unexpected, mismatched, skipped, per_rank, unread_on=unread_on)

@@ -295,7 +295,8 @@ def load(
         raise ValueError(f"load(only={only!r}, exclude={exclude!r}) selects nothing in {where} (entries: {entries})")
     if strict and not report.clean:
         raise StateMismatchError(
-            report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank
+            report.missing, report.unexpected, report.mismatched, f"step {manifest.step} at {where}", report.per_rank,
+            unread_on=report.unread_on,
         )
     requested = sorted(requested_set)
     if explicit:  # asked for a proof: refuse before reading if the checkpoint cannot give it
@@ -342,7 +343,7 @@ def load(
     if not report.clean:
         warnings.warn(
             f"distckpt: partial load of {where}: "
-            + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank).describe(skipped=True),
+            + StateMismatchError(report.missing, report.unexpected, report.mismatched, per_rank=report.per_rank, unread_on=report.unread_on).describe(skipped=True),
             stacklevel=3,
         )
     return Loaded(manifest.step, storage, manifest, report)
