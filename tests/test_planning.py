@@ -590,13 +590,14 @@ def test_strict_load_exchanges_digests_not_key_lists(tmp_path):
     manifest = read_manifest(storage, 1)
     index = metadata_index(read_metadata(storage, manifest))
     plan, view = plan_load(Group(None), manifest, index, {"model": nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))}, False)
-    missing, mismatched, digest, per_rank, count = view
+    missing, mismatched, digest, per_rank, count, unread, unnamed = view
     assert isinstance(digest, str) and count == 4 and not missing and not mismatched, "O(1) per rank when clean"
+    assert unread == [] and unnamed == ["step"]  # (the state does not name it: unexpected, no rank asking for it)
     # Equal digests: the union is this rank's own request; the unrequested key ("step") is unexpected.
     requested = requested_keys(Group(None), index, plan, [view, view])
     assert requested == set(plan.request)
     report = judge(1, index, [view, view], None, None, requested)
-    assert report.unexpected == ["step"] and not report.missing
+    assert report.unexpected == ["step"] and not report.missing and report.unread_on == {}
 
 
 def _uneven_from_local_job(rank: int, world: int, root: str) -> dict:

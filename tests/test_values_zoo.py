@@ -510,18 +510,34 @@ def test_what_a_load_could_not_read_fails_the_save_naming_key_and_type(tmp_path,
     assert ckpt.steps() == []
 
 
-@pytest.mark.parametrize("where", ["top", "in_a_dict", "global"])
+def test_a_container_held_many_times_is_walked_once() -> None:
+    """Review finding (2026-12-07): the depth limit alone let the walk for tensors visit a dict
+    holding itself twice 2**200 times (a hang where it died of RecursionError)."""
+    from distckpt.state.entries import contains
+
+    d: dict = {}
+    d["a"] = d
+    d["b"] = d
+    shared = [[1, 2]] * 3
+    assert not contains(d) and not contains([shared, shared, {"x": shared}])
+    assert contains([shared, {"x": [shared, torch.ones(1)]}])
+
+
+@pytest.mark.parametrize("where", ["top", "in_a_dict", "global", "twice"])
 def test_a_tensorless_value_holding_itself_fails_the_save_naming_it(tmp_path, monkeypatch, where):
     """Found by an attack helper (2026-12-07, /tmp/attack124): a list holding itself, with no
     tensor in it, as an entry or inside a plain dict (not a stateful object) died of a bare
     RecursionError in the walk that classifies entries, before the documented TypeError."""
     cycle: list = []
     cycle.append(cycle)
-    value = {"top": cycle, "in_a_dict": {"a": cycle}, "global": distckpt.Global(cycle)}[where]
+    twice: dict = {}
+    twice["a"] = twice
+    twice["b"] = twice
+    value = {"top": cycle, "in_a_dict": {"a": cycle}, "global": distckpt.Global(cycle), "twice": twice}[where]
     ckpt = checkpointer(tmp_path, monkeypatch=monkeypatch)
     with pytest.raises(TypeError, match="contains itself") as info:
         ckpt.save(1, {"v": value, "t": torch.ones(1)})
-    assert "state value 'v[" in str(info.value).replace('"', "'") and ckpt.steps() == []
+    assert "state value 'v[" in str(info.value).replace('"', "'") and ckpt.steps() == []  # (twice: "v['a']['a']...")
     ckpt.save(2, {"v": [1], "t": torch.ones(1)})
     state = {"v": value, "t": torch.ones(1)}
     ckpt.load(state)  # (a load builds its entries alike: no RecursionError; the value is replaced)

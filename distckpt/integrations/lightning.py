@@ -91,6 +91,7 @@ from distckpt.checkpointer import Checkpointer
 from distckpt.errors import (
     CheckpointError,
     IntegrityError,
+    Interrupted,
     StateMismatchError,
     StepExistsError,
     one_line,
@@ -529,6 +530,8 @@ class DistckptCheckpointIO(CheckpointIO):
 
         try:
             on_coordinator(Group(), "settling Lightning checkpoint pointers of a stopped run", settle)
+        except Interrupted:
+            raise  # (a Ctrl-C on a rank, exchanged: no warning, see interrupts_raised)
         except Exception as exc:  # noqa: BLE001 - the resume itself succeeded
             warnings.warn(f"distckpt: could not settle the pointers a stopped run left: {exc}", stacklevel=3)
 
@@ -945,29 +948,33 @@ class DistckptCheckpointIO(CheckpointIO):
 
     def _replaced_elsewhere(self) -> set[tuple[int, str | None]]:
         """(rank 0) ``(step, job)`` of the final pointers this process wrote at local paths that
-        something other than this plugin removed or replaced since: ModelCheckpoint(save_last=
-        "link") removes last.ckpt with ``os.remove`` and links it to the newest top-k file, never
-        calling remove_checkpoint, so the step the file named stayed in the root for good. One
-        ``lstat`` per such pointer; a file changed since is read. The caller deletes these steps
-        only where no pointer names them (:func:`delete_unreferenced`)."""
+        something other than this plugin replaced since, by a link or a pointer to another step:
+        ModelCheckpoint(save_last="link") removes last.ckpt with ``os.remove`` and links it to the
+        newest top-k file, never calling remove_checkpoint, so the step the file named stayed in
+        the root for good. A pointer that is gone is forgotten, its step kept (a user may have
+        moved it). One ``lstat`` per such pointer; a file changed since is read. The caller deletes
+        these steps only where no pointer names them (:func:`delete_unreferenced`)."""
         out: set[tuple[int, str | None]] = set()
         for path, (step, job, stamp) in list(self._written.items()):
             try:
                 st = os.lstat(local_path(path) or path)
             except FileNotFoundError:
-                st = None
+                del self._written[path]  # (removed, or moved elsewhere by the user: kept, as before)
+                continue
             except OSError:
                 continue  # (unreadable now: judged at the next removal)
-            if st is not None and stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode):
                 if st.st_mtime_ns == stamp:
                     continue
                 try:
                     now = try_pointer(path)  # (rewritten: by this plugin's pending pointer, say)
                 except (OSError, ValueError):
-                    now = None
-                if now is not None and (now["step"], now.get("job")) == (step, job):
+                    continue  # (unreadable now: judged at the next removal)
+                if now is None or (now["step"], now.get("job")) == (step, job):
                     self._written[path] = (step, job, st.st_mtime_ns)
                     continue
+            elif not stat.S_ISLNK(st.st_mode):
+                continue
             del self._written[path]
             out.add((step, job))
         return out

@@ -310,19 +310,28 @@ def _unread_here(
     them for read, so a strict load with one rank's state lacking them loaded it partly, silently.
     Modules, optimizers and stateful objects are left out: their keys are split between ranks by
     design (ZeRO partitions, pipeline stages)."""
+    whole = {
+        e.name for e in entries
+        if isinstance(e, (TensorEntry, TreeEntry, ValueEntry)) and manifest.entries.get(e.name, {}).get("scope") == scope.GLOBAL
+    }  # fmt: skip
     keys = []
-    for e in entries:
-        saved = manifest.entries.get(e.name, {})
-        if not isinstance(e, (TensorEntry, TreeEntry, ValueEntry)) or saved.get("scope") == scope.PER_RANK:
-            continue
-        prefix = e.name + "."
-        keys += [
-            k for k in index
-            if (k == e.name or k.startswith(prefix)) and k not in request and k not in mismatched and selection.key(k)
-        ]  # fmt: skip
+    if whole:
+        for k in index:
+            if k not in request and k not in mismatched and _entry_of(k, whole) is not None and selection.key(k):
+                keys.append(k)
     named = {e.name for e in every}
     names = sorted(n for n in manifest.entries if n != rng.NAMESPACE and n not in named and selection.entry(n))
     return sorted(keys), names
+
+
+def _entry_of(key: str, names: set[str]) -> str | None:
+    """The one of ``names`` (entry names, which may hold dots) that flattened ``key`` lies under."""
+    at = len(key)
+    while at > 0:
+        if key[:at] in names:
+            return key[:at]
+        at = key.rfind(".", 0, at)
+    return None
 
 
 def refuse_meta(request: Mapping[str, Any], where: str) -> None:
@@ -796,11 +805,13 @@ def judge(
     )
     # Read by some ranks only, where every rank holds the entry whole (or, strict, names it):
     # another rank's request hid them above.
+    # (only keys some rank asked for: one no rank asked for is unexpected above, on every rank)
     unread_on: dict[str, list[int]] = {}
     for r, v in enumerate(views):
-        held = [k for k in index for name in v[6] if k == name or k.startswith(name + ".")] if names is None else []
+        unnamed = set(v[6]) if names is None else set()
+        held = [k for k in requested if _entry_of(k, unnamed) is not None] if unnamed else []
         for k in (*v[5], *held):
-            if selection.key(k) and k not in mismatched and not k.startswith(rng.NAMESPACE + "."):
+            if k in requested and selection.key(k) and k not in mismatched and not k.startswith(rng.NAMESPACE + "."):
                 unread_on.setdefault(k, []).append(r)
     unexpected = sorted({*unexpected, *unread_on})
     skipped = {

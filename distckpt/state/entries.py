@@ -906,20 +906,21 @@ class ValueEntry(Entry):
             self.value = value
 
 
-def contains(value: object, kind: type = torch.Tensor, depth: int = 0) -> bool:
+def contains(value: object, kind: type = torch.Tensor, _seen: set[int] | None = None, _depth: int = 0) -> bool:
     """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere.
-    Nesting beyond :data:`~distckpt.state.containers.LOAD_DEPTH` (or a container holding itself)
-    counts as not holding one: the save's encoding then refuses it naming the key, where this
-    walk died of a bare ``RecursionError``."""
+    A container met again (it holds itself, or is held twice: walked once) or nested beyond
+    :data:`~distckpt.state.containers.LOAD_DEPTH` adds nothing: the save's encoding then refuses
+    a cycle or such depth naming the key, where this walk died of a bare ``RecursionError``."""
     if isinstance(value, kind):
         return True
-    if depth > containers.LOAD_DEPTH:
+    if not isinstance(value, (Mapping, list, tuple)):
         return False
-    if isinstance(value, Mapping):
-        return any(contains(v, kind, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(contains(v, kind, depth + 1) for v in value)
-    return False
+    seen = set() if _seen is None else _seen
+    if id(value) in seen or _depth > containers.LOAD_DEPTH:
+        return False
+    seen.add(id(value))
+    items = value.values() if isinstance(value, Mapping) else value
+    return any(contains(v, kind, seen, _depth + 1) for v in items)
 
 
 def same_tensor(local: torch.Tensor) -> tuple:
