@@ -682,9 +682,9 @@ def test_a_stop_between_the_commit_and_the_pointer_resumes_the_committed_step(tm
     resumed.teardown()
 
 
-def _load_interrupted_body(rank: int, world: int, root: str, ck: str) -> list:
-    """Rank 0 (the coordinator) is interrupted (Ctrl-C) while it locates the step of a pointer;
-    every rank then loads again."""
+def _load_interrupted_body(rank: int, world: int, root: str, ck: str, where: str) -> list:
+    """One rank is interrupted (Ctrl-C): the coordinator while it locates the step of a pointer,
+    or rank 1 while it builds its load target; every rank then loads again."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (inherited as ignored where the suite runs as a background job)
@@ -692,31 +692,37 @@ def _load_interrupted_body(rank: int, world: int, root: str, ck: str) -> list:
     strategy = DistckptDDPStrategy(process_group_backend="gloo")  # (what calls the plugin on every rank)
     io.attach(strategy)
     io.save_checkpoint(_state(1), os.path.join(ck, "last.ckpt"))
-    real = io._locate
+    owner, name = (io, "_locate") if where == "locate" else (dl, "template")
+    real = getattr(owner, name)
 
-    def interrupted(where: str) -> Any:
-        os.kill(os.getpid(), signal.SIGINT)
-        return real(where)
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if where == "locate" or rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
 
-    io._locate = interrupted  # type: ignore[method-assign]
+    setattr(owner, name, interrupted)
     try:
         got = [io.load_checkpoint(os.path.join(ck, "last.ckpt"))["global_step"]]
     except BaseException as exc:  # noqa: BLE001 - what each rank gets is the point
         got = [f"{type(exc).__name__}: {exc}"]
-    io._locate = real  # type: ignore[method-assign]
+    setattr(owner, name, real)
     got.append(io.load_checkpoint(os.path.join(ck, "last.ckpt"))["global_step"])
     io.teardown()
     return got
 
 
 @pytest.mark.timeout(200)
-def test_an_interrupted_load_leaves_every_rank_alike(tmp_path: Path) -> None:
-    """A Ctrl-C on the coordinator while it located a pointer's step escaped bare there while
-    its peers waited for the answer (a hang until the process group's timeout): it is the
-    interrupt on its rank, ``Interrupted`` on the others, and the next load works on both."""
-    got = run_ranks(_load_interrupted_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), pg_timeout=30)
-    assert got[0][0].startswith("KeyboardInterrupt") and got[0][1] == 1, got
-    assert got[1][0].startswith("Interrupted: ") and "interrupted on rank(s) [0]" in got[1][0] and got[1][1] == 1, got
+@pytest.mark.parametrize("where", ["locate", "template"])
+def test_an_interrupted_load_leaves_every_rank_alike(tmp_path: Path, where: str) -> None:
+    """A Ctrl-C on the coordinator while it located a pointer's step, or on a rank while it built
+    its load target, escaped bare there while its peers waited in a collective (a hang until the
+    process group's timeout): it is the interrupt on its rank, ``Interrupted`` on the others, and
+    the next load works on every rank."""
+    got = run_ranks(_load_interrupted_body, 2, tmp_path, str(tmp_path / "root"), str(tmp_path / "ck"), where, pg_timeout=30)
+    hit = 0 if where == "locate" else 1
+    assert got[hit][0].startswith("KeyboardInterrupt") and got[hit][1] == 1, got
+    other = got[1 - hit]
+    assert other[0].startswith("Interrupted: ") and f"interrupted on rank(s) [{hit}]" in other[0] and other[1] == 1, got
 
 
 def test_a_removal_keeps_a_step_until_its_upload_to_the_replica_ended(tmp_path: Path, monkeypatch) -> None:

@@ -85,7 +85,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 import torch
 
 from distckpt._compat import flatten_state_dict
-from distckpt._dist import Group, exchange, interrupts_raised, on_coordinator
+from distckpt._dist import Group, all_ranks, exchange, interrupts_raised, on_coordinator
 from distckpt._process import process_exists
 from distckpt.checkpointer import Checkpointer
 from distckpt.errors import (
@@ -440,11 +440,18 @@ class DistckptCheckpointIO(CheckpointIO):
         where = os.fspath(path)
         step, keys, all_keys, nodes, ranks, budget, job, overlay = on_coordinator(Group(), f"loading {where}", lambda: self._locate(where))
         group = Group()
-        if ranks is not None and len(ranks) == group.world_size:
-            # This rank's structure of the entries that differed between ranks (the saved world
-            # size: at another, distckpt refuses those per-rank entries, naming them).
-            nodes = with_rank_nodes(all_keys, nodes, ranks[group.rank], f"{where} (step {step})")
-        state = template(keys_of=all_keys, nodes_json=nodes, budget=budget, where=f"{where} (step {step})")
+
+        def build() -> dict[str, Any]:
+            tree = nodes
+            if ranks is not None and len(ranks) == group.world_size:
+                # This rank's structure of the entries that differed between ranks (the saved world
+                # size: at another, distckpt refuses those per-rank entries, naming them).
+                tree = with_rank_nodes(all_keys, tree, ranks[group.rank], f"{where} (step {step})")
+            return template(keys_of=all_keys, nodes_json=tree, budget=budget, where=f"{where} (step {step})")
+
+        # On every rank alike: an error or a Ctrl-C while one rank builds its (possibly large)
+        # template left its peers in the load's first collective until the group's timeout.
+        state = all_ranks(group, f"building the load target of {where}", build)
         try:
             ckpt.load(state, step=step, strict=True, restore_rng=self.restore_rng)
         except StateMismatchError as exc:
