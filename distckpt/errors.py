@@ -94,7 +94,8 @@ class StateMismatchError(KeyError):
             shown = [f"{k} (rank(s) {ranks})" for k, ranks in sorted(self.unread_on.items())]
             parts.append(
                 f"of which other ranks' state asks for, not these ranks' ({len(shown)}): {_clip(shown)}; "
-                "the state must hold them on every rank"
+                "the state must hold them on every rank (state split between ranks by design, as pipeline stages: "
+                "hold it in a module or a stateful object, or load with strict=False)"
             )
         if self.mismatched:
             shown = [

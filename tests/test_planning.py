@@ -662,3 +662,28 @@ def test_a_changed_nesting_or_requires_grad_under_the_same_flat_keys_replans(tmp
     dcp_to_torch_save(tmp_path / "ck" / step_dir(2), out)
     back = torch.load(out, weights_only=True)
     assert torch.equal(back["x"]["a.b"], torch.arange(4.0) + 10) and torch.equal(back["l"]["1"], torch.zeros(2) + 10)
+
+
+def test_keys_left_unread_are_judged_only_for_entries_saved_alike_on_every_rank(tmp_path):
+    """Review findings (2026-12-07): only entries saved as global (plain values, tensors and
+    containers identical on every rank) must be held whole by every rank: a dict of DTensors
+    records no scope (pipeline stages split its keys), modules and optimizers split theirs too."""
+    from torch import nn
+
+    from distckpt._dist import Group
+    from distckpt.integrity.manifest import read_manifest
+    from distckpt.load.phases import metadata_index, plan_load
+    from distckpt.integrity.stepfiles import read_metadata
+    from distckpt.storage.base import Storage
+
+    distckpt.Checkpointer(tmp_path, save_rng=False).save(1, {"model": nn.Linear(2, 2), "ema": {"w": torch.ones(2), "v": torch.ones(2)}, "step": 1})
+    storage = Storage(str(tmp_path))
+    manifest = read_manifest(storage, 1)
+    index = metadata_index(read_metadata(storage, manifest))
+    assert manifest.entries["ema"]["scope"] == "global" and manifest.entries["step"]["scope"] == "global"
+    lacking = {"ema": {"v": torch.zeros(2)}}  # neither "model" nor "step" named, "ema.w" left out
+    view = plan_load(Group(None), manifest, index, lacking, False)[1]
+    assert view[5:] == (["ema.w"], ["step"])  # the module's entry is no "whole" one
+    del manifest.entries["ema"]["scope"], manifest.entries["step"]["scope"]  # (as for DTensor trees)
+    view = plan_load(Group(None), manifest, index, lacking, False)[1]
+    assert view[5:] == ([], [])

@@ -521,6 +521,12 @@ def test_a_container_held_many_times_is_walked_once() -> None:
     shared = [[1, 2]] * 3
     assert not contains(d) and not contains([shared, shared, {"x": shared}])
     assert contains([shared, {"x": [shared, torch.ones(1)]}])
+    # One walked under the depth limit first is walked again where it is met shallower.
+    holder = [torch.ones(1)]
+    deep: list = [holder]
+    for _ in range(250):
+        deep = [deep]
+    assert contains([deep, holder]) and contains([holder, deep])
 
 
 @pytest.mark.parametrize("where", ["top", "in_a_dict", "global", "twice"])

@@ -886,6 +886,8 @@ class DistckptCheckpointIO(CheckpointIO):
 
         try:
             on_coordinator(Group(), "restoring Lightning checkpoint pointers", undo)
+        except Interrupted:
+            raise  # (a Ctrl-C on a rank, exchanged: see interrupts_raised)
         except Exception as exc:  # noqa: BLE001 - never hides the save's error
             warnings.warn(f"distckpt: could not restore the pointers of the failed save of step {step}: {exc}", stacklevel=3)
 
@@ -977,6 +979,8 @@ class DistckptCheckpointIO(CheckpointIO):
                     now = try_pointer(path)  # (rewritten: by this plugin's pending pointer, say)
                 except (OSError, ValueError):
                     continue  # (unreadable now: judged at the next removal)
+                # The same step (a pending pointer naming its previous target), or no pointer at
+                # all (a file of the user's in its place): its step kept, as for a removed one.
                 if now is None or (now["step"], now.get("job")) == (step, job):
                     self._written[path] = (step, job, st.st_mtime_ns)
                     continue

@@ -316,12 +316,21 @@ def _unread_here(
     }  # fmt: skip
     keys = []
     if whole:
+        heads = {n.partition(".")[0] for n in whole}  # (most keys are judged by their first part)
         for k in index:
-            if k not in request and k not in mismatched and _entry_of(k, whole) is not None and selection.key(k):
+            if k.partition(".")[0] in heads and k not in request and k not in mismatched and _entry_of(k, whole) is not None and selection.key(k):
                 keys.append(k)
     named = {e.name for e in every}
-    names = sorted(n for n in manifest.entries if n != rng.NAMESPACE and n not in named and selection.entry(n))
+    names = sorted(
+        n for n, saved in manifest.entries.items()
+        if n not in named and n != rng.NAMESPACE and saved.get("kind") in _WHOLE_KINDS and saved.get("scope") == scope.GLOBAL
+        and selection.entry(n)
+    )  # fmt: skip
     return sorted(keys), names
+
+
+#: Entry kinds (as manifests record them) every rank holds whole when saved global.
+_WHOLE_KINDS = frozenset({TensorEntry.kind, TreeEntry.kind, ValueEntry.kind})
 
 
 def _entry_of(key: str, names: set[str]) -> str | None:
@@ -807,9 +816,15 @@ def judge(
     # another rank's request hid them above.
     # (only keys some rank asked for: one no rank asked for is unexpected above, on every rank)
     unread_on: dict[str, list[int]] = {}
+    unnamed = {n for v in views for n in v[6]} if names is None else set()
+    under: dict[str, list[str]] = {}  # (requested keys by the unnamed entry they lie under: one pass)
+    if unnamed:
+        for k in requested:
+            name = _entry_of(k, unnamed)
+            if name is not None:
+                under.setdefault(name, []).append(k)
     for r, v in enumerate(views):
-        unnamed = set(v[6]) if names is None else set()
-        held = [k for k in requested if _entry_of(k, unnamed) is not None] if unnamed else []
+        held = [k for n in v[6] for k in under.get(n, ())] if names is None else []
         for k in (*v[5], *held):
             if k in requested and selection.key(k) and k not in mismatched and not k.startswith(rng.NAMESPACE + "."):
                 unread_on.setdefault(k, []).append(r)

@@ -906,21 +906,37 @@ class ValueEntry(Entry):
             self.value = value
 
 
-def contains(value: object, kind: type = torch.Tensor, _seen: set[int] | None = None, _depth: int = 0) -> bool:
+def contains(value: object, kind: type = torch.Tensor) -> bool:
     """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere.
-    A container met again (it holds itself, or is held twice: walked once) or nested beyond
-    :data:`~distckpt.state.containers.LOAD_DEPTH` adds nothing: the save's encoding then refuses
-    a cycle or such depth naming the key, where this walk died of a bare ``RecursionError``."""
+    A container holding itself, or nested beyond :data:`~distckpt.state.containers.LOAD_DEPTH`,
+    adds nothing there: the save's encoding then refuses a cycle or such depth naming the key,
+    where this walk died of a bare ``RecursionError``. A container held many times is walked
+    once (a dict holding itself twice made the walk exponential)."""
+    return _contains(value, kind, set(), {}, 0, [0])
+
+
+def _contains(value: object, kind: type, path: set[int], clean: dict[int, object], depth: int, cuts: list[int]) -> bool:
+    """:func:`contains`; ``path``: ids of the containers being walked; ``clean``: containers walked
+    whole without a hit (held: their ids stay theirs); ``cuts[0]``: walks cut by the depth limit
+    (a container walked under a cut is not known clean)."""
     if isinstance(value, kind):
         return True
     if not isinstance(value, (Mapping, list, tuple)):
         return False
-    seen = set() if _seen is None else _seen
-    if id(value) in seen or _depth > containers.LOAD_DEPTH:
+    key = id(value)
+    if key in path or key in clean:
         return False
-    seen.add(id(value))
+    if depth > containers.LOAD_DEPTH:
+        cuts[0] += 1
+        return False
+    path.add(key)
+    before = cuts[0]
     items = value.values() if isinstance(value, Mapping) else value
-    return any(contains(v, kind, seen, _depth + 1) for v in items)
+    found = any(_contains(v, kind, path, clean, depth + 1, cuts) for v in items)
+    path.discard(key)
+    if not found and cuts[0] == before:
+        clean[key] = value
+    return found
 
 
 def same_tensor(local: torch.Tensor) -> tuple:
