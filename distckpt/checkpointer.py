@@ -31,6 +31,7 @@ from distckpt.options import ASYNC_MODES, CheckpointerOptions  # noqa: F401 (ASY
 from distckpt.save.run import SaveDriver, SaveStats
 from distckpt.storage import ownership
 from distckpt.state.entries import targets_undone_on_failure
+from distckpt.state.statecheck import StateDivergedError
 from distckpt.storage.base import Storage
 from distckpt.storage.lineage import Lineage
 from distckpt.storage.local_tier import LocalTier, root_mark, superseded_by
@@ -729,7 +730,10 @@ class Checkpointer:
                     )
                 except Interrupted:  # Ctrl-C on some rank: no load from the root after it
                     raise
-                except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
+                except (CheckpointError, OSError, StateDivergedError) as exc:  # damaged, unsafe or unreadable copies
+                    # (StateDivergedError: values other than the saved ones, which the fingerprints
+                    # caught where no checksum could: checksum=None. Not a mismatch of the state's
+                    # keys or shapes, which the root's load would raise alike.)
                     problem = one_line(exc)
                 else:
                     if recovery.older:  # never silently: latest_step() named the newer step

@@ -1035,3 +1035,44 @@ def test_an_interrupt_in_the_tiers_planning_stops_the_load(tmp_path):
     assert got[0]["calls"] >= 1, got
     assert got[0]["got"].startswith("KeyboardInterrupt") and got[1]["got"].startswith("Interrupted: "), got
     assert got[0]["step"] == got[1]["step"] == 0, got
+
+
+def test_a_tier_copy_damaged_without_checksums_falls_back_to_the_root(tmp_path):
+    """Found by an attack helper (2026-12-07, /tmp/attack127): with checksum=None, one changed
+    byte in the tier's copy (same size) made every load fail with StateDivergedError (the
+    fingerprints caught it) instead of taking the root, as for a damaged copy with checksums:
+    every restart failed alike until the tier was deleted by hand."""
+    import struct
+
+    import torch
+    from torch import nn
+
+    root, tier = str(tmp_path / "root"), str(tmp_path / "tier")
+
+    def model(v: float) -> nn.Linear:
+        m = nn.Linear(8, 8)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(v)
+        return m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with distckpt.Checkpointer(root, local_dir=tier, checksum=None) as ck:
+            ck.save(1, {"model": model(1.0), "step": 1})
+    step = os.path.join(tier, "step_000000001")
+    for name in sorted(n for n in os.listdir(step) if n.endswith(".distcp")):
+        data = bytearray(open(os.path.join(step, name), "rb").read())
+        at = data.find(struct.pack("<f", 1.0) * 8)
+        if at >= 0:
+            data[at + 3] ^= 0x01  # 1.0 -> another float, same size
+            open(os.path.join(step, name), "wb").write(bytes(data))
+            break
+    else:
+        raise AssertionError("no block of 1.0 found to damage")
+    for _ in range(2):  # (a restart: the same again)
+        state = {"model": model(-1.0), "step": -1}
+        with pytest.warns(UserWarning, match="loading step 1 from the local tier failed .*StateDivergedError.*loading from the root"):
+            with distckpt.Checkpointer(root, local_dir=tier, checksum=None) as ck:
+                assert ck.load(state) == 1 and ck.last_load_report.tier == "root"
+        assert state["step"] == 1 and all(bool((p == 1.0).all()) for p in state["model"].parameters())
