@@ -338,6 +338,13 @@ def test_state_diverged_error_is_a_full_state_mismatch_error():
     err = StateDivergedError(["k"], "here")  # usable wherever a StateMismatchError is handled
     assert isinstance(err, distckpt.StateMismatchError)
     assert err.per_rank == {} and err.missing == [] and "state does not match" in err.describe()
+    # Every attribute a StateMismatchError has (unread_on, added later, was missing: an
+    # AttributeError for handlers reading it, and for describe()), also after a pickle round trip.
+    import pickle
+
+    base = vars(distckpt.StateMismatchError([], [], {}))
+    for got in (err, pickle.loads(pickle.dumps(err))):
+        assert {k: getattr(got, k) for k in base if k != "where"} == {k: v for k, v in base.items() if k != "where"}
 
 
 class _Counted(torch.nn.Module):

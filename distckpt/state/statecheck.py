@@ -53,6 +53,7 @@ class StateDivergedError(StateMismatchError):
         self.diverged = sorted(diverged)
         self.where = where
         self.missing, self.unexpected, self.mismatched, self.per_rank, self.kinds = [], [], {}, {}, {}
+        self.unread_on: dict[str, list[int]] = {}  # (every attribute StateMismatchError documents)
         shown = ", ".join(self.diverged[:20]) + (f", ... (+{len(self.diverged) - 20} more)" if len(self.diverged) > 20 else "")
         message = (
             f"the loaded state differs from the state saved{(' in ' + where) if where else ''}: "
