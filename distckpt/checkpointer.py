@@ -730,10 +730,14 @@ class Checkpointer:
                     )
                 except Interrupted:  # Ctrl-C on some rank: no load from the root after it
                     raise
-                except (CheckpointError, OSError, StateDivergedError) as exc:  # damaged, unsafe or unreadable copies
-                    # (StateDivergedError: values other than the saved ones, which the fingerprints
-                    # caught where no checksum could: checksum=None. Not a mismatch of the state's
-                    # keys or shapes, which the root's load would raise alike.)
+                except StateDivergedError as exc:
+                    # Values other than the saved ones. With checksums the bytes read were the
+                    # saved ones: the state's own doing (a load hook), raised as from the root.
+                    # Without (checksum=None), only the fingerprints could catch a damaged copy.
+                    if made is not None and made[0].checksum_algorithm:
+                        raise
+                    problem = one_line(exc)
+                except (CheckpointError, OSError) as exc:  # damaged, unsafe or unreadable copies
                     problem = one_line(exc)
                 else:
                     if recovery.older:  # never silently: latest_step() named the newer step

@@ -1076,3 +1076,30 @@ def test_a_tier_copy_damaged_without_checksums_falls_back_to_the_root(tmp_path):
             with distckpt.Checkpointer(root, local_dir=tier, checksum=None) as ck:
                 assert ck.load(state) == 1 and ck.last_load_report.tier == "root"
         assert state["step"] == 1 and all(bool((p == 1.0).all()) for p in state["model"].parameters())
+
+
+def test_values_the_states_own_load_changes_are_no_damaged_tier_copy(tmp_path):
+    """Found by an attack helper (2026-12-07, /tmp/attack128): with checksums a tier copy's bytes
+    are the saved ones, so values that differ after the load (a module's load hook) are the
+    state's own doing: raised at once, not taken for a damaged copy (read thrice, warned about)."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    class Hooked(nn.Linear):
+        def _load_from_state_dict(self, *args, **kwargs):
+            super()._load_from_state_dict(*args, **kwargs)
+            with torch.no_grad():
+                self.weight.mul_(2)
+
+    root, tier = str(tmp_path / "root"), str(tmp_path / "tier")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with distckpt.Checkpointer(root, local_dir=tier) as ck:
+            ck.save(1, {"model": nn.Linear(8, 8), "step": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "loading step 1 from the local tier failed")
+        with distckpt.Checkpointer(root, local_dir=tier) as ck:
+            with pytest.raises(distckpt.StateMismatchError, match="local tier's copy.*model.weight"):
+                ck.load({"model": Hooked(8, 8), "step": 0}, verify_state=True)
