@@ -510,6 +510,7 @@ def test_what_a_load_could_not_read_fails_the_save_naming_key_and_type(tmp_path,
     assert ckpt.steps() == []
 
 
+@pytest.mark.timeout(60)
 def test_a_container_held_many_times_is_walked_once() -> None:
     """Review finding (2026-12-07): the depth limit alone let the walk for tensors visit a dict
     holding itself twice 2**200 times (a hang where it died of RecursionError)."""
@@ -521,12 +522,30 @@ def test_a_container_held_many_times_is_walked_once() -> None:
     shared = [[1, 2]] * 3
     assert not contains(d) and not contains([shared, shared, {"x": shared}])
     assert contains([shared, {"x": [shared, torch.ones(1)]}])
-    # One walked under the depth limit first is walked again where it is met shallower.
-    holder = [torch.ones(1)]
-    deep: list = [holder]
-    for _ in range(250):
+    # One walked where the depth limit cut it is walked again where it is met shallower.
+    holder: list = [torch.ones(1)]
+    for _ in range(60):
+        holder = [holder]
+    deep: list = holder
+    for _ in range(150):
         deep = [deep]
     assert contains([deep, holder]) and contains([holder, deep])
+    # One list held twice at every level, 250 levels deep: each walked once (2**250 paths).
+    shared2: list = []
+    for _ in range(250):
+        shared2 = [shared2, shared2]
+    assert not contains(shared2)
+    # A cycle whose walk the limit cut is walked again from where it is met shallower.
+    tensor_below: list = [torch.ones(1)]
+    for _ in range(5):
+        tensor_below = [tensor_below]
+    p_node: list = []
+    b_node: list = [p_node]
+    p_node.extend([b_node, tensor_below])
+    chain: list = p_node
+    for _ in range(196):
+        chain = [chain]
+    assert contains([chain, b_node]) and contains([b_node])
 
 
 @pytest.mark.parametrize("where", ["top", "in_a_dict", "global", "twice"])

@@ -866,9 +866,10 @@ class DistckptCheckpointIO(CheckpointIO):
 
     def _unplace(self, paths: list[str], step: int) -> None:
         """(every rank) After the save of ``step`` failed: rank 0 puts the pending pointers at
-        ``paths`` back as they were (the previous target; removed where there was none). Never
-        raises (the save's error is the one to see): a failure is warned about, and a pointer
-        left pending resolves to its previous target anyway."""
+        ``paths`` back as they were (the previous target; removed where there was none). Raises
+        only ``Interrupted`` (a Ctrl-C on a rank inside a load, see interrupts_raised); otherwise
+        the save's error is the one to see: a failure is warned about, and a pointer left pending
+        resolves to its previous target anyway."""
 
         def undo() -> None:
             for where in paths:

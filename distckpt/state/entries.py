@@ -907,36 +907,30 @@ class ValueEntry(Entry):
 
 
 def contains(value: object, kind: type = torch.Tensor) -> bool:
-    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere.
-    A container holding itself, or nested beyond :data:`~distckpt.state.containers.LOAD_DEPTH`,
-    adds nothing there: the save's encoding then refuses a cycle or such depth naming the key,
-    where this walk died of a bare ``RecursionError``. A container held many times is walked
-    once (a dict holding itself twice made the walk exponential)."""
-    return _contains(value, kind, set(), {}, 0, [0])
+    """Whether ``value`` (nested dicts/lists/tuples) holds an instance of ``kind`` anywhere,
+    within :data:`~distckpt.state.containers.LOAD_DEPTH` levels: deeper nesting (or a container
+    holding itself) adds nothing, and the save's encoding then refuses it naming the key, where
+    this walk died of a bare ``RecursionError``. A container met again is walked again only where
+    it is met shallower than before (more levels left to search): a dict holding itself twice, or
+    a list holding one list twice 250 times, made the walk exponential."""
+    return _contains(value, kind, {}, 0)
 
 
-def _contains(value: object, kind: type, path: set[int], clean: dict[int, object], depth: int, cuts: list[int]) -> bool:
-    """:func:`contains`; ``path``: ids of the containers being walked; ``clean``: containers walked
-    whole without a hit (held: their ids stay theirs); ``cuts[0]``: walks cut by the depth limit
-    (a container walked under a cut is not known clean)."""
+def _contains(value: object, kind: type, walked: dict[int, tuple[int, object]], depth: int) -> bool:
+    """:func:`contains`; ``walked``: id -> (the shallowest depth it was walked at, the container,
+    held so that its id stays its own). A container walked at this depth or shallower found
+    nothing there (else the walk had ended), and finds no more now (no more levels left); one on
+    the walk's own path (a cycle) is such a container too."""
     if isinstance(value, kind):
         return True
-    if not isinstance(value, (Mapping, list, tuple)):
+    if not isinstance(value, (Mapping, list, tuple)) or depth > containers.LOAD_DEPTH:
         return False
-    key = id(value)
-    if key in path or key in clean:
+    before = walked.get(id(value))
+    if before is not None and before[0] <= depth:
         return False
-    if depth > containers.LOAD_DEPTH:
-        cuts[0] += 1
-        return False
-    path.add(key)
-    before = cuts[0]
+    walked[id(value)] = (depth, value)
     items = value.values() if isinstance(value, Mapping) else value
-    found = any(_contains(v, kind, path, clean, depth + 1, cuts) for v in items)
-    path.discard(key)
-    if not found and cuts[0] == before:
-        clean[key] = value
-    return found
+    return any(_contains(v, kind, walked, depth + 1) for v in items)
 
 
 def same_tensor(local: torch.Tensor) -> tuple:
