@@ -294,14 +294,7 @@ class DistckptCheckpointIO(CheckpointIO):
         run's last save) are deleted where no pointer names them. Without it the root kept them for
         good: no removal of a later process looks at them. Those still held (an upload that failed:
         the next run uploads it; the user's files) stay."""
-        if self._job is None:
-            return
-        mine = {step for step, of in self._replaced_elsewhere() if of == self._job} | self._kept
-        if not mine:
-            return
-        kept: set[int] = set()
-        delete_unreferenced(ckpt, mine, self._job, self._visible_pointers, kept)
-        self._kept = kept
+        self._delete_orphans(ckpt, set())
 
     close = teardown
 
@@ -934,16 +927,23 @@ class DistckptCheckpointIO(CheckpointIO):
                 orphans.add((old["step"], old.get("job")))
             elif exists(path):
                 warnings.warn(f"distckpt: {path} is not a distckpt pointer; left in place", stacklevel=2)
-        orphans |= self._replaced_elsewhere()
+        return job, self._delete_orphans(ckpt, orphans)
+
+    def _delete_orphans(self, ckpt: Checkpointer, orphans: set[tuple[int, str | None]]) -> list[int]:
+        """(rank 0) Delete the steps of this job among ``orphans`` ((step, job) of the pointers
+        replaced or removed), of the pointers replaced behind the plugin's back
+        (:meth:`_replaced_elsewhere`) and those kept before, where no pointer names them
+        (:func:`delete_unreferenced`); returns the deleted ones."""
+        orphans = orphans | self._replaced_elsewhere()
         if self._job is None:
-            return job, []
-        # With the steps kept before (files the user added to them): retried, until deleted
-        # (or pointed at again: then orphaned anew when that pointer goes).
+            return []
+        # With the steps kept before (files the user added to them, an upload still to end):
+        # retried, until deleted (or pointed at again: then orphaned anew when that pointer goes).
         mine = {step for step, of in orphans if of == self._job} | self._kept
         kept: set[int] = set()
         deleted = delete_unreferenced(ckpt, mine, self._job, self._visible_pointers, kept)
         self._kept = kept
-        return job, deleted
+        return deleted
 
     def _wrote(self, path: str, step: int, job: str | None) -> None:
         """(rank 0) Remember the final pointer just written at ``path`` (local paths only: see

@@ -824,7 +824,7 @@ def judge(
             if name is not None:
                 under.setdefault(name, []).append(k)
     for r, v in enumerate(views):
-        held = [k for n in v[6] for k in under.get(n, ())] if names is None else []
+        held = [k for n in v[6] for k in under.get(n, ())]  # (none unless strict: ``under`` is empty)
         for k in (*v[5], *held):
             if k in requested and selection.key(k) and k not in mismatched and not k.startswith(rng.NAMESPACE + "."):
                 unread_on.setdefault(k, []).append(r)

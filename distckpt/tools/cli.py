@@ -59,22 +59,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _is_dir(location: str, storage_options: dict) -> bool:
-    """Whether ``location`` is a directory (a prefix on object stores); a local path is taken
-    literally (``::`` in a name is no chain of URLs)."""
-    local = local_path(location)
-    if local is not None:
-        return os.path.isdir(local)
-    fs, path = url_to_fs(location, **storage_options)
-    return fs.isdir(path)
+    """Whether ``location`` is a directory (a prefix on object stores)."""
+    return _is(location, storage_options, "isdir")
 
 
 def _is_file(location: str, storage_options: dict) -> bool:
-    """Whether ``location`` is a file (an object), taken as :func:`_is_dir` takes it."""
+    """Whether ``location`` is a file (an object)."""
+    return _is(location, storage_options, "isfile")
+
+
+def _is(location: str, storage_options: dict, test: str) -> bool:
+    """``os.path.<test>`` of a local path, taken literally (``::`` in a name is no chain of URLs),
+    else the filesystem's ``<test>`` (``isdir``/``isfile``: fsspec names them as ``os.path``)."""
     local = local_path(location)
     if local is not None:
-        return os.path.isfile(local)
+        return bool(getattr(os.path, test)(local))
     fs, path = url_to_fs(location, **storage_options)
-    return fs.isfile(path)
+    return bool(getattr(fs, test)(path))
 
 
 # -------------------------------------------------------------------------------------------------
